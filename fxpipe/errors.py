@@ -1,0 +1,31 @@
+"""Errors fxpipe raises: each states the rule, the values, then the fix, in one line."""
+
+from __future__ import annotations
+
+
+class FxpipeError(Exception):
+    """Base of every error a user can cause; the CLI prints it as one line and exits 2."""
+
+
+class TraceError(FxpipeError, RuntimeError):
+    """The model could not be captured as one whole graph."""
+
+
+class TargetError(FxpipeError, ValueError):
+    """A CLI target (zoo name or `file.py:builder`) could not be resolved."""
+
+
+class PlanError(FxpipeError, ValueError):
+    """No valid stage plan exists for the request (stage count, memory cap, ...)."""
+
+
+class PlanFileError(FxpipeError, ValueError):
+    """A plan directory is missing, corrupt or of an unknown schema version."""
+
+
+class VerifyError(FxpipeError, AssertionError):
+    """A pass left the graph in a state that breaks one of fxpipe's invariants."""
+
+
+class OptionError(FxpipeError, ValueError):
+    """An option has a value fxpipe cannot use."""
