@@ -1,0 +1,108 @@
+"""Small graph helpers every pass shares: cloning, node kinds, attribute paths, byte counts."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
+
+
+def clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph that shares its parameters and submodules.
+
+    Node meta is copied shallowly (torch's ``node_copy``), which is why NodeMeta is frozen.
+    """
+    graph = torch.fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    result = graph.graph_copy(gm.graph, val_map, return_output_node=True)
+    if result is not None:
+        out_value, out_node = result  # type: ignore[misc]
+        new_out = graph.output(out_value, out_node.type)
+        new_out.meta = copy.copy(out_node.meta)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def compute_nodes(graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:
+    """Nodes that do work (calls), in graph order; placeholders, get_attr and output excluded."""
+    return (n for n in graph.nodes if n.op in COMPUTE_OPS)
+
+
+def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            return node
+    raise ValueError("graph has no output node")
+
+
+def get_path(root: torch.nn.Module, target: str) -> Any:
+    """The attribute at a dotted path (``blocks.0.ln1.weight``)."""
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def set_path(root: torch.nn.Module, target: str, value: Any) -> None:
+    """Put ``value`` at a dotted path, creating empty parent modules on the way.
+
+    Parameters stay parameters, tensors become buffers, modules become submodules: the
+    result owns what it holds, so ``state_dict()`` and ``parameters()`` see it.
+    """
+    *parents, leaf = target.split(".")
+    mod = root
+    for atom in parents:
+        child = getattr(mod, atom, None)
+        if not isinstance(child, torch.nn.Module):
+            child = torch.nn.Module()
+            mod.add_module(atom, child)
+        mod = child
+    if isinstance(value, torch.nn.Parameter):
+        mod.register_parameter(leaf, value)
+    elif isinstance(value, torch.nn.Module):
+        mod.add_module(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        mod.register_buffer(leaf, value)
+    else:
+        setattr(mod, leaf, value)
+
+
+def value_bytes(val: Any) -> int:
+    """Bytes a value occupies when sent: tensors by size, containers summed, scalars 8."""
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(value_bytes(v) for v in val)
+    if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat)):
+        return 8
+    return 0
+
+
+def tensors_in(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in tensors_in(v)]
+    return []
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the user code that produced a node, or ``""`` when unknown."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return ""
+    last = lines[-1]  # 'File "x.py", line 12, in forward'
+    try:
+        fname = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+    except IndexError:
+        return ""
+    return f"{fname}:{lineno}"

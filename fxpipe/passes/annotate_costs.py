@@ -1,0 +1,184 @@
+"""annotate_costs: shapes, bytes and FLOPs of every node, on fake tensors (no real compute)."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpipe.meta import NodeMeta, get_meta, update_meta
+from fxpipe.passes._graph import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
+from fxpipe.passes.driver import PassResult
+from fxpipe.report import Report
+
+# A CPU core of this machine does ~1.8e11 FLOP/s in a 512^3 matmul on one thread and streams
+# ~4e9 B/s through an element-wise op; these round defaults model "one busy core" (see
+# docs/architecture.md). --profile replaces the estimates with measured times.
+DEFAULT_DEVICE_FLOPS = 1e11
+DEFAULT_DEVICE_MEM_BW = 1e10
+
+
+def annotate_costs(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    device_flops: float = DEFAULT_DEVICE_FLOPS,
+    device_mem_bw: float = DEFAULT_DEVICE_MEM_BW,
+) -> PassResult:
+    """Write shape, bytes, FLOPs and estimated times into each call node's NodeMeta.
+
+    Reads: the graph and example inputs (converted to fake tensors: nothing is allocated, so
+    models on the ``meta`` device work).
+    Writes: NodeMeta.shape, dtype, out_bytes, saved_bytes, param_bytes, flops_fwd,
+    flops_bwd_input and flops_bwd_weight (estimates: a node's B costs its forward FLOPs when
+    an activation input needs a gradient, its W costs its forward FLOPs when it reads a
+    trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
+
+        %linear = call_function[aten.linear](%x, %w, %b)
+          ──▶ NodeMeta(shape=((4, 64),), flops_fwd=32768, flops_bwd_input=32768, ...)
+    """
+    out = clone(gm)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    interp = _CostInterpreter(out, fake_mode)
+    with fake_mode:
+        fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    interp.run_costs(fake_inputs)
+
+    needs_grad: set[torch.fx.Node] = set()
+    by_op: Counter[str] = Counter()
+    flops_by_op: Counter[str] = Counter()
+    for node in out.graph.nodes:
+        if node.op == "get_attr":
+            val = get_path(out, node.target)
+            if isinstance(val, torch.nn.Parameter) and val.requires_grad:
+                needs_grad.add(node)
+            continue
+        if node.op not in COMPUTE_OPS:
+            continue
+        inputs = node.all_input_nodes
+        param_inputs = [n for n in inputs if n.op == "get_attr"]
+        act_inputs = [n for n in inputs if n.op != "get_attr"]
+        val = interp.values.get(node)
+        flops = interp.flops.get(node, 0)
+        param_bytes = sum(value_bytes(get_path(out, n.target)) for n in param_inputs)
+        if any(n in needs_grad for n in inputs):
+            needs_grad.add(node)
+        grad_to_act = any(n in needs_grad for n in act_inputs)
+        grad_to_param = any(n in needs_grad for n in param_inputs)
+        out_bytes = value_bytes(val)
+        saved = 0 if _is_view(node) or node.target is operator.getitem else out_bytes
+        tensors = tensors_in(val)
+        flops_b = flops if grad_to_act else 0
+        flops_w = flops if grad_to_param else 0
+        traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
+        update_meta(
+            node,
+            shape=tuple(tuple(int(s) for s in t.shape) for t in tensors),
+            dtype=str(tensors[0].dtype).replace("torch.", "") if tensors else "",
+            out_bytes=out_bytes,
+            saved_bytes=saved if node in needs_grad else 0,
+            param_bytes=param_bytes,
+            flops_fwd=flops,
+            flops_bwd_input=flops_b,
+            flops_bwd_weight=flops_w,
+            time_fwd=max(flops / device_flops, traffic / device_mem_bw),
+            time_bwd_input=max(flops_b / device_flops, traffic / device_mem_bw) if grad_to_act else 0.0,
+            time_bwd_weight=max(flops_w / device_flops, param_bytes / device_mem_bw) if grad_to_param else 0.0,
+        )
+        name = _op_name(node)
+        by_op[name] += 1
+        flops_by_op[name] += flops
+    total = sum(flops_by_op.values()) or 1
+    rows = tuple(
+        (op, by_op[op], flops_by_op[op], round(100.0 * flops_by_op[op] / total, 1))
+        for op, _ in sorted(flops_by_op.items(), key=lambda kv: (-kv[1], kv[0]))[:12]
+    )
+    metas = [get_meta(n) for n in out.graph.nodes if n.op in COMPUTE_OPS]
+    report = Report(
+        title="annotate-costs: top ops by forward FLOPs",
+        columns=("op", "count", "fwd FLOPs", "% of fwd"),
+        rows=rows,
+        notes=(
+            f"forward {sum(m.flops_fwd for m in metas):,} FLOPs; backward estimate "
+            f"{sum(m.flops_bwd_input for m in metas):,} (input grad) + {sum(m.flops_bwd_weight for m in metas):,} (weight grad)",
+            "B/W FLOPs are estimates (forward FLOPs of ops on the gradient path); split_backward will count the real graphs",
+        ),
+    )
+    return PassResult(out, True, (report,))
+
+
+def verify_costs(gm: torch.fx.GraphModule) -> list[str]:
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS and "fxpipe" not in node.meta:
+            problems.append(f"node {node.name} has no cost annotation")
+        meta = get_meta(node)
+        if min(meta.flops_fwd, meta.flops_bwd_input, meta.flops_bwd_weight, meta.out_bytes) < 0:
+            problems.append(f"node {node.name} has a negative cost")
+    return problems
+
+
+class _CostInterpreter(torch.fx.Interpreter):
+    """Runs the graph on fake tensors under FlopCounterMode, recording each node's value and FLOPs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, fake_mode: FakeTensorMode) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.fake_mode = fake_mode
+        self.values: dict[torch.fx.Node, Any] = {}
+        self.flops: dict[torch.fx.Node, int] = {}
+        self._fake_attrs: dict[str, Any] = {}
+        self._counter: FlopCounterMode | None = None
+
+    def fetch_attr(self, target: str) -> Any:
+        if target not in self._fake_attrs:
+            val = super().fetch_attr(target)
+            if isinstance(val, torch.Tensor):
+                val = self.fake_mode.from_tensor(val, static_shapes=True)
+            self._fake_attrs[target] = val
+        return self._fake_attrs[target]
+
+    def run_costs(self, inputs: list[Any]) -> None:
+        self._counter = FlopCounterMode(display=False)
+        with self.fake_mode, self._counter:
+            self.run(*inputs)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        counter = self._counter
+        before = counter.get_total_flops() if counter is not None else 0
+        result = super().run_node(n)
+        if counter is not None and n.op in COMPUTE_OPS:
+            self.flops[n] = int(counter.get_total_flops() - before)
+            self.values[n] = _shallow(result)
+        elif n.op == "placeholder":
+            self.values[n] = _shallow(result)
+        return result
+
+
+def _shallow(val: Any) -> Any:
+    """Keep only what costing needs (tensors, ints) so the record stays small."""
+    if isinstance(val, (torch.Tensor, int, float, bool)):
+        return val
+    if isinstance(val, (tuple, list)):
+        return tuple(_shallow(v) for v in val)
+    return None
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    return bool(getattr(target, "is_view", False))
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        return f"module:{node.target}"
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_schema"):
+        name = str(target).replace("aten.", "").replace(".default", "")
+    return name

@@ -1,0 +1,201 @@
+"""partition_stages: choose the stage cuts with the exact bottleneck DP and mark every node's stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from fxpipe.errors import PlanError
+from fxpipe.meta import get_meta, update_meta
+from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, value_bytes
+from fxpipe.passes.driver import PassResult
+from fxpipe.passes.group_layers import LayerStats, layer_stats
+from fxpipe.passes.stage_dp import StagePlan, plan_stages, stage_time, transfer_time
+from fxpipe.report import Report
+
+# Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
+TRAINING_BYTES_PER_PARAM_BYTE = 4
+
+# Defaults model this machine's gloo loopback link (docs/ECOSYSTEM.md §4.2: 1-2.7 GB/s, ~0.1-1 ms).
+DEFAULT_BANDWIDTH = 1.5e9
+DEFAULT_LATENCY = 1e-4
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Values crossing the boundary after a stage (activations forward, their gradients back)."""
+
+    after_stage: int
+    values: tuple[str, ...]
+    nbytes: int
+
+
+def partition_stages(
+    gm: torch.fx.GraphModule,
+    *,
+    num_stages: int,
+    bandwidth: float = DEFAULT_BANDWIDTH,
+    latency: float = DEFAULT_LATENCY,
+    memory_per_stage: float | None = None,
+    microbatches: int | None = None,
+) -> PassResult:
+    """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
+
+    Reads: NodeMeta.layer_idx (group_layers) and the cost fields (annotate_costs).
+    Writes: NodeMeta.stage_idx on every call node.
+    A stage's time is its layers' F+B+W time plus sending every value that crosses its cuts
+    (activations over its right cut, their gradients over its left cut; skip connections
+    included) at ``latency + bytes / bandwidth``. ``memory_per_stage`` caps parameters,
+    gradients and optimizer state (4 bytes per parameter byte) plus the activations 1F1B keeps
+    in flight (``min(stages - stage_idx, microbatches)`` microbatches).
+    Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
+    smallest cap that works).
+
+        layers [emb, b0, b1, b2, b3, head], 2 stages  ──▶  stage 0: emb..b1 | stage 1: b2..head
+    """
+    out = clone(gm)
+    stats = layer_stats(out)
+    num_layers = len(stats)
+    m = microbatches if microbatches is not None else num_stages
+    if m < 1:
+        raise PlanError(f"--microbatches must be at least 1 (microbatches: {m})")
+    cut_bytes = _cut_bytes(out, num_layers)
+    in_flight = [min(num_stages - k, m) for k in range(max(num_stages, 0))]
+    static = [_static_bytes(out, s) for s in stats]
+    plan = plan_stages(
+        [s.time for s in stats],
+        num_stages,
+        cut_bytes=cut_bytes,
+        bandwidth=bandwidth,
+        latency=latency,
+        static_bytes=static,
+        activation_bytes=[float(s.saved_bytes) for s in stats],
+        in_flight=in_flight,
+        memory_cap=memory_per_stage,
+    )
+    stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
+    for node in compute_nodes(out.graph):
+        update_meta(node, stage_idx=stage_of_layer[get_meta(node).layer_idx])
+    cuts = stage_cuts(out)
+    out.meta["fxpipe_stage_plan"] = plan
+    return PassResult(out, True, (_report(out, plan, stats, cuts, in_flight, bandwidth, latency),))
+
+
+def verify_stages(gm: torch.fx.GraphModule) -> list[str]:
+    """Every call node has a stage, and no value flows from a later stage to an earlier one."""
+    problems = []
+    for node in compute_nodes(gm.graph):
+        stage = get_meta(node).stage_idx
+        if stage < 0:
+            problems.append(f"node {node.name} has no stage")
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op in COMPUTE_OPS and get_meta(arg).stage_idx > stage:
+                problems.append(f"node {node.name} (stage {stage}) reads {arg.name} from later stage {get_meta(arg).stage_idx}")
+    return problems
+
+
+def stage_cuts(gm: torch.fx.GraphModule) -> list[Cut]:
+    """For each boundary between stage k and k+1, the values that cross it and their bytes."""
+    num_stages = 1 + max((get_meta(n).stage_idx for n in compute_nodes(gm.graph)), default=0)
+    crossing: list[list[str]] = [[] for _ in range(num_stages - 1)]
+    nbytes = [0] * max(num_stages - 1, 0)
+    for node, first, last in _live_ranges(gm, key=lambda n: get_meta(n).stage_idx, end=num_stages - 1):
+        for b in range(max(first + 1, 1), last + 1):
+            crossing[b - 1].append(node.name)
+            nbytes[b - 1] += _node_bytes(node)
+    return [Cut(k, tuple(crossing[k]), nbytes[k]) for k in range(num_stages - 1)]
+
+
+def _live_ranges(gm: torch.fx.GraphModule, *, key, end: int):  # type: ignore[no-untyped-def]
+    """(value, index where it is made, last index that reads it) for every placeholder and call.
+
+    Placeholders are made at index -1 (inputs arrive at the first stage); the graph output is
+    read at index ``end`` (the last stage returns it).
+    """
+    for node in gm.graph.nodes:
+        if node.op not in COMPUTE_OPS and node.op != "placeholder":
+            continue
+        first = -1 if node.op == "placeholder" else key(node)
+        last = first
+        for user in node.users:
+            last = max(last, end if user.op == "output" else key(user))
+        yield node, first, last
+
+
+def _cut_bytes(gm: torch.fx.GraphModule, num_layers: int) -> list[float]:
+    """Bytes crossing each of the L-1 layer boundaries, by a difference array: O(nodes + layers)."""
+    diff = [0] * (num_layers + 1)
+    for node, first, last in _live_ranges(gm, key=lambda n: get_meta(n).layer_idx, end=num_layers - 1):
+        lo = max(first + 1, 1)
+        if last >= lo:
+            size = _node_bytes(node)
+            diff[lo] += size
+            diff[last + 1] -= size
+    out: list[float] = []
+    running = 0
+    for b in range(1, num_layers):
+        running += diff[b]
+        out.append(float(running))
+    return out
+
+
+def _node_bytes(node: torch.fx.Node) -> int:
+    if node.op == "placeholder":
+        val = node.meta.get("val")
+        return value_bytes(val) if val is not None else 8
+    meta = get_meta(node)
+    return meta.out_bytes if meta.shape else 8
+
+
+def _static_bytes(gm: torch.fx.GraphModule, stats: LayerStats) -> float:
+    return float(sum(_param_state_bytes(get_path(gm, p)) for p in stats.params))
+
+
+def _param_state_bytes(val: object) -> int:
+    if isinstance(val, torch.nn.Parameter) and val.requires_grad:
+        return TRAINING_BYTES_PER_PARAM_BYTE * value_bytes(val)
+    return value_bytes(val)
+
+
+def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], cuts: list[Cut],
+            in_flight: list[int], bandwidth: float, latency: float) -> Report:
+    rows = []
+    num_stages = len(plan.bounds) - 1
+    for k in range(num_stages):
+        lo, hi = plan.bounds[k], plan.bounds[k + 1]
+        members = stats[lo:hi]
+        params = sorted({p for s in members for p in s.params})
+        numel = sum(get_path(gm, p).numel() for p in params if isinstance(get_path(gm, p), torch.nn.Parameter))
+        memory = sum(_param_state_bytes(get_path(gm, p)) for p in params) + in_flight[k] * sum(s.saved_bytes for s in members)
+        names = members[0].name if hi - lo == 1 else f"{members[0].name} .. {members[-1].name}"
+        rows.append((
+            k,
+            f"{lo}-{hi - 1}",
+            names,
+            round(sum(s.flops for s in members) / 1e9, 4),
+            round(sum(s.time for s in members) * 1e3, 3),
+            round(plan.stage_times[k] * 1e3, 3),
+            numel,
+            round(cuts[k].nbytes / 2**20, 4) if k < len(cuts) else 0.0,
+            len(cuts[k].values) if k < len(cuts) else 0,
+            round(memory / 2**20, 2),
+        ))
+    notes = (
+        f"bottleneck {plan.bottleneck * 1e3:.3f} ms / lower bound max(sum/p, max layer) "
+        f"{plan.lower_bound * 1e3:.3f} ms = {plan.ratio:.3f}",
+        f"transfers at {bandwidth:.3g} B/s + {latency * 1e3:.3g} ms latency; memory = 4 x parameter bytes "
+        f"+ activations of {in_flight} microbatches in flight (1F1B)",
+    )
+    return Report(
+        title="partition-stages: chosen partition",
+        columns=("stage", "layers", "names", "GFLOP (F+B+W)", "compute ms", "stage ms", "params", "out cut MiB",
+                 "out values", "memory MiB"),
+        rows=tuple(rows),
+        notes=notes,
+    )
+
+
+__all__ = ["Cut", "partition_stages", "stage_cuts", "verify_stages", "stage_time", "transfer_time"]

@@ -1,0 +1,382 @@
+"""Exact chain DP: cut L layers into P contiguous stages with the least bottleneck stage time."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.errors import PlanError
+
+__all__ = [
+    "StagePlan",
+    "format_bytes",
+    "min_memory_cap",
+    "plan_stages",
+    "stage_memory",
+    "stage_time",
+    "transfer_time",
+]
+
+# The second DP accepts stage times up to the optimum plus this relative slack, so float
+# rounding can never make the optimum the first DP found look infeasible.
+_REL_TOL = 1e-9
+# Sums of stage times closer than this are treated as a tie and resolved by the earliest cut,
+# so the choice does not hinge on the order in which floats happened to be added.
+_TIE_TOL = 1e-12
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where the cuts go, and what each stage then costs.
+
+    Stage k holds layers ``bounds[k] .. bounds[k+1]-1``; no stage is empty.
+
+    >>> plan = plan_stages([1.0, 1.0, 1.0, 1.0], 2)
+    >>> plan.bounds, plan.stage_times, plan.bottleneck, plan.ratio
+    ((0, 2, 4), (2.0, 2.0), 2.0, 1.0)
+    """
+
+    bounds: tuple[int, ...]
+    stage_times: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    bottleneck: float
+    lower_bound: float
+
+    @property
+    def ratio(self) -> float:
+        """Bottleneck over the compute-only lower bound; 1.0 when the lower bound is 0."""
+        if self.lower_bound == 0:
+            return 1.0
+        return self.bottleneck / self.lower_bound
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size with two decimals: ``format_bytes(1536) == '1.50 KiB'``."""
+    value = float(n)
+    for unit in _UNITS[:-1]:
+        # Compare the rounded value so 1023.999 KiB prints as 1.00 MiB, not 1024.00 KiB.
+        if abs(round(value, 2)) < 1024:
+            return f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} {_UNITS[-1]}"
+
+
+def _exact_bytes(n: float) -> str:
+    """Bytes with no rounding: an integer when integral, else the shortest round-trip float."""
+    if math.isfinite(n) and float(n).is_integer():
+        return str(int(n))
+    return repr(float(n))
+
+
+def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
+    """Seconds to send ``nbytes`` over one link; nothing sent costs nothing, not even latency."""
+    if nbytes == 0:
+        return 0.0
+    return latency + nbytes / bandwidth
+
+
+def _span_sum(values: Sequence[float], i: int, j: int) -> float:
+    # Left-to-right on purpose: the DP tables accumulate in the same order, so a plan's reported
+    # times and memory equal, bit for bit, the values the DP compared against the cap.
+    total = 0.0
+    for idx in range(i, j):
+        total += values[idx]
+    return total
+
+
+def stage_time(
+    costs: Sequence[float],
+    cut_bytes: Sequence[float],
+    i: int,
+    j: int,
+    *,
+    bandwidth: float,
+    latency: float,
+) -> float:
+    """Time of a stage holding layers ``i .. j-1``: compute, plus the activations it sends across
+    its right cut (if any), plus the input gradients it sends back across its left cut (if any)."""
+    total = _span_sum(costs, i, j)
+    if j < len(costs):
+        total += transfer_time(cut_bytes[j - 1], bandwidth=bandwidth, latency=latency)
+    if i > 0:
+        total += transfer_time(cut_bytes[i - 1], bandwidth=bandwidth, latency=latency)
+    return total
+
+
+def stage_memory(
+    static_bytes: Sequence[float],
+    activation_bytes: Sequence[float],
+    in_flight: Sequence[int],
+    k: int,
+    i: int,
+    j: int,
+) -> float:
+    """Bytes stage ``k`` needs for layers ``i .. j-1``: their static state, plus the activations
+    of every microbatch it keeps in flight."""
+    return _span_sum(static_bytes, i, j) + in_flight[k] * _span_sum(activation_bytes, i, j)
+
+
+def _check_stage_count(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise PlanError(f"--stages must be at least 1 (stages: {num_stages})")
+    if num_stages > num_layers:
+        raise PlanError(
+            f"cannot make {num_stages} stages from {num_layers} layers "
+            f"(layers: {num_layers}, stages: {num_stages}); "
+            "lower --stages or use a finer --granularity"
+        )
+
+
+def _check_length(name: str, values: Sequence[float], expected: int, per: str) -> None:
+    if len(values) != expected:
+        raise PlanError(
+            f"{name} needs one value per {per} "
+            f"({name}: {len(values)} values, expected: {expected}); "
+            f"pass exactly {expected} values for {name}"
+        )
+
+
+def _check_values(name: str, values: Sequence[float], fix: str = "fix the cost annotation") -> None:
+    for idx, v in enumerate(values):
+        if not (math.isfinite(v) and v >= 0):
+            raise PlanError(f"{name} must be finite and >= 0 ({name}[{idx}]: {v}); {fix}")
+
+
+def _prefix_table(values: Sequence[float]) -> list[list[float]]:
+    """``table[i][j] == _span_sum(values, i, j)`` for all ``i < j``, in O(L^2)."""
+    n = len(values)
+    table: list[list[float]] = []
+    for i in range(n):
+        row = [0.0] * (n + 1)
+        total = 0.0
+        for j in range(i + 1, n + 1):
+            total += values[j - 1]
+            row[j] = total
+        table.append(row)
+    return table
+
+
+def _memory_dp(
+    static_sum: list[list[float]],
+    act_sum: list[list[float]],
+    in_flight: Sequence[int],
+    num_layers: int,
+    num_stages: int,
+) -> float:
+    """Min over partitions of the max stage memory (a bottleneck DP on memory instead of time)."""
+    inf = math.inf
+    prev = [inf] * (num_layers + 1)
+    f0 = in_flight[0]
+    for j in range(1, num_layers - num_stages + 2):
+        prev[j] = static_sum[0][j] + f0 * act_sum[0][j]
+    for k in range(1, num_stages):
+        fk = in_flight[k]
+        cur = [inf] * (num_layers + 1)
+        for j in range(k + 1, num_layers - (num_stages - 1 - k) + 1):
+            best = inf
+            for i in range(k, j):
+                d = prev[i]
+                if d >= best:
+                    continue
+                m = static_sum[i][j] + fk * act_sum[i][j]
+                v = d if d > m else m
+                if v < best:
+                    best = v
+            cur[j] = best
+        prev = cur
+    return prev[num_layers]
+
+
+def _default_in_flight(in_flight: Sequence[int] | None, num_stages: int) -> Sequence[int]:
+    if in_flight is None:
+        return [1] * num_stages
+    _check_length("in_flight", in_flight, num_stages, "stage")
+    _check_values("in_flight", in_flight, "pass microbatch counts >= 0")
+    return in_flight
+
+
+def min_memory_cap(
+    static_bytes: Sequence[float],
+    activation_bytes: Sequence[float],
+    in_flight: Sequence[int] | None,
+    num_stages: int,
+) -> float:
+    """Smallest per-stage memory cap some ``num_stages``-stage plan meets (in_flight None: 1 each).
+
+    >>> min_memory_cap([4, 4, 4, 4], [0, 0, 0, 0], None, 2)
+    8.0
+
+    Raises PlanError for a stage count the layers cannot make or mismatched lengths.
+    """
+    num_layers = len(static_bytes)
+    _check_stage_count(num_layers, num_stages)
+    _check_length("activation_bytes", activation_bytes, num_layers, "layer")
+    _check_values("static_bytes", static_bytes)
+    _check_values("activation_bytes", activation_bytes)
+    flights = _default_in_flight(in_flight, num_stages)
+    static_sum = _prefix_table(static_bytes)
+    act_sum = _prefix_table(activation_bytes)
+    return _memory_dp(static_sum, act_sum, flights, num_layers, num_stages)
+
+
+def plan_stages(
+    costs: Sequence[float],
+    num_stages: int,
+    *,
+    cut_bytes: Sequence[float] | None = None,
+    bandwidth: float = math.inf,
+    latency: float = 0.0,
+    static_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+    memory_cap: float | None = None,
+) -> StagePlan:
+    """Cut ``costs`` into ``num_stages`` contiguous stages with the smallest possible bottleneck.
+
+    Exact over every contiguous partition whose stages all fit ``memory_cap``. A stage's time is
+    its compute plus the transfers across its cuts (``stage_time``); its memory is
+    ``stage_memory``. Among the plans with the optimal bottleneck it returns the one with the
+    least total stage time (the least communication), then the one with the earliest cuts.
+    Two O(L^2 P) DPs: the bottleneck, then the least sum subject to every stage <= the bottleneck.
+
+    Raises PlanError: fewer than 1 stage, more stages than layers, a sequence of the wrong
+    length, a negative or non-finite value, or a memory cap no plan meets (the message gives
+    the smallest cap that works).
+
+        costs [1, 1, 1, 1], 2 stages               -> bounds (0, 2, 4), bottleneck 2
+        same, 200 bytes across cut 1|2 at 100 B/s  -> bounds (0, 1, 4), bottleneck 3
+    """
+    num_layers = len(costs)
+    _check_stage_count(num_layers, num_stages)
+    _check_values("costs", costs)
+    if not (bandwidth > 0):
+        raise PlanError(
+            f"bandwidth must be > 0 bytes/s (bandwidth: {bandwidth}); pass a positive bandwidth"
+        )
+    if not (math.isfinite(latency) and latency >= 0):
+        raise PlanError(
+            f"latency must be finite and >= 0 s (latency: {latency}); pass a latency >= 0"
+        )
+    if memory_cap is not None and math.isnan(memory_cap):
+        raise PlanError(
+            f"--memory-per-stage must be a number (memory_cap: {memory_cap}); pass a byte count"
+        )
+
+    cuts: Sequence[float] = [0.0] * (num_layers - 1) if cut_bytes is None else cut_bytes
+    _check_length("cut_bytes", cuts, max(num_layers - 1, 0), "cut between adjacent layers")
+    _check_values("cut_bytes", cuts)
+    statics: Sequence[float] = [0.0] * num_layers if static_bytes is None else static_bytes
+    _check_length("static_bytes", statics, num_layers, "layer")
+    _check_values("static_bytes", statics)
+    acts: Sequence[float] = [0.0] * num_layers if activation_bytes is None else activation_bytes
+    _check_length("activation_bytes", acts, num_layers, "layer")
+    _check_values("activation_bytes", acts)
+    flights = _default_in_flight(in_flight, num_stages)
+
+    # Transfer out of the stage that ends at j (right cut) and out of the one that starts at i
+    # (left cut); both are 0 at the ends of the chain.
+    right = [0.0] * (num_layers + 1)
+    left = [0.0] * (num_layers + 1)
+    for c in range(1, num_layers):
+        t = transfer_time(cuts[c - 1], bandwidth=bandwidth, latency=latency)
+        right[c] = t
+        left[c] = t
+    compute = _prefix_table(costs)
+    # times[i][j] is stage_time(costs, cuts, i, j, ...) with the additions in the same order.
+    times = [
+        [compute[i][j] + right[j] + left[i] if j > i else 0.0 for j in range(num_layers + 1)]
+        for i in range(num_layers)
+    ]
+    static_sum = _prefix_table(statics)
+    act_sum = _prefix_table(acts)
+    cap = math.inf if memory_cap is None else memory_cap
+
+    def fits(k: int, i: int, j: int) -> bool:
+        return static_sum[i][j] + flights[k] * act_sum[i][j] <= cap
+
+    inf = math.inf
+    # DP 1: best[j] = least bottleneck of layers 0..j-1 cut into k+1 stages.
+    best = [inf] * (num_layers + 1)
+    for j in range(1, num_layers - num_stages + 2):
+        if fits(0, 0, j):
+            best[j] = times[0][j]
+    for k in range(1, num_stages):
+        cur = [inf] * (num_layers + 1)
+        for j in range(k + 1, num_layers - (num_stages - 1 - k) + 1):
+            b = inf
+            for i in range(k, j):
+                d = best[i]
+                if d >= b:
+                    continue
+                t = times[i][j]
+                v = d if d > t else t
+                if v < b and fits(k, i, j):
+                    b = v
+            cur[j] = b
+        best = cur
+    optimum = best[num_layers]
+
+    if optimum == inf:
+        # P <= L, so only the memory cap can leave no plan.
+        need = _memory_dp(static_sum, act_sum, flights, num_layers, num_stages)
+        fix = (
+            "raise --memory-per-stage or add stages"
+            if num_stages < num_layers
+            else "raise --memory-per-stage or use a finer --granularity"
+        )
+        raise PlanError(
+            f"no {num_stages}-stage plan fits --memory-per-stage {format_bytes(cap)} "
+            f"({_exact_bytes(cap)} bytes); the smallest cap that works is {format_bytes(need)} "
+            f"({_exact_bytes(need)} bytes); {fix}"
+        )
+
+    # DP 2, over suffixes so that scanning j upwards picks the earliest cut among ties:
+    # rest[i] = least total time of layers i..L-1 in stages k..P-1, every stage <= limit.
+    limit = optimum + abs(optimum) * _REL_TOL
+    rest = [inf] * (num_layers + 1)
+    rest[num_layers] = 0.0
+    choice: list[list[int]] = [[-1] * (num_layers + 1) for _ in range(num_stages)]
+    for k in range(num_stages - 1, -1, -1):
+        cur = [inf] * (num_layers + 1)
+        last_j = num_layers - (num_stages - 1 - k)
+        for i in range(k, num_layers - (num_stages - k) + 1):
+            b = inf
+            pick = -1
+            row = times[i]
+            for j in range(i + 1, last_j + 1):
+                r = rest[j]
+                t = row[j]
+                if r == inf or t > limit:
+                    continue
+                v = t + r
+                if v < b and not math.isclose(v, b, rel_tol=_TIE_TOL):
+                    b = v
+                    pick = j
+            cur[i] = b
+            choice[k][i] = pick
+        rest = cur
+    if rest[0] == inf:  # pragma: no cover - DP 1 found a plan that DP 2 also admits
+        raise PlanError(
+            f"internal error: no plan within the optimal bottleneck {optimum!r} "
+            f"(layers: {num_layers}, stages: {num_stages}); report this bug"
+        )
+
+    bounds = [0]
+    for k in range(num_stages):
+        bounds.append(choice[k][bounds[-1]])
+    stage_times = tuple(times[bounds[k]][bounds[k + 1]] for k in range(num_stages))
+    stage_mem = tuple(
+        static_sum[bounds[k]][bounds[k + 1]] + flights[k] * act_sum[bounds[k]][bounds[k + 1]]
+        for k in range(num_stages)
+    )
+    lower_bound = max(math.fsum(costs) / num_stages, max(costs))
+    return StagePlan(
+        bounds=tuple(bounds),
+        stage_times=stage_times,
+        stage_memory=stage_mem,
+        bottleneck=max(stage_times),
+        lower_bound=float(lower_bound),
+    )

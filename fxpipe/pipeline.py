@@ -1,0 +1,170 @@
+"""Pipeline: the compiled stages as one nn.Module that runs them in order in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import OptionError
+from fxpipe.passes import CompileOptions, History, build_steps, run_steps
+from fxpipe.report import Report
+
+
+class Stage(torch.nn.Module):
+    """One pipeline stage: a GraphModule that owns its parameters, and the names of its values."""
+
+    def __init__(self, index: int, module: torch.fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+        super().__init__()
+        self.index = index
+        self.module = module
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+
+    def forward(self, *args: Any) -> tuple[Any, ...]:
+        return tuple(self.module(*args))
+
+
+class Pipeline(torch.nn.Module):
+    """The stages of a compiled model; calling it runs them one after another, equal to the model.
+
+    >>> pipe = fxpipe.compile(model, (x,), stages=2)
+    >>> torch.testing.assert_close(pipe(x), model(x))
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        *,
+        input_names: Sequence[str],
+        output_names: Sequence[str | None],
+        output_constants: Sequence[Any],
+        in_spec: pytree.TreeSpec | None,
+        out_spec: pytree.TreeSpec | None,
+        shared_params: dict[str, list[int]],
+        reports: Sequence[Report] = (),
+        history: History | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(stages)
+        self.input_names = tuple(input_names)
+        self.output_names = tuple(output_names)
+        self.output_constants = tuple(output_constants)
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self.shared_params = dict(shared_params)
+        self._reports = tuple(reports)
+        self.history = history
+        self.info = dict(info or {})
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        flat = flatten_inputs(self.in_spec, args, kwargs)
+        if len(flat) != len(self.input_names):
+            raise OptionError(
+                f"the pipeline takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(flat)}; "
+                "call it as you called the model at compile time"
+            )
+        env: dict[str, Any] = dict(zip(self.input_names, flat))
+        for stage in self.stages:
+            results = stage(*(env[name] for name in stage.inputs))
+            env.update(zip(stage.outputs, results))
+        leaves = [env[n] if n is not None else c for n, c in zip(self.output_names, self.output_constants)]
+        if self.out_spec is None:
+            return tuple(leaves)
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def report(self) -> list[Report]:
+        """Every pass's tables, in pass order, then the per-pass timing table."""
+        if self.history is None:
+            return list(self._reports)
+        tables = [r for rec in self.history.records for r in rec.reports]
+        return tables + [self.history.report()]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan directory: plan.json plus a .py and a .pt file per stage."""
+        from fxpipe.plan import save_pipeline
+
+        return save_pipeline(self, Path(path))
+
+
+def flatten_inputs(in_spec: pytree.TreeSpec | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The call's inputs in the order of the graph's placeholders."""
+    if in_spec is None:
+        if kwargs:
+            raise OptionError(f"this pipeline takes positional inputs only (got keywords: {', '.join(kwargs)})")
+        return list(args)
+    if in_spec.num_children == 2 and in_spec.child(1).type is dict:
+        keys = list(in_spec.child(1).context)
+        missing = [k for k in keys if k not in kwargs]
+        extra = [k for k in kwargs if k not in keys]
+        if missing or extra:
+            raise OptionError(
+                f"keyword inputs differ from compile time (missing: {missing}, unexpected: {extra}); "
+                "pass the same keywords you compiled with"
+            )
+        kwargs = {k: kwargs[k] for k in keys}
+    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+    if spec != in_spec:
+        raise OptionError(f"inputs are structured differently from compile time (expected {in_spec}, got {spec}); "
+                          "pass the same structure you compiled with")
+    return flat
+
+
+def compile(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    stages: int = 2,
+    example_kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> Pipeline:
+    """Trace ``model``, cost and partition it into ``stages`` stages; returns the Pipeline.
+
+    ``options`` are the fields of :class:`fxpipe.passes.CompileOptions` (``tracer``,
+    ``granularity``, ``bandwidth``, ``latency``, ``memory_per_stage``, ``profile``, ...).
+    Verification after every pass is on unless ``verify_each=False``.
+    """
+    options.setdefault("verify_each", True)
+    unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
+    if unknown:
+        raise OptionError(f"unknown compile option(s) {unknown}; known: {sorted(CompileOptions.__dataclass_fields__)}")
+    if options.get("stop_after") not in (None, "split-stages"):
+        raise OptionError("compile() builds a Pipeline, so it runs every pass; use fxpipe.passes.run_steps to stop early")
+    opts = CompileOptions(stages=stages, **options)
+    root, history = run_steps(build_steps(model, example_inputs, opts, example_kwargs),
+                              verify_each=opts.verify_each, print_after=opts.print_after)
+    return pipeline_from_root(root, history, info={"options": opts.to_json()})
+
+
+def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, info: dict[str, Any] | None = None) -> Pipeline:
+    """Wrap the split-stages root graph as a Pipeline."""
+    wiring = root.meta["fxpipe_wiring"]
+    stage_list = [
+        Stage(k, getattr(root, f"stage_{k}"), w["inputs"], w["outputs"]) for k, w in enumerate(wiring["stages"])
+    ]
+    plan = root.meta.get("fxpipe_stage_plan")
+    extra = dict(info or {})
+    if plan is not None:
+        extra.update(bottleneck_s=plan.bottleneck, lower_bound_s=plan.lower_bound, bounds=list(plan.bounds),
+                     stage_times_s=list(plan.stage_times))
+    extra["tracer"] = root.meta.get("fxpipe_tracer")
+    return Pipeline(
+        stage_list,
+        input_names=wiring["inputs"],
+        output_names=wiring["outputs"],
+        output_constants=wiring["constants"],
+        in_spec=root.meta.get("fxpipe_in_spec"),
+        out_spec=root.meta.get("fxpipe_out_spec"),
+        shared_params=root.meta.get("fxpipe_shared_params", {}),
+        history=history,
+        info=extra,
+    )
