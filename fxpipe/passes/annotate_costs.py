@@ -12,6 +12,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe._compat import flop_counter_mode
+
 from fxpipe.meta import NodeMeta, get_meta, update_meta
 from fxpipe.passes._graph import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.passes.driver import PassResult
@@ -144,7 +146,7 @@ class _CostInterpreter(torch.fx.Interpreter):
         return self._fake_attrs[target]
 
     def run_costs(self, inputs: list[Any]) -> None:
-        self._counter = FlopCounterMode(display=False)
+        self._counter = flop_counter_mode()
         with self.fake_mode, self._counter:
             self.run(*inputs)
 

@@ -95,10 +95,10 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
     stats = layer_stats(out)
     report = Report(
         title="group-layers: per-layer costs",
-        columns=("layer", "name", "nodes", "fwd GFLOP", "bwd GFLOP (est)", "est ms", "params", "param MiB", "saved MiB"),
+        columns=("layer", "name", "nodes", "fwd MFLOP", "bwd MFLOP (est)", "est ms", "tensors", "param MiB", "saved MiB"),
         rows=tuple(
-            (s.idx, s.name, s.num_nodes, round(s.flops_fwd / 1e9, 4),
-             round((s.flops_bwd_input + s.flops_bwd_weight) / 1e9, 4), round(s.time * 1e3, 3),
+            (s.idx, s.name, s.num_nodes, round(s.flops_fwd / 1e6, 3),
+             round((s.flops_bwd_input + s.flops_bwd_weight) / 1e6, 3), round(s.time * 1e3, 3),
              len(s.params), round(s.param_bytes / 2**20, 3), round(s.saved_bytes / 2**20, 3))
             for s in stats
         ),

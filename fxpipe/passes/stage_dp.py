@@ -352,7 +352,7 @@ def plan_stages(
                 if r == inf or t > limit:
                     continue
                 v = t + r
-                if v < b and not math.isclose(v, b, rel_tol=_TIE_TOL):
+                if v < b and not math.isclose(v, b, rel_tol=_TIE_TOL) and fits(k, i, j):
                     b = v
                     pick = j
             cur[i] = b

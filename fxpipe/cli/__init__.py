@@ -1,0 +1,1 @@
+"""The ``fxpipe`` command line (typer + rich)."""

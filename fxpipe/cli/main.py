@@ -1,0 +1,269 @@
+"""``fxpipe compile | inspect | models``: tables on stdout, progress on stderr, one-line errors with exit code 2.
+
+Nothing here imports torch at module level, so ``fxpipe --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+from fxpipe.errors import FxpipeError, OptionError
+
+app = typer.Typer(
+    name="fxpipe",
+    help="Turn a PyTorch model into pipeline stages, and show every decision as a table.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+out = Console()
+err = Console(stderr=True)
+
+
+class Tracer(str, Enum):
+    export = "export"
+    fx = "fx"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    meta = "meta"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """An FxpipeError becomes one line on stderr and exit code 2; Ctrl-C exits 130."""
+    try:
+        yield
+    except FxpipeError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(code=130) from None
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+         "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str, option: str) -> float:
+    """``8GiB``, ``512MB``, ``1.5e9`` -> bytes."""
+    match = _SIZE.match(text)
+    if not match or match.group(2).lower() not in _UNIT:
+        raise OptionError(f"{option} {text!r} is not a size; write e.g. 8GiB, 512MB or 1.5e9")
+    return float(match.group(1)) * _UNIT[match.group(2).lower()]
+
+
+@app.command("compile")
+def compile_cmd(
+    target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
+    stages: Annotated[int, typer.Option("--stages", "-s", min=1, help="Number of pipeline stages.",
+                                        rich_help_panel="Partitioning")] = 2,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
+                                                    rich_help_panel="Output")] = None,
+    tracer: Annotated[Tracer, typer.Option(help="Graph capture: torch.export, or torch.fx as a fallback.")] = Tracer.export,
+    granularity: Annotated[str, typer.Option(help="Layers: auto (repeating blocks), node, or a module depth (1, 2, ...).",
+                                             rich_help_panel="Partitioning")] = "auto",
+    bandwidth: Annotated[str, typer.Option(help="Link bandwidth per second between stages, e.g. 1.5GB.",
+                                           rich_help_panel="Partitioning")] = "1.5GB",
+    latency: Annotated[float, typer.Option(help="Seconds per transfer.", rich_help_panel="Partitioning")] = 1e-4,
+    memory_per_stage: Annotated[Optional[str], typer.Option(help="Memory cap per stage, e.g. 8GiB.",
+                                                             rich_help_panel="Partitioning")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
+                                                         "default: the stage count).", rich_help_panel="Partitioning")] = None,
+    profile: Annotated[bool, typer.Option(help="Measure each layer's time on real tensors instead of estimating.",
+                                          rich_help_panel="Costs")] = False,
+    profile_runs: Annotated[int, typer.Option(min=1, help="Runs per layer with --profile (median).",
+                                              rich_help_panel="Costs")] = 5,
+    device_flops: Annotated[float, typer.Option(help="FLOP/s for estimated times.", rich_help_panel="Costs")] = 1e11,
+    device_mem_bw: Annotated[str, typer.Option(help="Memory bandwidth per second for estimated times.",
+                                               rich_help_panel="Costs")] = "10GB",
+    device: Annotated[Device, typer.Option(help="Build the model on cpu, or on meta (no weights allocated).",
+                                           rich_help_panel="Model")] = Device.cpu,
+    dtype: Annotated[DType, typer.Option(help="Parameter dtype.", rich_help_panel="Model")] = DType.float32,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Example batch size (zoo models).",
+                                                      rich_help_panel="Model")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for weights and example inputs.", rich_help_panel="Model")] = 0,
+    verify_each: Annotated[bool, typer.Option(help="Check the graph's invariants after every pass.",
+                                              rich_help_panel="Debugging")] = False,
+    stop_after: Annotated[Optional[str], typer.Option(help="Stop after this pass (writes no plan).",
+                                                      rich_help_panel="Debugging")] = None,
+    print_after: Annotated[Optional[list[str]], typer.Option(help="Print the graph after this pass (repeatable).",
+                                                             rich_help_panel="Debugging")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.",
+                                          rich_help_panel="Output")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables (tabulate) instead of rich.",
+                                        rich_help_panel="Output")] = False,
+) -> None:
+    """Trace, cost and partition a model; print the tables and write the plan directory."""
+    with _errors():
+        started = time.perf_counter()
+        with _progress(disable=as_json) as step:
+            step("importing torch", 0, 0)
+            import torch
+
+            from fxpipe.passes import CompileOptions, build_steps, run_steps
+            from fxpipe.pipeline import pipeline_from_root
+            from fxpipe.targets import resolve
+
+            step(f"building {target}", 0, 0)
+            resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
+                               batch_size=batch_size, seed=seed)
+            options = CompileOptions(
+                stages=stages, tracer=tracer.value, granularity=granularity,
+                bandwidth=parse_size(bandwidth, "--bandwidth"), latency=latency,
+                memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
+                microbatches=microbatches, profile=profile, profile_runs=profile_runs,
+                device_flops=device_flops, device_mem_bw=parse_size(device_mem_bw, "--device-mem-bw"),
+                verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
+            )
+            steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)
+            root, history = run_steps(steps, verify_each=options.verify_each, stop_after=options.stop_after,
+                                      print_after=options.print_after,
+                                      on_start=lambda name, i, n: step(f"pass {name}", i, n))
+        reports = [r for rec in history.records for r in rec.reports] + [history.report()]
+        finished = history.records[-1].name == "split-stages"
+        written = None
+        info: dict[str, Any] = {"model": resolved.name, "options": options.to_json()}
+        if finished:
+            pipe = pipeline_from_root(root, history, info=info)
+            if out_dir is not None:
+                written = pipe.save(out_dir)
+        seconds = time.perf_counter() - started
+        if as_json:
+            doc = {
+                "schema": "fxpipe.compile/v1",
+                "model": resolved.name,
+                "plan_dir": str(written) if written else None,
+                "seconds": round(seconds, 3),
+                "finished": finished,
+                "bottleneck_ratio": _ratio(root),
+                "reports": [r.to_json() for r in reports],
+            }
+            print(json.dumps(doc, default=str))
+            return
+        from fxpipe.render import print_reports
+
+        print_reports(reports, plain=plain, console=out)
+        for rec in history.records:
+            if rec.printed is not None:
+                out.print(f"[bold]graph after {rec.name}[/]")
+                out.print(rec.printed, highlight=False, markup=False)
+        if not finished:
+            err.print(f"stopped after {history.records[-1].name}: no plan written")
+        elif written is not None:
+            err.print(f"wrote {written} ({stages} stages) in {seconds:.1f} s")
+        else:
+            err.print(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile.")],
+    as_json: Annotated[bool, typer.Option("--json", help="plan.json's summary as JSON.")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
+) -> None:
+    """Print a plan directory's tables again, without recompiling."""
+    with _errors():
+        from fxpipe.plan import read_plan_json
+        from fxpipe.report import Report
+
+        doc = read_plan_json(plan_dir)
+        reports = [Report.from_json(r) for r in doc.get("reports", [])]
+        summary = Report(
+            title=f"plan {plan_dir}",
+            columns=("stage", "module", "inputs", "outputs", "parameters", "param elements"),
+            rows=tuple((s["index"], s["module"], len(s["inputs"]), len(s["outputs"]), len(s["parameters"]),
+                        sum(_numel(p["shape"]) for p in s["parameters"])) for s in doc["stages"]),
+            notes=(f"schema {doc['schema']}, fxpipe {doc.get('fxpipe_version')}, torch {doc.get('torch_version')}, "
+                   f"model {doc.get('info', {}).get('model', '?')}",),
+        )
+        if as_json:
+            print(json.dumps({"schema": "fxpipe.inspect/v1", "plan": doc}, default=str))
+            return
+        from fxpipe.render import print_reports
+
+        print_reports([*reports, summary], plain=plain, console=out)
+
+
+@app.command("models")
+def models_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="The zoo as JSON.")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text table.")] = False,
+) -> None:
+    """List the built-in models and their sizes with parameter counts."""
+    with _errors():
+        from fxpipe import models
+        from fxpipe.report import Report
+
+        rows = []
+        for entry in models.entries():
+            for size in entry.sizes:
+                name = f"{entry.family}-{size}"
+                rows.append((name, models.parameter_count(name), "yes" if size == entry.default_size else "",
+                             entry.description))
+        if as_json:
+            print(json.dumps({"schema": "fxpipe.models/v1", "models": [
+                {"name": r[0], "parameters": r[1], "default": bool(r[2]), "description": r[3]} for r in rows]}))
+            return
+        from fxpipe.render import print_reports
+
+        print_reports([Report("fxpipe models (the bare family name is the default size)",
+                              ("model", "parameters", "default", "description"), tuple(rows))],
+                      plain=plain, console=out)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _ratio(root: Any) -> float | None:
+    plan = getattr(root, "meta", {}).get("fxpipe_stage_plan")
+    return None if plan is None else plan.ratio
+
+
+@contextmanager
+def _progress(*, disable: bool) -> Iterator[Callable[[str, int, int], None]]:
+    """A transient spinner on stderr (drawn only on a terminal)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=err, transient=True, disable=disable or not err.is_terminal)
+    with progress:
+        task = progress.add_task("starting", total=None)
+
+        def step(description: str, done: int, total: int) -> None:
+            progress.update(task, description=description, completed=done, total=total or None)
+
+        yield step
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

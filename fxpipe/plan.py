@@ -1,0 +1,268 @@
+"""The plan directory: plan.json (versioned) plus one readable .py module and one .pt file per stage."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from fxpipe.errors import PlanFileError
+from fxpipe.passes._graph import set_path
+from fxpipe.report import Report
+
+SCHEMA = "fxpipe.plan/v1"
+PLAN_FILE = "plan.json"
+
+
+def save_pipeline(pipe: Any, out: Path) -> Path:
+    """Write ``pipe`` to the directory ``out`` atomically: a crash leaves the old plan or the new, never half.
+
+    ``out`` may be missing, empty, or an earlier plan directory (which is replaced); any other
+    existing directory is refused, so fxpipe never deletes files it did not write.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / PLAN_FILE).exists())):
+        raise PlanFileError(f"{out} exists and is not an fxpipe plan directory; choose another --out path or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        stages = []
+        for stage in pipe.stages:
+            k = stage.index
+            module_file, weights_file = f"stage_{k}.py", f"stage_{k}.pt"
+            (tmp / module_file).write_text(stage_source(stage.module, k, pipe.num_stages))
+            state = {name: t.detach() for name, t in _named_tensors(stage.module)}
+            torch.save(state, tmp / weights_file)
+            stages.append({
+                "index": k,
+                "module": module_file,
+                "weights": weights_file,
+                "inputs": list(stage.inputs),
+                "outputs": list(stage.outputs),
+                "parameters": [_tensor_info(n, p) | {"requires_grad": p.requires_grad}
+                               for n, p in stage.module.named_parameters(remove_duplicate=False)],
+                "buffers": [_tensor_info(n, b) for n, b in stage.module.named_buffers(remove_duplicate=False)],
+            })
+        doc = {
+            "schema": SCHEMA,
+            "fxpipe_version": _version(),
+            "torch_version": torch.__version__,
+            "num_stages": pipe.num_stages,
+            "inputs": list(pipe.input_names),
+            "outputs": list(pipe.output_names),
+            "output_constants": list(pipe.output_constants),
+            "in_spec": _dump_spec(pipe.in_spec),
+            "out_spec": _dump_spec(pipe.out_spec),
+            "shared_params": pipe.shared_params,
+            "stages": stages,
+            "info": pipe.info,
+            "reports": [r.to_json() for r in pipe.report()],
+        }
+        (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load(path: str | Path) -> Any:
+    """Load a plan directory written by ``Pipeline.save`` / ``fxpipe compile``: no model source needed."""
+    from fxpipe.pipeline import Pipeline, Stage
+
+    path = Path(path)
+    doc = read_plan_json(path)
+    try:
+        stages = [Stage(s["index"], _load_stage(path, s), s["inputs"], s["outputs"]) for s in doc["stages"]]
+        # Tied parameters: each stage file holds a copy; make them one Parameter again.
+        for name, ks in doc.get("shared_params", {}).items():
+            first = stages[ks[0]].module.get_parameter(name)
+            for k in ks[1:]:
+                set_path(stages[k].module, name, first)
+        return Pipeline(
+            stages,
+            input_names=doc["inputs"],
+            output_names=doc["outputs"],
+            output_constants=doc["output_constants"],
+            in_spec=_load_spec(doc["in_spec"]),
+            out_spec=_load_spec(doc["out_spec"]),
+            shared_params=doc.get("shared_params", {}),
+            reports=[Report.from_json(r) for r in doc.get("reports", [])],
+            info=doc.get("info", {}),
+        )
+    except PlanFileError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise PlanFileError(f"{path / PLAN_FILE} is corrupt ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
+
+
+def read_plan_json(path: Path) -> dict[str, Any]:
+    """plan.json, checked for its schema version and its stage files."""
+    plan_file = Path(path) / PLAN_FILE
+    if not plan_file.is_file():
+        raise PlanFileError(f"{path} is not a plan directory (no {PLAN_FILE}); run `fxpipe compile MODEL --out {path}` first")
+    try:
+        doc = json.loads(plan_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"{plan_file} is not valid JSON ({exc}); re-run fxpipe compile") from exc
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        raise PlanFileError(f"{plan_file} has schema {found!r}, this fxpipe reads {SCHEMA!r}; re-run fxpipe compile")
+    stages = doc.get("stages")
+    if not isinstance(stages, list) or not stages:
+        raise PlanFileError(f"{plan_file} has no stages list; re-run fxpipe compile")
+    for s in stages:
+        for key in ("module", "weights"):
+            name = s.get(key) if isinstance(s, dict) else None
+            if not isinstance(name, str) or not (Path(path) / name).is_file():
+                raise PlanFileError(f"{path} is missing the stage file {name!r}; re-run fxpipe compile")
+    return doc
+
+
+def stage_source(gm: torch.fx.GraphModule, index: int, num_stages: int) -> str:
+    """A stage's forward as a standalone Python module: imports, then ``def forward(self, ...)``."""
+    code = gm.graph.python_code(root_module="self")
+    lines = [
+        f'"""fxpipe stage {index} of {num_stages}: generated by fxpipe {_version()} with torch {torch.__version__}."""',
+        "import importlib",
+        "import torch",
+        "",
+        "",
+        "def _resolve(module, qualname):",
+        "    obj = importlib.import_module(module)",
+        "    for atom in qualname.split('.'):",
+        "        obj = getattr(obj, atom)",
+        "    return obj",
+        "",
+        "",
+    ]
+    for name, obj in sorted(code.globals.items()):
+        lines.append(_global_line(name, obj, index))
+    lines.extend(["", ""])
+    lines.append(code.src.strip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def _global_line(name: str, obj: Any, index: int) -> str:
+    if isinstance(obj, types.ModuleType):
+        return f"{name} = importlib.import_module({obj.__name__!r})"
+    if isinstance(obj, float):
+        return f"{name} = float({repr(obj) if math.isfinite(obj) else repr(str(obj))})"
+    if obj is type(None):
+        return f"{name} = type(None)"
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return f"{name} = {obj!r}"
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qualname and "<" not in qualname:
+        try:
+            found: Any = importlib.import_module(module)
+            for atom in qualname.split("."):
+                found = getattr(found, atom)
+        except (ImportError, AttributeError):
+            found = None
+        if found is obj:
+            return f"{name} = _resolve({module!r}, {qualname!r})"
+    raise PlanFileError(
+        f"stage {index} calls {obj!r}, which cannot be imported by name, so the stage cannot be saved; "
+        "define it at module level in an importable module"
+    )
+
+
+def _load_stage(path: Path, spec: dict[str, Any]) -> torch.fx.GraphModule:
+    source_file = path / spec["module"]
+    namespace: dict[str, Any] = {"__name__": f"fxpipe_stage_{spec['index']}"}
+    try:
+        exec(compile(source_file.read_text(), str(source_file), "exec"), namespace)
+        forward = namespace["forward"]
+    except Exception as exc:  # a hand-edited or truncated stage file
+        raise PlanFileError(f"{source_file} does not load ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
+    try:
+        state = torch.load(path / spec["weights"], weights_only=True)
+    except Exception as exc:
+        raise PlanFileError(f"{path / spec['weights']} does not load ({exc}); re-run fxpipe compile") from exc
+    holder_cls = type(f"Stage{spec['index']}Source", (torch.nn.Module,), {"forward": forward})
+    holder = holder_cls()
+    grads = {p["name"]: p.get("requires_grad", True) for p in spec["parameters"]}
+    for info in spec["parameters"]:
+        set_path(holder, info["name"], torch.nn.Parameter(_state(state, info, path), requires_grad=grads[info["name"]]))
+    for info in spec["buffers"]:
+        set_path(holder, info["name"], _state(state, info, path))
+    try:
+        graph = _InlineTracer().trace(holder)
+    except Exception as exc:
+        raise PlanFileError(f"{source_file} does not trace ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
+    gm = torch.fx.GraphModule(holder, graph, class_name=f"Stage{spec['index']}")
+    gm.meta["fxpipe_stage_idx"] = spec["index"]
+    return gm
+
+
+class _InlineTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def _state(state: dict[str, torch.Tensor], info: dict[str, Any], path: Path) -> torch.Tensor:
+    name = info["name"]
+    if name not in state:
+        raise PlanFileError(f"{path} stage weights lack {name!r}; re-run fxpipe compile")
+    t = state[name]
+    if list(t.shape) != info["shape"]:
+        raise PlanFileError(f"{path} weight {name!r} has shape {list(t.shape)}, plan.json says {info['shape']}; "
+                            "re-run fxpipe compile")
+    return t
+
+
+def _named_tensors(gm: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+
+
+def _tensor_info(name: str, t: torch.Tensor) -> dict[str, Any]:
+    return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""), "device": str(t.device)}
+
+
+def _dump_spec(spec: pytree.TreeSpec | None) -> str | None:
+    if spec is None:
+        return None
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # a type without a serialized name (some libraries' output classes)
+        return None
+
+
+def _load_spec(text: str | None) -> pytree.TreeSpec | None:
+    return None if text is None else pytree.treespec_loads(text)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, out)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (tuple, set)):
+        return list(obj)
+    if isinstance(obj, float):
+        return obj
+    return str(obj)
+
+
+def _version() -> str:
+    from fxpipe import __version__
+
+    return __version__

@@ -1,0 +1,101 @@
+"""Resolve a CLI target, a zoo name (``gpt-small``) or a builder (``path/to/file.py:build``), to a model and inputs."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpipe.errors import TargetError
+
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    name: str
+    model: torch.nn.Module
+    example_inputs: tuple[Any, ...]
+    example_kwargs: dict[str, Any]
+
+
+def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, batch_size: int | None = None,
+            seed: int = 0) -> Target:
+    """``gpt``, ``gpt-tiny`` or ``file.py:build`` / ``package.module:build`` -> model and example inputs.
+
+    A builder is called with no arguments (under ``torch.device(device)``) and returns either
+    ``(model, example_inputs)``, ``(model, example_inputs, example_kwargs)``, an object with
+    ``.model`` and ``.example_inputs``, or a bare model when its file also defines
+    ``example_inputs()``.
+    """
+    if ":" not in target:
+        from fxpipe import models
+
+        zoo = models.build(target, device=device, dtype=dtype, batch_size=batch_size, seed=seed)
+        return Target(zoo.name, zoo.model, tuple(zoo.example_inputs), {})
+    where, _, attr = target.rpartition(":")
+    module = _import(where, target)
+    builder = getattr(module, attr, None)
+    if not callable(builder):
+        raise TargetError(f"{where} has no callable {attr!r}; name a function that builds the model, e.g. {where}:build")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            built = _call(builder, target)
+            model, inputs, kwargs = _unpack(built, module, target)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs)
+    return Target(target, model, inputs, kwargs)
+
+
+def _import(where: str, target: str) -> Any:
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise TargetError(f"no such file {where} (target {target}); give an existing path, e.g. my_model.py:build")
+        spec = importlib.util.spec_from_file_location(f"fxpipe_user_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise TargetError(f"cannot import {where}; give a .py file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise TargetError(f"importing {where} failed: {type(exc).__name__}: {exc}; fix the file") from exc
+        return module
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise TargetError(f"cannot import module {where!r} ({exc}); give a path ending in .py or an importable module") from exc
+
+
+def _call(builder: Callable[[], Any], target: str) -> Any:
+    try:
+        return builder()
+    except Exception as exc:
+        raise TargetError(f"{target} raised {type(exc).__name__}: {exc}; fix the builder") from exc
+
+
+def _unpack(built: Any, module: Any, target: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    kwargs: dict[str, Any] = {}
+    if isinstance(built, torch.nn.Module):
+        make = getattr(module, "example_inputs", None)
+        if not callable(make):
+            raise TargetError(f"{target} returned a model but no example inputs; return (model, example_inputs) "
+                              "or define example_inputs() in the same file")
+        model, inputs = built, make()
+    elif hasattr(built, "model") and hasattr(built, "example_inputs"):
+        model, inputs = built.model, built.example_inputs
+    elif isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module):
+        model, inputs = built[0], built[1]
+        kwargs = dict(built[2]) if len(built) == 3 else {}
+    else:
+        raise TargetError(f"{target} returned {type(built).__name__}; return (model, example_inputs)")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return model, tuple(inputs), kwargs
