@@ -52,6 +52,7 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
                 "parameters": [_tensor_info(n, p) | {"requires_grad": p.requires_grad}
                                for n, p in stage.module.named_parameters(remove_duplicate=False)],
                 "buffers": [_tensor_info(n, b) for n, b in stage.module.named_buffers(remove_duplicate=False)],
+                "modules": _leaf_modules(stage.module, k),
             })
         doc = {
             "schema": SCHEMA,
@@ -192,13 +193,15 @@ def _load_stage(path: Path, spec: dict[str, Any]) -> torch.fx.GraphModule:
         raise PlanFileError(f"{path / spec['weights']} does not load ({exc}); re-run fxpipe compile") from exc
     holder_cls = type(f"Stage{spec['index']}Source", (torch.nn.Module,), {"forward": forward})
     holder = holder_cls()
+    for info in spec.get("modules", []):
+        set_path(holder, info["name"], _build_leaf(info, path))
     grads = {p["name"]: p.get("requires_grad", True) for p in spec["parameters"]}
     for info in spec["parameters"]:
         set_path(holder, info["name"], torch.nn.Parameter(_state(state, info, path), requires_grad=grads[info["name"]]))
     for info in spec["buffers"]:
         set_path(holder, info["name"], _state(state, info, path))
     try:
-        graph = _InlineTracer().trace(holder)
+        graph = torch.fx.Tracer().trace(holder)
     except Exception as exc:
         raise PlanFileError(f"{source_file} does not trace ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
     gm = torch.fx.GraphModule(holder, graph, class_name=f"Stage{spec['index']}")
@@ -206,9 +209,65 @@ def _load_stage(path: Path, spec: dict[str, Any]) -> torch.fx.GraphModule:
     return gm
 
 
-class _InlineTracer(torch.fx.Tracer):
-    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
-        return False
+def _leaf_modules(gm: torch.fx.GraphModule, index: int) -> list[dict[str, Any]]:
+    """Modules a stage calls (``--tracer fx`` keeps torch.nn layers as calls): class and plain attributes.
+
+    Only torch.nn classes are saved, as their import path and their configuration values
+    (ints, floats, strings, tuples); the tensors go into the .pt file. Loading rebuilds them
+    without unpickling code.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        mod = gm.get_submodule(str(node.target))
+        cls = type(mod)
+        if not cls.__module__.startswith("torch.nn."):
+            raise PlanFileError(
+                f"stage {index} calls module {node.target} of class {cls.__qualname__}, which is not a torch.nn layer, "
+                "so the plan cannot be saved without its source; use --tracer export"
+            )
+        attrs = {k: _encode(v) for k, v in vars(mod).items() if _encodable(v)}
+        found.append({"name": str(node.target), "class": f"{cls.__module__}.{cls.__qualname__}", "attrs": attrs})
+    return found
+
+
+def _encodable(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, (tuple, list)) and all(_encodable(x) for x in v)
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return {"tuple": [_encode(x) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    return v
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, dict) and set(v) == {"tuple"}:
+        return tuple(_decode(x) for x in v["tuple"])
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
+
+
+def _build_leaf(info: dict[str, Any], path: Path) -> torch.nn.Module:
+    module_name, _, qualname = str(info["class"]).rpartition(".")
+    if not module_name.startswith("torch.nn."):
+        raise PlanFileError(f"{path / PLAN_FILE} names module class {info['class']!r}, not a torch.nn layer; "
+                            "re-run fxpipe compile")
+    try:
+        cls = getattr(importlib.import_module(module_name), qualname)
+    except (ImportError, AttributeError) as exc:
+        raise PlanFileError(f"{path / PLAN_FILE} names unknown class {info['class']!r}; re-run fxpipe compile") from exc
+    mod = cls.__new__(cls)
+    torch.nn.Module.__init__(mod)
+    for key, value in info["attrs"].items():
+        object.__setattr__(mod, key, _decode(value))
+    return mod
 
 
 def _state(state: dict[str, torch.Tensor], info: dict[str, Any], path: Path) -> torch.Tensor:

@@ -145,6 +145,14 @@ class _CostInterpreter(torch.fx.Interpreter):
             self._fake_attrs[target] = val
         return self._fake_attrs[target]
 
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # --tracer fx keeps torch.nn layers as calls: run them on fake copies of their state,
+        # so in-place updates (BatchNorm's counters) cannot touch the real buffers.
+        module = self.fetch_attr(target)
+        state = {name: self.fetch_attr(f"{target}.{name}")
+                 for name, _ in [*module.named_parameters(), *module.named_buffers()]}
+        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
+
     def run_costs(self, inputs: list[Any]) -> None:
         self._counter = flop_counter_mode()
         with self.fake_mode, self._counter:

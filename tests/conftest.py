@@ -1,0 +1,59 @@
+"""Shared test helpers: compile a model and check it composes back to eager (outputs and gradients)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+
+
+def assert_composes(
+    model: torch.nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: Any,
+    target: torch.Tensor,
+    stages: int,
+    *,
+    exact: bool = False,
+    **options: Any,
+) -> fxpipe.Pipeline:
+    """Compile a copy of ``model``; its output, loss and every parameter's gradient equal eager's.
+
+    The pipeline must own exactly the compiled model's parameters (same objects), so the
+    gradients are compared by the model's own parameter names. ``exact`` asks for bit-for-bit.
+    """
+    ref = copy.deepcopy(model)
+    mine = copy.deepcopy(model)
+    torch.manual_seed(1234)
+    ref_out = ref(*inputs)
+    ref_loss = loss_fn(ref_out, target)
+    ref_loss.backward()
+
+    pipe = fxpipe.compile(mine, inputs, stages=stages, **options)
+    assert len(pipe.stages) == stages
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in mine.parameters()}
+    torch.manual_seed(1234)
+    out = pipe(*inputs)
+    loss = loss_fn(out, target)
+    loss.backward()
+
+    tol: dict[str, float] = {"rtol": 0.0, "atol": 0.0} if exact else {}
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    ref_params = dict(ref.named_parameters())
+    for name, param in mine.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient through the pipeline"
+        torch.testing.assert_close(param.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}", **tol)
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in mine.named_buffers():
+        torch.testing.assert_close(buf, ref_buffers[name], msg=lambda m: f"buffer {name}: {m}", **tol)
+    return pipe
+
+
+@pytest.fixture
+def composes():  # type: ignore[no-untyped-def]
+    return assert_composes
