@@ -12,7 +12,7 @@ from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, value_bytes
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
-from fxpipe.passes.stage_dp import StagePlan, plan_stages, stage_time, transfer_time
+from fxpipe.passes.stage_dp import StagePlan, plan_stages
 from fxpipe.report import Report
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
@@ -183,9 +183,11 @@ def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], 
             len(cuts[k].values) if k < len(cuts) else 0,
             round(memory / 2**20, 2),
         ))
+    compute = max(sum(s.time for s in stats[plan.bounds[k]:plan.bounds[k + 1]]) for k in range(num_stages))
+    balance = compute / plan.lower_bound if plan.lower_bound > 0 else 1.0
     notes = (
         f"bottleneck {plan.bottleneck * 1e3:.3f} ms / lower bound max(sum/p, max layer) "
-        f"{plan.lower_bound * 1e3:.3f} ms = {plan.ratio:.3f}",
+        f"{plan.lower_bound * 1e3:.3f} ms = {plan.ratio:.3f} (compute alone: {balance:.3f})",
         f"transfers at {bandwidth:.3g} B/s + {latency * 1e3:.3g} ms latency; memory = 4 x parameter bytes "
         f"+ activations of {in_flight} microbatches in flight (1F1B)",
     )
@@ -198,4 +200,3 @@ def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], 
     )
 
 
-__all__ = ["Cut", "partition_stages", "stage_cuts", "verify_stages", "stage_time", "transfer_time"]
