@@ -57,3 +57,27 @@ def assert_composes(
 @pytest.fixture
 def composes():  # type: ignore[no-untyped-def]
     return assert_composes
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/* from the current output")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """``golden("name.txt", text)``: compare with tests/golden/name.txt (or rewrite it with --update-golden)."""
+    from pathlib import Path
+
+    root = Path(__file__).parent / "golden"
+    update = bool(request.config.getoption("--update-golden"))
+
+    def check(name: str, text: str) -> None:
+        path = root / name
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return
+        assert path.exists(), f"no golden file {path}; run pytest --update-golden to create it"
+        assert text == path.read_text(), f"{name} differs from its golden file; if the change is right, run --update-golden"
+
+    return check

@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -17,6 +18,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+
+# torch warns on import when NumPy is absent; fxpipe never needs NumPy, so the warning is noise.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from fxpipe.errors import FxpipeError, OptionError
 
