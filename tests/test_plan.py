@@ -135,7 +135,7 @@ def test_loaded_parameters_keep_their_values_and_requires_grad(trip: RoundTrip) 
         assert mine is not theirs
         assert mine.requires_grad == theirs.requires_grad
         assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
-        # Both took the same step of nothing (no optimizer): values are the saved ones.
+        # No optimizer step ran, so the values are still the saved ones.
         torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=0, atol=0, msg=lambda m: f"{k} {name}: {m}")
 
 
