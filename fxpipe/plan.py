@@ -31,8 +31,7 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
     existing directory is refused, so fxpipe never deletes files it did not write.
     """
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / PLAN_FILE).exists())):
-        raise PlanFileError(f"{out} exists and is not an fxpipe plan directory; choose another --out path or remove it")
+    check_out_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -122,12 +121,37 @@ def read_plan_json(path: Path) -> dict[str, Any]:
     stages = doc.get("stages")
     if not isinstance(stages, list) or not stages:
         raise PlanFileError(f"{plan_file} has no stages list; re-run fxpipe compile")
-    for s in stages:
+    for i, s in enumerate(stages):
+        if not isinstance(s, dict):
+            raise PlanFileError(f"{plan_file} stage entry {i} is not an object; re-run fxpipe compile")
         for key in ("module", "weights"):
-            name = s.get(key) if isinstance(s, dict) else None
+            name = s.get(key)
             if not isinstance(name, str) or not (Path(path) / name).is_file():
                 raise PlanFileError(f"{path} is missing the stage file {name!r}; re-run fxpipe compile")
+        for key, kind in _STAGE_KEYS.items():
+            if not isinstance(s.get(key), kind):
+                raise PlanFileError(f"{plan_file} stage {i} lacks a valid {key!r}; re-run fxpipe compile")
+    for key, kind in _PLAN_KEYS.items():
+        if not isinstance(doc.get(key), kind):
+            raise PlanFileError(f"{plan_file} lacks a valid {key!r}; re-run fxpipe compile")
+    for i, r in enumerate(doc.get("reports", [])):
+        if not (isinstance(r, dict) and isinstance(r.get("title"), str) and isinstance(r.get("columns"), list)
+                and isinstance(r.get("rows"), list)):
+            raise PlanFileError(f"{plan_file} report {i} lacks a title, columns or rows; re-run fxpipe compile")
     return doc
+
+
+_STAGE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "index": int, "inputs": list, "outputs": list, "parameters": list, "buffers": list}
+_PLAN_KEYS: dict[str, type | tuple[type, ...]] = {
+    "inputs": list, "outputs": list, "output_constants": list, "reports": list, "shared_params": dict}
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` that exists and is not a plan directory (fxpipe never deletes files it did not write)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / PLAN_FILE).exists())):
+        raise PlanFileError(f"{out} exists and is not an fxpipe plan directory; choose another --out path or remove it")
 
 
 def stage_source(gm: torch.fx.GraphModule, index: int, num_stages: int) -> str:
@@ -201,12 +225,54 @@ def _load_stage(path: Path, spec: dict[str, Any]) -> torch.fx.GraphModule:
     for info in spec["buffers"]:
         set_path(holder, info["name"], _state(state, info, path))
     try:
-        graph = torch.fx.Tracer().trace(holder)
+        graph = _trace_source(holder, namespace)
     except Exception as exc:
         raise PlanFileError(f"{source_file} does not trace ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
     gm = torch.fx.GraphModule(holder, graph, class_name=f"Stage{spec['index']}")
     gm.meta["fxpipe_stage_idx"] = spec["index"]
     return gm
+
+
+def _trace_source(holder: torch.nn.Module, namespace: dict[str, Any]) -> torch.fx.Graph:
+    """Trace a stage's saved forward back into a graph, recording every op it calls.
+
+    Plain symbolic tracing runs an op whose arguments hold no traced value (``arange(5)``,
+    ``randn``, an in-place update of a buffer) once, at load time, and keeps its result as a
+    constant. During this trace the stage source sees a ``torch`` whose callables always
+    record a node instead.
+    """
+    tracer = torch.fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    real = namespace.get("torch", torch)
+    namespace["torch"] = _Recording(real, tracer)
+    try:
+        return tracer.trace(holder)
+    finally:
+        namespace["torch"] = real
+
+
+class _Recording:
+    """Stand-in for a module or op namespace: callables reached through it record call_function nodes."""
+
+    def __init__(self, target: Any, tracer: torch.fx.Tracer) -> None:
+        self._target = target
+        self._tracer = tracer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if isinstance(value, (types.ModuleType, torch._ops._OpNamespace, torch._ops.OpOverloadPacket)):
+            return _Recording(value, self._tracer)
+        if callable(value) and not isinstance(value, type):
+            tracer = self._tracer
+
+            def record(*args: Any, **kwargs: Any) -> Any:
+                return tracer.create_proxy("call_function", value, args, kwargs)
+
+            return record
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # an OpOverloadPacket called directly
+        return self._tracer.create_proxy("call_function", self._target, args, kwargs)
 
 
 def _leaf_modules(gm: torch.fx.GraphModule, index: int) -> list[dict[str, Any]]:
@@ -228,7 +294,14 @@ def _leaf_modules(gm: torch.fx.GraphModule, index: int) -> list[dict[str, Any]]:
                 "so the plan cannot be saved without its source; use --tracer export"
             )
         attrs = {k: _encode(v) for k, v in vars(mod).items() if _encodable(v)}
-        found.append({"name": str(node.target), "class": f"{cls.__module__}.{cls.__qualname__}", "attrs": attrs})
+        found.append({
+            "name": str(node.target),
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "attrs": attrs,
+            # Conv2d(bias=False) has a parameter slot holding None, which forward reads.
+            "none_parameters": sorted(k for k, v in mod._parameters.items() if v is None),
+            "none_buffers": sorted(k for k, v in mod._buffers.items() if v is None),
+        })
     return found
 
 
@@ -267,6 +340,10 @@ def _build_leaf(info: dict[str, Any], path: Path) -> torch.nn.Module:
     torch.nn.Module.__init__(mod)
     for key, value in info["attrs"].items():
         object.__setattr__(mod, key, _decode(value))
+    for key in info.get("none_parameters", []):
+        mod.register_parameter(key, None)
+    for key in info.get("none_buffers", []):
+        mod.register_buffer(key, None)
     return mod
 
 

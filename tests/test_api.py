@@ -136,11 +136,6 @@ def test_zero_stages_raises_plan_error() -> None:
         fxpipe.compile(zoo.model, zoo.example_inputs, stages=0)
 
 
-@pytest.mark.xfail(
-    reason="partition_stages defaults microbatches to num_stages and checks it first, so stages=0 is reported as "
-           "'--microbatches must be at least 1 (microbatches: 0)' instead of naming --stages",
-    strict=True,
-)
 def test_zero_stages_error_names_the_stage_count() -> None:
     zoo = models.build("mlp-tiny")
     with pytest.raises(fxpipe.PlanError, match=r"stages must be at least 1 \(stages: 0\)"):

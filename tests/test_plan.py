@@ -54,14 +54,8 @@ def _round_trip(name: str, root: Path) -> RoundTrip:
 ROUND_TRIP_MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny")
 
 
-# Loading re-traces each stage's source with torch.fx, which runs any op whose inputs are all
-# constants or attributes once, at load time, instead of recording it (see the xfail reasons).
-LOAD_FREEZES_CONSTANT_OPS = (
-    "plan._load_stage rebuilds each stage by re-tracing its .py source with torch.fx.Tracer; an op none of whose "
-    "inputs is a proxy (gpt: aten.arange for the positions; resnet: aten.add_(num_batches_tracked, 1)) runs once "
-    "at load time and is not recorded, so the loaded stage gets an extra _tensor_constant buffer or loses the "
-    "BatchNorm num_batches_tracked buffers and its update"
-)
+# Loading re-traces each stage's source: ops whose inputs are all constants or attributes
+# (arange, randn, BatchNorm's counter update) must be recorded, not run once at load time.
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +134,8 @@ def test_loaded_parameters_keep_their_values_and_requires_grad(trip: RoundTrip) 
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("gpt-tiny", marks=pytest.mark.xfail(reason=LOAD_FREEZES_CONSTANT_OPS, strict=True)),
-    pytest.param("resnet-tiny", marks=pytest.mark.xfail(reason=LOAD_FREEZES_CONSTANT_OPS, strict=True)),
+    "gpt-tiny",
+    "resnet-tiny",
     "mlp-tiny",
 ])
 def test_loaded_buffers_equal_pipeline_and_eager(name: str, trips: Any) -> None:
@@ -162,8 +156,8 @@ def test_resnet_stages_hold_batchnorm_statistics(trips: Any) -> None:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("gpt-tiny", marks=pytest.mark.xfail(reason=LOAD_FREEZES_CONSTANT_OPS, strict=True)),
-    pytest.param("resnet-tiny", marks=pytest.mark.xfail(reason=LOAD_FREEZES_CONSTANT_OPS, strict=True)),
+    "gpt-tiny",
+    "resnet-tiny",
     "mlp-tiny",
 ])
 def test_loaded_stage_graphs_run_the_same_ops(name: str, trips: Any) -> None:
@@ -188,7 +182,6 @@ class Noisy(torch.nn.Module):
         return self.b(h + torch.randn(h.shape))
 
 
-@pytest.mark.xfail(reason=LOAD_FREEZES_CONSTANT_OPS + "; so aten.randn becomes one frozen tensor", strict=True)
 def test_loaded_pipeline_draws_fresh_random_numbers_each_call(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x = Noisy(), torch.randn(2, 4)
@@ -237,11 +230,7 @@ def test_load_keeps_names_specs_reports_and_info(trip: RoundTrip) -> None:
 
 @pytest.mark.parametrize("name", [
     "mlp-tiny",
-    pytest.param("resnet-tiny", marks=pytest.mark.xfail(
-        reason="plan._leaf_modules saves a torch.nn layer's plain attributes and tensors but not its None-valued "
-               "parameters (Conv2d(bias=False) has bias=None), and plan._build_leaf rebuilds it without a 'bias' "
-               "attribute, so the loaded fx pipeline raises AttributeError: 'Conv2d' object has no attribute 'bias'",
-        strict=True)),
+    "resnet-tiny",
 ])
 def test_fx_traced_plan_round_trips(name: str, tmp_path: Path) -> None:
     zoo = models.build(name)
@@ -416,7 +405,7 @@ def test_load_with_a_corrupt_weights_file(plan_copy: Path) -> None:
 
 def test_load_with_a_stage_entry_missing_a_key(plan_copy: Path) -> None:
     _edit_plan(plan_copy, lambda doc: doc["stages"][0].pop("inputs"))
-    with pytest.raises(PlanFileError, match=r"is corrupt \(KeyError"):
+    with pytest.raises(PlanFileError, match=r"stage 0 lacks a valid .inputs."):
         fxpipe.load(plan_copy)
 
 

@@ -130,6 +130,10 @@ def compile_cmd(
             from fxpipe.pipeline import pipeline_from_root
             from fxpipe.targets import resolve
 
+            if out_dir is not None:
+                from fxpipe.plan import check_out_dir
+
+                check_out_dir(out_dir)  # before the compile, not after it
             step(f"building {target}", 0, 0)
             resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
                                batch_size=batch_size, seed=seed)

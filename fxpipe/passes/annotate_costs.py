@@ -69,10 +69,15 @@ def annotate_costs(
         val = interp.values.get(node)
         flops = interp.flops.get(node, 0)
         param_bytes = sum(value_bytes(get_path(out, n.target)) for n in param_inputs)
-        if any(n in needs_grad for n in inputs):
+        own_params = False  # --tracer fx: a torch.nn layer called as a module holds its parameters
+        if node.op == "call_module":
+            sub = get_path(out, str(node.target))
+            own_params = any(p.requires_grad for p in sub.parameters())
+            param_bytes += sum(value_bytes(t) for t in [*sub.parameters(), *sub.buffers()])
+        if own_params or any(n in needs_grad for n in inputs):
             needs_grad.add(node)
         grad_to_act = any(n in needs_grad for n in act_inputs)
-        grad_to_param = any(n in needs_grad for n in param_inputs)
+        grad_to_param = own_params or any(n in needs_grad for n in param_inputs)
         out_bytes = value_bytes(val)
         saved = 0 if _is_view(node) or node.target is operator.getitem else out_bytes
         tensors = tensors_in(val)

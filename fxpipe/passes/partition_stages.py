@@ -58,6 +58,8 @@ def partition_stages(
     out = clone(gm)
     stats = layer_stats(out)
     num_layers = len(stats)
+    if num_stages < 1:
+        raise PlanError(f"--stages must be at least 1 (stages: {num_stages})")
     m = microbatches if microbatches is not None else num_stages
     if m < 1:
         raise PlanError(f"--microbatches must be at least 1 (microbatches: {m})")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import linecache
+import logging
 import os
 import time
+import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -68,10 +72,13 @@ def trace(
 
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.fx.GraphModule:
-    try:
-        ep = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as exc:  # torch raises many types here; all become one clear line
-        raise TraceError(_explain_trace_failure(model, exc, "export")) from exc
+    with _quiet_torch() as captured:
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as exc:  # torch raises many types here; all become one clear line
+            raise TraceError(_explain_trace_failure(model, exc, "export")) from exc
+    if captured.getvalue():
+        sys.stderr.write(captured.getvalue())  # it worked: what torch printed is worth seeing
     gm = ep.module()
     graph = gm.graph
     codegen = graph._codegen
@@ -90,6 +97,30 @@ def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     out.meta["fxpipe_out_spec"] = pytree_info.out_spec if pytree_info is not None else None
     out.meta["fxpipe_tracer"] = "export"
     return out
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[io.StringIO]:
+    """Hold back what torch.export prints and logs while it runs.
+
+    On failure it prints the partial graph to stderr and logs warnings before raising; the
+    user should see one line naming their code instead.
+    """
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    captured = io.StringIO()
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield captured
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export",
+                  "torch.fx.experimental.recording")
 
 
 def _trace_fx(model: torch.nn.Module) -> torch.fx.GraphModule:

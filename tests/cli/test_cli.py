@@ -232,12 +232,6 @@ def test_tracer_fx_compiles_and_the_plan_loads(tmp_path: Path) -> None:
         torch.testing.assert_close(fxpipe.load(out)(*zoo.example_inputs), zoo.model(*zoo.example_inputs))
 
 
-@pytest.mark.xfail(
-    reason="annotate_costs marks a node as needing gradients only through get_attr parameter inputs; with "
-           "--tracer fx the parameters live inside call_module nodes, so every backward FLOP, backward time and "
-           "saved byte is 0 and the partition is chosen on forward time alone",
-    strict=True,
-)
 def test_tracer_fx_costs_the_backward_like_export(mlp_json: tuple[Result, Path]) -> None:
     fx = json.loads(ok(fxpipe_cli("compile", "mlp-tiny", "--tracer", "fx", "--json")).stdout)
     export = json.loads(mlp_json[0].stdout)
@@ -470,12 +464,6 @@ def test_data_dependent_branch_names_the_file_line_and_torch_cond(branchy: tuple
     assert "torch.cond" in last
 
 
-@pytest.mark.xfail(
-    reason="torch.export prints the partial graph to sys.stderr (torch/export/_trace.py, print(e.partial_fx_graph)) "
-           "and logs a symbolic_shapes warning before raising; passes/trace.py::_trace_export lets both through, so "
-           "the CLI's error is not the only output on stderr",
-    strict=True,
-)
 def test_data_dependent_branch_is_a_one_line_error(branchy: tuple[Path, int, Result]) -> None:
     one_line_error(branchy[2])
 
@@ -586,12 +574,6 @@ def test_inspect_a_plan_whose_stage_file_was_deleted(mlp_plain: tuple[Result, Pa
     assert "missing the stage file 'stage_1.py'" in line
 
 
-@pytest.mark.xfail(
-    reason="cli/main.py inspect_cmd indexes plan.json's stage entries (s['parameters'], s['inputs'], ...) and "
-           "reports (Report.from_json: r['rows']) directly; read_plan_json only checks 'module' and 'weights', so a "
-           "KeyError escapes _errors() as a rich traceback with exit code 1",
-    strict=True,
-)
 @pytest.mark.parametrize("corrupt", ["stage without parameters", "report without rows"])
 def test_inspect_a_plan_json_missing_keys(mlp_plain: tuple[Result, Path], tmp_path: Path, corrupt: str) -> None:
     out = Path(shutil.copytree(mlp_plain[1], tmp_path / "plan"))
