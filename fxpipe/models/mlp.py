@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fxpipe.models._common import classification_loss
+
 DESCRIPTION = "stack of Linear+ReLU layers of unequal widths; a split by layer count is unbalanced"
 DEFAULT_SIZE = "small"
 
@@ -65,6 +67,4 @@ def make_example(
     return (x,), target
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of class logits ``(B, classes)`` against integer targets ``(B,)``."""
-    return nn.functional.cross_entropy(output, target)
+loss_fn = classification_loss

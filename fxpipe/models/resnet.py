@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fxpipe.models._common import classification_loss, image_batch
+
 DESCRIPTION = "bottleneck ResNet with BatchNorm and residual adds, from CIFAR-size to ResNet-50"
 DEFAULT_SIZE = "small"
 
@@ -136,11 +138,7 @@ def make_example(
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Standard-normal RGB images ``(B, 3, H, W)`` and integer class targets, on CPU in float32."""
     spec = SIZES[size]
-    images = torch.randn(batch_size, 3, spec.image_size, spec.image_size, generator=generator)
-    target = torch.randint(0, spec.num_classes, (batch_size,), generator=generator)
-    return (images,), target
+    return image_batch(batch_size, spec.image_size, spec.num_classes, generator)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of class logits ``(B, classes)`` against integer targets ``(B,)``."""
-    return nn.functional.cross_entropy(output, target)
+loss_fn = classification_loss
