@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -74,13 +74,17 @@ class Pipeline(torch.nn.Module):
                 "call it as you called the model at compile time"
             )
         env: dict[str, Any] = dict(zip(self.input_names, flat))
-        for stage in self.stages:
+        for stage in self.stage_list():
             results = stage(*(env[name] for name in stage.inputs))
             env.update(zip(stage.outputs, results))
         leaves = [env[n] if n is not None else c for n, c in zip(self.output_names, self.output_constants)]
         if self.out_spec is None:
             return tuple(leaves)
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def stage_list(self) -> list[Stage]:
+        """The stages, typed (iterating the ModuleList gives plain Modules)."""
+        return [cast(Stage, s) for s in self.stages]
 
     def report(self) -> list[Report]:
         """Every pass's tables, in pass order, then the per-pass timing table."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -21,7 +21,7 @@ def clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     result = graph.graph_copy(gm.graph, val_map, return_output_node=True)
     if result is not None:
-        out_value, out_node = result  # type: ignore[misc]
+        out_value, out_node = cast(tuple[Any, torch.fx.Node], result)
         new_out = graph.output(out_value, out_node.type)
         new_out.meta = copy.copy(out_node.meta)
     graph._codegen = copy.deepcopy(gm.graph._codegen)

@@ -130,10 +130,10 @@ def layer_stats(gm: torch.fx.GraphModule) -> list[LayerStats]:
     for idx in sorted(groups):
         members = groups[idx]
         metas = [get_meta(n) for n in members]
-        params = sorted({a.target for n in members for a in n.all_input_nodes if a.op == "get_attr"})
+        params = sorted({str(a.target) for n in members for a in n.all_input_nodes if a.op == "get_attr"})
         if any(n.op == "call_module" for n in members):  # fx tracer: parameters live in leaf modules
             params = sorted(set(params) | {f"{n.target}.{p}" for n in members if n.op == "call_module"
-                                           for p, _ in get_path(gm, n.target).named_parameters()})
+                                           for p, _ in get_path(gm, str(n.target)).named_parameters()})
         stats.append(
             LayerStats(
                 idx=idx,

@@ -69,7 +69,7 @@ def split_stages(gm: torch.fx.GraphModule) -> PassResult:
             local[value].meta = copy.copy(value.meta)
         owner = torch.nn.Module()
         for attr in attrs:
-            local[attr] = graph.get_attr(attr.target)
+            local[attr] = graph.get_attr(str(attr.target))
             local[attr].meta = copy.copy(attr.meta)
             set_path(owner, str(attr.target), get_path(gm, str(attr.target)))
         for node in body:
@@ -120,7 +120,7 @@ def split_stages(gm: torch.fx.GraphModule) -> PassResult:
 def verify_split(root: torch.fx.GraphModule) -> list[str]:
     """The root owns nothing itself, every stage owns what it reads, and no call node was lost."""
     problems = []
-    if list(root.named_parameters(recurse=False)) or list(root.named_buffers(recurse=False)):
+    if any(True for _ in root.named_parameters(recurse=False)) or any(True for _ in root.named_buffers(recurse=False)):
         problems.append("the root holds parameters or buffers directly")
     total = 0
     for name, stage in root.named_children():
