@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
 from torch.utils import flop_counter
 
 
@@ -34,3 +35,33 @@ def _raw(registered: Any) -> Any:
 
     count._get_raw = True  # type: ignore[attr-defined]
     return count
+
+
+def joint_graph(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The joint forward+backward ATen graph of ``module(*args)`` with typed descriptors, and its fake mode.
+
+    Wraps ``torch._functorch.aot_autograd.aot_export_joint_with_descriptors`` (private, its
+    signature still changes between releases). Every placeholder and the output node carry
+    ``meta["desc"]``: ParamAOTInput(target=...), PlainAOTInput(idx=...), TangentAOTInput(...),
+    PlainAOTOutput(idx=...), GradAOTOutput(grad_of=...), InputMutationAOTOutput(...).
+    The returned graph must be run outside the export (fake mode is active inside it).
+    """
+    import contextlib
+
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, module, args)
+        return joint.graph_module, joint.fake_mode
+
+
+def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Forward and backward graphs of a joint graph, saving (not recomputing) what backward needs."""
+    from torch._functorch.partitioners import default_partition
+
+    return default_partition(joint, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def descriptor_kind(desc: Any) -> str:
+    """The class name of an AOTAutograd descriptor ("ParamAOTInput", "GradAOTOutput", ...)."""
+    return type(desc).__name__

@@ -12,21 +12,40 @@ import torch.utils._pytree as pytree
 
 from fxpipe.errors import OptionError
 from fxpipe.passes import CompileOptions, History, build_steps, run_steps
+from fxpipe.passes.split_backward import StageGraphs
 from fxpipe.report import Report
 
 
 class Stage(torch.nn.Module):
     """One pipeline stage: a GraphModule that owns its parameters, and the names of its values."""
 
-    def __init__(self, index: int, module: torch.fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    def __init__(self, index: int, module: torch.fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str],
+                 graphs: StageGraphs | None = None) -> None:
         super().__init__()
         self.index = index
         self.module = module
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
+        self.graphs = graphs
+        if graphs is not None and graphs.forward is not None:
+            # ``stage.forward`` is the F graph itself (stage inputs -> outputs + saved tensors), as
+            # split_backward documents; it is kept out of _modules so its shared parameters are
+            # not listed twice.
+            object.__setattr__(self, "forward", graphs.forward)
 
     def forward(self, *args: Any) -> tuple[Any, ...]:
+        """Without a split backward: the stage's outputs (with one, the F graph replaces this)."""
         return tuple(self.module(*args))
+
+    @property
+    def backward_input(self) -> torch.fx.GraphModule | None:
+        """B: saved tensors and output gradients -> input gradients and what W needs."""
+        return None if self.graphs is None else self.graphs.backward_input
+
+    @property
+    def backward_weight(self) -> torch.fx.GraphModule | None:
+        """W: what B handed over and saved tensors -> every parameter's gradient."""
+        return None if self.graphs is None else self.graphs.backward_weight
 
 
 class Pipeline(torch.nn.Module):
@@ -75,12 +94,18 @@ class Pipeline(torch.nn.Module):
             )
         env: dict[str, Any] = dict(zip(self.input_names, flat))
         for stage in self.stage_list():
-            results = stage(*(env[name] for name in stage.inputs))
+            results = stage.module(*(env[name] for name in stage.inputs))
             env.update(zip(stage.outputs, results))
         leaves = [env[n] if n is not None else c for n, c in zip(self.output_names, self.output_constants)]
         if self.out_spec is None:
             return tuple(leaves)
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+    @property
+    def stage_graphs(self) -> list[StageGraphs] | None:
+        """Each stage's F, B and W graphs (split_backward), or None when they were not built."""
+        graphs = [s.graphs for s in self.stage_list()]
+        return None if any(g is None for g in graphs) else graphs  # type: ignore[return-value]
 
     def stage_list(self) -> list[Stage]:
         """The stages, typed (iterating the ModuleList gives plain Modules)."""
@@ -141,7 +166,7 @@ def compile(
     unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
     if unknown:
         raise OptionError(f"unknown compile option(s) {unknown}; known: {sorted(CompileOptions.__dataclass_fields__)}")
-    if options.get("stop_after") not in (None, "split-stages"):
+    if options.get("stop_after") not in (None, "split-stages", "split-backward"):
         raise OptionError("compile() builds a Pipeline, so it runs every pass; use fxpipe.passes.run_steps to stop early")
     opts = CompileOptions(stages=stages, **options)
     root, history = run_steps(build_steps(model, example_inputs, opts, example_kwargs),
@@ -152,8 +177,9 @@ def compile(
 def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, info: dict[str, Any] | None = None) -> Pipeline:
     """Wrap the split-stages root graph as a Pipeline."""
     wiring = root.meta["fxpipe_wiring"]
+    graphs = root.meta.get("fxpipe_stage_graphs") or [None] * len(wiring["stages"])
     stage_list = [
-        Stage(k, getattr(root, f"stage_{k}"), w["inputs"], w["outputs"]) for k, w in enumerate(wiring["stages"])
+        Stage(k, getattr(root, f"stage_{k}"), w["inputs"], w["outputs"], graphs[k]) for k, w in enumerate(wiring["stages"])
     ]
     plan = root.meta.get("fxpipe_stage_plan")
     extra = dict(info or {})

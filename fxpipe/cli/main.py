@@ -150,7 +150,7 @@ def compile_cmd(
                                       print_after=options.print_after,
                                       on_start=lambda name, i, n: step(f"pass {name}", i, n))
         reports = [r for rec in history.records for r in rec.reports] + [history.report()]
-        finished = history.records[-1].name == "split-stages"
+        finished = len(history.records) == len(steps)
         written = None
         info: dict[str, Any] = {"model": resolved.name, "options": options.to_json()}
         if finished:

@@ -15,7 +15,8 @@ from fxpipe.passes.partition_stages import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, p
 from fxpipe.passes.split_stages import split_stages, verify_split
 from fxpipe.passes.trace import trace
 
-PASS_NAMES = ("trace", "annotate-costs", "group-layers", "profile-layers", "partition-stages", "split-stages")
+PASS_NAMES = ("trace", "annotate-costs", "group-layers", "profile-layers", "partition-stages", "split-stages",
+              "split-backward")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class CompileOptions:
     profile_runs: int = 5
     device_flops: float = DEFAULT_DEVICE_FLOPS
     device_mem_bw: float = DEFAULT_DEVICE_MEM_BW
+    split_backward: bool = True
     verify_each: bool = False
     stop_after: str | None = None
     print_after: tuple[str, ...] = ()
@@ -66,6 +68,11 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
             memory_per_stage=options.memory_per_stage, microbatches=options.microbatches), verify_stages),
         Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
     ]
+    if options.split_backward:
+        from fxpipe.passes.split_backward import split_backward, verify_split_backward
+
+        steps.append(Step("split-backward", lambda gm: split_backward(
+            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs)), verify_split_backward))
     return steps
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from typing import Any, cast
@@ -28,6 +29,19 @@ def clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
+
+
+@contextlib.contextmanager
+def preserved_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """Run example data through ``module`` without keeping its in-place buffer updates (BatchNorm statistics)."""
+    saved = {name: buf.detach().clone() for name, buf in module.named_buffers() if not buf.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buf in module.named_buffers():
+                if name in saved:
+                    buf.copy_(saved[name])
 
 
 def compute_nodes(graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:

@@ -13,7 +13,7 @@ import torch.fx
 
 from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import clone, compute_nodes
+from fxpipe.passes._graph import clone, compute_nodes, preserved_buffers
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.report import Report
@@ -44,9 +44,8 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
     root = split_stages(by_layer).gm
     wiring = root.meta["fxpipe_wiring"]
 
-    saved_buffers = {name: buf.detach().clone() for name, buf in gm.named_buffers()}
     measured: list[tuple[float, float]] = []
-    try:
+    with preserved_buffers(gm):
         env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
         for k, w in enumerate(wiring["stages"]):
             stage = getattr(root, f"stage_{k}")
@@ -54,10 +53,6 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
             measured.append(_time_layer(stage, args, runs))
             with torch.no_grad():
                 env.update(zip(w["outputs"], stage(*args)))
-    finally:
-        with torch.no_grad():
-            for name, buf in gm.named_buffers():
-                buf.copy_(saved_buffers[name])
 
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):

@@ -1,0 +1,423 @@
+"""split_backward: each stage's backward as separate input-gradient (B) and weight-gradient (W) graphs.
+
+For each stage GraphModule, AOTAutograd traces the joint forward+backward graph; the forward
+is partitioned off (saving, never recomputing, what backward needs), and the backward graph is
+split by its typed output descriptors:
+
+    F  (*inputs)                       -> (*outputs, *saved)
+    B  (*slots_B)                      -> (*input_grads, *handover)
+    W  (*handover, *slots_W)           -> (*param_grads)           # in StageGraphs.param_names order
+
+A slot is ``("saved", i)`` (F's i-th saved tensor) or ``("grad", j)`` (the gradient of the
+stage's j-th differentiable output). B is every backward node on a path to an input gradient;
+W is the rest of what the parameter gradients need, and ``handover`` is what W reads from B.
+Multi-output backward ops that make both (``convolution_backward``, ``native_layer_norm_backward``,
+...) are split in two by their ``output_mask`` so the weight half runs in W.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxpipe._compat import descriptor_kind, joint_graph, partition_joint
+from fxpipe.passes._graph import COMPUTE_OPS, preserved_buffers, value_bytes
+from fxpipe.passes.annotate_costs import _CostInterpreter
+from fxpipe.passes.driver import PassResult
+from fxpipe.report import Report
+
+Slot = tuple[str, int]  # ("saved", i) or ("grad", j)
+
+
+@dataclass(frozen=True, eq=False)
+class StageGraphs:
+    """The F, B and W graphs of one stage and their calling convention (see the module docstring).
+
+    When ``fused_reason`` is set the stage could not be split: the three graphs are None and
+    executors run the stage's module under autograd with one fused backward (BW).
+    """
+
+    forward: torch.fx.GraphModule | None
+    backward_input: torch.fx.GraphModule | None
+    backward_weight: torch.fx.GraphModule | None
+    num_outputs: int = 0
+    num_saved: int = 0
+    grad_inputs: tuple[int, ...] = ()  # stage input positions whose gradient B returns, in order
+    grad_outputs: tuple[int, ...] = ()  # stage output positions that take a gradient; ("grad", j) is the j-th
+    b_slots: tuple[Slot, ...] = ()
+    w_slots: tuple[Slot, ...] = ()
+    num_handover: int = 0
+    param_names: tuple[str, ...] = ()
+    flops_forward: int = 0
+    flops_backward_input: int = 0
+    flops_backward_weight: int = 0
+    flops_fused_backward: int = 0  # the backward graph before the split
+    bytes_f_to_b: int = 0  # what F keeps for B and W
+    bytes_b_to_w: int = 0  # what is still held once B ran, until W runs
+    split_ops: tuple[str, ...] = ()  # multi-output backward ops split in two by output_mask
+    fused_reason: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_reason is not None
+
+
+class _Unsplittable(Exception):
+    """A stage whose joint graph has a shape this pass does not split; it falls back to fused."""
+
+
+def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult:
+    """Build F, B and W graphs for every stage of a split-stages root graph.
+
+    Reads: the root's stages and wiring (split_stages), the model's flattened example inputs
+    (real, or ``meta`` for models built on the meta device) to give each stage inputs of the
+    right shape, and which of them need a gradient.
+    Writes: ``root.meta["fxpipe_stage_graphs"]``, one StageGraphs per stage; the graph itself is
+    unchanged. A stage that cannot be split keeps a fused backward, and the report says why.
+
+        stage_1: 24 nodes  ──▶  F 31 ops (saves 18 tensors) | B 27 ops | W 22 ops (handover 6)
+    """
+    wiring = root.meta["fxpipe_wiring"]
+    env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
+    needs_grad: set[str] = set()
+    graphs: list[StageGraphs] = []
+    for k, w in enumerate(wiring["stages"]):
+        stage = getattr(root, f"stage_{k}")
+        args = [env[name] for name in w["inputs"]]
+        with torch.no_grad(), preserved_buffers(stage):
+            outs = stage(*args)
+        env.update(zip(w["outputs"], outs))
+        example = [_example(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
+        result = split_stage(stage, example)
+        graphs.append(result)
+        if result.fused:
+            diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        else:
+            diff = list(result.grad_outputs)
+        needs_grad.update(w["outputs"][i] for i in diff)
+    out = root  # the stage graphs ride on the root's meta; the root graph is not rewritten
+    out.meta["fxpipe_stage_graphs"] = graphs
+    return PassResult(out, True, (_report(graphs),))
+
+
+def split_stage(module: torch.fx.GraphModule, args: Sequence[Any]) -> StageGraphs:
+    """F, B and W for one stage called on ``args`` (tensors with ``requires_grad`` set as the pipeline needs)."""
+    try:
+        return _split(module, tuple(args))
+    except _Unsplittable as exc:
+        return StageGraphs(None, None, None, fused_reason=str(exc))
+    except Exception as exc:  # AOTAutograd can refuse a graph; the stage still trains, fused
+        return StageGraphs(None, None, None, fused_reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+
+def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:
+    problems = []
+    graphs = root.meta.get("fxpipe_stage_graphs")
+    stages = [m for n, m in root.named_children() if n.startswith("stage_")]
+    if graphs is None or len(graphs) != len(stages):
+        return [f"expected {len(stages)} StageGraphs, found {0 if graphs is None else len(graphs)}"]
+    for k, g in enumerate(graphs):
+        if g.fused:
+            continue
+        for name, gm in (("F", g.forward), ("B", g.backward_input), ("W", g.backward_weight)):
+            try:
+                gm.graph.lint()  # type: ignore[union-attr]
+            except Exception as exc:
+                problems.append(f"stage {k} {name}: {exc}")
+        owned = {n for n, p in stages[k].named_parameters(remove_duplicate=False) if p.requires_grad}
+        if set(g.param_names) != owned:
+            problems.append(f"stage {k} W gives gradients for {sorted(g.param_names)}, the stage trains {sorted(owned)}")
+    return problems
+
+
+def _example(value: Any, requires_grad: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().clone() if not value.is_meta else torch.empty_like(value)
+        return t.requires_grad_(requires_grad and t.is_floating_point())
+    return value
+
+
+def _split(module: torch.fx.GraphModule, args: tuple[Any, ...]) -> StageGraphs:
+    joint, _ = joint_graph(module, args)
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    out_descs = list(out_node.meta["desc"])
+    for node in placeholders:
+        kind = descriptor_kind(node.meta.get("desc"))
+        if kind not in ("ParamAOTInput", "BufferAOTInput", "PlainAOTInput", "TangentAOTInput"):
+            raise _Unsplittable(f"joint graph input {node.name} is a {kind}, which the split does not handle")
+    # Forward outputs first, then one entry per differentiable input: a gradient, or None (with a
+    # None descriptor) for an input that needs none.
+    kinds = [descriptor_kind(d) for d in out_descs]
+    num_fwd = next((i for i, k in enumerate(kinds) if k in ("GradAOTOutput", "NoneType")), len(kinds))
+    for k in kinds[:num_fwd]:
+        if k not in ("PlainAOTOutput", "InputMutationAOTOutput"):
+            raise _Unsplittable(f"joint graph forward output of kind {k} is not handled")
+    if any(k not in ("GradAOTOutput", "NoneType") for k in kinds[num_fwd:]):
+        raise _Unsplittable("joint graph outputs are not forward outputs followed by gradients")
+
+    fw, bw = partition_joint(joint, num_fwd)
+    forward, saved_names, num_outputs = _build_forward(module, fw)
+    # default_partition can leave forward ops whose results no gradient reads in the backward
+    # graph (seen: attention's forward kernel, which eliminate_dead_code keeps because it is
+    # tagged random). Neither eager autograd nor the split runs them.
+    live = _ancestors([next(n for n in reversed(bw.graph.nodes) if n.op == "output")])
+    for node in reversed(list(bw.graph.nodes)):
+        if node.op in COMPUTE_OPS and node not in live and not node.users:
+            bw.graph.erase_node(node)
+    bw.recompile()
+    fused_bw = copy.deepcopy(bw)
+    split_ops = _split_masked_ops(bw)
+    return _build_backward(module, fw, bw, fused_bw, forward, saved_names, num_outputs, split_ops)
+
+
+def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], int]:
+    """F from the partitioned forward: parameters as get_attr, buffer mutations applied in place."""
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs = sorted((n for n in fw.graph.nodes if n.op == "placeholder" and descriptor_kind(n.meta.get("desc")) == "PlainAOTInput"),
+                    key=lambda n: n.meta["desc"].idx)
+    for n in inputs:
+        env[n] = g.placeholder(f"input_{n.meta['desc'].idx}")
+        env[n].meta = copy.copy(n.meta)
+    by_name: dict[str, torch.fx.Node] = {}
+    outputs: dict[int, Any] = {}
+    saved: list[torch.fx.Node] = []
+    for n in fw.graph.nodes:
+        if n.op == "placeholder":
+            if n not in env:
+                env[n] = _attr(g, n)
+        elif n.op == "output":
+            for arg, desc in zip(n.args[0], n.meta["desc"]):
+                kind = descriptor_kind(desc)
+                if kind == "PlainAOTOutput":
+                    outputs[desc.idx] = env[arg] if isinstance(arg, torch.fx.Node) else arg
+                elif kind == "InputMutationAOTOutput":
+                    target = desc.mutated_input
+                    if descriptor_kind(target) != "BufferAOTInput":
+                        raise _Unsplittable(f"the stage mutates its input {target}; only buffer updates are handled")
+                    g.call_function(torch.ops.aten.copy_.default, (g.get_attr(target.target), env[arg]))
+                else:
+                    saved.append(arg)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+        by_name[n.name] = n
+    num_outputs = len(outputs)
+    saved_names = [s.name for s in saved]
+    g.output((*(outputs[i] for i in range(num_outputs)), *(env[s] for s in saved)))
+    return torch.fx.GraphModule(module, g, class_name="StageForward"), saved_names, num_outputs
+
+
+def _attr(g: torch.fx.Graph, placeholder: torch.fx.Node) -> torch.fx.Node:
+    desc = placeholder.meta.get("desc")
+    kind = descriptor_kind(desc)
+    if kind not in ("ParamAOTInput", "BufferAOTInput"):
+        raise _Unsplittable(f"graph input {placeholder.name} ({kind}) is neither a stage input nor a parameter")
+    node = g.get_attr(desc.target)
+    node.meta = copy.copy(placeholder.meta)
+    return node
+
+
+def _split_masked_ops(bw: torch.fx.GraphModule) -> list[str]:
+    """Split each backward op that makes both an input gradient and weight gradients into two calls.
+
+    ``convolution_backward(..., output_mask=[True, True, True])`` used by B (grad_input) and W
+    (grad_weight, grad_bias) becomes one call with mask [True, False, False] in B and one with
+    [False, True, True] in W: the same FLOPs, none of the weight work in B.
+    """
+    out_node = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+    b_roots = [a for a, d in zip(out_node.args[0], out_node.meta["desc"])
+               if isinstance(a, torch.fx.Node) and _grad_kind(d) == "PlainAOTInput"]
+    in_b = _ancestors(b_roots)
+    split: list[str] = []
+    for node in list(bw.graph.nodes):
+        if node not in in_b or node.op != "call_function" or not hasattr(node.target, "_schema"):
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        if "output_mask" not in names:
+            continue
+        pos = names.index("output_mask")
+        mask = list(node.args[pos] if pos < len(node.args) else node.kwargs["output_mask"])
+        users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        b_idx = {i for i, u in users.items() if u in in_b}
+        w_idx = {i for i in users if i not in b_idx}
+        if not w_idx or not b_idx:
+            continue
+        mask_b = [bool(m) and i in b_idx for i, m in enumerate(mask)]
+        mask_w = [bool(m) and i in w_idx for i, m in enumerate(mask)]
+        with bw.graph.inserting_after(node):
+            twin = bw.graph.node_copy(node)
+        _set_arg(node, pos, mask_b)
+        _set_arg(twin, pos, mask_w)
+        for i in w_idx:
+            users[i].replace_input_with(node, twin)
+        twin.meta = copy.copy(node.meta)
+        split.append(str(node.target).replace("aten.", "").replace(".default", ""))
+    bw.graph.lint()
+    bw.recompile()
+    return split
+
+
+def _set_arg(node: torch.fx.Node, pos: int, value: Any) -> None:
+    if pos < len(node.args):
+        args = list(node.args)
+        args[pos] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, "output_mask": value}
+
+
+def _grad_kind(desc: Any) -> str:
+    return descriptor_kind(getattr(desc, "grad_of", None)) if descriptor_kind(desc) == "GradAOTOutput" else ""
+
+
+def _ancestors(roots: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _build_backward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                    fused_bw: torch.fx.GraphModule, forward: torch.fx.GraphModule, saved_names: list[str],
+                    num_outputs: int, split_ops: list[str]) -> StageGraphs:
+    out_node = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+    b_roots: dict[int, torch.fx.Node] = {}
+    w_roots: list[tuple[str, torch.fx.Node]] = []
+    for arg, desc in zip(out_node.args[0], out_node.meta["desc"]):
+        if not isinstance(arg, torch.fx.Node):
+            continue
+        kind = _grad_kind(desc)
+        if kind == "PlainAOTInput":
+            b_roots[desc.grad_of.idx] = arg
+        elif kind == "ParamAOTInput":
+            w_roots.append((desc.grad_of.target, arg))
+        else:
+            raise _Unsplittable(f"backward output {desc} is not a gradient of an input or a parameter")
+
+    # Slots: what the backward graph reads that is not a parameter.
+    grad_outputs: list[int] = []
+    slot_of: dict[torch.fx.Node, Slot] = {}
+    saved_index = {name: i for i, name in enumerate(saved_names)}
+    for n in bw.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        kind = descriptor_kind(n.meta.get("desc"))
+        if kind == "TangentAOTInput":
+            out_desc = n.meta["desc"].output
+            if descriptor_kind(out_desc) != "PlainAOTOutput":
+                raise _Unsplittable(f"tangent for {out_desc} is not for a stage output")
+            slot_of[n] = ("grad", len(grad_outputs))
+            grad_outputs.append(out_desc.idx)
+        elif kind in ("ParamAOTInput", "BufferAOTInput"):
+            continue
+        elif n.name in saved_index:
+            slot_of[n] = ("saved", saved_index[n.name])
+        else:
+            raise _Unsplittable(f"backward input {n.name} is not saved by the forward")
+
+    in_b = {n for n in _ancestors(b_roots.values()) if n.op in COMPUTE_OPS}
+    in_w = {n for n in _ancestors(r for _, r in w_roots) if n.op in COMPUTE_OPS} - in_b
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    handover = sorted(
+        {a for n in in_w for a in n.all_input_nodes if a in in_b} | {r for _, r in w_roots if r in in_b},
+        key=order.__getitem__,
+    )
+
+    def build(members: set[torch.fx.Node], lead: list[torch.fx.Node], outputs: list[torch.fx.Node],
+              name: str) -> tuple[torch.fx.GraphModule, list[Slot]]:
+        g = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for i, n in enumerate(lead):
+            env[n] = g.placeholder(f"handover_{i}")
+            env[n].meta = copy.copy(n.meta)
+        slots: list[Slot] = []
+        reads = {a for n in members for a in n.all_input_nodes} | set(outputs)
+        for n in bw.graph.nodes:
+            if n.op == "placeholder" and n in reads and n not in env:
+                if n in slot_of:
+                    slot = slot_of[n]
+                    env[n] = g.placeholder(f"{slot[0]}_{slot[1]}")
+                    env[n].meta = copy.copy(n.meta)
+                    slots.append(slot)
+                else:
+                    env[n] = _attr(g, n)
+        for n in bw.graph.nodes:
+            if n in members:
+                env[n] = g.node_copy(n, env.__getitem__)
+        g.output(tuple(env[o] for o in outputs))
+        return torch.fx.GraphModule(module, g, class_name=name), slots
+
+    grad_inputs = sorted(b_roots)
+    backward_input, b_slots = build(in_b, [], [b_roots[i] for i in grad_inputs] + handover, "StageBackwardInput")
+    backward_weight, w_slots = build(in_w, handover, [r for _, r in w_roots], "StageBackwardWeight")
+
+    saved_vals = [n.meta.get("val") for n in bw.graph.nodes if n.op == "placeholder" and slot_of.get(n, ("", 0))[0] == "saved"]
+    slot_bytes = {slot_of[n]: value_bytes(n.meta.get("val")) for n in slot_of}
+    return StageGraphs(
+        forward=forward,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+        num_outputs=num_outputs,
+        num_saved=len(saved_names),
+        grad_inputs=tuple(grad_inputs),
+        grad_outputs=tuple(grad_outputs),
+        b_slots=tuple(b_slots),
+        w_slots=tuple(w_slots),
+        num_handover=len(handover),
+        param_names=tuple(t for t, _ in w_roots),
+        flops_forward=count_flops(forward),
+        flops_backward_input=count_flops(backward_input),
+        flops_backward_weight=count_flops(backward_weight),
+        flops_fused_backward=count_flops(fused_bw),
+        bytes_f_to_b=sum(value_bytes(v) for v in saved_vals),
+        bytes_b_to_w=sum(value_bytes(n.meta.get("val")) for n in handover) + sum(slot_bytes[s] for s in w_slots),
+        split_ops=tuple(split_ops),
+    )
+
+
+def count_flops(gm: torch.fx.GraphModule) -> int:
+    """FLOPs of one run of ``gm`` on fake tensors shaped like its placeholders' ``meta["val"]``."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    with mode:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                v = n.meta.get("val")
+                inputs.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                              if isinstance(v, torch.Tensor) else v)
+    interp = _CostInterpreter(gm, mode)
+    interp.run_costs(inputs)
+    return sum(interp.flops.values())
+
+
+def _report(graphs: list[StageGraphs]) -> Report:
+    rows = []
+    notes = []
+    for k, g in enumerate(graphs):
+        if g.fused:
+            rows.append((k, "fused", 0, 0, 0, 0, 0.0, 0.0))
+            notes.append(f"stage {k} keeps a fused backward: {g.fused_reason}")
+            continue
+        rows.append((k, "split", g.flops_forward, g.flops_backward_input, g.flops_backward_weight, g.num_handover,
+                     round(g.bytes_f_to_b / 2**20, 4), round(g.bytes_b_to_w / 2**20, 4)))
+        if g.split_ops:
+            notes.append(f"stage {k}: split by output_mask into B and W halves: {', '.join(sorted(set(g.split_ops)))}")
+    return Report(
+        title="split-backward: F, B and W per stage",
+        columns=("stage", "backward", "F FLOPs", "B FLOPs", "W FLOPs", "handover", "F->B MiB", "B->W MiB"),
+        rows=tuple(rows),
+        notes=tuple(notes),
+    )
