@@ -35,6 +35,7 @@ class CompileOptions:
     device_flops: float = DEFAULT_DEVICE_FLOPS
     device_mem_bw: float = DEFAULT_DEVICE_MEM_BW
     split_backward: bool = True
+    input_grads: bool = False
     verify_each: bool = False
     stop_after: str | None = None
     print_after: tuple[str, ...] = ()
@@ -72,7 +73,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
         from fxpipe.passes.split_backward import split_backward, verify_split_backward
 
         steps.append(Step("split-backward", lambda gm: split_backward(
-            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs)), verify_split_backward))
+            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), input_grads=options.input_grads),
+            verify_split_backward))
     return steps
 
 

@@ -73,20 +73,22 @@ class _Unsplittable(Exception):
     """A stage whose joint graph has a shape this pass does not split; it falls back to fused."""
 
 
-def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult:
+def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *, input_grads: bool = False) -> PassResult:
     """Build F, B and W graphs for every stage of a split-stages root graph.
 
     Reads: the root's stages and wiring (split_stages), the model's flattened example inputs
     (real, or ``meta`` for models built on the meta device) to give each stage inputs of the
     right shape, and which of them need a gradient.
     Writes: ``root.meta["fxpipe_stage_graphs"]``, one StageGraphs per stage; the graph itself is
-    unchanged. A stage that cannot be split keeps a fused backward, and the report says why.
+    unchanged. ``input_grads`` also differentiates the model's floating-point inputs (so the
+    first stage's B computes their gradient); by default they are data and need none. A stage that cannot be split keeps a fused backward, and the report says why.
 
         stage_1: 24 nodes  ──▶  F 31 ops (saves 18 tensors) | B 27 ops | W 22 ops (handover 6)
     """
     wiring = root.meta["fxpipe_wiring"]
     env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
-    needs_grad: set[str] = set()
+    needs_grad: set[str] = {name for name, v in env.items()
+                            if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
     graphs: list[StageGraphs] = []
     for k, w in enumerate(wiring["stages"]):
         stage = getattr(root, f"stage_{k}")

@@ -39,6 +39,7 @@ class ReferenceExecutor:
         self.graphs: list[StageGraphs] = list(graphs)
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
+        self.input_grads: list[dict[str, torch.Tensor]] = []
 
     def default_order(self, num_microbatches: int) -> list[Action]:
         """Every microbatch's F through all stages, then B (and W right after) from the last stage back."""
@@ -62,6 +63,8 @@ class ReferenceExecutor:
         for action in order if order is not None else self.default_order(len(microbatches)):
             run.do(action)
         run.check_finished()
+        # Gradients of the model's own inputs, per microbatch (compiled with input_grads=True).
+        self.input_grads = [{n: g[n] for n in self.pipe.input_names if g[n] is not None} for g in run.grads]
         return run.losses
 
 
@@ -105,13 +108,12 @@ class _Run:
         self.done.add(action)
 
     def check_finished(self) -> None:
-        for s, g in enumerate(self.ex.graphs):
-            kinds = ("F", "BW") if g.fused else ("F", "B", "W")
-            for m in range(len(self.mbs)):
-                for kind in kinds:
-                    if (s, kind, m) not in self.done:
-                        raise ScheduleError(f"the order never runs {_fmt((s, kind, m))}; "
-                                            "every microbatch needs F and B and W (or BW) on every stage")
+        missing = [(s, kind, m) for s, g in enumerate(self.ex.graphs) for m in range(len(self.mbs))
+                   for kind in (("F", "BW") if g.fused else ("F", "B", "W")) if (s, kind, m) not in self.done]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ScheduleError(f"the order never runs {_fmt(missing[0])}{more}; "
+                                "every microbatch needs F and B and W (or BW) on every stage")
 
     # -- actions ---------------------------------------------------------------------------
 

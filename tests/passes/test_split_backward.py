@@ -1,0 +1,156 @@
+"""split_backward: F, B and W graphs per stage; run by the reference executor they give eager's gradients."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpipe
+from fxpipe import models
+from fxpipe._compat import flop_counter_mode
+from fxpipe.models import GPT, GPTConfig
+from fxpipe.runtime.reference import ReferenceExecutor
+
+ZOO = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "vgg-tiny"]
+
+
+def _microbatches(zoo: Any, count: int, seed: int = 7) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """``count`` microbatches shaped like the zoo's example batch, with different values."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        inputs = tuple(
+            torch.randn(x.shape, generator=gen, dtype=x.dtype) if x.is_floating_point()
+            else torch.randint(0, int(x.max()) + 1, x.shape, generator=gen) for x in zoo.example_inputs
+        )
+        t = zoo.example_target
+        target = torch.randint(0, int(t.max()) + 1, t.shape, generator=gen)
+        out.append((inputs, target))
+    return out
+
+
+def check_fbw_matches_eager(model: nn.Module, example: tuple[Any, ...], loss_fn: Any,
+                            mbs: list[tuple[tuple[Any, ...], Any]], stages: int, *, seed: int = 0,
+                            order: Any = None, **options: Any) -> fxpipe.Pipeline:
+    """F, B, W per microbatch through the reference executor == eager autograd on the mean loss."""
+    ref = copy.deepcopy(model)
+    mine = copy.deepcopy(model)
+    inputs_ref = [tuple(x.clone().requires_grad_(x.is_floating_point()) for x in mb[0]) for mb in mbs]
+    torch.manual_seed(seed)
+    losses_ref = [loss_fn(ref(*x), mb[1]) for x, mb in zip(inputs_ref, mbs)]
+    (sum(losses_ref) / len(mbs)).backward()
+
+    pipe = fxpipe.compile(mine, example, stages=stages, input_grads=True, **options)
+    assert pipe.stage_graphs is not None
+    assert not [g.fused_reason for g in pipe.stage_graphs if g.fused]
+    ex = ReferenceExecutor(pipe, loss_fn)
+    torch.manual_seed(seed)
+    losses = ex.run(mbs, order=order)
+
+    torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref).detach())
+    ref_params = dict(ref.named_parameters())
+    for name, p in mine.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
+    for m, x in enumerate(inputs_ref):
+        for name, xi in zip(pipe.input_names, x):
+            if xi.is_floating_point():
+                torch.testing.assert_close(ex.input_grads[m][name], xi.grad, msg=lambda msg: f"input {name}: {msg}")
+    return pipe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_fbw_gradients_equal_eager(name: str, stages: int, dtype: torch.dtype) -> None:
+    zoo = models.build(name, dtype=dtype)
+    check_fbw_matches_eager(zoo.model, zoo.example_inputs, zoo.loss_fn, _microbatches(zoo, 2), stages)
+
+
+def test_dropout_uses_the_same_mask_in_f_b_and_w() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.2)).train()
+    idx = torch.randint(0, 64, (2, 16))
+    mbs = [(tuple([torch.randint(0, 64, (2, 16))]), torch.randint(0, 64, (2, 16))) for _ in range(2)]
+    from fxpipe.models.gpt import loss_fn
+
+    pipe = check_fbw_matches_eager(model, (idx,), loss_fn, mbs, 3, seed=123)
+    assert any("dropout" in str(n.target) for g in pipe.stage_graphs for n in g.forward.graph.nodes)  # type: ignore[union-attr]
+
+
+def test_tied_weights_and_a_skip_connection() -> None:
+    from tests.passes.test_split_stages import SkipTied, _ce
+
+    torch.manual_seed(0)
+    model = SkipTied()
+    mbs = [((torch.randint(0, 32, (3, 5)),), torch.randint(0, 32, (3, 5))) for _ in range(3)]
+    pipe = check_fbw_matches_eager(model, mbs[0][0], _ce, mbs, 4, granularity="1")
+    assert pipe.shared_params == {"head.weight": [0, 3]}
+
+
+def test_transformers_gpt2_fbw() -> None:
+    from tests.test_transformers import _gpt2, _loss
+
+    torch.manual_seed(0)
+    mbs = [((torch.randint(0, 96, (2, 16)),), torch.randint(0, 96, (2, 16))) for _ in range(2)]
+    check_fbw_matches_eager(_gpt2(), mbs[0][0], _loss, mbs, 3)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_no_recomputation_b_plus_w_equals_eager_backward_flops(name: str) -> None:
+    zoo = models.build(name)
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
+    env = dict(zip(pipe.input_names, zoo.example_inputs))
+    grads_needed: set[str] = set()
+    for stage, g in zip(pipe.stage_list(), pipe.stage_graphs):  # type: ignore[arg-type]
+        args = [env[n].detach().requires_grad_(n in grads_needed) if isinstance(env[n], torch.Tensor) else env[n]
+                for n in stage.inputs]
+        outs = stage.module(*args)
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        wrt += [p for p in stage.module.parameters() if p.requires_grad]
+        with flop_counter_mode() as counter:
+            torch.autograd.grad(diff, wrt, grad_outputs=[torch.ones_like(o) for o in diff], allow_unused=True)
+        eager = counter.get_total_flops()
+        split = g.flops_backward_input + g.flops_backward_weight
+        assert split == g.flops_fused_backward
+        assert abs(split - eager) <= 0.01 * max(eager, 1), f"stage {stage.index}: B+W {split} vs eager backward {eager}"
+        env.update(zip(stage.outputs, (o.detach() for o in outs)))
+        grads_needed.update(stage.outputs[i] for i in g.grad_outputs)
+
+
+def test_first_stage_has_no_input_gradients_and_w_does_the_weight_work() -> None:
+    zoo = models.build("mlp-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    first, last = pipe.stage_graphs  # type: ignore[misc]
+    assert first.grad_inputs == () and first.flops_backward_input == 0 and first.flops_backward_weight > 0
+    assert last.grad_inputs == (0,) and last.flops_backward_input > 0 and last.flops_backward_weight > 0
+    stage = pipe.stages[1]
+    assert stage.forward is first.forward or stage.forward is last.forward
+    assert isinstance(stage.backward_input, torch.fx.GraphModule)
+    assert isinstance(stage.backward_weight, torch.fx.GraphModule)
+    table = next(r for r in pipe.report() if r.title.startswith("split-backward"))
+    assert table.column("B FLOPs")[0] == 0 and table.column("W FLOPs")[0] == first.flops_backward_weight
+
+
+def test_convolution_backward_is_split_by_output_mask() -> None:
+    zoo = models.build("resnet-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    last = pipe.stage_graphs[1]  # type: ignore[index]
+    b_convs = [n for n in last.backward_input.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
+    w_convs = [n for n in last.backward_weight.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
+    assert b_convs and w_convs
+    assert all(list(n.args[-1]) [1:] == [False, False] for n in b_convs)
+    assert all(not list(n.args[-1])[0] for n in w_convs)
+    assert "convolution_backward" in last.split_ops
+
+
+def test_split_backward_can_be_turned_off() -> None:
+    zoo = models.build("mlp-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, split_backward=False)
+    assert pipe.stage_graphs is None
+    assert pipe.stages[0].backward_input is None
