@@ -15,8 +15,8 @@ from fxpipe.passes.partition_stages import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, p
 from fxpipe.passes.split_stages import split_stages, verify_split
 from fxpipe.passes.trace import trace
 
-PASS_NAMES = ("trace", "annotate-costs", "group-layers", "profile-layers", "partition-stages", "split-stages",
-              "split-backward")
+PASS_NAMES = ("trace", "annotate-costs", "group-layers", "count-backward", "profile-layers", "partition-stages",
+              "split-stages", "split-backward")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
                                                           device_mem_bw=options.device_mem_bw), verify_costs),
         Step("group-layers", lambda gm: group_layers(need(gm), granularity=options.granularity), verify_layers),
     ]
+    if options.split_backward:
+        from fxpipe.passes.count_backward import count_backward
+
+        steps.append(Step("count-backward", lambda gm: count_backward(
+            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), device_flops=options.device_flops),
+            verify_costs))
     if options.profile:
         steps.append(Step("profile-layers", lambda gm: profile_layers(
             need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), runs=options.profile_runs), verify_layers))

@@ -18,8 +18,10 @@ half runs in W; normalisation backwards stay whole in B (see ``_SPLIT_BY_MASK``)
 from __future__ import annotations
 
 import copy
+import hashlib
 import operator
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpipe._compat import descriptor_kind, joint_graph, partition_joint
-from fxpipe.passes._graph import COMPUTE_OPS, preserved_buffers, value_bytes
+from fxpipe.passes._graph import COMPUTE_OPS, get_path, preserved_buffers, value_bytes
 from fxpipe.passes.annotate_costs import _CostInterpreter
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
@@ -90,6 +92,7 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     needs_grad: set[str] = {name for name, v in env.items()
                             if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
     graphs: list[StageGraphs] = []
+    seen: dict[str, int] = {}
     for k, w in enumerate(wiring["stages"]):
         stage = getattr(root, f"stage_{k}")
         args = [env[name] for name in w["inputs"]]
@@ -97,7 +100,12 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             outs = stage(*args)
         env.update(zip(w["outputs"], outs))
         example = [_example(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
-        result = split_stage(stage, example)
+        key = graph_signature(stage, example)
+        if key in seen:  # the same blocks as an earlier stage: reuse its graphs on these parameters
+            result = rebind(graphs[seen[key]], getattr(root, f"stage_{seen[key]}"), stage)
+        else:
+            result = split_stage(stage, example)
+            seen[key] = k
         graphs.append(result)
         if result.fused:
             diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
@@ -117,6 +125,60 @@ def split_stage(module: torch.fx.GraphModule, args: Sequence[Any]) -> StageGraph
         return StageGraphs(None, None, None, fused_reason=str(exc))
     except Exception as exc:  # AOTAutograd can refuse a graph; the stage still trains, fused
         return StageGraphs(None, None, None, fused_reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+
+
+def graph_signature(layer: torch.fx.GraphModule, example: list[Any]) -> str:
+    """A key equal for layers with the same ops, wiring, input and parameter shapes (names aside)."""
+    index = {n: i for i, n in enumerate(layer.graph.nodes)}
+    parts = []
+    for n in layer.graph.nodes:
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type,return-value]
+        extra = ""
+        if n.op == "get_attr":
+            t = get_path(layer, str(n.target))
+            extra = f"{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}" if isinstance(t, torch.Tensor) else "?"
+            parts.append(f"get_attr {extra}")
+            continue
+        if n.op == "placeholder":
+            parts.append("placeholder")
+            continue
+        target = n.target if n.op != "call_module" else type(get_path(layer, str(n.target))).__name__
+        parts.append(f"{n.op} {target} {args}")
+    for a in example:
+        parts.append(f"in {tuple(a.shape)}:{a.dtype}:{a.requires_grad}" if isinstance(a, torch.Tensor) else f"in {a!r}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+def rebind(graphs: StageGraphs, src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> StageGraphs:
+    """The F, B and W graphs of ``src`` moved onto ``dst``, a stage of the same signature with other parameters.
+
+    Equal signatures list their get_attr nodes in the same order, so the k-th parameter of one is
+    the k-th of the other.
+    """
+    if graphs.fused:
+        return graphs
+    names = dict(zip((str(n.target) for n in src.graph.nodes if n.op == "get_attr"),
+                     (str(n.target) for n in dst.graph.nodes if n.op == "get_attr")))
+
+    def move(gm: torch.fx.GraphModule | None, cls: str) -> torch.fx.GraphModule | None:
+        if gm is None:
+            return None
+        g = torch.fx.Graph()
+        result = g.graph_copy(gm.graph, {}, return_output_node=True)
+        value, out = result  # type: ignore[misc]
+        g.output(value, out.type)
+        for node in g.nodes:
+            if node.op == "get_attr":
+                node.target = names[str(node.target)]
+        return torch.fx.GraphModule(dst, g, class_name=cls)
+
+    return dataclasses.replace(
+        graphs,
+        forward=move(graphs.forward, "StageForward"),
+        backward_input=move(graphs.backward_input, "StageBackwardInput"),
+        backward_weight=move(graphs.backward_weight, "StageBackwardWeight"),
+        param_names=tuple(names[p] for p in graphs.param_names),
+    )
 
 
 def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:

@@ -154,3 +154,22 @@ def test_split_backward_can_be_turned_off() -> None:
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, split_backward=False)
     assert pipe.stage_graphs is None
     assert pipe.stages[0].backward_input is None
+
+
+def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)).train()
+    from fxpipe.models.gpt import loss_fn
+
+    mbs = [((torch.randint(0, 64, (2, 16)),), torch.randint(0, 64, (2, 16))) for _ in range(2)]
+    pipe = check_fbw_matches_eager(model, mbs[0][0], loss_fn, mbs, 6)
+    graphs = pipe.stage_graphs
+    assert graphs is not None
+    names = [[n for n, _ in s.module.named_parameters()] for s in pipe.stage_list()]
+    singles = [k for k, ns in enumerate(names)
+               if all(n.startswith("blocks.") for n in ns) and len({n.split(".")[1] for n in ns}) == 1]
+    assert len(singles) >= 2, "expected several one-block stages"
+    for k in singles:
+        owned = {n for n, _ in pipe.stages[k].module.named_parameters()}
+        attrs = {str(n.target) for n in graphs[k].backward_weight.graph.nodes if n.op == "get_attr"}  # type: ignore[union-attr]
+        assert set(graphs[k].param_names) == owned and attrs <= owned
