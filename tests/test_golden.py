@@ -13,6 +13,6 @@ from fxpipe.render import render_text
 def test_gpt_tiny_tables_and_stage_code(golden: Any) -> None:
     zoo = models.build("gpt-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
-    tables = [r for r in pipe.report() if r.title.split(":")[0] in ("group-layers", "partition-stages", "split-stages")]
+    tables = [r for r in pipe.report() if r.title.split(":")[0] in ("group-layers", "count-backward", "partition-stages", "split-stages", "split-backward")]
     golden("gpt_tiny_3_stages.txt", "\n\n".join(render_text(r) for r in tables) + "\n")
     golden("gpt_tiny_stage_1.py.txt", stage_source(pipe.stages[1].module, 1, 3))
