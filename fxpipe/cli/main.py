@@ -108,6 +108,11 @@ def compile_cmd(
     batch_size: Annotated[Optional[int], typer.Option(min=1, help="Example batch size (zoo models).",
                                                       rich_help_panel="Model")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and example inputs.", rich_help_panel="Model")] = 0,
+    split_backward: Annotated[bool, typer.Option(help="Split each stage's backward into input-gradient (B) and "
+                                                 "weight-gradient (W) graphs, and count real B/W FLOPs per layer.",
+                                                 rich_help_panel="Backward")] = True,
+    input_grads: Annotated[bool, typer.Option(help="Also differentiate the model's floating-point inputs.",
+                                              rich_help_panel="Backward")] = False,
     verify_each: Annotated[bool, typer.Option(help="Check the graph's invariants after every pass.",
                                               rich_help_panel="Debugging")] = False,
     stop_after: Annotated[Optional[str], typer.Option(help="Stop after this pass (writes no plan).",
@@ -143,6 +148,7 @@ def compile_cmd(
                 memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
                 microbatches=microbatches, profile=profile, profile_runs=profile_runs,
                 device_flops=device_flops, device_mem_bw=parse_size(device_mem_bw, "--device-mem-bw"),
+                split_backward=split_backward, input_grads=input_grads,
                 verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
             )
             steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)

@@ -79,7 +79,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
         from fxpipe.passes.split_backward import split_backward, verify_split_backward
 
         steps.append(Step("split-backward", lambda gm: split_backward(
-            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), input_grads=options.input_grads),
+            need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), input_grads=options.input_grads,
+            profile_runs=options.profile_runs if options.profile else 0),
             verify_split_backward))
     return steps
 

@@ -18,15 +18,7 @@ def clone(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Node meta is copied shallowly (torch's ``node_copy``), which is why NodeMeta is frozen.
     """
-    graph = torch.fx.Graph(owning_module=None, tracer_cls=gm.graph._tracer_cls)
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    result = graph.graph_copy(gm.graph, val_map, return_output_node=True)
-    if result is not None:
-        out_value, out_node = cast(tuple[Any, torch.fx.Node], result)
-        new_out = graph.output(out_value, out_node.type)
-        new_out.meta = copy.copy(out_node.meta)
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    new = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new = torch.fx.GraphModule(gm, copy_graph(gm.graph), class_name=type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
 
@@ -42,6 +34,18 @@ def preserved_buffers(module: torch.nn.Module) -> Iterator[None]:
             for name, buf in module.named_buffers():
                 if name in saved:
                     buf.copy_(saved[name])
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``: new nodes, shallow-copied meta, the same codegen."""
+    new = torch.fx.Graph(owning_module=None, tracer_cls=graph._tracer_cls)
+    result = new.graph_copy(graph, {}, return_output_node=True)
+    if result is not None:
+        out_value, out_node = cast(tuple[Any, torch.fx.Node], result)
+        new_out = new.output(out_value, out_node.type)
+        new_out.meta = copy.copy(out_node.meta)
+    new._codegen = copy.deepcopy(graph._codegen)
+    return new
 
 
 def compute_nodes(graph: torch.fx.Graph) -> Iterator[torch.fx.Node]:

@@ -64,7 +64,7 @@ class ReferenceExecutor:
             run.do(action)
         run.check_finished()
         # Gradients of the model's own inputs, per microbatch (compiled with input_grads=True).
-        self.input_grads = [{n: g[n] for n in self.pipe.input_names if g[n] is not None} for g in run.grads]
+        self.input_grads = [{n: grad for n in self.pipe.input_names if (grad := g[n]) is not None} for g in run.grads]
         return run.losses
 
 
@@ -84,7 +84,7 @@ class _Run:
         self.handover: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.grad_outs: dict[tuple[int, int], list[torch.Tensor]] = {}  # B's incoming gradients, for W's slots
         self.autograd: dict[tuple[int, int], tuple[list[torch.Tensor], list[Any]]] = {}
-        self.grads: list[dict[str, torch.Tensor]] = [defaultdict(lambda: None) for _ in microbatches]  # type: ignore[arg-type]
+        self.grads: list[dict[str, torch.Tensor | None]] = [defaultdict(lambda: None) for _ in microbatches]
         self.losses: list[torch.Tensor] = [torch.tensor(float("nan")) for _ in microbatches]
         self.loss_done: set[int] = set()
         # Who reads each value with a gradient: later stages (their B hands it back) and the loss.
