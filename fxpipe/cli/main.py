@@ -113,6 +113,9 @@ def compile_cmd(
                                                  rich_help_panel="Backward")] = True,
     input_grads: Annotated[bool, typer.Option(help="Also differentiate the model's floating-point inputs.",
                                               rich_help_panel="Backward")] = False,
+    balance_backward: Annotated[bool, typer.Option(help="Move activation derivatives at a cut into the next "
+                                                   "stage's B when that lowers the bottleneck (LayerPipe).",
+                                                   rich_help_panel="Backward")] = False,
     verify_each: Annotated[bool, typer.Option(help="Check the graph's invariants after every pass.",
                                               rich_help_panel="Debugging")] = False,
     stop_after: Annotated[Optional[str], typer.Option(help="Stop after this pass (writes no plan).",
@@ -148,7 +151,7 @@ def compile_cmd(
                 memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
                 microbatches=microbatches, profile=profile, profile_runs=profile_runs,
                 device_flops=device_flops, device_mem_bw=parse_size(device_mem_bw, "--device-mem-bw"),
-                split_backward=split_backward, input_grads=input_grads,
+                split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
                 verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
             )
             steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)

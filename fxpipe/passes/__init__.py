@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_FLOPS, DEFAULT_DEVICE_MEM_BW, annotate_costs, verify_costs
+from fxpipe.errors import OptionError
 from fxpipe.passes.driver import History, PassRecord, PassResult, Step, run_steps, verify
 from fxpipe.passes.group_layers import group_layers, verify_layers
 from fxpipe.passes.partition_stages import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, partition_stages, verify_stages
@@ -16,7 +17,7 @@ from fxpipe.passes.split_stages import split_stages, verify_split
 from fxpipe.passes.trace import trace
 
 PASS_NAMES = ("trace", "annotate-costs", "group-layers", "count-backward", "profile-layers", "partition-stages",
-              "split-stages", "split-backward")
+              "split-stages", "split-backward", "balance-backward")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class CompileOptions:
     device_mem_bw: float = DEFAULT_DEVICE_MEM_BW
     split_backward: bool = True
     input_grads: bool = False
+    balance_backward: bool = False
     verify_each: bool = False
     stop_after: str | None = None
     print_after: tuple[str, ...] = ()
@@ -82,6 +84,13 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
             need(gm), _flat_inputs(need(gm), example_inputs, example_kwargs), input_grads=options.input_grads,
             profile_runs=options.profile_runs if options.profile else 0),
             verify_split_backward))
+        if options.balance_backward:
+            from fxpipe.passes.balance_backward import balance_backward
+
+            steps.append(Step("balance-backward", lambda gm: balance_backward(
+                need(gm), device_mem_bw=options.device_mem_bw), verify_split_backward))
+    elif options.balance_backward:
+        raise OptionError("--balance-backward moves work between the split backward graphs; drop --no-split-backward")
     return steps
 
 
