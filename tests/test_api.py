@@ -10,11 +10,9 @@ import torch.fx
 
 import fxpipe
 from fxpipe import models
-from fxpipe.passes import PASS_NAMES
+from fxpipe.passes import DEFAULT_PASSES
 from fxpipe.report import Report
 
-# Every pass the default pipeline runs (profile-layers only runs with profile=True).
-DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name != "profile-layers")
 
 
 @pytest.fixture(scope="module")

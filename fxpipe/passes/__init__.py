@@ -18,6 +18,8 @@ from fxpipe.passes.trace import trace
 
 PASS_NAMES = ("trace", "annotate-costs", "group-layers", "count-backward", "profile-layers", "partition-stages",
               "split-stages", "split-backward", "balance-backward")
+OPTIONAL_PASSES = ("profile-layers", "balance-backward")  # run only with --profile / --balance-backward
+DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name not in OPTIONAL_PASSES)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,6 @@ def _flat_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str
 
 
 __all__ = [
-    "PASS_NAMES", "CompileOptions", "History", "PassRecord", "PassResult", "Step", "annotate_costs", "build_steps",
+    "DEFAULT_PASSES", "OPTIONAL_PASSES", "PASS_NAMES", "CompileOptions", "History", "PassRecord", "PassResult", "Step", "annotate_costs", "build_steps",
     "group_layers", "partition_stages", "run_steps", "split_stages", "trace", "verify",
 ]

@@ -99,7 +99,7 @@ def _find_move(gk: StageGraphs, gk1: StageGraphs, out_pos: int, in_pos: int) -> 
     if len(users) != 1 or users[0].target not in MOVABLE or users[0].args[0] is not ph:
         return None
     deriv = users[0]
-    other = deriv.args[MOVABLE[deriv.target]]
+    other = deriv.args[MOVABLE[deriv.target]]  # type: ignore[index]
     if not isinstance(other, torch.fx.Node) or other.op != "placeholder":
         return None
     slot = gk.b_slots[_placeholders(gk.backward_input).index(other)]
@@ -121,7 +121,7 @@ def _apply(move: _Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGraphs,
     if isinstance(extra, torch.fx.Node) and not extra.users:
         b_slots.pop(phs.index(extra))
         b.erase_node(extra)
-    new_k = dataclasses.replace(gk, backward_input=torch.fx.GraphModule(gk.backward_input, b, class_name="StageBackwardInput"),
+    new_k = dataclasses.replace(gk, backward_input=torch.fx.GraphModule(gk.backward_input or {}, b, class_name="StageBackwardInput"),
                                 b_slots=tuple(b_slots))
 
     # Stage k+1: F saves its input v (if it did not already), B applies the derivative to dv.
@@ -157,8 +157,8 @@ def _apply(move: _Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGraphs,
     added = 0 if num_saved == gk1.num_saved else value_bytes(f_inputs[move.in_pos].meta.get("val"))
     new_k1 = dataclasses.replace(
         gk1,
-        forward=torch.fx.GraphModule(gk1.forward, f, class_name="StageForward"),
-        backward_input=torch.fx.GraphModule(gk1.backward_input, b1, class_name="StageBackwardInput"),
+        forward=torch.fx.GraphModule(gk1.forward or {}, f, class_name="StageForward"),
+        backward_input=torch.fx.GraphModule(gk1.backward_input or {}, b1, class_name="StageBackwardInput"),
         num_saved=num_saved,
         b_slots=tuple(b1_slots),
         bytes_f_to_b=gk1.bytes_f_to_b + added,

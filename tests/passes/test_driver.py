@@ -8,7 +8,7 @@ import torch
 from fxpipe import models
 from fxpipe.errors import OptionError, VerifyError
 from fxpipe.meta import update_meta
-from fxpipe.passes import PASS_NAMES, CompileOptions, PassResult, Step, build_steps, run_steps
+from fxpipe.passes import DEFAULT_PASSES, CompileOptions, PassResult, Step, build_steps, run_steps
 from fxpipe.passes._graph import clone, compute_nodes
 
 
@@ -19,7 +19,7 @@ def _steps(**options: object) -> list[Step]:
 
 def test_pipeline_order_and_history() -> None:
     steps = _steps()
-    assert [s.name for s in steps] == [n for n in PASS_NAMES if n != "profile-layers"]
+    assert [s.name for s in steps] == list(DEFAULT_PASSES)
     root, history = run_steps(steps, verify_each=True)
     assert [r.name for r in history.records] == [s.name for s in steps]
     assert all(r.seconds >= 0 and r.verified for r in history.records)
