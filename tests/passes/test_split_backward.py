@@ -173,3 +173,41 @@ def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters()
         owned = {n for n, _ in pipe.stages[k].module.named_parameters()}
         attrs = {str(n.target) for n in graphs[k].backward_weight.graph.nodes if n.op == "get_attr"}  # type: ignore[union-attr]
         assert set(graphs[k].param_names) == owned and attrs <= owned
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fc(x) * float(x.sum()),)  # reads a value: AOTAutograd cannot trace it on fake tensors
+
+
+def test_a_stage_that_cannot_be_split_falls_back_to_fused_and_says_why() -> None:
+    from fxpipe.passes.split_backward import _report, split_stage
+
+    graphs = split_stage(_DataDependent(), [torch.randn(2, 4, requires_grad=True)])
+    assert graphs.fused and graphs.forward is None
+    assert graphs.fused_reason == "DataDependentOutputException: aten._local_scalar_dense.default"
+    table = _report([graphs])
+    assert table.column("backward") == ["fused"]
+    assert table.notes[0].startswith("stage 0 keeps a fused backward: ")
+
+
+def test_the_executor_runs_a_fused_stage_with_one_backward() -> None:
+    from fxpipe.passes.split_backward import StageGraphs
+
+    zoo = models.build("gpt-tiny", dtype=torch.float64)
+    ref = copy.deepcopy(zoo.model)
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
+    pipe.stages[1].graphs = StageGraphs(None, None, None, fused_reason="forced in this test")
+    mbs = _microbatches(zoo, 2)
+    ex = ReferenceExecutor(pipe, zoo.loss_fn)
+    order = ex.default_order(2)
+    assert (1, "BW", 0) in order and (1, "B", 0) not in order
+    ex.run(mbs, order=order)
+    (sum(zoo.loss_fn(ref(*x), t) for x, t in mbs) / 2).backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in zoo.model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
