@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator

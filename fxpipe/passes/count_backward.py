@@ -10,11 +10,11 @@ import torch
 import torch.fx
 
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import clone, compute_nodes, preserved_buffers
+from fxpipe.passes._graph import clone, compute_nodes
 from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_FLOPS
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_backward import StageGraphs, _example, graph_signature, split_stage
-from fxpipe.passes.split_stages import split_stages
+from fxpipe.passes.split_stages import run_stages, split_by_layer
 from fxpipe.report import Report
 
 
@@ -32,31 +32,20 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         blocks.3: B 1.64 MFLOP (est 1.64), W 1.57 MFLOP (est 1.64)
     """
     out = clone(gm)
-    by_layer = clone(gm)
-    for node in compute_nodes(by_layer.graph):
-        update_meta(node, stage_idx=get_meta(node).layer_idx)
-    root = split_stages(by_layer).gm
-    wiring = root.meta["fxpipe_wiring"]
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):
         members[get_meta(node).layer_idx].append(node)
 
-    env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
     needs_grad: set[str] = set()
     cache: dict[str, StageGraphs] = {}
     rows = []
     notes = []
-    for k, w in enumerate(wiring["stages"]):
-        layer = getattr(root, f"stage_{k}")
-        args = [env[n] for n in w["inputs"]]
-        with torch.no_grad(), preserved_buffers(layer):
-            outs = layer(*args)
+    for k, layer, w, args, outs in run_stages(split_by_layer(gm), example_inputs):
         example = [_example(a, n in needs_grad) for a, n in zip(args, w["inputs"])]
         key = graph_signature(layer, example)
         graphs = cache.get(key)
         if graphs is None:
             graphs = cache[key] = split_stage(layer, example)
-        env.update(zip(w["outputs"], outs))
         nodes = members[k]
         metas = [get_meta(n) for n in nodes]
         est_b = sum(m.flops_bwd_input for m in metas)

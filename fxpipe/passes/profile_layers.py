@@ -15,7 +15,7 @@ from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes._graph import clone, compute_nodes, preserved_buffers
 from fxpipe.passes.driver import PassResult
-from fxpipe.passes.split_stages import split_stages
+from fxpipe.passes.split_stages import run_stages, split_by_layer
 from fxpipe.report import Report
 
 
@@ -38,21 +38,10 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
         raise OptionError("--profile runs the layers on real tensors, but the model is on the meta device; "
                           "drop --profile or build the model on cpu")
     out = clone(gm)
-    by_layer = clone(gm)
-    for node in compute_nodes(by_layer.graph):
-        update_meta(node, stage_idx=get_meta(node).layer_idx)
-    root = split_stages(by_layer).gm
-    wiring = root.meta["fxpipe_wiring"]
-
     measured: list[tuple[float, float]] = []
     with preserved_buffers(gm):
-        env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
-        for k, w in enumerate(wiring["stages"]):
-            stage = getattr(root, f"stage_{k}")
-            args = [env[n] for n in w["inputs"]]
-            measured.append(_time_layer(stage, args, runs))
-            with torch.no_grad():
-                env.update(zip(w["outputs"], stage(*args)))
+        for _, layer, _, args, _ in run_stages(split_by_layer(gm), example_inputs):
+            measured.append(_time_layer(layer, args, runs))
 
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):

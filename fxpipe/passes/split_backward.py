@@ -92,20 +92,16 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
         stage_1: 24 nodes  ──▶  F 31 ops (saves 18 tensors) | B 27 ops | W 22 ops (handover 6)
     """
+    from fxpipe.passes.split_stages import run_stages
+
     wiring = root.meta["fxpipe_wiring"]
-    env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
-    needs_grad: set[str] = {name for name, v in env.items()
+    needs_grad: set[str] = {name for name, v in zip(wiring["inputs"], example_inputs)
                             if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
     graphs: list[StageGraphs] = []
     seen: dict[str, int] = {}
     stage_args: list[list[Any]] = []
-    for k, w in enumerate(wiring["stages"]):
-        stage = getattr(root, f"stage_{k}")
-        args = [env[name] for name in w["inputs"]]
+    for k, stage, w, args, outs in run_stages(root, example_inputs):
         stage_args.append(args)
-        with torch.no_grad(), preserved_buffers(stage):
-            outs = stage(*args)
-        env.update(zip(w["outputs"], outs))
         example = [_example(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
         key = graph_signature(stage, example)
         if key in seen:  # the same blocks as an earlier stage: reuse its graphs on these parameters

@@ -5,13 +5,15 @@ from __future__ import annotations
 import copy
 import operator
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxpipe.meta import get_meta
-from fxpipe.passes._graph import COMPUTE_OPS, compute_nodes, get_path, output_node, set_path
+from fxpipe.meta import get_meta, update_meta
+from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, output_node, preserved_buffers, set_path
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 
@@ -138,3 +140,28 @@ def verify_split(root: torch.fx.GraphModule) -> list[str]:
     if expected is not None and total != expected:
         problems.append(f"stages hold {total} call nodes, the model had {expected}: every node must be in exactly one stage")
     return problems
+
+
+def split_by_layer(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The split-stages root with one stage per layer (NodeMeta.layer_idx), for per-layer work."""
+    by_layer = clone(gm)
+    for node in compute_nodes(by_layer.graph):
+        update_meta(node, stage_idx=get_meta(node).layer_idx)
+    return split_stages(by_layer).gm
+
+
+def run_stages(root: torch.fx.GraphModule, example_inputs: Sequence[Any]
+               ) -> Iterator[tuple[int, torch.fx.GraphModule, dict[str, list[str]], list[Any], tuple[Any, ...]]]:
+    """Run a root's stages in order on the example inputs: (index, stage, wiring, args, outputs) each.
+
+    No autograd, and in-place buffer updates (BatchNorm statistics) are undone after each stage.
+    """
+    wiring = root.meta["fxpipe_wiring"]
+    env: dict[str, Any] = dict(zip(wiring["inputs"], example_inputs))
+    for k, w in enumerate(wiring["stages"]):
+        stage = getattr(root, f"stage_{k}")
+        args = [env[name] for name in w["inputs"]]
+        with torch.no_grad(), preserved_buffers(stage):
+            outs = tuple(stage(*args))
+        yield k, stage, w, args, outs
+        env.update(zip(w["outputs"], outs))
