@@ -92,12 +92,14 @@ def test_tied_weights_and_a_skip_connection() -> None:
     assert pipe.shared_params == {"head.weight": [0, 3]}
 
 
-def test_transformers_gpt2_fbw() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_transformers_gpt2_fbw(stages: int, dtype: torch.dtype) -> None:
     from tests.test_transformers import _gpt2, _loss
 
     torch.manual_seed(0)
     mbs = [((torch.randint(0, 96, (2, 16)),), torch.randint(0, 96, (2, 16))) for _ in range(2)]
-    check_fbw_matches_eager(_gpt2(), mbs[0][0], _loss, mbs, 3)
+    check_fbw_matches_eager(_gpt2().to(dtype), mbs[0][0], _loss, mbs, stages)
 
 
 @pytest.mark.parametrize("name", ZOO)
