@@ -53,6 +53,20 @@ class ReferenceExecutor:
                     order += [(s, "B", m), (s, "W", m)]
         return order
 
+    def run_schedule(self, schedule: Any, microbatches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
+        """Run a ``fxpipe.schedules.Schedule``'s compute actions in the order its simulation executes them."""
+        from fxpipe.schedules.simulate import Costs, simulate
+
+        if schedule.num_stages != len(self.graphs) or schedule.num_microbatches != len(microbatches):
+            raise ScheduleError(f"the schedule is for {schedule.num_stages} stages x {schedule.num_microbatches} "
+                                f"microbatches, the pipeline has {len(self.graphs)} stages and {len(microbatches)} "
+                                "microbatches were given")
+        result = simulate(schedule, Costs.uniform(schedule.num_stages, 1.0, 1.0, 1.0))
+        events = sorted((e for e in result.events if e.action.kind.value in ("F", "B", "W", "BW")),
+                        key=lambda e: (e.start, e.rank))
+        order = [(e.action.stage, e.action.kind.value, e.action.mb) for e in events]
+        return self.run(microbatches, order=order)
+
     def run(self, microbatches: Sequence[tuple[Sequence[Any], Any]], order: Sequence[Action] | None = None) -> list[torch.Tensor]:
         """Run ``order`` (default: :meth:`default_order`) over ``(inputs, target)`` microbatches; returns the losses.
 
@@ -103,13 +117,19 @@ class _Run:
         if kind in ("B", "W") and graphs.fused:
             raise ScheduleError(f"{_fmt(action)}: stage {stage_idx} has a fused backward ({graphs.fused_reason}); use BW")
         if kind == "BW" and not graphs.fused:
-            raise ScheduleError(f"{_fmt(action)}: stage {stage_idx} is split; run B then W")
-        getattr(self, f"_{kind}")(stage_idx, mb, graphs)
+            # A fused-backward schedule on split graphs: B then W, back to back.
+            self._B(stage_idx, mb, graphs)
+            self.done.add((stage_idx, "B", mb))
+            self._W(stage_idx, mb, graphs)
+            self.done.add((stage_idx, "W", mb))
+        else:
+            getattr(self, f"_{kind}")(stage_idx, mb, graphs)
         self.done.add(action)
 
     def check_finished(self) -> None:
         missing = [(s, kind, m) for s, g in enumerate(self.ex.graphs) for m in range(len(self.mbs))
-                   for kind in (("F", "BW") if g.fused else ("F", "B", "W")) if (s, kind, m) not in self.done]
+                   for kind in (("F", "BW") if g.fused else ("F", "B", "W")) if (s, kind, m) not in self.done
+                   and not (kind in ("B", "W") and (s, "BW", m) in self.done)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ScheduleError(f"the order never runs {_fmt(missing[0])}{more}; "

@@ -1,0 +1,241 @@
+"""Schedule generators: each a pure function of stages, microbatches (and costs where the schedule needs them).
+
+    gpipe             all F, then all fused backwards (BW)
+    1f1b              warm-up Fs, then one F one BW, then the remaining BWs (PipeDream-Flush / DAPPLE)
+    interleaved-1f1b  v stages per rank, Megatron's interleaved order
+    zb-h1             B/W split, 1F1B's order; stage s defers each W by s backward slots (Zero
+                      Bubble's handcrafted ZB-H1, at 1F1B's peak memory)
+    zb-h2             B/W split; a greedy list scheduler in time (after Zero Bubble's heuristic)
+                      holding at most 2p-1 microbatches (ZB-H2's bubble, (p-1)(F+B-2W))
+    layerpipe         1F1B with B/W split, each W right after its B (LayerPipe's intra-layer split,
+                      at exactly 1F1B's per-stage memory)
+    async-1f1b        1F1B order, no flush: weights update after every microbatch (PipeDream)
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.ir import Action, Kind, Schedule
+from fxpipe.schedules.simulate import Costs
+
+
+def gpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    p, m = _check(num_stages, num_microbatches)
+    ranks = tuple(tuple([Action(s, Kind.F, i) for i in range(m)] + [Action(s, Kind.BW, i) for i in range(m)])
+                  for s in range(p))
+    return Schedule("gpipe", p, m, tuple(range(p)), ranks)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    p, m = _check(num_stages, num_microbatches)
+    return Schedule("1f1b", p, m, tuple(range(p)), tuple(tuple(_1f1b_rank(s, p, m, fused=True)) for s in range(p)))
+
+
+def async_1f1b(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    p, m = _check(num_stages, num_microbatches)
+    ranks = tuple(tuple(_1f1b_rank(s, p, m, fused=True)) for s in range(p))
+    return Schedule("async-1f1b", p, m, tuple(range(p)), ranks, synchronous=False,
+                    notes=("weights update after every microbatch's backward: no flush, stale weights",))
+
+
+def layerpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    """1F1B order with B and W split, each W right after its B: LayerPipe's intra-layer split at
+    exactly 1F1B's per-stage memory (stage s holds p - s microbatches). Its inter-layer balance is
+    the ``--balance-backward`` pass on the graphs."""
+    p, m = _check(num_stages, num_microbatches)
+    return Schedule("layerpipe", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, 0) for s in range(p)))
+
+
+def _deferred_w(s: int, p: int, m: int, delay: int) -> tuple[Action, ...]:
+    """1F1B's F/B order for stage s with each W run ``delay`` backward slots after its B (the rest at the end)."""
+    out: list[Action] = []
+    pending: list[int] = []
+    for a in _1f1b_rank(s, p, m, fused=False):
+        out.append(a)
+        if a.kind is Kind.B:
+            pending.append(a.mb)
+            if len(pending) > delay:
+                out.append(Action(s, Kind.W, pending.pop(0)))
+    out += [Action(s, Kind.W, i) for i in pending]
+    return tuple(out)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, costs: Costs | None = None, *,
+                     stages_per_rank: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: stage s on rank s % ranks; needs microbatches to be a multiple of the ranks."""
+    p_total, m = _check(num_stages, num_microbatches)
+    v = stages_per_rank
+    if v < 1 or p_total % v:
+        raise OptionError(f"interleaved-1f1b puts {v} stages on each rank, so the stage count must be a multiple "
+                          f"of {v} (stages: {p_total}); use {p_total - p_total % v or v} stages")
+    p = p_total // v
+    if m % p:
+        raise OptionError(f"interleaved-1f1b needs the microbatches to be a multiple of the ranks "
+                          f"(microbatches: {m}, ranks: {p}); use {m + p - m % p} microbatches")
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if not forward:
+            chunk = v - 1 - chunk
+        return chunk, (k // (p * v)) * p + k % p
+
+    ranks = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        out: list[Action] = []
+        f_k = b_k = 0
+        for _ in range(warmup):
+            c, mb = unit(f_k, True)
+            out.append(Action(c * p + r, Kind.F, mb))
+            f_k += 1
+        while f_k < total:
+            c, mb = unit(f_k, True)
+            out.append(Action(c * p + r, Kind.F, mb))
+            f_k += 1
+            c, mb = unit(b_k, False)
+            out.append(Action(c * p + r, Kind.BW, mb))
+            b_k += 1
+        while b_k < total:
+            c, mb = unit(b_k, False)
+            out.append(Action(c * p + r, Kind.BW, mb))
+            b_k += 1
+        ranks.append(tuple(out))
+    return Schedule("interleaved-1f1b", p_total, m, tuple(s % p for s in range(p_total)), tuple(ranks))
+
+
+def zb_h1(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    """Zero Bubble's ZB-H1: 1F1B's F/B order, stage s running each W s backward slots after its B.
+
+    The Ws of later stages fill the slots where 1F1B waits for gradients; every stage holds at
+    most p microbatches between F and W (1F1B's peak, on stage 0). Bubble: (p-1)(F+B-W).
+    """
+    p, m = _check(num_stages, num_microbatches)
+    return Schedule("zb-h1", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, s) for s in range(p)))
+
+
+def zb_h2(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    """Zero Bubble's ZB-H2 (bubble (p-1)(F+B-2W), none when the three are equal): the greedy list
+    scheduler with every stage holding at most 2p - 1 microbatches between F and W (under twice
+    1F1B's peak of p). Needs m >= 2p - 1 microbatches to fill the warm-up."""
+    p, m = _check(num_stages, num_microbatches)
+    return zero_bubble(p, m, costs, limits=[2 * p - 1] * p, name="zb-h2")
+
+
+def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name: str) -> Schedule:
+    """A greedy list scheduler in simulated time: B first, then F (within the memory limit), then W.
+
+    A rank that is free picks the ready B of its oldest microbatch (it unblocks the stage before),
+    else the next F if fewer than ``limits[s]`` microbatches are between F and W, else a pending
+    W; with nothing ready it waits for the next arrival. W only ever fills time that would
+    otherwise be idle, or makes room under the memory limit.
+    """
+    costs = costs or Costs.uniform(p, 1.0, 1.0, 1.0)
+    done: dict[Action, float] = {}
+    order: list[list[Action]] = [[] for _ in range(p)]
+    next_f = [0] * p
+    next_b = [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    in_flight = [0] * p
+    heap = [(0.0, s) for s in range(p)]
+    remaining = 3 * p * m
+
+    def arrival(a: Action) -> float | None:
+        """When the inputs of ``a`` are on its rank, or None if not known yet."""
+        s, mb = a.stage, a.mb
+        if a.kind is Kind.F:
+            if s == 0:
+                return 0.0
+            prev = done.get(Action(s - 1, Kind.F, mb))
+            return None if prev is None else prev + costs.transfer(s - 1)
+        own = done.get(Action(s, Kind.F, mb))
+        if own is None:
+            return None
+        if s == p - 1:
+            return own
+        nxt = done.get(Action(s + 1, Kind.B, mb))
+        return None if nxt is None else max(own, nxt + costs.transfer(s))
+
+    while remaining:
+        t, s = heapq.heappop(heap)
+        choice: Action | None = None
+        wake: list[float] = []
+        if next_b[s] < m:
+            b = Action(s, Kind.B, next_b[s])
+            at = arrival(b)
+            if at is not None and at <= t:
+                choice = b
+            elif at is not None:
+                wake.append(at)
+        if choice is None and next_f[s] < m and in_flight[s] < limits[s]:
+            f = Action(s, Kind.F, next_f[s])
+            at = arrival(f)
+            if at is not None and at <= t:
+                choice = f
+            elif at is not None:
+                wake.append(at)
+        if choice is None and pending_w[s]:
+            choice = Action(s, Kind.W, pending_w[s].pop(0))
+        if choice is None:
+            later = [x for x in wake if x > t] + [u for u, _ in heap if u > t]
+            heapq.heappush(heap, (min(later) if later else t + 1e-9, s))
+            continue
+        end = t + costs.time(choice)
+        done[choice] = end
+        order[s].append(choice)
+        remaining -= 1
+        if choice.kind is Kind.F:
+            next_f[s] += 1
+            in_flight[s] += 1
+        elif choice.kind is Kind.B:
+            next_b[s] += 1
+            pending_w[s].append(choice.mb)
+        else:
+            in_flight[s] -= 1
+        if remaining:
+            heapq.heappush(heap, (end, s))
+    return Schedule(name, p, m, tuple(range(p)), tuple(tuple(r) for r in order),
+                    notes=(f"memory limit per stage (microbatches between F and W): {limits}",))
+
+
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "layerpipe": layerpipe,
+    "async-1f1b": async_1f1b,
+}
+
+
+def generate(name: str, num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    if name not in GENERATORS:
+        raise OptionError(f"unknown schedule {name!r} (known: {', '.join([*GENERATORS, 'auto'])}); pick one of those")
+    return GENERATORS[name](num_stages, num_microbatches, costs)
+
+
+def _1f1b_rank(s: int, p: int, m: int, *, fused: bool) -> list[Action]:
+    warmup = min(p - s - 1, m)
+    out = [Action(s, Kind.F, i) for i in range(warmup)]
+
+    def backward(i: int) -> list[Action]:
+        return [Action(s, Kind.BW, i)] if fused else [Action(s, Kind.B, i)]
+
+    for i in range(m - warmup):
+        out.append(Action(s, Kind.F, warmup + i))
+        out += backward(i)
+    for i in range(m - warmup, m):
+        out += backward(i)
+    return out
+
+
+def _check(num_stages: int, num_microbatches: int) -> tuple[int, int]:
+    if num_stages < 1:
+        raise OptionError(f"a schedule needs at least 1 stage (stages: {num_stages})")
+    if num_microbatches < 1:
+        raise OptionError(f"a schedule needs at least 1 microbatch (microbatches: {num_microbatches})")
+    return num_stages, num_microbatches

@@ -1,0 +1,272 @@
+"""Validate and simulate schedules: dependencies, matched sends, no deadlock; then an event simulation in time.
+
+Both walk every rank's action list in order, executing an action once what it depends on has
+run: F(s, m) needs F(s-1, m); B or BW(s, m) needs F(s, m) and the backward of (s+1, m); W(s, m)
+needs B(s, m); a receive needs its send. Sends never block (asynchronous ``isend``). When no
+rank can move, the schedule deadlocks, and the error shows the grid with each rank's stuck
+action marked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, ScheduleValidationError, with_communication
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage times (any unit, e.g. seconds) and bytes for one microbatch."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    send_bytes: tuple[float, ...] = ()  # bytes of stage s's output (and of the gradient sent back for it)
+    held_fb: tuple[float, ...] = ()  # bytes stage s keeps from F until B (or BW)
+    held_bw: tuple[float, ...] = ()  # bytes stage s keeps from B until W
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    @classmethod
+    def uniform(cls, num_stages: int, f: float, b: float, w: float) -> "Costs":
+        """Every stage F, B, W in the given times; free transfers; one unit of memory per microbatch in flight."""
+        n = num_stages
+        return cls((f,) * n, (b,) * n, (w,) * n, (0.0,) * n, (1.0,) * n, (1.0,) * n)
+
+    def time(self, action: Action) -> float:
+        s = action.stage
+        return {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind, 0.0)
+
+    def transfer(self, stage: int) -> float:
+        nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
+        return 0.0 if nbytes == 0 else self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    start: float
+    end: float
+    busy: float
+    peak_memory: float  # bytes (or units with uniform costs) held from F to B and from B to W
+    peak_in_flight: int  # microbatches with F done and their last backward action not done
+    bytes_sent: float
+
+    @property
+    def span(self) -> float:
+        return self.end - self.start
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of this rank's own span."""
+        return 0.0 if self.span == 0 else 1.0 - self.busy / self.span
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: str
+    makespan: float  # first action's start to last action's end, over all ranks
+    max_stage_span: float  # the longest single rank's first-start-to-last-end
+    ranks: tuple[RankStats, ...]
+    events: tuple[Event, ...]
+    staleness: dict[int, int] = field(default_factory=dict)  # stage -> most weight updates between a mb's F and B
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "schedule": self.schedule,
+            "makespan": self.makespan,
+            "max_stage_span": self.max_stage_span,
+            "ranks": [{"rank": r.rank, "span": r.span, "busy": r.busy, "bubble": r.bubble, "peak_memory": r.peak_memory,
+                       "peak_in_flight": r.peak_in_flight, "bytes_sent": r.bytes_sent} for r in self.ranks],
+            "staleness": {str(k): v for k, v in self.staleness.items()},
+        }
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleValidationError naming the first broken rule, with the grid; return None if valid."""
+    _check_counts(schedule)
+    _walk(with_communication(schedule), None)
+
+
+def simulate(schedule: Schedule, costs: Costs) -> SimResult:
+    """Run the schedule in simulated time; see the module docstring for the rules."""
+    _check_counts(schedule)
+    if len(costs.f) != schedule.num_stages:
+        raise ScheduleValidationError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
+                                      "give one cost per stage")
+    full = with_communication(schedule)
+    events = _walk(full, costs)
+    ranks = []
+    for r in range(full.num_ranks):
+        mine = [e for e in events if e.rank == r]
+        compute = [e for e in mine if e.action.kind in COMPUTE]
+        if not compute:
+            ranks.append(RankStats(r, 0.0, 0.0, 0.0, 0.0, 0, 0.0))
+            continue
+        start, end = min(e.start for e in compute), max(e.end for e in compute)
+        ranks.append(RankStats(
+            r, start, end, sum(e.end - e.start for e in compute), *_memory(compute, costs),
+            sum(costs.send_bytes[e.action.stage] if costs.send_bytes else 0.0
+                for e in mine if e.action.kind in (Kind.SEND_F, Kind.SEND_B)),
+        ))
+    active = [r for r in ranks if r.end > r.start]
+    makespan = (max(r.end for r in active) - min(r.start for r in active)) if active else 0.0
+    return SimResult(schedule.name, makespan, max((r.span for r in active), default=0.0), tuple(ranks),
+                     tuple(events), _staleness(schedule) if not schedule.synchronous else {})
+
+
+def _check_counts(schedule: Schedule) -> None:
+    seen: Counter[tuple[int, Kind, int]] = Counter()
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            if not (0 <= a.stage < schedule.num_stages and 0 <= a.mb < schedule.num_microbatches):
+                _fail(schedule, f"{a} names a stage or microbatch outside {schedule.num_stages} stages x "
+                      f"{schedule.num_microbatches} microbatches", {r: i})
+            if a.kind in COMPUTE and schedule.rank_of_stage[a.stage] != r:
+                _fail(schedule, f"{a} runs on rank {r}, but stage {a.stage} lives on rank "
+                      f"{schedule.rank_of_stage[a.stage]}", {r: i})
+            seen[(a.stage, a.kind, a.mb)] += 1
+            if seen[(a.stage, a.kind, a.mb)] > 1:
+                _fail(schedule, f"{a} runs twice; every action runs once", {r: i})
+    for s in range(schedule.num_stages):
+        for m in range(schedule.num_microbatches):
+            fused = seen[(s, Kind.BW, m)]
+            split = (seen[(s, Kind.B, m)], seen[(s, Kind.W, m)])
+            if seen[(s, Kind.F, m)] != 1:
+                _fail(schedule, f"microbatch {m} never runs F on stage {s}; every microbatch runs F, B and W "
+                      "(or BW) once per stage")
+            if not ((fused == 1 and split == (0, 0)) or (fused == 0 and split == (1, 1))):
+                _fail(schedule, f"microbatch {m} on stage {s} runs BW {fused}x, B {split[0]}x, W {split[1]}x; "
+                      "it needs BW once, or B once and W once")
+    sends = Counter((a.stage, a.kind, a.mb) for r in schedule.ranks for a in r if a.kind in COMM)
+    for (s, kind, m), n in sends.items():
+        pair = {Kind.SEND_F: (s + 1, Kind.RECV_F), Kind.RECV_F: (s - 1, Kind.SEND_F),
+                Kind.SEND_B: (s - 1, Kind.RECV_B), Kind.RECV_B: (s + 1, Kind.SEND_B)}[kind]
+        if sends[(pair[0], pair[1], m)] != n:
+            _fail(schedule, f"{Action(s, kind, m)} has no matching {Action(pair[0], pair[1], m)}; "
+                  "every send needs its receive")
+
+
+def _deps(a: Action, schedule: Schedule) -> list[Action]:
+    """What must have run before ``a`` (on any rank)."""
+    s, m = a.stage, a.mb
+    last = schedule.num_stages - 1
+    where = schedule.rank_of_stage
+    backward = (Kind.B, Kind.BW)
+    if a.kind is Kind.F:
+        if s == 0:
+            return []
+        return [Action(s, Kind.RECV_F, m)] if where[s - 1] != where[s] else [Action(s - 1, Kind.F, m)]
+    if a.kind in backward:
+        deps = [Action(s, Kind.F, m)]
+        if s < last:
+            deps.append(Action(s, Kind.RECV_B, m) if where[s + 1] != where[s] else _backward(schedule, s + 1, m))
+        return deps
+    if a.kind is Kind.W:
+        return [Action(s, Kind.B, m)]
+    if a.kind is Kind.SEND_F:
+        return [Action(s, Kind.F, m)]
+    if a.kind is Kind.SEND_B:
+        return [_backward(schedule, s, m)]
+    if a.kind is Kind.RECV_F:
+        return [Action(s - 1, Kind.SEND_F, m)]
+    return [Action(s + 1, Kind.SEND_B, m)]  # RECV_B
+
+
+def _backward(schedule: Schedule, s: int, m: int) -> Action:
+    return Action(s, Kind.B if schedule.split_backward and not _is_fused(schedule, s, m) else Kind.BW, m)
+
+
+def _is_fused(schedule: Schedule, s: int, m: int) -> bool:
+    return any(a == Action(s, Kind.BW, m) for a in schedule.ranks[schedule.rank_of_stage[s]])
+
+
+def _walk(schedule: Schedule, costs: Costs | None) -> list[Event]:
+    """Execute every rank's list in order; with costs, in simulated time. Raises on deadlock."""
+    done: dict[Action, float] = {}  # action -> time its result is available
+    clock = [0.0] * schedule.num_ranks
+    pos = [0] * schedule.num_ranks
+    events: list[Event] = []
+    total = sum(len(r) for r in schedule.ranks)
+    while len(events) < total:
+        moved = False
+        for r, acts in enumerate(schedule.ranks):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                deps = _deps(a, schedule)
+                if any(d not in done for d in deps):
+                    break
+                ready = max((done[d] for d in deps), default=0.0)
+                if costs is not None and a.kind is Kind.RECV_F:
+                    ready = done[deps[0]] + costs.transfer(a.stage - 1)
+                elif costs is not None and a.kind is Kind.RECV_B:
+                    ready = done[deps[0]] + costs.transfer(a.stage)
+                start = max(clock[r], ready) if a.kind is not Kind.SEND_F and a.kind is not Kind.SEND_B else clock[r]
+                end = start + (costs.time(a) if costs is not None else 1.0 if a.kind in COMPUTE else 0.0)
+                clock[r] = end
+                done[a] = end
+                events.append(Event(r, a, start, end))
+                pos[r] += 1
+                moved = True
+        if not moved:
+            stuck = {r: pos[r] for r in range(schedule.num_ranks) if pos[r] < len(schedule.ranks[r])}
+            waits = []
+            for r, i in stuck.items():
+                a = schedule.ranks[r][i]
+                missing = [str(d) for d in _deps(a, schedule) if d not in done]
+                waits.append(f"rank {r} at {a} waits for {', '.join(missing)}")
+            _fail(schedule, "deadlock: no rank can run its next action (" + "; ".join(waits) + ")", stuck)
+    return events
+
+
+def _memory(compute: Sequence[Event], costs: Costs) -> tuple[float, int]:
+    held_fb = costs.held_fb or (1.0,) * len(costs.f)
+    held_bw = costs.held_bw or (1.0,) * len(costs.f)
+    level, peak, in_flight, peak_flight = 0.0, 0.0, 0, 0
+    for e in sorted(compute, key=lambda e: e.end):
+        s, kind = e.action.stage, e.action.kind
+        if kind is Kind.F:
+            level += held_fb[s]
+            in_flight += 1
+        elif kind is Kind.B:
+            level += held_bw[s] - held_fb[s]
+        elif kind is Kind.W:
+            level -= held_bw[s]
+            in_flight -= 1
+        else:  # BW
+            level -= held_fb[s]
+            in_flight -= 1
+        peak, peak_flight = max(peak, level), max(peak_flight, in_flight)
+    return peak, peak_flight
+
+
+def _staleness(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most weight updates (one per backward) between a microbatch's F and its backward."""
+    out: dict[int, int] = {}
+    for acts in schedule.ranks:
+        for s in {a.stage for a in acts}:
+            order = [a for a in acts if a.stage == s and a.kind in COMPUTE]
+            updates = 0
+            f_at: dict[int, int] = {}
+            for a in order:
+                if a.kind is Kind.F:
+                    f_at[a.mb] = updates
+                elif a.kind in (Kind.BW, Kind.W):
+                    out[s] = max(out.get(s, 0), updates - f_at[a.mb])
+                    updates += 1
+    return out
+
+
+def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> None:
+    raise ScheduleValidationError(f"invalid schedule {schedule.name!r}: {message}\n{schedule.grid(mark)}")
