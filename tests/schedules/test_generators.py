@@ -1,0 +1,106 @@
+"""Generators: closed forms hold in simulation, every schedule validates, and the executor gives eager's gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models
+from fxpipe.errors import OptionError
+from fxpipe.runtime.reference import ReferenceExecutor
+from fxpipe.schedules.generators import GENERATORS, generate
+from fxpipe.schedules.simulate import Costs, simulate, validate
+
+COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0)]
+
+
+def _bubble(name: str, p: int, m: int, fbw: tuple[float, float, float]) -> tuple[float, int, int]:
+    costs = Costs.uniform(p, *fbw)
+    result = simulate(generate(name, p, m, costs), costs)
+    return (result.max_stage_span - m * sum(fbw), max(r.peak_in_flight for r in result.ranks),
+            round(result.max_stage_span, 9))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("fbw", COSTS)
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 7), (4, 8), (4, 16), (8, 16), (8, 24)])
+def test_closed_forms(p: int, m: int, fbw: tuple[float, float, float]) -> None:
+    f, b, w = fbw
+    for name in ("gpipe", "1f1b"):
+        bubble, _, span = _bubble(name, p, m, fbw)
+        assert bubble == pytest.approx((p - 1) * (f + b + w))
+        assert bubble / span == pytest.approx((p - 1) / (m + p - 1))  # of the span, with BW = B + W
+    _, peak_1f1b, _ = _bubble("1f1b", p, m, fbw)
+    assert peak_1f1b == p
+    bubble, peak, _ = _bubble("zb-h1", p, m, fbw)
+    assert bubble == pytest.approx((p - 1) * (f + b - w)) and peak <= peak_1f1b
+    bubble, peak, _ = _bubble("zb-h2", p, m, fbw)
+    assert bubble == pytest.approx(max(0.0, (p - 1) * (f + b - 2 * w))) and peak <= 2 * peak_1f1b
+
+
+def test_the_worked_example() -> None:
+    costs = Costs.uniform(4, 1, 1, 1)
+    spans = {n: simulate(generate(n, 4, 8, costs), costs).max_stage_span for n in ("1f1b", "zb-h1", "zb-h2")}
+    assert spans == {"1f1b": 33, "zb-h1": 27, "zb-h2": 24}
+
+
+def test_1f1b_keeps_p_minus_s_microbatches_in_flight_on_stage_s() -> None:
+    costs = Costs.uniform(4, 1, 1, 1)
+    result = simulate(generate("1f1b", 4, 8, costs), costs)
+    assert [r.peak_in_flight for r in result.ranks] == [4, 3, 2, 1]
+
+
+def test_interleaved_bubble_is_divided_by_the_stages_per_rank() -> None:
+    costs = Costs.uniform(8, 1, 1, 1)  # 8 stages on 4 ranks, 2 per rank
+    result = simulate(generate("interleaved-1f1b", 8, 8, costs), costs)
+    ideal = 2 * 8 * 3  # per rank: 2 stages x 8 microbatches x (F + B + W)
+    # Megatron: the bubble is (p-1)/(v m) of the ideal, half of 1F1B's over the same 2-stage ranks.
+    assert result.max_stage_span - ideal == pytest.approx((4 - 1) / (2 * 8) * ideal)
+    one_rank_per_pair = Costs.uniform(4, 2, 2, 2)
+    plain = simulate(generate("1f1b", 4, 8, one_rank_per_pair), one_rank_per_pair)
+    assert result.max_stage_span - ideal == pytest.approx((plain.max_stage_span - ideal) / 2)
+
+
+def test_async_1f1b_reports_pipedreams_staleness() -> None:
+    costs = Costs.uniform(4, 1, 1, 1)
+    result = simulate(generate("async-1f1b", 4, 8, costs), costs)
+    assert result.staleness == {0: 3, 1: 2, 2: 1, 3: 0}  # p - 1 - s weight updates between F and B
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_every_generator_validates(name: str, p: int) -> None:
+    for m in sorted({1, p, 2 * p, 4 * p, 2 * p + 1}):
+        if name == "interleaved-1f1b":
+            if p % 2:
+                with pytest.raises(OptionError, match="multiple of 2"):
+                    generate(name, p, m)
+                continue
+            if m % (p // 2):
+                with pytest.raises(OptionError, match="multiple of the ranks"):
+                    generate(name, p, m)
+                continue
+        validate(generate(name, p, m))
+
+
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
+def test_every_schedule_gives_eagers_gradients_through_the_reference_executor(model: str) -> None:
+    zoo = models.build(model, dtype=torch.float64)
+    stages, m = 4, 4
+    gen = torch.Generator().manual_seed(3)
+    x = zoo.example_inputs[0]
+    mbs = [((torch.randn(x.shape, generator=gen, dtype=x.dtype) if x.is_floating_point()
+             else torch.randint(0, int(x.max()) + 1, x.shape, generator=gen),),
+            torch.randint(0, int(zoo.example_target.max()) + 1, zoo.example_target.shape, generator=gen))
+           for _ in range(m)]
+    ref = copy.deepcopy(zoo.model)
+    (sum(zoo.loss_fn(ref(*xs), t) for xs, t in mbs) / m).backward()
+    expected = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    for name in sorted(GENERATORS):
+        mine = copy.deepcopy(zoo.model)
+        pipe = fxpipe.compile(mine, zoo.example_inputs, stages=stages)
+        ReferenceExecutor(pipe, zoo.loss_fn).run_schedule(generate(name, stages, m), mbs)
+        for pname, p in mine.named_parameters():
+            torch.testing.assert_close(p.grad, expected[pname], msg=lambda msg: f"{name} {pname}: {msg}")
