@@ -78,6 +78,7 @@ class Pipeline(torch.nn.Module):
         self.out_spec = out_spec
         self.shared_params = dict(shared_params)
         self._reports = tuple(reports)
+        self.extra_reports: list[Report] = []  # tables added after compiling (the schedule's)
         self.history = history
         self.info = dict(info or {})
 
@@ -107,6 +108,27 @@ class Pipeline(torch.nn.Module):
         graphs = [s.graphs for s in self.stage_list()]
         return None if any(g is None for g in graphs) else graphs  # type: ignore[return-value]
 
+    def set_schedule(self, name: str, microbatches: int | None = None, memory_cap: float | None = None) -> Any:
+        """Generate (or search, for ``auto``) a schedule on this plan's costs, simulate it, record it in ``info``.
+
+        Returns the simulation result; its tables join :meth:`report` and the plan directory.
+        """
+        from fxpipe.schedules.auto import choose
+        from fxpipe.schedules.simulate import report
+
+        sched, result, extra = choose(name, self.num_stages, microbatches, self.schedule_costs(), memory_cap)
+        self.info["schedule"] = {"name": sched.name, "requested": name, "microbatches": sched.num_microbatches,
+                                 "csv": sched.to_csv(), "makespan_s": result.makespan,
+                                 "max_stage_span_s": result.max_stage_span}
+        self.extra_reports = [*extra, report(result, sched)]
+        return result
+
+    def schedule_costs(self) -> Any:
+        """``fxpipe.schedules.simulate.Costs`` for this plan: per-stage F/B/W seconds, bytes, link."""
+        from fxpipe.schedules.simulate import costs_from_info
+
+        return costs_from_info(self.info)
+
     def stage_list(self) -> list[Stage]:
         """The stages, typed (iterating the ModuleList gives plain Modules)."""
         return [cast(Stage, s) for s in self.stages]
@@ -116,7 +138,7 @@ class Pipeline(torch.nn.Module):
         if self.history is None:
             return list(self._reports)
         tables = [r for rec in self.history.records for r in rec.reports]
-        return tables + [self.history.report()]
+        return tables + self.extra_reports + [self.history.report()]
 
     def save(self, path: str | Path) -> Path:
         """Write the plan directory: plan.json plus a .py and a .pt file per stage."""
@@ -174,6 +196,26 @@ def compile(
     return pipeline_from_root(root, history, info={"options": opts.to_json()})
 
 
+def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
+    """Per-stage F, B, W seconds and bytes for schedules, with the split graphs' view of B and W.
+
+    A stage whose inputs need no gradient has an empty B (its activation gradients are W's work),
+    so its per-layer B time moves to W; the split graphs' F->B and B->W bytes give its memory.
+    """
+    costs = [dict(c) for c in root.meta["fxpipe_stage_costs"]]
+    graphs = root.meta.get("fxpipe_stage_graphs")
+    for c, g in zip(costs, graphs or [None] * len(costs)):
+        c["held_fb"] = c["saved_bytes"]
+        c["held_bw"] = c["saved_bytes"]
+        if g is not None and not g.fused:
+            if not g.grad_inputs:
+                c["w"] += c["b"]
+                c["b"] = 0.0
+            c["held_fb"] = float(g.bytes_f_to_b)
+            c["held_bw"] = float(g.bytes_b_to_w)
+    return costs
+
+
 def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, info: dict[str, Any] | None = None) -> Pipeline:
     """Wrap the split-stages root graph as a Pipeline."""
     wiring = root.meta["fxpipe_wiring"]
@@ -187,6 +229,9 @@ def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, info
         extra.update(bottleneck_s=plan.bottleneck, lower_bound_s=plan.lower_bound, bounds=list(plan.bounds),
                      stage_times_s=list(plan.stage_times))
     extra["tracer"] = root.meta.get("fxpipe_tracer")
+    if "fxpipe_stage_costs" in root.meta:
+        extra["stage_costs"] = _stage_costs(root)
+        extra["link"] = root.meta.get("fxpipe_link", {})
     return Pipeline(
         stage_list,
         input_names=wiring["inputs"],

@@ -82,6 +82,18 @@ def partition_stages(
         update_meta(node, stage_idx=stage_of_layer[get_meta(node).layer_idx])
     cuts = stage_cuts(out)
     out.meta["fxpipe_stage_plan"] = plan
+    # Per stage, per microbatch: what a schedule simulator needs (seconds and bytes).
+    out.meta["fxpipe_stage_costs"] = [
+        {
+            "f": sum(s.time_fwd for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
+            "b": sum(s.time_bwd_input for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
+            "w": sum(s.time_bwd_weight for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
+            "send_bytes": cuts[k].nbytes if k < len(cuts) else 0,
+            "saved_bytes": sum(s.saved_bytes for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
+        }
+        for k in range(num_stages)
+    ]
+    out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
     return PassResult(out, True, (_report(out, plan, stats, cuts, in_flight, bandwidth, latency),))
 
 

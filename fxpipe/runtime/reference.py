@@ -118,6 +118,10 @@ class _Run:
             raise ScheduleError(f"{_fmt(action)}: stage {stage_idx} has a fused backward ({graphs.fused_reason}); use BW")
         if kind == "BW" and not graphs.fused:
             # A fused-backward schedule on split graphs: B then W, back to back.
+            ran = [k for k in ("B", "W") if (stage_idx, k, mb) in self.done]
+            if ran:
+                raise ScheduleError(f"{_fmt(action)} repeats {stage_idx}{ran[0]}{mb}, which already ran; "
+                                    "every action runs once")
             self._B(stage_idx, mb, graphs)
             self.done.add((stage_idx, "B", mb))
             self._W(stage_idx, mb, graphs)

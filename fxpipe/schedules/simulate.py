@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fxpipe.report import Report
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, ScheduleValidationError, with_communication
 
 
@@ -43,6 +44,23 @@ class Costs:
     def transfer(self, stage: int) -> float:
         nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
         return 0.0 if nbytes == 0 else self.latency + nbytes / self.bandwidth
+
+
+def costs_from_info(info: dict[str, object]) -> Costs:
+    """Costs from a plan's ``info`` (``Pipeline.info`` or plan.json's ``info``)."""
+    stage_costs = info.get("stage_costs")
+    if not isinstance(stage_costs, list) or not stage_costs:
+        from fxpipe.errors import PlanFileError
+
+        raise PlanFileError("this plan has no per-stage costs (compiled by an older fxpipe?); re-run fxpipe compile")
+    link = info.get("link") or {}
+    assert isinstance(link, dict)
+
+    def col(key: str) -> tuple[float, ...]:
+        return tuple(float(c[key]) for c in stage_costs)
+
+    return Costs(col("f"), col("b"), col("w"), col("send_bytes"), col("held_fb"), col("held_bw"),
+                 float(link.get("latency", 0.0)), float(link.get("bandwidth", math.inf)))
 
 
 @dataclass(frozen=True)
@@ -270,3 +288,28 @@ def _staleness(schedule: Schedule) -> dict[int, int]:
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> None:
     raise ScheduleValidationError(f"invalid schedule {schedule.name!r}: {message}\n{schedule.grid(mark)}")
+
+
+def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:
+    """The per-rank table of a simulation (times in ms when ``unit`` is seconds, else in the costs' unit)."""
+    scale, tu = (1e3, "ms") if unit == "s" else (1.0, unit)
+    mem, mu = (1 / 2**20, "MiB") if unit == "s" else (1.0, "units")
+    rows = tuple(
+        (r.rank, ",".join(str(s) for s in range(schedule.num_stages) if schedule.rank_of_stage[s] == r.rank),
+         round(r.span * scale, 4), round(r.busy * scale, 4), round(100 * r.bubble, 2), round(r.peak_memory * mem, 3),
+         r.peak_in_flight, round(r.bytes_sent / 2**20, 4))
+        for r in result.ranks
+    )
+    notes = [f"{schedule.name}, {schedule.num_stages} stages on {schedule.num_ranks} ranks, "
+             f"{schedule.num_microbatches} microbatches: makespan {result.makespan * scale:.4f} {tu}, "
+             f"max stage span {result.max_stage_span * scale:.4f} {tu}"]
+    if result.staleness:
+        notes.append("asynchronous: weight updates between a microbatch's F and its backward, per stage: "
+                     + ", ".join(f"stage {s}: {n}" for s, n in sorted(result.staleness.items())))
+    return Report(
+        title="simulate: per rank",
+        columns=("rank", "stages", f"span {tu}", f"busy {tu}", "bubble %", f"peak memory {mu}", "peak in flight",
+                 "MiB sent"),
+        rows=rows,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,253 @@
+"""Timelines of a simulated (or measured) run: ASCII rows, Chrome/Perfetto trace JSON, and an SVG Gantt chart.
+
+Every view reads only ``SimResult.events`` (and ``ranks``, ``makespan``, ``schedule``), so a
+runtime that records the same events from a measured run gets the same views. ``zb-h1`` on 2
+stages, 2 microbatches, unit costs, ``ascii_timeline(result, width=14)``::
+
+    zb-h1: 2 ranks, makespan 7, 1 column = 0.5
+    F forward  B input gradient  W weight gradient  X fused backward (BW)  . idle  digits: microbatch
+    rank 0 |F0F1..B0W0B1W1|
+    rank 1 |..F0B0F1B1W0W1|
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from html import escape
+from pathlib import Path
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind
+from fxpipe.schedules.simulate import Event, SimResult
+
+LETTER: dict[Kind, str] = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+FILL: dict[Kind, str] = {Kind.F: "#4e79a7", Kind.B: "#f28e2b", Kind.W: "#59a14f", Kind.BW: "#e15759"}
+_KIND_NAME: dict[Kind, str] = {Kind.F: "forward", Kind.B: "input gradient", Kind.W: "weight gradient",
+                               Kind.BW: "fused backward"}
+_LEGEND = ("  ".join(f"{LETTER[k]} {_KIND_NAME[k]}" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
+           + " (BW)  . idle  digits: microbatch")
+_COMM_TINY = 1e-3  # a zero-length send/receive is drawn this fraction of the makespan long, so viewers show it
+_SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
+
+
+def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
+    """One row per rank, time scaled to ``width`` columns; a compute action is its kind letter over its duration.
+
+    The microbatch number follows the letter when the action spans enough columns (``F3FF``);
+    fused backward is ``X``, idle ``.``. Sends and receives take no time and are not drawn.
+    Column edges are rounded from the action's start and end, so adjacent actions never overlap.
+    """
+    if width < 1:
+        raise OptionError(f"a timeline needs at least one column (width: {width}); use width >= 1")
+    ranks = _rank_ids(result)
+    origin, span = _window(result)
+    scale = width / span if span > 0 else 0.0
+    rows: dict[int, list[str]] = {r: ["."] * width for r in ranks}
+    for e in _compute(result.events):
+        lo = min(width, max(0, round((e.start - origin) * scale)))
+        hi = min(width, max(lo, round((e.end - origin) * scale)))
+        cells = [LETTER[e.action.kind]] * (hi - lo)
+        digits = str(e.action.mb)
+        if hi - lo >= 1 + len(digits):
+            cells[1:1 + len(digits)] = digits
+        rows[e.rank][lo:hi] = cells
+    label = max((len(f"rank {r}") for r in ranks), default=0)
+    header = f"{result.schedule}: {len(ranks)} ranks, makespan {result.makespan:g}, 1 column = {span / width:g}"
+    lines = [header, _LEGEND] + [f"rank {r}".ljust(label) + " |" + "".join(rows[r]) + "|" for r in ranks]
+    return "\n".join(lines)
+
+
+def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | None = None) -> dict[str, object]:
+    """The run in Trace Event Format, for chrome://tracing and ui.perfetto.dev.
+
+    One process per rank (pid = rank) with a ``compute`` thread (tid 0) holding an ``X`` event per
+    F/B/W/BW (name ``1F3``, cat the kind) and a ``comm`` thread (tid 1) holding the sends and
+    receives, each send linked to its receive by a flow (``s`` then ``f`` with ``bp: "e"``, one
+    ``id``). An ``in flight`` counter per rank counts microbatch-stages with F done and their
+    last backward not done (its peak is ``RankStats.peak_in_flight``). Event times are in the
+    costs' unit; ``time_unit_us`` converts them to microseconds (the default assumes seconds).
+    """
+    if not time_unit_us > 0 or math.isinf(time_unit_us):
+        raise OptionError(f"time_unit_us must be a positive number of microseconds per unit (time_unit_us: "
+                          f"{time_unit_us}); use 1e6 for seconds, 1e3 for milliseconds")
+    ranks = _rank_ids(result)
+    tiny = (result.makespan * time_unit_us * _COMM_TINY) or 1e-3
+    trace: list[dict[str, object]] = []
+    for r in ranks:
+        trace.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+        trace.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        for tid, thread in ((0, "compute"), (1, "comm")):
+            trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": thread}})
+            trace.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+    sends: dict[tuple[str, int, int], Event] = {}
+    recvs: dict[tuple[str, int, int], Event] = {}
+    for e in result.events:
+        a = e.action
+        ts, dur = e.start * time_unit_us, (e.end - e.start) * time_unit_us
+        if a.kind in COMPUTE:
+            trace.append({"ph": "X", "name": str(a), "cat": a.kind.value, "pid": e.rank, "tid": 0, "ts": ts,
+                          "dur": dur, "args": {"stage": a.stage, "microbatch": a.mb, "kind": a.kind.value}})
+        elif a.kind in COMM:
+            trace.append({"ph": "X", "name": str(a), "cat": a.kind.value, "pid": e.rank, "tid": 1, "ts": ts,
+                          "dur": dur if dur > 0 else tiny,
+                          "args": {"stage": a.stage, "microbatch": a.mb, "kind": a.kind.value}})
+            (sends if a.kind in _SENDS else recvs)[_link(a)] = e
+    for flow_id, key in enumerate(sorted(k for k in sends if k in recvs)):
+        send, recv = sends[key], recvs[key]
+        flow_name = f"{send.action} -> {recv.action}"
+        trace.append({"ph": "s", "name": flow_name, "cat": "flow", "id": flow_id, "pid": send.rank, "tid": 1,
+                      "ts": send.start * time_unit_us})
+        trace.append({"ph": "f", "bp": "e", "name": flow_name, "cat": "flow", "id": flow_id, "pid": recv.rank,
+                      "tid": 1, "ts": recv.start * time_unit_us})
+    for r in ranks:
+        for t, n in in_flight(result.events, r):
+            trace.append({"ph": "C", "name": "in flight", "pid": r, "tid": 0, "ts": t * time_unit_us,
+                          "args": {"microbatches": n}})
+    return {
+        "traceEvents": trace,
+        "displayTimeUnit": "ms",
+        "otherData": {"name": name if name is not None else result.schedule, "schedule": result.schedule,
+                      "makespan": result.makespan, "max_stage_span": result.max_stage_span,
+                      "time_unit_us": time_unit_us},
+    }
+
+
+def write_chrome_trace(result: SimResult, path: str | Path, **kw: object) -> Path:
+    """Write :func:`chrome_trace` as JSON to ``path``; returns the path."""
+    out = Path(path)
+    with out.open("w", encoding="utf-8") as fh:
+        json.dump(chrome_trace(result, **kw), fh)  # type: ignore[arg-type]
+    return out
+
+
+def in_flight(events: Iterable[Event], rank: int) -> list[tuple[float, int]]:
+    """``(time, count)`` steps of the rank's microbatch-stages in flight: +1 at an F's end, -1 at a W's or BW's end.
+
+    Starts at 0 at the rank's first compute start; one step per distinct time, in time order.
+    """
+    compute = [e for e in _compute(events) if e.rank == rank]
+    if not compute:
+        return []
+    steps: list[tuple[float, int]] = [(min(e.start for e in compute), 0)]
+    level = 0
+    for e in sorted(compute, key=lambda e: e.end):
+        level += {Kind.F: 1, Kind.W: -1, Kind.BW: -1}.get(e.action.kind, 0)
+        if e.action.kind is Kind.B:
+            continue
+        if steps[-1][0] == e.end:
+            steps[-1] = (e.end, level)
+        else:
+            steps.append((e.end, level))
+    return steps
+
+
+def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> str:
+    """A standalone SVG Gantt chart: one row per rank, one ``<rect class="action">`` per compute action.
+
+    Each action rect has a ``<title>`` tooltip ``1F3 [start, end]`` and, when wide enough, a text
+    label; below the rows a time axis with a few ticks and a legend of the four kinds. Rects other
+    than actions are ``class="background"`` (one), ``class="lane"`` (one per rank) and
+    ``class="legend"`` (one per kind).
+    """
+    if width < 200 or row_height < 8:
+        raise OptionError(f"an SVG Gantt chart needs width >= 200 and row_height >= 8 (width: {width}, "
+                          f"row_height: {row_height}); use larger values")
+    ranks = _rank_ids(result)
+    origin, span = _window(result)
+    left, right, top = 70, 20, 30
+    plot = width - left - right
+    axis_y = top + row_height * len(ranks)
+    legend_y = axis_y + 34
+    height = legend_y + 24
+    font = max(8, min(12, row_height // 2))
+
+    def x(t: float) -> float:
+        return left + ((t - origin) / span * plot if span > 0 else 0.0)
+
+    title = f"{result.schedule}: {len(ranks)} ranks, makespan {result.makespan:g}"
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="{font}">'),
+           f"<title>{escape(title)}</title>",
+           f'<rect class="background" x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
+           f'<text x="{left}" y="{top - 10}" font-size="{font + 2}">{escape(title)}</text>']
+    for i, r in enumerate(ranks):
+        y = top + i * row_height
+        out.append(f'<rect class="lane" x="{left}" y="{y}" width="{plot}" height="{row_height}" '
+                   f'fill="{"#f4f4f4" if i % 2 == 0 else "#e9e9e9"}"/>')
+        out.append(f'<text x="{left - 6}" y="{y + row_height / 2:.2f}" text-anchor="end" '
+                   f'dominant-baseline="middle">{escape(f"rank {r}")}</text>')
+    row_of = {r: i for i, r in enumerate(ranks)}
+    for e in _compute(result.events):
+        a = e.action
+        x0, x1 = x(e.start), x(e.end)
+        y = top + row_of[e.rank] * row_height + 2
+        h = row_height - 4
+        label = str(a)
+        out.append(f'<rect class="action" data-kind="{a.kind.value}" x="{x0:.2f}" y="{y}" '
+                   f'width="{x1 - x0:.2f}" height="{h}" fill="{FILL[a.kind]}" stroke="#ffffff" stroke-width="0.5">'
+                   f"<title>{escape(f'{label} [{e.start:g}, {e.end:g}]')}</title></rect>")
+        if x1 - x0 >= len(label) * font * 0.62 + 4:
+            out.append(f'<text class="label" x="{(x0 + x1) / 2:.2f}" y="{y + h / 2:.2f}" text-anchor="middle" '
+                       f'dominant-baseline="middle" fill="#ffffff">{escape(label)}</text>')
+    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + plot}" y2="{axis_y}" stroke="#333333"/>')
+    for t in _ticks(span):
+        tx = x(origin + t)
+        out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="#333333"/>')
+        out.append(f'<text class="tick" x="{tx:.2f}" y="{axis_y + 8 + font}" text-anchor="middle">'
+                   f"{escape(f'{origin + t:g}')}</text>")
+    lx = left
+    for k in (Kind.F, Kind.B, Kind.W, Kind.BW):
+        text = f"{k.value} {_KIND_NAME[k]}"
+        out.append(f'<rect class="legend" x="{lx}" y="{legend_y}" width="12" height="12" fill="{FILL[k]}"/>')
+        out.append(f'<text x="{lx + 16}" y="{legend_y + 10}">{escape(text)}</text>')
+        lx += 16 + int(len(text) * font * 0.62) + 16
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def write_svg(result: SimResult, path: str | Path, **kw: object) -> Path:
+    """Write :func:`svg_gantt` to ``path``; returns the path."""
+    out = Path(path)
+    out.write_text(svg_gantt(result, **kw), encoding="utf-8")  # type: ignore[arg-type]
+    return out
+
+
+def _compute(events: Iterable[Event]) -> list[Event]:
+    return [e for e in events if e.action.kind in COMPUTE]
+
+
+def _rank_ids(result: SimResult) -> list[int]:
+    return sorted({r.rank for r in result.ranks} | {e.rank for e in result.events})
+
+
+def _window(result: SimResult) -> tuple[float, float]:
+    """The drawn time range: from the first compute start, ``makespan`` long (or the events' own span)."""
+    compute = _compute(result.events)
+    if not compute:
+        return 0.0, 0.0
+    origin = min(e.start for e in compute)
+    return origin, max(result.makespan, max(e.end for e in compute) - origin)
+
+
+def _link(a: Action) -> tuple[str, int, int]:
+    """The stage boundary a send or receive crosses: (direction, lower stage, microbatch), equal for a matched pair."""
+    if a.kind is Kind.SEND_F:
+        return ("F", a.stage, a.mb)
+    if a.kind is Kind.RECV_F:
+        return ("F", a.stage - 1, a.mb)
+    if a.kind is Kind.SEND_B:
+        return ("B", a.stage - 1, a.mb)
+    return ("B", a.stage, a.mb)  # RECV_B: the gradient comes from stage + 1
+
+
+def _ticks(span: float, target: int = 6) -> Sequence[float]:
+    """About ``target`` evenly spaced round values (steps of 1, 2 or 5 times a power of ten) from 0 to ``span``."""
+    if span <= 0:
+        return [0.0]
+    raw = span / target
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    count = math.floor(span / step + 1e-9)
+    return [round(i * step, 12) for i in range(count + 1)]
