@@ -1,0 +1,64 @@
+"""``fxpipe simulate`` and ``fxpipe compile --schedule``: closed forms through the CLI, files, plans, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fxpipe.schedules.ir import Schedule
+from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+
+
+@pytest.mark.parametrize("schedule, span", [("1f1b", 33), ("zb-h1", 27), ("zb-h2", 24)])
+def test_uniform_costs_give_the_closed_forms(schedule: str, span: float) -> None:
+    result = ok(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "--stages", "4", "--schedule", schedule,
+                           "--microbatches", "8", "--json"))
+    doc = json.loads(result.stdout)
+    assert doc["schema"] == "fxpipe.simulate/v1" and doc["time_unit"] == "unit"
+    assert doc["max_stage_span"] == span
+    assert doc["makespan"] >= doc["max_stage_span"]
+    assert Schedule.from_csv(doc["schedule_csv"]).num_microbatches == 8
+
+
+def test_simulate_a_plan_directory_writes_trace_and_svg(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    ok(fxpipe_cli("compile", "gpt-tiny", "--stages", "2", "--out", plan, "--schedule", "zb-h1", "--microbatches", "4"))
+    doc = json.loads((plan / "plan.json").read_text())
+    recorded = doc["info"]["schedule"]
+    assert recorded["name"] == "zb-h1" and recorded["microbatches"] == 4
+    assert Schedule.from_csv(recorded["csv"]).num_stages == 2
+    assert any(r["title"] == "simulate: per rank" for r in doc["reports"])
+    trace, svg = tmp_path / "t.json", tmp_path / "t.svg"
+    result = ok(fxpipe_cli("simulate", plan, "--schedule", "zb-h1", "--microbatches", "4", "--trace", trace,
+                           "--svg", svg, "--plain"))
+    assert "simulate: per rank" in result.stdout and "rank 1 |" in result.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W")) == 2 * 4 * 3
+    assert svg.read_text().startswith("<svg")
+    # The same plan and schedule simulate to the makespan compile recorded.
+    again = json.loads(ok(fxpipe_cli("simulate", plan, "--schedule", "zb-h1", "--microbatches", "4", "--json")).stdout)
+    assert again["makespan"] == pytest.approx(recorded["makespan_s"])
+
+
+def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
+    result = ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--schedule", "auto", "--json"))
+    doc = json.loads(result.stdout)
+    titles = [r["title"] for r in doc["reports"]]
+    assert any(t.startswith("schedule auto") for t in titles)
+    chosen = [row for r in doc["reports"] if r["title"].startswith("schedule auto") for row in r["rows"]
+              if row[-1] == "<== chosen"]
+    assert len(chosen) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (["simulate", "--uniform-costs", "1,1", "--stages", "2"], "--uniform-costs takes 3 non-negative numbers"),
+    (["simulate", "--uniform-costs", "1,1,1"], "--uniform-costs needs --stages"),
+    (["simulate"], "give a plan directory or a model"),
+    (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "nope"], "unknown schedule 'nope'"),
+    (["simulate", "--uniform-costs", "1,1,1", "--stages", "3", "--schedule", "interleaved-1f1b"],
+     "stage count must be a multiple of 2"),
+])
+def test_bad_simulate_input_is_one_line(args: list[str], match: str) -> None:
+    assert match in one_line_error(fxpipe_cli(*args))

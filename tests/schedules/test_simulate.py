@@ -1,0 +1,119 @@
+"""Validator and simulator: broken schedules are refused with the marked grid; memory, bytes and auto on real plans."""
+
+from __future__ import annotations
+
+import pytest
+
+import fxpipe
+from fxpipe import models
+from fxpipe.errors import PlanError
+from fxpipe.schedules.auto import auto
+from fxpipe.schedules.generators import generate
+from fxpipe.schedules.ir import Action, Kind, Schedule, ScheduleValidationError
+from fxpipe.schedules.simulate import Costs, simulate, validate
+
+
+def _swap(sched: Schedule, rank: int, i: int, j: int) -> Schedule:
+    acts = list(sched.ranks[rank])
+    acts[i], acts[j] = acts[j], acts[i]
+    ranks = list(sched.ranks)
+    ranks[rank] = tuple(acts)
+    return Schedule(sched.name, sched.num_stages, sched.num_microbatches, sched.rank_of_stage, tuple(ranks))
+
+
+def test_a_deadlock_shows_the_grid_with_each_stuck_rank_marked() -> None:
+    sched = generate("1f1b", 2, 2)  # rank 1: 1F0 1BW0 1F1 1BW1
+    bad = _swap(sched, 1, 0, 1)  # rank 1 runs BW of mb 0 before its F
+    with pytest.raises(ScheduleValidationError) as info:
+        validate(bad)
+    text = str(info.value)
+    assert "deadlock" in text and "rank 1 at 1BW0 waits for 1F0" in text
+    assert "1BW0 <<" in text  # the failing step is marked in the grid
+    assert text.count("<<") == 2  # rank 0 is stuck too, waiting for the gradient
+
+
+def test_w_before_b_and_missing_or_duplicate_actions() -> None:
+    sched = generate("zb-h1", 2, 2)
+    acts = list(sched.ranks[1])
+    w = next(i for i, a in enumerate(acts) if a.kind is Kind.W)
+    b = next(i for i, a in enumerate(acts) if a == Action(1, Kind.B, acts[w].mb))
+    with pytest.raises(ScheduleValidationError, match=r"waits for 1B0"):
+        validate(_swap(sched, 1, b, w))
+    missing = Schedule("x", 2, 2, (0, 1), (sched.ranks[0], sched.ranks[1][:-1]))
+    with pytest.raises(ScheduleValidationError, match="runs BW 0x, B 1x, W 0x"):
+        validate(missing)
+    twice = Schedule("x", 2, 2, (0, 1), (sched.ranks[0] + (sched.ranks[0][0],), sched.ranks[1]))
+    with pytest.raises(ScheduleValidationError, match="0F0 runs twice"):
+        validate(twice)
+    wrong_rank = Schedule("x", 2, 2, (0, 1), (sched.ranks[0] + (Action(1, Kind.F, 0),), sched.ranks[1]))
+    with pytest.raises(ScheduleValidationError, match="1F0 runs on rank 0, but stage 1 lives on rank 1"):
+        validate(wrong_rank)
+
+
+def test_a_send_without_its_receive_is_refused() -> None:
+    from fxpipe.schedules.ir import with_communication
+
+    full = with_communication(generate("gpipe", 2, 1))
+    no_recv = Schedule("x", 2, 1, (0, 1), (full.ranks[0], tuple(a for a in full.ranks[1] if a.kind is not Kind.RECV_F)))
+    with pytest.raises(ScheduleValidationError, match="0SEND_F0 has no matching 1RECV_F0"):
+        validate(no_recv)
+
+
+def test_transfers_delay_receivers_and_count_bytes() -> None:
+    free = Costs.uniform(2, 1, 1, 1)
+    slow = Costs((1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (100.0, 0.0), (1.0, 1.0), (1.0, 1.0), latency=0.5, bandwidth=100.0)
+    a = simulate(generate("1f1b", 2, 3), free)
+    b = simulate(generate("1f1b", 2, 3), slow)
+    # Each microbatch crosses the cut twice (activation, gradient): 0.5 + 100/100 = 1.5 each way.
+    assert b.makespan > a.makespan
+    assert b.ranks[0].bytes_sent == 3 * 100.0 and b.ranks[1].bytes_sent == 0.0
+    first_f_on_rank1 = next(e for e in b.events if e.action == Action(1, Kind.F, 0))
+    assert first_f_on_rank1.start == pytest.approx(1.0 + 1.5)
+
+
+def test_memory_tracks_what_f_keeps_for_b_and_b_for_w() -> None:
+    costs = Costs((1.0,), (1.0,), (1.0,), (0.0,), (10.0,), (4.0,))
+    split = simulate(Schedule("x", 1, 2, (0,), ((Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0),
+                                                    Action(0, Kind.B, 1), Action(0, Kind.W, 0), Action(0, Kind.W, 1)),)),
+                     costs)
+    assert split.ranks[0].peak_memory == 20.0  # both F's held
+    fused = simulate(generate("1f1b", 1, 2), costs)
+    assert fused.ranks[0].peak_memory == 10.0
+
+
+ZOO = ["mlp", "gpt", "resnet", "vgg"]
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Costs]:
+    out = {}
+    for name in ZOO:
+        zoo = models.build(name)
+        out[name] = fxpipe.compile(zoo.model, zoo.example_inputs, stages=4).schedule_costs()
+    return out
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_auto_is_never_slower_than_any_fixed_schedule_it_considered(name: str, plans: dict[str, Costs]) -> None:
+    costs = plans[name]
+    choice = auto(4, costs, microbatches=[4, 8])
+    best = choice.result.makespan / choice.schedule.num_microbatches
+    for row in choice.report.rows:
+        assert best <= row[3] / 1e3 + 5e-8  # the table rounds to 0.1 us
+    for fixed in ("gpipe", "1f1b", "zb-h1", "zb-h2", "layerpipe"):
+        for m in (4, 8):
+            assert best <= simulate(generate(fixed, 4, m, costs), costs).makespan / m + 1e-12
+    zb_h1 = simulate(generate("zb-h1", 4, 8, costs), costs).makespan / 8
+    assert best < zb_h1  # the zoo's stages are unequal: cost-aware W placement and more memory both help
+
+
+def test_auto_respects_the_memory_cap_and_says_when_nothing_fits(plans: dict[str, Costs]) -> None:
+    costs = plans["gpt"]
+    free = auto(4, costs, microbatches=[8])
+    cap = min(max(r.peak_memory for r in simulate(generate(n, 4, 8, costs), costs).ranks)
+              for n in ("1f1b", "layerpipe"))
+    capped = auto(4, costs, microbatches=[8], memory_cap=cap)
+    assert max(r.peak_memory for r in capped.result.ranks) <= cap
+    assert capped.result.makespan >= free.result.makespan
+    with pytest.raises(PlanError, match="no schedule fits .* the least any candidate needs is"):
+        auto(4, costs, microbatches=[8], memory_cap=1.0)
