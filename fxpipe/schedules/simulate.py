@@ -99,6 +99,8 @@ class SimResult:
     ranks: tuple[RankStats, ...]
     events: tuple[Event, ...]
     staleness: dict[int, int] = field(default_factory=dict)  # stage -> most weight updates between a mb's F and B
+    # (stage, microbatch) -> weight updates between that microbatch's F and its backward (asynchronous schedules)
+    staleness_per_microbatch: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -108,6 +110,7 @@ class SimResult:
             "ranks": [{"rank": r.rank, "span": r.span, "busy": r.busy, "bubble": r.bubble, "peak_memory": r.peak_memory,
                        "peak_in_flight": r.peak_in_flight, "bytes_sent": r.bytes_sent} for r in self.ranks],
             "staleness": {str(k): v for k, v in self.staleness.items()},
+            "staleness_per_microbatch": [[s, m, n] for (s, m), n in sorted(self.staleness_per_microbatch.items())],
         }
 
 
@@ -140,8 +143,12 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
         ))
     active = [r for r in ranks if r.end > r.start]
     makespan = (max(r.end for r in active) - min(r.start for r in active)) if active else 0.0
+    per_mb = _staleness(schedule) if not schedule.synchronous else {}
+    worst: dict[int, int] = {}
+    for (s, _), n in per_mb.items():
+        worst[s] = max(worst.get(s, 0), n)
     return SimResult(schedule.name, makespan, max((r.span for r in active), default=0.0), tuple(ranks),
-                     tuple(events), _staleness(schedule) if not schedule.synchronous else {})
+                     tuple(events), worst, per_mb)
 
 
 def _check_counts(schedule: Schedule) -> None:
@@ -269,19 +276,20 @@ def _memory(compute: Sequence[Event], costs: Costs) -> tuple[float, int]:
     return peak, peak_flight
 
 
-def _staleness(schedule: Schedule) -> dict[int, int]:
-    """Per stage, the most weight updates (one per backward) between a microbatch's F and its backward."""
-    out: dict[int, int] = {}
+def _staleness(schedule: Schedule) -> dict[tuple[int, int], int]:
+    """Per (stage, microbatch), the weight updates (one per backward) between the microbatch's F and its backward."""
+    out: dict[tuple[int, int], int] = {}
     for acts in schedule.ranks:
         for s in {a.stage for a in acts}:
-            order = [a for a in acts if a.stage == s and a.kind in COMPUTE]
             updates = 0
             f_at: dict[int, int] = {}
-            for a in order:
+            for a in acts:
+                if a.stage != s or a.kind not in COMPUTE:
+                    continue
                 if a.kind is Kind.F:
                     f_at[a.mb] = updates
                 elif a.kind in (Kind.BW, Kind.W):
-                    out[s] = max(out.get(s, 0), updates - f_at[a.mb])
+                    out[(s, a.mb)] = updates - f_at[a.mb]
                     updates += 1
     return out
 
