@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from fxpipe.pipeline import Pipeline, Stage, compile
     from fxpipe.plan import load
 
-_LAZY = {"compile": "fxpipe.pipeline", "Pipeline": "fxpipe.pipeline", "Stage": "fxpipe.pipeline", "load": "fxpipe.plan"}
+_LAZY = {"compile": "fxpipe.pipeline", "Pipeline": "fxpipe.pipeline", "Stage": "fxpipe.pipeline", "load": "fxpipe.plan",
+         "last_report": "fxpipe.backend"}
 
 
 def __getattr__(name: str) -> Any:
@@ -29,5 +30,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FxpipeError", "OptionError", "Pipeline", "PlanError", "PlanFileError", "Stage", "TargetError", "TraceError",
-    "VerifyError", "compile", "load",
+    "VerifyError", "compile", "last_report", "load",
 ]

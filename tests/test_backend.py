@@ -1,0 +1,132 @@
+"""torch.compile(model, backend="fxpipe"): outputs and gradients equal eager over optimizer steps; breaks are clear errors."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models
+from tests.test_transformers import _gpt2
+
+
+def _train_side_by_side(model: torch.nn.Module, inputs: tuple[Any, ...], target: torch.Tensor, loss_fn: Any,
+                        options: dict[str, Any], steps: int = 3) -> None:
+    torch._dynamo.reset()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="fxpipe", fullgraph=True, options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        out, out_ref = compiled(*inputs), ref(*inputs)
+        loss, loss_ref = loss_fn(out, target), loss_fn(out_ref, target)
+        loss.backward()
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref, msg=lambda m: f"step {step} loss: {m}")
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"step {step} {name}: {m}")
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(ref.named_parameters())[name], msg=lambda m: f"after training {name}: {m}")
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+def test_training_equals_eager(name: str, stages: int) -> None:
+    zoo = models.build(name, batch_size=4)
+    _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
+                        {"stages": stages, "microbatches": 2})
+    tables = fxpipe.last_report()
+    assert any(t.title.startswith("partition-stages") for t in tables)
+    assert len(next(t for t in tables if t.title.startswith("split-backward")).rows) == stages
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_transformers_gpt2_training_equals_eager(stages: int) -> None:
+    torch.manual_seed(0)
+    idx, target = torch.randint(0, 96, (4, 16)), torch.randint(0, 96, (4, 16))
+
+    def loss_fn(out: Any, t: torch.Tensor) -> torch.Tensor:
+        logits = out[0] if isinstance(out, tuple) else out.logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+    _train_side_by_side(_gpt2(), (idx,), target, loss_fn, {"stages": stages, "microbatches": 2})
+
+
+def test_gpipe_order_also_matches_and_the_memory_report_is_there() -> None:
+    zoo = models.build("mlp-tiny", batch_size=4)
+    _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
+                        {"stages": 2, "microbatches": 4, "schedule": "gpipe"}, steps=2)
+    memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
+    assert memory.column("device") == ["cpu", "cpu"]
+    assert all(x > 0 for x in memory.column("peak MiB"))
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if h.sum() > 0:  # the graph break
+            h = h * 2
+        return self.fc(h)
+
+
+def test_a_graph_break_is_one_clear_error() -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(Branchy(), backend="fxpipe")
+    with pytest.raises(Exception, match=r"needs the whole model in one graph, but Dynamo broke it at .*test_backend\.py:"
+                                        r"\d+ `if h\.sum\(\) > 0:") as info:
+        compiled(torch.randn(2, 4))
+    assert "fullgraph=True" in str(info.value)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Data-dependent|data-dependent"):
+        torch.compile(Branchy(), backend="fxpipe", fullgraph=True)(torch.randn(2, 4))
+
+
+def test_options_are_checked_and_verbose_prints_the_tables_once(capsys: pytest.CaptureFixture[str]) -> None:
+    torch._dynamo.reset()
+    zoo = models.build("mlp-tiny", batch_size=4)
+    with pytest.raises(Exception, match=r"unknown fxpipe backend option\(s\) \['stagez'\]"):
+        torch.compile(zoo.model, backend="fxpipe", options={"stagez": 2})(*zoo.example_inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(zoo.model), backend="fxpipe", options={"stages": 2, "verbose": True})
+    compiled(*zoo.example_inputs)
+    compiled(*zoo.example_inputs)
+    err = capsys.readouterr().err
+    assert err.count("partition-stages: chosen partition") == 1
+
+
+def test_the_backend_works_without_importing_fxpipe() -> None:
+    script = textwrap.dedent("""
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        x = torch.randn(4, 8)
+        out = torch.compile(m, backend="fxpipe", fullgraph=True, options={"stages": 2})(x)
+        torch.testing.assert_close(out, m(x))
+        assert "fxpipe" in torch._dynamo.list_backends()
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_equals_eager_on_cuda() -> None:
+    zoo = models.build("gpt-tiny", batch_size=4, device="cuda")
+    _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
+                        {"stages": 2, "microbatches": 2})
+    memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
+    assert all(str(d).startswith("cuda") for d in memory.column("device"))
