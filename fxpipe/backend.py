@@ -28,6 +28,8 @@ from fxpipe.errors import FxpipeError, OptionError, TraceError
 from fxpipe.report import Report
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
+# devices: where stage k runs (devices[k % len]); its parameters are moved there. Unset: each stage
+# runs where its parameters already are (the whole model's device, unless the user placed layers).
 OPTIONS = ("stages", "devices", "microbatches", "schedule", "verbose")
 
 
@@ -73,6 +75,8 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                       verify_each=False)
     if pipe.stage_graphs is None:
         raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
+    if opts.get("devices"):
+        _place(pipe, [torch.device(d) for d in opts["devices"]])
     pipe.extra_reports = [_memory_report(pipe, microbatches)]
     _LAST[:] = [pipe]
     if opts.get("verbose"):
@@ -128,6 +132,15 @@ def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
         raise TraceError(f"backend='fxpipe' compiles an nn.Module's forward, but Dynamo is compiling "
                          f"{code.co_name}() of {code.co_filename}; compile the module: torch.compile(model, ...)")
     return held[0], tuple(pos), kwargs
+
+
+def _place(pipe: Any, devices: list[torch.device]) -> None:
+    """Put stage k's parameters and buffers on ``devices[k % len(devices)]`` (in place: same Parameter objects)."""
+    for stage in pipe.stage_list():
+        device = devices[stage.index % len(devices)]
+        for t in [*stage.module.parameters(), *stage.module.buffers()]:
+            if t.device != device:
+                t.data = t.data.to(device)
 
 
 def _microbatch(flat: list[Any], m: int, i: int) -> list[Any]:
