@@ -77,32 +77,20 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, costs: Costs | None
                           f"(microbatches: {m}, ranks: {p}); use {m + p - m % p} microbatches")
     total = m * v
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:
+    def unit(r: int, k: int, kind: Kind) -> Action:
+        """The k-th forward (or backward) of rank r: chunks advance every p microbatches."""
         chunk = (k // p) % v
-        if not forward:
+        if kind is not Kind.F:
             chunk = v - 1 - chunk
-        return chunk, (k // (p * v)) * p + k % p
+        return Action(chunk * p + r, kind, (k // (p * v)) * p + k % p)
 
     ranks = []
     for r in range(p):
         warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-        out: list[Action] = []
-        f_k = b_k = 0
-        for _ in range(warmup):
-            c, mb = unit(f_k, True)
-            out.append(Action(c * p + r, Kind.F, mb))
-            f_k += 1
-        while f_k < total:
-            c, mb = unit(f_k, True)
-            out.append(Action(c * p + r, Kind.F, mb))
-            f_k += 1
-            c, mb = unit(b_k, False)
-            out.append(Action(c * p + r, Kind.BW, mb))
-            b_k += 1
-        while b_k < total:
-            c, mb = unit(b_k, False)
-            out.append(Action(c * p + r, Kind.BW, mb))
-            b_k += 1
+        out = [unit(r, k, Kind.F) for k in range(warmup)]
+        for k in range(total - warmup):  # steady state: one forward, one backward
+            out += [unit(r, warmup + k, Kind.F), unit(r, k, Kind.BW)]
+        out += [unit(r, k, Kind.BW) for k in range(total - warmup, total)]
         ranks.append(tuple(out))
     return Schedule("interleaved-1f1b", p_total, m, tuple(s % p for s in range(p_total)), tuple(ranks))
 
