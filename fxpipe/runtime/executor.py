@@ -145,6 +145,31 @@ class PipelineRuntime:
         dist.all_reduce(loss_sum)
         return loss_sum / m  # float64: the mean over microbatches, summed in double
 
+    def save_checkpoint(self, directory: str | Any, step: int) -> Any:
+        """Write this rank's state to ``directory/rank{R}.pt`` atomically (a temporary file, then a rename)."""
+        import os
+        from pathlib import Path
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        final = path / f"rank{self.rank}.pt"
+        tmp = path / f".rank{self.rank}.pt.tmp"
+        torch.save({"step": step, **self.state_dict()}, tmp)
+        os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint whole
+        return final
+
+    def load_checkpoint(self, directory: str | Any) -> int:
+        """Load ``directory/rank{R}.pt``; returns the step it was saved after."""
+        from pathlib import Path
+
+        file = Path(directory) / f"rank{self.rank}.pt"
+        if not file.is_file():
+            raise RuntimeError_(f"no checkpoint for rank {self.rank} in {directory} (missing {file.name}); "
+                                "start without --resume or point --checkpoint-dir at a run's checkpoints")
+        state = torch.load(file, weights_only=False)
+        self.load_state_dict(state)
+        return int(state["step"])
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's stage parameters (by name) and optimizer state."""
         named = {n: p for s in self.mine for n, p in self.stages[s].module.named_parameters()}

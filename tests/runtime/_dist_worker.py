@@ -1,49 +1,67 @@
-"""Worker for the multi-process runtime tests: one rank trains the zoo model on its stages, then saves its parameters."""
+"""Worker for the multi-process runtime tests: one rank trains a model on its stages, then saves its parameters."""
 
 from __future__ import annotations
 
+import json
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).parents[2]))  # run as a script: make `tests` importable
 
-def train(rank: int, world: int, init: str, out: str, model: str, stages: int, schedules: list[str], m: int,
-          steps: int, fail_rank: int) -> None:
+
+def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor, Any]:
+    """A model in float64 with a batch of 2 per microbatch: a zoo name, or ``skip-tied``."""
+    if model == "skip-tied":
+        from tests.passes.test_split_stages import SkipTied, _ce
+
+        torch.manual_seed(0)
+        net = SkipTied().double()
+        gen = torch.Generator().manual_seed(1)
+        return net, (torch.randint(0, 32, (2 * m, 5), generator=gen),), torch.randint(0, 32, (2 * m, 5), generator=gen), _ce
+    from fxpipe import models
+
+    zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)
+    return zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn
+
+
+def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
     try:
         import fxpipe
-        from fxpipe import models
         from fxpipe.runtime.executor import PipelineRuntime
         from fxpipe.schedules.generators import generate
 
-        for name in schedules:
-            zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)
-            pipe = fxpipe.compile(zoo.model, tuple(x.tensor_split(m)[0] for x in zoo.example_inputs), stages=stages)
-            costs = pipe.schedule_costs()
+        m, stages = cfg["microbatches"], cfg["stages"]
+        for name in cfg["schedules"]:
+            model, inputs, target, loss_fn = build(cfg["model"], m)
+            pipe = fxpipe.compile(model, tuple(x.tensor_split(m)[0] for x in inputs), stages=stages,
+                                  granularity=cfg.get("granularity", "auto"))
             if name == "auto":
                 from fxpipe.schedules.auto import auto
 
-                sched = auto(stages, costs, microbatches=[m]).schedule
+                sched = auto(stages, pipe.schedule_costs(), microbatches=[m]).schedule
             else:
-                sched = generate(name, stages, m, costs)
-            rt = PipelineRuntime(pipe, sched, zoo.loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                sched = generate(name, stages, m, pipe.schedule_costs())
+            rt = PipelineRuntime(pipe, sched, loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                                  timeout=timedelta(seconds=10))
+            first = rt.load_checkpoint(cfg["resume"]) if cfg.get("resume") else 0
             losses = []
-            for step in range(steps):
-                if rank == fail_rank and step == 1:
+            for step in range(first, cfg["steps"]):
+                if rank == cfg.get("fail_rank", -1) and step == 1:
                     raise ValueError(f"boom on rank {rank}")
-                losses.append(float(rt.step(zoo.example_inputs, zoo.example_target)))
+                losses.append(float(rt.step(inputs, target)))
+                if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
+                    rt.save_checkpoint(cfg["checkpoint"], step + 1)
             torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    train(int(args[0]), int(args[1]), args[2], args[3], args[4], int(args[5]), args[6].split(","), int(args[7]),
-          int(args[8]), int(args[9]))
+    train(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))

@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from fxpipe import models
+from tests.runtime._dist_worker import build
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "layerpipe", "auto"]
 
 
-def _launch(tmp_path: Path, world: int, model: str, stages: int, schedules: list[str], m: int, steps: int,
-            fail_rank: int = -1) -> list[subprocess.CompletedProcess[str]]:
+def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> list[subprocess.CompletedProcess[str]]:
     init = f"file://{tmp_path / 'pg'}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), init, str(tmp_path), model, str(stages),
-                               ",".join(schedules), str(m), str(steps), str(fail_rank)],
+    (tmp_path / "pg").unlink(missing_ok=True)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), init, str(tmp_path), json.dumps(cfg)],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     results = []
@@ -31,14 +33,15 @@ def _launch(tmp_path: Path, world: int, model: str, stages: int, schedules: list
 
 
 def _reference(model: str, m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)
-    ref = copy.deepcopy(zoo.model)
+    """Single-process training with the same microbatching: the mean loss over microbatches, SGD with momentum."""
+    net, inputs, target, loss_fn = build(model, m)
+    ref = copy.deepcopy(net)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    xs = [x.tensor_split(m) for x in zoo.example_inputs]
-    ts = zoo.example_target.tensor_split(m)
+    xs = [x.tensor_split(m) for x in inputs]
+    ts = target.tensor_split(m)
     losses = []
     for _ in range(steps):
-        total = sum(zoo.loss_fn(ref(*(x[i] for x in xs)), ts[i]) for i in range(m)) / m
+        total = sum(loss_fn(ref(*(x[i] for x in xs)), ts[i]) for i in range(m)) / m
         total.backward()
         opt.step()
         opt.zero_grad()
@@ -46,41 +49,61 @@ def _reference(model: str, m: int, steps: int) -> tuple[list[float], dict[str, t
     return losses, dict(ref.named_parameters(remove_duplicate=False))  # tied weights: one object, two names
 
 
-@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
-def test_two_ranks_every_schedule_trains_like_one_process(model: str, tmp_path: Path) -> None:
-    schedules = ["gpipe", "1f1b", "zb-h1", "zb-h2", "layerpipe", "auto"]
-    m, steps = 4, 3
-    results = _launch(tmp_path, 2, model, 2, schedules, m, steps)
+def _check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
+    results = _launch(tmp_path, world, cfg)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
-    losses, params = _reference(model, m, steps)
-    for name in schedules:
+    losses, params = _reference(cfg["model"], cfg["microbatches"], cfg["steps"])
+    for name in cfg["schedules"]:
         seen = set()
-        for rank in range(2):
+        for rank in range(world):
             saved = torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=False)
             assert saved["losses"] == pytest.approx(losses, rel=1e-9), name
             for pname, value in saved["state"]["params"].items():
-                torch.testing.assert_close(value, params[pname], msg=lambda msg: f"{name} {pname}: {msg}")
+                torch.testing.assert_close(value, params[pname].detach(), msg=lambda msg: f"{name} {pname}: {msg}")
                 seen.add(pname)
         # Every parameter was trained on some rank (a tied weight under either of its names).
-        assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}
+        assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
+
+
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
+def test_two_ranks_every_schedule_trains_like_one_process(model: str, tmp_path: Path) -> None:
+    _check(tmp_path, 2, {"model": model, "stages": 2, "schedules": SCHEDULES, "microbatches": 4, "steps": 3})
+
+
+@pytest.mark.parametrize("model", ["resnet-tiny", "skip-tied"])
+def test_four_ranks_batchnorm_skip_connections_and_tied_weights(model: str, tmp_path: Path) -> None:
+    cfg = {"model": model, "stages": 4, "schedules": ["1f1b", "zb-h1"], "microbatches": 4, "steps": 3}
+    if model == "skip-tied":
+        cfg["granularity"] = "1"  # the embedding's output skips two stages to the head, tied to it
+    _check(tmp_path, 4, cfg)
 
 
 def test_interleaved_two_stages_per_rank(tmp_path: Path) -> None:
-    m, steps = 4, 2
-    results = _launch(tmp_path, 2, "gpt-tiny", 4, ["interleaved-1f1b"], m, steps)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    losses, params = _reference("gpt-tiny", m, steps)
-    for rank in range(2):
-        saved = torch.load(tmp_path / f"interleaved-1f1b-rank{rank}.pt", weights_only=False)
-        assert saved["losses"] == pytest.approx(losses, rel=1e-9)
-        for pname, value in saved["state"]["params"].items():
-            torch.testing.assert_close(value, params[pname], msg=lambda msg: f"{pname}: {msg}")
+    _check(tmp_path, 2, {"model": "gpt-tiny", "stages": 4, "schedules": ["interleaved-1f1b"], "microbatches": 4,
+                         "steps": 2})
 
 
 def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:
-    results = _launch(tmp_path, 2, "mlp-tiny", 2, ["1f1b"], 4, 3, fail_rank=1)
+    results = _launch(tmp_path, 2, {"model": "mlp-tiny", "stages": 2, "schedules": ["1f1b"], "microbatches": 4,
+                                    "steps": 3, "fail_rank": 1})
     assert results[1].returncode != 0 and "boom on rank 1" in results[1].stderr
     assert results[0].returncode != 0
     assert "rank 0 waited for" in results[0].stderr and "from rank 1" in results[0].stderr
+
+
+def test_resume_is_bit_exact(tmp_path: Path) -> None:
+    straight, resumed, ckpt = tmp_path / "a", tmp_path / "b", tmp_path / "ckpt"
+    straight.mkdir(), resumed.mkdir()
+    base = {"model": "gpt-tiny", "stages": 2, "schedules": ["zb-h1"], "microbatches": 4}
+    assert all(r.returncode == 0 for r in _launch(straight, 2, {**base, "steps": 3}))
+    assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 2, "checkpoint": str(ckpt),
+                                                                 "checkpoint_after": 2}))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt"]  # no temporary file left
+    assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 3, "resume": str(ckpt)}))
+    for rank in range(2):
+        a = torch.load(straight / f"zb-h1-rank{rank}.pt", weights_only=False)["state"]["params"]
+        b = torch.load(resumed / f"zb-h1-rank{rank}.pt", weights_only=False)["state"]["params"]
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
