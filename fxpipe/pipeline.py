@@ -123,6 +123,25 @@ class Pipeline(torch.nn.Module):
         self.extra_reports = [*extra, report(result, sched)]
         return result
 
+    def build_backward(self, example_inputs: Sequence[Any]) -> None:
+        """Build each stage's F, B and W graphs (split_backward) on a pipeline that has none, e.g. one loaded from disk."""
+        from fxpipe.passes.split_backward import split_backward
+
+        graph = torch.fx.Graph()
+        graph.output(None)
+        root = torch.fx.GraphModule(torch.nn.Module(), graph)
+        for s in self.stage_list():
+            root.add_module(f"stage_{s.index}", s.module)
+        root.meta["fxpipe_wiring"] = {"inputs": list(self.input_names),
+                                      "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)}
+                                                 for s in self.stage_list()]}
+        flat = flatten_inputs(self.in_spec, tuple(example_inputs), {})
+        graphs = split_backward(root, flat).gm.meta["fxpipe_stage_graphs"]
+        for stage, g in zip(self.stage_list(), graphs):
+            stage.graphs = g
+            if g.forward is not None:
+                object.__setattr__(stage, "forward", g.forward)
+
     def schedule_costs(self) -> Any:
         """``fxpipe.schedules.simulate.Costs`` for this plan: per-stage F/B/W seconds, bytes, link."""
         from fxpipe.schedules.simulate import costs_from_info

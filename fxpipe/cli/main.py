@@ -300,6 +300,114 @@ def _plan_info(target: str, stages: int | None) -> dict[str, Any]:
     return pipeline_from_root(root, history).info
 
 
+@app.command("run")
+def run_cmd(
+    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model).")],
+    nproc: Annotated[int, typer.Option(min=1, help="Ranks to start (one per stage, or stages/2 for interleaved).")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
+    schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
+    data: Annotated[str, typer.Option(help="Training data: synthetic (random batches shaped like the example).")] = "synthetic",
+    lr: Annotated[float, typer.Option(help="SGD learning rate.")] = 0.01,
+    timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save every rank's state here after each step.")] = None,
+    resume: Annotated[bool, typer.Option(help="Start from the checkpoint in --checkpoint-dir.")] = False,
+    trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
+    fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
+) -> None:
+    """Train the plan on NPROC ranks (torch.distributed.run, gloo): per-step table, measured vs simulated."""
+    with _errors():
+        import os
+        import shutil
+        import statistics
+        import subprocess
+        import sys
+        import tempfile
+
+        from fxpipe.plan import read_plan_json
+        from fxpipe.report import Report
+
+        read_plan_json(plan_dir)
+        if data != "synthetic":
+            raise OptionError(f"--data {data!r} is not known; use --data synthetic")
+        if resume and checkpoint_dir is None:
+            raise OptionError("--resume needs --checkpoint-dir")
+        out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "fxpipe.runtime.launch", str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
+               "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank)]
+        for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
+                            ("--checkpoint-dir", checkpoint_dir)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if resume:
+            cmd.append("--resume")
+        try:
+            with _progress(disable=as_json) as step:
+                step(f"training on {nproc} ranks", 0, 0)
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+            errors = {int(p.stem[4:]): p.read_text().strip() for p in out_dir.glob("rank*.error")}
+            if proc.returncode != 0 or errors:
+                # The root cause is a rank that failed by itself, not one that gave up waiting for it.
+                first = sorted(errors.items(), key=lambda kv: ("waited for" in kv[1], kv[0]))
+                if first:
+                    rank, why = first[0]
+                    raise FxpipeError(f"rank {rank} failed: {why}; the other ranks stopped"
+                                      + (f" ({len(errors) - 1} reported waiting for it)" if len(errors) > 1 else ""))
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise FxpipeError(f"the ranks exited with code {proc.returncode} without a report ({tail[:200]}); "
+                                  "re-run to see the ranks' output")
+            results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
+        batch = results[0]["batch"]
+        measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
+        doc = {
+            "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
+            "ranks": nproc, "batch": batch, "losses": results[0]["losses"], "step_ms": step_ms,
+            "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
+            "simulated_step_ms": results[0]["simulated_step_ms"],
+            "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+        }
+        if trace is not None:
+            _write_measured_trace(results, trace)
+        if as_json:
+            print(json.dumps(doc))
+            return
+        from fxpipe.render import print_reports
+
+        per_step = Report("run: per step", ("step", "loss", "step ms", "samples/s"),
+                          tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
+                                for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms))),
+                          (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
+                           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated",))
+        per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
+                          tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
+                                for r in results))
+        print_reports([per_step, per_rank], plain=plain, console=out)
+        if trace is not None:
+            err.print(f"wrote {trace}")
+
+
+def _write_measured_trace(results: list[dict[str, Any]], path: Path) -> None:
+    """The last step's measured actions, in the same Chrome-trace format as fxpipe simulate."""
+    from fxpipe.schedules.ir import Action
+    from fxpipe.schedules.simulate import Event, RankStats, SimResult
+    from fxpipe.schedules.timeline import write_chrome_trace
+
+    events = [Event(r["rank"], Action.parse(a), t0, t1) for r in results for a, t0, t1 in r["events"]]
+    ranks = tuple(RankStats(r["rank"], min((e[1] for e in r["events"]), default=0.0),
+                            max((e[2] for e in r["events"]), default=0.0),
+                            sum(e[2] - e[1] for e in r["events"]), 0.0, 0, 0.0) for r in results)
+    end = max((e.end for e in events), default=0.0)
+    write_chrome_trace(SimResult(f"measured {results[0]['schedule']}", end, max(r.span for r in ranks), ranks,
+                                 tuple(events)), path)
+
+
 @app.command("inspect")
 def inspect_cmd(
     plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile.")],

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -107,34 +109,12 @@ class PipelineRuntime:
         # Sends go out right after the compute that makes them, receives are waited for right
         # before the compute that reads them: the placement with_communication gives the
         # schedule's SEND/RECV actions, generalised to values that skip stages.
+        self.events: list[tuple[Action, float, float]] = []  # this step's compute actions, seconds from its start
+        start = time.perf_counter()
         for action in self.program:
-            s, kind, i = action.stage, action.kind, action.mb
-            st, g = self.stages[s], self.graphs[s]
-            if kind is Kind.F:
-                for name, buf in self._wait(recvs.pop((0, s, i), []), action):
-                    env[i][name] = buf
-                result = g.forward(*(env[i][n] for n in st.inputs))  # type: ignore[misc]
-                env[i].update(zip(st.outputs, result[: g.num_outputs]))
-                saved[(s, i)] = list(result[g.num_outputs:])
-                if s == self.schedule.num_stages - 1:
-                    loss_sum += self._loss(env[i], targets[i], grads[i], m).double()
-                for name in st.outputs:
-                    for dst in sorted({self.where[c] for c in self.consumers[name]} - {self.rank}):
-                        sends.append(dist.isend(env[i][name].contiguous(), dst, tag=self._tag(0, s, i, name)))
-            elif kind in (Kind.B, Kind.BW):
-                for name, buf in self._wait(recvs.pop((1, s, i), []), action):
-                    grads[i][name] = buf if name not in grads[i] else grads[i][name] + buf
-                self._backward_input(s, i, env, grads, saved, handover, out_grads)
-                for pos in g.grad_inputs:
-                    name = st.inputs[pos]
-                    src = self.producer[name]
-                    if src >= 0 and self.where[src] != self.rank:
-                        sends.append(dist.isend(grads[i][name].contiguous(), self.where[src],
-                                                tag=self._tag(1, s, i, name)))
-                if kind is Kind.BW:
-                    self._backward_weight(s, i, saved, handover, out_grads)
-            elif kind is Kind.W:
-                self._backward_weight(s, i, saved, handover, out_grads)
+            t0 = time.perf_counter() - start
+            loss_sum += self._act(action, env, grads, saved, handover, out_grads, recvs, sends, targets, m)
+            self.events.append((action, t0, time.perf_counter() - start))
         for work in sends:
             work.wait()
         for p, group in self.shared:
@@ -144,6 +124,41 @@ class PipelineRuntime:
         self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         return loss_sum / m  # float64: the mean over microbatches, summed in double
+
+    def _act(self, action: Action, env: list[dict[str, Any]], grads: list[dict[str, torch.Tensor]],
+             saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
+             out_grads: dict[tuple[int, int], list[torch.Tensor]], recvs: Any, sends: list[Any], targets: list[Any],
+             m: int) -> torch.Tensor:
+        """Run one compute action, with its receives before and its sends after; returns its loss (or 0)."""
+        s, kind, i = action.stage, action.kind, action.mb
+        st, g = self.stages[s], self.graphs[s]
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        if kind is Kind.F:
+            for name, buf in self._wait(recvs.pop((0, s, i), []), action):
+                env[i][name] = buf
+            result = g.forward(*(env[i][n] for n in st.inputs))  # type: ignore[misc]
+            env[i].update(zip(st.outputs, result[: g.num_outputs]))
+            saved[(s, i)] = list(result[g.num_outputs:])
+            if s == self.schedule.num_stages - 1:
+                loss_sum += self._loss(env[i], targets[i], grads[i], m).double()
+            for name in st.outputs:
+                for dst in sorted({self.where[c] for c in self.consumers[name]} - {self.rank}):
+                    sends.append(dist.isend(env[i][name].contiguous(), dst, tag=self._tag(0, s, i, name)))
+        elif kind in (Kind.B, Kind.BW):
+            for name, buf in self._wait(recvs.pop((1, s, i), []), action):
+                grads[i][name] = buf if name not in grads[i] else grads[i][name] + buf
+            self._backward_input(s, i, env, grads, saved, handover, out_grads)
+            for pos in g.grad_inputs:
+                name = st.inputs[pos]
+                src = self.producer[name]
+                if src >= 0 and self.where[src] != self.rank:
+                    sends.append(dist.isend(grads[i][name].contiguous(), self.where[src],
+                                            tag=self._tag(1, s, i, name)))
+            if kind is Kind.BW:
+                self._backward_weight(s, i, saved, handover, out_grads)
+        elif kind is Kind.W:
+            self._backward_weight(s, i, saved, handover, out_grads)
+        return loss_sum
 
     def save_checkpoint(self, directory: str | Any, step: int) -> Any:
         """Write this rank's state to ``directory/rank{R}.pt`` atomically (a temporary file, then a rename)."""

@@ -1,0 +1,121 @@
+"""One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on synthetic data, write results.
+
+Started by ``torch.distributed.run`` (``fxpipe run`` does that); reads RANK/WORLD_SIZE/MASTER_* from
+the environment. Writes ``OUT/rank{R}.json`` (losses, step times, peak RSS, the last step's measured
+actions) or, on failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("plan")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedule", default=None)
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests
+    args = parser.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    out = Path(args.out)
+    try:
+        result = _run(args, rank, dist.get_world_size())
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+        return 0
+    except BaseException as exc:  # every failure becomes one line the launcher can report
+        (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        traceback.print_exc()
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object, ...], object]:
+    """``--data synthetic``: m microbatches shaped like the model's example batch, from a fixed seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(t: torch.Tensor) -> torch.Tensor:
+        shape = (t.shape[0] * m, *t.shape[1:])
+        if t.is_floating_point():
+            return torch.randn(shape, generator=gen, dtype=t.dtype)
+        return torch.randint(0, int(t.max()) + 1, shape, generator=gen, dtype=t.dtype)
+
+    inputs = tuple(draw(x) for x in zoo.example_inputs)  # type: ignore[attr-defined]
+    return inputs, draw(zoo.example_target)  # type: ignore[attr-defined]
+
+
+def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
+    import torch
+
+    import fxpipe
+    from fxpipe import models
+    from fxpipe.errors import PlanFileError
+    from fxpipe.plan import read_plan_json
+    from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.schedules.auto import choose
+    from fxpipe.schedules.ir import Schedule
+
+    doc = read_plan_json(Path(args.plan))
+    name = doc.get("info", {}).get("model")
+    try:
+        zoo = models.build(str(name))
+    except Exception as exc:
+        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {name!r}); for your own "
+                            "model use fxpipe.runtime.PipelineRuntime in your torchrun script") from exc
+    pipe = fxpipe.load(args.plan)
+    pipe.build_backward(zoo.example_inputs)
+    costs = pipe.schedule_costs()
+    recorded = pipe.info.get("schedule")
+    if args.schedule is None and isinstance(recorded, dict):
+        sched = Schedule.from_csv(recorded["csv"], recorded["name"])
+    else:
+        sched, _, _ = choose(args.schedule or "1f1b", pipe.num_stages, args.microbatches or 2 * pipe.num_stages, costs)
+    m = sched.num_microbatches
+    inputs, target = synthetic_batch(zoo, m)
+    rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr),
+                         timeout=timedelta(seconds=args.timeout))
+    first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
+    losses, step_ms = [], []
+    for step in range(first, args.steps):
+        if rank == args.fail_rank and step == first + 1:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        t0 = time.perf_counter()
+        losses.append(float(rt.step(inputs, target)))
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if args.checkpoint_dir:
+            rt.save_checkpoint(args.checkpoint_dir, step + 1)
+    from fxpipe.schedules.simulate import simulate
+
+    return {
+        "rank": rank, "world": world, "schedule": sched.name, "microbatches": m,
+        "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
+        "losses": losses, "step_ms": step_ms,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "simulated_step_ms": simulate(sched, costs).makespan * 1e3,
+        "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
