@@ -30,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests
     args = parser.parse_args(argv)
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
