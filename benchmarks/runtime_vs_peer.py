@@ -1,0 +1,140 @@
+"""fxpipe's runtime against torch.distributed.pipelining, side by side in one run (2 ranks, gloo, 1 thread each).
+
+Both split the model at the same cut (fxpipe's plan) and train the same batch in the same
+microbatches; every iteration runs each (system, schedule) once in turn (A B A B ...) so machine
+drift cancels. Also measured, in the same run: the machine's bound, every rank running its own
+stage's F, B and W for all microbatches at the same time with no communication and no waiting.
+
+    python benchmarks/runtime_vs_peer.py [--models mlp-large gpt-medium] [--microbatches 8] [--iters 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) * 1e3
+
+
+def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    import fxpipe
+    from fxpipe import models
+    from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.runtime.launch import synthetic_batch
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import simulate
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    zoo = models.build(name)
+    inputs, target = synthetic_batch(zoo, m)
+    mb = tuple(x.tensor_split(m)[0] for x in inputs)
+    runners: dict[str, Any] = {}
+    simulated: dict[str, float] = {}
+    for sched_name in ("1f1b", "zb-h1", "zb-h2"):
+        model = __import__("copy").deepcopy(zoo.model)
+        pipe = fxpipe.compile(model, mb, stages=2, profile=True, profile_runs=3)
+        sched = generate(sched_name, 2, m, pipe.schedule_costs())
+        rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
+        runners[f"fxpipe {sched_name}"] = lambda rt=rt: rt.step(inputs, target)
+        simulated[f"fxpipe {sched_name}"] = simulate(sched, pipe.schedule_costs()).makespan * 1e3
+    # The peer, split where fxpipe's plan cuts: before the first layer of stage 1.
+    layers = next(r for r in pipe.report() if r.title.startswith("group-layers")).column("name")
+    cut = layers[pipe.info["bounds"][1]].split("#")[0]
+    for peer_name, cls in (("peer GPipe", ScheduleGPipe), ("peer 1F1B", Schedule1F1B)):
+        model = __import__("copy").deepcopy(zoo.model)
+        ppipe = pipeline(model, mb_args=mb, split_spec={cut: SplitPoint.BEGINNING})
+        stage = ppipe.build_stage(rank, torch.device("cpu"))
+        schedule = cls(stage, n_microbatches=m, loss_fn=zoo.loss_fn)
+        opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-4)
+
+        def peer_step(schedule: Any = schedule, opt: Any = opt) -> None:
+            if rank == 0:
+                schedule.step(*inputs)
+            else:
+                schedule.step(target=target)
+            opt.step()
+            opt.zero_grad()
+
+        runners[peer_name] = peer_step
+    # The bound: this rank's F, B, W for all microbatches, no communication, both ranks at once.
+    g, st = pipe.stage_graphs[rank], pipe.stage_list()[rank]
+    from fxpipe.passes.split_backward import time_graphs  # noqa: F401  (same graphs the runtime runs)
+
+    args = [torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
+            for v in (n.meta["val"] for n in g.forward.graph.nodes if n.op == "placeholder")]
+
+    def bound() -> None:
+        with torch.no_grad():
+            for _ in range(m):
+                res = g.forward(*args)
+                saved = list(res[g.num_outputs:])
+                grads = [torch.ones_like(res[j]) for j in g.grad_outputs]
+                b = g.backward_input(*(saved[k] if kind == "saved" else grads[k] for kind, k in g.b_slots))
+                g.backward_weight(*b[len(g.grad_inputs):],
+                                  *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots))
+
+    runners["bound"] = bound
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    for it in range(warmup + iters):
+        for key, fn in runners.items():
+            t = _timed(fn)
+            if it >= warmup:
+                times[key].append(t)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"model": name, "microbatches": m, "batch": int(inputs[0].shape[0]), "cut_before": cut,
+                       "median_ms": {k: statistics.median(v) for k, v in times.items()}, "simulated_ms": simulated,
+                       "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="*", default=["mlp-large", "gpt-medium"])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    rows = []
+    for name in args.models:
+        tmp = tempfile.mkdtemp()
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(f"file://{tmp}/pg", name, args.microbatches, args.iters, args.warmup, out), nprocs=2)
+        with open(out) as f:
+            res = json.load(f)
+        med = res["median_ms"]
+        best_peer = min(v for k, v in med.items() if k.startswith("peer"))
+        best_ours_key = min((k for k in med if k.startswith("fxpipe")), key=med.__getitem__)
+        res["best_fxpipe"] = best_ours_key
+        res["fxpipe_over_best_peer"] = med[best_ours_key] / best_peer
+        res["fxpipe_over_bound"] = med[best_ours_key] / med["bound"]
+        res["simulated_over_measured"] = res["simulated_ms"][best_ours_key] / med[best_ours_key]
+        res["samples_per_s"] = {k: res["batch"] / (v / 1e3) for k, v in med.items() if k != "bound"}
+        rows.append(res)
+    print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
