@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,11 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
         keys = [_key_at_depth(s, depth) for s in stacks]
         how = f"modules at depth {depth}"
 
+    # A multi-output op's getitems stay in its layer, so no cut ever sends a tuple.
+    key_of = {n: k for n, k in zip(nodes, keys)}
+    for i, n in enumerate(nodes):
+        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and n.args[0] in key_of:
+            keys[i] = key_of[n] = key_of[n.args[0]]
     names = _runs(keys)
     seen: Counter[str] = Counter()
     labels: list[str] = []

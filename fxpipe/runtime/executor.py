@@ -70,7 +70,8 @@ class PipelineRuntime:
             for p in self.stages[s].module.parameters():
                 params.setdefault(id(p), p)
         self.params = list(params.values())
-        self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01)))(self.params)
+        # A rank whose stages hold no parameters (an activation alone) has nothing to step.
+        self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01)))(self.params) if self.params else None
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any]] = []
         for name, holders in sorted(pipe.shared_params.items()):
@@ -103,6 +104,7 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], list[Any]] = {}
         handover: dict[tuple[int, int], tuple[Any, ...]] = {}
         out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._waited: set[int] = set()
         recvs = self._post_receives()
         sends: list[Any] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -120,8 +122,9 @@ class PipelineRuntime:
         for p, group in self.shared:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)
         return loss_sum / m  # float64: the mean over microbatches, summed in double
 
@@ -147,13 +150,14 @@ class PipelineRuntime:
         elif kind in (Kind.B, Kind.BW):
             for name, buf in self._wait(recvs.pop((1, s, i), []), action):
                 grads[i][name] = buf if name not in grads[i] else grads[i][name] + buf
-            self._backward_input(s, i, env, grads, saved, handover, out_grads)
-            for pos in g.grad_inputs:
-                name = st.inputs[pos]
+            for name, grad in self._backward_input(s, i, env, grads, saved, handover, out_grads):
                 src = self.producer[name]
                 if src >= 0 and self.where[src] != self.rank:
-                    sends.append(dist.isend(grads[i][name].contiguous(), self.where[src],
-                                            tag=self._tag(1, s, i, name)))
+                    # This stage's own share, sent on its own: another stage of this rank that
+                    # reads the same value sends its share separately, and the producer sums them.
+                    sends.append(dist.isend(grad.contiguous(), self.where[src], tag=self._tag(1, s, i, name)))
+                else:
+                    grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
             if kind is Kind.BW:
                 self._backward_weight(s, i, saved, handover, out_grads)
         elif kind is Kind.W:
@@ -189,14 +193,15 @@ class PipelineRuntime:
         """This rank's stage parameters (by name) and optimizer state."""
         named = {n: p for s in self.mine for n, p in self.stages[s].module.named_parameters()}
         return {"rank": self.rank, "params": {n: p.detach().clone() for n, p in named.items()},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         named = {n: p for s in self.mine for n, p in self.stages[s].module.named_parameters()}
         with torch.no_grad():
             for n, t in state["params"].items():
                 named[n].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -215,17 +220,16 @@ class PipelineRuntime:
 
     def _backward_input(self, s: int, i: int, env: list[dict[str, Any]], grads: list[dict[str, torch.Tensor]],
                         saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
-                        out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+                        out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Run B; returns the gradient of each of the stage's inputs that takes one."""
         st, g = self.stages[s], self.graphs[s]
         og = [grads[i][st.outputs[j]] if st.outputs[j] in grads[i] else torch.zeros_like(env[i][st.outputs[j]])
               for j in g.grad_outputs]
         sv = saved[(s, i)]
         result = g.backward_input(*(sv[k] if kind == "saved" else og[k] for kind, k in g.b_slots))  # type: ignore[misc]
-        for pos, grad in zip(g.grad_inputs, result[: len(g.grad_inputs)]):
-            name = st.inputs[pos]
-            grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
         handover[(s, i)] = tuple(result[len(g.grad_inputs):])
         out_grads[(s, i)] = og
+        return [(st.inputs[pos], grad) for pos, grad in zip(g.grad_inputs, result[: len(g.grad_inputs)])]
 
     def _backward_weight(self, s: int, i: int, saved: dict[tuple[int, int], list[Any]],
                          handover: dict[tuple[int, int], tuple[Any, ...]],
@@ -246,14 +250,18 @@ class PipelineRuntime:
         """
         posted: dict[tuple[int, int, int], list[tuple[str, torch.Tensor, Any, int]]] = defaultdict(list)
         for i in range(self.schedule.num_microbatches):
+            # A value is sent once to each rank that reads it, however many of its stages do.
+            arriving: dict[str, tuple[str, torch.Tensor, Any, int]] = {}
             for s in self.mine:
                 st, g = self.stages[s], self.graphs[s]
                 for pos, name in enumerate(st.inputs):
                     src = self.producer[name]
                     if src >= 0 and self.where[src] != self.rank:
-                        buf = _empty_like(_input_vals(g)[pos])
-                        work = dist.irecv(buf, self.where[src], tag=self._tag(0, src, i, name))
-                        posted[(0, s, i)].append((name, buf, work, self.where[src]))
+                        if name not in arriving:
+                            buf = _empty_like(_input_vals(g)[pos])
+                            work = dist.irecv(buf, self.where[src], tag=self._tag(0, src, i, name))
+                            arriving[name] = (name, buf, work, self.where[src])
+                        posted[(0, s, i)].append(arriving[name])
                 outs = _output_vals(g)
                 for j in g.grad_outputs:
                     name = st.outputs[j]
@@ -269,6 +277,10 @@ class PipelineRuntime:
     def _wait(self, items: list[tuple[str, torch.Tensor, Any, int]], action: Action) -> list[tuple[str, torch.Tensor]]:
         out = []
         for name, buf, work, peer in items:
+            if id(work) in self._waited:  # shared by two stages of this rank
+                out.append((name, buf))
+                continue
+            self._waited.add(id(work))
             try:
                 work.wait() if self.timeout is None else work.wait(self.timeout)
             except Exception as exc:

@@ -37,11 +37,23 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
         from fxpipe.runtime.executor import PipelineRuntime
         from fxpipe.schedules.generators import generate
 
-        m, stages = cfg["microbatches"], cfg["stages"]
+        m = cfg["microbatches"]
+        compiled: dict[int, Any] = {}
         for name in cfg["schedules"]:
-            model, inputs, target, loss_fn = build(cfg["model"], m)
-            pipe = fxpipe.compile(model, tuple(x.tensor_split(m)[0] for x in inputs), stages=stages,
-                                  granularity=cfg.get("granularity", "auto"))
+            # interleaved-1f1b puts two stages on each rank; the others one.
+            stages = 2 * world if name == "interleaved-1f1b" else world
+            if stages not in compiled:
+                model, inputs, target, loss_fn = build(cfg["model"], m)
+                # Two stages per rank can need more layers than the blocks give: cut between nodes.
+                granularity = "node" if stages > world else cfg.get("granularity", "auto")
+                pipe = fxpipe.compile(model, tuple(x.tensor_split(m)[0] for x in inputs), stages=stages,
+                                      granularity=granularity)
+                state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+                compiled[stages] = (model, inputs, target, loss_fn, pipe, state)
+            model, inputs, target, loss_fn, pipe, state = compiled[stages]
+            with torch.no_grad():  # every schedule starts from the same weights and statistics
+                for k, v in model.state_dict(keep_vars=True).items():
+                    v.copy_(state[k])
             if name == "auto":
                 from fxpipe.schedules.auto import auto
 

@@ -16,7 +16,8 @@ from tests.runtime._dist_worker import build
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
-SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "layerpipe", "auto"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "layerpipe", "auto"]
+ONE_STAGE_PER_RANK = [s for s in SCHEDULES if s != "interleaved-1f1b"]
 
 
 def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> list[subprocess.CompletedProcess[str]]:
@@ -66,27 +67,28 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
         assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
 
 
-@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])
-def test_two_ranks_every_schedule_trains_like_one_process(model: str, tmp_path: Path) -> None:
-    _check(tmp_path, 2, {"model": model, "stages": 2, "schedules": SCHEDULES, "microbatches": 4, "steps": 3})
-
-
-@pytest.mark.parametrize("model", ["resnet-tiny", "skip-tied"])
-def test_four_ranks_batchnorm_skip_connections_and_tied_weights(model: str, tmp_path: Path) -> None:
-    cfg = {"model": model, "stages": 4, "schedules": ["1f1b", "zb-h1"], "microbatches": 4, "steps": 3}
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])
+def test_every_schedule_trains_like_one_process(model: str, ranks: int, tmp_path: Path) -> None:
+    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: the embedding's output skips
+    stages to the head, which is tied to it across ranks."""
+    cfg = {"model": model, "schedules": SCHEDULES if ranks == 2 else ONE_STAGE_PER_RANK, "microbatches": 4,
+           "steps": 3}
     if model == "skip-tied":
-        cfg["granularity"] = "1"  # the embedding's output skips two stages to the head, tied to it
-    _check(tmp_path, 4, cfg)
+        cfg["granularity"] = "1"  # layers: emb, 4 blocks, head
+    _check(tmp_path, ranks, cfg)
 
 
-def test_interleaved_two_stages_per_rank(tmp_path: Path) -> None:
-    _check(tmp_path, 2, {"model": "gpt-tiny", "stages": 4, "schedules": ["interleaved-1f1b"], "microbatches": 4,
-                         "steps": 2})
+@pytest.mark.xfail(strict=True, reason="known bug: interleaved-1f1b on 4 ranks (8 stages cut between nodes) matches "
+                   "eager on the first step but not after it, on gpt and resnet; 2 ranks are exact")
+@pytest.mark.parametrize("model", ["gpt-tiny", "resnet-tiny"])
+def test_interleaved_on_four_ranks(model: str, tmp_path: Path) -> None:
+    _check(tmp_path, 4, {"model": model, "schedules": ["interleaved-1f1b"], "microbatches": 4, "steps": 3})
 
 
 def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:
-    results = _launch(tmp_path, 2, {"model": "mlp-tiny", "stages": 2, "schedules": ["1f1b"], "microbatches": 4,
-                                    "steps": 3, "fail_rank": 1})
+    results = _launch(tmp_path, 2, {"model": "mlp-tiny", "schedules": ["1f1b"], "microbatches": 4, "steps": 3,
+                                    "fail_rank": 1})
     assert results[1].returncode != 0 and "boom on rank 1" in results[1].stderr
     assert results[0].returncode != 0
     assert "rank 0 waited for" in results[0].stderr and "from rank 1" in results[0].stderr
@@ -95,7 +97,7 @@ def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> N
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
     straight, resumed, ckpt = tmp_path / "a", tmp_path / "b", tmp_path / "ckpt"
     straight.mkdir(), resumed.mkdir()
-    base = {"model": "gpt-tiny", "stages": 2, "schedules": ["zb-h1"], "microbatches": 4}
+    base = {"model": "gpt-tiny", "schedules": ["zb-h1"], "microbatches": 4}
     assert all(r.returncode == 0 for r in _launch(straight, 2, {**base, "steps": 3}))
     assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 2, "checkpoint": str(ckpt),
                                                                  "checkpoint_after": 2}))
