@@ -78,8 +78,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
 
         runners[peer_name] = peer_step
     # The bound: this rank's F, B, W for all microbatches, no communication, both ranks at once.
-    g, st = pipe.stage_graphs[rank], pipe.stage_list()[rank]
-    from fxpipe.passes.split_backward import time_graphs  # noqa: F401  (same graphs the runtime runs)
+    g = pipe.stage_graphs[rank]  # the same graphs the runtime runs
 
     args = [torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
             for v in (n.meta["val"] for n in g.forward.graph.nodes if n.op == "placeholder")]
