@@ -64,7 +64,7 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
                           f"(W right after B), not {schedule!r}")
-    first = _microbatch(flat_args, microbatches, 0)
+    first = _microbatches(flat_args, microbatches)[0]
     m_args, m_kwargs = pytree.tree_unflatten(first, spec)
     input_grads = any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter)
                       for a in flat_args)
@@ -143,16 +143,12 @@ def _place(pipe: Any, devices: list[torch.device]) -> None:
                 t.data = t.data.to(device)
 
 
-def _microbatch(flat: list[Any], m: int, i: int) -> list[Any]:
-    out = []
-    for a in flat:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            if a.shape[0] % m:
-                raise OptionError(f"the batch of {a.shape[0]} does not split into {m} microbatches; "
-                                  f"set options={{'microbatches': k}} with k dividing {a.shape[0]}")
-            a = a.tensor_split(m)[i]
-        out.append(a)
-    return out
+def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
+    """The flat call arguments of each of the m microbatches."""
+    from fxpipe.pipeline import split_batch
+
+    parts = [split_batch(a, m, fix="set options={'microbatches': k} with k dividing the batch") for a in flat]
+    return [[p[i] for p in parts] for i in range(m)]
 
 
 def _memory_report(pipe: Any, m: int) -> Report:
@@ -195,8 +191,8 @@ class _Runner:
 
         state: dict[str, Any] = {"values": [], "saved": {}}
         per_mb_outputs = []
-        for i in range(self.m):
-            args, kwargs = pytree.tree_unflatten(_microbatch(flat, self.m, i), self.spec)
+        for i, part in enumerate(_microbatches(flat, self.m)):
+            args, kwargs = pytree.tree_unflatten(part, self.spec)
             env = dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), dict(kwargs))))
             for k, (stage, g) in enumerate(zip(self.stages, self.graphs)):
                 inputs = [self.transfers.to(env[n], k) for n in stage.inputs]

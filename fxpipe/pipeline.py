@@ -189,6 +189,15 @@ def flatten_inputs(in_spec: pytree.TreeSpec | None, args: tuple[Any, ...], kwarg
     return flat
 
 
+def split_batch(x: Any, m: int, *, fix: str) -> list[Any]:
+    """``x`` cut into m microbatches along dim 0 (views); anything without a batch dim is repeated."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        if x.shape[0] % m:
+            raise OptionError(f"the batch of {x.shape[0]} does not split into {m} microbatches; {fix}")
+        return list(x.tensor_split(m))
+    return [x] * m
+
+
 def compile(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],

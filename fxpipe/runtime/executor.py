@@ -90,12 +90,13 @@ class PipelineRuntime:
 
         Returns the mean loss over microbatches (the same value on every rank).
         """
-        from fxpipe.pipeline import flatten_inputs
+        from fxpipe.pipeline import flatten_inputs, split_batch
 
         m = self.schedule.num_microbatches
         flat, spec = pytree.tree_flatten(tuple(inputs))
-        parts = [_split(x, m) for x in flat]
-        targets = _split(target, m)
+        fix = f"pick a batch that is a multiple of {m}"
+        parts = [split_batch(x, m, fix=fix) for x in flat]
+        targets = split_batch(target, m, fix=fix)
         env: list[dict[str, Any]] = []
         for i in range(m):
             args = pytree.tree_unflatten([p[i] for p in parts], spec)
@@ -294,15 +295,6 @@ class PipelineRuntime:
         """The same number on sender and receiver: direction, sending stage, microbatch, value."""
         s, m = self.schedule.num_stages, self.schedule.num_microbatches
         return ((direction * s + stage) * m + mb) * len(self.value_index) + self.value_index[name]
-
-
-def _split(x: Any, m: int) -> list[Any]:
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        if x.shape[0] % m:
-            raise RuntimeError_(f"the batch of {x.shape[0]} does not split into {m} microbatches; pick a batch that "
-                                f"is a multiple of {m}")
-        return list(x.tensor_split(m))
-    return [x] * m
 
 
 def _input_vals(g: Any) -> list[Any]:
