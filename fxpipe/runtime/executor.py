@@ -1,44 +1,67 @@
 """PipelineRuntime: one rank's program of a schedule, run over torch.distributed with asynchronous send/recv.
 
-Every rank builds the same Pipeline (same model, seed and options) and the same Schedule, and
-runs only its own stages and actions. Receives are posted at the start of the step into buffers
-shaped from the stage graphs; sends are ``isend`` and completed at the end of the step; each
-message is tagged with its action, stage, microbatch and value, so any valid order matches.
-Values that skip stages go straight from their producer's rank to every consumer's rank.
-Gradients of parameters held by several ranks (tied weights) are summed across those ranks
-before the optimizer step. A peer that fails makes the others stop at the process group's
-timeout with an error naming the peer and the message they waited for.
+Every rank builds the same plan and schedule, lowers them to its own program
+(:func:`fxpipe.runtime.lower.lower`: its compute actions, each with the messages it waits for and
+the messages it sends), and runs only that. Receives are posted at the start of the step into
+buffers shaped from the stage graphs and waited for right before the compute that reads them;
+sends go out right after the compute that makes them and are completed at the end of the step
+(:class:`fxpipe.runtime.channel.Channel`, which also owns the CUDA streams). A microbatch's values
+are dropped once no stage of the rank reads them again, its saved tensors once W ran. Gradients
+accumulate over microbatches; gradients of parameters held by several ranks (tied weights) are
+summed across those ranks; then each stage's optimizer steps. A peer that fails or dies makes the
+others stop at the timeout with an error naming the peer and the message they waited for.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
-
-import time
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import FxpipeError
-from fxpipe.schedules.ir import COMPUTE, Action, Kind, Schedule
+from fxpipe.runtime.channel import Channel
+from fxpipe.runtime.lower import FORWARD, LoweringError, Message, _output_vals, lower
+from fxpipe.schedules.ir import Action, Kind, Schedule
+
 
 class RuntimeError_(FxpipeError, RuntimeError):
     """A rank could not finish its step (a peer failed, timed out, or the plan and schedule disagree)."""
 
 
 class PipelineRuntime:
-    """Trains one mini-batch per :meth:`step` on this rank's stages of ``pipe`` under ``schedule``."""
+    """Trains one mini-batch per :meth:`step` on this rank's stages of a plan under a schedule.
 
-    def __init__(self, pipe: Any, schedule: Schedule, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+    ``plan`` is a compiled :class:`fxpipe.Pipeline` or a plan directory (``fxpipe compile --out``).
+    ``schedule`` is a :class:`Schedule`, a schedule name (``fxpipe simulate``'s names, ``auto``
+    included) or None: the schedule recorded in the plan, else 1F1B. ``optimizer`` makes one
+    optimizer per stage from that stage's parameters (any ``torch.optim`` class or factory;
+    default SGD, lr 0.01). ``loss_fn(outputs, target)`` defaults to the built-in model's loss for
+    plans of the zoo. Every rank builds the same plan and schedule and runs only its own part.
+    """
+
+    def __init__(self, plan: Any, schedule: Schedule | str | None = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
+                 timeout: timedelta | None = None, device: torch.device | str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError_("PipelineRuntime needs torch.distributed initialised (torchrun, or init_process_group)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        pipe = _resolve_plan(plan, example_inputs)
+        schedule = _resolve_schedule(pipe, schedule, microbatches)
+        if loss_fn is None:
+            zoo = _zoo_of(pipe)
+            if zoo is None:
+                raise RuntimeError_("no loss function: pass loss_fn=(outputs, target) -> loss (only plans of built-in "
+                                    "models have a default)")
+            loss_fn = zoo.loss_fn
         if schedule.num_ranks != self.world or schedule.num_stages != pipe.num_stages:
             raise RuntimeError_(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
                                 f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
@@ -49,31 +72,35 @@ class PipelineRuntime:
         self.timeout = timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
-        self.program = [a for a in schedule.ranks[self.rank] if a.kind in COMPUTE]
-        self.mine = [s for s in range(schedule.num_stages) if self.where[s] == self.rank]
-        self.producer: dict[str, int] = {n: -1 for n in pipe.input_names}
-        for s, st in enumerate(self.stages):
-            for n in st.outputs:
-                self.producer[n] = s
-        self.consumers: dict[str, list[int]] = defaultdict(list)
-        for s, st in enumerate(self.stages):
-            for n in st.inputs:
-                self.consumers[n].append(s)
-        self.value_index = {n: k for k, n in enumerate(sorted(self.producer))}  # identical on every rank
+        try:
+            self.program = lower(pipe, schedule, self.rank)
+        except LoweringError as exc:
+            raise RuntimeError_(str(exc)) from exc
+        self.mine = self.program.stages
         last_rank = self.where[-1]
+        producer = {n: s for s, st in enumerate(self.stages) for n in st.outputs}
         for n in pipe.output_names:
-            if n is not None and self.producer.get(n, -1) >= 0 and self.where[self.producer[n]] != last_rank:
-                raise RuntimeError_(f"model output {n} is made on rank {self.where[self.producer[n]]}, not on the last "
+            if n is not None and n in producer and self.where[producer[n]] != last_rank:
+                raise RuntimeError_(f"model output {n} is made on rank {self.where[producer[n]]}, not on the last "
                                     "stage's rank; the runtime computes the loss on the last stage")
-        params: dict[int, torch.nn.Parameter] = {}
+        # How many of this rank's stages read each value: a microbatch's value is dropped once the last has.
+        self.readers: dict[str, int] = defaultdict(int)
         for s in self.mine:
-            for p in self.stages[s].module.parameters():
-                params.setdefault(id(p), p)
-        self.params = list(params.values())
-        # A rank whose stages hold no parameters (an activation alone) has nothing to step.
-        self.optimizer = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01)))(self.params) if self.params else None
+            for n in self.stages[s].inputs:
+                self.readers[n] += 1
+        # One optimizer per stage, over the parameters that stage is first on this rank to hold (a
+        # parameter two of this rank's stages share is stepped once).
+        make = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01))
+        owned: set[int] = set()
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        for s in self.mine:
+            ps = [p for p in self.stages[s].module.parameters() if id(p) not in owned]
+            owned.update(id(p) for p in ps)
+            if ps:  # a stage with no parameters (an activation alone) has nothing to step
+                self.optimizers[s] = make(ps)
+        self.params = [p for s in self.mine for p in self.stages[s].module.parameters()]
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
-        self.shared: list[tuple[torch.nn.Parameter, Any]] = []
+        self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
         for name, holders in sorted(pipe.shared_params.items()):
             ranks = sorted({self.where[k] for k in holders})
             if len(ranks) < 2:
@@ -81,7 +108,18 @@ class PipelineRuntime:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 k = next(k for k in holders if self.where[k] == self.rank)
-                self.shared.append((self.stages[k].module.get_parameter(name), group))
+                self.shared.append((self.stages[k].module.get_parameter(name), group, ranks))
+        if device is None:
+            first = next((p for s in self.mine for p in self.stages[s].module.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.channel = Channel(self.device, timeout)
+        self.events: list[tuple[Action, float, float]] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer of this rank's only stage (None when it holds several; see ``optimizers``)."""
+        return next(iter(self.optimizers.values())) if len(self.optimizers) == 1 else None
 
     # -- one step -------------------------------------------------------------------------
 
@@ -93,6 +131,8 @@ class PipelineRuntime:
         from fxpipe.pipeline import flatten_inputs, split_batch
 
         m = self.schedule.num_microbatches
+        if not isinstance(inputs, (tuple, list)):
+            inputs = (inputs,)
         flat, spec = pytree.tree_flatten(tuple(inputs))
         fix = f"pick a batch that is a multiple of {m}"
         parts = [split_batch(x, m, fix=fix) for x in flat]
@@ -101,62 +141,67 @@ class PipelineRuntime:
         for i in range(m):
             args = pytree.tree_unflatten([p[i] for p in parts], spec)
             env.append(dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), {}))))
+        self._left = [dict(self.readers) for _ in range(m)]  # local reads still to come, per microbatch
         grads: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
         saved: dict[tuple[int, int], list[Any]] = {}
         handover: dict[tuple[int, int], tuple[Any, ...]] = {}
         out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._waited: set[int] = set()
-        recvs = self._post_receives()
-        sends: list[Any] = []
+        # Every receive is posted now, into buffers shaped from the graphs; each is waited for
+        # right before the compute that reads it, and each send goes out right after the compute
+        # that makes it.
+        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag) for msg in op.recvs]
+                  for op in self.program.ops]
         loss_sum = torch.zeros((), dtype=torch.float64)
-        # Sends go out right after the compute that makes them, receives are waited for right
-        # before the compute that reads them: the placement with_communication gives the
-        # schedule's SEND/RECV actions, generalised to values that skip stages.
-        self.events: list[tuple[Action, float, float]] = []  # this step's compute actions, seconds from its start
+        self.events = []  # this step's compute actions, seconds from its start
         start = time.perf_counter()
-        for action in self.program:
+        for op, items in zip(self.program.ops, posted):
             t0 = time.perf_counter() - start
-            loss_sum += self._act(action, env, grads, saved, handover, out_grads, recvs, sends, targets, m)
-            self.events.append((action, t0, time.perf_counter() - start))
-        for work in sends:
-            work.wait()
-        for p, group in self.shared:
+            received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
+                        for msg, item in zip(op.recvs, items)]
+            loss_sum += self._act(op.action, received, env, grads, saved, handover, out_grads, targets, m)
+            for msg in op.sends:
+                value = env[msg.mb][msg.name] if msg.direction == FORWARD else self._share[msg.name]
+                self.channel.send(value, msg.dst, msg.tag)
+            self._drop_dead(op.action, env)
+            self.channel.poll()
+            self.events.append((op.action, t0, time.perf_counter() - start))
+        self.channel.flush(self._failed_send)
+        for p, group, ranks in self.shared:
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
+                self._collective(partial(dist.all_reduce, p.grad, group=group),
+                                 f"the tied weight's gradient (ranks {ranks})")
+        for opt in self.optimizers.values():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self._collective(partial(dist.all_reduce, loss_sum), "the loss (every rank)")
         return loss_sum / m  # float64: the mean over microbatches, summed in double
 
-    def _act(self, action: Action, env: list[dict[str, Any]], grads: list[dict[str, torch.Tensor]],
-             saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
-             out_grads: dict[tuple[int, int], list[torch.Tensor]], recvs: Any, sends: list[Any], targets: list[Any],
-             m: int) -> torch.Tensor:
-        """Run one compute action, with its receives before and its sends after; returns its loss (or 0)."""
+    def _act(self, action: Action, received: list[tuple[Message, torch.Tensor]], env: list[dict[str, Any]],
+             grads: list[dict[str, torch.Tensor]], saved: dict[tuple[int, int], list[Any]],
+             handover: dict[tuple[int, int], tuple[Any, ...]], out_grads: dict[tuple[int, int], list[torch.Tensor]],
+             targets: list[Any], m: int) -> torch.Tensor:
+        """Run one compute action on its received values; returns its loss (or 0)."""
         s, kind, i = action.stage, action.kind, action.mb
         st, g = self.stages[s], self.graphs[s]
         loss_sum = torch.zeros((), dtype=torch.float64)
+        self._share: dict[str, torch.Tensor] = {}
         if kind is Kind.F:
-            for name, buf in self._wait(recvs.pop((0, s, i), []), action):
-                env[i][name] = buf
+            for msg, buf in received:
+                env[i][msg.name] = _in_traced_layout(buf, g, st.inputs, msg.name)
             result = g.forward(*(env[i][n] for n in st.inputs))  # type: ignore[misc]
             env[i].update(zip(st.outputs, result[: g.num_outputs]))
             saved[(s, i)] = list(result[g.num_outputs:])
             if s == self.schedule.num_stages - 1:
                 loss_sum += self._loss(env[i], targets[i], grads[i], m).double()
-            for name in st.outputs:
-                for dst in sorted({self.where[c] for c in self.consumers[name]} - {self.rank}):
-                    sends.append(dist.isend(env[i][name].contiguous(), dst, tag=self._tag(0, s, i, name)))
         elif kind in (Kind.B, Kind.BW):
-            for name, buf in self._wait(recvs.pop((1, s, i), []), action):
-                grads[i][name] = buf if name not in grads[i] else grads[i][name] + buf
-            for name, grad in self._backward_input(s, i, env, grads, saved, handover, out_grads):
-                src = self.producer[name]
+            for msg, buf in received:
+                grads[i][msg.name] = buf if msg.name not in grads[i] else grads[i][msg.name] + buf
+            for name, grad in self._backward_input(s, i, grads, saved, handover, out_grads):
+                src = self.program.producer.get(name, -1)
                 if src >= 0 and self.where[src] != self.rank:
                     # This stage's own share, sent on its own: another stage of this rank that
                     # reads the same value sends its share separately, and the producer sums them.
-                    sends.append(dist.isend(grad.contiguous(), self.where[src], tag=self._tag(1, s, i, name)))
+                    self._share[name] = grad
                 else:
                     grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
             if kind is Kind.BW:
@@ -164,6 +209,19 @@ class PipelineRuntime:
         elif kind is Kind.W:
             self._backward_weight(s, i, saved, handover, out_grads)
         return loss_sum
+
+    def _drop_dead(self, action: Action, env: list[dict[str, Any]]) -> None:
+        """After a forward, drop the microbatch's values no stage of this rank will read again."""
+        if action.kind is not Kind.F:
+            return
+        st, left, values = self.stages[action.stage], self._left[action.mb], env[action.mb]
+        for name in st.inputs:
+            left[name] -= 1
+            if left[name] == 0:
+                values.pop(name, None)
+        for name in st.outputs:
+            if left.get(name, 0) == 0:  # read only on other ranks (sent already) or by the loss
+                values.pop(name, None)
 
     def save_checkpoint(self, directory: str | Any, step: int) -> Any:
         """Write this rank's state to ``directory/rank{R}.pt`` atomically (a temporary file, then a rename)."""
@@ -191,18 +249,28 @@ class PipelineRuntime:
         return int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's stage parameters (by name) and optimizer state."""
-        named = {n: p for s in self.mine for n, p in self.stages[s].module.named_parameters()}
-        return {"rank": self.rank, "params": {n: p.detach().clone() for n, p in named.items()},
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {}}
+        """This rank's stages: parameters and buffers by name, and each stage's optimizer state."""
+        return {"rank": self.rank,
+                "params": {n: p.detach().clone() for n, p in self._named(lambda mod: mod.named_parameters())},
+                "buffers": {n: b.detach().clone() for n, b in self._named(lambda mod: mod.named_buffers())},
+                "optimizers": {s: opt.state_dict() for s, opt in self.optimizers.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        named = {n: p for s in self.mine for n, p in self.stages[s].module.named_parameters()}
+        params = dict(self._named(lambda mod: mod.named_parameters()))
+        buffers = dict(self._named(lambda mod: mod.named_buffers()))
+        if set(state["params"]) != set(params) or set(state.get("optimizers", {})) != set(self.optimizers):
+            raise RuntimeError_(f"this state is of other stages than rank {self.rank}'s {self.mine}; load the state "
+                                "saved by this rank of a run with the same plan and schedule")
         with torch.no_grad():
             for n, t in state["params"].items():
-                named[n].copy_(t)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+                params[n].copy_(t)
+            for n, t in state.get("buffers", {}).items():
+                buffers[n].copy_(t)
+        for s, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][s])
+
+    def _named(self, items: Callable[[torch.nn.Module], Any]) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for s in self.mine for n, t in items(self.stages[s].module)]
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -219,13 +287,14 @@ class PipelineRuntime:
                 grads[name] = g if name not in grads else grads[name] + g
         return loss.detach()
 
-    def _backward_input(self, s: int, i: int, env: list[dict[str, Any]], grads: list[dict[str, torch.Tensor]],
+    def _backward_input(self, s: int, i: int, grads: list[dict[str, torch.Tensor]],
                         saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
                         out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """Run B; returns the gradient of each of the stage's inputs that takes one."""
         st, g = self.stages[s], self.graphs[s]
-        og = [grads[i][st.outputs[j]] if st.outputs[j] in grads[i] else torch.zeros_like(env[i][st.outputs[j]])
-              for j in g.grad_outputs]
+        outs = _output_vals(g)
+        og = [grads[i].pop(st.outputs[j]) if st.outputs[j] in grads[i]
+              else torch.zeros(outs[j].shape, dtype=outs[j].dtype, device=self.device) for j in g.grad_outputs]
         sv = saved[(s, i)]
         result = g.backward_input(*(sv[k] if kind == "saved" else og[k] for kind, k in g.b_slots))  # type: ignore[misc]
         handover[(s, i)] = tuple(result[len(g.grad_inputs):])
@@ -243,70 +312,170 @@ class PipelineRuntime:
             p = module.get_parameter(name)
             p.grad = grad.detach().clone() if p.grad is None else p.grad.add_(grad)
 
-    def _post_receives(self) -> dict[tuple[int, int, int], list[tuple[str, torch.Tensor, Any, int]]]:
-        """Every message this rank will receive this step, posted now into buffers shaped from the graphs.
+    # -- faults: every wait on a peer ends in one line naming the rank that failed -------------
 
-        Keyed (0, stage, mb) for a stage's inputs made on other ranks, (1, stage, mb) for the
-        gradients of its outputs sent back by readers on other ranks.
+    def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
+        what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
+        return lambda exc: self._peer_down(exc, [msg.src], f"{what} of microbatch {msg.mb} (stage {msg.stage}) "
+                                                           f"from rank {msg.src} at {action}")
+
+    def _failed_send(self, exc: Exception, dst: int) -> BaseException:
+        return self._peer_down(exc, [dst], f"its sends to rank {dst} to complete")
+
+    def _collective(self, fn: Callable[..., Any], what: str) -> None:
+        """Run a collective (``fn``, a ``partial`` of one), bounded by the runtime's timeout."""
+        group = fn.keywords.get("group") if isinstance(fn, partial) else None
+        try:
+            if self.timeout is None:
+                fn()
+            else:
+                fn(async_op=True).wait(self.timeout)
+        except Exception as exc:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(self.world)
+            raise self._peer_down(exc, [r for r in ranks if r != self.rank], f"the sum of {what}") from exc
+
+    def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RuntimeError_:
+        """The error of a wait on ``peers`` that failed: one line naming the rank that failed first.
+
+        A dead rank closes its connections, so its peers' waits fail at once; a stuck one makes them
+        time out. The ranks agree through the process group's store: each survivor marks itself
+        (``fxpipe/fault/rank{R}``), and the first to see a peer's link break names that peer under
+        ``fxpipe/fault/down`` (before its own exit closes its links), so a rank whose own peer merely
+        stopped with it, or that fails inside a collective, names the same rank. A collective of
+        more than two ranks waits a little for that name, or for every other member but one to mark
+        itself. Without a store, the peer itself is named.
         """
-        posted: dict[tuple[int, int, int], list[tuple[str, torch.Tensor, Any, int]]] = defaultdict(list)
-        for i in range(self.schedule.num_microbatches):
-            # A value is sent once to each rank that reads it, however many of its stages do.
-            arriving: dict[str, tuple[str, torch.Tensor, Any, int]] = {}
-            for s in self.mine:
-                st, g = self.stages[s], self.graphs[s]
-                for pos, name in enumerate(st.inputs):
-                    src = self.producer[name]
-                    if src >= 0 and self.where[src] != self.rank:
-                        if name not in arriving:
-                            buf = _empty_like(_input_vals(g)[pos])
-                            work = dist.irecv(buf, self.where[src], tag=self._tag(0, src, i, name))
-                            arriving[name] = (name, buf, work, self.where[src])
-                        posted[(0, s, i)].append(arriving[name])
-                outs = _output_vals(g)
-                for j in g.grad_outputs:
-                    name = st.outputs[j]
-                    for c in self.consumers[name]:
-                        if self.where[c] == self.rank or name not in [self.stages[c].inputs[p]
-                                                                       for p in self.graphs[c].grad_inputs]:
-                            continue
-                        buf = _empty_like(outs[j])
-                        work = dist.irecv(buf, self.where[c], tag=self._tag(1, c, i, name))
-                        posted[(1, s, i)].append((name, buf, work, self.where[c]))
-        return posted
-
-    def _wait(self, items: list[tuple[str, torch.Tensor, Any, int]], action: Action) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for name, buf, work, peer in items:
-            if id(work) in self._waited:  # shared by two stages of this rank
-                out.append((name, buf))
-                continue
-            self._waited.add(id(work))
-            try:
-                work.wait() if self.timeout is None else work.wait(self.timeout)
-            except Exception as exc:
-                raise RuntimeError_(f"rank {self.rank} waited for {name} from rank {peer} at {action} and gave up "
-                                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); rank {peer} failed "
-                                    "or is stuck: see its error") from exc
-            out.append((name, buf))
-        return out
-
-    def _tag(self, direction: int, stage: int, mb: int, name: str) -> int:
-        """The same number on sender and receiver: direction, sending stage, microbatch, value."""
-        s, m = self.schedule.num_stages, self.schedule.num_microbatches
-        return ((direction * s + stage) * m + mb) * len(self.value_index) + self.value_index[name]
+        why = _why(exc, self.timeout)
+        store = _default_store()
+        record: str | None = None
+        try:
+            if store is not None:
+                store.set(f"fxpipe/fault/rank{self.rank}", why)
+                if len(peers) == 1:
+                    record = store.compare_set("fxpipe/fault/down", "", f"{peers[0]}\t{self.rank}\t{why}").decode()
+                else:
+                    record = _await_culprit(store, peers, self.rank, why, self.timeout)
+        except Exception:  # the store is gone too (it lived on the dead rank): name what this rank saw
+            record = None
+        if record is None and len(peers) == 1:
+            record = f"{peers[0]}\t{self.rank}\t{why}"
+        if record is None:
+            return RuntimeError_(f"rank {self.rank} waited for {waited} and gave up ({_first_line(exc)}); one of "
+                                 f"ranks {list(peers)} failed or is stuck: see their logs")
+        dead, seen, why_dead = record.split("\t", 2)
+        seen_by = "" if int(seen) == self.rank else f", seen by rank {seen}"
+        also = f"; rank {peers[0]} stopped because of it" if len(peers) == 1 and int(dead) != peers[0] else ""
+        return RuntimeError_(f"rank {dead} {why_dead}{seen_by} while rank {self.rank} waited for {waited}{also}; "
+                             f"see rank {dead}'s log")
 
 
-def _input_vals(g: Any) -> list[Any]:
-    return [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"]
+def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Any:
+    """The Pipeline of a Pipeline or a plan directory, with its F/B/W graphs built."""
+    import os
+
+    from fxpipe.pipeline import Pipeline
+
+    if isinstance(plan, (str, os.PathLike)):
+        from fxpipe.plan import load
+
+        plan = load(os.fspath(plan))
+    if not isinstance(plan, Pipeline):
+        raise RuntimeError_(f"plan is a {type(plan).__name__}; pass a Pipeline (fxpipe.compile) or a plan directory")
+    if plan.stage_graphs is None:
+        if example_inputs is None:
+            zoo = _zoo_of(plan)
+            if zoo is None:
+                raise RuntimeError_("this plan has no F/B/W graphs yet; pass example_inputs= (the inputs it was "
+                                    "compiled with, one microbatch)")
+            example_inputs = zoo.example_inputs
+        plan.build_backward(example_inputs)
+    return plan
 
 
-def _output_vals(g: Any) -> list[Any]:
-    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")
-    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0][: g.num_outputs]]
+def _zoo_of(pipe: Any) -> Any:
+    """The built-in model a plan was compiled from, or None."""
+    from fxpipe import models
+
+    name = pipe.info.get("model")
+    try:
+        return models.build(str(name)) if name else None
+    except FxpipeError:  # not a zoo name: the user's own model
+        return None
 
 
-def _empty_like(val: Any) -> torch.Tensor:
-    if not isinstance(val, torch.Tensor):
-        raise RuntimeError_("a value crossing ranks is not a tensor; only tensors can be sent between stages")
-    return torch.empty(tuple(val.shape), dtype=val.dtype, device="cpu" if val.device.type == "meta" else val.device)
+def _resolve_schedule(pipe: Any, schedule: Schedule | str | None, microbatches: int | None) -> Schedule:
+    """A Schedule as given; a name generated for the plan's costs; None: the plan's recorded schedule, else 1F1B."""
+    from fxpipe.errors import OptionError
+    from fxpipe.schedules.auto import choose
+
+    if isinstance(schedule, Schedule):
+        return schedule
+    recorded = pipe.info.get("schedule")
+    if schedule is None and isinstance(recorded, dict) and microbatches in (None, recorded.get("microbatches")):
+        return Schedule.from_csv(recorded["csv"], recorded["name"])
+    try:
+        return choose(schedule or "1f1b", pipe.num_stages, microbatches or 2 * pipe.num_stages,
+                      pipe.schedule_costs())[0]
+    except OptionError as exc:
+        raise RuntimeError_(str(exc)) from exc
+
+
+def _default_store() -> Any:
+    """The default process group's store, or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def _why(exc: Exception, timeout: timedelta | None) -> str:
+    """What a failed wait says about the peer, in a few words."""
+    text = str(exc).lower()
+    if any(k in text for k in ("connection closed", "connection reset", "broken pipe", "read error", "eof",
+                               "socket closed", "connection refused")):
+        return "stopped responding (connection closed)"
+    if "timed out" in text or "timeout" in text:
+        return f"did not answer within {timeout.total_seconds():g} s" if timeout is not None else "did not answer"
+    return f"failed ({_first_line(exc)})"
+
+
+def _await_culprit(store: Any, peers: Sequence[int], rank: int, why: str, timeout: timedelta | None) -> str | None:
+    """For a failed collective: the rank another survivor named, or the one member that never marked itself."""
+    deadline = time.monotonic() + min(3.0, timeout.total_seconds() if timeout is not None else 3.0)
+    while True:
+        if store.check(["fxpipe/fault/down"]):
+            return store.get("fxpipe/fault/down").decode()
+        silent = [r for r in peers if not store.check([f"fxpipe/fault/rank{r}"])]
+        if len(silent) == 1:  # every other member is alive and failing too
+            return store.compare_set("fxpipe/fault/down", "", f"{silent[0]}\t{rank}\t{why}").decode()
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+
+
+def _in_traced_layout(buf: torch.Tensor, g: Any, inputs: Sequence[str], name: str) -> torch.Tensor:
+    """A received value (sent contiguous) in the strides stage graph ``g`` was traced with.
+
+    A cut between nodes can give a stage an input whose graph relies on its producer's layout:
+    after attention, ``view(transpose(x))`` is valid only on attention's own output strides, and
+    fails on a contiguous copy. A dense non-contiguous layout is restored with one copy; any
+    other value is returned as it is.
+    """
+    if name not in inputs:
+        return buf
+    pos = list(inputs).index(name)
+    val = [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"][pos]
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(buf.shape) or val.is_contiguous():
+        return buf
+    stride, shape = tuple(val.stride()), tuple(val.shape)
+    dense = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
+        if st != dense:
+            return buf  # overlapping or with gaps: no layout to restore
+        dense *= sz
+    return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device).copy_(buf)

@@ -1,0 +1,108 @@
+"""One rank's point-to-point messages: asynchronous isend/irecv, on CPU and on CUDA.
+
+On CPU (gloo) a send is an ``isend`` of the tensor itself and a receive an ``irecv`` into a buffer
+allocated from the plan's shapes; streams are no-ops.
+
+On CUDA the rank computes on its current stream and moves data on a communication stream of its
+own, ordered by events, so copies overlap compute:
+
+* NCCL sends and receives device tensors directly (NCCL orders its own stream after the current one
+  at ``isend`` and makes the current stream wait at ``wait``).
+* gloo cannot read device memory, so a message is staged through pinned host memory: the
+  device-to-host copy runs on the communication stream after an event recorded on the compute
+  stream, and the ``isend`` is issued once that copy's event completes (checked at each
+  ``poll``, forced at ``flush``), so the compute thread never waits for it; a receive lands in
+  pinned memory and is copied to the device on the communication stream, which the compute stream
+  then waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Received:
+    """A posted receive: ``buf`` fills when ``work`` completes."""
+
+    __slots__ = ("buf", "src", "work")
+
+    def __init__(self, buf: torch.Tensor, work: Any, src: int) -> None:
+        self.buf, self.work, self.src = buf, work, src
+
+
+class Channel:
+    def __init__(self, device: torch.device, timeout: timedelta | None = None) -> None:
+        self.device = device
+        self.timeout = timeout
+        cuda = device.type == "cuda"
+        self.staged = cuda and dist.get_backend() != "nccl"  # gloo: through pinned host memory
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
+        self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Received:
+        if self.staged:
+            buf = torch.empty(shape, dtype=dtype, pin_memory=True)
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return Received(buf, dist.irecv(buf, src, tag=tag), src)
+
+    def wait(self, item: Received, on_error: Callable[[Exception], BaseException]) -> torch.Tensor:
+        """The received tensor on this rank's device, ready for the compute stream."""
+        try:
+            item.work.wait() if self.timeout is None else item.work.wait(self.timeout)
+        except Exception as exc:
+            raise on_error(exc) from exc
+        if not self.staged:
+            return item.buf
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            out = item.buf.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.stream)
+        out.record_stream(compute)
+        return out
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        if not self.staged:
+            self.in_flight.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+            return
+        assert self.stream is not None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        tensor.record_stream(self.stream)
+        self.copying.append((copied, host, dst, tag))
+        self.poll()
+
+    def poll(self) -> None:
+        """Issue the staged sends whose device-to-host copies are done (in order)."""
+        while self.copying and self.copying[0][0].query():
+            _, host, dst, tag = self.copying.pop(0)
+            self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
+
+    def flush(self, on_error: Callable[[Exception, int], BaseException]) -> None:
+        """Complete every send (the end of a step)."""
+        for copied, host, dst, tag in self.copying:
+            copied.synchronize()
+            self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
+        self.copying.clear()
+        try:
+            for work, _, dst in self.in_flight:
+                try:
+                    work.wait() if self.timeout is None else work.wait(self.timeout)
+                except Exception as exc:
+                    raise on_error(exc, dst) from exc
+        finally:
+            self.in_flight.clear()

@@ -1,0 +1,174 @@
+"""Lowering: a compiled plan and a schedule become one program per rank.
+
+A rank's program is its compute actions in schedule order, each with the messages it waits for
+before it runs and the messages it sends right after. Every message carries a tag that sender and
+receiver compute alike (direction, sending stage, microbatch, value), so any valid order matches
+its pair, and ``check_programs`` proves, without running anything, that every send on one rank has
+exactly one receive on its destination with the same tag, shape and dtype.
+
+Two rules keep the traffic minimal:
+
+* a value is sent once to each rank that reads it, however many of that rank's stages read it,
+  and straight from its producer's rank, however many stages it skips;
+* each reading stage sends its own gradient share back to the producer's rank, which sums them
+  (a rank's shares are not pre-summed: its stages run B at different times).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxpipeError
+from fxpipe.schedules.ir import COMPUTE, Action, Kind, Schedule
+
+FORWARD, BACKWARD = 0, 1
+
+
+class LoweringError(FxpipeError, ValueError):
+    """The plan and the schedule cannot be lowered together (they disagree, or a non-tensor crosses ranks)."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor crossing ranks: a value going forward, or a gradient share going back."""
+
+    direction: int  # FORWARD or BACKWARD
+    name: str  # the value (or the value whose gradient this is)
+    stage: int  # the sending stage
+    mb: int
+    src: int  # ranks
+    dst: int
+    tag: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        what = self.name if self.direction == FORWARD else f"grad of {self.name}"
+        return f"{what} of microbatch {self.mb} from rank {self.src} (stage {self.stage}) to rank {self.dst}"
+
+
+@dataclass
+class Op:
+    """A compute action with the receives it waits for first and the sends it makes after."""
+
+    action: Action
+    recvs: list[Message] = field(default_factory=list)
+    sends: list[Message] = field(default_factory=list)
+
+
+@dataclass
+class RankProgram:
+    rank: int
+    stages: list[int]  # the stages this rank holds
+    ops: list[Op]
+    producer: dict[str, int]  # value -> the stage that makes it (-1: a model input)
+
+    @property
+    def receives(self) -> list[Message]:
+        """Every message this rank receives, in the order its ops wait for them."""
+        return [msg for op in self.ops for msg in op.recvs]
+
+    @property
+    def sends(self) -> list[Message]:
+        return [msg for op in self.ops for msg in op.sends]
+
+
+def lower(pipe: Any, schedule: Schedule, rank: int) -> RankProgram:
+    """Rank ``rank``'s program for ``schedule`` over ``pipe``'s stages (which need their F/B/W graphs)."""
+    stages, graphs, where = pipe.stage_list(), pipe.stage_graphs, schedule.rank_of_stage
+    producer: dict[str, int] = {n: -1 for n in pipe.input_names}
+    for s, st in enumerate(stages):
+        for n in st.outputs:
+            producer[n] = s
+    readers: dict[str, list[int]] = defaultdict(list)
+    for s, st in enumerate(stages):
+        for n in st.inputs:
+            readers[n].append(s)
+    index = {n: k for k, n in enumerate(sorted(producer))}  # identical on every rank
+    nvals, ns, nm = len(index), schedule.num_stages, schedule.num_microbatches
+
+    def tag(direction: int, stage: int, mb: int, name: str) -> int:
+        return ((direction * ns + stage) * nm + mb) * nvals + index[name]
+
+    def meta(s: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a value made (or read) by stage s, from its F graph."""
+        st, g = stages[s], graphs[s]
+        if name in st.outputs:
+            val = _output_vals(g)[st.outputs.index(name)]
+        else:
+            val = _input_vals(g)[st.inputs.index(name)]
+        if not isinstance(val, torch.Tensor):
+            raise LoweringError(f"value {name} crosses from rank {where[producer[name]]} to another rank but is not a "
+                                "tensor; only tensors can be sent between stages: cut the model elsewhere")
+        return tuple(val.shape), val.dtype
+
+    def takes_grad(c: int, name: str) -> bool:
+        return name in [stages[c].inputs[p] for p in graphs[c].grad_inputs]
+
+    def message(direction: int, name: str, stage: int, mb: int, src: int, dst: int) -> Message:
+        shape, dtype = meta(producer[name], name)
+        return Message(direction, name, stage, mb, src, dst, tag(direction, stage, mb, name), shape, dtype)
+
+    mine = [s for s in range(ns) if where[s] == rank]
+    ops: list[Op] = []
+    received: set[tuple[str, int]] = set()  # forward values this rank already waits for, per microbatch
+    for action in schedule.ranks[rank]:
+        if action.kind not in COMPUTE:
+            continue
+        s, i, op = action.stage, action.mb, Op(action)
+        st, g = stages[s], graphs[s]
+        if action.kind is Kind.F:
+            for name in st.inputs:
+                src = producer[name]
+                if src >= 0 and where[src] != rank and (name, i) not in received:
+                    received.add((name, i))
+                    op.recvs.append(message(FORWARD, name, src, i, where[src], rank))
+            for name in st.outputs:
+                for dst in sorted({where[c] for c in readers[name]} - {rank}):
+                    op.sends.append(message(FORWARD, name, s, i, rank, dst))
+        if action.kind in (Kind.B, Kind.BW):
+            for j in g.grad_outputs:
+                name = st.outputs[j]
+                for c in readers[name]:
+                    if where[c] != rank and takes_grad(c, name):
+                        op.recvs.append(message(BACKWARD, name, c, i, where[c], rank))
+            for pos in g.grad_inputs:
+                name = st.inputs[pos]
+                src = producer[name]
+                if src >= 0 and where[src] != rank:
+                    op.sends.append(message(BACKWARD, name, s, i, rank, where[src]))
+        ops.append(op)
+    return RankProgram(rank, mine, ops, producer)
+
+
+def check_programs(programs: list[RankProgram]) -> None:
+    """Every send has exactly one matching receive on its destination (tag, shape, dtype), and vice versa."""
+    sent = defaultdict(list)
+    for p in programs:
+        for msg in p.sends:
+            sent[(msg.dst, msg.tag)].append(msg)
+    got = {(p.rank, msg.tag): msg for p in programs for msg in p.receives}
+    for key, msgs in sent.items():
+        if len(msgs) != 1:
+            raise LoweringError(f"{len(msgs)} messages share tag {key[1]} to rank {key[0]}: {msgs[0]}")
+        if key not in got:
+            raise LoweringError(f"rank {msgs[0].src} sends {msgs[0]} but rank {key[0]} never receives it")
+        if (got[key].shape, got[key].dtype) != (msgs[0].shape, msgs[0].dtype):
+            raise LoweringError(f"{msgs[0]} is sent as {msgs[0].shape} {msgs[0].dtype} but received as "
+                                f"{got[key].shape} {got[key].dtype}")
+    for key, msg in got.items():
+        if key not in sent:
+            raise LoweringError(f"rank {key[0]} waits for {msg} but no rank sends it")
+
+
+def _input_vals(g: Any) -> list[Any]:
+    return [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"]
+
+
+def _output_vals(g: Any) -> list[Any]:
+    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")
+    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0][: g.num_outputs]]
