@@ -46,6 +46,10 @@ SIZES: dict[str, GPTSize] = {
     "medium": GPTSize(
         GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=128), 4, 64
     ),
+    # The runtime benchmark's GPT (issue 5): 8 blocks, d=256, seq 128; batch 16 = 8 microbatches of 2.
+    "base": GPTSize(
+        GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=256), 2, 128
+    ),
     # GPT-2 XL: the shape of a real pipeline-parallel job; build it on the meta device.
     "1.5b": GPTSize(
         GPTConfig(vocab_size=50257, block_size=1024, n_layer=48, n_head=25, n_embd=1600), 1, 1024

@@ -44,7 +44,7 @@ def test_entries_list_the_four_families() -> None:
         assert entry.default_size in entry.sizes
         assert entry.sizes[0] == "tiny"
         assert entry.description and "\n" not in entry.description
-    assert next(e for e in listed if e.family == "gpt").sizes == ("tiny", "small", "medium", "1.5b")
+    assert next(e for e in listed if e.family == "gpt").sizes == ("tiny", "small", "medium", "base", "1.5b")
 
 
 def test_canonical_name() -> None:
