@@ -1,1 +1,14 @@
-"""Executors of compiled pipelines: the single-process reference executor (the oracle for schedules)."""
+"""Executors of compiled pipelines: the distributed runtime (``PipelineRuntime``) and the
+single-process reference executor (the oracle for schedules)."""
+
+from typing import Any
+
+__all__ = ["PipelineRuntime"]
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing the reference executor needs no torch.distributed
+    if name == "PipelineRuntime":
+        from fxpipe.runtime.executor import PipelineRuntime
+
+        return PipelineRuntime
+    raise AttributeError(f"module 'fxpipe.runtime' has no attribute {name!r}")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import FxpipeError
+from fxpipe.passes.fuse_accumulation import accumulating_weight_graph, grads_are_fresh
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.lower import FORWARD, LoweringError, Message, _output_vals, lower
 from fxpipe.schedules.ir import Action, Kind, Schedule
@@ -99,6 +100,12 @@ class PipelineRuntime:
             if ps:  # a stage with no parameters (an activation alone) has nothing to step
                 self.optimizers[s] = make(ps)
         self.params = [p for s in self.mine for p in self.stages[s].module.parameters()]
+        # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place.
+        self.stage_params = {s: [self.stages[s].module.get_parameter(n) for n in graphs[s].param_names]
+                             for s in self.mine}
+        self.w_acc = {s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names))[0]
+                      for s in self.mine}
+        self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
         for name, holders in sorted(pipe.shared_params.items()):
@@ -304,15 +311,21 @@ class PipelineRuntime:
     def _backward_weight(self, s: int, i: int, saved: dict[tuple[int, int], list[Any]],
                          handover: dict[tuple[int, int], tuple[Any, ...]],
                          out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> None:
-        g, module = self.graphs[s], self.stages[s].module
+        """Run W; the first microbatch's gradients become ``.grad``, later ones are added in place
+        (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.passes.fuse_accumulation``)."""
+        g = self.graphs[s]
         sv, og = saved.pop((s, i)), out_grads.pop((s, i))
-        result = g.backward_weight(*handover.pop((s, i)),  # type: ignore[misc]
-                                   *(sv[k] if kind == "saved" else og[k] for kind, k in g.w_slots))
-        for name, grad in zip(g.param_names, result):
-            p = module.get_parameter(name)
-            p.grad = grad.detach().clone() if p.grad is None else p.grad.add_(grad)
-
-    # -- faults: every wait on a peer ends in one line naming the rank that failed -------------
+        args = (*handover.pop((s, i)), *(sv[k] if kind == "saved" else og[k] for kind, k in g.w_slots))
+        params = self.stage_params[s]
+        if params and all(p.grad is not None for p in params):
+            self.w_acc[s](*args, *(p.grad for p in params))
+            return
+        result = g.backward_weight(*args)  # type: ignore[misc]
+        for p, grad, fresh in zip(params, result, self.w_fresh[s]):
+            if p.grad is None:
+                p.grad = grad.detach() if fresh else grad.detach().clone()
+            else:
+                p.grad.add_(grad)
 
     def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
         what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
@@ -393,12 +406,13 @@ def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Any:
 
 
 def _zoo_of(pipe: Any) -> Any:
-    """The built-in model a plan was compiled from, or None."""
+    """The built-in model a plan was compiled from (built as ``fxpipe compile`` built it), or None."""
     from fxpipe import models
 
-    name = pipe.info.get("model")
+    name, build = pipe.info.get("model"), pipe.info.get("build") or {}
     try:
-        return models.build(str(name)) if name else None
+        return models.build(str(name), dtype=getattr(torch, str(build.get("dtype") or "float32")),
+                            batch_size=build.get("batch_size"), seed=int(build.get("seed") or 0)) if name else None
     except FxpipeError:  # not a zoo name: the user's own model
         return None
 

@@ -1,0 +1,34 @@
+"""Worker for the PipelineRuntime API test: the issue's shape, a plan directory and an optimizer class, nothing else."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        from fxpipe import models
+        from fxpipe.runtime import PipelineRuntime
+        from fxpipe.runtime.launch import synthetic_batch
+
+        rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                             schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"))
+        zoo = models.build(cfg["model"], dtype=torch.float64)
+        inputs, target = synthetic_batch(zoo, rt.schedule.num_microbatches)
+        losses = [float(rt.step(inputs, target)) for _ in range(3)]
+        torch.save({"losses": losses, "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
+                    "schedule": rt.schedule.name}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], json.loads(sys.argv[6]))

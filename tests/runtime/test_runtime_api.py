@@ -1,0 +1,68 @@
+"""``PipelineRuntime(plan_dir, optimizer=...)`` in a user's own multi-process script: the issue's API shape."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fxpipe import models
+from fxpipe.cli.main import app
+from fxpipe.runtime.launch import synthetic_batch
+
+WORKER = Path(__file__).with_name("_api_worker.py")
+ROOT = Path(__file__).parents[2]
+
+
+def _run(tmp_path: Path, plan: Path, world: int, cfg: dict) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}", str(plan),
+                               str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize(("compile_args", "cfg", "schedule", "per_rank"), [
+    # The schedule recorded in the plan: interleaved, two stages (and two Adams) on each rank.
+    (["--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4"], {}, "interleaved-1f1b", 2),
+    # A schedule named at run time.
+    (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4}, "zb-h2", 1),
+])
+def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: list[str], cfg: dict,
+                                                  schedule: str, per_rank: int) -> None:
+    plan = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--dtype", "float64", *compile_args, "--out", str(plan)])
+    assert result.exit_code == 0, result.output
+    ranks = _run(tmp_path, plan, 2, {"model": "mlp-tiny", **cfg})
+    # The same training in one process: Adam, the loss averaged over the same microbatches.
+    zoo = models.build("mlp-tiny", dtype=torch.float64)
+    ref = copy.deepcopy(zoo.model)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    inputs, target = synthetic_batch(zoo, 4)
+    xs, ts = inputs[0].tensor_split(4), target.tensor_split(4)
+    losses = []
+    for _ in range(3):
+        loss = sum(zoo.loss_fn(ref(xs[i]), ts[i]) for i in range(4)) / 4
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    expected = dict(ref.named_parameters())
+    seen = set()
+    for r in ranks:
+        assert r["schedule"] == schedule
+        assert r["losses"] == pytest.approx(losses, rel=1e-9)
+        for name, value in r["state"]["params"].items():
+            torch.testing.assert_close(value, expected[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+            seen.add(name)
+    assert seen == set(expected)
+    # One optimizer per stage that holds parameters: some rank steps per_rank of them.
+    assert max(len(r["optimizers"]) for r in ranks) == per_rank
