@@ -142,8 +142,8 @@ class PipelineRuntime:
             inputs = (inputs,)
         flat, spec = pytree.tree_flatten(tuple(inputs))
         fix = f"pick a batch that is a multiple of {m}"
-        parts = [split_batch(x, m, fix=fix) for x in flat]
-        targets = split_batch(target, m, fix=fix)
+        parts = [split_batch(self._here(x), m, fix=fix) for x in flat]
+        targets = split_batch(self._here(target), m, fix=fix)
         env: list[dict[str, Any]] = []
         for i in range(m):
             args = pytree.tree_unflatten([p[i] for p in parts], spec)
@@ -158,7 +158,7 @@ class PipelineRuntime:
         # that makes it.
         posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag) for msg in op.recvs]
                   for op in self.program.ops]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events = []  # this step's compute actions, seconds from its start
         start = time.perf_counter()
         for op, items in zip(self.program.ops, posted):
@@ -180,8 +180,13 @@ class PipelineRuntime:
         for opt in self.optimizers.values():
             opt.step()
             opt.zero_grad(set_to_none=True)
-        self._collective(partial(dist.all_reduce, loss_sum), "the loss (every rank)")
-        return loss_sum / m  # float64: the mean over microbatches, summed in double
+        total = loss_sum.cpu()
+        self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
+        return total / m  # float64: the mean over microbatches, summed in double
+
+    def _here(self, value: Any) -> Any:
+        """A batch tensor on this rank's device (the stages compute where their parameters are)."""
+        return value.to(self.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
     def _act(self, action: Action, received: list[tuple[Message, torch.Tensor]], env: list[dict[str, Any]],
              grads: list[dict[str, torch.Tensor]], saved: dict[tuple[int, int], list[Any]],
@@ -190,7 +195,7 @@ class PipelineRuntime:
         """Run one compute action on its received values; returns its loss (or 0)."""
         s, kind, i = action.stage, action.kind, action.mb
         st, g = self.stages[s], self.graphs[s]
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._share: dict[str, torch.Tensor] = {}
         if kind is Kind.F:
             for msg, buf in received:

@@ -19,9 +19,17 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         from fxpipe.runtime import PipelineRuntime
         from fxpipe.runtime.launch import synthetic_batch
 
+        if cfg.get("device"):  # two ranks on one GPU: gloo, staged through pinned memory on a comm stream
+            import fxpipe
+
+            torch.manual_seed(0)
+            zoo = models.build(cfg["model"], dtype=torch.float64, device=cfg["device"])
+            plan = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
                              schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"))
         zoo = models.build(cfg["model"], dtype=torch.float64)
+        if cfg.get("device"):
+            assert rt.device.type == "cuda" and rt.channel.staged and rt.channel.stream is not None
         inputs, target = synthetic_batch(zoo, rt.schedule.num_microbatches)
         losses = [float(rt.step(inputs, target)) for _ in range(3)]
         torch.save({"losses": losses, "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),

@@ -30,6 +30,33 @@ def _run(tmp_path: Path, plan: Path, world: int, cfg: dict) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+def _one_process(name: str, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training in one process: Adam, the loss averaged over the same 4 microbatches."""
+    zoo = models.build(name, dtype=torch.float64)
+    ref = copy.deepcopy(zoo.model)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    inputs, target = synthetic_batch(zoo, 4)
+    xs, ts = [x.tensor_split(4) for x in inputs], target.tensor_split(4)
+    losses = []
+    for _ in range(steps):
+        loss = sum(zoo.loss_fn(ref(*(x[i] for x in xs)), ts[i]) for i in range(4)) / 4
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, dict(ref.named_parameters(remove_duplicate=False))
+
+
+def _compare(ranks: list[dict], losses: list[float], expected: dict[str, torch.Tensor]) -> None:
+    seen = set()
+    for r in ranks:
+        assert r["losses"] == pytest.approx(losses, rel=1e-9)
+        for name, value in r["state"]["params"].items():
+            torch.testing.assert_close(value.cpu(), expected[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
+            seen.add(name)
+    assert {id(expected[n]) for n in seen} == {id(p) for p in expected.values()}
+
+
 @pytest.mark.parametrize(("compile_args", "cfg", "schedule", "per_rank"), [
     # The schedule recorded in the plan: interleaved, two stages (and two Adams) on each rank.
     (["--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4"], {}, "interleaved-1f1b", 2),
@@ -42,27 +69,19 @@ def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: 
     result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--dtype", "float64", *compile_args, "--out", str(plan)])
     assert result.exit_code == 0, result.output
     ranks = _run(tmp_path, plan, 2, {"model": "mlp-tiny", **cfg})
-    # The same training in one process: Adam, the loss averaged over the same microbatches.
-    zoo = models.build("mlp-tiny", dtype=torch.float64)
-    ref = copy.deepcopy(zoo.model)
-    opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    inputs, target = synthetic_batch(zoo, 4)
-    xs, ts = inputs[0].tensor_split(4), target.tensor_split(4)
-    losses = []
-    for _ in range(3):
-        loss = sum(zoo.loss_fn(ref(xs[i]), ts[i]) for i in range(4)) / 4
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    expected = dict(ref.named_parameters())
-    seen = set()
-    for r in ranks:
-        assert r["schedule"] == schedule
-        assert r["losses"] == pytest.approx(losses, rel=1e-9)
-        for name, value in r["state"]["params"].items():
-            torch.testing.assert_close(value, expected[name].detach(), msg=lambda m, name=name: f"{name}: {m}")
-            seen.add(name)
-    assert seen == set(expected)
+    losses, expected = _one_process("mlp-tiny")
+    assert all(r["schedule"] == schedule for r in ranks)
+    _compare(ranks, losses, expected)
     # One optimizer per stage that holds parameters: some rank steps per_rank of them.
     assert max(len(r["optimizers"]) for r in ranks) == per_rank
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+def test_two_ranks_on_one_gpu_train_like_one_process(tmp_path: Path, name: str) -> None:
+    """CUDA through gloo: pinned staging buffers on a communication stream, events against the compute stream."""
+    ranks = _run(tmp_path, tmp_path / "unused", 2, {"model": name, "device": "cuda", "schedule": "zb-h1",
+                                                     "microbatches": 4})
+    losses, expected = _one_process(name)
+    _compare(ranks, losses, expected)
