@@ -7,8 +7,9 @@ graph break is an error naming its source line. The backend then compiles the mo
 microbatch shape, costs, partition, split, backward split), and returns a callable that:
 
     forward:  splits every batch-major input into microbatches and runs F of every stage for
-              every microbatch (stage i on the device of its parameters; copies between devices
-              go through fxpipe.runtime.streams), concatenating the outputs;
+              every microbatch (stage i where its parameters are, or on options devices[i % len],
+              where it computes on copies of them: see _place; copies between devices go through
+              fxpipe.runtime.streams), concatenating the outputs on the device eager would use;
     backward: (autograd reaches the compiled region) runs each microbatch's B from the last stage
               to the first, deferring each W by one microbatch into the gap, and returns every
               parameter's gradient to autograd.
@@ -28,8 +29,9 @@ from fxpipe.errors import FxpipeError, OptionError, TraceError
 from fxpipe.report import Report
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
-# devices: where stage k runs (devices[k % len]); its parameters are moved there. Unset: each stage
-# runs where its parameters already are (the whole model's device, unless the user placed layers).
+# devices: where stage k runs (devices[k % len]); a stage away from its parameters runs on copies of
+# them there (the model's parameters stay put: see _place). Unset: each stage runs where its
+# parameters are (the whole model's device, unless the user placed layers).
 OPTIONS = ("stages", "devices", "microbatches", "schedule", "verbose")
 
 
@@ -75,9 +77,8 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                       verify_each=False)
     if pipe.stage_graphs is None:
         raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
-    if opts.get("devices"):
-        _place(pipe, [torch.device(d) for d in opts["devices"]])
-    pipe.extra_reports = [_memory_report(pipe, microbatches)]
+    placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
+    pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices)]
     _LAST[:] = [pipe]
     if opts.get("verbose"):
         from fxpipe.render import render_text
@@ -89,15 +90,24 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     arg_pos = {id(a): i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)}
     user_slots = [(k, arg_pos[id(v)]) for k, v in enumerate(placeholders) if id(v) in arg_pos]
     param_slots = [k for k, v in enumerate(placeholders) if isinstance(v, torch.nn.Parameter)]
-    graph_outputs = len(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+    out_values = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    graph_outputs = len(out_values)
+    # Outputs go back where Dynamo's graph (and eager) makes them, whichever device ran the last stage.
+    out_devices = [getattr(getattr(v, "meta", {}).get("example_value"), "device", None) for v in out_values]
     runner = _Runner(pipe, microbatches, spec, len(flat_args), [placeholders[k] for k in param_slots],
-                     schedule == "zb-gpipe")
+                     schedule == "zb-gpipe", placement, out_devices)
 
     def compiled(*inputs: Any) -> Any:
         flat = list(flat_args)
         for k, i in user_slots:
             flat[i] = inputs[k]
         params = [inputs[k] for k in param_slots]
+        if any(p is not q for p, q in zip(params, runner.params)):
+            # Dynamo reuses this code for another instance of the same model class (its guards
+            # accept equal parameter shapes), but the pipeline computes with the stages it built.
+            raise FxpipeError(f"backend='fxpipe' compiled this code for another {type(module).__name__} instance, and "
+                              "Dynamo reuses it for this one, whose parameters the pipeline does not hold; call "
+                              "torch._dynamo.reset() before compiling a second instance of one model class")
         outs = _Pipelined.apply(runner, len(flat), *flat, *params)
         outs = outs if isinstance(outs, tuple) else (outs,)
         if len(outs) != graph_outputs:
@@ -134,13 +144,130 @@ def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
     return held[0], tuple(pos), kwargs
 
 
-def _place(pipe: Any, devices: list[torch.device]) -> None:
-    """Put stage k's parameters and buffers on ``devices[k % len(devices)]`` (in place: same Parameter objects)."""
-    for stage in pipe.stage_list():
-        device = devices[stage.index % len(devices)]
-        for t in [*stage.module.parameters(), *stage.module.buffers()]:
-            if t.device != device:
-                t.data = t.data.to(device)
+class _Placement:
+    """Where each stage runs, and the copies of parameters and buffers that stages placed elsewhere run on."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        # (the model's tensor, the stage's copy, is a buffer) for every tensor of a moved stage.
+        self.mirrors: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+        # id(copy) -> (model tensor's version, its data_ptr, the copy's version) when they last agreed
+        self._synced: dict[int, tuple[int, int, int]] = {}
+
+    def refresh(self) -> None:
+        """Copy each model parameter or buffer that changed (an optimizer step) into its stage copy."""
+        with torch.no_grad():
+            for src, dst, _ in self.mirrors:
+                synced = self._synced.get(id(dst))
+                if synced is None or synced[:2] != (src._version, src.data_ptr()):
+                    dst.copy_(src)
+                    self._synced[id(dst)] = (src._version, src.data_ptr(), dst._version)
+
+    def write_back_buffers(self) -> None:
+        """In-place buffer updates made on a stage copy (BatchNorm statistics) reach the model's buffers."""
+        with torch.no_grad():
+            for src, dst, is_buffer in self.mirrors:
+                if is_buffer and dst._version != self._synced[id(dst)][2]:
+                    src.copy_(dst)
+                    self._synced[id(dst)] = (src._version, src.data_ptr(), dst._version)
+
+
+def _device(d: Any) -> torch.device:
+    device = torch.device(d)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionError(f"options devices names {device} but CUDA is not available here; name 'cpu' or a "
+                              "device this machine has")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _place(pipe: Any, devices: Sequence[Any] | None, example: tuple[tuple[Any, ...], dict[str, Any]],
+           input_grads: bool) -> _Placement:
+    """Decide where stage k runs (``devices[k % len]``, else where its parameters are) and prepare it there.
+
+    The model's own parameters never move: Dynamo guards their device, so a moved parameter would
+    make the next call recompile a model whose layers sit on different devices. A stage placed
+    away from its parameters instead runs on a copy of its GraphModule whose tensors live on its
+    device (refreshed from the model's after every change, e.g. an optimizer step) and whose
+    ``device=`` arguments name that device; its F, B and W graphs are rebuilt there, since
+    AOTAutograd picks device-specific kernels (CUDA attention has no CPU kernel). Gradients
+    travel back to the parameters' device.
+    """
+    from fxpipe.passes._graph import preserved_buffers
+    from fxpipe.passes.split_backward import split_stage
+    from fxpipe.pipeline import flatten_inputs
+
+    stages = pipe.stage_list()
+    own = [next((t.device for t in [*s.module.parameters(), *s.module.buffers()]), None) for s in stages]
+    flat = flatten_inputs(pipe.in_spec, tuple(example[0]), dict(example[1]))
+    # A stage with no tensors of its own is at home where the model is.
+    model_home = next((h for h in own if h is not None),
+                      next((a.device for a in flat if isinstance(a, torch.Tensor)), torch.device("cpu")))
+    homes = [h if h is not None else model_home for h in own]
+    if not devices:
+        return _Placement(homes)
+    wanted = [_device(devices[k % len(devices)]) for k in range(len(stages))]
+    placement = _Placement(wanted)
+    moved = [k for k in range(len(stages)) if wanted[k] != homes[k]]
+    if not moved:
+        return placement
+    # Run the first microbatch through the stages, on their devices, to get each moved stage's inputs.
+    env = dict(zip(pipe.input_names, flat))
+    needs_grad = {n for n, v in env.items()
+                  if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
+    for k, stage in enumerate(stages):
+        module = stage.module
+        args = [a.to(wanted[k]) if isinstance(a, torch.Tensor) else a for a in (env[n] for n in stage.inputs)]
+        g = stage.graphs
+        if k in moved:
+            module = _stage_copy(stage.module, homes[k], wanted[k], placement.mirrors)
+            example_args = [a.detach().clone().requires_grad_(n in needs_grad and a.is_floating_point())
+                            if isinstance(a, torch.Tensor) else a for a, n in zip(args, stage.inputs)]
+            g = split_stage(module, example_args)
+            stage.graphs = g
+            if g.forward is not None:
+                object.__setattr__(stage, "forward", g.forward)
+        with torch.no_grad(), preserved_buffers(module):
+            outs = tuple(module(*args))
+        env.update(zip(stage.outputs, outs))
+        diff = ([i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+                if g is None or g.fused else list(g.grad_outputs))
+        needs_grad.update(stage.outputs[i] for i in diff)
+    placement.refresh()
+    return placement
+
+
+def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.device,
+                mirrors: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> torch.fx.GraphModule:
+    """``module`` with its parameters, buffers and constants copied to ``device`` and ``home`` renamed ``device``."""
+    import copy
+
+    from fxpipe.passes._graph import copy_graph, get_path
+
+    buffers = {id(b) for b in module.buffers()}
+    made: dict[int, Any] = {}
+    attrs: dict[str, Any] = {}
+    graph = copy_graph(module.graph)
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            t = get_path(module, str(node.target))
+            if isinstance(t, torch.Tensor):
+                if id(t) not in made:
+                    if isinstance(t, torch.nn.Parameter):
+                        made[id(t)] = torch.nn.Parameter(t.detach().to(device, copy=True), requires_grad=t.requires_grad)
+                    else:
+                        made[id(t)] = t.detach().to(device, copy=True)
+                    mirrors.append((t, made[id(t)], id(t) in buffers))
+                attrs[str(node.target)] = made[id(t)]
+            else:
+                attrs[str(node.target)] = t
+        elif node.op == "call_module":
+            attrs[str(node.target)] = copy.deepcopy(get_path(module, str(node.target))).to(device)
+        node.args, node.kwargs = torch.fx.node.map_aggregate(  # type: ignore[assignment]
+            (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) and a == home else a)
+    return torch.fx.GraphModule(attrs, graph, class_name=type(module).__name__)
 
 
 def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
@@ -151,11 +278,11 @@ def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
     return [[p[i] for p in parts] for i in range(m)]
 
 
-def _memory_report(pipe: Any, m: int) -> Report:
+def _memory_report(pipe: Any, m: int, devices: list[torch.device]) -> Report:
     rows = []
-    for stage, g in zip(pipe.stage_list(), pipe.stage_graphs):
+    for stage, g, placed in zip(pipe.stage_list(), pipe.stage_graphs, devices):
         params = sum(p.numel() * p.element_size() for p in stage.module.parameters())
-        device = next((str(p.device) for p in stage.module.parameters()), "cpu")
+        device = str(placed)
         # Every microbatch's F->B tensors live until its B, B->W until its W (one microbatch later).
         peak = params * 2 + m * g.bytes_f_to_b + g.bytes_b_to_w
         measured: str | float = ""
@@ -172,24 +299,30 @@ def _memory_report(pipe: Any, m: int) -> Report:
 class _Runner:
     """Runs F for every microbatch, then B (and deferred W) back, on one Pipeline's split graphs."""
 
-    def __init__(self, pipe: Any, m: int, spec: Any, n_flat: int, params: list[torch.Tensor], defer_w: bool) -> None:
+    def __init__(self, pipe: Any, m: int, spec: Any, n_flat: int, params: list[torch.Tensor], defer_w: bool,
+                 placement: _Placement, out_devices: Sequence[torch.device | None]) -> None:
         from fxpipe.runtime.streams import Transfers
 
         self.pipe = pipe
         self.m = m
         self.spec = spec
         self.n_flat = n_flat
+        self.params = params
         self.param_index = {id(p): i for i, p in enumerate(params)}
         self.defer_w = defer_w
         self.stages = pipe.stage_list()
         self.graphs = pipe.stage_graphs
-        self.devices = [next((p.device for p in s.module.parameters()), torch.device("cpu")) for s in self.stages]
+        self.placement = placement
+        self.devices = placement.devices
+        self.out_devices = list(out_devices)
         self.transfers = Transfers(self.devices)
 
     def forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         from fxpipe.pipeline import flatten_inputs
 
-        state: dict[str, Any] = {"values": [], "saved": {}}
+        self.placement.refresh()
+        state: dict[str, Any] = {"values": [], "saved": {},
+                                 "input_devices": [a.device if isinstance(a, torch.Tensor) else None for a in flat]}
         per_mb_outputs = []
         for i, part in enumerate(_microbatches(flat, self.m)):
             args, kwargs = pytree.tree_unflatten(part, self.spec)
@@ -205,11 +338,16 @@ class _Runner:
             state["values"].append(env)
             per_mb_outputs.append([env[n] if n is not None else c
                                    for n, c in zip(self.pipe.output_names, self.pipe.output_constants)])
-        outs = tuple(torch.cat([mb[j] for mb in per_mb_outputs]) for j in range(len(per_mb_outputs[0])))
+        self.placement.write_back_buffers()
+        outs = tuple(self.transfers.move(torch.cat([mb[j] for mb in per_mb_outputs]),
+                                         self.out_devices[j] if j < len(self.out_devices) else None)
+                     for j in range(len(per_mb_outputs[0])))
         return outs, state
 
     def backward(self, state: dict[str, Any], grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
-        m = self.m
+        m, move = self.m, self.transfers.move
+        # A value's gradient stays where it was made until a stage reads it; shares from several
+        # readers (skip connections) are summed on the device of the first.
         value_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
         for name, g in zip(self.pipe.output_names, grads):
             if name is not None and g is not None:
@@ -222,15 +360,15 @@ class _Runner:
                 stage, g = self.stages[k], self.graphs[k]
                 env = state["values"][i]
                 outs_grad = [value_grads[i].get(stage.outputs[j]) for j in g.grad_outputs]
-                outs_grad = [x if x is not None else torch.zeros_like(env[stage.outputs[j]])
+                outs_grad = [self.transfers.to(x, k) if x is not None else torch.zeros_like(env[stage.outputs[j]])
                              for x, j in zip(outs_grad, g.grad_outputs)]
                 saved = state["saved"][(k, i)]
                 slot = [saved[s] if kind == "saved" else outs_grad[s] for kind, s in g.b_slots]
                 result = g.backward_input(*slot)
                 for pos, grad in zip(g.grad_inputs, result[: len(g.grad_inputs)]):
                     name = stage.inputs[pos]
-                    grad = self.transfers.to(grad, max(k - 1, 0))
-                    value_grads[i][name] = grad if name not in value_grads[i] else value_grads[i][name] + grad
+                    have = value_grads[i].get(name)
+                    value_grads[i][name] = grad if have is None else have + move(grad, have.device)
                 w_args = [*result[len(g.grad_inputs):],
                           *(saved[s] if kind == "saved" else outs_grad[s] for kind, s in g.w_slots)]
                 pending_w.append((k, i, tuple(w_args), saved))
@@ -246,16 +384,18 @@ class _Runner:
         for j, name in enumerate(self.pipe.input_names[: self.n_flat]):
             parts = [value_grads[i][name] for i in range(m) if name in value_grads[i]]
             if len(parts) == m:
-                input_grads[j] = torch.cat(parts)
+                device = state["input_devices"][j]
+                input_grads[j] = torch.cat([move(p, device) for p in parts])
         return input_grads, param_grads
 
     def _run_w(self, w: tuple[int, int, tuple[Any, ...], list[Any]], param_grads: list[Any]) -> None:
         k, _, args, _ = w
-        g, module = self.graphs[k], self.stages[k].module
+        g, module = self.graphs[k], self.stages[k].module  # the model's parameters, by the stage's names
         for name, grad in zip(g.param_names, g.backward_weight(*args)):
             idx = self.param_index.get(id(module.get_parameter(name)))
             if idx is None:
                 continue
+            grad = self.transfers.move(grad, self.params[idx].device)
             param_grads[idx] = grad if param_grads[idx] is None else param_grads[idx] + grad
 
 
