@@ -233,8 +233,32 @@ def _example(value: Any, requires_grad: bool) -> Any:
     return value
 
 
+def _fresh(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _with_fresh_outputs(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` (sharing its parameters and buffers) with every output cloned.
+
+    AOTAutograd gives an output that aliases an input (``transpose``, ``view``, ``flatten`` of
+    a stage input: a stage cut between nodes) or another output no tangent and its gradient no
+    path: its runtime wrapper regenerates such outputs outside the graph. A stage split from
+    that joint graph silently drops the gradient (and every later stage then thinks the value
+    needs none). Cloned, every output is its own tensor with its own tangent; ``_build_forward``
+    takes the clones out of F again, so F is unchanged. A module that is not a GraphModule (no
+    stage is one) is traced as it is.
+    """
+    if not isinstance(module, torch.fx.GraphModule):
+        return module
+    g = copy_graph(module.graph)
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    with g.inserting_before(out):
+        out.args = (torch.fx.node.map_arg(out.args[0], lambda a: g.call_function(_fresh, (a,))),)
+    return torch.fx.GraphModule(module, g, class_name=type(module).__name__)
+
+
 def _split(module: torch.fx.GraphModule, args: tuple[Any, ...]) -> StageGraphs:
-    joint, _ = joint_graph(module, args)
+    joint, _ = joint_graph(_with_fresh_outputs(module), args)
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     out_descs = list(out_node.meta["desc"])
@@ -279,7 +303,16 @@ def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tu
     by_name: dict[str, torch.fx.Node] = {}
     outputs: dict[int, Any] = {}
     saved: list[torch.fx.Node] = []
+    # The clones _with_fresh_outputs put on the outputs: F returns what they copy.
+    fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    fresh = {a: a.args[0] for a, d in zip(fw_out.args[0], fw_out.meta["desc"])
+             if descriptor_kind(d) == "PlainAOTOutput" and isinstance(a, torch.fx.Node)
+             and a.target is torch.ops.aten.clone.default and not a.kwargs}
+    refs = [a for a in fw_out.args[0] if isinstance(a, torch.fx.Node)]
+    dropped = {a for a in fresh if len(a.users) == 1 and refs.count(a) == 1}
     for n in fw.graph.nodes:
+        if n in dropped:
+            continue
         if n.op == "placeholder":
             if n not in env:
                 env[n] = _attr(g, n)
@@ -287,7 +320,7 @@ def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tu
             for arg, desc in zip(n.args[0], n.meta["desc"]):
                 kind = descriptor_kind(desc)
                 if kind == "PlainAOTOutput":
-                    outputs[desc.idx] = env[arg] if isinstance(arg, torch.fx.Node) else arg
+                    outputs[desc.idx] = env[fresh.get(arg, arg)] if isinstance(arg, torch.fx.Node) else arg
                 elif kind == "InputMutationAOTOutput":
                     target = desc.mutated_input
                     if descriptor_kind(target) != "BufferAOTInput":

@@ -213,3 +213,39 @@ def test_the_executor_runs_a_fused_stage_with_one_backward() -> None:
     ref_params = dict(ref.named_parameters())
     for name, p in zoo.model.named_parameters():
         torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
+
+
+class _Aliases(nn.Module):
+    """A stage cut between nodes: outputs that are views of its input and of its other output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.fc(y)
+        return x.transpose(0, 1), h.view(-1), h
+
+
+def test_outputs_that_alias_an_input_or_another_output_keep_their_gradients() -> None:
+    """AOTAutograd gives such outputs no tangent; the split must not drop their gradients (it
+    did: interleaved-1f1b's node-level cuts made transpose/view/flatten-only stages, and every
+    stage before one trained on a partial gradient)."""
+    from fxpipe.passes.split_backward import split_stage
+
+    torch.manual_seed(0)
+    module = torch.fx.symbolic_trace(_Aliases())
+    x, y = torch.randn(2, 3), torch.randn(5, 4)
+    g = split_stage(module, [x.clone().requires_grad_(), y.clone().requires_grad_()])
+    assert not g.fused and g.grad_inputs == (0, 1) and g.grad_outputs == (0, 1, 2)
+    assert not any(n.target is torch.ops.aten.clone.default for n in g.forward.graph.nodes)  # type: ignore[union-attr]
+    dys = [torch.randn(3, 2), torch.randn(20), torch.randn(5, 4)]
+    result = g.forward(x, y)  # type: ignore[misc]
+    saved = list(result[g.num_outputs:])
+    b = g.backward_input(*(saved[i] if kind == "saved" else dys[i] for kind, i in g.b_slots))  # type: ignore[misc]
+    w = g.backward_weight(*b[len(g.grad_inputs):],  # type: ignore[misc]
+                          *(saved[i] if kind == "saved" else dys[i] for kind, i in g.w_slots))
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    want = torch.autograd.grad(module(xr, yr), [xr, yr, *(module.get_parameter(n) for n in g.param_names)], dys)
+    for got, ref in zip([*b[: len(g.grad_inputs)], *w], want, strict=True):
+        torch.testing.assert_close(got, ref)
