@@ -3,7 +3,13 @@
 Both split the model at the same cut (fxpipe's plan) and train the same batch in the same
 microbatches; every iteration runs each (system, schedule) once in turn (A B A B ...) so machine
 drift cancels. Also measured, in the same run: the machine's bound, every rank running its own
-stage's F, B and W for all microbatches at the same time with no communication and no waiting.
+stage's F, B and W for all microbatches at the same time with no communication and no waiting
+(and, to check the calibration's contention factor, the same work one rank at a time).
+
+The "simulated" step time is the event simulator's, with rank 0's profiled costs calibrated to
+this machine in the same run (``fxpipe.runtime.calibrate``: measured link latency and bandwidth,
+compute slowed by the measured contention factor); "simulated_uncalibrated" uses the plan's
+defaults (1.5 GB/s, 0.1 ms, single-process compute times).
 
     python benchmarks/runtime_vs_peer.py [--models mlp-large gpt-medium] [--microbatches 8] [--iters 12]
 """
@@ -40,24 +46,38 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     import fxpipe
     from fxpipe import models
+    from fxpipe.runtime.calibrate import calibrate
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.launch import synthetic_batch
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import simulate
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
 
+    # This machine's link and compute contention, measured while nothing else runs.
+    cal = calibrate()
     zoo = models.build(name)
     inputs, target = synthetic_batch(zoo, m)
     mb = tuple(x.tensor_split(m)[0] for x in inputs)
+    # Rank 0 compiles and profiles alone (rank 1 waits), so the profile is one process's, which is
+    # what the calibration's contention factor scales from; every rank then loads that one plan,
+    # so all ranks hold the same stages and the same costs (and so build the same schedules).
+    plan_dir = os.path.join(os.path.dirname(out), "plan")
+    if rank == 0:
+        fxpipe.compile(__import__("copy").deepcopy(zoo.model), mb, stages=2, profile=True,
+                       profile_runs=3).save(plan_dir)
+    dist.barrier()
     runners: dict[str, Any] = {}
     simulated: dict[str, float] = {}
+    simulated_default: dict[str, float] = {}
     for sched_name in ("1f1b", "zb-h1", "zb-h2"):
-        model = __import__("copy").deepcopy(zoo.model)
-        pipe = fxpipe.compile(model, mb, stages=2, profile=True, profile_runs=3)
-        sched = generate(sched_name, 2, m, pipe.schedule_costs())
+        pipe = fxpipe.load(plan_dir)
+        pipe.build_backward(mb)
+        costs = pipe.schedule_costs()
+        sched = generate(sched_name, 2, m, costs)
         rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
         runners[f"fxpipe {sched_name}"] = lambda rt=rt: rt.step(inputs, target)
-        simulated[f"fxpipe {sched_name}"] = simulate(sched, pipe.schedule_costs()).makespan * 1e3
+        simulated[f"fxpipe {sched_name}"] = simulate(sched, cal.apply(costs)).makespan * 1e3
+        simulated_default[f"fxpipe {sched_name}"] = simulate(sched, costs).makespan * 1e3
     # The peer, split where fxpipe's plan cuts: before the first layer of stage 1.
     layers = next(r for r in pipe.report() if r.title.startswith("group-layers")).column("name")
     cut = layers[pipe.info["bounds"][1]].split("#")[0]
@@ -93,17 +113,34 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
                 g.backward_weight(*b[len(g.grad_inputs):],
                                   *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots))
 
+    def bound_alone() -> float:
+        """The bound's work with the other rank waiting: this rank's own time, no contention."""
+        own = 0.0
+        for r in range(2):
+            dist.barrier()
+            if r == rank:
+                t0 = time.perf_counter()
+                bound()
+                own = time.perf_counter() - t0
+        elapsed = torch.tensor([own])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed) * 1e3
+
     runners["bound"] = bound
-    times: dict[str, list[float]] = {k: [] for k in runners}
+    times: dict[str, list[float]] = {k: [] for k in [*runners, "bound alone"]}
     for it in range(warmup + iters):
         for key, fn in runners.items():
             t = _timed(fn)
             if it >= warmup:
                 times[key].append(t)
+        t = bound_alone()
+        if it >= warmup:
+            times["bound alone"].append(t)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"model": name, "microbatches": m, "batch": int(inputs[0].shape[0]), "cut_before": cut,
                        "median_ms": {k: statistics.median(v) for k, v in times.items()}, "simulated_ms": simulated,
+                       "simulated_uncalibrated_ms": simulated_default, "calibration": cal.to_json(),
                        "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
     dist.destroy_process_group()
 
@@ -130,7 +167,11 @@ def main() -> None:
         res["fxpipe_over_best_peer"] = med[best_ours_key] / best_peer
         res["fxpipe_over_bound"] = med[best_ours_key] / med["bound"]
         res["simulated_over_measured"] = res["simulated_ms"][best_ours_key] / med[best_ours_key]
-        res["samples_per_s"] = {k: res["batch"] / (v / 1e3) for k, v in med.items() if k != "bound"}
+        res["simulated_over_measured_per_schedule"] = {k: res["simulated_ms"][k] / med[k] for k in res["simulated_ms"]}
+        res["uncalibrated_over_measured_per_schedule"] = {k: res["simulated_uncalibrated_ms"][k] / med[k]
+                                                          for k in res["simulated_uncalibrated_ms"]}
+        res["bound_contention"] = med["bound"] / med["bound alone"]  # measured slowdown of the real stage work
+        res["samples_per_s"] = {k: res["batch"] / (v / 1e3) for k, v in med.items() if not k.startswith("bound")}
         rows.append(res)
     print(json.dumps(rows, indent=2))
 

@@ -163,7 +163,9 @@ def compile_cmd(
         reports = [r for rec in history.records for r in rec.reports] + [history.report()]
         finished = len(history.records) == len(steps)
         written = None
-        info: dict[str, Any] = {"model": resolved.name, "options": options.to_json()}
+        info: dict[str, Any] = {"model": resolved.name, "options": options.to_json(),
+                                # how the example was built: what fxpipe run / PipelineRuntime rebuild
+                                "build": {"dtype": dtype.value, "batch_size": batch_size, "seed": seed}}
         if finished:
             pipe = pipeline_from_root(root, history, info=info)
             if schedule is not None:
@@ -316,6 +318,8 @@ def run_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
     fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
+    kill_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank is SIGKILLed "
+                                                             "mid-step.")] = -1,
 ) -> None:
     """Train the plan on NPROC ranks (torch.distributed.run, gloo): per-step table, measured vs simulated."""
     with _errors():
@@ -337,7 +341,8 @@ def run_cmd(
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "fxpipe.runtime.launch", str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
-               "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank)]
+               "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank),
+               "--kill-rank", str(kill_rank)]
         for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
                             ("--checkpoint-dir", checkpoint_dir)):
             if value is not None:
@@ -350,13 +355,28 @@ def run_cmd(
                 proc = subprocess.run(cmd, capture_output=True, text=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
             errors = {int(p.stem[4:]): p.read_text().strip() for p in out_dir.glob("rank*.error")}
+            errors = {rank: why for rank, why in errors.items() if why}  # empty: stopped while writing it
             if proc.returncode != 0 or errors:
-                # The root cause is a rank that failed by itself, not one that gave up waiting for it.
+                # The root cause is a rank that died without a word (a signal, os._exit: torchrun's summary
+                # has its exit code) or failed by itself, not one that gave up waiting for it, nor one
+                # torchrun stopped (SIGTERM) because another had failed.
+                done = errors.keys() | {int(p.stem[4:]) for p in out_dir.glob("rank*.json")}
+                died = _died_ranks(proc.stderr, done)
                 first = sorted(errors.items(), key=lambda kv: ("waited for" in kv[1], kv[0]))
-                if first:
-                    rank, why = first[0]
+                alone = [kv for kv in first if "waited for" not in kv[1]]
+                if died and (not died[0][2] or not alone):
+                    rank, how, _ = died[0]
+                    raise FxpipeError(f"rank {rank} died ({how}) without an error report; the other ranks stopped"
+                                      + (f" ({len(errors)} reported waiting for it)" if errors else ""))
+                if alone:
+                    rank, why = alone[0]
                     raise FxpipeError(f"rank {rank} failed: {why}; the other ranks stopped"
                                       + (f" ({len(errors) - 1} reported waiting for it)" if len(errors) > 1 else ""))
+                if first:
+                    rank, why = first[0]
+                    named = re.search(r"\brank (\d+) ", why)
+                    culprit = named.group(1) if named else "?"
+                    raise FxpipeError(f"rank {culprit} failed without an error report; rank {rank} reported: {why}")
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise FxpipeError(f"the ranks exited with code {proc.returncode} without a report ({tail[:200]}); "
                                   "re-run to see the ranks' output")
@@ -391,6 +411,28 @@ def run_cmd(
         print_reports([per_step, per_rank], plain=plain, console=out)
         if trace is not None:
             err.print(f"wrote {trace}")
+
+
+def _died_ranks(torchrun_stderr: str, reported: set[int]) -> list[tuple[int, str, bool]]:
+    """The ranks torchrun's failure summary lists that wrote neither a result nor an error: (rank, how it
+    ended, whether by SIGTERM), those torchrun itself stopped (SIGTERM, once another rank failed) last."""
+    import signal
+
+    died = []
+    for rank, code in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", torchrun_stderr):
+        rank, code = int(rank), int(code)
+        if rank in reported or code == 0:
+            continue
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "unknown signal"
+            how = f"killed by signal {-code}, {name}" + (": often the out-of-memory killer" if -code == 9 else "")
+        else:
+            how = f"exit code {code}"
+        died.append((code == -signal.SIGTERM, rank, how))
+    return [(rank, how, term) for term, rank, how in sorted(set(died))]
 
 
 def _write_measured_trace(results: list[dict[str, Any]], path: Path) -> None:

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests
+    parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
+    parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
@@ -62,6 +63,21 @@ def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object
 
     inputs = tuple(draw(x) for x in zoo.example_inputs)  # type: ignore[attr-defined]
     return inputs, draw(zoo.example_target)  # type: ignore[attr-defined]
+
+
+def _die_after_first_compute(pipe: object) -> None:
+    """``--kill-rank``: this process SIGKILLs itself right after its next F, B or W graph call: mid-step,
+    with the value it just made not yet sent, leaving no error file and no traceback."""
+    import os
+    import signal
+
+    def die(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    for g in pipe.stage_graphs:  # type: ignore[attr-defined]
+        for gm in (g.forward, g.backward_input, g.backward_weight):
+            if gm is not None:
+                gm.register_forward_hook(die)
 
 
 def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
@@ -99,19 +115,23 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     for step in range(first, args.steps):
         if rank == args.fail_rank and step == first + 1:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        if rank == args.kill_rank and step == first + 1:
+            _die_after_first_compute(pipe)
         t0 = time.perf_counter()
         losses.append(float(rt.step(inputs, target)))
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, step + 1)
+    from fxpipe.runtime.calibrate import calibrate
     from fxpipe.schedules.simulate import simulate
 
+    calibration = calibrate()  # collective: this machine's link and compute contention, measured now (< 2 s)
     return {
         "rank": rank, "world": world, "schedule": sched.name, "microbatches": m,
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
         "losses": losses, "step_ms": step_ms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "simulated_step_ms": simulate(sched, costs).makespan * 1e3,
+        "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
     }
 

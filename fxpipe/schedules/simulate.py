@@ -5,6 +5,11 @@ run: F(s, m) needs F(s-1, m); B or BW(s, m) needs F(s, m) and the backward of (s
 needs B(s, m); a receive needs its send. Sends never block (asynchronous ``isend``). When no
 rank can move, the schedule deadlocks, and the error shows the grid with each rank's stuck
 action marked.
+
+In simulated time a message takes ``latency + bytes / bandwidth`` and uses no compute time on
+either rank. Each ordered pair of ranks is one link that carries one message at a time, in the
+order they were sent (as gloo queues a pair's sends), so a message sent while the one before it
+is still crossing waits for it; the two directions are separate links.
 """
 
 from __future__ import annotations
@@ -220,6 +225,9 @@ def _is_fused(schedule: Schedule, s: int, m: int) -> bool:
 def _walk(schedule: Schedule, costs: Costs | None) -> list[Event]:
     """Execute every rank's list in order; with costs, in simulated time. Raises on deadlock."""
     done: dict[Action, float] = {}  # action -> time its result is available
+    arrival: dict[Action, float] = {}  # send -> time its message is at the receiver
+    link_free: dict[tuple[int, int], float] = {}  # (from rank, to rank) -> when its last message has arrived
+    where = schedule.rank_of_stage
     clock = [0.0] * schedule.num_ranks
     pos = [0] * schedule.num_ranks
     events: list[Event] = []
@@ -233,14 +241,20 @@ def _walk(schedule: Schedule, costs: Costs | None) -> list[Event]:
                 if any(d not in done for d in deps):
                     break
                 ready = max((done[d] for d in deps), default=0.0)
-                if costs is not None and a.kind is Kind.RECV_F:
-                    ready = done[deps[0]] + costs.transfer(a.stage - 1)
-                elif costs is not None and a.kind is Kind.RECV_B:
-                    ready = done[deps[0]] + costs.transfer(a.stage)
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    ready = arrival[deps[0]]
                 start = max(clock[r], ready) if a.kind is not Kind.SEND_F and a.kind is not Kind.SEND_B else clock[r]
                 end = start + (costs.time(a) if costs is not None else 1.0 if a.kind in COMPUTE else 0.0)
                 clock[r] = end
                 done[a] = end
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    # One link per ordered pair of ranks carries one message at a time, in the order
+                    # they were sent (gloo queues a pair's sends): a message starts when it is sent and
+                    # the one before it on the link has arrived, and takes latency + bytes / bandwidth.
+                    produced = a.stage if a.kind is Kind.SEND_F else a.stage - 1  # whose output (or its gradient)
+                    link = (r, where[a.stage + 1] if a.kind is Kind.SEND_F else where[a.stage - 1])
+                    begin = max(end, link_free.get(link, end))
+                    arrival[a] = link_free[link] = begin + (costs.transfer(produced) if costs is not None else 0.0)
                 events.append(Event(r, a, start, end))
                 pos[r] += 1
                 moved = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,17 @@ def test_a_failed_rank_is_named(plan: Path) -> None:
     line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--timeout", "10",
                                      "--fail-rank", "1"))
     assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 1" in line
+
+
+def test_a_killed_rank_is_named(plan: Path) -> None:
+    """Rank 1 is SIGKILLed right after its first compute of step 1: it leaves no error file, torchrun stops
+    rank 0 (if rank 0 has not already given up waiting for it), and the run still names rank 1, at once."""
+    start = time.monotonic()
+    line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--timeout", "10",
+                                     "--kill-rank", "1"))
+    assert time.monotonic() - start < 60, line  # no hang: the whole run, start-up included
+    assert line.startswith("error: rank 1 died (killed by signal 9, SIGKILL"), line
+    assert "without an error report; the other ranks stopped" in line, line
 
 
 def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,9 +33,48 @@ def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]
     return zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn
 
 
+def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[[int], None]:
+    """``kill_rank``: SIGKILL this process right after its ``kill_at``-th compute action (F, B, W or BW) of
+    step ``kill_step`` (default 1), counting from 1, before that action's sends go out; ``kill_at`` -1 is
+    the step's last action (after it come only the step's send completions and sums), 0 the step's start.
+    The moment of death (``time.time()``) is written to ``OUT/killed-rank{R}`` first.
+
+    The runtime instance's ``_act`` (one compute action) is wrapped to count. Returns the function the
+    training loop calls at the start of each step.
+    """
+    if rank != cfg.get("kill_rank", -1):
+        return lambda step: None
+    state = {"step": -1, "acts": 0, "per_step": 0}
+    at, when = cfg.get("kill_at", 1), cfg.get("kill_step", 1)
+
+    def die() -> None:
+        (Path(out) / f"killed-rank{rank}").write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    act = rt._act  # the bound method: the wrapper below shadows it on this instance only
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        result = act(*args, **kwargs)
+        state["acts"] += 1
+        if state["step"] == when and state["acts"] == (state["per_step"] if at == -1 else at):
+            die()
+        return result
+
+    rt._act = counted
+
+    def start(step: int) -> None:
+        state["per_step"] = max(state["per_step"], state["acts"])  # every step runs the same actions
+        state["step"], state["acts"] = step, 0
+        if step == when and at == 0:
+            die()
+
+    return start
+
+
 def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.get("pg_timeout", 20)))
     try:
         import fxpipe
         from fxpipe.runtime.executor import PipelineRuntime
@@ -61,12 +104,14 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
             else:
                 sched = generate(name, stages, m, pipe.schedule_costs())
             rt = PipelineRuntime(pipe, sched, loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                 timeout=timedelta(seconds=10))
+                                 timeout=timedelta(seconds=cfg.get("timeout", 10)))
+            starting = die_mid_step(rt, rank, cfg, out)
             first = rt.load_checkpoint(cfg["resume"]) if cfg.get("resume") else 0
             losses = []
             for step in range(first, cfg["steps"]):
                 if rank == cfg.get("fail_rank", -1) and step == 1:
                     raise ValueError(f"boom on rank {rank}")
+                starting(step)
                 losses.append(float(rt.step(inputs, target)))
                 if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
                     rt.save_checkpoint(cfg["checkpoint"], step + 1)

@@ -1,0 +1,210 @@
+"""Calibrate the schedule simulator to this machine: the link between ranks and compute contention, measured.
+
+Every rank calls :func:`calibrate` inside an initialised process group (gloo on CPU, two or more
+ranks); it takes well under two seconds and returns the same :class:`Calibration` on every rank:
+
+- **Link.** Ranks 0 and 1 ping-pong messages of a few sizes (4 B .. 4 MiB) with ``isend`` and
+  ``irecv``, as the runtime sends, and take the fastest round trip per size. Half of it is one
+  transfer; a least-squares fit (relative error, so that 4 B and 4 MiB both count)
+  ``t = latency + bytes / bandwidth`` gives the link's latency and bandwidth.
+- **Contention.** Every rank times a fixed loop alone (the others wait at a barrier), then all
+  ranks time it at once. ``contention`` is together / alone, the median over ranks: how much
+  slower each rank computes when every rank computes, as in a pipeline's steady state, than
+  when profiled by itself (``fxpipe.compile(..., profile=True)`` profiles one process). The loop
+  mixes the two kinds of work a training step does: cache-resident matmuls (which slow down
+  when ranks share a core's execution units, e.g. hyperthreads) and an ``add_`` over tensors
+  larger than the caches, like gradient accumulation (which slows down when ranks share memory
+  bandwidth).
+
+Every time is the fastest of several runs: interference from other jobs on the machine only ever
+adds time, so the minimum is the measurement least disturbed by it.
+
+``Calibration.apply(costs)`` gives the simulator's ``Costs`` with the link measured and the F, B
+and W times scaled by ``contention``; bytes and memory are unchanged.
+
+    cal = calibrate()                                   # on every rank
+    simulate(schedule, cal.apply(pipe.schedule_costs()))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.simulate import Costs
+
+DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured; the same on every rank."""
+
+    latency: float  # seconds per message: the fit's intercept
+    bandwidth: float  # bytes per second: one over the fit's slope
+    contention: float  # compute time with every rank computing / with one rank computing (median over ranks)
+    sizes: tuple[int, ...] = ()  # the ping-pong message sizes, bytes
+    one_way: tuple[float, ...] = ()  # seconds per transfer at each size (half the fastest round trip)
+    alone: float = 0.0  # seconds of the contention loop on one rank alone (median over ranks)
+    together: float = 0.0  # the same with every rank computing at once
+    seconds: float = 0.0  # how long calibrate() took
+
+    def transfer(self, nbytes: float) -> float:
+        """The fitted seconds to send ``nbytes`` (0 for nothing, as the simulator counts it)."""
+        return 0.0 if nbytes == 0 else self.latency + nbytes / self.bandwidth
+
+    def apply(self, costs: Costs) -> Costs:
+        """``costs`` for this machine: link latency and bandwidth set, F, B and W times times ``contention``."""
+        k = self.contention
+        return dataclasses.replace(costs, f=tuple(t * k for t in costs.f), b=tuple(t * k for t in costs.b),
+                                   w=tuple(t * k for t in costs.w), latency=self.latency, bandwidth=self.bandwidth)
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Calibration:
+        """The inverse of :meth:`to_json` (lists back to tuples)."""
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+        return cls(**fields)
+
+    def summary(self) -> str:
+        return (f"link {self.latency * 1e6:.1f} us + {self.bandwidth / 1e9:.3g} GB/s; "
+                f"compute {self.contention:.3f}x slower with every rank busy ({self.seconds:.2f} s to measure)")
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``t = latency + bytes / bandwidth`` in relative error; returns (latency, bandwidth).
+
+    Relative error weighs each size alike, so the small messages set the latency and the large ones
+    the bandwidth. A negative intercept is clamped to 0 (and the slope refitted through the origin).
+    """
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise OptionError(f"fit_link needs two or more (size, time) points (got {len(sizes)} sizes, "
+                         f"{len(seconds)} times)")
+    # Minimise sum(((a + b x - t) / t)^2): weighted least squares with weights 1 / t^2.
+    w = [1.0 / (t * t) for t in seconds]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * t for wi, t in zip(w, seconds))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * t for wi, x, t in zip(w, sizes, seconds))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    latency = (sy - slope * sx) / sw
+    if latency < 0:
+        latency, slope = 0.0, sxy / sxx
+    return latency, (1.0 / slope if slope > 0 else math.inf)
+
+
+def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips: int = 20,
+              matmul: int = 256, matmul_reps: int = 20, stream_bytes: int = 8 << 20, stream_reps: int = 4,
+              rounds: int = 5) -> Calibration:
+    """Measure the link (ranks 0 and 1) and compute contention (every rank); collective: call on every rank.
+
+    ``trips`` timed round trips per size (half as many above 1 MiB). The contention loop is
+    ``matmul_reps`` products of two ``matmul`` x ``matmul`` float32 matrices and ``stream_reps``
+    in-place adds of two ``stream_bytes`` tensors, timed ``rounds`` times alone on each rank and
+    ``rounds`` times on all ranks at once. About 0.2 s on an idle two-core machine.
+    """
+    if not dist.is_initialized():
+        raise OptionError("calibrate() needs torch.distributed initialised (torchrun, or init_process_group)")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 2:
+        raise OptionError(f"calibrate() measures the link between two ranks (world size: {world}); run it on two "
+                          "or more")
+    start = time.perf_counter()
+    one_way = _ping_pong(rank, list(sizes), group, trips)
+    alone, together = _contention(rank, world, group, matmul, matmul_reps, stream_bytes, stream_reps, rounds)
+    # Rank 0 measured the link and every rank its own slowdown: share them.
+    out = torch.zeros(len(sizes) + 2 * world, dtype=torch.float64)
+    if rank == 0:
+        out[: len(sizes)] = torch.tensor(one_way, dtype=torch.float64)
+    out[len(sizes) + rank] = alone
+    out[len(sizes) + world + rank] = together
+    dist.all_reduce(out, group=group)
+    one_way = [float(t) for t in out[: len(sizes)]]
+    alones = [float(t) for t in out[len(sizes): len(sizes) + world]]
+    togethers = [float(t) for t in out[len(sizes) + world:]]
+    latency, bandwidth = fit_link(sizes, one_way)
+    contention = statistics.median(t / a for t, a in zip(togethers, alones))
+    return Calibration(latency, bandwidth, contention, tuple(sizes), tuple(one_way), statistics.median(alones),
+                       statistics.median(togethers), time.perf_counter() - start)
+
+
+def _ping_pong(rank: int, sizes: list[int], group: Any, trips: int) -> list[float]:
+    """Rank 0's one-way seconds per size against rank 1 (other ranks return zeros): half the fastest round trip.
+
+    ``isend``/``irecv`` as the runtime sends; one warm-up round trip per size, then ``trips``
+    timed ones (half as many for messages over 1 MiB, which take long enough to time in fewer).
+    """
+    times = [0.0] * len(sizes)
+    for k, nbytes in enumerate(sizes):
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        dist.barrier(group=group)
+        if rank > 1:
+            continue
+        peer = _global(1 - rank, group)
+        n = trips if nbytes <= 2**20 else max(3, trips // 2)
+        measured: list[float] = []
+        for trip in range(n + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                _wait(dist.isend(buf, peer, group=group, tag=k))
+                _wait(dist.irecv(buf, peer, group=group, tag=k))
+            else:
+                _wait(dist.irecv(buf, peer, group=group, tag=k))
+                _wait(dist.isend(buf, peer, group=group, tag=k))
+            if trip > 0:
+                measured.append(time.perf_counter() - t0)
+        times[k] = min(measured) / 2
+    return times
+
+
+def _wait(work: Any) -> None:
+    if work is not None:  # None only when this rank is outside the group, which calibrate() rules out
+        work.wait()
+
+
+def _global(rank: int, group: Any) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _contention(rank: int, world: int, group: Any, size: int, reps: int, stream_bytes: int, stream_reps: int,
+                rounds: int) -> tuple[float, float]:
+    """This rank's fastest seconds for the loop alone (others wait) and with every rank running it at once."""
+    gen = torch.Generator().manual_seed(rank)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen)
+    out = torch.empty(size, size)
+    acc = torch.zeros(max(1, stream_bytes // 4))
+    grad = torch.full_like(acc, 1e-3)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        for _ in range(stream_reps):
+            acc.add_(grad)
+        return time.perf_counter() - t0
+
+    loop()  # warm up
+    alone: list[float] = []
+    together: list[float] = []
+    for _ in range(rounds):  # interleaved, so drift in the machine's load hits both alike
+        for r in range(world):
+            dist.barrier(group=group)
+            if r == rank:
+                alone.append(loop())
+        dist.barrier(group=group)
+        together.append(loop())
+    dist.barrier(group=group)
+    return min(alone), min(together)

@@ -1,0 +1,118 @@
+"""Calibration: the link and contention measured on two real gloo ranks, and how it rescales the simulator's Costs.
+
+Run as a script, this file is one rank of the two-process test: ``python test_calibrate.py RANK WORLD INIT OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def _launch(tmp_path: Path, world: int) -> list[dict[str, Any]]:
+    init = f"file://{tmp_path / 'pg'}"
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> None:
+    from fxpipe.runtime.calibrate import Calibration
+
+    docs = _launch(tmp_path, 2)
+    assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # every rank returns rank 0's measurement
+    cal = Calibration.from_json(docs[0])
+    assert 0 <= cal.latency < 0.1 and math.isfinite(cal.latency)
+    assert 1e6 < cal.bandwidth < 1e13  # bytes/s: somewhere between 1 MB/s and 10 TB/s on any machine
+    assert 0.5 < cal.contention < 10 and cal.alone > 0 and cal.together > 0
+    assert cal.seconds < 5  # 2 s when the machine is otherwise idle
+    assert len(cal.sizes) == len(cal.one_way) and min(cal.one_way) > 0
+    # The fitted line goes through the measured one-way times: within 50% at every size from 4 B to 4 MiB,
+    # and a 4 MiB message costs more than a 4-byte one.
+    for nbytes, measured in zip(cal.sizes, cal.one_way):
+        assert cal.transfer(nbytes) == pytest.approx(measured, rel=0.5), (nbytes, cal)
+    assert cal.transfer(cal.sizes[-1]) > cal.transfer(cal.sizes[0])
+
+
+def test_calibration_scales_compute_and_sets_the_link() -> None:
+    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.schedules.simulate import Costs
+
+    costs = Costs((1.0, 2.0), (3.0, 4.0), (5.0, 6.0), (100.0, 0.0), (7.0, 8.0), (9.0, 10.0))
+    cal = Calibration(latency=2e-5, bandwidth=1e9, contention=1.25)
+    out = cal.apply(costs)
+    assert out.f == (1.25, 2.5) and out.b == (3.75, 5.0) and out.w == (6.25, 7.5)
+    assert (out.latency, out.bandwidth) == (2e-5, 1e9)
+    # Bytes and memory are the plan's own; only times change.
+    assert (out.send_bytes, out.held_fb, out.held_bw) == (costs.send_bytes, costs.held_fb, costs.held_bw)
+    assert out.transfer(0) == cal.transfer(100.0) == pytest.approx(2e-5 + 1e-7)
+    assert cal.transfer(0) == 0.0 and out.transfer(1) == 0.0  # nothing sent costs nothing, as in the simulator
+    assert costs.f == (1.0, 2.0) and costs.latency == 0.0  # the input is not changed
+
+
+def test_fit_link_recovers_a_line_and_clamps_a_negative_intercept() -> None:
+    from fxpipe.errors import OptionError
+    from fxpipe.runtime.calibrate import fit_link
+
+    sizes = [4, 4096, 65536, 1 << 20, 4 << 20]
+    latency, bandwidth = fit_link(sizes, [3e-5 + x / 2e9 for x in sizes])
+    assert latency == pytest.approx(3e-5) and bandwidth == pytest.approx(2e9)
+    latency, bandwidth = fit_link([1000, 2000], [0.5e-6, 1.5e-6])  # the line through them crosses 0 below 0
+    assert latency == 0.0 and 0 < bandwidth < math.inf
+    with pytest.raises(OptionError, match="two or more"):
+        fit_link([4], [1e-5])
+
+
+def test_messages_on_one_link_queue_behind_each_other() -> None:
+    """The simulator's link model, which the calibration feeds: one message at a time per ordered pair of ranks.
+
+    Stage 0 makes a 200-byte activation every 1 s; each takes 0.5 + 200/100 = 2.5 s to cross. The
+    runtime's sends on one gloo pair go out in order, so the second arrives 2.5 s after the first,
+    not 1 s after it. Gradients go the other way, on their own link.
+    """
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.ir import Action, Kind
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    costs = Costs((1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (200.0, 0.0), (1.0, 1.0), (1.0, 1.0),
+                  latency=0.5, bandwidth=100.0)
+    result = simulate(generate("gpipe", 2, 3), costs)
+    start = {e.action: e.start for e in result.events}
+    assert [start[Action(1, Kind.F, m)] for m in range(3)] == pytest.approx([3.5, 6.0, 8.5])
+    # Rank 1's backward runs right after its last F; each gradient queues on the 1 -> 0 link alone.
+    recv_b = [e.start for e in result.events if e.action.kind is Kind.RECV_B]
+    send_b = sorted(e.start for e in result.events if e.action.kind is Kind.SEND_B)
+    assert sorted(recv_b) == pytest.approx([send_b[0] + 2.5, send_b[0] + 5.0, send_b[0] + 7.5])
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from fxpipe.runtime.calibrate import calibrate
+
+        cal = calibrate()
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(cal.to_json()))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

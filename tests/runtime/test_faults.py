@@ -1,0 +1,111 @@
+"""A rank killed (SIGKILL) in the middle of a step: every other rank stops within the timeout, naming it.
+
+Each case starts the ranks of ``_dist_worker.py`` as separate processes over gloo. The killed rank
+dies right after one of its compute actions, before that action's sends (so mid-step: a forward
+whose output it never sends, or its last W, before the step's sums), and writes the moment it died
+first. Each
+place a survivor can be waiting on the dead rank gets a case: a posted receive, the tied weight's
+gradient sum, the loss sum, and (4 ranks) a receive from a rank that itself stopped because of
+the dead one. ``destroy_process_group`` runs in every survivor before it exits, so the exit time
+bounds it too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+ROOT = Path(__file__).parents[2]
+TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs
+BOUND_S = 30  # a survivor exits this soon after the kill (a dead peer is seen at once; a hang would be 10 s+)
+HANG_S = 120  # past this a rank is hung: the test kills it and fails
+
+
+def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> tuple[list[tuple[int | None, str, float]], float]:
+    """Run the ranks; returns (returncode, stderr, exit time) per rank and the time the killed rank died."""
+    init = f"file://{tmp_path / 'pg'}"
+    cfg = {"timeout": TIMEOUT_S, "pg_timeout": TIMEOUT_S, **cfg}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), init, str(tmp_path), json.dumps(cfg)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    deadline = time.time() + HANG_S
+    ended: dict[int, float] = {}
+    try:
+        while len(ended) < world and time.time() < deadline:
+            for r, p in enumerate(procs):
+                if r not in ended and p.poll() is not None:
+                    ended[r] = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # hung: end it so the test fails instead of hanging
+    results = [(p.returncode if r in ended else None, p.communicate()[1], ended.get(r, float("inf")))
+               for r, p in enumerate(procs)]
+    killed = tmp_path / f"killed-rank{cfg['kill_rank']}"
+    assert killed.is_file(), f"rank {cfg['kill_rank']} was never killed:\n" + results[cfg["kill_rank"]][1][-3000:]
+    return results, float(killed.read_text())
+
+
+def _error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if "RuntimeError_: " in ln]
+    assert lines, stderr[-3000:]
+    return lines[-1].split("RuntimeError_: ", 1)[1]
+
+
+def _check(tmp_path: Path, world: int, cfg: dict[str, Any], waiting: dict[int, str]) -> None:
+    """Every rank but the killed one exits non-zero within BOUND_S of the kill; its one-line error names the
+    killed rank and, from ``waiting``, what it was waiting for."""
+    results, killed_at = _launch(tmp_path, world, cfg)
+    dead = cfg["kill_rank"]
+    assert results[dead][0] == -9, results[dead][1][-3000:]
+    for rank, (code, err, ended) in enumerate(results):
+        if rank == dead:
+            continue
+        assert code is not None, f"rank {rank} hung (killed after {HANG_S} s):\n{err[-3000:]}"
+        assert code != 0, err[-3000:]
+        line = _error_line(err)
+        took = ended - killed_at
+        print(f"rank {rank}: exited {took:.2f} s after rank {dead} was killed: {line}")
+        assert took < BOUND_S, (took, line)
+        assert line.startswith(f"rank {dead} stopped responding (connection closed)"), line
+        assert f"while rank {rank} waited for" in line and line.endswith(f"see rank {dead}'s log"), line
+        assert re.search(waiting[rank], line), (waiting[rank], line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead, at, waiting", [
+    (1, 1, r"waited for grad of \w+ of microbatch 0 \(stage 1\) from rank 1 at 0B"),  # a posted receive
+    (0, 1, r"waited for \w+ of microbatch 0 \(stage 0\) from rank 0 at 1F0"),
+    (1, -1, r"waited for the sum of the loss"),  # the last stage died after its last W
+], ids=["receive-grad", "receive-activation", "loss-sum"])
+def test_a_killed_rank_stops_the_other_with_its_name(tmp_path: Path, dead: int, at: int, waiting: str) -> None:
+    _check(tmp_path, 2, {"model": "mlp-tiny", "schedules": ["zb-h1"], "microbatches": 4, "steps": 2,
+                         "kill_rank": dead, "kill_at": at}, {1 - dead: waiting})
+
+
+@pytest.mark.slow
+def test_a_rank_killed_before_the_tied_weight_sum(tmp_path: Path) -> None:
+    """gpt's embedding and head share a weight across ranks 0 and 1: the survivor waits in that sum."""
+    _check(tmp_path, 2, {"model": "gpt-tiny", "schedules": ["zb-h1"], "microbatches": 4, "steps": 2,
+                         "kill_rank": 1, "kill_at": -1}, {0: r"waited for the sum of the tied weight's gradient"})
+
+
+@pytest.mark.slow
+def test_four_ranks_all_name_the_killed_one(tmp_path: Path) -> None:
+    """Rank 1 dies after its first forward of the step: ranks 0 and 2 see its links close; rank 3 sees rank
+    2 stop, and names rank 1 too (rank 2 recorded it in the store before exiting)."""
+    _check(tmp_path, 4, {"model": "mlp-tiny", "schedules": ["1f1b"], "microbatches": 4, "steps": 2,
+                         "kill_rank": 1, "kill_at": 1},
+           {0: r"waited for grad of \w+ of microbatch 0 \(stage 1\) from rank 1 at 0BW0",
+            2: r"waited for \w+ of microbatch 0 \(stage 1\) from rank 1 at 2F0",
+            3: r", seen by rank [02] while rank 3 waited for \w+ of microbatch 0 \(stage 2\) from rank 2 at 3F0; "
+               r"rank 2 stopped because of it"})
