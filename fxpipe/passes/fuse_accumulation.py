@@ -12,8 +12,14 @@ and returns nothing:
 * ``t(mm(a, b))``  -> ``addmm_(acc, t(b), t(a))`` (the transpose of a product)
 * anything else    -> ``add_(acc, grad)`` (bias sums, convolution weight gradients, ...)
 
-The first microbatch runs W itself (its outputs become the gradients); every later one runs
-W_acc into them. This is Megatron-LM's "gradient accumulation fusion", for any W graph.
+With ``overwrite=True`` the same rewrite gives W_set, which writes the gradients into existing
+buffers instead (``mm(a, b, out=acc)``, ``copy_``): the first microbatch of a step reuses the
+previous step's gradient buffers, with no zeroing pass and no fresh allocation (a fresh
+multi-megabyte buffer is new pages from the kernel, faulted in on first touch).
+
+The very first microbatch runs W itself (its outputs become the gradients); after it, W_set
+starts each step and W_acc adds the rest. This is Megatron-LM's "gradient accumulation fusion",
+for any W graph.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ def _only_user_is(node: torch.fx.Node, user: torch.fx.Node) -> bool:
     return set(node.users) == {user}
 
 
-def accumulating_weight_graph(w: torch.fx.GraphModule, num_grads: int) -> tuple[torch.fx.GraphModule, int]:
+def accumulating_weight_graph(w: torch.fx.GraphModule, num_grads: int, *,
+                              overwrite: bool = False) -> tuple[torch.fx.GraphModule, int]:
     """W_acc: W's inputs, then one accumulator per gradient W returns; adds into them, returns ().
 
-    Also returns how many gradients went into a GEMM (the rest are plain ``add_``).
+    With ``overwrite``, W_set: writes the gradients into those buffers instead of adding. Also
+    returns how many gradients went into a GEMM (the rest are plain ``add_`` / ``copy_``).
     """
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -67,16 +75,21 @@ def accumulating_weight_graph(w: torch.fx.GraphModule, num_grads: int) -> tuple[
     for g, acc in zip(grads, accs):
         if g in fused:
             a, b, transposed = fused[g]
+            lhs, rhs = env[a], env[b]
             if transposed:
-                graph.call_function(aten.addmm_.default, (acc, graph.call_function(aten.t.default, (env[b],)),
-                                                          graph.call_function(aten.t.default, (env[a],))))
+                lhs, rhs = (graph.call_function(aten.t.default, (env[b],)),
+                            graph.call_function(aten.t.default, (env[a],)))
+            if overwrite:
+                graph.call_function(aten.mm.out, (lhs, rhs), {"out": acc})
             else:
-                graph.call_function(aten.addmm_.default, (acc, env[a], env[b]))
+                graph.call_function(aten.addmm_.default, (acc, lhs, rhs))
         else:
-            graph.call_function(aten.add_.Tensor, (acc, env[g] if isinstance(g, torch.fx.Node) else g))
+            op = aten.copy_.default if overwrite else aten.add_.Tensor
+            graph.call_function(op, (acc, env[g] if isinstance(g, torch.fx.Node) else g))
     graph.output(())
     graph.eliminate_dead_code()  # in-place ops are impure: they stay
-    return torch.fx.GraphModule(w, graph, class_name="WeightGradAccumulate"), len(fused)
+    name = "WeightGradInto" if overwrite else "WeightGradAccumulate"
+    return torch.fx.GraphModule(w, graph, class_name=name), len(fused)
 
 
 def grads_are_fresh(w: torch.fx.GraphModule, num_grads: int) -> list[bool]:

@@ -45,7 +45,11 @@ class Channel:
         self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
         self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Received:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
+             buf: torch.Tensor | None = None) -> Received:
+        """Post a receive, into ``buf`` (a previous step's buffer for this message) or a new one."""
+        if buf is not None:
+            return Received(buf, dist.irecv(buf, src, tag=tag), src)
         if self.staged:
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
         else:

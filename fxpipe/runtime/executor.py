@@ -105,6 +105,10 @@ class PipelineRuntime:
                              for s in self.mine}
         self.w_acc = {s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names))[0]
                       for s in self.mine}
+        self.w_set = {s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names),
+                                                   overwrite=True)[0] for s in self.mine}
+        self._written: set[int] = set()  # parameters whose .grad this step has written
+        self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
         self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
@@ -156,30 +160,35 @@ class PipelineRuntime:
         # Every receive is posted now, into buffers shaped from the graphs; each is waited for
         # right before the compute that reads it, and each send goes out right after the compute
         # that makes it.
-        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag) for msg in op.recvs]
-                  for op in self.program.ops]
+        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag, self._buffers.get(msg.tag))
+                   for msg in op.recvs] for op in self.program.ops]
+        self._buffers = {msg.tag: item.buf for op, items in zip(self.program.ops, posted)
+                         for msg, item in zip(op.recvs, items)}
+        self._written = set()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events = []  # this step's compute actions, seconds from its start
         start = time.perf_counter()
-        for op, items in zip(self.program.ops, posted):
-            t0 = time.perf_counter() - start
-            received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
-                        for msg, item in zip(op.recvs, items)]
-            loss_sum += self._act(op.action, received, env, grads, saved, handover, out_grads, targets, m)
-            for msg in op.sends:
-                value = env[msg.mb][msg.name] if msg.direction == FORWARD else self._share[msg.name]
-                self.channel.send(value, msg.dst, msg.tag)
-            self._drop_dead(op.action, env)
-            self.channel.poll()
-            self.events.append((op.action, t0, time.perf_counter() - start))
+        with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
+            for op, items in zip(self.program.ops, posted):
+                t0 = time.perf_counter() - start
+                received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
+                            for msg, item in zip(op.recvs, items)]
+                loss = self._act(op.action, received, env, grads, saved, handover, out_grads, targets, m)
+                if loss is not None:
+                    loss_sum += loss
+                for msg in op.sends:
+                    value = env[msg.mb][msg.name] if msg.direction == FORWARD else self._share[msg.name]
+                    self.channel.send(value, msg.dst, msg.tag)
+                self._drop_dead(op.action, env)
+                self.channel.poll()
+                self.events.append((op.action, t0, time.perf_counter() - start))
         self.channel.flush(self._failed_send)
         for p, group, ranks in self.shared:
             if p.grad is not None:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
                                  f"the tied weight's gradient (ranks {ranks})")
         for opt in self.optimizers.values():
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
         total = loss_sum.cpu()
         self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
         return total / m  # float64: the mean over microbatches, summed in double
@@ -191,11 +200,11 @@ class PipelineRuntime:
     def _act(self, action: Action, received: list[tuple[Message, torch.Tensor]], env: list[dict[str, Any]],
              grads: list[dict[str, torch.Tensor]], saved: dict[tuple[int, int], list[Any]],
              handover: dict[tuple[int, int], tuple[Any, ...]], out_grads: dict[tuple[int, int], list[torch.Tensor]],
-             targets: list[Any], m: int) -> torch.Tensor:
-        """Run one compute action on its received values; returns its loss (or 0)."""
+             targets: list[Any], m: int) -> torch.Tensor | None:
+        """Run one compute action on its received values; returns its loss (the last stage's F), else None."""
         s, kind, i = action.stage, action.kind, action.mb
         st, g = self.stages[s], self.graphs[s]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        loss_sum = None
         self._share: dict[str, torch.Tensor] = {}
         if kind is Kind.F:
             for msg, buf in received:
@@ -204,7 +213,7 @@ class PipelineRuntime:
             env[i].update(zip(st.outputs, result[: g.num_outputs]))
             saved[(s, i)] = list(result[g.num_outputs:])
             if s == self.schedule.num_stages - 1:
-                loss_sum += self._loss(env[i], targets[i], grads[i], m).double()
+                loss_sum = self._loss(env[i], targets[i], grads[i], m).double()
         elif kind in (Kind.B, Kind.BW):
             for msg, buf in received:
                 grads[i][msg.name] = buf if msg.name not in grads[i] else grads[i][msg.name] + buf
@@ -322,15 +331,22 @@ class PipelineRuntime:
         sv, og = saved.pop((s, i)), out_grads.pop((s, i))
         args = (*handover.pop((s, i)), *(sv[k] if kind == "saved" else og[k] for kind, k in g.w_slots))
         params = self.stage_params[s]
+        ids = [id(p) for p in params]
         if params and all(p.grad is not None for p in params):
-            self.w_acc[s](*args, *(p.grad for p in params))
-            return
+            if all(k in self._written for k in ids):  # later microbatches: add inside the GEMMs
+                self.w_acc[s](*args, *(p.grad for p in params))
+                return
+            if not any(k in self._written for k in ids) and len(set(ids)) == len(ids):
+                self.w_set[s](*args, *(p.grad for p in params))  # a step's first: over last step's buffers
+                self._written.update(ids)
+                return
         result = g.backward_weight(*args)  # type: ignore[misc]
         for p, grad, fresh in zip(params, result, self.w_fresh[s]):
-            if p.grad is None:
+            if id(p) not in self._written:
                 p.grad = grad.detach() if fresh else grad.detach().clone()
+                self._written.add(id(p))
             else:
-                p.grad.add_(grad)
+                p.grad.add_(grad)  # type: ignore[union-attr]
 
     def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
         what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"

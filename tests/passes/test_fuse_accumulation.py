@@ -28,19 +28,30 @@ def test_w_acc_equals_w_then_add(name: str) -> None:
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
     total_fused = 0
     for g in pipe.stage_graphs:
-        n = len(g.param_names)
-        w_acc, fused = accumulating_weight_graph(g.backward_weight, n)
-        total_fused += fused
-        first, second = _w_args(g, 1), _w_args(g, 2)
-        expected = [a + b for a, b in zip(g.backward_weight(*first), g.backward_weight(*second))]
-        accs = [t.clone() for t in g.backward_weight(*first)]
-        assert w_acc(*second, *accs) == ()
-        for e, a in zip(expected, accs):
-            torch.testing.assert_close(a, e)
-        assert len(grads_are_fresh(g.backward_weight, n)) == n
+        with torch.no_grad():  # as executors run the graphs
+            total_fused += _check_stage(g)
     if name != "resnet-tiny":  # Linear layers: their weight gradients are GEMMs
         assert total_fused > 0
     # resnet's convolution weight gradients are not GEMMs: they take the add_ path (checked above).
+
+
+def _check_stage(g: object) -> int:
+    """W_acc adds into the buffers, W_set writes over them; returns how many GEMMs were fused."""
+    n = len(g.param_names)  # type: ignore[attr-defined]
+    w_acc, fused = accumulating_weight_graph(g.backward_weight, n)  # type: ignore[attr-defined]
+    first, second = _w_args(g, 1), _w_args(g, 2)
+    expected = [a + b for a, b in zip(g.backward_weight(*first), g.backward_weight(*second))]
+    accs = [t.clone() for t in g.backward_weight(*first)]
+    assert w_acc(*second, *accs) == ()
+    for e, a in zip(expected, accs):
+        torch.testing.assert_close(a, e)
+    assert len(grads_are_fresh(g.backward_weight, n)) == n
+    # W_set writes the second microbatch's gradients over the buffers, whatever they held.
+    w_set, _ = accumulating_weight_graph(g.backward_weight, n, overwrite=True)
+    assert w_set(*second, *accs) == ()
+    for e, a in zip(g.backward_weight(*second), accs):
+        torch.testing.assert_close(a, e)
+    return fused
 
 
 def test_fresh_detects_a_gradient_that_is_an_input() -> None:
