@@ -1,8 +1,9 @@
 """fxpipe's runtime against torch.distributed.pipelining, side by side in one run (2 ranks, gloo, 1 thread each).
 
-Both split the model at the same cut (fxpipe's plan) and train the same batch in the same
-microbatches; every iteration runs each (system, schedule) once in turn (A B A B ...) so machine
-drift cancels. Also measured, in the same run: the machine's bound, every rank running its own
+The peer runs split at fxpipe's cut and, as its users split by hand, at half the layers; all
+train the same batch in the same microbatches (mlp-deep: the issue's 16-layer 1024-wide MLP,
+batch 64; gpt-base: 8 blocks, d=256, seq 128, batch 16; 8 microbatches by default). Every
+iteration runs each (system, schedule) once in turn (A B A B ...) so machine drift cancels. Also measured, in the same run: the machine's bound, every rank running its own
 stage's F, B and W for all microbatches at the same time with no communication and no waiting
 (and, to check the calibration's contention factor, the same work one rank at a time).
 
@@ -11,12 +12,13 @@ this machine in the same run (``fxpipe.runtime.calibrate``: measured link latenc
 compute slowed by the measured contention factor); "simulated_uncalibrated" uses the plan's
 defaults (1.5 GB/s, 0.1 ms, single-process compute times).
 
-    python benchmarks/runtime_vs_peer.py [--models mlp-large gpt-medium] [--microbatches 8] [--iters 12]
+    python benchmarks/runtime_vs_peer.py [--models mlp-deep gpt-base mlp-large gpt-medium] [--microbatches 8] [--iters 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -69,21 +71,33 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     runners: dict[str, Any] = {}
     simulated: dict[str, float] = {}
     simulated_default: dict[str, float] = {}
-    for sched_name in ("1f1b", "zb-h1", "zb-h2"):
+    for sched_name in ("1f1b", "zb-h1", "zb-h2", "auto"):
         pipe = fxpipe.load(plan_dir)
         pipe.build_backward(mb)
         costs = pipe.schedule_costs()
-        sched = generate(sched_name, 2, m, costs)
+        if sched_name == "auto":  # fxpipe's own pick for these costs, among every schedule it generates
+            from fxpipe.schedules.auto import auto
+
+            sched = auto(2, costs, microbatches=[m]).schedule
+            key = f"fxpipe auto ({sched.name})"
+        else:
+            sched = generate(sched_name, 2, m, costs)
+            key = f"fxpipe {sched_name}"
         rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
-        runners[f"fxpipe {sched_name}"] = lambda rt=rt: rt.step(inputs, target)
-        simulated[f"fxpipe {sched_name}"] = simulate(sched, cal.apply(costs)).makespan * 1e3
-        simulated_default[f"fxpipe {sched_name}"] = simulate(sched, costs).makespan * 1e3
-    # The peer, split where fxpipe's plan cuts: before the first layer of stage 1.
+        runners[key] = lambda rt=rt: rt.step(inputs, target)
+        simulated[key] = simulate(sched, cal.apply(costs)).makespan * 1e3
+        simulated_default[key] = simulate(sched, costs).makespan * 1e3
+    # The peer, split where fxpipe's plan cuts (before the first layer of stage 1), and where its
+    # users split by hand: half the layers on each rank.
     layers = next(r for r in pipe.report() if r.title.startswith("group-layers")).column("name")
     cut = layers[pipe.info["bounds"][1]].split("#")[0]
-    for peer_name, cls in (("peer GPipe", ScheduleGPipe), ("peer 1F1B", Schedule1F1B)):
+    half = layers[len(layers) // 2].split("#")[0]
+    splits = [("", cut)] + ([(" (half the layers)", half)] if half != cut else [])
+    for (suffix, at), (peer_name, cls) in itertools.product(splits, (("peer GPipe", ScheduleGPipe),
+                                                                     ("peer 1F1B", Schedule1F1B))):
+        peer_name += suffix
         model = __import__("copy").deepcopy(zoo.model)
-        ppipe = pipeline(model, mb_args=mb, split_spec={cut: SplitPoint.BEGINNING})
+        ppipe = pipeline(model, mb_args=mb, split_spec={at: SplitPoint.BEGINNING})
         stage = ppipe.build_stage(rank, torch.device("cpu"))
         schedule = cls(stage, n_microbatches=m, loss_fn=zoo.loss_fn)
         opt = torch.optim.SGD(stage.submod.parameters(), lr=1e-4)
@@ -139,6 +153,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"model": name, "microbatches": m, "batch": int(inputs[0].shape[0]), "cut_before": cut,
+                       "half_the_layers_before": half,
                        "median_ms": {k: statistics.median(v) for k, v in times.items()}, "simulated_ms": simulated,
                        "simulated_uncalibrated_ms": simulated_default, "calibration": cal.to_json(),
                        "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
@@ -147,7 +162,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="*", default=["mlp-large", "gpt-medium"])
+    parser.add_argument("--models", nargs="*", default=["mlp-deep", "gpt-base"])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)

@@ -232,7 +232,8 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
     """
     costs = [dict(c) for c in root.meta["fxpipe_stage_costs"]]
     graphs = root.meta.get("fxpipe_stage_graphs")
-    for c, g in zip(costs, graphs or [None] * len(costs)):
+    timings = root.meta.get("fxpipe_stage_timings") or [None] * len(costs)
+    for c, g, timed in zip(costs, graphs or [None] * len(costs), timings):
         c["held_fb"] = c["saved_bytes"]
         c["held_bw"] = c["saved_bytes"]
         if g is not None and not g.fused:
@@ -241,6 +242,8 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
                 c["b"] = 0.0
             c["held_fb"] = float(g.bytes_f_to_b)
             c["held_bw"] = float(g.bytes_b_to_w)
+        if timed is not None:  # profiled: the stage's own F, B and W graphs, timed whole (split-backward)
+            c["f"], c["b"], c["w"] = (float(t) for t in timed)
     return costs
 
 

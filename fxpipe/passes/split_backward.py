@@ -122,11 +122,22 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                 timings.append(None if g.fused else time_graphs(g, args, profile_runs))
     out = clone(root)  # shares the stages; only the meta gains the graphs
     out.meta["fxpipe_stage_graphs"] = graphs
+    if timings:  # measured whole-stage F/B/W: what schedules are simulated with (see pipeline._stage_costs)
+        out.meta["fxpipe_stage_timings"] = timings
     return PassResult(out, True, (_report(graphs, timings),))
 
 
 def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> tuple[float, float, float]:
-    """Median seconds of F, B and W of one stage on ``args`` (one warm-up run dropped)."""
+    """Median seconds of F, B and W of one stage on ``args`` (one warm-up run dropped).
+
+    W is timed as executors run it on all but a step's first microbatch: W_acc, adding into
+    gradient buffers that persist (``fxpipe.passes.fuse_accumulation``), not returning fresh
+    ones, whose first touch of new pages can double a thin weight-gradient GEMM's time.
+    """
+    from fxpipe.passes.fuse_accumulation import accumulating_weight_graph
+
+    w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]  # type: ignore[arg-type]
+    accs: list[torch.Tensor] | None = None
     samples: list[tuple[float, float, float]] = []
     with torch.no_grad():
         for _ in range(runs + 1):
@@ -138,8 +149,12 @@ def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> tuple[float, 
             t2 = time.perf_counter()
             b = g.backward_input(*(saved[i] if kind == "saved" else grads[i] for kind, i in g.b_slots))  # type: ignore[misc]
             t3 = time.perf_counter()
-            handover = b[len(g.grad_inputs):]
-            g.backward_weight(*handover, *(saved[i] if kind == "saved" else grads[i] for kind, i in g.w_slots))  # type: ignore[misc]
+            w_args = (*b[len(g.grad_inputs):], *(saved[i] if kind == "saved" else grads[i] for kind, i in g.w_slots))
+            if accs is None:  # the warm-up run: W itself, whose gradients become the buffers
+                accs = [t.contiguous() for t in g.backward_weight(*w_args)]  # type: ignore[misc]
+                t3 = time.perf_counter()
+            else:
+                w_acc(*w_args, *accs)
             t4 = time.perf_counter()
             samples.append((t1 - t0, t3 - t2, t4 - t3))
     return tuple(statistics.median(s[j] for s in samples[1:]) for j in range(3))  # type: ignore[return-value]

@@ -166,13 +166,17 @@ class PipelineRuntime:
                          for msg, item in zip(op.recvs, items)}
         self._written = set()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.events = []  # this step's compute actions, seconds from its start
+        self.events = []  # this step's compute actions (start, end), seconds from its start
+        self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
         start = time.perf_counter()
         with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
             for op, items in zip(self.program.ops, posted):
-                t0 = time.perf_counter() - start
+                waited = time.perf_counter() - start
                 received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
                             for msg, item in zip(op.recvs, items)]
+                t0 = time.perf_counter() - start
+                if op.recvs:
+                    self.waits.append((op.action, waited, t0))
                 loss = self._act(op.action, received, env, grads, saved, handover, out_grads, targets, m)
                 if loss is not None:
                     loss_sum += loss
@@ -343,7 +347,9 @@ class PipelineRuntime:
         result = g.backward_weight(*args)  # type: ignore[misc]
         for p, grad, fresh in zip(params, result, self.w_fresh[s]):
             if id(p) not in self._written:
-                p.grad = grad.detach() if fresh else grad.detach().clone()
+                # Contiguous: W_set and W_acc then write plain row-major buffers (a transposed view
+                # would make every GEMM into it strided).
+                p.grad = grad.detach().contiguous() if fresh else grad.detach().clone(memory_format=torch.contiguous_format)
                 self._written.add(id(p))
             else:
                 p.grad.add_(grad)  # type: ignore[union-attr]
