@@ -390,7 +390,7 @@ def run_cmd(
             "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
             "ranks": nproc, "batch": batch, "losses": results[0]["losses"], "step_ms": step_ms,
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
-            "simulated_step_ms": results[0]["simulated_step_ms"],
+            "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
         }
         if trace is not None:
@@ -404,7 +404,9 @@ def run_cmd(
                           tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
                                 for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms))),
                           (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
-                           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated",))
+                           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
+                           + ("" if results[0].get("profiled") else
+                              " from estimated costs (compile with --profile to simulate with measured ones)"),))
         per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
                           tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results))

@@ -84,32 +84,19 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     import torch
 
     import fxpipe
-    from fxpipe import models
     from fxpipe.errors import PlanFileError
-    from fxpipe.plan import read_plan_json
-    from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.schedules.auto import choose
-    from fxpipe.schedules.ir import Schedule
+    from fxpipe.runtime.executor import PipelineRuntime, _zoo_of
 
-    doc = read_plan_json(Path(args.plan))
-    name = doc.get("info", {}).get("model")
-    try:
-        zoo = models.build(str(name))
-    except Exception as exc:
-        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {name!r}); for your own "
-                            "model use fxpipe.runtime.PipelineRuntime in your torchrun script") from exc
     pipe = fxpipe.load(args.plan)
-    pipe.build_backward(zoo.example_inputs)
-    costs = pipe.schedule_costs()
-    recorded = pipe.info.get("schedule")
-    if args.schedule is None and isinstance(recorded, dict):
-        sched = Schedule.from_csv(recorded["csv"], recorded["name"])
-    else:
-        sched, _, _ = choose(args.schedule or "1f1b", pipe.num_stages, args.microbatches or 2 * pipe.num_stages, costs)
-    m = sched.num_microbatches
+    zoo = _zoo_of(pipe)  # built as fxpipe compile built it (dtype, batch, seed)
+    if zoo is None:
+        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.info.get('model')!r}); "
+                            "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
+    rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
+                         example_inputs=zoo.example_inputs,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr), timeout=timedelta(seconds=args.timeout))
+    sched, costs, m = rt.schedule, pipe.schedule_costs(), rt.schedule.num_microbatches
     inputs, target = synthetic_batch(zoo, m)
-    rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr),
-                         timeout=timedelta(seconds=args.timeout))
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
     losses, step_ms = [], []
     for step in range(first, args.steps):
@@ -132,6 +119,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         "losses": losses, "step_ms": step_ms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
+        "profiled": bool((pipe.info.get("options") or {}).get("profile")),
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
     }
 
