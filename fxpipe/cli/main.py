@@ -351,9 +351,10 @@ def run_cmd(
             cmd.append("--resume")
         try:
             with _progress(disable=as_json) as step:
-                step(f"training on {nproc} ranks", 0, 0)
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+                step(f"starting {nproc} ranks", 0, steps)
+                proc = _run_ranks(cmd, out_dir / "progress",
+                                  lambda line: step(f"step {line.split()[1]}/{steps}: loss {line.split()[3]}, "
+                                                    f"{line.split()[5]} ms", int(line.split()[1]), steps))
             errors = {int(p.stem[4:]): p.read_text().strip() for p in out_dir.glob("rank*.error")}
             errors = {rank: why for rank, why in errors.items() if why}  # empty: stopped while writing it
             if proc.returncode != 0 or errors:
@@ -413,6 +414,30 @@ def run_cmd(
         print_reports([per_step, per_rank], plain=plain, console=out)
         if trace is not None:
             err.print(f"wrote {trace}")
+
+
+def _run_ranks(cmd: list[str], progress: Path, on_step: Callable[[str], None]) -> subprocess.CompletedProcess[str]:
+    """Run torchrun, reporting each step rank 0 finishes (a line ``step K loss L ms T`` in ``progress``)."""
+    import os
+    import subprocess
+    import tempfile
+    import threading
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        shown = 0
+        done = threading.Event()
+        while not done.wait(0.2):
+            if proc.poll() is not None:
+                done.set()
+            lines = progress.read_text().splitlines() if progress.exists() else []
+            for line in lines[shown:]:
+                if line.startswith("step "):
+                    on_step(line)
+            shown = len(lines)
+        out.seek(0)
+        errf.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), errf.read())
 
 
 def _died_ranks(torchrun_stderr: str, reported: set[int]) -> list[tuple[int, str, bool]]:

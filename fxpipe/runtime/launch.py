@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def out_progress(args: argparse.Namespace) -> Path:
+    return Path(args.out) / "progress"
+
+
 def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object, ...], object]:
     """``--data synthetic``: m microbatches shaped like the model's example batch, from a fixed seed."""
     import torch
@@ -107,6 +111,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         t0 = time.perf_counter()
         losses.append(float(rt.step(inputs, target)))
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        if rank == 0:  # the CLI's progress bar follows this file
+            with open(out_progress(args), "a") as f:
+                f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, step + 1)
     from fxpipe.runtime.calibrate import calibrate
