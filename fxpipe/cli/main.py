@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -326,14 +327,20 @@ def run_cmd(
         import os
         import shutil
         import statistics
-        import subprocess
         import sys
         import tempfile
 
         from fxpipe.plan import read_plan_json
         from fxpipe.report import Report
 
-        read_plan_json(plan_dir)
+        plan_doc = read_plan_json(plan_dir)
+        from fxpipe.schedules.auto import plan_schedule
+
+        # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
+        sched = plan_schedule(plan_doc.get("info", {}), int(plan_doc["num_stages"]), schedule, microbatches)
+        if sched.num_ranks != nproc:
+            raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
+                              f"not {nproc}; use --nproc {sched.num_ranks}")
         if data != "synthetic":
             raise OptionError(f"--data {data!r} is not known; use --data synthetic")
         if resume and checkpoint_dir is None:
@@ -419,7 +426,6 @@ def run_cmd(
 def _run_ranks(cmd: list[str], progress: Path, on_step: Callable[[str], None]) -> subprocess.CompletedProcess[str]:
     """Run torchrun, reporting each step rank 0 finishes (a line ``step K loss L ms T`` in ``progress``)."""
     import os
-    import subprocess
     import tempfile
     import threading
 

@@ -79,3 +79,17 @@ def choose(name: str, num_stages: int, microbatches: int | None, costs: Costs,
         return choice.schedule, choice.result, [choice.report]
     sched = generate(name, num_stages, m or 2 * num_stages, costs)
     return sched, simulate(sched, costs), []
+
+
+def plan_schedule(info: dict[str, object], num_stages: int, schedule: str | None,
+                  microbatches: int | None) -> Schedule:
+    """The schedule a plan runs: the one recorded in it (``compile --schedule``) when no other is
+    asked for, else ``schedule`` (default 1F1B) generated for the plan's costs with
+    ``microbatches`` (default twice the stages). Raises OptionError for an unknown name or counts
+    the schedule cannot take."""
+    from fxpipe.schedules.simulate import costs_from_info
+
+    recorded = info.get("schedule")
+    if schedule is None and isinstance(recorded, dict) and microbatches in (None, recorded.get("microbatches")):
+        return Schedule.from_csv(str(recorded["csv"]), str(recorded["name"]))
+    return choose(schedule or "1f1b", num_stages, microbatches or 2 * num_stages, costs_from_info(info))[0]

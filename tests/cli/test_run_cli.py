@@ -73,3 +73,15 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     resumed = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--checkpoint-dir", ckpt,
                                        "--resume", "--json")).stdout)["losses"]
     assert resumed == [straight[2]]  # bit for bit: the same float
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--nproc", "3"], "zb-h1 runs this plan's 2 stages on 2 ranks, not 3; use --nproc 2"),
+    (["--nproc", "2", "--schedule", "nope"], "unknown schedule 'nope'"),
+    (["--nproc", "2", "--schedule", "interleaved-1f1b"], "use --nproc 1"),
+])
+def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Path, args: list[str],
+                                                                         expected: str) -> None:
+    started = time.perf_counter()
+    assert expected in one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1"))
+    assert time.perf_counter() - started < 20  # no torchrun: refused up front
