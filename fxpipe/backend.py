@@ -332,9 +332,8 @@ class _Runner:
                 if g.fused:
                     raise FxpipeError(f"stage {k} has no split backward ({g.fused_reason}); backend='fxpipe' needs "
                                       "every stage split")
-                result = g.forward(*inputs)
-                env.update(zip(stage.outputs, result[: g.num_outputs]))
-                state["saved"][(k, i)] = list(result[g.num_outputs:])
+                outputs, state["saved"][(k, i)] = g.run_forward(inputs)
+                env.update(zip(stage.outputs, outputs))
             state["values"].append(env)
             per_mb_outputs.append([env[n] if n is not None else c
                                    for n, c in zip(self.pipe.output_names, self.pipe.output_constants)])
@@ -363,15 +362,12 @@ class _Runner:
                 outs_grad = [self.transfers.to(x, k) if x is not None else torch.zeros_like(env[stage.outputs[j]])
                              for x, j in zip(outs_grad, g.grad_outputs)]
                 saved = state["saved"][(k, i)]
-                slot = [saved[s] if kind == "saved" else outs_grad[s] for kind, s in g.b_slots]
-                result = g.backward_input(*slot)
-                for pos, grad in zip(g.grad_inputs, result[: len(g.grad_inputs)]):
+                b_grads, handover = g.run_backward_input(saved, outs_grad)
+                for pos, grad in zip(g.grad_inputs, b_grads):
                     name = stage.inputs[pos]
                     have = value_grads[i].get(name)
                     value_grads[i][name] = grad if have is None else have + move(grad, have.device)
-                w_args = [*result[len(g.grad_inputs):],
-                          *(saved[s] if kind == "saved" else outs_grad[s] for kind, s in g.w_slots)]
-                pending_w.append((k, i, tuple(w_args), saved))
+                pending_w.append((k, i, g.weight_args(handover, saved, outs_grad), saved))
                 # zb-gpipe: stage k runs the W of the previous microbatch after this B (W fills the gap
                 # while gradients travel); gpipe: right away.
                 ready = [w for w in pending_w if w[0] == k and (not self.defer_w or w[1] < i)]

@@ -72,6 +72,38 @@ class StageGraphs:
     def fused(self) -> bool:
         return self.fused_reason is not None
 
+    # -- the calling convention, shared by every executor (reference, runtime, backend) ----------
+    # Plain calls: no autograd mode is set here (executors run them under ``torch.no_grad()``),
+    # and nothing is kept; where values live and when they are dropped is the executor's policy.
+    # The loss on the pipeline's outputs is ``fxpipe.runtime.stage_calls.loss_and_output_grads``.
+
+    def run_forward(self, args: Sequence[Any]) -> tuple[Sequence[Any], list[Any]]:
+        """F on the stage's inputs: ``(outputs, saved)``, saved being what B and W read as ``("saved", i)``."""
+        result = self.forward(*args)  # type: ignore[misc]
+        return result[: self.num_outputs], list(result[self.num_outputs:])
+
+    def run_backward_input(self, saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Sequence[Any], tuple[Any, ...]]:
+        """B: ``(input_grads, handover)``; ``input_grads[k]`` is the gradient of stage input ``grad_inputs[k]``.
+
+        ``grad_outs[j]`` is the gradient of stage output ``grad_outputs[j]`` (a ``("grad", j)`` slot).
+        """
+        result = self.backward_input(*_slot_args(self.b_slots, saved, grad_outs))  # type: ignore[misc]
+        n = len(self.grad_inputs)
+        return result[:n], tuple(result[n:])
+
+    def weight_args(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Any, ...]:
+        """W's arguments, ``(*handover, *w_slots)``: for ``backward_weight`` or its accumulating variants."""
+        return (*handover, *_slot_args(self.w_slots, saved, grad_outs))
+
+    def run_backward_weight(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> Sequence[Any]:
+        """W: the parameter gradients, in ``param_names`` order (a tied parameter may come twice)."""
+        return self.backward_weight(*self.weight_args(handover, saved, grad_outs))  # type: ignore[misc]
+
+
+def _slot_args(slots: Sequence[Slot], saved: Sequence[Any], grad_outs: Sequence[Any]) -> list[Any]:
+    """The values of B's or W's slots: F's saved tensors and the stage outputs' gradients."""
+    return [saved[i] if kind == "saved" else grad_outs[i] for kind, i in slots]
+
 
 class _Unsplittable(Exception):
     """A stage whose joint graph has a shape this pass does not split; it falls back to fused."""
@@ -142,14 +174,13 @@ def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> tuple[float, 
     with torch.no_grad():
         for _ in range(runs + 1):
             t0 = time.perf_counter()
-            result = g.forward(*args)  # type: ignore[misc]
+            outputs, saved = g.run_forward(args)
             t1 = time.perf_counter()
-            saved = list(result[g.num_outputs:])
-            grads = [torch.ones_like(result[i]) for i in g.grad_outputs]
+            grads = [torch.ones_like(outputs[i]) for i in g.grad_outputs]
             t2 = time.perf_counter()
-            b = g.backward_input(*(saved[i] if kind == "saved" else grads[i] for kind, i in g.b_slots))  # type: ignore[misc]
+            handover = g.run_backward_input(saved, grads)[1]
             t3 = time.perf_counter()
-            w_args = (*b[len(g.grad_inputs):], *(saved[i] if kind == "saved" else grads[i] for kind, i in g.w_slots))
+            w_args = g.weight_args(handover, saved, grads)
             if accs is None:  # the warm-up run: W itself, whose gradients become the buffers
                 accs = [t.contiguous() for t in g.backward_weight(*w_args)]  # type: ignore[misc]
                 t3 = time.perf_counter()

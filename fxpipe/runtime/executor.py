@@ -29,6 +29,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.passes.fuse_accumulation import accumulating_weight_graph, grads_are_fresh
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.lower import FORWARD, LoweringError, Message, _output_vals, lower
+from fxpipe.runtime.stage_calls import loss_and_output_grads
 from fxpipe.schedules.ir import Action, Kind, Schedule
 
 
@@ -213,11 +214,13 @@ class PipelineRuntime:
         if kind is Kind.F:
             for msg, buf in received:
                 env[i][msg.name] = _in_traced_layout(buf, g, st.inputs, msg.name)
-            result = g.forward(*(env[i][n] for n in st.inputs))  # type: ignore[misc]
-            env[i].update(zip(st.outputs, result[: g.num_outputs]))
-            saved[(s, i)] = list(result[g.num_outputs:])
+            outputs, saved[(s, i)] = g.run_forward([env[i][n] for n in st.inputs])
+            env[i].update(zip(st.outputs, outputs))
             if s == self.schedule.num_stages - 1:
-                loss_sum = self._loss(env[i], targets[i], grads[i], m).double()
+                loss, leaf_grads = loss_and_output_grads(self.pipe, self.loss_fn, env[i], targets[i], divisor=m)
+                for name, grad in leaf_grads:
+                    grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
+                loss_sum = loss.double()
         elif kind in (Kind.B, Kind.BW):
             for msg, buf in received:
                 grads[i][msg.name] = buf if msg.name not in grads[i] else grads[i][msg.name] + buf
@@ -299,19 +302,6 @@ class PipelineRuntime:
 
     # -- pieces ---------------------------------------------------------------------------
 
-    def _loss(self, values: dict[str, Any], target: Any, grads: dict[str, torch.Tensor], m: int) -> torch.Tensor:
-        leaves = [values[n].detach().requires_grad_(values[n].is_floating_point()) if n is not None else c
-                  for n, c in zip(self.pipe.output_names, self.pipe.output_constants)]
-        out = pytree.tree_unflatten(leaves, self.pipe.out_spec) if self.pipe.out_spec is not None else tuple(leaves)
-        with torch.enable_grad():
-            loss = self.loss_fn(out, target)
-            diff = [(n, t) for n, t in zip(self.pipe.output_names, leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-            got = torch.autograd.grad(loss / m, [t for _, t in diff], allow_unused=True)
-        for (name, _), g in zip(diff, got):
-            if g is not None:
-                grads[name] = g if name not in grads else grads[name] + g
-        return loss.detach()
-
     def _backward_input(self, s: int, i: int, grads: list[dict[str, torch.Tensor]],
                         saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
                         out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -320,11 +310,9 @@ class PipelineRuntime:
         outs = _output_vals(g)
         og = [grads[i].pop(st.outputs[j]) if st.outputs[j] in grads[i]
               else torch.zeros(outs[j].shape, dtype=outs[j].dtype, device=self.device) for j in g.grad_outputs]
-        sv = saved[(s, i)]
-        result = g.backward_input(*(sv[k] if kind == "saved" else og[k] for kind, k in g.b_slots))  # type: ignore[misc]
-        handover[(s, i)] = tuple(result[len(g.grad_inputs):])
+        input_grads, handover[(s, i)] = g.run_backward_input(saved[(s, i)], og)
         out_grads[(s, i)] = og
-        return [(st.inputs[pos], grad) for pos, grad in zip(g.grad_inputs, result[: len(g.grad_inputs)])]
+        return [(st.inputs[pos], grad) for pos, grad in zip(g.grad_inputs, input_grads)]
 
     def _backward_weight(self, s: int, i: int, saved: dict[tuple[int, int], list[Any]],
                          handover: dict[tuple[int, int], tuple[Any, ...]],
@@ -332,8 +320,7 @@ class PipelineRuntime:
         """Run W; the first microbatch's gradients become ``.grad``, later ones are added in place
         (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.passes.fuse_accumulation``)."""
         g = self.graphs[s]
-        sv, og = saved.pop((s, i)), out_grads.pop((s, i))
-        args = (*handover.pop((s, i)), *(sv[k] if kind == "saved" else og[k] for kind, k in g.w_slots))
+        args = g.weight_args(handover.pop((s, i)), saved.pop((s, i)), out_grads.pop((s, i)))
         params = self.stage_params[s]
         ids = [id(p) for p in params]
         if params and all(p.grad is not None for p in params):

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from fxpipe.errors import FxpipeError
 from fxpipe.passes.split_backward import StageGraphs
+from fxpipe.runtime.stage_calls import loss_and_output_grads
 
 Action = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
 
@@ -156,37 +156,24 @@ class _Run:
             outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
         else:
             with torch.no_grad():
-                result = g.forward(*args)  # type: ignore[misc]
-            outs = list(result[: g.num_outputs])
-            self.saved[(s, m)] = list(result[g.num_outputs:])
+                result, self.saved[(s, m)] = g.run_forward(args)
+            outs = list(result)
         self.values[m].update(zip(stage.outputs, outs))
         self._maybe_loss(m)
 
     def _maybe_loss(self, m: int) -> None:
         if m in self.loss_done or any(n is not None and n not in self.values[m] for n in self.pipe.output_names):
             return
-        leaves = [self.values[m][n].detach().requires_grad_(self.values[m][n].is_floating_point())
-                  if n is not None and isinstance(self.values[m][n], torch.Tensor) else (self.values[m][n] if n else c)
-                  for n, c in zip(self.pipe.output_names, self.pipe.output_constants)]
-        out = pytree.tree_unflatten(leaves, self.pipe.out_spec) if self.pipe.out_spec is not None else tuple(leaves)
-        with torch.enable_grad():
-            loss = self.ex.loss_fn(out, self.mbs[m][1])
-            diff = [(n, t) for n, t in zip(self.pipe.output_names, leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = torch.autograd.grad(loss * self.scale, [t for _, t in diff], allow_unused=True)
-        for (name, _), grad in zip(diff, grads):
-            if grad is not None:
-                self._add_grad(m, name, grad)
-        self.losses[m] = loss.detach()
+        loss, grads = loss_and_output_grads(self.pipe, self.ex.loss_fn, self.values[m], self.mbs[m][1], scale=self.scale)
+        for name, grad in grads:
+            self._add_grad(m, name, grad)
+        self.losses[m] = loss
         self.loss_done.add(m)
 
     def _B(self, s: int, m: int, g: StageGraphs) -> None:
         grad_outs = self._output_grads(s, m, [self.stages[s].outputs[i] for i in g.grad_outputs], "B")
-        saved = self.saved[(s, m)]
-        args = [saved[i] if kind == "saved" else grad_outs[i] for kind, i in g.b_slots]
         with torch.no_grad():
-            result = g.backward_input(*args)  # type: ignore[misc]
-        input_grads = result[: len(g.grad_inputs)]
-        self.handover[(s, m)] = tuple(result[len(g.grad_inputs):])
+            input_grads, self.handover[(s, m)] = g.run_backward_input(self.saved[(s, m)], grad_outs)
         self.grad_outs[(s, m)] = grad_outs
         for pos, grad in zip(g.grad_inputs, input_grads):
             self._add_grad(m, self.stages[s].inputs[pos], grad)
@@ -194,11 +181,8 @@ class _Run:
     def _W(self, s: int, m: int, g: StageGraphs) -> None:
         if (s, "B", m) not in self.done:
             raise ScheduleError(f"{_fmt((s, 'W', m))} runs before {_fmt((s, 'B', m))}; W needs what B hands over")
-        saved = self.saved.pop((s, m))
-        grad_outs = self.grad_outs.pop((s, m))
-        args = [*self.handover.pop((s, m)), *(saved[i] if kind == "saved" else grad_outs[i] for kind, i in g.w_slots)]
         with torch.no_grad():
-            grads = g.backward_weight(*args)  # type: ignore[misc]
+            grads = g.run_backward_weight(self.handover.pop((s, m)), self.saved.pop((s, m)), self.grad_outs.pop((s, m)))
         module = self.stages[s].module
         for name, grad in zip(g.param_names, grads):
             _accumulate(module.get_parameter(name), grad)
