@@ -69,6 +69,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
                        profile_runs=3).save(plan_dir)
     dist.barrier()
     runners: dict[str, Any] = {}
+    runtimes: dict[str, Any] = {}
     simulated: dict[str, float] = {}
     simulated_default: dict[str, float] = {}
     for sched_name in ("1f1b", "zb-h1", "zb-h2", "auto"):
@@ -85,6 +86,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
             key = f"fxpipe {sched_name}"
         rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
         runners[key] = lambda rt=rt: rt.step(inputs, target)
+        runtimes[key] = rt
         simulated[key] = simulate(sched, cal.apply(costs)).makespan * 1e3
         simulated_default[key] = simulate(sched, costs).makespan * 1e3
     # The peer, split where fxpipe's plan cuts (before the first layer of stage 1), and where its
@@ -150,12 +152,25 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         t = bound_alone()
         if it >= warmup:
             times["bound alone"].append(t)
+    # Where each fxpipe step went, per rank, from the runtime's own events of one more step:
+    # compute (its actions), waiting for messages, and after the last action (optimizer, loss sum).
+    breakdown: dict[str, dict[str, float]] = {}
+    for key, rt in runtimes.items():
+        t = _timed(runners[key])
+        compute = sum(t1 - t0 for _, t0, t1 in rt.events) * 1e3
+        waits = sum(t1 - t0 for _, t0, t1 in rt.waits) * 1e3
+        span = rt.events[-1][2] * 1e3
+        breakdown[key] = {"step": t, "compute": compute, "waiting": waits, "between_actions": span - compute - waits,
+                          "after_last_action": t - span}
+    every = [None, None]
+    dist.all_gather_object(every, breakdown)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"model": name, "microbatches": m, "batch": int(inputs[0].shape[0]), "cut_before": cut,
                        "half_the_layers_before": half,
                        "median_ms": {k: statistics.median(v) for k, v in times.items()}, "simulated_ms": simulated,
                        "simulated_uncalibrated_ms": simulated_default, "calibration": cal.to_json(),
+                       "breakdown_ms_per_rank": every,
                        "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
     dist.destroy_process_group()
 

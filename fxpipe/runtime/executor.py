@@ -432,18 +432,14 @@ def _zoo_of(pipe: Any) -> Any:
 
 
 def _resolve_schedule(pipe: Any, schedule: Schedule | str | None, microbatches: int | None) -> Schedule:
-    """A Schedule as given; a name generated for the plan's costs; None: the plan's recorded schedule, else 1F1B."""
+    """A Schedule as given; else ``fxpipe.schedules.auto.plan_schedule`` (the plan's recorded one, or a named one)."""
     from fxpipe.errors import OptionError
-    from fxpipe.schedules.auto import choose
+    from fxpipe.schedules.auto import plan_schedule
 
     if isinstance(schedule, Schedule):
         return schedule
-    recorded = pipe.info.get("schedule")
-    if schedule is None and isinstance(recorded, dict) and microbatches in (None, recorded.get("microbatches")):
-        return Schedule.from_csv(recorded["csv"], recorded["name"])
     try:
-        return choose(schedule or "1f1b", pipe.num_stages, microbatches or 2 * pipe.num_stages,
-                      pipe.schedule_costs())[0]
+        return plan_schedule(pipe.info, pipe.num_stages, schedule, microbatches)
     except OptionError as exc:
         raise RuntimeError_(str(exc)) from exc
 
