@@ -25,7 +25,7 @@ import operator
 from collections.abc import Iterable, Sequence
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -351,7 +351,7 @@ def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tu
     saved: list[torch.fx.Node] = []
     # The clones _with_fresh_outputs put on the outputs: F returns what they copy.
     fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-    fresh = {a: a.args[0] for a, d in zip(fw_out.args[0], fw_out.meta["desc"])
+    fresh: dict[torch.fx.Node, Any] = {a: a.args[0] for a, d in zip(fw_out.args[0], fw_out.meta["desc"])
              if descriptor_kind(d) == "PlainAOTOutput" and isinstance(a, torch.fx.Node)
              and a.target is torch.ops.aten.clone.default and not a.kwargs}
     refs = [a for a in fw_out.args[0] if isinstance(a, torch.fx.Node)]
@@ -366,7 +366,10 @@ def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tu
             for arg, desc in zip(n.args[0], n.meta["desc"]):
                 kind = descriptor_kind(desc)
                 if kind == "PlainAOTOutput":
-                    outputs[desc.idx] = env[fresh.get(arg, arg)] if isinstance(arg, torch.fx.Node) else arg
+                    if isinstance(arg, torch.fx.Node):
+                        outputs[desc.idx] = env[cast(torch.fx.Node, fresh.get(arg, arg))]
+                    else:
+                        outputs[desc.idx] = arg
                 elif kind == "InputMutationAOTOutput":
                     target = desc.mutated_input
                     if descriptor_kind(target) != "BufferAOTInput":

@@ -59,11 +59,8 @@ class PipelineRuntime:
         pipe = _resolve_plan(plan, example_inputs)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
         if loss_fn is None:
-            zoo = _zoo_of(pipe)
-            if zoo is None:
-                raise RuntimeError_("no loss function: pass loss_fn=(outputs, target) -> loss (only plans of built-in "
-                                    "models have a default)")
-            loss_fn = zoo.loss_fn
+            loss_fn = _zoo_needed(pipe, "no loss function: pass loss_fn=(outputs, target) -> loss (only plans of "
+                                        "built-in models have a default)").loss_fn
         if schedule.num_ranks != self.world or schedule.num_stages != pipe.num_stages:
             raise RuntimeError_(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
                                 f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
@@ -410,11 +407,8 @@ def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Any:
         raise RuntimeError_(f"plan is a {type(plan).__name__}; pass a Pipeline (fxpipe.compile) or a plan directory")
     if plan.stage_graphs is None:
         if example_inputs is None:
-            zoo = _zoo_of(plan)
-            if zoo is None:
-                raise RuntimeError_("this plan has no F/B/W graphs yet; pass example_inputs= (the inputs it was "
-                                    "compiled with, one microbatch)")
-            example_inputs = zoo.example_inputs
+            example_inputs = _zoo_needed(plan, "this plan has no F/B/W graphs yet; pass example_inputs= (the inputs "
+                                               "it was compiled with, one microbatch)").example_inputs
         plan.build_backward(example_inputs)
     return plan
 
@@ -429,6 +423,14 @@ def _zoo_of(pipe: Any) -> Any:
                             batch_size=build.get("batch_size"), seed=int(build.get("seed") or 0)) if name else None
     except FxpipeError:  # not a zoo name: the user's own model
         return None
+
+
+def _zoo_needed(pipe: Any, otherwise: str) -> Any:
+    """The plan's built-in model; raises ``otherwise`` for a plan of the user's own model."""
+    zoo = _zoo_of(pipe)
+    if zoo is None:
+        raise RuntimeError_(otherwise)
+    return zoo
 
 
 def _resolve_schedule(pipe: Any, schedule: Schedule | str | None, microbatches: int | None) -> Schedule:
