@@ -102,6 +102,9 @@ def compile_cmd(
                                           rich_help_panel="Costs")] = False,
     profile_runs: Annotated[int, typer.Option(min=1, help="Runs per layer with --profile (median).",
                                               rich_help_panel="Costs")] = 5,
+    profile_threads: Annotated[Optional[int], typer.Option(
+        min=1, help="Threads to profile with (default: torch's); fxpipe run's ranks use 1 each.",
+        rich_help_panel="Costs")] = None,
     device_flops: Annotated[float, typer.Option(help="FLOP/s for estimated times.", rich_help_panel="Costs")] = 1e11,
     device_mem_bw: Annotated[str, typer.Option(help="Memory bandwidth per second for estimated times.",
                                                rich_help_panel="Costs")] = "10GB",
@@ -158,15 +161,23 @@ def compile_cmd(
                 verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
             )
             steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)
-            root, history = run_steps(steps, verify_each=options.verify_each, stop_after=options.stop_after,
-                                      print_after=options.print_after,
-                                      on_start=lambda name, i, n: step(f"pass {name}", i, n))
+            threads = torch.get_num_threads()
+            if profile_threads is not None:
+                torch.set_num_threads(profile_threads)
+            try:
+                root, history = run_steps(steps, verify_each=options.verify_each, stop_after=options.stop_after,
+                                          print_after=options.print_after,
+                                          on_start=lambda name, i, n: step(f"pass {name}", i, n))
+            finally:
+                profiled_threads = torch.get_num_threads()
+                torch.set_num_threads(threads)
         reports = [r for rec in history.records for r in rec.reports] + [history.report()]
         finished = len(history.records) == len(steps)
         written = None
         info: dict[str, Any] = {"model": resolved.name, "options": options.to_json(),
                                 # how the example was built: what fxpipe run / PipelineRuntime rebuild
-                                "build": {"dtype": dtype.value, "batch_size": batch_size, "seed": seed}}
+                                "build": {"dtype": dtype.value, "batch_size": batch_size, "seed": seed},
+                                "profile_threads": profiled_threads if profile else None}
         if finished:
             pipe = pipeline_from_root(root, history, info=info)
             if schedule is not None:
@@ -414,7 +425,10 @@ def run_cmd(
                           (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
                            f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
                            + ("" if results[0].get("profiled") else
-                              " from estimated costs (compile with --profile to simulate with measured ones)"),))
+                              " from estimated costs (compile with --profile to simulate with measured ones)")
+                           + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
+                              "compile with --profile-threads 1 to match)"
+                              if (results[0].get("profile_threads") or 1) != 1 else ""),))
         per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
                           tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results))

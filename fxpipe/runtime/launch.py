@@ -127,6 +127,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
         "profiled": bool((pipe.info.get("options") or {}).get("profile")),
+        "profile_threads": pipe.info.get("profile_threads"),
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
     }
 

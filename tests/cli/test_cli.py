@@ -278,6 +278,16 @@ def test_profile_adds_the_profile_layers_pass() -> None:
     assert report(doc, "profile-layers")["rows"]
 
 
+def test_profile_threads_are_used_recorded_and_restored(tmp_path: Path) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    ok(fxpipe_cli("compile", "mlp-tiny", "--profile", "--profile-runs", "1", "--profile-threads", "1",
+                  "--out", tmp_path / "p"))
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["info"]["profile_threads"] == 1
+    assert torch.get_num_threads() == before
+
+
 # -- user model files ----------------------------------------------------------------------------------
 
 
