@@ -46,13 +46,17 @@ class PipelineRuntime:
     optimizer per stage from that stage's parameters (any ``torch.optim`` class or factory;
     default SGD, lr 0.01). ``loss_fn(outputs, target)`` defaults to the built-in model's loss for
     plans of the zoo. Every rank builds the same plan and schedule and runs only its own part.
+    ``prefetch``: None posts all of a step's receives at its start into buffers reused every
+    step (fastest; one buffer per message of the step); K posts each action's receives K
+    actions ahead into new buffers, so receive memory follows the schedule's in-flight count.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
-                 timeout: timedelta | None = None, device: torch.device | str | None = None) -> None:
+                 timeout: timedelta | None = None, device: torch.device | str | None = None,
+                 prefetch: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError_("PipelineRuntime needs torch.distributed initialised (torchrun, or init_process_group)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -123,6 +127,12 @@ class PipelineRuntime:
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.channel = Channel(self.device, timeout)
+        if prefetch is not None and prefetch < 0:
+            raise RuntimeError_(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
+                                "pass 0 or more, or None for all of a step's at its start")
+        # None: every receive posted at the step's start into buffers kept across steps (fastest);
+        # K: receives posted K actions ahead into new buffers (memory bounded by the window).
+        self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
 
     @property
@@ -155,20 +165,36 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], list[Any]] = {}
         handover: dict[tuple[int, int], tuple[Any, ...]] = {}
         out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
-        # Every receive is posted now, into buffers shaped from the graphs; each is waited for
-        # right before the compute that reads it, and each send goes out right after the compute
-        # that makes it.
-        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag, self._buffers.get(msg.tag))
-                   for msg in op.recvs] for op in self.program.ops]
-        self._buffers = {msg.tag: item.buf for op, items in zip(self.program.ops, posted)
-                         for msg, item in zip(op.recvs, items)}
+        # Receives are posted ahead into buffers shaped from the graphs (all at once, into the
+        # previous step's buffers; or, with ``prefetch``, the next ``prefetch`` actions' into new
+        # ones); each is waited for right before the compute that reads it, and each send goes
+        # out right after the compute that makes it.
+        ops = self.program.ops
+        posted: list[list[Any] | None] = [None] * len(ops)
+        ahead = len(ops) if self.prefetch is None else self.prefetch + 1
+
+        def post_until(j: int) -> None:
+            for k in range(j, min(j + ahead, len(ops))):
+                if posted[k] is None:
+                    reuse = self.prefetch is None
+                    items = [self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
+                                               self._buffers.get(msg.tag) if reuse else None)
+                             for msg in ops[k].recvs]
+                    if reuse:
+                        self._buffers.update((msg.tag, item.buf) for msg, item in zip(ops[k].recvs, items))
+                    posted[k] = items
+
         self._written = set()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events = []  # this step's compute actions (start, end), seconds from its start
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
         start = time.perf_counter()
         with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
-            for op, items in zip(self.program.ops, posted):
+            for j, op in enumerate(ops):
+                post_until(j)
+                items = posted[j]
+                assert items is not None
+                posted[j] = []  # let the buffers go with their values
                 waited = time.perf_counter() - start
                 received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
                             for msg, item in zip(op.recvs, items)]

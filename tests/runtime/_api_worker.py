@@ -27,7 +27,8 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
             plan = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
         loss_fn = zoo.loss_fn if cfg.get("device") else None  # a plan directory of the zoo knows its loss
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss_fn=loss_fn,
-                             schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"))
+                             schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"),
+                             prefetch=cfg.get("prefetch"))
         zoo = models.build(cfg["model"], dtype=torch.float64)
         if cfg.get("device"):
             assert rt.device.type == "cuda" and rt.channel.staged and rt.channel.stream is not None

@@ -62,6 +62,8 @@ def _compare(ranks: list[dict], losses: list[float], expected: dict[str, torch.T
     (["--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4"], {}, "interleaved-1f1b", 2),
     # A schedule named at run time.
     (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4}, "zb-h2", 1),
+    # Receives posted just in time (one action ahead), into new buffers.
+    (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1}, "1f1b", 1),
 ])
 def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: list[str], cfg: dict,
                                                   schedule: str, per_rank: int) -> None:
