@@ -17,9 +17,10 @@ microbatch shape, costs, partition, split, backward split), and returns a callab
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,11 +74,14 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
 
     from fxpipe.pipeline import compile as fx_compile
 
-    pipe = fx_compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
-                      verify_each=False)
-    if pipe.stage_graphs is None:
-        raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
-    placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
+    # Our compile is a separate trace of real tensors, not part of the frame Dynamo is compiling:
+    # see _outside_dynamo.
+    with _outside_dynamo():
+        pipe = fx_compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
+                          verify_each=False)
+        if pipe.stage_graphs is None:
+            raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
+        placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
     pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices)]
     _LAST[:] = [pipe]
     if opts.get("verbose"):
@@ -116,6 +120,23 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         return outs
 
     return compiled
+
+
+@contextlib.contextmanager
+def _outside_dynamo() -> Iterator[None]:
+    """Run fxpipe's own compile (torch.export, AOTAutograd) detached from the compile Dynamo is in.
+
+    A backend runs inside Dynamo's ``TracingContext``, and ``torch._guards.detect_fake_mode``
+    prefers that context's fake mode over everything else. AOTAutograd (our split_backward's
+    ``aot_export_joint_with_descriptors``) would then fakify our real microbatch tensors in
+    *Dynamo's* FakeTensorMode, giving them dynamic sizes as symbols of Dynamo's ShapeEnv with no
+    source, and every shape check of our trace (e.g. conv's ``s0 < 16``) would become a guard
+    there. Dynamo then fails building its guards (``produce_guards_verbose``:
+    ``symbol_to_source[symbol][0]``, IndexError) on the first one it cannot fold away. With no
+    tracing context, AOTAutograd builds its own fake mode, as under ``fxpipe compile``.
+    """
+    with torch._guards.tracing(None):
+        yield
 
 
 def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
