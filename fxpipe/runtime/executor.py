@@ -101,7 +101,6 @@ class PipelineRuntime:
             owned.update(id(p) for p in ps)
             if ps:  # a stage with no parameters (an activation alone) has nothing to step
                 self.optimizers[s] = make(ps)
-        self.params = [p for s in self.mine for p in self.stages[s].module.parameters()]
         # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place.
         self.stage_params = {s: [self.stages[s].module.get_parameter(n) for n in graphs[s].param_names]
                              for s in self.mine}
@@ -134,11 +133,6 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer of this rank's only stage (None when it holds several; see ``optimizers``)."""
-        return next(iter(self.optimizers.values())) if len(self.optimizers) == 1 else None
 
     # -- one step -------------------------------------------------------------------------
 
@@ -236,7 +230,8 @@ class PipelineRuntime:
         self._share: dict[str, torch.Tensor] = {}
         if kind is Kind.F:
             for msg, buf in received:
-                env[i][msg.name] = _in_traced_layout(buf, g, st.inputs, msg.name)
+                env[i][msg.name] = buf if msg.stride is None else \
+                    torch.empty_strided(msg.shape, msg.stride, dtype=buf.dtype, device=buf.device).copy_(buf)
             outputs, saved[(s, i)] = g.run_forward([env[i][n] for n in st.inputs])
             env[i].update(zip(st.outputs, outputs))
             if s == self.schedule.num_stages - 1:
@@ -508,26 +503,3 @@ def _await_culprit(store: Any, peers: Sequence[int], rank: int, why: str, timeou
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
-
-
-def _in_traced_layout(buf: torch.Tensor, g: Any, inputs: Sequence[str], name: str) -> torch.Tensor:
-    """A received value (sent contiguous) in the strides stage graph ``g`` was traced with.
-
-    A cut between nodes can give a stage an input whose graph relies on its producer's layout:
-    after attention, ``view(transpose(x))`` is valid only on attention's own output strides, and
-    fails on a contiguous copy. A dense non-contiguous layout is restored with one copy; any
-    other value is returned as it is.
-    """
-    if name not in inputs:
-        return buf
-    pos = list(inputs).index(name)
-    val = [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"][pos]
-    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(buf.shape) or val.is_contiguous():
-        return buf
-    stride, shape = tuple(val.stride()), tuple(val.shape)
-    dense = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
-        if st != dense:
-            return buf  # overlapping or with gaps: no layout to restore
-        dense *= sz
-    return torch.empty_strided(shape, stride, dtype=buf.dtype, device=buf.device).copy_(buf)

@@ -16,6 +16,7 @@ Two rules keep the traffic minimal:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,10 @@ class Message:
     tag: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # A forward value the receiving stage was traced with in a dense non-contiguous layout
+    # (after attention, ``view(transpose(x))`` only works on attention's own strides): the
+    # strides to restore after the (contiguous) receive. None: use the buffer as it is.
+    stride: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         what = self.name if self.direction == FORWARD else f"grad of {self.name}"
@@ -126,7 +131,9 @@ def lower(pipe: Any, schedule: Schedule, rank: int) -> RankProgram:
                 src = producer[name]
                 if src >= 0 and where[src] != rank and (name, i) not in received:
                     received.add((name, i))
-                    op.recvs.append(message(FORWARD, name, src, i, where[src], rank))
+                    msg = message(FORWARD, name, src, i, where[src], rank)
+                    stride = _dense_strides(_input_vals(g)[st.inputs.index(name)], msg.shape)
+                    op.recvs.append(dataclasses.replace(msg, stride=stride) if stride else msg)
             for name in st.outputs:
                 for dst in sorted({where[c] for c in readers[name]} - {rank}):
                     op.sends.append(message(FORWARD, name, s, i, rank, dst))
@@ -163,6 +170,18 @@ def check_programs(programs: list[RankProgram]) -> None:
     for key, msg in got.items():
         if key not in sent:
             raise LoweringError(f"rank {key[0]} waits for {msg} but no rank sends it")
+
+
+def _dense_strides(val: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``val``'s strides when they are a dense non-contiguous layout of ``shape``, else None."""
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != shape or val.is_contiguous():
+        return None
+    stride, dense = tuple(val.stride()), 1
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
+        if st != dense:
+            return None  # overlapping or with gaps: no layout to restore
+        dense *= sz
+    return stride
 
 
 def _input_vals(g: Any) -> list[Any]:

@@ -151,19 +151,16 @@ def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name:
         t, s = heapq.heappop(heap)
         choice: Action | None = None
         wake: list[float] = []
-        if next_b[s] < m:
-            b = Action(s, Kind.B, next_b[s])
-            at = arrival(b)
+        # B first, then F (within the in-flight limit): the first whose input has arrived runs.
+        candidates = [Action(s, Kind.B, next_b[s])] if next_b[s] < m else []
+        if next_f[s] < m and in_flight[s] < limits[s]:
+            candidates.append(Action(s, Kind.F, next_f[s]))
+        for a in candidates:
+            at = arrival(a)
             if at is not None and at <= t:
-                choice = b
-            elif at is not None:
-                wake.append(at)
-        if choice is None and next_f[s] < m and in_flight[s] < limits[s]:
-            f = Action(s, Kind.F, next_f[s])
-            at = arrival(f)
-            if at is not None and at <= t:
-                choice = f
-            elif at is not None:
+                choice = a
+                break
+            if at is not None:
                 wake.append(at)
         if choice is None and pending_w[s]:
             choice = Action(s, Kind.W, pending_w[s].pop(0))
