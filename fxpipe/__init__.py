@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fxpipe.pipeline import Pipeline, Stage, compile
-    from fxpipe.plan import load
+    from fxpipe.plan_dir import load
 
-_LAZY = {"compile": "fxpipe.pipeline", "Pipeline": "fxpipe.pipeline", "Stage": "fxpipe.pipeline", "load": "fxpipe.plan",
+_LAZY = {"compile": "fxpipe.pipeline", "Pipeline": "fxpipe.pipeline", "Stage": "fxpipe.pipeline", "load": "fxpipe.plan_dir",
          "last_report": "fxpipe.backend"}
 
 

@@ -161,7 +161,7 @@ class Pipeline(torch.nn.Module):
 
     def save(self, path: str | Path) -> Path:
         """Write the plan directory: plan.json plus a .py and a .pt file per stage."""
-        from fxpipe.plan import save_pipeline
+        from fxpipe.plan_dir import save_pipeline
 
         return save_pipeline(self, Path(path))
 

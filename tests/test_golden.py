@@ -6,7 +6,7 @@ from typing import Any
 
 import fxpipe
 from fxpipe import models
-from fxpipe.plan import stage_source
+from fxpipe.plan_dir import stage_source
 from fxpipe.render import render_text
 
 

@@ -145,7 +145,7 @@ def compile_cmd(
             from fxpipe.targets import resolve
 
             if out_dir is not None:
-                from fxpipe.plan import check_out_dir
+                from fxpipe.plan_dir import check_out_dir
 
                 check_out_dir(out_dir)  # before the compile, not after it
             step(f"building {target}", 0, 0)
@@ -289,7 +289,7 @@ def _floats(text: str, option: str, count: int) -> tuple[float, ...]:
 def _plan_stages(target: str) -> int | None:
     path = Path(target)
     if (path / "plan.json").is_file():
-        from fxpipe.plan import read_plan_json
+        from fxpipe.plan_dir import read_plan_json
 
         return int(read_plan_json(path)["num_stages"])
     return None
@@ -299,7 +299,7 @@ def _plan_info(target: str, stages: int | None) -> dict[str, Any]:
     """Per-stage costs from a plan directory, or from compiling a model target."""
     path = Path(target)
     if path.is_dir():
-        from fxpipe.plan import read_plan_json
+        from fxpipe.plan_dir import read_plan_json
 
         return dict(read_plan_json(path).get("info", {}))
     import torch  # noqa: F401  (the compile below needs it; imported here to keep --help fast)
@@ -341,7 +341,7 @@ def run_cmd(
         import sys
         import tempfile
 
-        from fxpipe.plan import read_plan_json
+        from fxpipe.plan_dir import read_plan_json
         from fxpipe.report import Report
 
         plan_doc = read_plan_json(plan_dir)
@@ -505,7 +505,7 @@ def inspect_cmd(
 ) -> None:
     """Print a plan directory's tables again, without recompiling."""
     with _errors():
-        from fxpipe.plan import read_plan_json
+        from fxpipe.plan_dir import read_plan_json
         from fxpipe.report import Report
 
         doc = read_plan_json(plan_dir)

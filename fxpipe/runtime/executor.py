@@ -421,7 +421,7 @@ def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Any:
     from fxpipe.pipeline import Pipeline
 
     if isinstance(plan, (str, os.PathLike)):
-        from fxpipe.plan import load
+        from fxpipe.plan_dir import load
 
         plan = load(os.fspath(plan))
     if not isinstance(plan, Pipeline):

@@ -691,7 +691,7 @@ def test_import_fxpipe_loads_no_cli_dependencies() -> None:
         import fxpipe
         bare = sorted(m for m in ("typer", "rich", "tabulate", "click", "torch") if m in sys.modules)
         fxpipe.compile, fxpipe.load, fxpipe.Pipeline
-        import fxpipe.passes, fxpipe.plan, fxpipe.models, fxpipe.targets
+        import fxpipe.passes, fxpipe.plan_dir, fxpipe.models, fxpipe.targets
         core = sorted(m for m in ("typer", "rich", "tabulate", "click") if m in sys.modules)
         print(bare, core)
     """))
