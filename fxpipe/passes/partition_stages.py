@@ -7,13 +7,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from fxpipe.errors import PlanError
+from fxpipe.errors import OptionError, PlanError
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, value_bytes
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
-from fxpipe.passes.stage_dp import StagePlan, plan_stages
+from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
+from fxpipe.planning.stage_dp import StagePlan, plan_stages
 from fxpipe.report import Report
+from fxpipe.schedules.auto import FIXED
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
 TRAINING_BYTES_PER_PARAM_BYTE = 4
@@ -40,6 +42,7 @@ def partition_stages(
     latency: float = DEFAULT_LATENCY,
     memory_per_stage: float | None = None,
     microbatches: int | None = None,
+    schedule: str = "1f1b",
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -48,10 +51,15 @@ def partition_stages(
     A stage's time is its layers' F+B+W time plus sending every value that crosses its cuts
     (activations over its right cut, their gradients over its left cut; skip connections
     included) at ``latency + bytes / bandwidth``. ``memory_per_stage`` caps parameters,
-    gradients and optimizer state (4 bytes per parameter byte) plus the activations 1F1B keeps
-    in flight (``min(stages - stage_idx, microbatches)`` microbatches).
+    gradients and optimizer state (4 bytes per parameter byte) plus the activations ``schedule``
+    keeps in flight at its peak on that stage (``fxpipe.planning.cost.in_flight``: for 1F1B
+    ``min(stages - stage_idx, microbatches)`` microbatches; a microbatch between B and W, which
+    the split schedules keep, counts its F->B bytes again, as the plan's costs assume until
+    split-backward measures them). ``auto`` plans for the most any of its candidates holds, so
+    whichever it picks fits. ``microbatches`` None: the stage count (for ``auto``, every count
+    it searches).
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
-    smallest cap that works).
+    smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
         layers [emb, b0, b1, b2, b3, head], 2 stages  ──▶  stage 0: emb..b1 | stage 1: b2..head
     """
@@ -60,11 +68,10 @@ def partition_stages(
     num_layers = len(stats)
     if num_stages < 1:
         raise PlanError(f"--stages must be at least 1 (stages: {num_stages})")
-    m = microbatches if microbatches is not None else num_stages
-    if m < 1:
-        raise PlanError(f"--microbatches must be at least 1 (microbatches: {m})")
+    if microbatches is not None and microbatches < 1:
+        raise PlanError(f"--microbatches must be at least 1 (microbatches: {microbatches})")
+    flights, why = _in_flight(schedule, num_stages, microbatches)
     cut_bytes = _cut_bytes(out, num_layers)
-    in_flight = [min(num_stages - k, m) for k in range(max(num_stages, 0))]
     static = [_static_bytes(out, s) for s in stats]
     plan = plan_stages(
         [s.time for s in stats],
@@ -74,7 +81,7 @@ def partition_stages(
         latency=latency,
         static_bytes=static,
         activation_bytes=[float(s.saved_bytes) for s in stats],
-        in_flight=in_flight,
+        in_flight=flights,
         memory_cap=memory_per_stage,
     )
     stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
@@ -94,7 +101,38 @@ def partition_stages(
         for k in range(num_stages)
     ]
     out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
-    return PassResult(out, True, (_report(out, plan, stats, cuts, in_flight, bandwidth, latency),))
+    return PassResult(out, True, (_report(out, plan, stats, cuts, flights, why, bandwidth, latency),))
+
+
+# How the report names a schedule; the rest go by their CLI names.
+_TITLES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "layerpipe": "LayerPipe"}
+
+
+def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tuple[list[int], str]:
+    """Per stage, the microbatches of activations to plan memory for, and how the report says why.
+
+    A microbatch between B and W counts as one between F and B: per layer only the F->B bytes
+    are known here, and the plan's costs use them for both until split-backward measures them.
+    """
+    if schedule == "auto":
+        # What schedules.auto.choose searches: the given count, else p, 2p and 4p microbatches;
+        # the fixed schedules, and the greedy zero-bubble scheduler at every limit from p to 2p.
+        counts = [microbatches] if microbatches is not None else [num_stages, 2 * num_stages, 4 * num_stages]
+        candidates = [in_flight(name, num_stages, m) for m in counts for name in FIXED]
+        candidates += [limited_in_flight(num_stages, m, limit) for m in counts
+                       for limit in range(num_stages, 2 * num_stages + 1)]
+        most = [max(c[k].total for c in candidates) for k in range(num_stages)]
+        return most, (f"auto: the most any of its candidates ({', '.join(FIXED)}, zb-greedy) holds "
+                      f"at {', '.join(map(str, counts))} microbatches")
+    if schedule not in SCHEDULES:
+        raise OptionError(f"unknown schedule {schedule!r} (known: {', '.join([*SCHEDULES, 'auto'])}); "
+                          "pick one of those")
+    m = microbatches if microbatches is not None else num_stages
+    flights = in_flight(schedule, num_stages, m)
+    why = _TITLES.get(schedule, schedule)
+    if any(f.bw for f in flights):
+        why += ": F->B and B->W together"
+    return [f.total for f in flights], why
 
 
 def verify_stages(gm: torch.fx.GraphModule) -> list[str]:
@@ -175,7 +213,7 @@ def _param_state_bytes(val: object) -> int:
 
 
 def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], cuts: list[Cut],
-            in_flight: list[int], bandwidth: float, latency: float) -> Report:
+            flights: list[int], why: str, bandwidth: float, latency: float) -> Report:
     rows = []
     num_stages = len(plan.bounds) - 1
     for k in range(num_stages):
@@ -183,7 +221,7 @@ def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], 
         members = stats[lo:hi]
         params = sorted({p for s in members for p in s.params})
         numel = sum(get_path(gm, p).numel() for p in params if isinstance(get_path(gm, p), torch.nn.Parameter))
-        memory = sum(_param_state_bytes(get_path(gm, p)) for p in params) + in_flight[k] * sum(s.saved_bytes for s in members)
+        memory = sum(_param_state_bytes(get_path(gm, p)) for p in params) + flights[k] * sum(s.saved_bytes for s in members)
         names = members[0].name if hi - lo == 1 else f"{members[0].name} .. {members[-1].name}"
         rows.append((
             k,
@@ -203,7 +241,7 @@ def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], 
         f"bottleneck {plan.bottleneck * 1e3:.3f} ms / lower bound max(sum/p, max layer) "
         f"{plan.lower_bound * 1e3:.3f} ms = {plan.ratio:.3f} (compute alone: {balance:.3f})",
         f"transfers at {bandwidth:.3g} B/s + {latency * 1e3:.3g} ms latency; memory = 4 x parameter bytes "
-        f"+ activations of {in_flight} microbatches in flight (1F1B)",
+        f"+ activations of {flights} microbatches in flight ({why})",
     )
     return Report(
         title="partition-stages: chosen partition",

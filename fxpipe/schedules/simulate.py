@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fxpipe.planning.cost import transfer_time
 from fxpipe.report import Report
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, ScheduleValidationError, with_communication
 
@@ -47,8 +48,9 @@ class Costs:
         return {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind, 0.0)
 
     def transfer(self, stage: int) -> float:
+        """Seconds to send stage ``stage``'s output (or the gradient for it) over one link."""
         nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
-        return 0.0 if nbytes == 0 else self.latency + nbytes / self.bandwidth
+        return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
 
 
 def costs_from_info(info: dict[str, object]) -> Costs:

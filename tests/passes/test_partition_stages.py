@@ -10,13 +10,13 @@ import torch
 import torch.nn as nn
 
 from fxpipe import models
-from fxpipe.errors import PlanError
+from fxpipe.errors import OptionError, PlanError
 from fxpipe.meta import get_meta
-from fxpipe.passes import CompileOptions, build_steps, run_steps
+from fxpipe.passes import CompileOptions, PassResult, build_steps, run_steps
 from fxpipe.passes._graph import compute_nodes
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import _cut_bytes, partition_stages, stage_cuts, verify_stages
-from fxpipe.passes.stage_dp import stage_time
+from fxpipe.planning.stage_dp import stage_time
 
 
 def _grouped(model: nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str = "auto") -> torch.fx.GraphModule:
@@ -92,3 +92,63 @@ def test_memory_cap_no_plan_meets_names_the_smallest_that_works() -> None:
     smallest = float(str(info.value).split("(")[-1].split(" bytes")[0])
     plan = partition_stages(gm, num_stages=2, memory_per_stage=smallest).gm.meta["fxpipe_stage_plan"]
     assert max(plan.stage_memory) <= smallest
+
+
+# --- memory in flight per schedule (fxpipe.planning.cost) ----------------------------------------
+
+
+def _memory_note(out: PassResult) -> str:
+    return out.reports[0].notes[1]
+
+
+def test_the_schedule_sets_the_activations_each_stage_plans_for() -> None:
+    zoo = models.build("gpt-tiny")
+    gm = _grouped(zoo.model, zoo.example_inputs)
+    default = partition_stages(gm, num_stages=2, microbatches=4)
+    assert _memory_note(default).endswith("activations of [2, 1] microbatches in flight (1F1B)")
+    act = [c["saved_bytes"] for c in default.gm.meta["fxpipe_stage_costs"]]
+    base = default.gm.meta["fxpipe_stage_plan"]
+    for schedule, flights in [("1f1b", [2, 1]), ("gpipe", [4, 4]), ("zb-h1", [2, 2]), ("zb-h2", [3, 3]),
+                              ("layerpipe", [2, 1]), ("async-1f1b", [2, 1])]:
+        out = partition_stages(gm, num_stages=2, microbatches=4, schedule=schedule)
+        plan = out.gm.meta["fxpipe_stage_plan"]
+        assert plan.bounds == base.bounds  # no cap: memory does not move the cuts
+        assert f"activations of {flights} microbatches in flight" in _memory_note(out), schedule
+        for k in range(2):
+            extra = plan.stage_memory[k] - base.stage_memory[k]
+            assert extra == pytest.approx((flights[k] - [2, 1][k]) * act[k]), schedule
+    assert "(ZB-H1: F->B and B->W together)" in _memory_note(
+        partition_stages(gm, num_stages=2, microbatches=4, schedule="zb-h1"))
+
+
+def test_a_cap_one_f_one_b_meets_can_be_too_small_for_gpipe() -> None:
+    zoo = models.build("gpt-tiny")
+    gm = _grouped(zoo.model, zoo.example_inputs)
+    with pytest.raises(PlanError, match=r"the smallest cap that works is .* \((\d+) bytes\)") as info:
+        partition_stages(gm, num_stages=2, microbatches=8, memory_per_stage=1024)
+    cap = float(str(info.value).split("(")[-1].split(" bytes")[0])
+    partition_stages(gm, num_stages=2, microbatches=8, memory_per_stage=cap)
+    with pytest.raises(PlanError, match="no 2-stage plan fits"):
+        partition_stages(gm, num_stages=2, microbatches=8, memory_per_stage=cap, schedule="gpipe")
+
+
+def test_auto_plans_for_the_most_any_candidate_holds() -> None:
+    zoo = models.build("gpt-tiny")
+    gm = _grouped(zoo.model, zoo.example_inputs)
+    # auto searches 2, 4 and 8 microbatches; GPipe at 8 holds all 8 on every stage.
+    note = _memory_note(partition_stages(gm, num_stages=2, schedule="auto"))
+    assert "activations of [8, 8] microbatches in flight (auto: the most any of its candidates" in note
+    assert "at 2, 4, 8 microbatches" in note
+    given = _memory_note(partition_stages(gm, num_stages=2, microbatches=3, schedule="auto"))
+    assert "[3, 3] microbatches in flight" in given and "at 3 microbatches" in given
+
+
+def test_unknown_schedule_and_counts_the_schedule_cannot_take() -> None:
+    zoo = models.build("gpt-tiny")
+    gm = _grouped(zoo.model, zoo.example_inputs)
+    with pytest.raises(OptionError, match=r"unknown schedule 'zb-h3' \(known: gpipe, .*, auto\); pick one"):
+        partition_stages(gm, num_stages=2, schedule="zb-h3")
+    with pytest.raises(OptionError, match=r"multiple of 2 \(stages: 3\)"):
+        partition_stages(gm, num_stages=3, schedule="interleaved-1f1b")
+    out = partition_stages(gm, num_stages=4, schedule="interleaved-1f1b")  # 2 ranks, 4 microbatches
+    assert "activations of [4, 3, 2, 1] microbatches in flight (interleaved-1f1b)" in _memory_note(out)

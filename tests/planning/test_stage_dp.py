@@ -14,15 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import PlanError
-from fxpipe.passes import stage_dp
-from fxpipe.passes.stage_dp import (
+from fxpipe.planning import stage_dp
+from fxpipe.planning.stage_dp import (
     StagePlan,
     format_bytes,
     min_memory_cap,
     plan_stages,
     stage_memory,
     stage_time,
-    transfer_time,
 )
 
 # --- an independent model of the cost, written without the module's helpers -------------------
@@ -355,13 +354,7 @@ def test_ratio_counts_communication() -> None:
     assert plan.ratio == 1.5
 
 
-# --- transfer_time and format_bytes -------------------------------------------------------------
-
-
-def test_transfer_time() -> None:
-    assert transfer_time(0, bandwidth=1.0, latency=3.0) == 0.0
-    assert transfer_time(100, bandwidth=50.0, latency=0.5) == 2.5
-    assert transfer_time(100, bandwidth=math.inf, latency=0.5) == 0.5
+# --- format_bytes (transfer_time is tested with the cost model, tests/planning/test_cost.py) ------
 
 
 @pytest.mark.parametrize(

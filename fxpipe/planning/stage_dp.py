@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
+from fxpipe.planning.cost import transfer_time
 
 __all__ = [
     "StagePlan",
@@ -15,7 +16,6 @@ __all__ = [
     "plan_stages",
     "stage_memory",
     "stage_time",
-    "transfer_time",
 ]
 
 # The second DP accepts stage times up to the optimum plus this relative slack, so float
@@ -69,13 +69,6 @@ def _exact_bytes(n: float) -> str:
     if math.isfinite(n) and float(n).is_integer():
         return str(int(n))
     return repr(float(n))
-
-
-def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
-    """Seconds to send ``nbytes`` over one link; nothing sent costs nothing, not even latency."""
-    if nbytes == 0:
-        return 0.0
-    return latency + nbytes / bandwidth
 
 
 def _span_sum(values: Sequence[float], i: int, j: int) -> float:

@@ -1,0 +1,212 @@
+"""The cost model the partitioner and the simulator share: link time, and memory in flight per schedule.
+
+Memory in flight counts, per stage, the microbatches whose activations a schedule keeps alive:
+between F and B (the F->B activations B reads) and between B and W (the B->W handover, plus the
+saved values W reads, that a deferred W keeps). A fused BW frees both at once. Under 1F1B with
+4 stages, stage 0 runs ``F0 F1 F2 F3 BW0 F4 BW1 ...`` and so holds 4 microbatches at its peak;
+ZB-H1 keeps 1F1B's F/B order but runs stage s's W s backward slots late:
+
+    stage 1 of 4 under zb-h1, m = 8 (fb, bw = microbatches held after each action)
+        F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 ...
+    fb   1  2  3  2  3  2  2  3  2  2
+    bw   0  0  0  1  1  2  1  1  2  1           peak: fb 3, bw 2, fb + bw 4 = p
+
+Every closed form here is exact against ``fxpipe.schedules.simulate`` (tests/planning/test_cost.py
+simulates every schedule over a grid of stage and microbatch counts). Pure functions on plain
+values; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fxpipe.errors import OptionError
+
+__all__ = [
+    "SCHEDULES",
+    "InFlight",
+    "activation_memory",
+    "in_flight",
+    "limited_in_flight",
+    "transfer_time",
+]
+
+
+def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
+    """Seconds to send ``nbytes`` over one link: ``latency + nbytes / bandwidth``; nothing sent
+    costs nothing, not even latency.
+
+    >>> transfer_time(100, bandwidth=50.0, latency=0.5), transfer_time(0, bandwidth=1.0, latency=3.0)
+    (2.5, 0.0)
+    """
+    if nbytes == 0:
+        return 0.0
+    return latency + nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Microbatches one stage holds at once, at its peak, under one schedule.
+
+    ``fb``: the most whose F->B activations it holds (F done, B or BW not yet).
+    ``bw``: the most whose B->W bytes it holds (B done, W not yet): what deferred W keeps.
+    ``total``: the most between F and the end of their backward, both kinds together.
+
+    ``fb + bw`` can exceed ``total``: the two peaks need not coincide. Every schedule here peaks
+    on the line ``fb' + bw' == total``, from ``(fb, total - fb)`` to ``(total - bw, bw)``, so
+    ``memory`` (the larger end) is the stage's exact peak for any bytes per microbatch.
+    """
+
+    fb: int
+    bw: int
+    total: int
+
+    def memory(self, held_fb: float, held_bw: float) -> float:
+        """Peak bytes of a stage keeping ``held_fb`` bytes per microbatch from F to B and
+        ``held_bw`` from B to W.
+
+        >>> InFlight(fb=3, bw=2, total=4).memory(10.0, 1.0)   # 3 x 10 + 1 x 1
+        31.0
+        """
+        return max(self.fb * held_fb + (self.total - self.fb) * held_bw,
+                   (self.total - self.bw) * held_fb + self.bw * held_bw)
+
+
+def _gpipe(p: int, m: int) -> list[InFlight]:
+    # Every F before any BW: each stage holds all m microbatches.
+    return [InFlight(m, 0, m) for _ in range(p)]
+
+
+def _one_f_one_b(p: int, m: int) -> list[InFlight]:
+    # p - s - 1 warm-up Fs, then one F before each BW: p - s at once (fewer if m is smaller).
+    return [InFlight(min(p - s, m), 0, min(p - s, m)) for s in range(p)]
+
+
+def _layerpipe(p: int, m: int) -> list[InFlight]:
+    # 1F1B with each W right after its B: that one microbatch moves from F->B to B->W.
+    return [InFlight(min(p - s, m), 1, min(p - s, m)) for s in range(p)]
+
+
+def _zb_h1(p: int, m: int) -> list[InFlight]:
+    # 1F1B's F/B order; stage s keeps s Ws pending, s + 1 right after a B. Whatever the stage,
+    # F->B and B->W together reach p: 1F1B's stage-0 peak on every stage.
+    return [InFlight(min(p - s, m), min(s + 1, m), min(p, m)) for s in range(p)]
+
+
+def _zb_h2(p: int, m: int) -> list[InFlight]:
+    # The greedy with a limit of 2p - 1 microbatches between F and W, for equal F, B and W
+    # times: stage s runs 2(p - s) - 1 Fs before its first B arrives; each later stage turns two
+    # more of its 2p - 1 into pending Ws (at most p + s of them). The last line: when m is
+    # short of the limit, every stage still holds one W after a B.
+    return [InFlight(min(m, 2 * (p - s) - 1), max(1, min(m - 2 * (p - s) + 2, p + s)), min(m, 2 * p - 1))
+            for s in range(p)]
+
+
+def _interleaved_1f1b(num_stages: int, m: int) -> list[InFlight]:
+    # Two stages per rank: stage s = chunk * p + r on rank r. Rank r runs 2(p - r - 1) + p
+    # warm-up Fs; its second chunk's stage holds up to p of them (less near the last rank), its
+    # first chunk's up to p more.
+    if num_stages % 2:
+        raise OptionError(f"interleaved-1f1b puts 2 stages on each rank, so the stage count must be a multiple "
+                          f"of 2 (stages: {num_stages}); use {num_stages + 1} stages")
+    p = num_stages // 2
+    if m % p:
+        raise OptionError(f"interleaved-1f1b needs the microbatches to be a multiple of the ranks "
+                          f"(microbatches: {m}, ranks: {p}); use {m + p - m % p} microbatches")
+    last = [min(m, p, 2 * (p - r) - 1) for r in range(p)]
+    first = [min(m, p + min(p, 2 * (p - r) - 1)) for r in range(p)]
+    return [InFlight(n, 0, n) for n in first + last]
+
+
+_FORMS: dict[str, Callable[[int, int], list[InFlight]]] = {
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved-1f1b": _interleaved_1f1b,
+    "zb-h1": _zb_h1,
+    "zb-h2": _zb_h2,
+    "layerpipe": _layerpipe,
+    "async-1f1b": _one_f_one_b,  # 1F1B's order; only when weights update differs
+}
+
+SCHEDULES: tuple[str, ...] = tuple(_FORMS)
+"""Every schedule name with a closed form: the generators of ``fxpipe.schedules.generators``."""
+
+
+def in_flight(schedule: str, num_stages: int, microbatches: int) -> tuple[InFlight, ...]:
+    """Per stage, the microbatches ``schedule`` keeps in flight at its peak (k = min(p - s, m)):
+
+        schedule          fb                  bw                              total
+        gpipe             m                   0                               m
+        1f1b, async-1f1b  k                   0                               k
+        layerpipe         k                   1                               k
+        zb-h1             k                   min(s + 1, m)                   min(p, m)
+        zb-h2             min(m, 2(p-s)-1)    max(1, min(m-2(p-s)+2, p+s))    min(m, 2p - 1)
+        interleaved-1f1b  stage s = c * (p/2) + r on rank r, with q = p/2 ranks:
+                          c = 1: min(m, q, 2(q-r)-1); c = 0: min(m, q + min(q, 2(q-r)-1)); bw 0
+
+    Exact against the simulator for every schedule's generated order. Two caveats:
+
+    - zb-h2's order depends on the F/B/W times; these are for equal times (its generator's
+      default). With other times only ``total <= min(m, 2p - 1)`` holds (its memory limit), and
+      ``limited_in_flight(p, m, 2 * p - 1)`` is the bound for any times.
+    - interleaved-1f1b's two stages on a rank need not peak together: the rank's peak is at
+      most the sum of its stages' (equal when m = p; with m >= 2p the rank peaks at
+      3q - 2r - 1 microbatches, one or more below the sum).
+
+    >>> [(f.fb, f.bw, f.total) for f in in_flight("zb-h1", 3, 8)]
+    [(3, 1, 3), (2, 2, 3), (1, 3, 3)]
+
+    Raises: OptionError for an unknown schedule, fewer than 1 stage or microbatch, or counts
+    interleaved-1f1b cannot take.
+    """
+    form = _FORMS.get(schedule)
+    if form is None:
+        raise OptionError(f"no memory model for schedule {schedule!r} (known: {', '.join(SCHEDULES)}); "
+                          "pick one of those")
+    _check_counts(num_stages, microbatches)
+    return tuple(form(num_stages, microbatches))
+
+
+def limited_in_flight(num_stages: int, microbatches: int, limit: int) -> tuple[InFlight, ...]:
+    """Per stage, a bound for the zero-bubble list scheduler run with ``limit`` microbatches
+    between F and W (``fxpipe.schedules.generators.zero_bubble``), whatever the F/B/W times:
+    at most ``min(m, limit)`` in flight, all of them of either kind.
+
+    >>> limited_in_flight(2, 3, 4)
+    (InFlight(fb=3, bw=3, total=3), InFlight(fb=3, bw=3, total=3))
+    """
+    _check_counts(num_stages, microbatches)
+    if limit < 1:
+        raise OptionError(f"the in-flight limit must be at least 1 microbatch (limit: {limit})")
+    n = min(microbatches, limit)
+    return tuple(InFlight(n, n, n) for _ in range(num_stages))
+
+
+def activation_memory(schedule: str, microbatches: int, held_fb: Sequence[float],
+                      held_bw: Sequence[float]) -> tuple[float, ...]:
+    """Per stage, the peak bytes of activations ``schedule`` keeps alive: stage s holds
+    ``held_fb[s]`` bytes per microbatch from F to B and ``held_bw[s]`` from B to W.
+
+    Exact for each stage (see ``in_flight`` for zb-h2 under unequal times, and for
+    interleaved-1f1b's ranks, whose peak is at most the sum of their two stages').
+
+    >>> activation_memory("1f1b", 8, [10.0, 10.0], [4.0, 4.0])
+    (20.0, 10.0)
+    >>> activation_memory("zb-h1", 8, [10.0, 10.0], [4.0, 4.0])
+    (20.0, 14.0)
+
+    Raises: OptionError as ``in_flight`` does, or when the two byte lists differ in length.
+    """
+    if len(held_fb) != len(held_bw):
+        raise OptionError(f"held_fb and held_bw need one value per stage each "
+                          f"(held_fb: {len(held_fb)} values, held_bw: {len(held_bw)}); pass as many of each")
+    flights = in_flight(schedule, len(held_fb), microbatches)
+    return tuple(f.memory(a, b) for f, a, b in zip(flights, held_fb, held_bw))
+
+
+def _check_counts(num_stages: int, microbatches: int) -> None:
+    if num_stages < 1:
+        raise OptionError(f"a schedule needs at least 1 stage (stages: {num_stages})")
+    if microbatches < 1:
+        raise OptionError(f"a schedule needs at least 1 microbatch (microbatches: {microbatches})")
