@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree  # no public pytree module in torch 2.13; every fxpipe module uses this one
 from torch.utils import flop_counter
 
 
@@ -65,3 +66,10 @@ def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[
 def descriptor_kind(desc: Any) -> str:
     """The class name of an AOTAutograd descriptor ("ParamAOTInput", "GradAOTOutput", ...)."""
     return type(desc).__name__
+
+
+def fake_tensor_mode(**kwargs: Any) -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)

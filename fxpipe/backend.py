@@ -216,9 +216,9 @@ def _place(pipe: Any, devices: Sequence[Any] | None, example: tuple[tuple[Any, .
     AOTAutograd picks device-specific kernels (CUDA attention has no CPU kernel). Gradients
     travel back to the parameters' device.
     """
-    from fxpipe.passes._graph import preserved_buffers
-    from fxpipe.passes.split_backward import split_stage
-    from fxpipe.pipeline import flatten_inputs
+    from fxpipe.graphs.convention import flatten_inputs
+    from fxpipe.graphs.fx import preserved_buffers
+    from fxpipe.graphs.split import split_stage
 
     stages = pipe.stage_list()
     own = [next((t.device for t in [*s.module.parameters(), *s.module.buffers()]), None) for s in stages]
@@ -265,7 +265,7 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
     """``module`` with its parameters, buffers and constants copied to ``device`` and ``home`` renamed ``device``."""
     import copy
 
-    from fxpipe.passes._graph import copy_graph, get_path
+    from fxpipe.graphs.fx import copy_graph, get_path
 
     buffers = {id(b) for b in module.buffers()}
     made: dict[int, Any] = {}
@@ -293,7 +293,7 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
 
 def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
     """The flat call arguments of each of the m microbatches."""
-    from fxpipe.pipeline import split_batch
+    from fxpipe.graphs.convention import split_batch
 
     parts = [split_batch(a, m, fix="set options={'microbatches': k} with k dividing the batch") for a in flat]
     return [[p[i] for p in parts] for i in range(m)]
@@ -339,7 +339,7 @@ class _Runner:
         self.transfers = Transfers(self.devices)
 
     def forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
-        from fxpipe.pipeline import flatten_inputs
+        from fxpipe.graphs.convention import flatten_inputs
 
         self.placement.refresh()
         state: dict[str, Any] = {"values": [], "saved": {},

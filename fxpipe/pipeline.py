@@ -11,8 +11,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import OptionError
+from fxpipe.graphs.convention import StageGraphs, flatten_inputs
+from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.passes import CompileOptions, History, build_steps, run_steps
-from fxpipe.passes.split_backward import StageGraphs
 from fxpipe.report import Report
 
 
@@ -125,19 +126,11 @@ class Pipeline(torch.nn.Module):
 
     def build_backward(self, example_inputs: Sequence[Any]) -> None:
         """Build each stage's F, B and W graphs (split_backward) on a pipeline that has none, e.g. one loaded from disk."""
-        from fxpipe.passes.split_backward import split_backward
-
-        graph = torch.fx.Graph()
-        graph.output(None)
-        root = torch.fx.GraphModule(torch.nn.Module(), graph)
-        for s in self.stage_list():
-            root.add_module(f"stage_{s.index}", s.module)
-        root.meta["fxpipe_wiring"] = {"inputs": list(self.input_names),
-                                      "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)}
-                                                 for s in self.stage_list()]}
+        stages = self.stage_list()
+        wiring = {"inputs": list(self.input_names),
+                  "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
         flat = flatten_inputs(self.in_spec, tuple(example_inputs), {})
-        graphs = split_backward(root, flat).gm.meta["fxpipe_stage_graphs"]
-        for stage, g in zip(self.stage_list(), graphs):
+        for stage, g in zip(stages, build_stage_graphs([s.module for s in stages], wiring, flat)):
             stage.graphs = g
             if g.forward is not None:
                 object.__setattr__(stage, "forward", g.forward)
@@ -164,38 +157,6 @@ class Pipeline(torch.nn.Module):
         from fxpipe.plan_dir import save_pipeline
 
         return save_pipeline(self, Path(path))
-
-
-def flatten_inputs(in_spec: pytree.TreeSpec | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The call's inputs in the order of the graph's placeholders."""
-    if in_spec is None:
-        if kwargs:
-            raise OptionError(f"this pipeline takes positional inputs only (got keywords: {', '.join(kwargs)})")
-        return list(args)
-    if in_spec.num_children == 2 and in_spec.child(1).type is dict:
-        keys = list(in_spec.child(1).context)
-        missing = [k for k in keys if k not in kwargs]
-        extra = [k for k in kwargs if k not in keys]
-        if missing or extra:
-            raise OptionError(
-                f"keyword inputs differ from compile time (missing: {missing}, unexpected: {extra}); "
-                "pass the same keywords you compiled with"
-            )
-        kwargs = {k: kwargs[k] for k in keys}
-    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
-    if spec != in_spec:
-        raise OptionError(f"inputs are structured differently from compile time (expected {in_spec}, got {spec}); "
-                          "pass the same structure you compiled with")
-    return flat
-
-
-def split_batch(x: Any, m: int, *, fix: str) -> list[Any]:
-    """``x`` cut into m microbatches along dim 0 (views); anything without a batch dim is repeated."""
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        if x.shape[0] % m:
-            raise OptionError(f"the batch of {x.shape[0]} does not split into {m} microbatches; {fix}")
-        return list(x.tensor_split(m))
-    return [x] * m
 
 
 def compile(

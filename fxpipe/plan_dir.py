@@ -17,7 +17,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import PlanFileError
-from fxpipe.passes._graph import set_path
+from fxpipe.graphs.fx import set_path
 from fxpipe.report import Report
 
 SCHEMA = "fxpipe.plan/v1"

@@ -97,7 +97,7 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
 
 
 def _flat_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any] | None) -> list[Any]:
-    from fxpipe.pipeline import flatten_inputs
+    from fxpipe.graphs.convention import flatten_inputs
 
     return flatten_inputs(gm.meta.get("fxpipe_in_spec"), tuple(args), dict(kwargs or {}))
 

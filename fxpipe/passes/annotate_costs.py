@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe._compat import flop_counter_mode
+from fxpipe.graphs.fx import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.passes._graph import clone, copy_graph, value_bytes
+from fxpipe.graphs.convention import StageGraphs
+from fxpipe.graphs.fx import clone, copy_graph, value_bytes
 from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_MEM_BW
 from fxpipe.passes.driver import PassResult
-from fxpipe.passes.split_backward import StageGraphs
 from fxpipe.report import Report
 
 # Derivatives of element-wise activations that read the activation's *output* (which the next

@@ -9,11 +9,14 @@ from typing import Any
 import torch
 import torch.fx
 
+from fxpipe.graphs.convention import StageGraphs
+from fxpipe.graphs.fx import clone, compute_nodes
+from fxpipe.graphs.split import example_input, split_stage
+from fxpipe.graphs.stages import graph_signature
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import clone, compute_nodes
 from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_FLOPS
 from fxpipe.passes.driver import PassResult
-from fxpipe.passes.split_backward import StageGraphs, _example, graph_signature, split_stage
+from fxpipe.passes.split_backward import count_flops
 from fxpipe.passes.split_stages import run_stages, split_by_layer
 from fxpipe.report import Report
 
@@ -41,11 +44,11 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     rows = []
     notes = []
     for k, layer, w, args, outs in run_stages(split_by_layer(gm), example_inputs):
-        example = [_example(a, n in needs_grad) for a, n in zip(args, w["inputs"])]
+        example = [example_input(a, n in needs_grad) for a, n in zip(args, w["inputs"])]
         key = graph_signature(layer, example)
         graphs = cache.get(key)
         if graphs is None:
-            graphs = cache[key] = split_stage(layer, example)
+            graphs = cache[key] = split_stage(layer, example, count_flops=count_flops)
         nodes = members[k]
         metas = [get_meta(n) for n in nodes]
         est_b = sum(m.flops_bwd_input for m in metas)

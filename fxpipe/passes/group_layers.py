@@ -11,8 +11,8 @@ import torch
 import torch.fx
 
 from fxpipe.errors import OptionError
+from fxpipe.graphs.fx import clone, compute_nodes, get_path, value_bytes
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import clone, compute_nodes, get_path, value_bytes
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 

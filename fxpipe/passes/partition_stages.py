@@ -8,8 +8,8 @@ import torch
 import torch.fx
 
 from fxpipe.errors import OptionError, PlanError
+from fxpipe.graphs.fx import COMPUTE_OPS, clone, compute_nodes, get_path, value_bytes
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, value_bytes
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight

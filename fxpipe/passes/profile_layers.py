@@ -12,8 +12,8 @@ import torch
 import torch.fx
 
 from fxpipe.errors import OptionError
+from fxpipe.graphs.fx import clone, compute_nodes, preserved_buffers
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import clone, compute_nodes, preserved_buffers
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_stages import run_stages, split_by_layer
 from fxpipe.report import Report

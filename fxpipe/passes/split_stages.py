@@ -12,8 +12,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from fxpipe.graphs.fx import COMPUTE_OPS, clone, compute_nodes, get_path, output_node, preserved_buffers, set_path
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes._graph import COMPUTE_OPS, clone, compute_nodes, get_path, output_node, preserved_buffers, set_path
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from fxpipe.errors import TraceError
-from fxpipe.passes._graph import compute_nodes
+from fxpipe.graphs.fx import compute_nodes
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fxpipe.errors import FxpipeError
-from fxpipe.passes.fuse_accumulation import accumulating_weight_graph, grads_are_fresh
+from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
+from fxpipe.graphs.convention import loss_and_output_grads
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.lower import FORWARD, LoweringError, Message, _output_vals, lower
-from fxpipe.runtime.stage_calls import loss_and_output_grads
 from fxpipe.schedules.ir import Action, Kind, Schedule
 
 
@@ -141,7 +141,7 @@ class PipelineRuntime:
 
         Returns the mean loss over microbatches (the same value on every rank).
         """
-        from fxpipe.pipeline import flatten_inputs, split_batch
+        from fxpipe.graphs.convention import flatten_inputs, split_batch
 
         m = self.schedule.num_microbatches
         if not isinstance(inputs, (tuple, list)):
@@ -336,7 +336,7 @@ class PipelineRuntime:
                          handover: dict[tuple[int, int], tuple[Any, ...]],
                          out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> None:
         """Run W; the first microbatch's gradients become ``.grad``, later ones are added in place
-        (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.passes.fuse_accumulation``)."""
+        (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.graphs.accumulate``)."""
         g = self.graphs[s]
         args = g.weight_args(handover.pop((s, i)), saved.pop((s, i)), out_grads.pop((s, i)))
         params = self.stage_params[s]

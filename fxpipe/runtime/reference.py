@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import FxpipeError
-from fxpipe.passes.split_backward import StageGraphs
-from fxpipe.runtime.stage_calls import loss_and_output_grads
+from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
 
 Action = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
 
@@ -236,7 +235,7 @@ def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
 
 
 def _flatten(pipe: Any, inputs: Sequence[Any]) -> list[Any]:
-    from fxpipe.pipeline import flatten_inputs
+    from fxpipe.graphs.convention import flatten_inputs
 
     return flatten_inputs(pipe.in_spec, tuple(inputs), {})
 

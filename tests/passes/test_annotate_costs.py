@@ -7,8 +7,8 @@ import torch
 
 from fxpipe import models
 from fxpipe._compat import flop_counter_mode
+from fxpipe.graphs.fx import compute_nodes
 from fxpipe.meta import get_meta
-from fxpipe.passes._graph import compute_nodes
 from fxpipe.passes.annotate_costs import annotate_costs, verify_costs
 from fxpipe.passes.trace import trace
 

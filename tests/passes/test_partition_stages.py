@@ -11,9 +11,9 @@ import torch.nn as nn
 
 from fxpipe import models
 from fxpipe.errors import OptionError, PlanError
+from fxpipe.graphs.fx import compute_nodes
 from fxpipe.meta import get_meta
 from fxpipe.passes import CompileOptions, PassResult, build_steps, run_steps
-from fxpipe.passes._graph import compute_nodes
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import _cut_bytes, partition_stages, stage_cuts, verify_stages
 from fxpipe.planning.stage_dp import stage_time

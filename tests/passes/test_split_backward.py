@@ -12,7 +12,10 @@ import torch.nn as nn
 import fxpipe
 from fxpipe import models
 from fxpipe._compat import flop_counter_mode
+from fxpipe.graphs.convention import StageGraphs
+from fxpipe.graphs.split import split_stage
 from fxpipe.models import GPT, GPTConfig
+from fxpipe.passes.split_backward import _report
 from fxpipe.runtime.reference import ReferenceExecutor
 
 ZOO = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "vgg-tiny"]
@@ -139,18 +142,6 @@ def test_first_stage_has_no_input_gradients_and_w_does_the_weight_work() -> None
     assert table.column("B FLOPs")[0] == 0 and table.column("W FLOPs")[0] == first.flops_backward_weight
 
 
-def test_convolution_backward_is_split_by_output_mask() -> None:
-    zoo = models.build("resnet-tiny")
-    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-    last = pipe.stage_graphs[1]  # type: ignore[index]
-    b_convs = [n for n in last.backward_input.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
-    w_convs = [n for n in last.backward_weight.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
-    assert b_convs and w_convs
-    assert all(list(n.args[-1]) [1:] == [False, False] for n in b_convs)
-    assert all(not list(n.args[-1])[0] for n in w_convs)
-    assert "convolution_backward" in last.split_ops
-
-
 def test_split_backward_can_be_turned_off() -> None:
     zoo = models.build("mlp-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, split_backward=False)
@@ -158,48 +149,7 @@ def test_split_backward_can_be_turned_off() -> None:
     assert pipe.stages[0].backward_input is None
 
 
-def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters() -> None:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)).train()
-    from fxpipe.models.gpt import loss_fn
-
-    mbs = [((torch.randint(0, 64, (2, 16)),), torch.randint(0, 64, (2, 16))) for _ in range(2)]
-    pipe = check_fbw_matches_eager(model, mbs[0][0], loss_fn, mbs, 6)
-    graphs = pipe.stage_graphs
-    assert graphs is not None
-    names = [[n for n, _ in s.module.named_parameters()] for s in pipe.stage_list()]
-    singles = [k for k, ns in enumerate(names)
-               if all(n.startswith("blocks.") for n in ns) and len({n.split(".")[1] for n in ns}) == 1]
-    assert len(singles) >= 2, "expected several one-block stages"
-    for k in singles:
-        owned = {n for n, _ in pipe.stages[k].module.named_parameters()}
-        attrs = {str(n.target) for n in graphs[k].backward_weight.graph.nodes if n.op == "get_attr"}  # type: ignore[union-attr]
-        assert set(graphs[k].param_names) == owned and attrs <= owned
-
-
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.fc(x) * float(x.sum()),)  # reads a value: AOTAutograd cannot trace it on fake tensors
-
-
-def test_a_stage_that_cannot_be_split_falls_back_to_fused_and_says_why() -> None:
-    from fxpipe.passes.split_backward import _report, split_stage
-
-    graphs = split_stage(_DataDependent(), [torch.randn(2, 4, requires_grad=True)])
-    assert graphs.fused and graphs.forward is None
-    assert graphs.fused_reason == "DataDependentOutputException: aten._local_scalar_dense.default"
-    table = _report([graphs])
-    assert table.column("backward") == ["fused"]
-    assert table.notes[0].startswith("stage 0 keeps a fused backward: ")
-
-
 def test_the_executor_runs_a_fused_stage_with_one_backward() -> None:
-    from fxpipe.passes.split_backward import StageGraphs
-
     zoo = models.build("gpt-tiny", dtype=torch.float64)
     ref = copy.deepcopy(zoo.model)
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
@@ -215,37 +165,10 @@ def test_the_executor_runs_a_fused_stage_with_one_backward() -> None:
         torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
 
 
-class _Aliases(nn.Module):
-    """A stage cut between nodes: outputs that are views of its input and of its other output."""
+def test_the_report_says_why_a_stage_keeps_a_fused_backward() -> None:
+    from tests.graphs.test_split import _DataDependent
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        h = self.fc(y)
-        return x.transpose(0, 1), h.view(-1), h
-
-
-def test_outputs_that_alias_an_input_or_another_output_keep_their_gradients() -> None:
-    """AOTAutograd gives such outputs no tangent; the split must not drop their gradients (it
-    did: interleaved-1f1b's node-level cuts made transpose/view/flatten-only stages, and every
-    stage before one trained on a partial gradient)."""
-    from fxpipe.passes.split_backward import split_stage
-
-    torch.manual_seed(0)
-    module = torch.fx.symbolic_trace(_Aliases())
-    x, y = torch.randn(2, 3), torch.randn(5, 4)
-    g = split_stage(module, [x.clone().requires_grad_(), y.clone().requires_grad_()])
-    assert not g.fused and g.grad_inputs == (0, 1) and g.grad_outputs == (0, 1, 2)
-    assert not any(n.target is torch.ops.aten.clone.default for n in g.forward.graph.nodes)  # type: ignore[union-attr]
-    dys = [torch.randn(3, 2), torch.randn(20), torch.randn(5, 4)]
-    result = g.forward(x, y)  # type: ignore[misc]
-    saved = list(result[g.num_outputs:])
-    b = g.backward_input(*(saved[i] if kind == "saved" else dys[i] for kind, i in g.b_slots))  # type: ignore[misc]
-    w = g.backward_weight(*b[len(g.grad_inputs):],  # type: ignore[misc]
-                          *(saved[i] if kind == "saved" else dys[i] for kind, i in g.w_slots))
-    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
-    want = torch.autograd.grad(module(xr, yr), [xr, yr, *(module.get_parameter(n) for n in g.param_names)], dys)
-    for got, ref in zip([*b[: len(g.grad_inputs)], *w], want, strict=True):
-        torch.testing.assert_close(got, ref)
+    graphs = split_stage(_DataDependent(), [torch.randn(2, 4, requires_grad=True)])
+    table = _report([graphs])
+    assert table.column("backward") == ["fused"]
+    assert table.notes[0] == f"stage 0 keeps a fused backward: {graphs.fused_reason}"

@@ -7,7 +7,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from fxpipe.passes.fuse_accumulation import accumulating_weight_graph, grads_are_fresh
+from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 
 
 def _w_args(g: object, seed: int) -> tuple[torch.Tensor, ...]:

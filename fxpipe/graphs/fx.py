@@ -1,4 +1,4 @@
-"""Small graph helpers every pass shares: cloning, node kinds, attribute paths, byte counts."""
+"""Small helpers on fx graphs that the passes and the stage graphs share: cloning, node kinds, attribute paths, byte counts."""
 
 from __future__ import annotations
 

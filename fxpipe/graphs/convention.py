@@ -1,0 +1,151 @@
+"""How a stage's F, B and W graphs are called, and how a pipeline's inputs and loss meet them.
+
+Every executor (the reference executor, the distributed runtime, ``backend="fxpipe"``, and the
+stage timing of ``split-backward --profile``) calls the graphs through these methods and
+functions only; where values live and when they are dropped stays each executor's policy.
+
+    F  (*inputs)                       -> (*outputs, *saved)
+    B  (*b_slots)                      -> (*input_grads, *handover)
+    W  (*handover, *w_slots)           -> (*param_grads)           # in StageGraphs.param_names order
+
+A slot is ``("saved", i)`` (F's i-th saved tensor) or ``("grad", j)`` (the gradient of the
+stage's j-th differentiable output, stage output ``grad_outputs[j]``). B is every backward node
+on a path to an input gradient; W is the rest of what the parameter gradients need, and
+``handover`` is what W reads from B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe._compat import pytree
+from fxpipe.errors import OptionError
+
+Slot = tuple[str, int]  # ("saved", i) or ("grad", j)
+
+
+@dataclass(frozen=True, eq=False)
+class StageGraphs:
+    """The F, B and W graphs of one stage and their calling convention (see the module docstring).
+
+    When ``fused_reason`` is set the stage could not be split: the three graphs are None and
+    executors run the stage's module under autograd with one fused backward (BW). The FLOP
+    counts are 0 unless the builder was given a counter (the passes give annotate-costs' one).
+    """
+
+    forward: torch.fx.GraphModule | None
+    backward_input: torch.fx.GraphModule | None
+    backward_weight: torch.fx.GraphModule | None
+    num_outputs: int = 0
+    num_saved: int = 0
+    grad_inputs: tuple[int, ...] = ()  # stage input positions whose gradient B returns, in order
+    grad_outputs: tuple[int, ...] = ()  # stage output positions that take a gradient; ("grad", j) is the j-th
+    b_slots: tuple[Slot, ...] = ()
+    w_slots: tuple[Slot, ...] = ()
+    num_handover: int = 0
+    param_names: tuple[str, ...] = ()
+    flops_forward: int = 0
+    flops_backward_input: int = 0
+    flops_backward_weight: int = 0
+    flops_fused_backward: int = 0  # the backward graph before the split
+    bytes_f_to_b: int = 0  # what F keeps for B and W
+    bytes_b_to_w: int = 0  # what is still held once B ran, until W runs
+    split_ops: tuple[str, ...] = ()  # multi-output backward ops split in two by output_mask
+    fused_reason: str | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_reason is not None
+
+    # Plain calls: no autograd mode is set here (executors run them under ``torch.no_grad()``),
+    # and nothing is kept. The loss on the pipeline's outputs is ``loss_and_output_grads``.
+
+    def run_forward(self, args: Sequence[Any]) -> tuple[Sequence[Any], list[Any]]:
+        """F on the stage's inputs: ``(outputs, saved)``, saved being what B and W read as ``("saved", i)``."""
+        result = self.forward(*args)  # type: ignore[misc]
+        return result[: self.num_outputs], list(result[self.num_outputs:])
+
+    def run_backward_input(self, saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Sequence[Any], tuple[Any, ...]]:
+        """B: ``(input_grads, handover)``; ``input_grads[k]`` is the gradient of stage input ``grad_inputs[k]``.
+
+        ``grad_outs[j]`` is the gradient of stage output ``grad_outputs[j]`` (a ``("grad", j)`` slot).
+        """
+        result = self.backward_input(*_slot_args(self.b_slots, saved, grad_outs))  # type: ignore[misc]
+        n = len(self.grad_inputs)
+        return result[:n], tuple(result[n:])
+
+    def weight_args(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Any, ...]:
+        """W's arguments, ``(*handover, *w_slots)``: for ``backward_weight`` or its accumulating variants."""
+        return (*handover, *_slot_args(self.w_slots, saved, grad_outs))
+
+    def run_backward_weight(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> Sequence[Any]:
+        """W: the parameter gradients, in ``param_names`` order (a tied parameter may come twice)."""
+        return self.backward_weight(*self.weight_args(handover, saved, grad_outs))  # type: ignore[misc]
+
+
+def _slot_args(slots: Sequence[Slot], saved: Sequence[Any], grad_outs: Sequence[Any]) -> list[Any]:
+    """The values of B's or W's slots: F's saved tensors and the stage outputs' gradients."""
+    return [saved[i] if kind == "saved" else grad_outs[i] for kind, i in slots]
+
+
+def flatten_inputs(in_spec: pytree.TreeSpec | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The call's inputs in the order of the graph's placeholders."""
+    if in_spec is None:
+        if kwargs:
+            raise OptionError(f"this pipeline takes positional inputs only (got keywords: {', '.join(kwargs)})")
+        return list(args)
+    if in_spec.num_children == 2 and in_spec.child(1).type is dict:
+        keys = list(in_spec.child(1).context)
+        missing = [k for k in keys if k not in kwargs]
+        extra = [k for k in kwargs if k not in keys]
+        if missing or extra:
+            raise OptionError(
+                f"keyword inputs differ from compile time (missing: {missing}, unexpected: {extra}); "
+                "pass the same keywords you compiled with"
+            )
+        kwargs = {k: kwargs[k] for k in keys}
+    flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+    if spec != in_spec:
+        raise OptionError(f"inputs are structured differently from compile time (expected {in_spec}, got {spec}); "
+                          "pass the same structure you compiled with")
+    return flat
+
+
+def split_batch(x: Any, m: int, *, fix: str) -> list[Any]:
+    """``x`` cut into m microbatches along dim 0 (views); anything without a batch dim is repeated."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        if x.shape[0] % m:
+            raise OptionError(f"the batch of {x.shape[0]} does not split into {m} microbatches; {fix}")
+        return list(x.tensor_split(m))
+    return [x] * m
+
+
+def loss_and_output_grads(pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor], values: Mapping[str, Any],
+                          target: Any, *, scale: float = 1.0,
+                          divisor: int = 1) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """``loss_fn`` on one microbatch's pipeline outputs: ``(loss, [(output name, gradient), ...])``.
+
+    ``values`` holds the microbatch's values by name; the outputs are rebuilt in the model's
+    output structure (``pipe.out_spec``, constants from ``pipe.output_constants``). Gradients are
+    those of ``loss * scale / divisor`` with respect to each floating-point output tensor, in
+    ``pipe.output_names`` order; an output the loss does not read has none, and a value returned
+    twice has one entry per place. ``loss`` is returned unscaled and detached. (The reference
+    executor multiplies by its ``loss_scale``, the runtime divides by the microbatch count: two
+    parameters keep both bit-identical to what they computed on their own.)
+    """
+    leaves = [values[n].detach().requires_grad_(values[n].is_floating_point())
+              if n is not None and isinstance(values[n], torch.Tensor) else (values[n] if n is not None else c)
+              for n, c in zip(pipe.output_names, pipe.output_constants)]
+    out = pytree.tree_unflatten(leaves, pipe.out_spec) if pipe.out_spec is not None else tuple(leaves)
+    with torch.enable_grad():
+        loss = loss_fn(out, target)
+        weighted = loss * scale if scale != 1.0 else loss
+        weighted = weighted / divisor if divisor != 1 else weighted
+        diff = [(n, t) for n, t in zip(pipe.output_names, leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = torch.autograd.grad(weighted, [t for _, t in diff], allow_unused=True)
+    return loss.detach(), [(name, g) for (name, _), g in zip(diff, grads) if g is not None]

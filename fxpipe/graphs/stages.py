@@ -1,0 +1,112 @@
+"""Every stage's F, B and W graphs at once: each stage split on its own example inputs, one split per distinct stage graph.
+
+Stages with the same graph signature (ops, wiring, input and parameter shapes; names aside)
+reuse one split, rebound to their own parameters: the 1.5 B plan's six identical middle stages
+are traced once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe.graphs.convention import StageGraphs
+from fxpipe.graphs.fx import copy_graph, get_path, preserved_buffers
+from fxpipe.graphs.split import FlopCounter, example_input, split_stage
+
+
+def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping[str, Any],
+                       flat_example_inputs: Sequence[Any], *, input_grads: bool = False,
+                       count_flops: FlopCounter | None = None) -> list[StageGraphs]:
+    """F, B and W of every stage, split on the values the stages compute from ``flat_example_inputs``.
+
+    ``wiring`` names the values (split-stages' ``fxpipe_wiring``): ``{"inputs": [name, ...],
+    "stages": [{"inputs": [...], "outputs": [...]}, ...]}``. The stages run in order under no
+    grad, their buffer updates undone, to give each the inputs it will see; an input needs a
+    gradient when an earlier stage's B gives one (``input_grads`` also differentiates the
+    model's floating-point inputs, so the first stage's B computes their gradient). Inputs on
+    the meta device give meta example values. ``count_flops`` fills the FLOP fields.
+    """
+    env: dict[str, Any] = dict(zip(wiring["inputs"], flat_example_inputs))
+    needs_grad = {name for name, v in env.items()
+                  if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
+    graphs: list[StageGraphs] = []
+    first_of: dict[str, int] = {}
+    for k, (module, w) in enumerate(zip(stage_modules, wiring["stages"], strict=True)):
+        args = [env[name] for name in w["inputs"]]
+        with torch.no_grad(), preserved_buffers(module):
+            outs = tuple(module(*args))
+        example = [example_input(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
+        key = graph_signature(module, example)
+        if key in first_of:  # the same blocks as an earlier stage: reuse its graphs on these parameters
+            result = rebind(graphs[first_of[key]], stage_modules[first_of[key]], module)
+        else:
+            result = split_stage(module, example, count_flops=count_flops)
+            first_of[key] = k
+        graphs.append(result)
+        env.update(zip(w["outputs"], outs))
+        needs_grad.update(w["outputs"][i] for i in _differentiable_outputs(result, outs))
+    return graphs
+
+
+def _differentiable_outputs(graphs: StageGraphs, outputs: Sequence[Any]) -> list[int]:
+    """Positions of the stage outputs whose gradient B takes (a fused stage: every floating-point tensor)."""
+    if graphs.fused:
+        return [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    return list(graphs.grad_outputs)
+
+
+def graph_signature(layer: torch.fx.GraphModule, example: Sequence[Any]) -> str:
+    """A key equal for layers with the same ops, wiring, input and parameter shapes (names aside)."""
+    index = {n: i for i, n in enumerate(layer.graph.nodes)}
+    parts = []
+    for n in layer.graph.nodes:
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type,return-value]
+        extra = ""
+        if n.op == "get_attr":
+            t = get_path(layer, str(n.target))
+            extra = f"{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}" if isinstance(t, torch.Tensor) else "?"
+            parts.append(f"get_attr {extra}")
+            continue
+        if n.op == "placeholder":
+            parts.append("placeholder")
+            continue
+        target = n.target if n.op != "call_module" else type(get_path(layer, str(n.target))).__name__
+        parts.append(f"{n.op} {target} {args}")
+    for a in example:
+        parts.append(f"in {tuple(a.shape)}:{a.dtype}:{a.requires_grad}" if isinstance(a, torch.Tensor) else f"in {a!r}")
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()
+
+
+def rebind(graphs: StageGraphs, src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> StageGraphs:
+    """The F, B and W graphs of ``src`` moved onto ``dst``, a stage of the same signature with other parameters.
+
+    Equal signatures list their get_attr nodes in the same order, so the k-th parameter of one is
+    the k-th of the other.
+    """
+    if graphs.fused:
+        return graphs
+    names = dict(zip((str(n.target) for n in src.graph.nodes if n.op == "get_attr"),
+                     (str(n.target) for n in dst.graph.nodes if n.op == "get_attr")))
+
+    def move(gm: torch.fx.GraphModule | None, cls: str) -> torch.fx.GraphModule | None:
+        if gm is None:
+            return None
+        g = copy_graph(gm.graph)
+        for node in g.nodes:
+            if node.op == "get_attr":
+                node.target = names[str(node.target)]
+        return torch.fx.GraphModule(dst, g, class_name=cls)
+
+    return dataclasses.replace(
+        graphs,
+        forward=move(graphs.forward, "StageForward"),
+        backward_input=move(graphs.backward_input, "StageBackwardInput"),
+        backward_weight=move(graphs.backward_weight, "StageBackwardWeight"),
+        param_names=tuple(names[p] for p in graphs.param_names),
+    )

@@ -1,0 +1,83 @@
+"""graphs.split: one stage's F, B and W from AOTAutograd's joint graph: the split by output_mask, aliasing outputs, the fused fallback."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import fxpipe
+from fxpipe import models
+from fxpipe.graphs.split import split_stage
+
+
+def test_convolution_backward_is_split_by_output_mask() -> None:
+    zoo = models.build("resnet-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    last = pipe.stage_graphs[1]  # type: ignore[index]
+    b_convs = [n for n in last.backward_input.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
+    w_convs = [n for n in last.backward_weight.graph.nodes if "convolution_backward" in str(n.target)]  # type: ignore[union-attr]
+    assert b_convs and w_convs
+    assert all(list(n.args[-1]) [1:] == [False, False] for n in b_convs)
+    assert all(not list(n.args[-1])[0] for n in w_convs)
+    assert "convolution_backward" in last.split_ops
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fc(x) * float(x.sum()),)  # reads a value: AOTAutograd cannot trace it on fake tensors
+
+
+def test_a_stage_that_cannot_be_split_falls_back_to_fused_and_says_why() -> None:
+    graphs = split_stage(_DataDependent(), [torch.randn(2, 4, requires_grad=True)])
+    assert graphs.fused and graphs.forward is None
+    assert graphs.fused_reason == "DataDependentOutputException: aten._local_scalar_dense.default"
+
+
+def test_flops_are_counted_only_with_a_counter() -> None:
+    module = torch.fx.symbolic_trace(_Aliases())
+    args = [torch.randn(2, 3, requires_grad=True), torch.randn(5, 4, requires_grad=True)]
+    plain = split_stage(module, args)
+    assert not plain.fused
+    assert (plain.flops_forward, plain.flops_backward_input, plain.flops_backward_weight, plain.flops_fused_backward) == (0, 0, 0, 0)
+    seen: list[str] = []
+    counted = split_stage(module, args, count_flops=lambda gm: seen.append(type(gm).__name__) or 7)
+    assert (counted.flops_forward, counted.flops_backward_input, counted.flops_backward_weight) == (7, 7, 7)
+    assert counted.flops_fused_backward == 7 and len(seen) == 4  # F, B, W and the backward before the split
+
+
+class _Aliases(nn.Module):
+    """A stage cut between nodes: outputs that are views of its input and of its other output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.fc(y)
+        return x.transpose(0, 1), h.view(-1), h
+
+
+def test_outputs_that_alias_an_input_or_another_output_keep_their_gradients() -> None:
+    """AOTAutograd gives such outputs no tangent; the split must not drop their gradients (it
+    did: interleaved-1f1b's node-level cuts made transpose/view/flatten-only stages, and every
+    stage before one trained on a partial gradient)."""
+    torch.manual_seed(0)
+    module = torch.fx.symbolic_trace(_Aliases())
+    x, y = torch.randn(2, 3), torch.randn(5, 4)
+    g = split_stage(module, [x.clone().requires_grad_(), y.clone().requires_grad_()])
+    assert not g.fused and g.grad_inputs == (0, 1) and g.grad_outputs == (0, 1, 2)
+    assert not any(n.target is torch.ops.aten.clone.default for n in g.forward.graph.nodes)  # type: ignore[union-attr]
+    dys = [torch.randn(3, 2), torch.randn(20), torch.randn(5, 4)]
+    result = g.forward(x, y)  # type: ignore[misc]
+    saved = list(result[g.num_outputs:])
+    b = g.backward_input(*(saved[i] if kind == "saved" else dys[i] for kind, i in g.b_slots))  # type: ignore[misc]
+    w = g.backward_weight(*b[len(g.grad_inputs):],  # type: ignore[misc]
+                          *(saved[i] if kind == "saved" else dys[i] for kind, i in g.w_slots))
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    want = torch.autograd.grad(module(xr, yr), [xr, yr, *(module.get_parameter(n) for n in g.param_names)], dys)
+    for got, ref in zip([*b[: len(g.grad_inputs)], *w], want, strict=True):
+        torch.testing.assert_close(got, ref)

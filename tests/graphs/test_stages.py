@@ -1,0 +1,57 @@
+"""graphs.stages: every stage's graphs at once; identical stages share one split, and a pipeline without graphs gets the pass's."""
+
+from __future__ import annotations
+
+import torch
+
+import fxpipe
+from fxpipe import models
+from fxpipe.graphs.convention import StageGraphs
+from fxpipe.models import GPT, GPTConfig
+from tests.passes.test_split_backward import check_fbw_matches_eager
+
+
+def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=6, n_head=2, n_embd=32)).train()
+    from fxpipe.models.gpt import loss_fn
+
+    mbs = [((torch.randint(0, 64, (2, 16)),), torch.randint(0, 64, (2, 16))) for _ in range(2)]
+    pipe = check_fbw_matches_eager(model, mbs[0][0], loss_fn, mbs, 6)
+    graphs = pipe.stage_graphs
+    assert graphs is not None
+    names = [[n for n, _ in s.module.named_parameters()] for s in pipe.stage_list()]
+    singles = [k for k, ns in enumerate(names)
+               if all(n.startswith("blocks.") for n in ns) and len({n.split(".")[1] for n in ns}) == 1]
+    assert len(singles) >= 2, "expected several one-block stages"
+    for k in singles:
+        owned = {n for n, _ in pipe.stages[k].module.named_parameters()}
+        attrs = {str(n.target) for n in graphs[k].backward_weight.graph.nodes if n.op == "get_attr"}  # type: ignore[union-attr]
+        assert set(graphs[k].param_names) == owned and attrs <= owned
+
+
+def _convention(g: StageGraphs) -> tuple[object, ...]:
+    return (g.num_outputs, g.num_saved, g.grad_inputs, g.grad_outputs, g.b_slots, g.w_slots, g.num_handover,
+            g.param_names, g.bytes_f_to_b, g.bytes_b_to_w, g.split_ops, g.fused_reason)
+
+
+def test_build_backward_gives_a_pipeline_without_graphs_the_passes_graphs() -> None:
+    """Pipeline.build_backward (plans loaded from disk, the runtime) and the split-backward pass build the same F, B and W."""
+    zoo = models.build("gpt-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
+    compiled = pipe.stage_graphs
+    assert compiled is not None
+    for stage in pipe.stage_list():
+        stage.graphs = None
+    assert pipe.stage_graphs is None
+    pipe.build_backward(zoo.example_inputs)
+    rebuilt = pipe.stage_graphs
+    assert rebuilt is not None
+    for stage, old, new in zip(pipe.stage_list(), compiled, rebuilt, strict=True):
+        assert _convention(new) == _convention(old)
+        for a, b in ((old.forward, new.forward), (old.backward_input, new.backward_input),
+                     (old.backward_weight, new.backward_weight)):
+            assert a is not b and a.code == b.code  # type: ignore[union-attr]
+        assert stage.forward is new.forward
+    flops = [(g.flops_forward, g.flops_backward_input, g.flops_backward_weight) for g in rebuilt]
+    assert set(flops) == {(0, 0, 0)} and sum(g.flops_forward for g in compiled) > 0  # only the passes count FLOPs
