@@ -21,9 +21,10 @@ from torch.distributed.pipelining import schedules as peer
 
 import fxpipe
 from fxpipe import models
+from fxpipe.errors import ScheduleError
 from fxpipe.schedules.auto import auto
 from fxpipe.schedules.generators import generate
-from fxpipe.schedules.ir import Action, Kind, Schedule, ScheduleValidationError
+from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.simulate import Costs, simulate, validate
 
 _KINDS = {"F": Kind.F, "I": Kind.B, "W": Kind.W, "B": Kind.BW}
@@ -87,7 +88,7 @@ def main() -> None:
         for who, sched, costs in candidates:
             try:
                 validate(sched)
-            except ScheduleValidationError as exc:
+            except ScheduleError as exc:
                 rows.append({"model": name, "who": who, "schedule": sched.name, "invalid": str(exc).splitlines()[0]})
                 continue
             result = simulate(sched, costs)

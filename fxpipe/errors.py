@@ -29,3 +29,19 @@ class VerifyError(FxpipeError, AssertionError):
 
 class OptionError(FxpipeError, ValueError):
     """An option has a value fxpipe cannot use."""
+
+
+class ScheduleError(FxpipeError, ValueError):
+    """A schedule breaks a rule (counts, placement, a deadlock); the message shows the step x rank grid."""
+
+
+class ScheduleOrderError(FxpipeError, ValueError):
+    """An executor was asked to run an action before what it depends on, twice, or never."""
+
+
+class LoweringError(FxpipeError, ValueError):
+    """A plan and a schedule cannot be lowered together (they disagree, or a non-tensor crosses ranks)."""
+
+
+class RankFailedError(FxpipeError, RuntimeError):
+    """A rank could not finish its step: a peer failed or timed out, or the plan and schedule disagree."""

@@ -1,5 +1,5 @@
 """Schedules as data: an action IR per rank, generators, a validator, an event simulator and timelines."""
 
-from fxpipe.schedules.ir import Action, Kind, Schedule, ScheduleValidationError
+from fxpipe.schedules.ir import Action, Kind, Schedule
 
-__all__ = ["Action", "Kind", "Schedule", "ScheduleValidationError"]
+__all__ = ["Action", "Kind", "Schedule"]

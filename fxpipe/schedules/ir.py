@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import ScheduleError
 
 
 class Kind(str, Enum):
@@ -37,10 +37,6 @@ COMM = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)$")
 
 
-class ScheduleValidationError(FxpipeError, ValueError):
-    """A schedule breaks a rule; the message shows the step x rank grid with the failing step marked."""
-
-
 @dataclass(frozen=True, order=True)
 class Action:
     stage: int
@@ -57,8 +53,8 @@ class Action:
     def parse(cls, text: str) -> "Action":
         match = _PATTERN.match(text.strip())
         if match is None:
-            raise ScheduleValidationError(
-                f"cannot parse action {text!r}; write STAGE KIND MICROBATCH, e.g. 1F3, 0B2, 2W0, 1BW5, 1SEND_F3")
+            raise ScheduleError(f"cannot parse action {text!r}; write STAGE KIND MICROBATCH, e.g. 1F3, 0B2, 2W0, "
+                                "1BW5, 1SEND_F3")
         return cls(int(match.group(1)), Kind(match.group(2)), int(match.group(3)))
 
 
@@ -99,18 +95,18 @@ class Schedule:
                       for line in text.strip("\n").split("\n"))
         actions = [a for r in ranks for a in r]
         if not actions:
-            raise ScheduleValidationError("the schedule has no actions; give one line of actions per rank")
+            raise ScheduleError("the schedule has no actions; give one line of actions per rank")
         num_stages = 1 + max(a.stage for a in actions)
         rank_of: dict[int, int] = {}
         for r, acts in enumerate(ranks):
             for a in acts:
                 if a.kind in COMPUTE:
                     if rank_of.setdefault(a.stage, r) != r:
-                        raise ScheduleValidationError(f"stage {a.stage} computes on ranks {rank_of[a.stage]} and {r}; "
-                                                      "a stage lives on one rank")
+                        raise ScheduleError(f"stage {a.stage} computes on ranks {rank_of[a.stage]} and {r}; "
+                                            "a stage lives on one rank")
         missing = [s for s in range(num_stages) if s not in rank_of]
         if missing:
-            raise ScheduleValidationError(f"stages {missing} have no compute action; every stage needs its F")
+            raise ScheduleError(f"stages {missing} have no compute action; every stage needs its F")
         return cls(name, num_stages, 1 + max(a.mb for a in actions), tuple(rank_of[s] for s in range(num_stages)),
                    ranks, synchronous)
 

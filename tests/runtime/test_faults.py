@@ -56,9 +56,9 @@ def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> tuple[list[tuple
 
 
 def _error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if "RuntimeError_: " in ln]
+    lines = [ln for ln in stderr.splitlines() if "RankFailedError: " in ln]
     assert lines, stderr[-3000:]
-    return lines[-1].split("RuntimeError_: ", 1)[1]
+    return lines[-1].split("RankFailedError: ", 1)[1]
 
 
 def _check(tmp_path: Path, world: int, cfg: dict[str, Any], waiting: dict[int, str]) -> None:

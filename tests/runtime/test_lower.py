@@ -9,7 +9,8 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from fxpipe.runtime.lower import BACKWARD, FORWARD, LoweringError, check_programs, lower
+from fxpipe.errors import LoweringError
+from fxpipe.runtime.lower import BACKWARD, FORWARD, check_programs, lower
 from fxpipe.schedules.generators import generate
 from tests.passes.test_split_stages import _skip_tied
 

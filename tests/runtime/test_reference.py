@@ -9,7 +9,8 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from fxpipe.runtime.reference import ReferenceExecutor, ScheduleError
+from fxpipe.errors import ScheduleOrderError
+from fxpipe.runtime.reference import ReferenceExecutor
 
 
 def _setup(stages: int = 3) -> tuple[fxpipe.Pipeline, ReferenceExecutor, list, torch.nn.Module]:
@@ -60,7 +61,7 @@ def test_any_valid_order_gives_the_same_gradients() -> None:
 ])
 def test_invalid_orders_are_refused(order: list, match: str) -> None:
     _, ex, mbs, _ = _setup()
-    with pytest.raises(ScheduleError, match=match):
+    with pytest.raises(ScheduleOrderError, match=match):
         ex.run(mbs[:1], order=order)
 
 

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from fxpipe.errors import ScheduleError
 from fxpipe.schedules.generators import GENERATORS, generate
-from fxpipe.schedules.ir import Action, Kind, Schedule, ScheduleValidationError, with_communication
+from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
 
 
 @pytest.mark.parametrize("text, action", [
@@ -21,7 +22,7 @@ def test_actions_print_compactly_and_parse_back(text: str, action: Action) -> No
 
 @pytest.mark.parametrize("bad", ["F3", "1X3", "1F", "", "1 F 3"])
 def test_bad_actions_are_refused(bad: str) -> None:
-    with pytest.raises(ScheduleValidationError, match="cannot parse action"):
+    with pytest.raises(ScheduleError, match="cannot parse action"):
         Action.parse(bad)
 
 
@@ -49,5 +50,5 @@ def test_communication_is_inserted_around_cross_rank_computes() -> None:
 
 
 def test_from_csv_refuses_a_stage_on_two_ranks() -> None:
-    with pytest.raises(ScheduleValidationError, match="stage 0 computes on ranks 0 and 1"):
+    with pytest.raises(ScheduleError, match="stage 0 computes on ranks 0 and 1"):
         Schedule.from_csv("0F0,0BW0\n0F1,0BW1\n")
