@@ -50,7 +50,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     from fxpipe import models
     from fxpipe.runtime.calibrate import calibrate
     from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.runtime.launch import synthetic_batch
+    from fxpipe.cli.rank import synthetic_batch
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import simulate
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline

@@ -1,8 +1,8 @@
 """Timelines of a simulated (or measured) run: ASCII rows, Chrome/Perfetto trace JSON, and an SVG Gantt chart.
 
 Every view reads only ``SimResult.events`` (and ``ranks``, ``makespan``, ``schedule``), so a
-runtime that records the same events from a measured run gets the same views. ``zb-h1`` on 2
-stages, 2 microbatches, unit costs, ``ascii_timeline(result, width=14)``::
+runtime that records the same events from a measured run gets the same views (:func:`measured_result`
+makes its SimResult). ``zb-h1`` on 2 stages, 2 microbatches, unit costs, ``ascii_timeline(result, width=14)``::
 
     zb-h1: 2 ranks, makespan 7, 1 column = 0.5
     F forward  B input gradient  W weight gradient  X fused backward (BW)  . idle  digits: microbatch
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
 
 from fxpipe.errors import OptionError
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind
-from fxpipe.schedules.simulate import Event, SimResult
+from fxpipe.schedules.simulate import Event, RankStats, SimResult
 
 LETTER: dict[Kind, str] = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 FILL: dict[Kind, str] = {Kind.F: "#4e79a7", Kind.B: "#f28e2b", Kind.W: "#59a14f", Kind.BW: "#e15759"}
@@ -120,6 +120,27 @@ def write_chrome_trace(result: SimResult, path: str | Path, **kw: object) -> Pat
     with out.open("w", encoding="utf-8") as fh:
         json.dump(chrome_trace(result, **kw), fh)  # type: ignore[arg-type]
     return out
+
+
+def measured_result(events_per_rank: Mapping[int, Sequence[tuple[Action | str, float, float]]],
+                    name: str) -> SimResult:
+    """A measured run's ``(action, start, end)`` per rank (actions as ``Action`` or as printed, ``1F0``) as a
+    SimResult, so every view here draws it as it draws a simulated one.
+
+    A rank's stats are its first start, last end and busy time; the makespan is the last end. What the
+    simulator models and a run does not measure (memory held, microbatches in flight, bytes sent) is 0.
+
+    >>> measured_result({0: [("0F0", 0.0, 1.0)], 1: [("1F0", 1.5, 2.5)]}, "measured 1f1b").makespan
+    2.5
+    """
+    events = [Event(rank, a if isinstance(a, Action) else Action.parse(a), t0, t1)
+              for rank, acts in events_per_rank.items() for a, t0, t1 in acts]
+    ranks = tuple(RankStats(rank, min((t0 for _, t0, _ in acts), default=0.0),
+                            max((t1 for _, _, t1 in acts), default=0.0),
+                            sum(t1 - t0 for _, t0, t1 in acts), 0.0, 0, 0.0)
+                  for rank, acts in events_per_rank.items())
+    return SimResult(name, max((e.end for e in events), default=0.0), max((r.span for r in ranks), default=0.0),
+                     ranks, tuple(events))
 
 
 def in_flight(events: Iterable[Event], rank: int) -> list[tuple[float, int]]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fxpipe import models
-from fxpipe.runtime.launch import synthetic_batch
+from fxpipe.cli.rank import synthetic_batch
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
 
 

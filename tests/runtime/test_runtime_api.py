@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fxpipe import models
 from fxpipe.cli.main import app
-from fxpipe.runtime.launch import synthetic_batch
+from fxpipe.cli.rank import synthetic_batch
 
 WORKER = Path(__file__).with_name("_api_worker.py")
 ROOT = Path(__file__).parents[2]

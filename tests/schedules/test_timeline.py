@@ -13,11 +13,12 @@ import pytest
 from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import COMM, COMPUTE, Kind
-from fxpipe.schedules.simulate import Costs, SimResult, simulate
+from fxpipe.schedules.simulate import Costs, Event, SimResult, simulate
 from fxpipe.schedules.timeline import (
     LETTER,
     ascii_timeline,
     chrome_trace,
+    measured_result,
     svg_gantt,
     write_chrome_trace,
     write_svg,
@@ -327,3 +328,27 @@ def test_chrome_trace_leaves_an_unmatched_send_without_a_flow() -> None:
     assert len(starts) == len(finishes) == 2 * 2 * 4 - 1
     assert Counter(e["id"] for e in starts) == Counter(e["id"] for e in finishes)
     assert not any(str(recv.action) in e["name"] for e in starts)
+
+
+def _when(e: Event) -> tuple[int, float, float]:
+    return e.rank, e.start, e.end
+
+
+def test_a_measured_run_becomes_a_result_every_view_draws() -> None:
+    """``fxpipe run --trace``: each rank's measured (action, start, end), printed or parsed, as a SimResult."""
+    sim = _sim("1f1b", 2, 2)
+    per_rank: dict[int, list[tuple[object, float, float]]] = {}
+    for e in sim.events:
+        if e.action.kind in COMPUTE:
+            per_rank.setdefault(e.rank, []).append((str(e.action) if e.rank else e.action, e.start, e.end))
+    result = measured_result(per_rank, "measured 1f1b")  # type: ignore[arg-type]
+    assert result.schedule == "measured 1f1b" and result.makespan == sim.makespan
+    assert sorted(result.events, key=_when) == sorted((e for e in sim.events if e.action.kind in COMPUTE), key=_when)
+    for mine, theirs in zip(result.ranks, sim.ranks):
+        assert (mine.rank, mine.start, mine.end, mine.busy) == (theirs.rank, theirs.start, theirs.end, theirs.busy)
+    assert result.max_stage_span == sim.max_stage_span
+    assert _rows(ascii_timeline(result, width=20)) == _rows(ascii_timeline(sim, width=20))
+    events = chrome_trace(result)["traceEvents"]
+    assert sum(1 for e in events if e.get("ph") == "X") == len(result.events)  # type: ignore[union-attr]
+    empty = measured_result({0: []}, "measured nothing")
+    assert empty.makespan == 0.0 and empty.ranks[0].busy == 0.0 and empty.events == ()

@@ -1,8 +1,13 @@
 """One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on synthetic data, write results.
 
-Started by ``torch.distributed.run`` (``fxpipe run`` does that); reads RANK/WORLD_SIZE/MASTER_* from
-the environment. Writes ``OUT/rank{R}.json`` (losses, step times, peak RSS, the last step's measured
-actions) or, on failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero.
+Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
+``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
+``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
+and the runtime does not import the zoo.
+
+Writes ``OUT/rank{R}.json`` (losses, step times, peak RSS, the last step's measured actions) or, on
+failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero; rank 0 appends a line
+``step K loss L ms T`` to ``OUT/progress`` after each step.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +95,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
 
     import fxpipe
     from fxpipe.errors import PlanFileError
-    from fxpipe.runtime.executor import PipelineRuntime, _zoo_of
+    from fxpipe.runtime.executor import PipelineRuntime
 
     pipe = fxpipe.load(args.plan)
     zoo = _zoo_of(pipe)  # built as fxpipe compile built it (dtype, batch, seed)
@@ -130,6 +136,21 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         "profile_threads": pipe.info.get("profile_threads"),
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
     }
+
+
+def _zoo_of(pipe: Any) -> Any:
+    """The built-in model a plan was compiled from (built as ``fxpipe compile`` built it), or None."""
+    import torch
+
+    from fxpipe import models
+    from fxpipe.errors import FxpipeError
+
+    name, build = pipe.info.get("model"), pipe.info.get("build") or {}
+    try:
+        return models.build(str(name), dtype=getattr(torch, str(build.get("dtype") or "float32")),
+                            batch_size=build.get("batch_size"), seed=int(build.get("seed") or 0)) if name else None
+    except FxpipeError:  # not a zoo name: the user's own model
+        return None
 
 
 if __name__ == "__main__":

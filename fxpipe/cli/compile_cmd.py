@@ -1,0 +1,169 @@
+"""``fxpipe compile TARGET``: trace, cost and partition a model; print every pass's tables; write the plan directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fxpipe.cli.common import err, one_line_errors, out, parse_size, progress
+
+
+class Tracer(str, Enum):
+    export = "export"
+    fx = "fx"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    meta = "meta"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+
+
+def compile_cmd(
+    target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
+    stages: Annotated[int, typer.Option("--stages", "-s", min=1, help="Number of pipeline stages.",
+                                        rich_help_panel="Partitioning")] = 2,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
+                                                    rich_help_panel="Output")] = None,
+    tracer: Annotated[Tracer, typer.Option(help="Graph capture: torch.export, or torch.fx as a fallback.")] = Tracer.export,
+    granularity: Annotated[str, typer.Option(help="Layers: auto (repeating blocks), node, or a module depth (1, 2, ...).",
+                                             rich_help_panel="Partitioning")] = "auto",
+    bandwidth: Annotated[str, typer.Option(help="Link bandwidth per second between stages, e.g. 1.5GB.",
+                                           rich_help_panel="Partitioning")] = "1.5GB",
+    latency: Annotated[float, typer.Option(help="Seconds per transfer.", rich_help_panel="Partitioning")] = 1e-4,
+    memory_per_stage: Annotated[Optional[str], typer.Option(help="Memory cap per stage, e.g. 8GiB.",
+                                                             rich_help_panel="Partitioning")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
+                                                         "default: the stage count).", rich_help_panel="Partitioning")] = None,
+    schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pick a schedule for the plan and record it: "
+                                                    "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, async-1f1b "
+                                                    "or auto.", rich_help_panel="Schedule")] = None,
+    profile: Annotated[bool, typer.Option(help="Measure each layer's time on real tensors instead of estimating.",
+                                          rich_help_panel="Costs")] = False,
+    profile_runs: Annotated[int, typer.Option(min=1, help="Runs per layer with --profile (median).",
+                                              rich_help_panel="Costs")] = 5,
+    profile_threads: Annotated[Optional[int], typer.Option(
+        min=1, help="Threads to profile with (default: torch's); fxpipe run's ranks use 1 each.",
+        rich_help_panel="Costs")] = None,
+    device_flops: Annotated[float, typer.Option(help="FLOP/s for estimated times.", rich_help_panel="Costs")] = 1e11,
+    device_mem_bw: Annotated[str, typer.Option(help="Memory bandwidth per second for estimated times.",
+                                               rich_help_panel="Costs")] = "10GB",
+    device: Annotated[Device, typer.Option(help="Build the model on cpu, or on meta (no weights allocated).",
+                                           rich_help_panel="Model")] = Device.cpu,
+    dtype: Annotated[DType, typer.Option(help="Parameter dtype.", rich_help_panel="Model")] = DType.float32,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Example batch size (zoo models).",
+                                                      rich_help_panel="Model")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for weights and example inputs.", rich_help_panel="Model")] = 0,
+    split_backward: Annotated[bool, typer.Option(help="Split each stage's backward into input-gradient (B) and "
+                                                 "weight-gradient (W) graphs, and count real B/W FLOPs per layer.",
+                                                 rich_help_panel="Backward")] = True,
+    input_grads: Annotated[bool, typer.Option(help="Also differentiate the model's floating-point inputs.",
+                                              rich_help_panel="Backward")] = False,
+    balance_backward: Annotated[bool, typer.Option(help="Move activation derivatives at a cut into the next "
+                                                   "stage's B when that lowers the bottleneck (LayerPipe).",
+                                                   rich_help_panel="Backward")] = False,
+    verify_each: Annotated[bool, typer.Option(help="Check the graph's invariants after every pass.",
+                                              rich_help_panel="Debugging")] = False,
+    stop_after: Annotated[Optional[str], typer.Option(help="Stop after this pass (writes no plan).",
+                                                      rich_help_panel="Debugging")] = None,
+    print_after: Annotated[Optional[list[str]], typer.Option(help="Print the graph after this pass (repeatable).",
+                                                             rich_help_panel="Debugging")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.",
+                                          rich_help_panel="Output")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables (tabulate) instead of rich.",
+                                        rich_help_panel="Output")] = False,
+) -> None:
+    """Trace, cost and partition a model; print the tables and write the plan directory."""
+    with one_line_errors():
+        started = time.perf_counter()
+        with progress(disable=as_json) as step:
+            step("importing torch", 0, 0)
+            import torch
+
+            from fxpipe.passes import CompileOptions, build_steps, run_steps
+            from fxpipe.pipeline import pipeline_from_root
+            from fxpipe.targets import resolve
+
+            if out_dir is not None:
+                from fxpipe.plan_dir import check_out_dir
+
+                check_out_dir(out_dir)  # before the compile, not after it
+            step(f"building {target}", 0, 0)
+            resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
+                               batch_size=batch_size, seed=seed)
+            options = CompileOptions(
+                stages=stages, tracer=tracer.value, granularity=granularity,
+                bandwidth=parse_size(bandwidth, "--bandwidth"), latency=latency,
+                memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
+                microbatches=microbatches, profile=profile, profile_runs=profile_runs,
+                device_flops=device_flops, device_mem_bw=parse_size(device_mem_bw, "--device-mem-bw"),
+                split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
+                verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
+            )
+            steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)
+            threads = torch.get_num_threads()
+            if profile_threads is not None:
+                torch.set_num_threads(profile_threads)
+            try:
+                root, history = run_steps(steps, verify_each=options.verify_each, stop_after=options.stop_after,
+                                          print_after=options.print_after,
+                                          on_start=lambda name, i, n: step(f"pass {name}", i, n))
+            finally:
+                profiled_threads = torch.get_num_threads()
+                torch.set_num_threads(threads)
+        reports = [r for rec in history.records for r in rec.reports] + [history.report()]
+        finished = len(history.records) == len(steps)
+        written = None
+        info: dict[str, Any] = {"model": resolved.name, "options": options.to_json(),
+                                # how the example was built: what fxpipe run / PipelineRuntime rebuild
+                                "build": {"dtype": dtype.value, "batch_size": batch_size, "seed": seed},
+                                "profile_threads": profiled_threads if profile else None}
+        if finished:
+            pipe = pipeline_from_root(root, history, info=info)
+            if schedule is not None:
+                pipe.set_schedule(schedule, microbatches)
+                reports = pipe.report()
+            if out_dir is not None:
+                written = pipe.save(out_dir)
+        seconds = time.perf_counter() - started
+        if as_json:
+            doc = {
+                "schema": "fxpipe.compile/v1",
+                "model": resolved.name,
+                "plan_dir": str(written) if written else None,
+                "seconds": round(seconds, 3),
+                "finished": finished,
+                "bottleneck_ratio": _ratio(root),
+                "reports": [r.to_json() for r in reports],
+            }
+            print(json.dumps(doc, default=str))
+            return
+        from fxpipe.render import print_reports
+
+        print_reports(reports, plain=plain, console=out)
+        for rec in history.records:
+            if rec.printed is not None:
+                out.print(f"[bold]graph after {rec.name}[/]")
+                out.print(rec.printed, highlight=False, markup=False)
+        if not finished:
+            err.print(f"stopped after {history.records[-1].name}: no plan written")
+        elif written is not None:
+            err.print(f"wrote {written} ({stages} stages) in {seconds:.1f} s")
+        else:
+            err.print(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def _ratio(root: Any) -> float | None:
+    plan = getattr(root, "meta", {}).get("fxpipe_stage_plan")
+    return None if plan is None else plan.ratio
+

@@ -1,0 +1,110 @@
+"""``fxpipe run PLAN_DIR``: train a plan on NPROC ranks and compare the measured step with the simulated one.
+
+Starting the ranks and naming a failed one is ``fxpipe.cli.ranks``; each rank runs ``fxpipe.cli.rank``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fxpipe.cli import ranks
+from fxpipe.cli.common import err, one_line_errors, out, progress
+from fxpipe.errors import OptionError, RankFailedError
+
+
+def run_cmd(
+    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model).")],
+    nproc: Annotated[int, typer.Option(min=1, help="Ranks to start (one per stage, or stages/2 for interleaved).")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
+    schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
+    data: Annotated[str, typer.Option(help="Training data: synthetic (random batches shaped like the example).")] = "synthetic",
+    lr: Annotated[float, typer.Option(help="SGD learning rate.")] = 0.01,
+    timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save every rank's state here after each step.")] = None,
+    resume: Annotated[bool, typer.Option(help="Start from the checkpoint in --checkpoint-dir.")] = False,
+    trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
+    fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
+    kill_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank is SIGKILLed "
+                                                             "mid-step.")] = -1,
+) -> None:
+    """Train the plan on NPROC ranks (torch.distributed.run, gloo): per-step table, measured vs simulated."""
+    with one_line_errors():
+        import shutil
+        import statistics
+        import tempfile
+
+        from fxpipe.plan_dir import read_plan_json
+        from fxpipe.report import Report
+
+        plan_doc = read_plan_json(plan_dir)
+        from fxpipe.schedules.auto import plan_schedule
+
+        # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
+        sched = plan_schedule(plan_doc.get("info", {}), int(plan_doc["num_stages"]), schedule, microbatches)
+        if sched.num_ranks != nproc:
+            raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
+                              f"not {nproc}; use --nproc {sched.num_ranks}")
+        if data != "synthetic":
+            raise OptionError(f"--data {data!r} is not known; use --data synthetic")
+        if resume and checkpoint_dir is None:
+            raise OptionError("--resume needs --checkpoint-dir")
+        out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
+        cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr, timeout=timeout, schedule=schedule,
+                                     microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
+                                     fail_rank=fail_rank, kill_rank=kill_rank)
+        try:
+            with progress(disable=as_json) as step:
+                step(f"starting {nproc} ranks", 0, steps)
+                proc = ranks.run_ranks(cmd, out_dir / "progress",
+                                       lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
+                                                      s.step, steps))
+            failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
+                                     ranks.finished_ranks(out_dir))
+            if failure is not None:
+                raise RankFailedError(failure.message)
+            results = ranks.rank_results(out_dir, nproc)
+        finally:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
+        batch = results[0]["batch"]
+        measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
+        doc = {
+            "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
+            "ranks": nproc, "batch": batch, "losses": results[0]["losses"], "step_ms": step_ms,
+            "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
+            "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
+            "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+        }
+        if trace is not None:
+            from fxpipe.schedules.timeline import measured_result, write_chrome_trace
+
+            write_chrome_trace(measured_result({r["rank"]: r["events"] for r in results},
+                                               f"measured {results[0]['schedule']}"), trace)
+        if as_json:
+            print(json.dumps(doc))
+            return
+        from fxpipe.render import print_reports
+
+        per_step = Report("run: per step", ("step", "loss", "step ms", "samples/s"),
+                          tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
+                                for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms))),
+                          (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
+                           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
+                           + ("" if results[0].get("profiled") else
+                              " from estimated costs (compile with --profile to simulate with measured ones)")
+                           + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
+                              "compile with --profile-threads 1 to match)"
+                              if (results[0].get("profile_threads") or 1) != 1 else ""),))
+        per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
+                          tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
+                                for r in results))
+        print_reports([per_step, per_rank], plain=plain, console=out)
+        if trace is not None:
+            err.print(f"wrote {trace}")

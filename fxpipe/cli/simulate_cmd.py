@@ -1,0 +1,112 @@
+"""``fxpipe simulate [TARGET]``: a schedule simulated on a plan's (or uniform) costs: tables, timeline, trace, SVG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fxpipe.cli.common import err, one_line_errors, out, parse_size
+from fxpipe.errors import OptionError
+
+
+def simulate_cmd(
+    target: Annotated[Optional[str], typer.Argument(help="A plan directory, a zoo model or file.py:build; optional "
+                                                     "with --uniform-costs.")] = None,
+    schedule: Annotated[str, typer.Option("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, "
+                                          "layerpipe, async-1f1b, or auto.")] = "1f1b",
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (default: 2 x stages; "
+                                                         "auto tries 1, 2 and 4 x stages).")] = None,
+    stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Stages (for a model target or "
+                                                  "--uniform-costs alone).")] = None,
+    uniform_costs: Annotated[Optional[str], typer.Option(help="F,B,W: every stage takes these times and transfers "
+                                                         "are free (for checking closed forms).")] = None,
+    memory_per_stage: Annotated[Optional[str], typer.Option(help="Activation memory cap per rank for auto, e.g. 2GiB.")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome-trace JSON (Perfetto, chrome://tracing).")] = None,
+    svg: Annotated[Optional[Path], typer.Option(help="Write an SVG Gantt chart.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
+    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
+) -> None:
+    """Simulate a schedule on a plan's costs: per-rank table, ASCII timeline, optional trace and SVG."""
+    with one_line_errors():
+        from fxpipe.schedules.auto import choose
+        from fxpipe.schedules.simulate import Costs, costs_from_info, report
+        from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
+
+        unit = "s"
+        if uniform_costs is not None:
+            values = _floats(uniform_costs, "--uniform-costs", 3)
+            num_stages = stages if stages is not None else (_plan_stages(target) if target else None)
+            if num_stages is None:
+                raise OptionError("--uniform-costs needs --stages (or a target to take the stage count from)")
+            costs = Costs.uniform(num_stages, *values)
+            unit = "unit"
+        elif target is None:
+            raise OptionError("give a plan directory or a model to simulate, or --uniform-costs F,B,W with --stages")
+        else:
+            info = _plan_info(target, stages)
+            costs = costs_from_info(info)
+            num_stages = len(costs.f)
+        cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
+        sched, result, extra = choose(schedule, num_stages, microbatches, costs, cap)
+        table = report(result, sched, unit=unit)
+        if trace is not None:
+            write_chrome_trace(result, trace, time_unit_us=1e6 if unit == "s" else 1.0)
+        if svg is not None:
+            write_svg(result, svg)
+        if as_json:
+            print(json.dumps({
+                "schema": "fxpipe.simulate/v1", "schedule": sched.name, "microbatches": sched.num_microbatches,
+                "stages": sched.num_stages, "ranks": sched.num_ranks, "time_unit": unit,
+                "makespan": result.makespan, "max_stage_span": result.max_stage_span,
+                "per_rank": result.to_json()["ranks"], "staleness": result.to_json()["staleness"],
+                "schedule_csv": sched.to_csv(), "reports": [r.to_json() for r in [*extra, table]],
+            }))
+            return
+        from fxpipe.render import print_reports
+
+        print_reports([*extra, table], plain=plain, console=out)
+        print(ascii_timeline(result))  # plain print: rich would wrap the long rows
+        for path in (trace, svg):
+            if path is not None:
+                err.print(f"wrote {path}")
+
+
+def _floats(text: str, option: str, count: int) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count or any(v < 0 for v in values):
+        raise OptionError(f"{option} takes {count} non-negative numbers separated by commas (got {text!r}); e.g. 1,1,1")
+    return values
+
+
+def _plan_stages(target: str) -> int | None:
+    path = Path(target)
+    if (path / "plan.json").is_file():
+        from fxpipe.plan_dir import read_plan_json
+
+        return int(read_plan_json(path)["num_stages"])
+    return None
+
+
+def _plan_info(target: str, stages: int | None) -> dict[str, Any]:
+    """Per-stage costs from a plan directory, or from compiling a model target."""
+    path = Path(target)
+    if path.is_dir():
+        from fxpipe.plan_dir import read_plan_json
+
+        return dict(read_plan_json(path).get("info", {}))
+    import torch  # noqa: F401  (the compile below needs it; imported here to keep --help fast)
+
+    from fxpipe.passes import CompileOptions, build_steps, run_steps
+    from fxpipe.pipeline import pipeline_from_root
+    from fxpipe.targets import resolve
+
+    resolved = resolve(target)
+    root, history = run_steps(build_steps(resolved.model, resolved.example_inputs,
+                                          CompileOptions(stages=stages or 4), resolved.example_kwargs))
+    return pipeline_from_root(root, history).info

@@ -1,0 +1,86 @@
+"""``fxpipe.cli.ranks``: the torchrun command, progress lines, and the rank a failed run names (no process started)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fxpipe.cli.ranks import (RANK_MODULE, DiedRank, RankFailure, StepDone, diagnose, died_ranks, finished_ranks,
+                              parse_step, rank_errors, torchrun_command)
+
+
+def _summary(*failures: tuple[int, int]) -> str:
+    """torchrun's failure summary (ChildFailedError) for (rank, exit code) pairs, root cause first."""
+    blocks = [f"[{i}]:\n  time      : 2026-01-01_00:00:00\n  host      : box\n"
+              f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: {100 + rank})\n"
+              "  error_file: <N/A>\n  traceback : Signal received\n"
+              for i, (rank, code) in enumerate(failures)]
+    return ("Traceback (most recent call last):\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+            "============================================================\nfxpipe.cli.rank FAILED\n"
+            "------------------------------------------------------------\nFailures:\n" + "".join(blocks[1:])
+            + "------------------------------------------------------------\nRoot Cause (first observed failure):\n"
+            + blocks[0] + "============================================================\n")
+
+
+def test_the_command_runs_the_rank_program_under_torchrun(tmp_path: Path) -> None:
+    cmd = torchrun_command(tmp_path / "plan", tmp_path / "out", 2, steps=3, lr=0.01, timeout=60.0, microbatches=4,
+                           resume=True, checkpoint_dir=tmp_path / "ckpt")
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7] == str(tmp_path / "plan")
+    assert cmd[cmd.index("--microbatches") + 1] == "4" and cmd[-1] == "--resume"
+    assert "--schedule" not in cmd  # not given: the rank takes the plan's
+
+
+def test_progress_lines_parse_and_anything_else_is_skipped() -> None:
+    assert parse_step("step 2 loss 4.158883 ms 12.5") == StepDone(2, 4.158883, 12.5)
+    assert parse_step("step 2 loss") is None and parse_step("") is None and parse_step("warming up") is None
+
+
+def test_died_ranks_reads_torchrun_exit_codes_and_puts_sigterm_last() -> None:
+    stderr = _summary((0, -15), (1, -9), (2, 1), (3, 0))
+    assert died_ranks(stderr, reported=()) == [
+        DiedRank(1, "killed by signal 9, SIGKILL: often the out-of-memory killer", False),
+        DiedRank(2, "exit code 1", False),
+        DiedRank(0, "killed by signal 15, SIGTERM", True),
+    ]
+    assert [d.rank for d in died_ranks(stderr, reported={1, 2})] == [0]  # a rank that reported did not just die
+
+
+def test_a_clean_run_has_no_failure() -> None:
+    assert diagnose(0, "", {}, {0, 1}) is None
+
+
+def test_a_killed_rank_is_blamed_over_the_ones_waiting_for_it() -> None:
+    errors = {0: "RankFailedError: rank 1 stopped responding while rank 0 waited for x"}
+    failure = diagnose(1, _summary((1, -9), (0, 1)), errors, set())
+    assert failure == RankFailure(1, "rank 1 died (killed by signal 9, SIGKILL: often the out-of-memory killer) "
+                                     "without an error report; the other ranks stopped (1 reported waiting for it)")
+
+
+def test_a_rank_that_failed_by_itself_is_blamed_over_one_torchrun_stopped() -> None:
+    errors = {1: "RuntimeError: injected failure on rank 1 at step 1"}
+    failure = diagnose(1, _summary((1, 1), (0, -15)), errors, set())
+    assert failure == RankFailure(1, "rank 1 failed: RuntimeError: injected failure on rank 1 at step 1; the other "
+                                     "ranks stopped")
+
+
+def test_when_every_report_is_a_wait_the_rank_it_names_is_blamed() -> None:
+    errors = {2: "RankFailedError: rank 1 stopped responding while rank 2 waited for y",
+              0: "RankFailedError: rank 1 stopped responding while rank 0 waited for x"}
+    failure = diagnose(1, "", errors, set())
+    assert failure is not None and failure.rank == 1
+    assert failure.message.startswith("rank 1 failed without an error report; rank 0 reported: RankFailedError")
+
+
+def test_no_report_at_all_quotes_torchrun() -> None:
+    failure = diagnose(3, "some noise\nModuleNotFoundError: No module named 'x'\n", {}, set())
+    assert failure == RankFailure(None, "the ranks exited with code 3 without a report (ModuleNotFoundError: No "
+                                        "module named 'x'); re-run to see the ranks' output")
+
+
+def test_reports_are_read_from_the_out_dir(tmp_path: Path) -> None:
+    (tmp_path / "rank0.json").write_text("{}")
+    (tmp_path / "rank1.error").write_text("ValueError: boom\n")
+    (tmp_path / "rank2.error").write_text("")  # stopped while writing it
+    assert rank_errors(tmp_path) == {1: "ValueError: boom"}
+    assert finished_ranks(tmp_path) == {0}
