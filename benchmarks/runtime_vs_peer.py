@@ -17,6 +17,8 @@ defaults (1.5 GB/s, 0.1 ms, single-process compute times).
 
 from __future__ import annotations
 
+from fxpipe.schedules.simulate import Costs
+
 import argparse
 import itertools
 import json
@@ -65,8 +67,8 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     # so all ranks hold the same stages and the same costs (and so build the same schedules).
     plan_dir = os.path.join(os.path.dirname(out), "plan")
     if rank == 0:
-        fxpipe.compile(__import__("copy").deepcopy(zoo.model), mb, stages=2, profile=True,
-                       profile_runs=3).save(plan_dir)
+        fxpipe.save(fxpipe.compile(__import__("copy").deepcopy(zoo.model), mb, stages=2, profile=True,
+                                   profile_runs=3), plan_dir)
     dist.barrier()
     runners: dict[str, Any] = {}
     runtimes: dict[str, Any] = {}
@@ -75,7 +77,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     for sched_name in ("1f1b", "zb-h1", "zb-h2", "auto"):
         pipe = fxpipe.load(plan_dir)
         pipe.build_backward(mb)
-        costs = pipe.schedule_costs()
+        costs = Costs.from_plan(pipe.plan)
         if sched_name == "auto":  # fxpipe's own pick for these costs, among every schedule it generates
             from fxpipe.schedules.auto import auto
 
@@ -92,7 +94,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     # The peer, split where fxpipe's plan cuts (before the first layer of stage 1), and where its
     # users split by hand: half the layers on each rank.
     layers = next(r for r in pipe.report() if r.title.startswith("group-layers")).column("name")
-    cut = layers[pipe.info["bounds"][1]].split("#")[0]
+    cut = layers[list(pipe.plan.bounds)[1]].split("#")[0]
     half = layers[len(layers) // 2].split("#")[0]
     splits = [("", cut)] + ([(" (half the layers)", half)] if half != cut else [])
     for (suffix, at), (peer_name, cls) in itertools.product(splits, (("peer GPipe", ScheduleGPipe),

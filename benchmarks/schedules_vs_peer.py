@@ -58,7 +58,7 @@ def peer_schedule(cls: Any, ranks: int, local: int, m: int) -> Schedule:
 
 def costs_for(name: str, stages: int) -> Costs:
     zoo = models.build(name)
-    return fxpipe.compile(zoo.model, zoo.example_inputs, stages=stages).schedule_costs()
+    return Costs.from_plan(fxpipe.compile(zoo.model, zoo.example_inputs, stages=stages).plan)
 
 
 def main() -> None:

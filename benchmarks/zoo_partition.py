@@ -32,16 +32,16 @@ def main() -> None:
         table = next(r for r in pipe.report() if r.title.startswith("partition-stages"))
         layers = next(r for r in pipe.report() if r.title.startswith("group-layers"))
         compute = max(table.column("compute ms"))
-        lower = pipe.info["lower_bound_s"] * 1e3
+        lower = pipe.plan.lower_bound_s * 1e3
         rows.append({
             "model": name,
             "layers": len(layers.rows),
             "stages": args.stages,
-            "bottleneck_ms": round(pipe.info["bottleneck_s"] * 1e3, 4),
+            "bottleneck_ms": round(pipe.plan.bottleneck_s * 1e3, 4),
             "lower_bound_ms": round(lower, 4),
-            "ratio": round(pipe.info["bottleneck_s"] * 1e3 / lower, 4),
+            "ratio": round(pipe.plan.bottleneck_s * 1e3 / lower, 4),
             "compute_ratio": round(compute / lower, 4),
-            "layers_per_stage": [int(b) - int(a) for a, b in zip(pipe.info["bounds"], pipe.info["bounds"][1:])],
+            "layers_per_stage": [int(b) - int(a) for a, b in zip(list(pipe.plan.bounds), list(pipe.plan.bounds)[1:])],
         })
     print(json.dumps({"costs": "profiled" if args.profile else "estimated", "rows": rows}, indent=2))
 

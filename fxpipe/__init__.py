@@ -1,6 +1,6 @@
 """fxpipe: torch.fx passes that turn a PyTorch model into a pipeline-parallel training program.
 
-Public API: ``compile``, ``load``, ``Pipeline``, ``Stage`` and the errors. Attributes load
+Public API: ``compile``, ``load``, ``save``, ``Pipeline``, ``Stage``, ``Plan`` and the errors. Attributes load
 lazily so that ``fxpipe --help`` answers without importing torch.
 """
 
@@ -8,16 +8,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.errors import FxpipeError, OptionError, PlanError, PlanFileError, TargetError, TraceError, VerifyError
+from fxpipe.errors import (FxpipeError, LoweringError, OptionError, PlanError, PlanFileError, RankFailedError,
+                           ScheduleError, TargetError, TraceError, VerifyError)
 
-__version__ = "0.1.0"
+from fxpipe.plan import fxpipe_version
+
+__version__ = fxpipe_version()
 
 if TYPE_CHECKING:
-    from fxpipe.pipeline import Pipeline, Stage, compile
-    from fxpipe.plan_dir import load
+    from fxpipe.api import compile, load, save
+    from fxpipe.pipeline import Pipeline, Stage
+    from fxpipe.plan import Plan
 
-_LAZY = {"compile": "fxpipe.pipeline", "Pipeline": "fxpipe.pipeline", "Stage": "fxpipe.pipeline", "load": "fxpipe.plan_dir",
-         "last_report": "fxpipe.backend"}
+_LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "Pipeline": "fxpipe.pipeline",
+         "Stage": "fxpipe.pipeline", "Plan": "fxpipe.plan", "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend"}
 
 
 def __getattr__(name: str) -> Any:
@@ -29,6 +33,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "FxpipeError", "OptionError", "Pipeline", "PlanError", "PlanFileError", "Stage", "TargetError", "TraceError",
-    "VerifyError", "compile", "last_report", "load",
+    "DEFAULTS", "FxpipeError", "LoweringError", "OptionError", "Pipeline", "Plan", "PlanError", "PlanFileError",
+    "RankFailedError", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "last_report",
+    "load", "save",
 ]

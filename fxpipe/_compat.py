@@ -9,6 +9,9 @@ import torch.fx
 from torch.utils import _pytree as pytree  # no public pytree module in torch 2.13; every fxpipe module uses this one
 from torch.utils import flop_counter
 
+__all__ = ["default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flop_counter_mode",
+           "is_op_namespace", "joint_graph", "outside_dynamo_tracing", "partition_joint", "pytree"]
+
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
     """FlopCounterMode that also counts CPU attention.
@@ -68,8 +71,40 @@ def descriptor_kind(desc: Any) -> str:
     return type(desc).__name__
 
 
+def default_store() -> Any:
+    """The default process group's store (``torch.distributed.distributed_c10d._get_default_store``), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # no process group, or the private name moved
+        return None
+
+
+def outside_dynamo_tracing() -> Any:
+    """A context with no Dynamo tracing context (``torch._guards.tracing(None)``): see fxpipe.backend._outside_dynamo."""
+    import torch._guards
+
+    return torch._guards.tracing(None)
+
+
+def dynamo_frame() -> tuple[Any, dict[str, Any]]:
+    """The code object and locals of the frame Dynamo is compiling right now (inside a backend call)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return tx.f_code, tx.f_locals
+
+
 def fake_tensor_mode(**kwargs: Any) -> Any:
     """A new ``torch._subclasses.fake_tensor.FakeTensorMode``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(**kwargs)
+
+
+def is_op_namespace(value: Any) -> bool:
+    """Whether ``value`` is ``torch.ops.aten``-like (an op namespace) or an op overload packet."""
+    import torch._ops
+
+    return isinstance(value, (torch._ops._OpNamespace, torch._ops.OpOverloadPacket))

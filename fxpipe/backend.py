@@ -24,10 +24,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from fxpipe import api
+from fxpipe._compat import dynamo_frame, outside_dynamo_tracing, pytree
 from fxpipe.errors import FxpipeError, OptionError, TraceError
+from fxpipe.graphs.convention import flatten_inputs, split_batch
+from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
+from fxpipe.runtime.core import ActionRunner
+from fxpipe.schedules.generators import one_rank
+from fxpipe.schedules.ir import Kind
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
 # devices: where stage k runs (devices[k % len]); a stage away from its parameters runs on copies of
@@ -58,11 +64,12 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                          f"({reason.reason.splitlines()[0]}); remove the break (torch.compile(..., fullgraph=True) "
                          "shows it) or write data-dependent branches with torch.cond")
     module, args, kwargs = _traced_call()
-    stages = int(opts.get("stages", 2))
+    stages = _count(opts, "stages", DEFAULTS.stages)
     flat_args, spec = pytree.tree_flatten((args, kwargs))
     batch = next((a.shape[0] for a in flat_args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
-    # Default: the stage count, or the largest count below it that divides the batch.
-    microbatches = int(opts.get("microbatches", max(d for d in range(1, stages + 1) if batch % d == 0)))
+    # Default: DEFAULTS.microbatches(stages), or the largest count below it that divides the batch.
+    microbatches = _count(opts, "microbatches",
+                          max(d for d in range(1, DEFAULTS.microbatches(stages) + 1) if batch % d == 0))
     schedule = str(opts.get("schedule", "zb-gpipe"))
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
@@ -72,13 +79,11 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     input_grads = any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter)
                       for a in flat_args)
 
-    from fxpipe.pipeline import compile as fx_compile
-
     # Our compile is a separate trace of real tensors, not part of the frame Dynamo is compiling:
     # see _outside_dynamo.
     with _outside_dynamo():
-        pipe = fx_compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
-                          verify_each=False)
+        pipe = api.compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
+                           verify_each=False)
         if pipe.stage_graphs is None:
             raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
         placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
@@ -135,16 +140,13 @@ def _outside_dynamo() -> Iterator[None]:
     ``symbol_to_source[symbol][0]``, IndexError) on the first one it cannot fold away. With no
     tracing context, AOTAutograd builds its own fake mode, as under ``fxpipe compile``.
     """
-    with torch._guards.tracing(None):
+    with outside_dynamo_tracing():
         yield
 
 
 def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
     """The module and arguments of the frame Dynamo is compiling (its ``forward`` call)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    tx = InstructionTranslator.current_tx()
-    code, loc = tx.f_code, tx.f_locals
+    code, loc = dynamo_frame()
     names = code.co_varnames
     pos = [loc[names[i]] for i in range(code.co_argcount)]
     n = code.co_argcount + code.co_kwonlyargcount
@@ -216,7 +218,6 @@ def _place(pipe: Any, devices: Sequence[Any] | None, example: tuple[tuple[Any, .
     AOTAutograd picks device-specific kernels (CUDA attention has no CPU kernel). Gradients
     travel back to the parameters' device.
     """
-    from fxpipe.graphs.convention import flatten_inputs
     from fxpipe.graphs.fx import preserved_buffers
     from fxpipe.graphs.split import split_stage
 
@@ -291,10 +292,15 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
     return torch.fx.GraphModule(attrs, graph, class_name=type(module).__name__)
 
 
+def _count(opts: dict[str, Any], name: str, default: int) -> int:
+    value = opts.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"options {name!r} must be a whole number of at least 1 ({name}: {value!r})")
+    return value
+
+
 def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
     """The flat call arguments of each of the m microbatches."""
-    from fxpipe.graphs.convention import split_batch
-
     parts = [split_batch(a, m, fix="set options={'microbatches': k} with k dividing the batch") for a in flat]
     return [[p[i] for p in parts] for i in range(m)]
 
@@ -318,7 +324,8 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device]) -> Report:
 
 
 class _Runner:
-    """Runs F for every microbatch, then B (and deferred W) back, on one Pipeline's split graphs."""
+    """Runs a one-rank Schedule (``zb-gpipe`` or ``gpipe-one-rank``) on one Pipeline's split graphs through
+    the executor core: its F actions in autograd's forward, the rest in autograd's backward."""
 
     def __init__(self, pipe: Any, m: int, spec: Any, n_flat: int, params: list[torch.Tensor], defer_w: bool,
                  placement: _Placement, out_devices: Sequence[torch.device | None]) -> None:
@@ -330,90 +337,90 @@ class _Runner:
         self.n_flat = n_flat
         self.params = params
         self.param_index = {id(p): i for i, p in enumerate(params)}
-        self.defer_w = defer_w
         self.stages = pipe.stage_list()
         self.graphs = pipe.stage_graphs
+        for k, g in enumerate(self.graphs):
+            if g.fused:
+                raise FxpipeError(f"stage {k} has no split backward ({g.fused_reason}); backend='fxpipe' needs "
+                                  "every stage split")
         self.placement = placement
         self.devices = placement.devices
         self.out_devices = list(out_devices)
         self.transfers = Transfers(self.devices)
+        self.schedule = one_rank(len(self.stages), m, defer_w=defer_w)
+        actions = self.schedule.ranks[0]
+        first_backward = next(i for i, a in enumerate(actions) if a.kind is not Kind.F)
+        self.forward_actions, self.backward_actions = actions[:first_backward], actions[first_backward:]
 
     def forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
-        from fxpipe.graphs.convention import flatten_inputs
-
         self.placement.refresh()
-        state: dict[str, Any] = {"values": [], "saved": {},
-                                 "input_devices": [a.device if isinstance(a, torch.Tensor) else None for a in flat]}
-        per_mb_outputs = []
-        for i, part in enumerate(_microbatches(flat, self.m)):
+        inputs = []
+        for part in _microbatches(flat, self.m):
             args, kwargs = pytree.tree_unflatten(part, self.spec)
-            env = dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), dict(kwargs))))
-            for k, (stage, g) in enumerate(zip(self.stages, self.graphs)):
-                inputs = [self.transfers.to(env[n], k) for n in stage.inputs]
-                if g.fused:
-                    raise FxpipeError(f"stage {k} has no split backward ({g.fused_reason}); backend='fxpipe' needs "
-                                      "every stage split")
-                outputs, state["saved"][(k, i)] = g.run_forward(inputs)
-                env.update(zip(stage.outputs, outputs))
-            state["values"].append(env)
-            per_mb_outputs.append([env[n] if n is not None else c
-                                   for n, c in zip(self.pipe.output_names, self.pipe.output_constants)])
+            inputs.append(dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), dict(kwargs)))))
+        core = _BackendCore(self, [])
+        core.begin(inputs, [None] * self.m)
+        for action in self.forward_actions:
+            core.run(action)
         self.placement.write_back_buffers()
-        outs = tuple(self.transfers.move(torch.cat([mb[j] for mb in per_mb_outputs]),
+        per_mb = [[env[n] if n is not None else c for n, c in zip(self.pipe.output_names, self.pipe.output_constants)]
+                  for env in core.values]
+        outs = tuple(self.transfers.move(torch.cat([mb[j] for mb in per_mb]),
                                          self.out_devices[j] if j < len(self.out_devices) else None)
-                     for j in range(len(per_mb_outputs[0])))
-        return outs, state
+                     for j in range(len(per_mb[0])))
+        core.input_devices = [a.device if isinstance(a, torch.Tensor) else None for a in flat]
+        return outs, core
 
-    def backward(self, state: dict[str, Any], grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
-        m, move = self.m, self.transfers.move
+    def backward(self, core: _BackendCore, grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
         # A value's gradient stays where it was made until a stage reads it; shares from several
         # readers (skip connections) are summed on the device of the first.
-        value_grads: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
         for name, g in zip(self.pipe.output_names, grads):
             if name is not None and g is not None:
-                for i, part in enumerate(g.tensor_split(m)):
-                    value_grads[i][name] = part
-        param_grads: list[Any] = [None] * len(self.param_index)
-        pending_w: list[tuple[int, int, tuple[Any, ...], list[Any]]] = []
-        for i in range(m):
-            for k in reversed(range(len(self.stages))):
-                stage, g = self.stages[k], self.graphs[k]
-                env = state["values"][i]
-                outs_grad = [value_grads[i].get(stage.outputs[j]) for j in g.grad_outputs]
-                outs_grad = [self.transfers.to(x, k) if x is not None else torch.zeros_like(env[stage.outputs[j]])
-                             for x, j in zip(outs_grad, g.grad_outputs)]
-                saved = state["saved"][(k, i)]
-                b_grads, handover = g.run_backward_input(saved, outs_grad)
-                for pos, grad in zip(g.grad_inputs, b_grads):
-                    name = stage.inputs[pos]
-                    have = value_grads[i].get(name)
-                    value_grads[i][name] = grad if have is None else have + move(grad, have.device)
-                pending_w.append((k, i, g.weight_args(handover, saved, outs_grad), saved))
-                # zb-gpipe: stage k runs the W of the previous microbatch after this B (W fills the gap
-                # while gradients travel); gpipe: right away.
-                ready = [w for w in pending_w if w[0] == k and (not self.defer_w or w[1] < i)]
-                for w in ready:
-                    self._run_w(w, param_grads)
-                    pending_w.remove(w)
-        for w in pending_w:
-            self._run_w(w, param_grads)
+                for i, part in enumerate(g.tensor_split(self.m)):
+                    core.grads[i][name] = part
+        core.param_grads = [None] * len(self.param_index)
+        for action in self.backward_actions:
+            core.run(action)
         input_grads: list[torch.Tensor | None] = [None] * self.n_flat
         for j, name in enumerate(self.pipe.input_names[: self.n_flat]):
-            parts = [value_grads[i][name] for i in range(m) if name in value_grads[i]]
-            if len(parts) == m:
-                device = state["input_devices"][j]
-                input_grads[j] = torch.cat([move(p, device) for p in parts])
-        return input_grads, param_grads
+            parts = [core.grads[i][name] for i in range(self.m) if name in core.grads[i]]
+            if len(parts) == self.m:
+                input_grads[j] = torch.cat([self.transfers.move(p, core.input_devices[j]) for p in parts])
+        return input_grads, core.param_grads
 
-    def _run_w(self, w: tuple[int, int, tuple[Any, ...], list[Any]], param_grads: list[Any]) -> None:
-        k, _, args, _ = w
-        g, module = self.graphs[k], self.stages[k].module  # the model's parameters, by the stage's names
-        for name, grad in zip(g.param_names, g.backward_weight(*args)):
-            idx = self.param_index.get(id(module.get_parameter(name)))
+
+class _BackendCore(ActionRunner):
+    """The executor core with the backend's policies: stages read inputs on their own device, gradient
+    shares are summed on the first share's device, and W's gradients go back to autograd."""
+
+    def __init__(self, runner: _Runner, param_grads: list[Any]) -> None:
+        super().__init__(runner.pipe, runner.graphs, None)
+        self.runner = runner
+        self.param_grads = param_grads
+        self.input_devices: list[torch.device | None] = []
+
+    def value(self, s: int, m: int, name: str) -> Any:
+        return self.runner.transfers.to(self.values[m][name], s)
+
+    def output_grad(self, s: int, m: int, j: int) -> torch.Tensor:
+        grad = self.grads[m].pop(self.stages[s].outputs[j], None)
+        if grad is None:
+            return torch.zeros_like(self.values[m][self.stages[s].outputs[j]])
+        return self.runner.transfers.to(grad, s)
+
+    def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
+        have = self.grads[m].get(name)
+        self.grads[m][name] = grad if have is None else have + self.runner.transfers.move(grad, have.device)
+
+    def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
+        g, module = self.graphs[s], self.stages[s].module  # the model's parameters, by the stage's names
+        for name, grad in zip(g.param_names, g.backward_weight(*args)):  # type: ignore[misc]
+            idx = self.runner.param_index.get(id(module.get_parameter(name)))
             if idx is None:
                 continue
-            grad = self.transfers.move(grad, self.params[idx].device)
-            param_grads[idx] = grad if param_grads[idx] is None else param_grads[idx] + grad
+            grad = self.runner.transfers.move(grad, self.runner.params[idx].device)
+            have = self.param_grads[idx]
+            self.param_grads[idx] = grad if have is None else have + grad
 
 
 class _Pipelined(torch.autograd.Function):

@@ -40,7 +40,7 @@ def _round_trip(name: str, root: Path) -> RoundTrip:
     zoo = models.build(name)
     eager = copy.deepcopy(zoo.model)
     pipe = fxpipe.compile(copy.deepcopy(zoo.model), zoo.example_inputs, stages=2)
-    plan_dir = pipe.save(root / name)
+    plan_dir = fxpipe.save(pipe, root / name)
     loaded = fxpipe.load(plan_dir)
     outputs = {}
     for label, module in (("eager", eager), ("pipe", pipe), ("loaded", loaded)):
@@ -82,7 +82,7 @@ def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[models.ZooModel,
     """A saved mlp-tiny plan, never modified: tests that corrupt a plan corrupt a copy."""
     zoo = models.build("mlp-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-    return zoo, pipe, pipe.save(tmp_path_factory.mktemp("mlp") / "plan")
+    return zoo, pipe, fxpipe.save(pipe, tmp_path_factory.mktemp("mlp") / "plan")
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_loaded_pipeline_draws_fresh_random_numbers_each_call(tmp_path: Path) ->
     model, x = Noisy(), torch.randn(2, 4)
     pipe = fxpipe.compile(model, (x,), stages=2)
     assert not torch.equal(pipe(x), pipe(x))
-    loaded = fxpipe.load(pipe.save(tmp_path / "plan"))
+    loaded = fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))
     assert not torch.equal(loaded(x), loaded(x))
 
 
@@ -204,7 +204,7 @@ def test_buffers_listed_in_plan_json_are_in_the_weights_file(trip: RoundTrip) ->
 def test_loaded_gpt_shares_the_tied_parameter_across_stages(tmp_path: Path) -> None:
     zoo = models.build("gpt-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-    loaded = fxpipe.load(pipe.save(tmp_path / "plan"))
+    loaded = fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))
     assert loaded.shared_params == pipe.shared_params == {"lm_head.weight": [0, 1]}
     first = loaded.stages[0].module.get_parameter("lm_head.weight")
     last = loaded.stages[1].module.get_parameter("lm_head.weight")
@@ -225,7 +225,7 @@ def test_load_keeps_names_specs_reports_and_info(trip: RoundTrip) -> None:
     assert loaded.in_spec == pipe.in_spec and loaded.out_spec == pipe.out_spec
     assert loaded.history is None
     assert [r.to_json() for r in loaded.report()] == json.loads(json.dumps([r.to_json() for r in pipe.report()]))
-    assert loaded.info["bounds"] == pipe.info["bounds"]
+    assert list(loaded.plan.bounds) == list(pipe.plan.bounds)
 
 
 @pytest.mark.parametrize("name", [
@@ -237,7 +237,7 @@ def test_fx_traced_plan_round_trips(name: str, tmp_path: Path) -> None:
     eager = copy.deepcopy(zoo.model)
     pipe = fxpipe.compile(copy.deepcopy(zoo.model), zoo.example_inputs, stages=2, tracer="fx")
     assert any(n.op == "call_module" for s in pipe.stages for n in s.module.graph.nodes)
-    loaded = fxpipe.load(pipe.save(tmp_path / "plan"))
+    loaded = fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))
     expected = eager(*zoo.example_inputs)
     out = loaded(*zoo.example_inputs)
     torch.testing.assert_close(out, expected)
@@ -255,7 +255,7 @@ def test_fx_traced_plan_round_trips(name: str, tmp_path: Path) -> None:
 
 def test_stage_files_are_readable_python_with_a_forward(trip: RoundTrip) -> None:
     doc = json.loads((trip.plan_dir / "plan.json").read_text())
-    assert doc["schema"] == "fxpipe.plan/v1"
+    assert doc["schema"] == "fxpipe.plan/v2"
     assert doc["num_stages"] == len(doc["stages"]) == 2
     for k, stage in enumerate(doc["stages"]):
         assert stage["index"] == k
@@ -300,7 +300,7 @@ def test_load_does_not_need_the_model_source(tmp_path: Path) -> None:
     model = module.MyModel()
     x = torch.randn(5, 6)
     pipe = fxpipe.compile(model, (x,), stages=2)
-    plan_dir = pipe.save(tmp_path / "plan")
+    plan_dir = fxpipe.save(pipe, tmp_path / "plan")
     torch.save({"x": x, "expected": model(x).detach()}, tmp_path / "io.pt")
     source.unlink()
     del module, model, pipe
@@ -341,7 +341,7 @@ def test_load_of_a_missing_dir(tmp_path: Path) -> None:
 
 
 def test_load_of_invalid_json(plan_copy: Path) -> None:
-    (plan_copy / "plan.json").write_text('{"schema": "fxpipe.plan/v1", "stages": [')
+    (plan_copy / "plan.json").write_text('{"schema": "fxpipe.plan/v2", "stages": [')
     with pytest.raises(PlanFileError, match="plan.json is not valid JSON"):
         fxpipe.load(plan_copy)
 
@@ -349,7 +349,7 @@ def test_load_of_invalid_json(plan_copy: Path) -> None:
 @pytest.mark.parametrize("schema", ["fxpipe.plan/v0", "fxpipe.plan/v2", None])
 def test_load_of_a_wrong_schema(plan_copy: Path, schema: str | None) -> None:
     _edit_plan(plan_copy, lambda doc: doc.update(schema=schema))
-    with pytest.raises(PlanFileError, match=rf"has schema {schema!r}, this fxpipe reads 'fxpipe.plan/v1'"):
+    with pytest.raises(PlanFileError, match=rf"has schema {schema!r}, this fxpipe reads 'fxpipe.plan/v2'"):
         fxpipe.load(plan_copy)
 
 
@@ -415,13 +415,13 @@ def test_load_with_a_stage_entry_missing_a_key(plan_copy: Path) -> None:
 def test_save_over_an_earlier_plan_replaces_it(tmp_path: Path) -> None:
     out = tmp_path / "plan"
     big = models.build("mlp-tiny")
-    fxpipe.compile(big.model, big.example_inputs, stages=3).save(out)
+    fxpipe.save(fxpipe.compile(big.model, big.example_inputs, stages=3), out)
     (out / "notes.txt").write_text("written by hand into the old plan")
     assert (out / "stage_2.py").is_file()
 
     small = models.build("gpt-tiny")
     pipe = fxpipe.compile(small.model, small.example_inputs, stages=2)
-    assert pipe.save(out) == out
+    assert fxpipe.save(pipe, out) == out
 
     assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.pt", "stage_0.py", "stage_1.pt",
                                                      "stage_1.py"]
@@ -435,13 +435,13 @@ def test_save_into_an_empty_dir(mlp_plan: tuple[models.ZooModel, fxpipe.Pipeline
     zoo, pipe, _ = mlp_plan
     out = tmp_path / "empty"
     out.mkdir()
-    pipe.save(out)
+    fxpipe.save(pipe, out)
     torch.testing.assert_close(fxpipe.load(out)(*zoo.example_inputs), pipe(*zoo.example_inputs))
 
 
 def test_save_creates_missing_parents(mlp_plan: tuple[models.ZooModel, fxpipe.Pipeline, Path], tmp_path: Path) -> None:
     _, pipe, _ = mlp_plan
-    out = pipe.save(tmp_path / "a" / "b" / "plan")
+    out = fxpipe.save(pipe, tmp_path / "a" / "b" / "plan")
     assert (out / "plan.json").is_file()
 
 
@@ -455,7 +455,7 @@ def test_save_into_a_non_plan_dir_is_refused_and_leaves_its_files(
     (out / "sub").mkdir()
     (out / "sub" / "data.bin").write_bytes(b"\x00\x01")
     with pytest.raises(PlanFileError, match="exists and is not an fxpipe plan directory"):
-        pipe.save(out)
+        fxpipe.save(pipe, out)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["sub", "sub/data.bin", "thesis.tex"]
     assert (out / "thesis.tex").read_text() == "precious"
     assert (out / "sub" / "data.bin").read_bytes() == b"\x00\x01"
@@ -467,7 +467,7 @@ def test_save_onto_a_file_is_refused(mlp_plan: tuple[models.ZooModel, fxpipe.Pip
     out = tmp_path / "plan"
     out.write_text("a file")
     with pytest.raises(PlanFileError, match="not an fxpipe plan directory"):
-        pipe.save(out)
+        fxpipe.save(pipe, out)
     assert out.read_text() == "a file"
 
 
@@ -478,7 +478,7 @@ def test_meta_model_compiles_saves_and_loads_on_meta(tmp_path: Path) -> None:
     zoo = models.build("gpt-tiny", device="meta")
     assert all(p.device.type == "meta" for p in zoo.model.parameters())
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-    out = pipe.save(tmp_path / "plan")
+    out = fxpipe.save(pipe, tmp_path / "plan")
     doc = json.loads((out / "plan.json").read_text())
     assert {p["device"] for s in doc["stages"] for p in s["parameters"]} == {"meta"}
 

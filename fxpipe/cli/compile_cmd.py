@@ -31,16 +31,17 @@ class DType(str, Enum):
 
 def compile_cmd(
     target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
-    stages: Annotated[int, typer.Option("--stages", "-s", min=1, help="Number of pipeline stages.",
-                                        rich_help_panel="Partitioning")] = 2,
+    stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Number of pipeline stages "
+                                                  "[default: 2].", rich_help_panel="Partitioning")] = None,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
                                                     rich_help_panel="Output")] = None,
     tracer: Annotated[Tracer, typer.Option(help="Graph capture: torch.export, or torch.fx as a fallback.")] = Tracer.export,
     granularity: Annotated[str, typer.Option(help="Layers: auto (repeating blocks), node, or a module depth (1, 2, ...).",
                                              rich_help_panel="Partitioning")] = "auto",
-    bandwidth: Annotated[str, typer.Option(help="Link bandwidth per second between stages, e.g. 1.5GB.",
-                                           rich_help_panel="Partitioning")] = "1.5GB",
-    latency: Annotated[float, typer.Option(help="Seconds per transfer.", rich_help_panel="Partitioning")] = 1e-4,
+    bandwidth: Annotated[Optional[str], typer.Option(help="Link bandwidth per second between stages, e.g. 1.5GB "
+                                                     "[default: 1.5GB].", rich_help_panel="Partitioning")] = None,
+    latency: Annotated[Optional[float], typer.Option(help="Seconds per transfer [default: 0.0001].",
+                                                     rich_help_panel="Partitioning")] = None,
     memory_per_stage: Annotated[Optional[str], typer.Option(help="Memory cap per stage, e.g. 8GiB.",
                                                              rich_help_panel="Partitioning")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
@@ -55,9 +56,10 @@ def compile_cmd(
     profile_threads: Annotated[Optional[int], typer.Option(
         min=1, help="Threads to profile with (default: torch's); fxpipe run's ranks use 1 each.",
         rich_help_panel="Costs")] = None,
-    device_flops: Annotated[float, typer.Option(help="FLOP/s for estimated times.", rich_help_panel="Costs")] = 1e11,
-    device_mem_bw: Annotated[str, typer.Option(help="Memory bandwidth per second for estimated times.",
-                                               rich_help_panel="Costs")] = "10GB",
+    device_flops: Annotated[Optional[float], typer.Option(help="FLOP/s for estimated times [default: 1e11].",
+                                                          rich_help_panel="Costs")] = None,
+    device_mem_bw: Annotated[Optional[str], typer.Option(help="Memory bandwidth per second for estimated times "
+                                                         "[default: 10GB].", rich_help_panel="Costs")] = None,
     device: Annotated[Device, typer.Option(help="Build the model on cpu, or on meta (no weights allocated).",
                                            rich_help_panel="Model")] = Device.cpu,
     dtype: Annotated[DType, typer.Option(help="Parameter dtype.", rich_help_panel="Model")] = DType.float32,
@@ -90,8 +92,8 @@ def compile_cmd(
             step("importing torch", 0, 0)
             import torch
 
-            from fxpipe.passes import CompileOptions, build_steps, run_steps
-            from fxpipe.pipeline import pipeline_from_root
+            from fxpipe.api import run_compile
+            from fxpipe.plan import BuildRecipe, CompileOptions
             from fxpipe.targets import resolve
 
             if out_dir is not None:
@@ -101,40 +103,30 @@ def compile_cmd(
             step(f"building {target}", 0, 0)
             resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
                                batch_size=batch_size, seed=seed)
+            given = {"stages": stages, "latency": latency, "device_flops": device_flops,
+                     "bandwidth": parse_size(bandwidth, "--bandwidth") if bandwidth is not None else None,
+                     "device_mem_bw": parse_size(device_mem_bw, "--device-mem-bw") if device_mem_bw is not None else None}
             options = CompileOptions(
-                stages=stages, tracer=tracer.value, granularity=granularity,
-                bandwidth=parse_size(bandwidth, "--bandwidth"), latency=latency,
+                **{k: v for k, v in given.items() if v is not None},
+                tracer=tracer.value, granularity=granularity,
                 memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
-                microbatches=microbatches, profile=profile, profile_runs=profile_runs,
-                device_flops=device_flops, device_mem_bw=parse_size(device_mem_bw, "--device-mem-bw"),
+                microbatches=microbatches, schedule=schedule, profile=profile, profile_runs=profile_runs,
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
-                verify_each=verify_each, stop_after=stop_after, print_after=tuple(print_after or ()),
             )
-            steps = build_steps(resolved.model, resolved.example_inputs, options, resolved.example_kwargs)
-            threads = torch.get_num_threads()
-            if profile_threads is not None:
-                torch.set_num_threads(profile_threads)
-            try:
-                root, history = run_steps(steps, verify_each=options.verify_each, stop_after=options.stop_after,
-                                          print_after=options.print_after,
-                                          on_start=lambda name, i, n: step(f"pass {name}", i, n))
-            finally:
-                profiled_threads = torch.get_num_threads()
-                torch.set_num_threads(threads)
-        reports = [r for rec in history.records for r in rec.reports] + [history.report()]
-        finished = len(history.records) == len(steps)
+            compiled = run_compile(resolved.model, resolved.example_inputs, options,
+                                   example_kwargs=resolved.example_kwargs, model_name=resolved.name,
+                                   build=BuildRecipe(dtype.value, batch_size, seed), verify_each=verify_each,
+                                   stop_after=stop_after, print_after=tuple(print_after or ()),
+                                   on_pass=lambda name, i, n: step(f"pass {name}", i, n),
+                                   profile_threads=profile_threads)
+        history, root = compiled.history, compiled.root
+        reports = compiled.reports
+        finished = compiled.pipeline is not None
         written = None
-        info: dict[str, Any] = {"model": resolved.name, "options": options.to_json(),
-                                # how the example was built: what fxpipe run / PipelineRuntime rebuild
-                                "build": {"dtype": dtype.value, "batch_size": batch_size, "seed": seed},
-                                "profile_threads": profiled_threads if profile else None}
-        if finished:
-            pipe = pipeline_from_root(root, history, info=info)
-            if schedule is not None:
-                pipe.set_schedule(schedule, microbatches)
-                reports = pipe.report()
-            if out_dir is not None:
-                written = pipe.save(out_dir)
+        if compiled.pipeline is not None and out_dir is not None:
+            from fxpipe.api import save
+
+            written = save(compiled.pipeline, out_dir)
         seconds = time.perf_counter() - started
         if as_json:
             doc = {
@@ -158,7 +150,7 @@ def compile_cmd(
         if not finished:
             err.print(f"stopped after {history.records[-1].name}: no plan written")
         elif written is not None:
-            err.print(f"wrote {written} ({stages} stages) in {seconds:.1f} s")
+            err.print(f"wrote {written} ({options.stages} stages) in {seconds:.1f} s")
         else:
             err.print(f"done in {seconds:.1f} s; no --out given, so no plan written")
 

@@ -96,16 +96,17 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     import fxpipe
     from fxpipe.errors import PlanFileError
     from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.schedules.simulate import Costs
 
     pipe = fxpipe.load(args.plan)
     zoo = _zoo_of(pipe)  # built as fxpipe compile built it (dtype, batch, seed)
     if zoo is None:
-        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.info.get('model')!r}); "
+        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.plan.provenance.model!r}); "
                             "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=zoo.example_inputs,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr), timeout=timedelta(seconds=args.timeout))
-    sched, costs, m = rt.schedule, pipe.schedule_costs(), rt.schedule.num_microbatches
+    sched, costs, m = rt.schedule, Costs.from_plan(pipe.plan), rt.schedule.num_microbatches
     inputs, target = synthetic_batch(zoo, m)
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
     losses, step_ms = [], []
@@ -132,8 +133,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         "losses": losses, "step_ms": step_ms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
-        "profiled": bool((pipe.info.get("options") or {}).get("profile")),
-        "profile_threads": pipe.info.get("profile_threads"),
+        "profiled": pipe.plan.provenance.profiled,
+        "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
     }
 
@@ -145,10 +146,11 @@ def _zoo_of(pipe: Any) -> Any:
     from fxpipe import models
     from fxpipe.errors import FxpipeError
 
-    name, build = pipe.info.get("model"), pipe.info.get("build") or {}
+    name, build = pipe.plan.provenance.model, pipe.plan.provenance.build
+    if name is None or build is None:
+        return None
     try:
-        return models.build(str(name), dtype=getattr(torch, str(build.get("dtype") or "float32")),
-                            batch_size=build.get("batch_size"), seed=int(build.get("seed") or 0)) if name else None
+        return models.build(name, dtype=getattr(torch, build.dtype), batch_size=build.batch_size, seed=build.seed)
     except FxpipeError:  # not a zoo name: the user's own model
         return None
 

@@ -23,7 +23,7 @@ def run_cmd(
     schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
     data: Annotated[str, typer.Option(help="Training data: synthetic (random batches shaped like the example).")] = "synthetic",
-    lr: Annotated[float, typer.Option(help="SGD learning rate.")] = 0.01,
+    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate [default: 0.01].")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save every rank's state here after each step.")] = None,
     resume: Annotated[bool, typer.Option(help="Start from the checkpoint in --checkpoint-dir.")] = False,
@@ -40,14 +40,19 @@ def run_cmd(
         import statistics
         import tempfile
 
-        from fxpipe.plan_dir import read_plan_json
+        from fxpipe.plan_dir import read_plan
         from fxpipe.report import Report
 
-        plan_doc = read_plan_json(plan_dir)
+        plan = read_plan(plan_dir)
+        from fxpipe.plan import DEFAULTS
         from fxpipe.schedules.auto import plan_schedule
 
         # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
-        sched = plan_schedule(plan_doc.get("info", {}), int(plan_doc["num_stages"]), schedule, microbatches)
+        sched = plan_schedule(plan, schedule, microbatches)
+        if not sched.synchronous:
+            raise OptionError(f"{sched.name} is asynchronous (weights update after every microbatch, no flush), and "
+                              "fxpipe run does not train asynchronous schedules yet; it will not train one as a "
+                              "synchronous schedule either: use --schedule 1f1b")
         if sched.num_ranks != nproc:
             raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
                               f"not {nproc}; use --nproc {sched.num_ranks}")
@@ -56,7 +61,7 @@ def run_cmd(
         if resume and checkpoint_dir is None:
             raise OptionError("--resume needs --checkpoint-dir")
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
-        cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr, timeout=timeout, schedule=schedule,
+        cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
                                      fail_rank=fail_rank, kill_rank=kill_rank)
         try:

@@ -15,8 +15,8 @@ from fxpipe.errors import OptionError
 def simulate_cmd(
     target: Annotated[Optional[str], typer.Argument(help="A plan directory, a zoo model or file.py:build; optional "
                                                      "with --uniform-costs.")] = None,
-    schedule: Annotated[str, typer.Option("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, "
-                                          "layerpipe, async-1f1b, or auto.")] = "1f1b",
+    schedule: Annotated[Optional[str], typer.Option("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, "
+                                                    "layerpipe, async-1f1b, or auto [default: 1f1b].")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (default: 2 x stages; "
                                                          "auto tries 1, 2 and 4 x stages).")] = None,
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Stages (for a model target or "
@@ -32,7 +32,7 @@ def simulate_cmd(
     """Simulate a schedule on a plan's costs: per-rank table, ASCII timeline, optional trace and SVG."""
     with one_line_errors():
         from fxpipe.schedules.auto import choose
-        from fxpipe.schedules.simulate import Costs, costs_from_info, report
+        from fxpipe.schedules.simulate import Costs, report
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
         unit = "s"
@@ -46,11 +46,12 @@ def simulate_cmd(
         elif target is None:
             raise OptionError("give a plan directory or a model to simulate, or --uniform-costs F,B,W with --stages")
         else:
-            info = _plan_info(target, stages)
-            costs = costs_from_info(info)
+            costs = Costs.from_plan(_plan(target, stages))
             num_stages = len(costs.f)
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
-        sched, result, extra = choose(schedule, num_stages, microbatches, costs, cap)
+        from fxpipe.plan import DEFAULTS
+
+        sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
         table = report(result, sched, unit=unit)
         if trace is not None:
             write_chrome_trace(result, trace, time_unit_us=1e6 if unit == "s" else 1.0)
@@ -93,20 +94,22 @@ def _plan_stages(target: str) -> int | None:
     return None
 
 
-def _plan_info(target: str, stages: int | None) -> dict[str, Any]:
-    """Per-stage costs from a plan directory, or from compiling a model target."""
+def _plan(target: str, stages: int | None) -> Any:
+    """The Plan of a plan directory, or of compiling a model target (``--stages``, else DEFAULTS.stages)."""
     path = Path(target)
     if path.is_dir():
-        from fxpipe.plan_dir import read_plan_json
+        from fxpipe.plan_dir import read_plan
 
-        return dict(read_plan_json(path).get("info", {}))
+        return read_plan(path)
     import torch  # noqa: F401  (the compile below needs it; imported here to keep --help fast)
 
-    from fxpipe.passes import CompileOptions, build_steps, run_steps
-    from fxpipe.pipeline import pipeline_from_root
+    from fxpipe.api import run_compile
+    from fxpipe.plan import CompileOptions
     from fxpipe.targets import resolve
 
     resolved = resolve(target)
-    root, history = run_steps(build_steps(resolved.model, resolved.example_inputs,
-                                          CompileOptions(stages=stages or 4), resolved.example_kwargs))
-    return pipeline_from_root(root, history).info
+    options = CompileOptions(**({"stages": stages} if stages is not None else {}))
+    compiled = run_compile(resolved.model, resolved.example_inputs, options, example_kwargs=resolved.example_kwargs,
+                           model_name=resolved.name)
+    assert compiled.pipeline is not None  # no stop_after: every pass ran
+    return compiled.pipeline.plan

@@ -9,28 +9,26 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe._compat import flop_counter_mode
+from fxpipe._compat import fake_tensor_mode, flop_counter_mode
 from fxpipe.graphs.fx import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
+from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
 
 # A CPU core of this machine does ~1.8e11 FLOP/s in a 512^3 matmul on one thread and streams
 # ~4e9 B/s through an element-wise op; these round defaults model "one busy core" (see
 # docs/architecture.md). --profile replaces the estimates with measured times.
-DEFAULT_DEVICE_FLOPS = 1e11
-DEFAULT_DEVICE_MEM_BW = 1e10
 
 
 def annotate_costs(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     *,
-    device_flops: float = DEFAULT_DEVICE_FLOPS,
-    device_mem_bw: float = DEFAULT_DEVICE_MEM_BW,
+    device_flops: float | None = None,
+    device_mem_bw: float | None = None,
 ) -> PassResult:
     """Write shape, bytes, FLOPs and estimated times into each call node's NodeMeta.
 
@@ -44,8 +42,10 @@ def annotate_costs(
         %linear = call_function[aten.linear](%x, %w, %b)
           ──▶ NodeMeta(shape=((4, 64),), flops_fwd=32768, flops_bwd_input=32768, ...)
     """
+    device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
+    device_mem_bw = DEFAULTS.device_mem_bw if device_mem_bw is None else device_mem_bw
     out = clone(gm)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fake_tensor_mode(allow_non_fake_inputs=True)
     interp = _CostInterpreter(out, fake_mode)
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
@@ -133,7 +133,7 @@ def verify_costs(gm: torch.fx.GraphModule) -> list[str]:
 class _CostInterpreter(torch.fx.Interpreter):
     """Runs the graph on fake tensors under FlopCounterMode, recording each node's value and FLOPs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fake_mode: FakeTensorMode) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, fake_mode: Any) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.fake_mode = fake_mode
         self.values: dict[torch.fx.Node, Any] = {}

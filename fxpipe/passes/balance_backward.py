@@ -20,8 +20,8 @@ import torch.fx
 
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.graphs.fx import clone, copy_graph, value_bytes
-from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_MEM_BW
 from fxpipe.passes.driver import PassResult
+from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
 
 # Derivatives of element-wise activations that read the activation's *output* (which the next
@@ -33,7 +33,7 @@ MOVABLE = {
 }
 
 
-def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float = DEFAULT_DEVICE_MEM_BW) -> PassResult:
+def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None = None) -> PassResult:
     """Move movable activation derivatives from the start of stage k's B to the end of stage k+1's B.
 
     Reads: the stage graphs (split_backward), the wiring (split_stages) and the stage times of
@@ -41,6 +41,7 @@ def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float = DEFAU
     Writes: new StageGraphs for the stages it changes, and the plan's stage times in the report.
     Only values read by the next stage alone (not the model output, not a skip connection) move.
     """
+    device_mem_bw = DEFAULTS.device_mem_bw if device_mem_bw is None else device_mem_bw
     out = clone(root)
     graphs: list[StageGraphs] = list(root.meta["fxpipe_stage_graphs"])
     wiring = root.meta["fxpipe_wiring"]

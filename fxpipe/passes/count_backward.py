@@ -14,15 +14,15 @@ from fxpipe.graphs.fx import clone, compute_nodes
 from fxpipe.graphs.split import example_input, split_stage
 from fxpipe.graphs.stages import graph_signature
 from fxpipe.meta import get_meta, update_meta
-from fxpipe.passes.annotate_costs import DEFAULT_DEVICE_FLOPS
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_backward import count_flops
 from fxpipe.passes.split_stages import run_stages, split_by_layer
+from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
 
 
 def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
-                   device_flops: float = DEFAULT_DEVICE_FLOPS) -> PassResult:
+                   device_flops: float | None = None) -> PassResult:
     """Split every layer's backward as split_backward splits a stage's, and count its B and W FLOPs.
 
     Reads: NodeMeta.layer_idx (group_layers) and the cost estimates (annotate_costs).
@@ -34,6 +34,7 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
         blocks.3: B 1.64 MFLOP (est 1.64), W 1.57 MFLOP (est 1.64)
     """
+    device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
     out = clone(gm)
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):

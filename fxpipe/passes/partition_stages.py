@@ -15,14 +15,12 @@ from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
 from fxpipe.planning.stage_dp import StagePlan, plan_stages
 from fxpipe.report import Report
-from fxpipe.schedules.auto import FIXED
+from fxpipe.plan import DEFAULTS
+from fxpipe.schedules.auto import FIXED, greedy_limits
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
 TRAINING_BYTES_PER_PARAM_BYTE = 4
 
-# Defaults model this machine's gloo loopback link (docs/ECOSYSTEM.md §4.2: 1-2.7 GB/s, ~0.1-1 ms).
-DEFAULT_BANDWIDTH = 1.5e9
-DEFAULT_LATENCY = 1e-4
 
 
 @dataclass(frozen=True)
@@ -38,8 +36,8 @@ def partition_stages(
     gm: torch.fx.GraphModule,
     *,
     num_stages: int,
-    bandwidth: float = DEFAULT_BANDWIDTH,
-    latency: float = DEFAULT_LATENCY,
+    bandwidth: float | None = None,
+    latency: float | None = None,
     memory_per_stage: float | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
@@ -63,6 +61,8 @@ def partition_stages(
 
         layers [emb, b0, b1, b2, b3, head], 2 stages  ──▶  stage 0: emb..b1 | stage 1: b2..head
     """
+    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
+    latency = DEFAULTS.latency if latency is None else latency
     out = clone(gm)
     stats = layer_stats(out)
     num_layers = len(stats)
@@ -89,6 +89,7 @@ def partition_stages(
         update_meta(node, stage_idx=stage_of_layer[get_meta(node).layer_idx])
     cuts = stage_cuts(out)
     out.meta["fxpipe_stage_plan"] = plan
+    out.meta["fxpipe_layer_stats"] = stats  # the Plan records every layer's costs
     # Per stage, per microbatch: what a schedule simulator needs (seconds and bytes).
     out.meta["fxpipe_stage_costs"] = [
         {
@@ -117,17 +118,17 @@ def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tupl
     if schedule == "auto":
         # What schedules.auto.choose searches: the given count, else p, 2p and 4p microbatches;
         # the fixed schedules, and the greedy zero-bubble scheduler at every limit from p to 2p.
-        counts = [microbatches] if microbatches is not None else [num_stages, 2 * num_stages, 4 * num_stages]
+        counts = [microbatches] if microbatches is not None else DEFAULTS.auto_microbatches(num_stages)
         candidates = [in_flight(name, num_stages, m) for m in counts for name in FIXED]
         candidates += [limited_in_flight(num_stages, m, limit) for m in counts
-                       for limit in range(num_stages, 2 * num_stages + 1)]
+                       for limit in greedy_limits(num_stages)]
         most = [max(c[k].total for c in candidates) for k in range(num_stages)]
         return most, (f"auto: the most any of its candidates ({', '.join(FIXED)}, zb-greedy) holds "
                       f"at {', '.join(map(str, counts))} microbatches")
     if schedule not in SCHEDULES:
         raise OptionError(f"unknown schedule {schedule!r} (known: {', '.join([*SCHEDULES, 'auto'])}); "
                           "pick one of those")
-    m = microbatches if microbatches is not None else num_stages
+    m = microbatches if microbatches is not None else DEFAULTS.microbatches(num_stages)
     flights = in_flight(schedule, num_stages, m)
     why = _TITLES.get(schedule, schedule)
     if any(f.bw for f in flights):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
+from fxpipe._compat import pytree
 
 from fxpipe.graphs.fx import COMPUTE_OPS, clone, compute_nodes, get_path, output_node, preserved_buffers, set_path
 from fxpipe.meta import get_meta, update_meta

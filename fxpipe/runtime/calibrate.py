@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import OptionError
+from fxpipe.planning.cost import transfer_time
 from fxpipe.schedules.simulate import Costs
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
@@ -59,7 +60,7 @@ class Calibration:
 
     def transfer(self, nbytes: float) -> float:
         """The fitted seconds to send ``nbytes`` (0 for nothing, as the simulator counts it)."""
-        return 0.0 if nbytes == 0 else self.latency + nbytes / self.bandwidth
+        return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
 
     def apply(self, costs: Costs) -> Costs:
         """``costs`` for this machine: link latency and bandwidth set, F, B and W times times ``contention``."""

@@ -14,6 +14,7 @@ others stop at the timeout with an error naming the peer and the message they wa
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -23,18 +24,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
-from fxpipe.errors import FxpipeError
+from fxpipe._compat import pytree
+from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
-from fxpipe.graphs.convention import loss_and_output_grads
+from fxpipe.graphs.convention import flatten_inputs, split_batch
+from fxpipe.pipeline import Pipeline
+from fxpipe.plan_dir import load
+from fxpipe.runtime import checkpoint
 from fxpipe.runtime.channel import Channel
-from fxpipe.runtime.lower import FORWARD, LoweringError, Message, _output_vals, lower
+from fxpipe.runtime.core import ActionRunner, output_vals
+from fxpipe.runtime.faults import peer_down
+from fxpipe.runtime.lower import FORWARD, Message, lower
+from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
-
-
-class RuntimeError_(FxpipeError, RuntimeError):
-    """A rank could not finish its step (a peer failed, timed out, or the plan and schedule disagree)."""
 
 
 class PipelineRuntime:
@@ -58,34 +61,34 @@ class PipelineRuntime:
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError_("PipelineRuntime needs torch.distributed initialised (torchrun, or init_process_group)")
+            raise RankFailedError("PipelineRuntime needs torch.distributed initialised (torchrun, or init_process_group)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
         if loss_fn is None:
-            loss_fn = _zoo_needed(pipe, "no loss function: pass loss_fn=(outputs, target) -> loss (only plans of "
-                                        "built-in models have a default)").loss_fn
+            raise OptionError("no loss function: pass loss_fn=(outputs, target) -> loss")
+        if not schedule.synchronous:
+            raise OptionError(f"{schedule.name} is asynchronous (weights update after every microbatch, no flush), and "
+                              "the runtime does not run asynchronous schedules yet; it will not train one as a "
+                              "synchronous schedule either: use 1f1b")
         if schedule.num_ranks != self.world or schedule.num_stages != pipe.num_stages:
-            raise RuntimeError_(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
-                                f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
+            raise OptionError(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
+                              f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
         graphs = pipe.stage_graphs
         if graphs is None or any(g.fused for g in graphs):
-            raise RuntimeError_("every stage needs its F, B and W graphs; compile with split_backward (the default)")
+            raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
         self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, graphs
         self.timeout = timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
-        try:
-            self.program = lower(pipe, schedule, self.rank)
-        except LoweringError as exc:
-            raise RuntimeError_(str(exc)) from exc
+        self.program = lower(pipe, schedule, self.rank)
         self.mine = self.program.stages
         last_rank = self.where[-1]
         producer = {n: s for s, st in enumerate(self.stages) for n in st.outputs}
         for n in pipe.output_names:
             if n is not None and n in producer and self.where[producer[n]] != last_rank:
-                raise RuntimeError_(f"model output {n} is made on rank {self.where[producer[n]]}, not on the last "
-                                    "stage's rank; the runtime computes the loss on the last stage")
+                raise OptionError(f"model output {n} is made on rank {self.where[producer[n]]}, not on the last "
+                                  "stage's rank; the runtime computes the loss on the last stage")
         # How many of this rank's stages read each value: a microbatch's value is dropped once the last has.
         self.readers: dict[str, int] = defaultdict(int)
         for s in self.mine:
@@ -111,6 +114,7 @@ class PipelineRuntime:
         self._written: set[int] = set()  # parameters whose .grad this step has written
         self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
         self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
+        self.core = _RankRunner(self, loss_fn)
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
         for name, holders in sorted(pipe.shared_params.items()):
@@ -127,7 +131,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.channel = Channel(self.device, timeout)
         if prefetch is not None and prefetch < 0:
-            raise RuntimeError_(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
+            raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
                                 "pass 0 or more, or None for all of a step's at its start")
         # None: every receive posted at the step's start into buffers kept across steps (fastest);
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
@@ -141,8 +145,6 @@ class PipelineRuntime:
 
         Returns the mean loss over microbatches (the same value on every rank).
         """
-        from fxpipe.graphs.convention import flatten_inputs, split_batch
-
         m = self.schedule.num_microbatches
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
@@ -150,15 +152,11 @@ class PipelineRuntime:
         fix = f"pick a batch that is a multiple of {m}"
         parts = [split_batch(self._here(x), m, fix=fix) for x in flat]
         targets = split_batch(self._here(target), m, fix=fix)
-        env: list[dict[str, Any]] = []
-        for i in range(m):
-            args = pytree.tree_unflatten([p[i] for p in parts], spec)
-            env.append(dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), {}))))
+        core = self.core
+        core.begin([dict(zip(self.pipe.input_names, flatten_inputs(
+            self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)],
+            targets)
         self._left = [dict(self.readers) for _ in range(m)]  # local reads still to come, per microbatch
-        grads: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
-        saved: dict[tuple[int, int], list[Any]] = {}
-        handover: dict[tuple[int, int], tuple[Any, ...]] = {}
-        out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         # Receives are posted ahead into buffers shaped from the graphs (all at once, into the
         # previous step's buffers; or, with ``prefetch``, the next ``prefetch`` actions' into new
         # ones); each is waited for right before the compute that reads it, and each send goes
@@ -179,7 +177,6 @@ class PipelineRuntime:
                     posted[k] = items
 
         self._written = set()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events = []  # this step's compute actions (start, end), seconds from its start
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
         start = time.perf_counter()
@@ -195,13 +192,13 @@ class PipelineRuntime:
                 t0 = time.perf_counter() - start
                 if op.recvs:
                     self.waits.append((op.action, waited, t0))
-                loss = self._act(op.action, received, env, grads, saved, handover, out_grads, targets, m)
-                if loss is not None:
-                    loss_sum += loss
+                self._receive(op.action, received)
+                core.shares = {}
+                core.run(op.action)
                 for msg in op.sends:
-                    value = env[msg.mb][msg.name] if msg.direction == FORWARD else self._share[msg.name]
+                    value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
                     self.channel.send(value, msg.dst, msg.tag)
-                self._drop_dead(op.action, env)
+                self._drop_dead(op.action)
                 self.channel.poll()
                 self.events.append((op.action, t0, time.perf_counter() - start))
         self.channel.flush(self._failed_send)
@@ -211,7 +208,11 @@ class PipelineRuntime:
                                  f"the tied weight's gradient (ranks {ranks})")
         for opt in self.optimizers.values():
             opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
-        total = loss_sum.cpu()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in core.losses:
+            if loss is not None:
+                total += loss.double()
+        total = total.cpu()
         self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
         return total / m  # float64: the mean over microbatches, summed in double
 
@@ -219,80 +220,37 @@ class PipelineRuntime:
         """A batch tensor on this rank's device (the stages compute where their parameters are)."""
         return value.to(self.device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
-    def _act(self, action: Action, received: list[tuple[Message, torch.Tensor]], env: list[dict[str, Any]],
-             grads: list[dict[str, torch.Tensor]], saved: dict[tuple[int, int], list[Any]],
-             handover: dict[tuple[int, int], tuple[Any, ...]], out_grads: dict[tuple[int, int], list[torch.Tensor]],
-             targets: list[Any], m: int) -> torch.Tensor | None:
-        """Run one compute action on its received values; returns its loss (the last stage's F), else None."""
-        s, kind, i = action.stage, action.kind, action.mb
-        st, g = self.stages[s], self.graphs[s]
-        loss_sum = None
-        self._share: dict[str, torch.Tensor] = {}
-        if kind is Kind.F:
-            for msg, buf in received:
-                env[i][msg.name] = buf if msg.stride is None else \
+    def _receive(self, action: Action, received: list[tuple[Message, torch.Tensor]]) -> None:
+        """Put an action's received values (F) or gradient shares (B, BW) where the core reads them."""
+        values, grads = self.core.values[action.mb], self.core.grads[action.mb]
+        for msg, buf in received:
+            if action.kind is Kind.F:
+                values[msg.name] = buf if msg.stride is None else \
                     torch.empty_strided(msg.shape, msg.stride, dtype=buf.dtype, device=buf.device).copy_(buf)
-            outputs, saved[(s, i)] = g.run_forward([env[i][n] for n in st.inputs])
-            env[i].update(zip(st.outputs, outputs))
-            if s == self.schedule.num_stages - 1:
-                loss, leaf_grads = loss_and_output_grads(self.pipe, self.loss_fn, env[i], targets[i], divisor=m)
-                for name, grad in leaf_grads:
-                    grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
-                loss_sum = loss.double()
-        elif kind in (Kind.B, Kind.BW):
-            for msg, buf in received:
-                grads[i][msg.name] = buf if msg.name not in grads[i] else grads[i][msg.name] + buf
-            for name, grad in self._backward_input(s, i, grads, saved, handover, out_grads):
-                src = self.program.producer.get(name, -1)
-                if src >= 0 and self.where[src] != self.rank:
-                    # This stage's own share, sent on its own: another stage of this rank that
-                    # reads the same value sends its share separately, and the producer sums them.
-                    self._share[name] = grad
-                else:
-                    grads[i][name] = grad if name not in grads[i] else grads[i][name] + grad
-            if kind is Kind.BW:
-                self._backward_weight(s, i, saved, handover, out_grads)
-        elif kind is Kind.W:
-            self._backward_weight(s, i, saved, handover, out_grads)
-        return loss_sum
+            else:
+                grads[msg.name] = buf if msg.name not in grads else grads[msg.name] + buf
 
-    def _drop_dead(self, action: Action, env: list[dict[str, Any]]) -> None:
+    def _drop_dead(self, action: Action) -> None:
         """After a forward, drop the microbatch's values no stage of this rank will read again."""
         if action.kind is not Kind.F:
             return
-        st, left, values = self.stages[action.stage], self._left[action.mb], env[action.mb]
+        st, left, values = self.stages[action.stage], self._left[action.mb], self.core.values[action.mb]
+        keep = set(self.core.outputs) if self.core.losses[action.mb] is None else set()  # the loss reads them
         for name in st.inputs:
             left[name] -= 1
-            if left[name] == 0:
+            if left[name] == 0 and name not in keep:
                 values.pop(name, None)
         for name in st.outputs:
-            if left.get(name, 0) == 0:  # read only on other ranks (sent already) or by the loss
+            if left.get(name, 0) == 0 and name not in keep:  # read only on other ranks (sent already)
                 values.pop(name, None)
 
     def save_checkpoint(self, directory: str | Any, step: int) -> Any:
-        """Write this rank's state to ``directory/rank{R}.pt`` atomically (a temporary file, then a rename)."""
-        import os
-        from pathlib import Path
-
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        final = path / f"rank{self.rank}.pt"
-        tmp = path / f".rank{self.rank}.pt.tmp"
-        torch.save({"step": step, **self.state_dict()}, tmp)
-        os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint whole
-        return final
+        """Write this rank's state to ``directory/rank{R}.pt`` atomically (see fxpipe.runtime.checkpoint)."""
+        return checkpoint.save(self, directory, step)
 
     def load_checkpoint(self, directory: str | Any) -> int:
         """Load ``directory/rank{R}.pt``; returns the step it was saved after."""
-        from pathlib import Path
-
-        file = Path(directory) / f"rank{self.rank}.pt"
-        if not file.is_file():
-            raise RuntimeError_(f"no checkpoint for rank {self.rank} in {directory} (missing {file.name}); "
-                                "start without --resume or point --checkpoint-dir at a run's checkpoints")
-        state = torch.load(file, weights_only=False)
-        self.load_state_dict(state)
-        return int(state["step"])
+        return checkpoint.load(self, directory)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's stages: parameters and buffers by name, and each stage's optimizer state."""
@@ -305,8 +263,8 @@ class PipelineRuntime:
         params = dict(self._named(lambda mod: mod.named_parameters()))
         buffers = dict(self._named(lambda mod: mod.named_buffers()))
         if set(state["params"]) != set(params) or set(state.get("optimizers", {})) != set(self.optimizers):
-            raise RuntimeError_(f"this state is of other stages than rank {self.rank}'s {self.mine}; load the state "
-                                "saved by this rank of a run with the same plan and schedule")
+            raise RankFailedError(f"this state is of other stages than rank {self.rank}'s {self.mine}; load the state "
+                                  "saved by this rank of a run with the same plan and schedule")
         with torch.no_grad():
             for n, t in state["params"].items():
                 params[n].copy_(t)
@@ -318,27 +276,12 @@ class PipelineRuntime:
     def _named(self, items: Callable[[torch.nn.Module], Any]) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for s in self.mine for n, t in items(self.stages[s].module)]
 
-    # -- pieces ---------------------------------------------------------------------------
+    # -- W into .grad ---------------------------------------------------------------------
 
-    def _backward_input(self, s: int, i: int, grads: list[dict[str, torch.Tensor]],
-                        saved: dict[tuple[int, int], list[Any]], handover: dict[tuple[int, int], tuple[Any, ...]],
-                        out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Run B; returns the gradient of each of the stage's inputs that takes one."""
-        st, g = self.stages[s], self.graphs[s]
-        outs = _output_vals(g)
-        og = [grads[i].pop(st.outputs[j]) if st.outputs[j] in grads[i]
-              else torch.zeros(outs[j].shape, dtype=outs[j].dtype, device=self.device) for j in g.grad_outputs]
-        input_grads, handover[(s, i)] = g.run_backward_input(saved[(s, i)], og)
-        out_grads[(s, i)] = og
-        return [(st.inputs[pos], grad) for pos, grad in zip(g.grad_inputs, input_grads)]
-
-    def _backward_weight(self, s: int, i: int, saved: dict[tuple[int, int], list[Any]],
-                         handover: dict[tuple[int, int], tuple[Any, ...]],
-                         out_grads: dict[tuple[int, int], list[torch.Tensor]]) -> None:
+    def backward_weight(self, s: int, args: tuple[Any, ...]) -> None:
         """Run W; the first microbatch's gradients become ``.grad``, later ones are added in place
         (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.graphs.accumulate``)."""
         g = self.graphs[s]
-        args = g.weight_args(handover.pop((s, i)), saved.pop((s, i)), out_grads.pop((s, i)))
         params = self.stage_params[s]
         ids = [id(p) for p in params]
         if params and all(p.grad is not None for p in params):
@@ -358,6 +301,8 @@ class PipelineRuntime:
                 self._written.add(id(p))
             else:
                 p.grad.add_(grad)  # type: ignore[union-attr]
+
+    # -- failures -------------------------------------------------------------------------
 
     def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
         what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
@@ -379,127 +324,70 @@ class PipelineRuntime:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(self.world)
             raise self._peer_down(exc, [r for r in ranks if r != self.rank], f"the sum of {what}") from exc
 
-    def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RuntimeError_:
-        """The error of a wait on ``peers`` that failed: one line naming the rank that failed first.
-
-        A dead rank closes its connections, so its peers' waits fail at once; a stuck one makes them
-        time out. The ranks agree through the process group's store: each survivor marks itself
-        (``fxpipe/fault/rank{R}``), and the first to see a peer's link break names that peer under
-        ``fxpipe/fault/down`` (before its own exit closes its links), so a rank whose own peer merely
-        stopped with it, or that fails inside a collective, names the same rank. A collective of
-        more than two ranks waits a little for that name, or for every other member but one to mark
-        itself. Without a store, the peer itself is named.
-        """
-        why = _why(exc, self.timeout)
-        store = _default_store()
-        record: str | None = None
-        try:
-            if store is not None:
-                store.set(f"fxpipe/fault/rank{self.rank}", why)
-                if len(peers) == 1:
-                    record = store.compare_set("fxpipe/fault/down", "", f"{peers[0]}\t{self.rank}\t{why}").decode()
-                else:
-                    record = _await_culprit(store, peers, self.rank, why, self.timeout)
-        except Exception:  # the store is gone too (it lived on the dead rank): name what this rank saw
-            record = None
-        if record is None and len(peers) == 1:
-            record = f"{peers[0]}\t{self.rank}\t{why}"
-        if record is None:
-            return RuntimeError_(f"rank {self.rank} waited for {waited} and gave up ({_first_line(exc)}); one of "
-                                 f"ranks {list(peers)} failed or is stuck: see their logs")
-        dead, seen, why_dead = record.split("\t", 2)
-        seen_by = "" if int(seen) == self.rank else f", seen by rank {seen}"
-        also = f"; rank {peers[0]} stopped because of it" if len(peers) == 1 and int(dead) != peers[0] else ""
-        return RuntimeError_(f"rank {dead} {why_dead}{seen_by} while rank {self.rank} waited for {waited}{also}; "
-                             f"see rank {dead}'s log")
+    def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RankFailedError:
+        return peer_down(exc, peers, waited, rank=self.rank, timeout=self.timeout)
 
 
-def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Any:
-    """The Pipeline of a Pipeline or a plan directory, with its F/B/W graphs built."""
-    import os
+class _RankRunner(ActionRunner):
+    """The core with this rank's policies: gradient shares for remote producers leave as messages,
+    W accumulates in place, and the loss is divided by the microbatch count."""
 
-    from fxpipe.pipeline import Pipeline
+    def __init__(self, rt: PipelineRuntime, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__(rt.pipe, rt.graphs, loss_fn, loss_divisor=rt.schedule.num_microbatches)
+        self.rt = rt
+        self.shares: dict[str, torch.Tensor] = {}
 
+    def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
+        src = self.rt.program.producer.get(name, -1)
+        if src >= 0 and self.rt.where[src] != self.rt.rank:
+            # This stage's own share, sent on its own: another stage of this rank that reads the
+            # same value sends its share separately, and the producer sums them.
+            self.shares[name] = grad
+        else:
+            self.add_grad(m, name, grad)
+
+    def zeros(self, s: int, m: int, j: int) -> torch.Tensor:
+        val = output_vals(self.graphs[s])[j]
+        return torch.zeros(val.shape, dtype=val.dtype, device=self.rt.device)
+
+    def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
+        self.rt.backward_weight(s, args)
+
+
+def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Pipeline:
+    """The Pipeline of a Pipeline or a plan directory, with its F/B/W graphs built.
+
+    A plan directory holds no F/B/W graphs yet: they are rebuilt from ``example_inputs``, or from
+    zeros shaped like the inputs the plan was compiled with (``Plan.inputs``: the graphs depend on
+    shapes and dtypes only).
+    """
     if isinstance(plan, (str, os.PathLike)):
-        from fxpipe.plan_dir import load
-
         plan = load(os.fspath(plan))
     if not isinstance(plan, Pipeline):
-        raise RuntimeError_(f"plan is a {type(plan).__name__}; pass a Pipeline (fxpipe.compile) or a plan directory")
+        raise OptionError(f"plan is a {type(plan).__name__}; pass a Pipeline (fxpipe.compile) or a plan directory")
     if plan.stage_graphs is None:
-        if example_inputs is None:
-            example_inputs = _zoo_needed(plan, "this plan has no F/B/W graphs yet; pass example_inputs= (the inputs "
-                                               "it was compiled with, one microbatch)").example_inputs
-        plan.build_backward(example_inputs)
+        plan.build_backward(example_inputs if example_inputs is not None else _example_inputs(plan))
     return plan
 
 
-def _zoo_of(pipe: Any) -> Any:
-    """The built-in model a plan was compiled from (built as ``fxpipe compile`` built it), or None."""
-    from fxpipe import models
-
-    name, build = pipe.info.get("model"), pipe.info.get("build") or {}
-    try:
-        return models.build(str(name), dtype=getattr(torch, str(build.get("dtype") or "float32")),
-                            batch_size=build.get("batch_size"), seed=int(build.get("seed") or 0)) if name else None
-    except FxpipeError:  # not a zoo name: the user's own model
-        return None
-
-
-def _zoo_needed(pipe: Any, otherwise: str) -> Any:
-    """The plan's built-in model; raises ``otherwise`` for a plan of the user's own model."""
-    zoo = _zoo_of(pipe)
-    if zoo is None:
-        raise RuntimeError_(otherwise)
-    return zoo
+def _example_inputs(pipe: Pipeline) -> tuple[Any, ...]:
+    """Zeros shaped like the plan's compiled inputs (one microbatch), as the call's positional arguments."""
+    flat = []
+    for spec in pipe.plan.inputs:
+        dtype = getattr(torch, spec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise OptionError(f"the plan's input {spec.name} is a {spec.dtype}, not a tensor; pass example_inputs=")
+        flat.append(torch.zeros(spec.shape, dtype=dtype))
+    if pipe.in_spec is None:
+        return tuple(flat)
+    args, kwargs = pytree.tree_unflatten(flat, pipe.in_spec)
+    if kwargs:
+        raise OptionError(f"the plan was compiled with keyword inputs ({', '.join(kwargs)}); pass example_inputs=")
+    return tuple(args)
 
 
-def _resolve_schedule(pipe: Any, schedule: Schedule | str | None, microbatches: int | None) -> Schedule:
+def _resolve_schedule(pipe: Pipeline, schedule: Schedule | str | None, microbatches: int | None) -> Schedule:
     """A Schedule as given; else ``fxpipe.schedules.auto.plan_schedule`` (the plan's recorded one, or a named one)."""
-    from fxpipe.errors import OptionError
-    from fxpipe.schedules.auto import plan_schedule
-
     if isinstance(schedule, Schedule):
         return schedule
-    try:
-        return plan_schedule(pipe.info, pipe.num_stages, schedule, microbatches)
-    except OptionError as exc:
-        raise RuntimeError_(str(exc)) from exc
-
-
-def _default_store() -> Any:
-    """The default process group's store, or None."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
-
-
-def _why(exc: Exception, timeout: timedelta | None) -> str:
-    """What a failed wait says about the peer, in a few words."""
-    text = str(exc).lower()
-    if any(k in text for k in ("connection closed", "connection reset", "broken pipe", "read error", "eof",
-                               "socket closed", "connection refused")):
-        return "stopped responding (connection closed)"
-    if "timed out" in text or "timeout" in text:
-        return f"did not answer within {timeout.total_seconds():g} s" if timeout is not None else "did not answer"
-    return f"failed ({_first_line(exc)})"
-
-
-def _await_culprit(store: Any, peers: Sequence[int], rank: int, why: str, timeout: timedelta | None) -> str | None:
-    """For a failed collective: the rank another survivor named, or the one member that never marked itself."""
-    deadline = time.monotonic() + min(3.0, timeout.total_seconds() if timeout is not None else 3.0)
-    while True:
-        if store.check(["fxpipe/fault/down"]):
-            return store.get("fxpipe/fault/down").decode()
-        silent = [r for r in peers if not store.check([f"fxpipe/fault/rank{r}"])]
-        if len(silent) == 1:  # every other member is alive and failing too
-            return store.compare_set("fxpipe/fault/down", "", f"{silent[0]}\t{rank}\t{why}").decode()
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.05)
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
+    return plan_schedule(pipe.plan, schedule, microbatches)

@@ -23,14 +23,11 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import LoweringError
+from fxpipe.runtime.core import output_vals
 from fxpipe.schedules.ir import COMPUTE, Action, Kind, Schedule
 
 FORWARD, BACKWARD = 0, 1
-
-
-class LoweringError(FxpipeError, ValueError):
-    """The plan and the schedule cannot be lowered together (they disagree, or a non-tensor crosses ranks)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ def lower(pipe: Any, schedule: Schedule, rank: int) -> RankProgram:
         """Shape and dtype of a value made (or read) by stage s, from its F graph."""
         st, g = stages[s], graphs[s]
         if name in st.outputs:
-            val = _output_vals(g)[st.outputs.index(name)]
+            val = output_vals(g)[st.outputs.index(name)]
         else:
             val = _input_vals(g)[st.inputs.index(name)]
         if not isinstance(val, torch.Tensor):
@@ -186,8 +183,3 @@ def _dense_strides(val: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 def _input_vals(g: Any) -> list[Any]:
     return [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"]
-
-
-def _output_vals(g: Any) -> list[Any]:
-    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")
-    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0][: g.num_outputs]]

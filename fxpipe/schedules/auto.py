@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
+from fxpipe.plan import DEFAULTS, Plan
 from fxpipe.report import Report
 from fxpipe.schedules.generators import generate, zero_bubble
 from fxpipe.schedules.ir import Schedule
@@ -25,6 +26,13 @@ class Choice:
         return self.result.makespan / self.schedule.num_microbatches
 
 
+def greedy_limits(num_stages: int) -> list[int]:
+    """The memory limits (microbatches in flight) auto tries the greedy zero-bubble scheduler at:
+    p to 2p, but 2p - 1, which is zb-h2 itself."""
+    p = num_stages
+    return [limit for limit in range(p, 2 * p + 1) if limit != 2 * p - 1]
+
+
 def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_cap: float | None = None) -> Choice:
     """The fastest candidate per microbatch (makespan / m) whose peak memory on every rank fits the cap.
 
@@ -39,7 +47,7 @@ def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_c
     for m in sorted(set(microbatches)):
         candidates = [generate(name, p, m, costs) for name in FIXED]
         candidates += [zero_bubble(p, m, costs, limits=[limit] * p, name=f"zb-greedy(limit={limit})")
-                       for limit in range(p, 2 * p + 1) if limit != 2 * p - 1]
+                       for limit in greedy_limits(p)]
         for sched in candidates:
             result = simulate(sched, costs)
             peak = max(r.peak_memory for r in result.ranks)
@@ -71,25 +79,26 @@ def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_c
 
 def choose(name: str, num_stages: int, microbatches: int | None, costs: Costs,
            memory_cap: float | None = None) -> tuple[Schedule, SimResult, list[Report]]:
-    """Generate (or, for ``auto``, search) a schedule and simulate it; the reports to show with it."""
+    """Generate (or, for ``auto``, search) a schedule and simulate it; the reports to show with it.
+
+    ``microbatches`` None: ``DEFAULTS.microbatches(num_stages)``, or for ``auto`` every count of
+    ``DEFAULTS.auto_microbatches(num_stages)``.
+    """
     m = microbatches
     if name == "auto":
-        choice = auto(num_stages, costs, microbatches=[m] if m else [num_stages, 2 * num_stages, 4 * num_stages],
+        choice = auto(num_stages, costs, microbatches=[m] if m else DEFAULTS.auto_microbatches(num_stages),
                       memory_cap=memory_cap)
         return choice.schedule, choice.result, [choice.report]
-    sched = generate(name, num_stages, m or 2 * num_stages, costs)
+    sched = generate(name, num_stages, m or DEFAULTS.microbatches(num_stages), costs)
     return sched, simulate(sched, costs), []
 
 
-def plan_schedule(info: dict[str, object], num_stages: int, schedule: str | None,
-                  microbatches: int | None) -> Schedule:
+def plan_schedule(plan: Plan, schedule: str | None, microbatches: int | None) -> Schedule:
     """The schedule a plan runs: the one recorded in it (``compile --schedule``) when no other is
-    asked for, else ``schedule`` (default 1F1B) generated for the plan's costs with
-    ``microbatches`` (default twice the stages). Raises OptionError for an unknown name or counts
-    the schedule cannot take."""
-    from fxpipe.schedules.simulate import costs_from_info
-
-    recorded = info.get("schedule")
-    if schedule is None and isinstance(recorded, dict) and microbatches in (None, recorded.get("microbatches")):
-        return Schedule.from_csv(str(recorded["csv"]), str(recorded["name"]))
-    return choose(schedule or "1f1b", num_stages, microbatches or 2 * num_stages, costs_from_info(info))[0]
+    asked for, else ``schedule`` (default ``DEFAULTS.schedule``) generated for the plan's costs with
+    ``microbatches`` (default ``DEFAULTS.microbatches``). A recorded schedule keeps whether it is
+    synchronous. Raises OptionError for an unknown name or counts the schedule cannot take."""
+    recorded = plan.schedule
+    if schedule is None and recorded is not None and microbatches in (None, recorded.microbatches):
+        return Schedule.from_csv(recorded.csv, recorded.name, synchronous=recorded.synchronous)
+    return choose(schedule or DEFAULTS.schedule, plan.num_stages, microbatches, Costs.from_plan(plan))[0]

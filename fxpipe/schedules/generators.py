@@ -10,6 +10,8 @@
     layerpipe         1F1B with B/W split, each W right after its B (LayerPipe's intra-layer split,
                       at exactly 1F1B's per-stage memory)
     async-1f1b        1F1B order, no flush: weights update after every microbatch (PipeDream)
+    zb-gpipe          every stage on one rank (backend="fxpipe"): all F, then B back with each W
+                      deferred by one microbatch (see one_rank)
 """
 
 from __future__ import annotations
@@ -184,6 +186,29 @@ def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name:
             heapq.heappush(heap, (end, s))
     return Schedule(name, p, m, tuple(range(p)), tuple(tuple(r) for r in order),
                     notes=(f"memory limit per stage (microbatches between F and W): {limits}",))
+
+
+def one_rank(num_stages: int, num_microbatches: int, *, defer_w: bool = True) -> Schedule:
+    """Every stage on one rank (``backend="fxpipe"``): all F, microbatch by microbatch; then each
+    microbatch's B from the last stage to the first, stage s running W of the previous microbatch
+    right after its B (``zb-gpipe``: W fills the gap while the gradient travels) or, with
+    ``defer_w=False``, its own W at once (``gpipe-one-rank``)::
+
+        zb-gpipe, 2 stages, 2 microbatches:  0F0 1F0 0F1 1F1 | 1B0 0B0 1B1 1W0 0B1 0W0 1W1 0W1
+    """
+    p, m = _check(num_stages, num_microbatches)
+    out = [Action(s, Kind.F, i) for i in range(m) for s in range(p)]
+    pending: list[Action] = []
+    for i in range(m):
+        for s in reversed(range(p)):
+            out.append(Action(s, Kind.B, i))
+            pending.append(Action(s, Kind.W, i))
+            ready = [w for w in pending if w.stage == s and (not defer_w or w.mb < i)]
+            out += ready
+            pending = [w for w in pending if w not in ready]
+    out += pending
+    name = "zb-gpipe" if defer_w else "gpipe-one-rank"
+    return Schedule(name, p, m, (0,) * p, (tuple(out),))
 
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {

@@ -19,9 +19,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fxpipe.errors import ScheduleError
+from fxpipe.plan import Plan
 from fxpipe.planning.cost import transfer_time
 from fxpipe.report import Report
-from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, ScheduleValidationError, with_communication
+from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,14 @@ class Costs:
         n = num_stages
         return cls((f,) * n, (b,) * n, (w,) * n, (0.0,) * n, (1.0,) * n, (1.0,) * n)
 
+    @classmethod
+    def from_plan(cls, plan: Plan) -> "Costs":
+        """The plan's per-stage costs and link, for one microbatch."""
+        st = plan.stages
+        return cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
+                   tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
+                   plan.link.latency, plan.link.bandwidth)
+
     def time(self, action: Action) -> float:
         s = action.stage
         return {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind, 0.0)
@@ -51,23 +61,6 @@ class Costs:
         """Seconds to send stage ``stage``'s output (or the gradient for it) over one link."""
         nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
         return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
-
-
-def costs_from_info(info: dict[str, object]) -> Costs:
-    """Costs from a plan's ``info`` (``Pipeline.info`` or plan.json's ``info``)."""
-    stage_costs = info.get("stage_costs")
-    if not isinstance(stage_costs, list) or not stage_costs:
-        from fxpipe.errors import PlanFileError
-
-        raise PlanFileError("this plan has no per-stage costs (compiled by an older fxpipe?); re-run fxpipe compile")
-    link = info.get("link") or {}
-    assert isinstance(link, dict)
-
-    def col(key: str) -> tuple[float, ...]:
-        return tuple(float(c[key]) for c in stage_costs)
-
-    return Costs(col("f"), col("b"), col("w"), col("send_bytes"), col("held_fb"), col("held_bw"),
-                 float(link.get("latency", 0.0)), float(link.get("bandwidth", math.inf)))
 
 
 @dataclass(frozen=True)
@@ -122,7 +115,7 @@ class SimResult:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise ScheduleValidationError naming the first broken rule, with the grid; return None if valid."""
+    """Raise ScheduleError naming the first broken rule, with the grid; return None if valid."""
     _check_counts(schedule)
     _walk(with_communication(schedule), None)
 
@@ -131,8 +124,8 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Run the schedule in simulated time; see the module docstring for the rules."""
     _check_counts(schedule)
     if len(costs.f) != schedule.num_stages:
-        raise ScheduleValidationError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
-                                      "give one cost per stage")
+        raise ScheduleError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
+                            "give one cost per stage")
     full = with_communication(schedule)
     events = _walk(full, costs)
     ranks = []
@@ -311,7 +304,7 @@ def _staleness(schedule: Schedule) -> dict[tuple[int, int], int]:
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> None:
-    raise ScheduleValidationError(f"invalid schedule {schedule.name!r}: {message}\n{schedule.grid(mark)}")
+    raise ScheduleError(f"invalid schedule {schedule.name!r}: {message}\n{schedule.grid(mark)}")
 
 
 def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:

@@ -102,10 +102,10 @@ def test_compile_writes_the_plan_dir(gpt_plan: tuple[Result, Path]) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.pt", "stage_0.py", "stage_1.pt",
                                                      "stage_1.py"]
     doc = json.loads((out / "plan.json").read_text())
-    assert doc["schema"] == "fxpipe.plan/v1"
+    assert doc["schema"] == "fxpipe.plan/v2"
     assert isinstance(doc["stages"], list) and len(doc["stages"]) == 2 == doc["num_stages"]
-    assert doc["info"]["model"] == "gpt-tiny"
-    assert doc["info"]["options"]["stages"] == 2
+    assert doc["plan"]["provenance"]["model"] == "gpt-tiny"
+    assert doc["plan"]["options"]["stages"] == 2
     assert doc["shared_params"] == {"lm_head.weight": [0, 1]}
     assert f"wrote {out} (2 stages)" in result.stderr
 
@@ -167,7 +167,7 @@ def test_json_partition_matches_the_plan(mlp_json: tuple[Result, Path]) -> None:
     doc = json.loads(result.stdout)
     plan = json.loads((out / "plan.json").read_text())
     assert column(report(doc, "partition-stages"), "stage") == [s["index"] for s in plan["stages"]] == [0, 1]
-    info = plan["info"]
+    info = plan["plan"]
     assert doc["bottleneck_ratio"] == pytest.approx(info["bottleneck_s"] / info["lower_bound_s"])
 
 
@@ -225,7 +225,7 @@ def test_tracer_fx_compiles_and_the_plan_loads(tmp_path: Path) -> None:
     result = ok(fxpipe_cli("compile", "mlp-tiny", "--tracer", "fx", "--json", "--out", out))
     doc = json.loads(result.stdout)
     assert column(report(doc, "trace"), "tracer") == ["fx"]
-    assert json.loads((out / "plan.json").read_text())["info"]["tracer"] == "fx"
+    assert json.loads((out / "plan.json").read_text())["plan"]["provenance"]["tracer"] == "fx"
     zoo = models.build("mlp-tiny")
     with torch.no_grad():
         torch.testing.assert_close(fxpipe.load(out)(*zoo.example_inputs), zoo.model(*zoo.example_inputs))
@@ -284,7 +284,7 @@ def test_profile_threads_are_used_recorded_and_restored(tmp_path: Path) -> None:
     before = torch.get_num_threads()
     ok(fxpipe_cli("compile", "mlp-tiny", "--profile", "--profile-runs", "1", "--profile-threads", "1",
                   "--out", tmp_path / "p"))
-    assert json.loads((tmp_path / "p" / "plan.json").read_text())["info"]["profile_threads"] == 1
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["plan"]["provenance"]["profile_threads"] == 1
     assert torch.get_num_threads() == before
 
 
@@ -316,7 +316,7 @@ def test_user_file_returning_model_and_inputs_compiles(tmp_path: Path) -> None:
     result = ok(fxpipe_cli("compile", f"{path}:build", "--stages", "2", "--out", out))
     assert titles_in(result.stdout) == list(DEFAULT_PASSES)
     doc = json.loads((out / "plan.json").read_text())
-    assert doc["info"]["model"] == f"{path}:build"
+    assert doc["plan"]["provenance"]["model"] == f"{path}:build"
     assert len(doc["stages"]) == 2
     # The plan equals the model the builder makes under the same seed (0).
     namespace: dict[str, Any] = {}
@@ -523,7 +523,7 @@ def test_inspect_prints_the_tables_and_the_summary(gpt_plan: tuple[Result, Path]
     assert titles_in(stdout) == list(DEFAULT_PASSES)
     assert "partition-stages: chosen partition" in stdout
     assert f"plan {out}" in stdout
-    assert "schema fxpipe.plan/v1" in stdout and "model gpt-tiny" in stdout
+    assert "schema fxpipe.plan/v2" in stdout and "model gpt-tiny" in stdout
     assert "stage_0.py" in stdout and "stage_1.py" in stdout
 
 
@@ -567,7 +567,7 @@ def test_inspect_a_wrong_schema(mlp_plain: tuple[Result, Path], tmp_path: Path) 
     doc["schema"] = "fxpipe.plan/v999"
     (out / "plan.json").write_text(json.dumps(doc))
     line = one_line_error(fxpipe_cli("inspect", out))
-    assert "has schema 'fxpipe.plan/v999', this fxpipe reads 'fxpipe.plan/v1'" in line
+    assert "has schema 'fxpipe.plan/v999', this fxpipe reads 'fxpipe.plan/v2'" in line
 
 
 def test_inspect_invalid_json(tmp_path: Path) -> None:

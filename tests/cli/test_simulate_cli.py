@@ -26,7 +26,7 @@ def test_simulate_a_plan_directory_writes_trace_and_svg(tmp_path: Path) -> None:
     plan = tmp_path / "plan"
     ok(fxpipe_cli("compile", "gpt-tiny", "--stages", "2", "--out", plan, "--schedule", "zb-h1", "--microbatches", "4"))
     doc = json.loads((plan / "plan.json").read_text())
-    recorded = doc["info"]["schedule"]
+    recorded = doc["plan"]["schedule"]
     assert recorded["name"] == "zb-h1" and recorded["microbatches"] == 4
     assert Schedule.from_csv(recorded["csv"]).num_stages == 2
     assert any(r["title"] == "simulate: per rank" for r in doc["reports"])

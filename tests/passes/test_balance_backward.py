@@ -51,7 +51,7 @@ def test_moving_the_derivative_lowers_the_bottleneck_and_keeps_gradients(act: ty
     before, after = (float(x.split(" ms")[0]) for x in table.notes[0].split("before ")[1].split(", after "))
     assert after < before
     plain = fxpipe.compile(Heavy(act), mbs[0][0], stages=2, input_grads=True, latency=0.0)
-    assert plain.info["bounds"] == pipe.info["bounds"]
+    assert list(plain.plan.bounds) == list(pipe.plan.bounds)
     deriv = {nn.ReLU: "threshold_backward", nn.Tanh: "tanh_backward", nn.Sigmoid: "sigmoid_backward"}[act]
 
     def count(p: fxpipe.Pipeline, k: int) -> int:

@@ -16,7 +16,7 @@ def test_layer_counts_add_up_to_each_stages_split_graphs(name: str) -> None:
     counted = next(r for r in pipe.report() if r.title.startswith("count-backward"))
     assert set(counted.column("source")) == {"counted"}
     b, w = counted.column("B counted"), counted.column("W counted")
-    bounds = pipe.info["bounds"]
+    bounds = list(pipe.plan.bounds)
     for k, g in enumerate(pipe.stage_graphs):  # type: ignore[arg-type]
         lo, hi = bounds[k], bounds[k + 1]
         assert sum(b[lo:hi]) + sum(w[lo:hi]) == g.flops_backward_input + g.flops_backward_weight, f"stage {k}"
@@ -30,7 +30,9 @@ def test_layer_counts_add_up_to_each_stages_split_graphs(name: str) -> None:
 
 def test_the_partitioner_plans_with_the_counted_costs() -> None:
     zoo = models.build("gpt-tiny")
-    from fxpipe.passes import CompileOptions, build_steps, run_steps
+    from fxpipe.api import build_steps
+    from fxpipe.passes import run_steps
+    from fxpipe.plan import CompileOptions
 
     gm, history = run_steps(build_steps(zoo.model, zoo.example_inputs, CompileOptions(stages=2)),
                             stop_after="count-backward", verify_each=True)

@@ -9,7 +9,9 @@ from fxpipe import models
 from fxpipe.errors import OptionError, VerifyError
 from fxpipe.graphs.fx import clone, compute_nodes
 from fxpipe.meta import update_meta
-from fxpipe.passes import DEFAULT_PASSES, CompileOptions, PassResult, Step, build_steps, run_steps
+from fxpipe.api import build_steps
+from fxpipe.passes import DEFAULT_PASSES, PassResult, Step, run_steps
+from fxpipe.plan import CompileOptions
 
 
 def _steps(**options: object) -> list[Step]:

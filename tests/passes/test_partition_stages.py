@@ -13,14 +13,16 @@ from fxpipe import models
 from fxpipe.errors import OptionError, PlanError
 from fxpipe.graphs.fx import compute_nodes
 from fxpipe.meta import get_meta
-from fxpipe.passes import CompileOptions, PassResult, build_steps, run_steps
+from fxpipe.api import build_steps
+from fxpipe.passes import PassResult, run_steps
+from fxpipe.plan import CompileOptions
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import _cut_bytes, partition_stages, stage_cuts, verify_stages
 from fxpipe.planning.stage_dp import stage_time
 
 
 def _grouped(model: nn.Module, inputs: tuple[torch.Tensor, ...], granularity: str = "auto") -> torch.fx.GraphModule:
-    opts = CompileOptions(granularity=granularity, stop_after="group-layers")
+    opts = CompileOptions(granularity=granularity)
     gm, _ = run_steps(build_steps(model, inputs, opts), verify_each=True, stop_after="group-layers")
     return gm
 

@@ -7,7 +7,9 @@ import torch
 
 from fxpipe import models
 from fxpipe.errors import OptionError
-from fxpipe.passes import CompileOptions, build_steps, run_steps
+from fxpipe.api import build_steps
+from fxpipe.passes import run_steps
+from fxpipe.plan import CompileOptions
 from fxpipe.passes.group_layers import layer_stats
 
 

@@ -98,8 +98,9 @@ def test_every_call_node_lands_in_exactly_one_stage() -> None:
 
 def test_verify_split_reports_a_stage_that_lost_its_parameter() -> None:
     zoo = models.build("mlp-tiny")
-    from fxpipe.passes import build_steps, run_steps
-    from fxpipe.passes import CompileOptions
+    from fxpipe.api import build_steps
+    from fxpipe.passes import run_steps
+    from fxpipe.plan import CompileOptions
 
     root, _ = run_steps(build_steps(zoo.model, zoo.example_inputs, CompileOptions(stages=2)))
     assert verify_split(root) == []

@@ -17,7 +17,9 @@ import torch
 
 from fxpipe import models
 from fxpipe.errors import PlanError
-from fxpipe.passes import CompileOptions, Step, build_steps, run_steps
+from fxpipe.api import build_steps
+from fxpipe.passes import Step, run_steps
+from fxpipe.plan import CompileOptions
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import verify_stages
 

@@ -25,7 +25,9 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
             torch.manual_seed(0)
             zoo = models.build(cfg["model"], dtype=torch.float64, device=cfg["device"])
             plan = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-        loss_fn = zoo.loss_fn if cfg.get("device") else None  # a plan directory of the zoo knows its loss
+        else:
+            zoo = models.build(cfg["model"], dtype=torch.float64)
+        loss_fn = zoo.loss_fn  # the runtime imports no model zoo: the script says its loss
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss_fn=loss_fn,
                              schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"),
                              prefetch=cfg.get("prefetch"))

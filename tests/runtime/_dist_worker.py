@@ -79,6 +79,7 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
         import fxpipe
         from fxpipe.runtime.executor import PipelineRuntime
         from fxpipe.schedules.generators import generate
+        from fxpipe.schedules.simulate import Costs
 
         m = cfg["microbatches"]
         compiled: dict[int, Any] = {}
@@ -100,9 +101,9 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
             if name == "auto":
                 from fxpipe.schedules.auto import auto
 
-                sched = auto(stages, pipe.schedule_costs(), microbatches=[m]).schedule
+                sched = auto(stages, Costs.from_plan(pipe.plan), microbatches=[m]).schedule
             else:
-                sched = generate(name, stages, m, pipe.schedule_costs())
+                sched = generate(name, stages, m, Costs.from_plan(pipe.plan))
             rt = PipelineRuntime(pipe, sched, loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                                  timeout=timedelta(seconds=cfg.get("timeout", 10)))
             starting = die_mid_step(rt, rank, cfg, out)

@@ -11,6 +11,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.errors import LoweringError
 from fxpipe.runtime.lower import BACKWARD, FORWARD, check_programs, lower
+from fxpipe.schedules.simulate import Costs
 from fxpipe.schedules.generators import generate
 from tests.passes.test_split_stages import _skip_tied
 
@@ -31,7 +32,7 @@ def test_every_send_has_its_receive(name: str, schedule: str, stages: int, ranks
     if name == "skip-tied" and stages > 4:
         pytest.skip("skip-tied has 6 layers")
     pipe = _pipe(name, stages)
-    sched = generate(schedule, stages, 2 * ranks, pipe.schedule_costs())
+    sched = generate(schedule, stages, 2 * ranks, Costs.from_plan(pipe.plan))
     programs = [lower(pipe, sched, r) for r in range(ranks)]
     check_programs(programs)
     for p in programs:
@@ -47,7 +48,7 @@ def test_every_send_has_its_receive(name: str, schedule: str, stages: int, ranks
 
 def test_a_skip_connection_goes_straight_to_its_reader() -> None:
     pipe = _pipe("skip-tied", 4)
-    sched = generate("gpipe", 4, 2, pipe.schedule_costs())
+    sched = generate("gpipe", 4, 2, Costs.from_plan(pipe.plan))
     programs = [lower(pipe, sched, r) for r in range(4)]
     skip = [m for p in programs for m in p.sends if m.direction == FORWARD and m.src == 0 and m.dst == 3]
     assert skip, "the embedding's output should go from rank 0 to rank 3 directly"
@@ -57,7 +58,7 @@ def test_a_skip_connection_goes_straight_to_its_reader() -> None:
 
 def test_check_programs_catches_a_missing_receive_and_a_shape_mismatch() -> None:
     pipe = _pipe("mlp-tiny", 2)
-    sched = generate("1f1b", 2, 4, pipe.schedule_costs())
+    sched = generate("1f1b", 2, 4, Costs.from_plan(pipe.plan))
     programs = [lower(pipe, sched, r) for r in range(2)]
     op = next(op for op in programs[1].ops if op.recvs)
     lost = op.recvs.pop()

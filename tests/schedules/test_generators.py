@@ -112,3 +112,19 @@ def test_every_schedule_gives_eagers_gradients_through_the_reference_executor(mo
             executor.run_schedule(generate(name, stages, m), mbs)
             for pname, p in mine.named_parameters():
                 torch.testing.assert_close(p.grad, expected[pname], msg=lambda msg: f"{name} m={m} {pname}: {msg}")
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 2), (3, 5), (4, 8)])
+@pytest.mark.parametrize("defer_w", [True, False])
+def test_the_backends_one_rank_order_is_a_valid_schedule(p: int, m: int, defer_w: bool) -> None:
+    """backend="fxpipe" runs a Schedule too: every F first, then B back with W deferred by one microbatch."""
+    from fxpipe.schedules.generators import one_rank
+    from fxpipe.schedules.simulate import validate
+
+    sched = one_rank(p, m, defer_w=defer_w)
+    validate(sched)
+    assert sched.num_ranks == 1 and sched.rank_of_stage == (0,) * p
+    acts = sched.ranks[0]
+    assert [str(a) for a in acts[: p * m]] == [f"{s}F{i}" for i in range(m) for s in range(p)]
+    if defer_w and m > 1:
+        assert str(acts[p * m + p]) == f"{p - 1}B1" and str(acts[p * m + p + 1]) == f"{p - 1}W0"

@@ -1,0 +1,248 @@
+"""compile / load / save: the one place fxpipe's passes are assembled and a Plan is written.
+
+The CLI (``fxpipe compile``, ``fxpipe simulate MODEL``), the Python API (``fxpipe.compile``) and
+the ``torch.compile`` backend all call :func:`run_compile`; nothing else builds the pass list.
+
+    >>> pipe = fxpipe.compile(model, (x,), stages=2)     # a Pipeline; pipe.plan is its Plan
+    >>> fxpipe.save(pipe, "plan/"); fxpipe.load("plan/")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpipe.errors import OptionError
+from fxpipe.graphs.convention import flatten_inputs
+from fxpipe.passes import (History, Step, annotate_costs, group_layers, partition_stages, run_steps, split_stages,
+                           trace, verify_costs, verify_layers, verify_split, verify_stages)
+from fxpipe.pipeline import Pipeline, Stage
+from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan, Provenance,
+                         ScheduleRecord, StageCost, TensorSpec, fxpipe_version)
+from fxpipe.report import Report
+
+__all__ = ["Compiled", "build_steps", "compile", "load", "run_compile", "save", "set_schedule"]
+
+
+@dataclass
+class Compiled:
+    """What :func:`run_compile` returns: the Pipeline (None when stopped early) and the pass history."""
+
+    pipeline: Pipeline | None
+    history: History
+    root: torch.fx.GraphModule | None
+
+    @property
+    def reports(self) -> list[Report]:
+        if self.pipeline is not None:
+            return self.pipeline.report()
+        return [r for rec in self.history.records for r in rec.reports] + [self.history.report()]
+
+
+def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: int | None = None,
+            example_kwargs: dict[str, Any] | None = None, verify_each: bool = True, **options: Any) -> Pipeline:
+    """Trace ``model``, cost and partition it into ``stages`` stages (default ``DEFAULTS.stages``); the Pipeline.
+
+    ``options`` are the fields of :class:`fxpipe.plan.CompileOptions` (``tracer``, ``granularity``,
+    ``bandwidth``, ``latency``, ``memory_per_stage``, ``schedule``, ``profile``, ...). With
+    ``schedule`` given, the schedule is also generated and recorded in the plan.
+    """
+    unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
+    if unknown:
+        raise OptionError(f"unknown compile option(s) {unknown}; known: {sorted(CompileOptions.__dataclass_fields__)}")
+    opts = CompileOptions(**({"stages": stages} if stages is not None else {}), **options)
+    compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs, verify_each=verify_each)
+    assert compiled.pipeline is not None  # no stop_after: every pass ran
+    return compiled.pipeline
+
+
+def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *,
+                example_kwargs: dict[str, Any] | None = None, model_name: str | None = None,
+                build: BuildRecipe | None = None, verify_each: bool = False, stop_after: str | None = None,
+                print_after: Sequence[str] = (), on_pass: Callable[[str, int, int], None] | None = None,
+                profile_threads: int | None = None) -> Compiled:
+    """Run the pass pipeline; with every pass run, wrap it as a Pipeline whose Plan records the decisions.
+
+    ``stop_after``/``print_after`` take kebab-case pass names; ``on_pass(name, index, total)`` is
+    called before each pass; ``profile_threads`` sets torch's thread count while the passes run.
+    A schedule named in ``options.schedule`` is generated, simulated and recorded.
+    """
+    _check_options(options)
+    steps = build_steps(model, example_inputs, options, example_kwargs)
+    threads = torch.get_num_threads()
+    if profile_threads is not None:
+        torch.set_num_threads(profile_threads)
+    try:
+        root, history = run_steps(steps, verify_each=verify_each, stop_after=stop_after,
+                                  print_after=tuple(print_after), on_start=on_pass)
+    finally:
+        profiled_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    if len(history.records) < len(steps):
+        return Compiled(None, history, root)
+    flat = flatten_inputs(root.meta.get("fxpipe_in_spec"), tuple(example_inputs), dict(example_kwargs or {}))
+    provenance = Provenance(model=model_name, tracer=str(root.meta.get("fxpipe_tracer")),
+                            torch_version=torch.__version__, fxpipe_version=fxpipe_version(), build=build,
+                            profiled=options.profile, profile_threads=profiled_threads if options.profile else None)
+    pipe = pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
+    if options.schedule is not None:
+        set_schedule(pipe, options.schedule, options.microbatches)
+    return Compiled(pipe, history, root)
+
+
+def _check_options(options: CompileOptions) -> None:
+    """Refuse values no pass can use, before any pass runs."""
+    for name in ("bandwidth", "device_flops", "device_mem_bw"):
+        value = getattr(options, name)
+        if not value > 0:  # also refuses nan
+            raise OptionError(f"--{name.replace('_', '-')} must be a positive number ({name}: {value}); e.g. "
+                              f"{getattr(DEFAULTS, name):g}")
+    if not options.latency >= 0:
+        raise OptionError(f"--latency must be 0 or more seconds (latency: {options.latency})")
+    if options.stages < 1:
+        raise OptionError(f"--stages must be at least 1 (stages: {options.stages})")
+    if options.microbatches is not None and options.microbatches < 1:
+        raise OptionError(f"--microbatches must be at least 1 (microbatches: {options.microbatches})")
+    if options.balance_backward and not options.split_backward:
+        raise OptionError("--balance-backward moves work between the split backward graphs; drop --no-split-backward")
+
+
+def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: CompileOptions,
+                example_kwargs: dict[str, Any] | None = None) -> list[Step]:
+    """The compile pipeline as an explicit ordered list of named steps."""
+
+    def need(gm: torch.fx.GraphModule | None) -> torch.fx.GraphModule:
+        assert gm is not None  # every step after trace receives the previous step's graph
+        return gm
+
+    def flat(gm: torch.fx.GraphModule | None) -> list[Any]:
+        return flatten_inputs(need(gm).meta.get("fxpipe_in_spec"), tuple(example_inputs), dict(example_kwargs or {}))
+
+    steps = [
+        Step("trace", lambda gm: trace(model, example_inputs, tracer=options.tracer, example_kwargs=example_kwargs)),
+        Step("annotate-costs", lambda gm: annotate_costs(need(gm), flat(gm), device_flops=options.device_flops,
+                                                          device_mem_bw=options.device_mem_bw), verify_costs),
+        Step("group-layers", lambda gm: group_layers(need(gm), granularity=options.granularity), verify_layers),
+    ]
+    if options.split_backward:
+        from fxpipe.passes.count_backward import count_backward
+
+        steps.append(Step("count-backward", lambda gm: count_backward(need(gm), flat(gm),
+                                                                      device_flops=options.device_flops), verify_costs))
+    if options.profile:
+        from fxpipe.passes.profile_layers import profile_layers
+
+        steps.append(Step("profile-layers", lambda gm: profile_layers(need(gm), flat(gm), runs=options.profile_runs),
+                          verify_layers))
+    steps += [
+        Step("partition-stages", lambda gm: partition_stages(
+            need(gm), num_stages=options.stages, bandwidth=options.bandwidth, latency=options.latency,
+            memory_per_stage=options.memory_per_stage, microbatches=options.microbatches,
+            schedule=options.schedule_name), verify_stages),
+        Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
+    ]
+    if options.split_backward:
+        from fxpipe.passes.split_backward import split_backward, verify_split_backward
+
+        steps.append(Step("split-backward", lambda gm: split_backward(
+            need(gm), flat(gm), input_grads=options.input_grads,
+            profile_runs=options.profile_runs if options.profile else 0), verify_split_backward))
+        if options.balance_backward:
+            from fxpipe.passes.balance_backward import balance_backward
+
+            steps.append(Step("balance-backward", lambda gm: balance_backward(
+                need(gm), device_mem_bw=options.device_mem_bw), verify_split_backward))
+    return steps
+
+
+def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenance: Provenance,
+                   flat_inputs: Sequence[Any]) -> Plan:
+    """The Plan the passes decided: read once from the split root graph's metadata."""
+    stage_plan = root.meta["fxpipe_stage_plan"]
+    wiring = root.meta["fxpipe_wiring"]
+    layers = tuple(LayerCost(index=s.idx, name=s.name, f=float(s.time_fwd), b=float(s.time_bwd_input),
+                             w=float(s.time_bwd_weight), flops=int(s.flops), saved_bytes=int(s.saved_bytes),
+                             param_bytes=int(s.param_bytes), params=tuple(s.params))
+                   for s in root.meta.get("fxpipe_layer_stats", ()))
+    stages = tuple(StageCost(index=k, first_layer=stage_plan.bounds[k], end_layer=stage_plan.bounds[k + 1],
+                             time=float(stage_plan.stage_times[k]), **c)
+                   for k, c in enumerate(_stage_costs(root)))
+    link = root.meta["fxpipe_link"]
+    inputs = tuple(TensorSpec(name, tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
+                   if isinstance(v, torch.Tensor) else TensorSpec(name, (), type(v).__name__)
+                   for name, v in zip(wiring["inputs"], flat_inputs))
+    return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
+                link=Link(float(link["bandwidth"]), float(link["latency"])),
+                mesh=Mesh.from_rank_of_stage(tuple(range(len(stages)))),
+                bottleneck_s=float(stage_plan.bottleneck), lower_bound_s=float(stage_plan.lower_bound))
+
+
+def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
+    """Per-stage F, B, W seconds and bytes for schedules, with the split graphs' view of B and W.
+
+    A stage whose inputs need no gradient has an empty B (its activation gradients are W's work),
+    so its per-layer B time moves to W; the split graphs' F->B and B->W bytes give its memory.
+    """
+    costs = []
+    graphs = root.meta.get("fxpipe_stage_graphs")
+    raw = root.meta["fxpipe_stage_costs"]
+    timings = root.meta.get("fxpipe_stage_timings") or [None] * len(raw)
+    for c, g, timed in zip(raw, graphs or [None] * len(raw), timings):
+        f, b, w = float(c["f"]), float(c["b"]), float(c["w"])
+        held_fb = held_bw = float(c["saved_bytes"])
+        if g is not None and not g.fused:
+            if not g.grad_inputs:
+                w, b = w + b, 0.0
+            held_fb, held_bw = float(g.bytes_f_to_b), float(g.bytes_b_to_w)
+        if timed is not None:  # profiled: the stage's own F, B and W graphs, timed whole (split-backward)
+            f, b, w = (float(t) for t in timed)
+        costs.append({"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]),
+                      "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw})
+    return costs
+
+
+def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, plan: Plan) -> Pipeline:
+    """Wrap the split-stages root graph as a Pipeline."""
+    wiring = root.meta["fxpipe_wiring"]
+    graphs = root.meta.get("fxpipe_stage_graphs") or [None] * len(wiring["stages"])
+    stages = [Stage(k, getattr(root, f"stage_{k}"), w["inputs"], w["outputs"], graphs[k])
+              for k, w in enumerate(wiring["stages"])]
+    return Pipeline(stages, input_names=wiring["inputs"], output_names=wiring["outputs"],
+                    output_constants=wiring["constants"], in_spec=root.meta.get("fxpipe_in_spec"),
+                    out_spec=root.meta.get("fxpipe_out_spec"), shared_params=root.meta.get("fxpipe_shared_params", {}),
+                    plan=plan, history=history)
+
+
+def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, memory_cap: float | None = None) -> Any:
+    """Generate (or search, for ``auto``) a schedule on the plan's costs, simulate it and record it in ``pipe.plan``.
+
+    Returns the simulation result; its tables join ``pipe.report()`` and the plan directory.
+    """
+    from fxpipe.schedules.auto import choose
+    from fxpipe.schedules.simulate import Costs, report
+
+    sched, result, extra = choose(name, pipe.num_stages, microbatches, Costs.from_plan(pipe.plan), memory_cap)
+    record = ScheduleRecord(name=sched.name, requested=name, microbatches=sched.num_microbatches, csv=sched.to_csv(),
+                            synchronous=sched.synchronous, makespan_s=result.makespan,
+                            max_stage_span_s=result.max_stage_span)
+    pipe.plan = pipe.plan.with_schedule(record, sched.rank_of_stage)
+    pipe.extra_reports = [*extra, report(result, sched)]
+    return result
+
+
+def save(pipe: Pipeline, path: str | Path) -> Path:
+    """Write the plan directory: plan.json plus a .py and a .pt file per stage (see fxpipe.plan_dir)."""
+    from fxpipe.plan_dir import save_pipeline
+
+    return save_pipeline(pipe, Path(path))
+
+
+def load(path: str | Path) -> Pipeline:
+    """Load a plan directory written by :func:`save` / ``fxpipe compile``: no model source needed."""
+    from fxpipe.plan_dir import load as load_dir
+
+    return load_dir(path)

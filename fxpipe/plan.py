@@ -1,0 +1,324 @@
+"""The plan as frozen plain data: what fxpipe decided for a model, written once, read by every executor.
+
+A :class:`Plan` records where it came from (:class:`Provenance`), what was asked
+(:class:`CompileOptions`), the model's flat inputs, every layer's costs, the stages (which layers,
+what they cost), the link model, the device mesh (which ranks hold each stage) and the schedule
+record. It is plain values only: it round-trips through JSON exactly
+(``Plan.from_json(p.to_json()) == p``), and its schema is versioned.
+
+Every default fxpipe uses lives in :data:`DEFAULTS`, read when a value is needed (never bound into
+a signature), so changing it there changes it everywhere::
+
+    >>> DEFAULTS.stages, DEFAULTS.schedule, DEFAULTS.microbatches(4)
+    (2, '1f1b', 8)
+
+This module imports nothing but the standard library and fxpipe.errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from fxpipe.errors import PlanFileError
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class Defaults:
+    """The one place a default is decided. Mutable on purpose: a test (or an embedding program)
+    may change a value here and every entry point (CLI, Python API, backend, runtime) follows."""
+
+    stages: int = 2
+    schedule: str = "1f1b"  # what the runtime and `fxpipe simulate` run when none is recorded or asked for
+    microbatches_per_stage: int = 2  # microbatches = this x stages (fill the pipeline twice over)
+    auto_microbatches_per_stage: tuple[int, ...] = (1, 2, 4)  # what `--schedule auto` tries
+    tracer: str = "export"
+    granularity: str = "auto"
+    # This machine's gloo loopback link (docs/ECOSYSTEM.md §4.2: 1-2.7 GB/s, ~0.1-1 ms).
+    bandwidth: float = 1.5e9
+    latency: float = 1e-4
+    # One core of this machine: a 512^3 matmul ran at 1.8e11 FLOP/s on one thread.
+    device_flops: float = 1e11
+    device_mem_bw: float = 1e10
+    profile_runs: int = 5
+    lr: float = 0.01  # the runtime's default SGD
+
+    def microbatches(self, num_stages: int) -> int:
+        """Microbatches per step when none is given."""
+        return self.microbatches_per_stage * num_stages
+
+    def auto_microbatches(self, num_stages: int) -> list[int]:
+        """The microbatch counts `--schedule auto` searches."""
+        return [k * num_stages for k in self.auto_microbatches_per_stage]
+
+
+DEFAULTS = Defaults()
+
+
+def fxpipe_version() -> str:
+    """The installed fxpipe's version (recorded in every plan)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fxpipe")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def _default(name: str) -> Any:
+    return field(default_factory=lambda: getattr(DEFAULTS, name))
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """What was asked of the compile: every knob of ``fxpipe compile`` (defaults from DEFAULTS)."""
+
+    stages: int = _default("stages")
+    tracer: str = _default("tracer")
+    granularity: str = _default("granularity")
+    bandwidth: float = _default("bandwidth")
+    latency: float = _default("latency")
+    memory_per_stage: float | None = None
+    microbatches: int | None = None  # None: DEFAULTS.microbatches(stages)
+    schedule: str | None = None  # None: DEFAULTS.schedule (the partitioner plans its memory in flight)
+    profile: bool = False
+    profile_runs: int = _default("profile_runs")
+    device_flops: float = _default("device_flops")
+    device_mem_bw: float = _default("device_mem_bw")
+    split_backward: bool = True
+    input_grads: bool = False
+    balance_backward: bool = False
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else DEFAULTS.microbatches(self.stages)
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule if self.schedule is not None else DEFAULTS.schedule
+
+
+@dataclass(frozen=True)
+class BuildRecipe:
+    """How a built-in model's example was built (what ``fxpipe run`` rebuilds): dtype, batch, seed."""
+
+    dtype: str = "float32"
+    batch_size: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Provenance:
+    model: str | None  # a zoo name, file.py:fn, or None (the Python API)
+    tracer: str
+    torch_version: str
+    fxpipe_version: str
+    build: BuildRecipe | None = None  # set for the built-in models
+    profiled: bool = False  # costs measured (--profile) rather than estimated
+    profile_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One flat input of the model, as compiled (one microbatch)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer (group_layers) for one microbatch: seconds, FLOPs and bytes."""
+
+    index: int
+    name: str
+    f: float
+    b: float
+    w: float
+    flops: int  # F + B + W
+    saved_bytes: int  # activations kept for backward
+    param_bytes: int
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage for one microbatch: its layers, its F/B/W seconds and the bytes it sends and holds."""
+
+    index: int
+    first_layer: int
+    end_layer: int  # one past the last
+    f: float
+    b: float
+    w: float
+    send_bytes: float  # its output over the right cut (and the gradient sent back for it)
+    saved_bytes: float
+    held_fb: float  # kept from F until B (or BW)
+    held_bw: float  # kept from B until W
+    time: float  # F + B + W plus its transfers (what the partitioner balanced)
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named device-mesh dimensions and which ranks hold each stage.
+
+    Today every stage lives on one rank (``dp`` = 1); the type already says "a stage lives on a
+    group of ranks": ``stage_ranks[s]`` is that group.
+    """
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    stage_ranks: tuple[tuple[int, ...], ...]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rank_of_stage(self) -> tuple[int, ...]:
+        """The first rank of each stage's group (with dp = 1, the stage's only rank)."""
+        return tuple(group[0] for group in self.stage_ranks)
+
+    @classmethod
+    def from_rank_of_stage(cls, rank_of_stage: tuple[int, ...] | list[int]) -> "Mesh":
+        ranks = tuple(rank_of_stage)
+        return cls(("pp", "dp"), (1 + max(ranks, default=0), 1), tuple((r,) for r in ranks))
+
+
+@dataclass(frozen=True)
+class ScheduleRecord:
+    """The schedule a plan runs: as generated (CSV), with how it was asked for and what it simulated to."""
+
+    name: str
+    requested: str
+    microbatches: int
+    csv: str
+    synchronous: bool = True  # False: weights update after every microbatch, no flush (async-1f1b)
+    weights: str | None = None  # weight policy of an asynchronous schedule (stale, stash, predict)
+    makespan_s: float = 0.0
+    max_stage_span_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    provenance: Provenance
+    options: CompileOptions
+    inputs: tuple[TensorSpec, ...]
+    layers: tuple[LayerCost, ...]
+    stages: tuple[StageCost, ...]
+    link: Link
+    mesh: Mesh
+    bottleneck_s: float
+    lower_bound_s: float
+    schedule: ScheduleRecord | None = None
+    version: int = PLAN_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """Stage k holds layers ``bounds[k] .. bounds[k+1]-1``."""
+        return (*(s.first_layer for s in self.stages), self.stages[-1].end_layer) if self.stages else (0,)
+
+    @property
+    def ratio(self) -> float:
+        """Bottleneck over the lower bound ``max(sum/p, max layer)``."""
+        return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else 1.0
+
+    def with_schedule(self, record: ScheduleRecord, rank_of_stage: tuple[int, ...]) -> "Plan":
+        """This plan running ``record`` (the mesh follows the schedule's placement of stages)."""
+        return dataclasses.replace(self, schedule=record, mesh=Mesh.from_rank_of_stage(rank_of_stage))
+
+    def to_json(self) -> dict[str, Any]:
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "the plan") -> "Plan":
+        """The plan ``to_json`` wrote; PlanFileError naming the field for anything else."""
+        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise PlanFileError(f"{where} has plan version {found!r}, this fxpipe reads {PLAN_VERSION}; "
+                                "re-run fxpipe compile")
+        return _decode(cls, data, where)
+
+
+# -- exact JSON: dataclasses as objects, tuples as lists, decoded by the field types ----------------
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _decode(option, value, where)
+            except PlanFileError as exc:
+                errors.append(exc)
+        raise errors[0] if errors else _bad(where, tp, value)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise _bad(where, tp, value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise _bad(where, tp, value)
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _bad(where, tp.__name__, value)
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise PlanFileError(f"{where} has unknown field(s) {unknown}; re-run fxpipe compile")
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kwargs[f.name] = _decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise PlanFileError(f"{where} lacks {f.name!r}; re-run fxpipe compile")
+        return tp(**kwargs)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(where, tp, value)
+        return float(value)
+    if tp in (int, str, bool):
+        if type(value) is not tp:
+            raise _bad(where, tp, value)
+        return value
+    if tp is Any:
+        return value
+    raise _bad(where, tp, value)
+
+
+def _bad(where: str, expected: Any, value: Any) -> PlanFileError:
+    name = getattr(expected, "__name__", str(expected))
+    return PlanFileError(f"{where} should be {name}, found {type(value).__name__} {str(value)[:60]!r}; "
+                         "re-run fxpipe compile")

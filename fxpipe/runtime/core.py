@@ -1,0 +1,178 @@
+"""The one executor core: a schedule's compute actions (F, B, W, BW) run on the stages this process holds.
+
+Every executor runs its schedule through :meth:`ActionRunner.run`: the reference executor (every
+stage in one process, each dependency checked), the distributed runtime (this rank's stages; what
+crosses ranks arrives and leaves as messages around each action) and ``backend="fxpipe"`` (every
+stage in one process, F inside autograd's forward, B and W inside its backward). They hold the
+same per-microbatch state and make the same calls (:class:`fxpipe.graphs.convention.StageGraphs`);
+what differs is policy, given by overriding four methods:
+
+    value(stage, mb, name)          the input F reads (default: this process's value)
+    deliver(stage, mb, name, grad)  where B's input gradient goes (default: summed here)
+    weight(stage, mb, args)         what W does with the parameter gradients (default: add to .grad)
+    zeros(stage, mb, j)             the gradient of an output nothing differentiated (default: zeros)
+
+    F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]     (then the loss, once
+                                                                              every output exists)
+    B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
+    W(s, m):  handover, saved, output grads ──▶ weight(s, m, W's arguments)
+    BW(s, m): B then W (a stage without split graphs: one autograd backward)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.errors import OptionError
+from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
+from fxpipe.schedules.ir import Action, Kind
+
+
+class ActionRunner:
+    """Per-microbatch values, gradients, saved tensors and handovers of one step, and the four actions."""
+
+    def __init__(self, pipe: Any, graphs: Sequence[StageGraphs], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 *, loss_scale: float = 1.0, loss_divisor: int = 1) -> None:
+        self.pipe = pipe
+        self.stages = pipe.stage_list()
+        self.graphs = list(graphs)
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        self.loss_divisor = loss_divisor
+        self.outputs = [n for n in pipe.output_names if n is not None]
+        self.begin([], [])
+
+    def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
+        """A new step: ``inputs[m]`` holds microbatch m's model inputs by name, ``targets[m]`` its target."""
+        self.values: list[dict[str, Any]] = [dict(x) for x in inputs]
+        self.grads: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+        self.targets = list(targets)
+        self.losses: list[torch.Tensor | None] = [None] * len(inputs)
+        self.saved: dict[tuple[int, int], list[Any]] = {}
+        self.handover: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.autograd: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}  # fused stages: outputs, leaves
+
+    # -- the one dispatch -------------------------------------------------------------------
+
+    def run(self, action: Action) -> None:
+        s, kind, m = action.stage, action.kind, action.mb
+        if kind is Kind.F:
+            self.forward(s, m)
+        elif kind is Kind.B:
+            self.backward_input(s, m)
+        elif kind is Kind.W:
+            self.backward_weight(s, m)
+        elif kind is Kind.BW:
+            if self.graphs[s].fused:
+                self.fused_backward(s, m)
+            else:
+                self.backward_input(s, m)
+                self.backward_weight(s, m)
+        else:
+            raise OptionError(f"{action} is not a compute action; run compute actions only (F, B, W, BW)")
+
+    # -- the actions ------------------------------------------------------------------------
+
+    def forward(self, s: int, m: int) -> None:
+        st, g = self.stages[s], self.graphs[s]
+        args = [self.value(s, m, n) for n in st.inputs]
+        if g.fused:
+            leaves = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                      and n not in self.pipe.input_names else a for a, n in zip(args, st.inputs)]
+            with torch.enable_grad():
+                outs = list(st.module(*leaves))
+            self.autograd[(s, m)] = (outs, leaves)
+            outputs: Sequence[Any] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+        else:
+            outputs, self.saved[(s, m)] = g.run_forward(args)
+        self.values[m].update(zip(st.outputs, outputs))
+        self.maybe_loss(m)
+
+    def maybe_loss(self, m: int) -> torch.Tensor | None:
+        """The loss of microbatch m once every model output exists (once); its output gradients join ``grads``."""
+        if self.loss_fn is None or self.losses[m] is not None or any(n not in self.values[m] for n in self.outputs):
+            return None
+        loss, leaf_grads = loss_and_output_grads(self.pipe, self.loss_fn, self.values[m], self.targets[m],
+                                                 scale=self.loss_scale, divisor=self.loss_divisor)
+        for name, grad in leaf_grads:
+            self.add_grad(m, name, grad)
+        self.losses[m] = loss
+        return loss
+
+    def backward_input(self, s: int, m: int) -> None:
+        st, g = self.stages[s], self.graphs[s]
+        grad_outs = [self.output_grad(s, m, j) for j in g.grad_outputs]
+        input_grads, self.handover[(s, m)] = g.run_backward_input(self.saved[(s, m)], grad_outs)
+        self.out_grads[(s, m)] = grad_outs
+        for pos, grad in zip(g.grad_inputs, input_grads):
+            self.deliver(s, m, st.inputs[pos], grad)
+
+    def backward_weight(self, s: int, m: int) -> None:
+        g = self.graphs[s]
+        self.weight(s, m, g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)),
+                                        self.out_grads.pop((s, m))))
+
+    def fused_backward(self, s: int, m: int) -> None:
+        """A stage without split graphs: one autograd backward through its module (reference executor only)."""
+        st = self.stages[s]
+        outs, leaves = self.autograd.pop((s, m))
+        pairs = [(o, j) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        grad_outs = [self.output_grad(s, m, j) for _, j in pairs]
+        params = [p for p in st.module.parameters() if p.requires_grad]
+        wrt = [(t, n) for t, n in zip(leaves, st.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], [t for t, _ in wrt] + params, grad_outputs=grad_outs,
+                                    allow_unused=True)
+        for (_, name), grad in zip(wrt, grads[: len(wrt)]):
+            if grad is not None:
+                self.deliver(s, m, name, grad)
+        for p, grad in zip(params, grads[len(wrt):]):
+            if grad is not None:
+                accumulate(p, grad)
+
+    # -- policies (override) ----------------------------------------------------------------
+
+    def value(self, s: int, m: int, name: str) -> Any:
+        return self.values[m][name]
+
+    def output_grad(self, s: int, m: int, j: int) -> torch.Tensor:
+        """The gradient of stage s's j-th output for microbatch m: what its readers and the loss sent, summed."""
+        grad = self.grads[m].pop(self.stages[s].outputs[j], None)
+        return grad if grad is not None else self.zeros(s, m, j)
+
+    def zeros(self, s: int, m: int, j: int) -> torch.Tensor:
+        if self.graphs[s].fused:
+            return torch.zeros_like(self.values[m][self.stages[s].outputs[j]])
+        val = output_vals(self.graphs[s])[j]
+        device = next((p.device for p in self.stages[s].module.parameters()), torch.device("cpu"))
+        return torch.zeros(val.shape, dtype=val.dtype, device=device)
+
+    def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
+        self.add_grad(m, name, grad)
+
+    def add_grad(self, m: int, name: str, grad: torch.Tensor) -> None:
+        have = self.grads[m].get(name)
+        self.grads[m][name] = grad if have is None else have + grad
+
+    def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
+        g, module = self.graphs[s], self.stages[s].module
+        for name, grad in zip(g.param_names, g.backward_weight(*args)):  # type: ignore[misc]
+            accumulate(module.get_parameter(name), grad)
+
+
+def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` (a copy the first time)."""
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.add_(grad)
+
+
+def output_vals(g: StageGraphs) -> list[Any]:
+    """The traced values (shape, dtype) of a stage's outputs, from its F graph."""
+    assert g.forward is not None  # split stages only
+    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")
+    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0][: g.num_outputs]]

@@ -1,0 +1,44 @@
+"""An asynchronous schedule keeps ``synchronous=False`` through a plan directory, and the runtime refuses to
+train it synchronously (until asynchronous execution exists) instead of silently training it as 1F1B."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+import fxpipe
+from fxpipe.cli.main import app
+from fxpipe.schedules.auto import plan_schedule
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "2", "--schedule", "async-1f1b",
+                                      "--out", str(plan)])
+    assert result.exit_code == 0, result.output
+    loaded = fxpipe.load(plan)
+    assert loaded.plan.schedule is not None and loaded.plan.schedule.synchronous is False
+    assert plan_schedule(loaded.plan, None, None).synchronous is False
+    # fxpipe run: refused before any rank starts, one line, exit 2.
+    result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--steps", "1"])
+    assert result.exit_code == 2 and "asynchronous" in result.output and "Traceback" not in result.output
+    # PipelineRuntime in a user's script (one rank is enough: the schedule is checked first).
+    script = (
+        "import datetime, torch, torch.distributed as dist\n"
+        "from fxpipe.errors import OptionError\n"
+        "from fxpipe.runtime import PipelineRuntime\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
+        "try:\n"
+        f"    PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out[0].sum())\n"
+        "except OptionError as exc:\n"
+        "    print('refused:', exc)\n"
+        "finally:\n"
+        "    dist.destroy_process_group()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: async-1f1b is asynchronous" in proc.stdout
