@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, PlanError
 from fxpipe.graphs.convention import flatten_inputs
 from fxpipe.passes import (History, Step, annotate_costs, group_layers, partition_stages, run_steps, split_stages,
                            trace, verify_costs, verify_layers, verify_split, verify_stages)
@@ -44,18 +44,24 @@ class Compiled:
 
 
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: int | None = None,
-            example_kwargs: dict[str, Any] | None = None, verify_each: bool = True, **options: Any) -> Pipeline:
+            example_kwargs: dict[str, Any] | None = None, verify_each: bool = True, print_after: Sequence[str] = (),
+            stop_after: str | None = None, **options: Any) -> Pipeline:
     """Trace ``model``, cost and partition it into ``stages`` stages (default ``DEFAULTS.stages``); the Pipeline.
 
     ``options`` are the fields of :class:`fxpipe.plan.CompileOptions` (``tracer``, ``granularity``,
     ``bandwidth``, ``latency``, ``memory_per_stage``, ``schedule``, ``profile``, ...). With
-    ``schedule`` given, the schedule is also generated and recorded in the plan.
+    ``schedule`` given, the schedule is also generated and recorded in the plan. ``print_after``
+    keeps the printed graph after those passes in ``pipe.history``.
     """
+    if stop_after not in (None, "split-backward", "balance-backward"):
+        raise OptionError("compile() builds a Pipeline, so it runs every pass; to stop early use "
+                          "fxpipe.api.run_compile(..., stop_after=...) or fxpipe.passes.run_steps")
     unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
     if unknown:
         raise OptionError(f"unknown compile option(s) {unknown}; known: {sorted(CompileOptions.__dataclass_fields__)}")
     opts = CompileOptions(**({"stages": stages} if stages is not None else {}), **options)
-    compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs, verify_each=verify_each)
+    compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs, verify_each=verify_each,
+                           print_after=print_after)
     assert compiled.pipeline is not None  # no stop_after: every pass ran
     return compiled.pipeline
 
@@ -104,7 +110,7 @@ def _check_options(options: CompileOptions) -> None:
     if not options.latency >= 0:
         raise OptionError(f"--latency must be 0 or more seconds (latency: {options.latency})")
     if options.stages < 1:
-        raise OptionError(f"--stages must be at least 1 (stages: {options.stages})")
+        raise PlanError(f"--stages must be at least 1 (stages: {options.stages})")
     if options.microbatches is not None and options.microbatches < 1:
         raise OptionError(f"--microbatches must be at least 1 (microbatches: {options.microbatches})")
     if options.balance_backward and not options.split_backward:

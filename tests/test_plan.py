@@ -346,7 +346,7 @@ def test_load_of_invalid_json(plan_copy: Path) -> None:
         fxpipe.load(plan_copy)
 
 
-@pytest.mark.parametrize("schema", ["fxpipe.plan/v0", "fxpipe.plan/v2", None])
+@pytest.mark.parametrize("schema", ["fxpipe.plan/v0", "fxpipe.plan/v1", None])
 def test_load_of_a_wrong_schema(plan_copy: Path, schema: str | None) -> None:
     _edit_plan(plan_copy, lambda doc: doc.update(schema=schema))
     with pytest.raises(PlanFileError, match=rf"has schema {schema!r}, this fxpipe reads 'fxpipe.plan/v2'"):

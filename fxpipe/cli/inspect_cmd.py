@@ -29,7 +29,7 @@ def inspect_cmd(
             rows=tuple((s["index"], s["module"], len(s["inputs"]), len(s["outputs"]), len(s["parameters"]),
                         sum(_numel(p["shape"]) for p in s["parameters"])) for s in doc["stages"]),
             notes=(f"schema {doc['schema']}, fxpipe {doc.get('fxpipe_version')}, torch {doc.get('torch_version')}, "
-                   f"model {doc.get('info', {}).get('model', '?')}",),
+                   f"model {(doc.get('plan') or {}).get('provenance', {}).get('model', '?')}",),
         )
         if as_json:
             print(json.dumps({"schema": "fxpipe.inspect/v1", "plan": doc}, default=str))

@@ -39,7 +39,7 @@ def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[
     the step's last action (after it come only the step's send completions and sums), 0 the step's start.
     The moment of death (``time.time()``) is written to ``OUT/killed-rank{R}`` first.
 
-    The runtime instance's ``_act`` (one compute action) is wrapped to count. Returns the function the
+    The runtime's executor core's ``run`` (one compute action) is wrapped to count. Returns the function the
     training loop calls at the start of each step.
     """
     if rank != cfg.get("kill_rank", -1):
@@ -51,7 +51,7 @@ def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[
         (Path(out) / f"killed-rank{rank}").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    act = rt._act  # the bound method: the wrapper below shadows it on this instance only
+    act = rt.core.run  # the bound method: the wrapper below shadows it on this instance only
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         result = act(*args, **kwargs)
@@ -60,7 +60,7 @@ def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[
             die()
         return result
 
-    rt._act = counted
+    rt.core.run = counted
 
     def start(step: int) -> None:
         state["per_step"] = max(state["per_step"], state["acts"])  # every step runs the same actions
