@@ -11,10 +11,6 @@ from typing import TYPE_CHECKING, Any
 from fxpipe.errors import (FxpipeError, LoweringError, OptionError, PlanError, PlanFileError, RankFailedError,
                            ScheduleError, TargetError, TraceError, VerifyError)
 
-from fxpipe.plan import fxpipe_version
-
-__version__ = fxpipe_version()
-
 if TYPE_CHECKING:
     from fxpipe.api import compile, load, save
     from fxpipe.pipeline import Pipeline, Stage
@@ -25,6 +21,10 @@ _LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "P
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read from the installed metadata only when asked (it costs ~30 ms)
+        from fxpipe.plan import fxpipe_version
+
+        return fxpipe_version()
     if name in _LAZY:
         import importlib
 

@@ -147,8 +147,11 @@ class ActionRunner:
         if self.graphs[s].fused:
             return torch.zeros_like(self.values[m][self.stages[s].outputs[j]])
         val = output_vals(self.graphs[s])[j]
-        device = next((p.device for p in self.stages[s].module.parameters()), torch.device("cpu"))
-        return torch.zeros(val.shape, dtype=val.dtype, device=device)
+        return torch.zeros(val.shape, dtype=val.dtype, device=self.stage_device(s))
+
+    def stage_device(self, s: int) -> torch.device:
+        """Where stage s computes (default: where its parameters are)."""
+        return next((p.device for p in self.stages[s].module.parameters()), torch.device("cpu"))
 
     def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
         self.add_grad(m, name, grad)

@@ -33,7 +33,7 @@ from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint
 from fxpipe.runtime.channel import Channel
-from fxpipe.runtime.core import ActionRunner, output_vals
+from fxpipe.runtime.core import ActionRunner
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.schedules.auto import plan_schedule
@@ -346,9 +346,8 @@ class _RankRunner(ActionRunner):
         else:
             self.add_grad(m, name, grad)
 
-    def zeros(self, s: int, m: int, j: int) -> torch.Tensor:
-        val = output_vals(self.graphs[s])[j]
-        return torch.zeros(val.shape, dtype=val.dtype, device=self.rt.device)
+    def stage_device(self, s: int) -> torch.device:
+        return self.rt.device
 
     def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
         self.rt.backward_weight(s, args)
