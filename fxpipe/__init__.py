@@ -13,11 +13,13 @@ from fxpipe.errors import (FxpipeError, LoweringError, OptionError, PlanError, P
 
 if TYPE_CHECKING:
     from fxpipe.api import compile, load, save
+    from fxpipe.graphs.convention import Record
     from fxpipe.pipeline import Pipeline, Stage
     from fxpipe.plan import Plan
 
 _LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "Pipeline": "fxpipe.pipeline",
-         "Stage": "fxpipe.pipeline", "Plan": "fxpipe.plan", "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend"}
+         "Stage": "fxpipe.pipeline", "Plan": "fxpipe.plan", "Record": "fxpipe.graphs.convention",
+         "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend"}
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +36,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULTS", "FxpipeError", "LoweringError", "OptionError", "Pipeline", "Plan", "PlanError", "PlanFileError",
-    "RankFailedError", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "last_report",
+    "RankFailedError", "Record", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "last_report",
     "load", "save",
 ]

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree  # no public pytree module in torch 2.
 from torch.utils import flop_counter
 
 __all__ = ["default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flop_counter_mode",
-           "is_op_namespace", "joint_graph", "outside_dynamo_tracing", "partition_joint", "pytree"]
+           "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "pytree"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -108,3 +108,35 @@ def is_op_namespace(value: Any) -> bool:
     import torch._ops
 
     return isinstance(value, (torch._ops._OpNamespace, torch._ops.OpOverloadPacket))
+
+
+def op_overload_name(value: Any) -> str | None:
+    """``"aten.add.Tensor"`` for the operator overload ``torch.ops.aten.add.Tensor``; None for anything else."""
+    import torch._ops
+
+    if not isinstance(value, torch._ops.OpOverload):
+        return None
+    return f"{value.namespace}.{value._opname}.{value._overloadname}"
+
+
+def op_overload(namespace: str, name: str, overload: str) -> Any:
+    """``torch.ops.<namespace>.<name>.<overload>`` if this torch has it (an OpOverload), else None."""
+    import torch._ops
+
+    try:
+        found = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    return found if isinstance(found, torch._ops.OpOverload) else None
+
+
+def higher_order_op(value: Any) -> str | None:
+    """The name of a higher-order operator (``torch.ops.higher_order.cond`` -> ``"cond"``); None for anything else."""
+    import torch._ops
+
+    return value.name() if isinstance(value, torch._ops.HigherOrderOperator) else None
+
+
+def serialized_type_names() -> frozenset[str]:
+    """The type names ``pytree.treespec_loads`` can read now (registered by torch and the imported libraries)."""
+    return frozenset(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)

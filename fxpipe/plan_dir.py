@@ -1,53 +1,74 @@
-"""The plan directory: plan.json (versioned) plus one readable .py module and one .pt file per stage."""
+"""The plan directory: plan.json (versioned), and per stage its graph as JSON data, its tensors (.pt) and a
+readable .py rendering that is never executed."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
-import math
 import os
+import re
 import shutil
 import tempfile
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 
-from fxpipe._compat import is_op_namespace, pytree
+from fxpipe._compat import pytree, serialized_type_names
 from fxpipe.errors import PlanFileError
+from fxpipe.graphs import serialize
 from fxpipe.graphs.fx import set_path
+from fxpipe.graphs.convention import RECORD_TYPE
 from fxpipe.pipeline import Pipeline, Stage
 from fxpipe.plan import Plan, fxpipe_version
 from fxpipe.report import Report
 
-SCHEMA = "fxpipe.plan/v2"
+SCHEMA = "fxpipe.plan/v3"
 PLAN_FILE = "plan.json"
+_FXPIPE_FILE = re.compile(r"^stage_[0-9]+\.(json|pt|py)$")
 
 
 def save_pipeline(pipe: Any, out: Path) -> Path:
-    """Write ``pipe`` to the directory ``out`` atomically: a crash leaves the old plan or the new, never half.
+    """Write ``pipe`` to the directory ``out``: plan.json, and per stage its graph as data, its tensors and a
+    readable (never executed) Python rendering.
 
-    ``out`` may be missing, empty, or an earlier plan directory (which is replaced); any other
-    existing directory is refused, so fxpipe never deletes files it did not write.
+    ``out`` may be missing, empty, or an earlier plan directory. Only the files the earlier plan's
+    manifest lists are replaced or removed; anything else in the directory (notes, sub-folders)
+    is kept. A directory holding only fxpipe's files is swapped whole, so a crash leaves the old
+    plan or the new; otherwise plan.json is replaced last and the stage files carry checksums,
+    so a crash in between is refused at load rather than loaded half old, half new.
     """
     out = Path(out)
     check_out_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        stages = []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as exc:
+        raise _unwritable(out, exc) from exc
+    try:
+        stages, files, sums = [], [], {}
         for stage in pipe.stages:
             k = stage.index
-            module_file, weights_file = f"stage_{k}.py", f"stage_{k}.pt"
-            (tmp / module_file).write_text(stage_source(stage.module, k, pipe.num_stages))
+            graph_file, weights_file, source_file = f"stage_{k}.json", f"stage_{k}.pt", f"stage_{k}.py"
+            try:
+                graph_doc = serialize.dump(stage.module, f"stage {k}")
+            except PlanFileError as exc:
+                raise PlanFileError(f"{exc}; the plan cannot be saved as data (try --tracer export)") from exc
+            (tmp / graph_file).write_text(json.dumps(graph_doc, separators=(",", ":")) + "\n")
             state = {name: t.detach() for name, t in _named_tensors(stage.module)}
             torch.save(state, tmp / weights_file)
+            (tmp / source_file).write_text(stage_source(stage.module, k, pipe.num_stages))
+            files += [graph_file, weights_file, source_file]
+            sums.update({f: _sha256(tmp / f) for f in (graph_file, weights_file)})
             stages.append({
                 "index": k,
-                "module": module_file,
+                "graph": graph_file,
                 "weights": weights_file,
+                "source": source_file,
                 "inputs": list(stage.inputs),
                 "outputs": list(stage.outputs),
                 "parameters": [_tensor_info(n, p) | {"requires_grad": p.requires_grad}
@@ -67,24 +88,79 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
             "out_spec": _dump_spec(pipe.out_spec),
             "shared_params": pipe.shared_params,
             "stages": stages,
+            "files": files,
+            "sha256": sums,
             "plan": pipe.plan.to_json(),
             "reports": [r.to_json() for r in pipe.report()],
         }
         (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
-        _replace_dir(tmp, out)
-    except BaseException:
+        _install(tmp, out, files)
+    except OSError as exc:
+        raise _unwritable(out, exc) from exc
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
+def _unwritable(out: Path, exc: OSError) -> PlanFileError:
+    reason = exc.strerror or type(exc).__name__
+    return PlanFileError(f"cannot write the plan to {out} ({reason}); free some space or choose another --out")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _install(tmp: Path, out: Path, files: list[str]) -> None:
+    """Move a plan written to ``tmp`` into ``out``, replacing only the earlier plan's own files."""
+    if not out.exists() or not any(out.iterdir()):
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+        return
+    old = _manifest(out)
+    if {p.name for p in out.iterdir()} <= old | {PLAN_FILE}:  # only fxpipe's files: swap the directory whole
+        aside = out.with_name(f".{out.name}.old")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(out, aside)
+        os.replace(tmp, out)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    (out / PLAN_FILE).unlink()  # from here until the new plan.json is in, the directory is no plan at all
+    for name in files:
+        os.replace(tmp / name, out / name)
+    for name in old - set(files):
+        (out / name).unlink(missing_ok=True)
+    os.replace(tmp / PLAN_FILE, out / PLAN_FILE)
+
+
+def _manifest(out: Path) -> set[str]:
+    """The files an existing plan directory's plan.json says fxpipe wrote (stage files only, by pattern)."""
+    try:
+        doc = json.loads((out / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return set()
+    names = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(names, list):  # plans before the manifest: their stage entries name the files
+        stages = doc.get("stages") if isinstance(doc, dict) else None
+        names = [s.get(k) for s in stages if isinstance(s, dict) for k in ("module", "weights")] \
+            if isinstance(stages, list) else []
+    return {n for n in names if isinstance(n, str) and _FXPIPE_FILE.match(n)}
+
+
 def load(path: str | Path) -> Pipeline:
-    """Load a plan directory written by ``fxpipe.save`` / ``fxpipe compile``: no model source needed."""
+    """Load a plan directory written by ``fxpipe.save`` / ``fxpipe compile``: no model source needed.
+
+    Loading reads data only: plan.json, each stage's graph (JSON, its operators looked up in an
+    allow-list, see ``fxpipe.graphs.serialize``) and its tensors (``torch.load(weights_only=True)``).
+    The ``stage_K.py`` files are for people and are never read.
+    """
     path = Path(path)
     doc = read_plan_json(path)
     plan = read_plan(path, doc)
     try:
-        stages = [Stage(s["index"], _load_stage(path, s), s["inputs"], s["outputs"]) for s in doc["stages"]]
+        stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"]), s["inputs"], s["outputs"])
+                  for s in doc["stages"]]
         # Tied parameters: each stage file holds a copy; make them one Parameter again.
         for name, ks in doc.get("shared_params", {}).items():
             first = stages[ks[0]].module.get_parameter(name)
@@ -95,8 +171,8 @@ def load(path: str | Path) -> Pipeline:
             input_names=doc["inputs"],
             output_names=doc["outputs"],
             output_constants=doc["output_constants"],
-            in_spec=_load_spec(doc["in_spec"]),
-            out_spec=_load_spec(doc["out_spec"]),
+            in_spec=_load_spec(doc["in_spec"], path),
+            out_spec=_load_spec(doc["out_spec"], path),
             shared_params=doc.get("shared_params", {}),
             reports=[Report.from_json(r) for r in doc.get("reports", [])],
             plan=plan,
@@ -125,9 +201,9 @@ def read_plan_json(path: Path) -> dict[str, Any]:
     for i, s in enumerate(stages):
         if not isinstance(s, dict):
             raise PlanFileError(f"{plan_file} stage entry {i} is not an object; re-run fxpipe compile")
-        for key in ("module", "weights"):
+        for key in ("graph", "weights"):
             name = s.get(key)
-            if not isinstance(name, str) or not (Path(path) / name).is_file():
+            if not isinstance(name, str) or not _FXPIPE_FILE.match(name) or not (Path(path) / name).is_file():
                 raise PlanFileError(f"{path} is missing the stage file {name!r}; re-run fxpipe compile")
         for key, kind in _STAGE_KEYS.items():
             if not isinstance(s.get(key), kind):
@@ -155,7 +231,7 @@ def read_plan(path: Path, doc: dict[str, Any] | None = None) -> Plan:
 _STAGE_KEYS: dict[str, type | tuple[type, ...]] = {
     "index": int, "inputs": list, "outputs": list, "parameters": list, "buffers": list}
 _PLAN_KEYS: dict[str, type | tuple[type, ...]] = {
-    "inputs": list, "outputs": list, "output_constants": list, "reports": list, "shared_params": dict}
+    "inputs": list, "outputs": list, "output_constants": list, "reports": list, "shared_params": dict, "sha256": dict}
 
 
 def check_out_dir(out: Path) -> None:
@@ -166,124 +242,64 @@ def check_out_dir(out: Path) -> None:
 
 
 def stage_source(gm: torch.fx.GraphModule, index: int, num_stages: int) -> str:
-    """A stage's forward as a standalone Python module: imports, then ``def forward(self, ...)``."""
+    """A stage's forward as Python, for people to read; fxpipe never imports or runs it."""
     code = gm.graph.python_code(root_module="self")
     lines = [
-        f'"""fxpipe stage {index} of {num_stages}: generated by fxpipe {fxpipe_version()} with torch {torch.__version__}."""',
-        "import importlib",
+        f'"""fxpipe stage {index} of {num_stages}: generated by fxpipe {fxpipe_version()} with torch {torch.__version__}.',
+        "",
+        f"For reading only: fxpipe never imports or runs this file. It loads the stage from stage_{index}.json",
+        f"(the graph as data, its operators looked up in an allow-list) and stage_{index}.pt (tensors only).",
+        '"""',
         "import torch",
-        "",
-        "",
-        "def _resolve(module, qualname):",
-        "    obj = importlib.import_module(module)",
-        "    for atom in qualname.split('.'):",
-        "        obj = getattr(obj, atom)",
-        "    return obj",
-        "",
         "",
     ]
     for name, obj in sorted(code.globals.items()):
-        lines.append(_global_line(name, obj, index))
+        if name != "torch":
+            lines.append(f"# {name}: {_describe(obj)}")
     lines.extend(["", ""])
     lines.append(code.src.strip("\n"))
     return "\n".join(lines) + "\n"
 
 
-def _global_line(name: str, obj: Any, index: int) -> str:
+def _describe(obj: Any) -> str:
     if isinstance(obj, types.ModuleType):
-        return f"{name} = importlib.import_module({obj.__name__!r})"
-    if isinstance(obj, float):
-        return f"{name} = float({repr(obj) if math.isfinite(obj) else repr(str(obj))})"
-    if obj is type(None):
-        return f"{name} = type(None)"
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return f"{name} = {obj!r}"
+        return f"module {obj.__name__}"
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if module and qualname and "<" not in qualname:
-        try:
-            found: Any = importlib.import_module(module)
-            for atom in qualname.split("."):
-                found = getattr(found, atom)
-        except (ImportError, AttributeError):
-            found = None
-        if found is obj:
-            return f"{name} = _resolve({module!r}, {qualname!r})"
-    raise PlanFileError(
-        f"stage {index} calls {obj!r}, which cannot be imported by name, so the stage cannot be saved; "
-        "define it at module level in an importable module"
-    )
+    return f"{module}.{qualname}" if module and qualname else repr(obj)
 
 
-def _load_stage(path: Path, spec: dict[str, Any]) -> torch.fx.GraphModule:
-    source_file = path / spec["module"]
-    namespace: dict[str, Any] = {"__name__": f"fxpipe_stage_{spec['index']}"}
+def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch.fx.GraphModule:
+    k = spec["index"]
+    for key in ("graph", "weights"):
+        name = spec[key]
+        if sums.get(name) != _sha256(path / name):
+            raise PlanFileError(f"{path / name} does not match the checksum in {PLAN_FILE} (edited, or a write was "
+                                "cut short); re-run fxpipe compile")
+    graph_file = path / spec["graph"]
     try:
-        exec(compile(source_file.read_text(), str(source_file), "exec"), namespace)
-        forward = namespace["forward"]
-    except Exception as exc:  # a hand-edited or truncated stage file
-        raise PlanFileError(f"{source_file} does not load ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
+        graph_doc = json.loads(graph_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanFileError(f"{graph_file} is not valid JSON ({exc}); re-run fxpipe compile") from exc
     try:
         state = torch.load(path / spec["weights"], weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # torch raises several types for a file that is not its own
         raise PlanFileError(f"{path / spec['weights']} does not load ({exc}); re-run fxpipe compile") from exc
-    holder_cls = type(f"Stage{spec['index']}Source", (torch.nn.Module,), {"forward": forward})
-    holder = holder_cls()
+    if not isinstance(state, dict):
+        raise PlanFileError(f"{path / spec['weights']} holds no tensors by name; re-run fxpipe compile")
+    holder = torch.nn.Module()
     for info in spec.get("modules", []):
         set_path(holder, info["name"], _build_leaf(info, path))
-    grads = {p["name"]: p.get("requires_grad", True) for p in spec["parameters"]}
     for info in spec["parameters"]:
-        set_path(holder, info["name"], torch.nn.Parameter(_state(state, info, path), requires_grad=grads[info["name"]]))
+        set_path(holder, info["name"], torch.nn.Parameter(_state(state, info, path),
+                                                          requires_grad=bool(info.get("requires_grad", True))))
     for info in spec["buffers"]:
         set_path(holder, info["name"], _state(state, info, path))
     try:
-        graph = _trace_source(holder, namespace)
-    except Exception as exc:
-        raise PlanFileError(f"{source_file} does not trace ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
-    gm = torch.fx.GraphModule(holder, graph, class_name=f"Stage{spec['index']}")
-    gm.meta["fxpipe_stage_idx"] = spec["index"]
+        gm = serialize.load(graph_doc, holder, str(graph_file), class_name=f"Stage{k}")
+    except PlanFileError as exc:
+        raise PlanFileError(f"{exc}; re-run fxpipe compile") from exc
+    gm.meta["fxpipe_stage_idx"] = k
     return gm
-
-
-def _trace_source(holder: torch.nn.Module, namespace: dict[str, Any]) -> torch.fx.Graph:
-    """Trace a stage's saved forward back into a graph, recording every op it calls.
-
-    Plain symbolic tracing runs an op whose arguments hold no traced value (``arange(5)``,
-    ``randn``, an in-place update of a buffer) once, at load time, and keeps its result as a
-    constant. During this trace the stage source sees a ``torch`` whose callables always
-    record a node instead.
-    """
-    tracer = torch.fx.Tracer()
-    tracer.proxy_buffer_attributes = True
-    real = namespace.get("torch", torch)
-    namespace["torch"] = _Recording(real, tracer)
-    try:
-        return tracer.trace(holder)
-    finally:
-        namespace["torch"] = real
-
-
-class _Recording:
-    """Stand-in for a module or op namespace: callables reached through it record call_function nodes."""
-
-    def __init__(self, target: Any, tracer: torch.fx.Tracer) -> None:
-        self._target = target
-        self._tracer = tracer
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._target, name)
-        if isinstance(value, types.ModuleType) or is_op_namespace(value):
-            return _Recording(value, self._tracer)
-        if callable(value) and not isinstance(value, type):
-            tracer = self._tracer
-
-            def record(*args: Any, **kwargs: Any) -> Any:
-                return tracer.create_proxy("call_function", value, args, kwargs)
-
-            return record
-        return value
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # an OpOverloadPacket called directly
-        return self._tracer.create_proxy("call_function", self._target, args, kwargs)
 
 
 def _leaf_modules(gm: torch.fx.GraphModule, index: int) -> list[dict[str, Any]]:
@@ -386,19 +402,44 @@ def _dump_spec(spec: pytree.TreeSpec | None) -> str | None:
         return None
 
 
-def _load_spec(text: str | None) -> pytree.TreeSpec | None:
-    return None if text is None else pytree.treespec_loads(text)
+def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
+    """A saved input or output structure; types no imported library registers load as :class:`Record`."""
+    if text is None:
+        return None
+    try:
+        doc = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise PlanFileError(f"{path / PLAN_FILE} has a malformed output structure; re-run fxpipe compile") from exc
+    missing: set[str] = set()
+    doc = _plain_types(doc, missing)
+    if missing:
+        warnings.warn(f"the plan's outputs were {', '.join(sorted(missing))}; loaded as fxpipe.Record (a dict whose "
+                      f"keys are also attributes). Import {', '.join(sorted({m.split('.')[0] for m in missing}))} "
+                      "before loading to get those classes back", stacklevel=3)
+    try:
+        return pytree.treespec_loads(json.dumps(doc))
+    except (NotImplementedError, ValueError, TypeError, KeyError, IndexError) as exc:
+        raise PlanFileError(f"{path / PLAN_FILE} has an output structure this torch cannot read ({exc}); "
+                            "re-run fxpipe compile") from exc
 
 
-def _replace_dir(new: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(new, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, out)
+def _plain_types(node: Any, missing: set[str]) -> Any:
+    """Swap every node type no loaded library registered for Record (keyed) or tuple (positional)."""
+    if isinstance(node, list):
+        return [_plain_types(x, missing) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _plain_types(v, missing) for k, v in node.items()}
+    name = node.get("type")
+    if isinstance(name, str) and name not in serialized_type_names():
+        missing.add(name)
+        try:
+            keys = json.loads(node.get("context") or "null")
+        except (TypeError, json.JSONDecodeError):
+            keys = None
+        keyed = isinstance(keys, list) and all(isinstance(x, str) for x in keys)
+        node = node | {"type": RECORD_TYPE if keyed else "builtins.tuple", "context": node["context"] if keyed else "null"}
+    return node
 
 
 def _json_default(obj: Any) -> Any:

@@ -54,8 +54,8 @@ def _round_trip(name: str, root: Path) -> RoundTrip:
 ROUND_TRIP_MODELS = ("gpt-tiny", "resnet-tiny", "mlp-tiny")
 
 
-# Loading re-traces each stage's source: ops whose inputs are all constants or attributes
-# (arange, randn, BatchNorm's counter update) must be recorded, not run once at load time.
+# Loading rebuilds each stage's graph from data: ops whose inputs are all constants or attributes
+# (arange, randn, BatchNorm's counter update) must stay ops, not results computed once at load time.
 
 
 @pytest.fixture(scope="module")
@@ -253,17 +253,21 @@ def test_fx_traced_plan_round_trips(name: str, tmp_path: Path) -> None:
 # -- the stage files ---------------------------------------------------------------------------------
 
 
-def test_stage_files_are_readable_python_with_a_forward(trip: RoundTrip) -> None:
+def test_stage_files_are_graph_data_tensors_and_readable_python(trip: RoundTrip) -> None:
     doc = json.loads((trip.plan_dir / "plan.json").read_text())
-    assert doc["schema"] == "fxpipe.plan/v2"
+    assert doc["schema"] == "fxpipe.plan/v3"
     assert doc["num_stages"] == len(doc["stages"]) == 2
     for k, stage in enumerate(doc["stages"]):
         assert stage["index"] == k
-        assert stage["module"] == f"stage_{k}.py" and stage["weights"] == f"stage_{k}.pt"
-        source = (trip.plan_dir / stage["module"]).read_text()
-        compile(source, stage["module"], "exec")  # raises SyntaxError if it is not Python
+        assert (stage["graph"], stage["weights"], stage["source"]) == (f"stage_{k}.json", f"stage_{k}.pt",
+                                                                        f"stage_{k}.py")
+        assert json.loads((trip.plan_dir / stage["graph"]).read_text())["format"] == "fxpipe.graph/v1"
+        source = (trip.plan_dir / stage["source"]).read_text()
+        compile(source, stage["source"], "exec")  # raises SyntaxError if it is not Python
         assert "\ndef forward(self" in source
         assert source.startswith(f'"""fxpipe stage {k} of 2')
+        assert "fxpipe never imports or runs this file" in source
+    assert sorted(doc["files"]) == sorted(p.name for p in trip.plan_dir.iterdir() if p.name != "plan.json")
 
 
 def test_load_does_not_need_the_model_source(tmp_path: Path) -> None:
@@ -346,10 +350,10 @@ def test_load_of_invalid_json(plan_copy: Path) -> None:
         fxpipe.load(plan_copy)
 
 
-@pytest.mark.parametrize("schema", ["fxpipe.plan/v0", "fxpipe.plan/v1", None])
+@pytest.mark.parametrize("schema", ["fxpipe.plan/v0", "fxpipe.plan/v1", "fxpipe.plan/v2", None])
 def test_load_of_a_wrong_schema(plan_copy: Path, schema: str | None) -> None:
     _edit_plan(plan_copy, lambda doc: doc.update(schema=schema))
-    with pytest.raises(PlanFileError, match=rf"has schema {schema!r}, this fxpipe reads 'fxpipe.plan/v2'"):
+    with pytest.raises(PlanFileError, match=rf"has schema {schema!r}, this fxpipe reads 'fxpipe.plan/v3'"):
         fxpipe.load(plan_copy)
 
 
@@ -359,7 +363,7 @@ def test_load_of_a_json_list(plan_copy: Path) -> None:
         fxpipe.load(plan_copy)
 
 
-@pytest.mark.parametrize("missing", ["stage_0.py", "stage_1.pt"])
+@pytest.mark.parametrize("missing", ["stage_0.json", "stage_1.pt"])
 def test_load_with_a_missing_stage_file(plan_copy: Path, missing: str) -> None:
     (plan_copy / missing).unlink()
     with pytest.raises(PlanFileError, match=rf"missing the stage file '{missing}'"):
@@ -390,17 +394,29 @@ def test_load_with_a_weight_missing_from_the_weights_file(plan_copy: Path) -> No
         fxpipe.load(plan_copy)
 
 
-def test_load_with_a_syntax_error_in_a_stage_file(plan_copy: Path) -> None:
-    path = plan_copy / "stage_1.py"
-    path.write_text(path.read_text() + "\ndef broken(:\n")
-    with pytest.raises(PlanFileError, match=r"stage_1.py does not load \(SyntaxError"):
-        fxpipe.load(plan_copy)
+def test_the_readable_stage_file_is_never_run(plan_copy: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    for path in plan_copy.glob("stage_*.py"):
+        path.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n" + path.read_text()
+                        + "\ndef broken(:\n")
+    loaded = fxpipe.load(plan_copy)
+    assert len(loaded.stages) == 2
+    assert not marker.exists()
 
 
 def test_load_with_a_corrupt_weights_file(plan_copy: Path) -> None:
     (plan_copy / "stage_0.pt").write_bytes(b"not a torch file")
+    with pytest.raises(PlanFileError, match="stage_0.pt does not match the checksum in plan.json"):
+        fxpipe.load(plan_copy)
+    _edit_plan(plan_copy, lambda doc: doc["sha256"].update({"stage_0.pt": _sha256(plan_copy / "stage_0.pt")}))
     with pytest.raises(PlanFileError, match="stage_0.pt does not load"):
         fxpipe.load(plan_copy)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_load_with_a_stage_entry_missing_a_key(plan_copy: Path) -> None:
@@ -416,19 +432,84 @@ def test_save_over_an_earlier_plan_replaces_it(tmp_path: Path) -> None:
     out = tmp_path / "plan"
     big = models.build("mlp-tiny")
     fxpipe.save(fxpipe.compile(big.model, big.example_inputs, stages=3), out)
-    (out / "notes.txt").write_text("written by hand into the old plan")
     assert (out / "stage_2.py").is_file()
 
     small = models.build("gpt-tiny")
     pipe = fxpipe.compile(small.model, small.example_inputs, stages=2)
     assert fxpipe.save(pipe, out) == out
 
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.pt", "stage_0.py", "stage_1.pt",
-                                                     "stage_1.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.json", "stage_0.pt", "stage_0.py",
+                                                     "stage_1.json", "stage_1.pt", "stage_1.py"]
     assert json.loads((out / "plan.json").read_text())["num_stages"] == 2
     assert _leftovers(tmp_path, "plan") == []
     loaded = fxpipe.load(out)
     torch.testing.assert_close(loaded(*small.example_inputs), pipe(*small.example_inputs))
+
+
+def test_save_over_an_earlier_plan_keeps_the_users_files(tmp_path: Path) -> None:
+    """Only the files the old plan's manifest lists are replaced or removed."""
+    out = tmp_path / "plan"
+    big = models.build("mlp-tiny")
+    fxpipe.save(fxpipe.compile(big.model, big.example_inputs, stages=3), out)
+    (out / "NOTES.txt").write_text("written by hand into the old plan")
+    (out / "runs").mkdir()
+    (out / "runs" / "log.txt").write_text("a run's log")
+    (out / "stage_7.py").write_text("# the user's, not in the manifest")
+
+    pipe = fxpipe.compile(big.model, big.example_inputs, stages=2)
+    fxpipe.save(pipe, out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "NOTES.txt", "plan.json", "runs", "runs/log.txt", "stage_0.json", "stage_0.pt", "stage_0.py",
+        "stage_1.json", "stage_1.pt", "stage_1.py", "stage_7.py"]
+    assert (out / "NOTES.txt").read_text() == "written by hand into the old plan"
+    assert _leftovers(tmp_path, "plan") == []
+    torch.testing.assert_close(fxpipe.load(out)(*big.example_inputs), pipe(*big.example_inputs))
+
+
+def test_a_manifest_naming_other_files_deletes_nothing_else(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    zoo = models.build("mlp-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    fxpipe.save(pipe, out)
+    (tmp_path / "precious.txt").write_text("keep")
+    (out / "keep.txt").write_text("keep")
+    _edit_plan(out, lambda doc: doc.update(files=[*doc["files"], "../precious.txt", "keep.txt", "/etc/hostname"]))
+    fxpipe.save(pipe, out)
+    assert (tmp_path / "precious.txt").read_text() == "keep" and (out / "keep.txt").read_text() == "keep"
+
+
+def test_a_plan_written_to_a_read_only_directory_is_one_error(
+    mlp_plan: tuple[models.ZooModel, fxpipe.Pipeline, Path], tmp_path: Path,
+) -> None:
+    import os
+
+    _, pipe, _ = mlp_plan
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    # root writes into read-only directories; sysfs refuses even root
+    target = Path("/sys/fxpipe-test/plan") if os.geteuid() == 0 else locked / "plan"
+    try:
+        with pytest.raises(PlanFileError, match=rf"cannot write the plan to {target} \((Permission denied|"
+                                                r"Operation not permitted)\); free some space or choose another"):
+            fxpipe.save(pipe, target)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_full_disk_is_one_error(mlp_plan: tuple[models.ZooModel, fxpipe.Pipeline, Path], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    _, pipe, _ = mlp_plan
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(PlanFileError, match=r"cannot write the plan to .* \(No space left on device\); free some"):
+        fxpipe.save(pipe, tmp_path / "plan")
+    assert not (tmp_path / "plan").exists() and _leftovers(tmp_path, "plan") == []
 
 
 def test_save_into_an_empty_dir(mlp_plan: tuple[models.ZooModel, fxpipe.Pipeline, Path], tmp_path: Path) -> None:

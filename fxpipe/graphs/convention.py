@@ -149,3 +149,24 @@ def loss_and_output_grads(pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
         diff = [(n, t) for n, t in zip(pipe.output_names, leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         grads = torch.autograd.grad(weighted, [t for _, t in diff], allow_unused=True)
     return loss.detach(), [(name, g) for (name, _), g in zip(diff, grads) if g is not None]
+
+
+class Record(dict):  # type: ignore[type-arg]
+    """A saved plan's keyed output whose class no imported library provides (e.g. a Hugging Face
+    ``ModelOutput`` loaded without transformers): a dict whose keys are also attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"this output has no {name!r}; it has {', '.join(self)}") from None
+
+
+RECORD_TYPE = "fxpipe.Record"
+pytree.register_pytree_node(
+    Record,
+    lambda r: (list(r.values()), list(r.keys())),
+    lambda values, keys: Record(zip(keys, values)),
+    serialized_type_name=RECORD_TYPE,
+    flatten_with_keys_fn=lambda r: ([(pytree.MappingKey(k), v) for k, v in r.items()], list(r.keys())),
+)

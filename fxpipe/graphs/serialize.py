@@ -1,0 +1,293 @@
+"""A stage graph as JSON data, and back: loading never runs code from the file.
+
+A saved graph is a list of nodes (name, op, target, args, kwargs). Loading turns each target
+name back into a callable only by looking it up in an allow-list:
+
+- ATen and prims operator overloads (``aten.add.Tensor``), except the few that touch files
+  (``aten.save``, ``aten.from_file``) or print;
+- the higher-order operators whose operands are nested graphs of the same plan
+  (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``, ``cond``, ...), which are saved too;
+- Python's ``operator`` functions on values (``getitem``, ``add``, ``mul``, ...), and ``getattr``
+  of a tensor's plain attributes (``shape``, ``dtype``, ...);
+- torch functions that take tensors (``torch.overrides.get_overridable_functions()``: what
+  ``--tracer fx`` records, e.g. ``torch.flatten``), and public tensor methods by name, except
+  those that reach storage, NumPy, hooks or Python callables.
+
+Arguments are JSON values, node references and a few tagged torch values (dtype, device,
+memory format, layout, slice, tuple). Anything else is refused when the plan is written, so a
+plan that saves also loads. torch generates the GraphModule's Python from the checked graph;
+the file's text is never compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe._compat import higher_order_op, op_overload, op_overload_name
+from fxpipe.errors import PlanFileError
+
+FORMAT = "fxpipe.graph/v1"
+
+_OPERATORS = ("getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "invert",
+              "and_", "or_", "xor", "lshift", "rshift", "not_", "lt", "le", "gt", "ge", "eq", "ne", "matmul",
+              "contains", "is_", "is_not")
+_BUILTINS: dict[str, Callable[..., Any]] = {
+    **{f"_operator.{name}": getattr(operator, name) for name in _OPERATORS},
+    "builtins.getattr": getattr,
+    "math.ceil": math.ceil, "math.floor": math.floor, "math.sqrt": math.sqrt, "math.trunc": math.trunc,
+    **{f"torch.{name}": getattr(torch, name) for name in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not")},
+}
+_TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "layout", "requires_grad",
+                           "is_cuda", "real", "imag"})
+_UNSAFE_OPS = frozenset({"aten::save", "aten::from_file", "aten::_print"})
+_HIGHER_ORDER = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "while_loop", "map_impl",
+                           "invoke_subgraph", "tag_activation_checkpoint"})
+_UNSAFE_METHODS = frozenset({"storage", "untyped_storage", "tolist", "numpy", "apply_", "map_", "map2_",
+                             "register_hook", "register_post_accumulate_grad_hook", "data_ptr", "share_memory_",
+                             "pin_memory", "item", "backward", "retain_grad", "requires_grad_"})
+
+
+def dump(gm: torch.fx.GraphModule, where: str) -> dict[str, Any]:
+    """``gm``'s graph, and the graphs its higher-order operators call, as JSON-able data.
+
+    Parameters, buffers and tensor constants are named (``get_attr``), not stored: the caller
+    saves them as tensors. Raises PlanFileError naming the node that cannot be written.
+    """
+    nodes, submodules = [], {}
+    for node in gm.graph.nodes:
+        target: Any = node.target
+        if node.op in ("call_function",):
+            target = _target_name(node.target, f"{where} node {node.name}")
+        elif node.op == "call_method":
+            _check_method(str(target), f"{where} node {node.name}")
+        elif node.op == "get_attr":
+            value = _attr(gm, str(target))
+            if isinstance(value, torch.fx.GraphModule):
+                submodules[str(target)] = dump(value, f"{where} subgraph {target}")
+        nodes.append({"name": node.name, "op": node.op, "target": target,
+                      "args": _encode(node.args, f"{where} node {node.name}"),
+                      "kwargs": _encode(dict(node.kwargs), f"{where} node {node.name}")})
+    return {"format": FORMAT, "nodes": nodes, "submodules": submodules}
+
+
+def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """Rebuild a graph written by :func:`dump` over ``root``, which holds its tensors and leaf modules.
+
+    Nested graphs are rebuilt first and set on ``root`` under their saved names. Raises
+    PlanFileError naming what in ``doc`` is not allowed or not well formed.
+    """
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("nodes"), list):
+        raise PlanFileError(f"{where} is not an {FORMAT} graph")
+    subs = doc.get("submodules", {})
+    if not isinstance(subs, dict):
+        raise PlanFileError(f"{where} has a malformed submodules table")
+    for name, sub in subs.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PlanFileError(f"{where} names a subgraph {name!r}, which is not an identifier")
+        setattr(root, name, load(sub, torch.nn.Module(), f"{where} subgraph {name}"))
+    graph = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for i, entry in enumerate(doc["nodes"]):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise PlanFileError(f"{where} node {i} is malformed")
+        name, op = entry["name"], entry.get("op")
+        here = f"{where} node {name}"
+        args = _decode(entry.get("args", []), env, here)
+        kwargs = _decode(entry.get("kwargs", {}), env, here)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise PlanFileError(f"{here} has malformed arguments")
+        target = entry.get("target")
+        if op == "call_function":
+            target = _resolve(target, here)
+        elif op == "call_method":
+            _check_method(target, here)
+            if not args or not isinstance(args[0], torch.fx.Node):
+                raise PlanFileError(f"{here} calls method {target!r} on a constant, not on a value")
+        elif op == "get_attr":
+            if not isinstance(target, str):
+                raise PlanFileError(f"{here} has a malformed target")
+            _attr(root, target, here)
+        elif op in ("placeholder", "output", "call_module"):
+            if not isinstance(target, str):
+                raise PlanFileError(f"{here} has a malformed target")
+            if op == "call_module":
+                _attr(root, target, here)
+        else:
+            raise PlanFileError(f"{here} has unknown op {op!r}")
+        if target == "builtins.getattr" or target is getattr:
+            if len(args) != 2 or args[1] not in _TENSOR_ATTRS:
+                raise PlanFileError(f"{here} reads attribute {args[1:]!r}, not one of a tensor's plain attributes")
+        node = graph.create_node(op, target, args, kwargs, name=name)
+        if node.name != name:
+            raise PlanFileError(f"{where} repeats or mangles the node name {name!r}")
+        env[name] = node
+    try:
+        graph.lint()
+    except Exception as exc:  # torch raises RuntimeError for a malformed graph
+        raise PlanFileError(f"{where} is not a well-formed graph ({exc})") from exc
+    return torch.fx.GraphModule(root, graph, class_name=class_name)
+
+
+def _target_name(target: Any, where: str) -> str:
+    name = op_overload_name(target)
+    if name is not None:
+        _resolve(name, where)  # refuse at save what load would refuse
+        return name
+    hop = higher_order_op(target)
+    if hop is not None:
+        return _resolve(f"higher_order.{hop}", where) and f"higher_order.{hop}"
+    for key, fn in _BUILTINS.items():
+        if fn is target:
+            return key
+    qualified = _torch_function_name(target)
+    if qualified is not None:
+        return qualified
+    raise PlanFileError(f"{where} calls {getattr(target, '__qualname__', target)!r}, which a plan cannot store "
+                           "as data (only torch operators, torch functions on tensors and Python's operators)")
+
+
+def _resolve(name: Any, where: str) -> Any:
+    if not isinstance(name, str):
+        raise PlanFileError(f"{where} has a malformed target")
+    if name in _BUILTINS:
+        return _BUILTINS[name]
+    if name.startswith("higher_order."):
+        hop_name = name.removeprefix("higher_order.")
+        hop = higher_order_op(getattr(torch.ops.higher_order, hop_name, None)) if hop_name in _HIGHER_ORDER else None
+        if hop is None:
+            raise PlanFileError(f"{where} calls higher-order operator {name!r}, which a plan does not store")
+        return getattr(torch.ops.higher_order, hop_name)
+    namespace, _, rest = name.partition(".")
+    if namespace in ("aten", "prims") and rest.count(".") == 1:
+        op_name, overload = rest.split(".")
+        op = op_overload(namespace, op_name, overload)
+        if op is None:
+            raise PlanFileError(f"{where} calls {name!r}, which this torch does not have")
+        if f"{namespace}::{op_name}" in _UNSAFE_OPS:
+            raise PlanFileError(f"{where} calls {name!r}, which reads or writes files; a plan may not")
+        return op
+    fn = _torch_function(name)
+    if fn is None:
+        raise PlanFileError(f"{where} calls {name!r}, which is not an allowed torch operator or function")
+    return fn
+
+
+def _overridable() -> dict[str, Callable[..., Any]]:
+    global _TORCH_FUNCTIONS
+    if _TORCH_FUNCTIONS is None:
+        found = {}
+        for namespace, fns in torch.overrides.get_overridable_functions().items():
+            module = getattr(namespace, "__name__", None)
+            if module not in ("torch", "torch.functional", "torch.nn.functional", "torch.special", "torch.linalg",
+                              "torch.fft"):
+                continue
+            for fn in fns:
+                name = getattr(fn, "__name__", "")
+                if name and not name.startswith("_"):
+                    found[f"{module}.{name}"] = fn
+        _TORCH_FUNCTIONS = found
+    return _TORCH_FUNCTIONS
+
+
+_TORCH_FUNCTIONS: dict[str, Callable[..., Any]] | None = None
+
+
+def _torch_function(name: str) -> Callable[..., Any] | None:
+    return _overridable().get(name)
+
+
+def _torch_function_name(fn: Any) -> str | None:
+    for name, found in _overridable().items():
+        if found is fn:
+            return name
+    return None
+
+
+def _check_method(name: Any, where: str) -> None:
+    if not isinstance(name, str) or name.startswith("_") or name in _UNSAFE_METHODS or \
+            not callable(getattr(torch.Tensor, name, None)):
+        raise PlanFileError(f"{where} calls method {name!r}, which is not an allowed tensor method")
+
+
+def _attr(root: torch.nn.Module, target: str, where: str = "") -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        if not (atom.isidentifier() or atom.isdigit()) or atom.startswith("__"):
+            raise PlanFileError(f"{where} names attribute {target!r}, which is not a module path")
+        if not hasattr(obj, atom):
+            raise PlanFileError(f"{where} reads {target!r}, which the stage's tensors and modules do not have")
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _encode(value: Any, where: str) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, tuple):  # torch.Size too
+        return {"tuple": [_encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise PlanFileError(f"{where} has a dict argument with non-string keys")
+        return {"dict": {k: _encode(v, where) for k, v in value.items()}}
+    if isinstance(value, slice):
+        return {"slice": [_encode(value.start, where), _encode(value.stop, where), _encode(value.step, where)]}
+    if value is Ellipsis:
+        return {"ellipsis": True}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    raise PlanFileError(f"{where} has an argument of type {type(value).__name__}, which a plan cannot store")
+
+
+_TAGGED: dict[str, type] = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
+
+
+def _decode(value: Any, env: dict[str, torch.fx.Node], where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_decode(v, env, where) for v in value]
+    if not isinstance(value, dict) or len(value) != 1:
+        raise PlanFileError(f"{where} has a malformed argument")
+    (tag, body), = value.items()
+    if tag == "node":
+        if body not in env:
+            raise PlanFileError(f"{where} reads {body!r} before it is defined")
+        return env[body]
+    if tag == "tuple" and isinstance(body, list):
+        return tuple(_decode(v, env, where) for v in body)
+    if tag == "dict" and isinstance(body, dict):
+        return {k: _decode(v, env, where) for k, v in body.items()}
+    if tag == "float" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "slice" and isinstance(body, list) and len(body) == 3:
+        return slice(*(_decode(v, env, where) for v in body))
+    if tag == "ellipsis":
+        return Ellipsis
+    if tag == "device" and isinstance(body, str):
+        try:
+            return torch.device(body)
+        except RuntimeError as exc:
+            raise PlanFileError(f"{where} names device {body!r} ({exc})") from exc
+    if tag in _TAGGED and isinstance(body, str) and body.isidentifier():
+        found = getattr(torch, body, None)
+        if isinstance(found, _TAGGED[tag]):
+            return found
+    raise PlanFileError(f"{where} has an argument {value!r} that is not a value a plan stores")
