@@ -208,6 +208,11 @@ def read_plan_json(path: Path) -> dict[str, Any]:
         for key, kind in _STAGE_KEYS.items():
             if not isinstance(s.get(key), kind):
                 raise PlanFileError(f"{plan_file} stage {i} lacks a valid {key!r}; re-run fxpipe compile")
+        for info in [*s["parameters"], *s["buffers"]]:
+            if not (isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("shape"), list)
+                    and all(isinstance(d, int) and d >= 0 for d in info["shape"])):
+                raise PlanFileError(f"{plan_file} stage {i} has a malformed tensor entry {info!r:.80}; "
+                                    "re-run fxpipe compile")
     for key, kind in _PLAN_KEYS.items():
         if not isinstance(doc.get(key), kind):
             raise PlanFileError(f"{plan_file} lacks a valid {key!r}; re-run fxpipe compile")

@@ -51,7 +51,26 @@ def assert_composes(
     ref_buffers = dict(ref.named_buffers())
     for name, buf in mine.named_buffers():
         torch.testing.assert_close(buf, ref_buffers[name], msg=lambda m: f"buffer {name}: {m}", **tol)
+    _assert_round_trips(pipe, inputs, loss_fn, target, ref_out, dict(ref.named_parameters(remove_duplicate=False)), tol)
     return pipe
+
+
+def _assert_round_trips(pipe: fxpipe.Pipeline, inputs: tuple[Any, ...], loss_fn: Any, target: torch.Tensor,
+                        ref_out: Any, ref_params: dict[str, torch.nn.Parameter], tol: dict[str, float]) -> None:
+    """The pipeline saved and loaded back (graphs as data) computes the same output and gradients."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        loaded = fxpipe.load(fxpipe.save(pipe, Path(d) / "plan"))
+    torch.manual_seed(1234)
+    out = loaded(*inputs)
+    loss_fn(out, target).backward()
+    torch.testing.assert_close(out, ref_out, msg=lambda m: f"loaded plan: {m}", **tol)
+    for stage in loaded.stages:
+        for name, param in stage.module.named_parameters():
+            assert param.grad is not None, f"loaded plan: {name} got no gradient"
+            torch.testing.assert_close(param.grad, ref_params[name].grad, msg=lambda m: f"loaded plan {name}: {m}", **tol)
 
 
 @pytest.fixture

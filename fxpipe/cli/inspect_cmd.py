@@ -25,8 +25,8 @@ def inspect_cmd(
         reports = [Report.from_json(r) for r in doc.get("reports", [])]
         summary = Report(
             title=f"plan {plan_dir}",
-            columns=("stage", "module", "inputs", "outputs", "parameters", "param elements"),
-            rows=tuple((s["index"], s["module"], len(s["inputs"]), len(s["outputs"]), len(s["parameters"]),
+            columns=("stage", "graph", "inputs", "outputs", "parameters", "param elements"),
+            rows=tuple((s["index"], s["graph"], len(s["inputs"]), len(s["outputs"]), len(s["parameters"]),
                         sum(_numel(p["shape"]) for p in s["parameters"])) for s in doc["stages"]),
             notes=(f"schema {doc['schema']}, fxpipe {doc.get('fxpipe_version')}, torch {doc.get('torch_version')}, "
                    f"model {(doc.get('plan') or {}).get('provenance', {}).get('model', '?')}",),

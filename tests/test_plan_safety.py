@@ -1,0 +1,169 @@
+"""A plan directory is data: a tampered one is refused with one line naming the file, or loads as data; no code runs.
+
+The attacker here edits the stage graph (and, since they control the directory, plan.json's checksums
+too), the tensors file and plan.json; each payload would create a marker file if it ever ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fxpipe
+from fxpipe import models
+from fxpipe.cli.main import app
+from fxpipe.errors import PlanFileError
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    zoo = models.build("mlp-tiny")
+    return fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2), tmp_path_factory.mktemp("p") / "plan")
+
+
+@pytest.fixture
+def plan(plan_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(plan_dir, tmp_path / "plan"))
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    return tmp_path / "pwned"
+
+
+class _Payload:
+    """Unpickling this runs Path(marker).write_text("ran")."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def _edit_graph(plan: Path, k: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit stage k's graph JSON and, as an attacker would, plan.json's checksum of it."""
+    path = plan / f"stage_{k}.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    _rehash(plan, path.name)
+
+
+def _rehash(plan: Path, name: str) -> None:
+    doc = json.loads((plan / "plan.json").read_text())
+    doc["sha256"][name] = hashlib.sha256((plan / name).read_bytes()).hexdigest()
+    (plan / "plan.json").write_text(json.dumps(doc))
+
+
+def _first(doc: dict[str, Any], op: str) -> dict[str, Any]:
+    return next(n for n in doc["nodes"] if n["op"] == op)
+
+
+def _retarget(op: str, target: Any, args: Any = None) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
+        node = _first(doc, "call_function")
+        node["op"], node["target"] = op, target
+        if args is not None:
+            node["args"] = args
+    return edit
+
+
+TAMPERED_GRAPHS = {
+    "os.system": (_retarget("call_function", "os.system", {"tuple": ["touch /tmp/x"]}), "'os.system', which is not an allowed"),
+    "builtins.exec": (_retarget("call_function", "builtins.exec", {"tuple": ["1"]}), "'builtins.exec', which is not"),
+    "torch.load": (_retarget("call_function", "torch.load"), "'torch.load', which is not an allowed"),
+    "aten.from_file": (_retarget("call_function", "aten.from_file.default"), "reads or writes files"),
+    "aten.save": (_retarget("call_function", "aten.save.default"), "reads or writes files"),
+    "unknown higher-order op": (_retarget("call_function", "higher_order.run_const_graph"), "higher-order operator"),
+    "method __reduce_ex__": (_retarget("call_method", "__reduce_ex__"), "not an allowed tensor method"),
+    "method untyped_storage": (_retarget("call_method", "untyped_storage"), "not an allowed tensor method"),
+    "method on a constant": (_retarget("call_method", "split", {"tuple": ["a b"]}), "on a constant, not on a value"),
+    "getattr __class__": (lambda doc: _retarget("call_function", "builtins.getattr", {
+        "tuple": [{"node": _first(doc, "placeholder")["name"]}, "__class__"]})(doc), "not one of a tensor's plain attributes"),
+    "get_attr __dict__": (lambda doc: _first(doc, "get_attr").update(target="__dict__"), "not a module path"),
+    "get_attr missing": (lambda doc: _first(doc, "get_attr").update(target="nowhere.weight"), "do not have"),
+    "unknown op kind": (lambda doc: _first(doc, "call_function").update(op="exec"), "unknown op 'exec'"),
+    "node read before defined": (lambda doc: _first(doc, "call_function").update(args={"tuple": [{"node": "zz"}]}),
+                                 "reads 'zz' before it is defined"),
+    "a pickled argument": (lambda doc: _first(doc, "call_function").update(args={"pickle": "gASV"}),
+                           "not a value a plan stores"),
+    "bad dtype": (lambda doc: _first(doc, "call_function").update(kwargs={"dict": {"dtype": {"dtype": "load"}}}),
+                  "not a value a plan stores"),
+    "not a graph": (lambda doc: doc.update(format="pickle"), "is not an fxpipe.graph/v1 graph"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED_GRAPHS))
+def test_a_tampered_graph_is_refused_with_one_line(plan: Path, case: str) -> None:
+    edit, message = TAMPERED_GRAPHS[case]
+    _edit_graph(plan, 1, edit)
+    with pytest.raises(PlanFileError, match="stage_1.json") as info:
+        fxpipe.load(plan)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_graph_edited_without_its_checksum_is_refused(plan: Path) -> None:
+    path = plan / "stage_0.json"
+    path.write_text(path.read_text().replace('"aten.', '"os.'))
+    with pytest.raises(PlanFileError, match="stage_0.json does not match the checksum in plan.json"):
+        fxpipe.load(plan)
+
+
+def test_a_pickle_payload_in_the_tensors_file_does_not_run(plan: Path, marker: Path) -> None:
+    (plan / "stage_0.pt").write_bytes(pickle.dumps({"fc.weight": _Payload(marker)}))
+    _rehash(plan, "stage_0.pt")
+    with pytest.raises(PlanFileError, match="stage_0.pt does not load"):
+        fxpipe.load(plan)
+    assert not marker.exists()
+
+
+def test_a_plan_json_naming_a_non_torch_module_class_is_refused(plan: Path) -> None:
+    doc = json.loads((plan / "plan.json").read_text())
+    doc["stages"][0]["modules"] = [{"name": "evil", "class": "os.system", "attrs": {}}]
+    (plan / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanFileError, match="not a torch.nn layer"):
+        fxpipe.load(plan)
+
+
+def test_a_plan_json_naming_a_file_outside_the_plan_is_refused(plan: Path) -> None:
+    doc = json.loads((plan / "plan.json").read_text())
+    doc["stages"][0]["weights"] = "../../etc/passwd"
+    (plan / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanFileError, match="missing the stage file '../../etc/passwd'"):
+        fxpipe.load(plan)
+
+
+def test_tampered_plans_run_no_code_in_the_cli(plan: Path, marker: Path) -> None:
+    """inspect, simulate and run read the tampered plan as data: the .py payload never runs."""
+    for path in plan.glob("stage_*.py"):
+        path.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    runner = CliRunner()
+    for args in (["inspect", str(plan)], ["simulate", str(plan)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, (args, result.output)
+    assert not marker.exists()
+    (plan / "stage_1.pt").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(plan, "stage_1.pt")
+    result = runner.invoke(app, ["run", str(plan), "--steps", "1", "--timeout", "20"])
+    assert result.exit_code == 2, result.output
+    assert "stage_1.pt does not load" in result.output and "Traceback" not in result.output
+    assert not marker.exists()
+
+
+def test_a_loaded_graph_is_the_saved_graph(plan_dir: Path) -> None:
+    zoo = models.build("mlp-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    loaded = fxpipe.load(plan_dir)
+    for a, b in zip(pipe.stages, loaded.stages):
+        assert [(n.op, str(n.target), n.name) for n in a.module.graph.nodes] == \
+            [(n.op, str(n.target), n.name) for n in b.module.graph.nodes]
+    torch.testing.assert_close(loaded(*zoo.example_inputs), pipe(*zoo.example_inputs))
