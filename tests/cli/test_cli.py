@@ -99,10 +99,10 @@ def mlp_json(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
 
 def test_compile_writes_the_plan_dir(gpt_plan: tuple[Result, Path]) -> None:
     result, out = gpt_plan
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.pt", "stage_0.py", "stage_1.pt",
-                                                     "stage_1.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.json", "stage_0.pt", "stage_0.py",
+                                                     "stage_1.json", "stage_1.pt", "stage_1.py"]
     doc = json.loads((out / "plan.json").read_text())
-    assert doc["schema"] == "fxpipe.plan/v2"
+    assert doc["schema"] == "fxpipe.plan/v3"
     assert isinstance(doc["stages"], list) and len(doc["stages"]) == 2 == doc["num_stages"]
     assert doc["plan"]["provenance"]["model"] == "gpt-tiny"
     assert doc["plan"]["options"]["stages"] == 2
@@ -253,8 +253,11 @@ def test_out_over_an_earlier_plan_replaces_it(tmp_path: Path) -> None:
     out = tmp_path / "plan"
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "3", "--out", out))
     assert (out / "stage_2.py").is_file()
+    (out / "NOTES.txt").write_text("mine")
+    (out / "sub").mkdir()
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out))
-    assert not (out / "stage_2.py").exists()
+    assert not (out / "stage_2.py").exists() and not (out / "stage_2.json").exists()
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "sub").is_dir()
     assert json.loads((out / "plan.json").read_text())["num_stages"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
 
