@@ -45,3 +45,7 @@ class LoweringError(FxpipeError, ValueError):
 
 class RankFailedError(FxpipeError, RuntimeError):
     """A rank could not finish its step: a peer failed or timed out, or the plan and schedule disagree."""
+
+
+class CheckpointError(FxpipeError, ValueError):
+    """A checkpoint cannot be saved or resumed: none complete, tampered, mixed steps, or of another model."""

@@ -1,33 +1,583 @@
-"""Checkpoints of a rank's state: one file per rank, written atomically, loaded as tensors only."""
+"""Checkpoints as torch.distributed.checkpoint (DCP) directories, one per step, read as data and never as code.
+
+One directory per step, written by every rank together::
+
+    CK/
+      step_000002/                   complete: this name appears only once every rank's part is in
+        .metadata                    DCP's index of every tensor (written by rank 0 after all ranks wrote)
+        __0_0.distcp  __1_0.distcp   one file of tensors per rank
+        fxpipe-checkpoint.json       step, ranks, stages, schedule, file sizes, optimizer hyperparameters
+      step_000003/
+      .step_000004.partial/          a save under way, or one that never finished: never loaded
+
+Keys are the model's names, not the plan's: ``model.<fqn>`` (parameters and buffers),
+``optim.state.<fqn>.<key>`` (a parameter's optimizer state, e.g. ``momentum_buffer``),
+``optim.number.<fqn>.<key>`` (a state value that is a Python number, kept as a 0-d tensor) and
+``fxpipe.step.rank<R>`` (the step, in every rank's file: a set of files from different steps is
+refused). A parameter tied across ranks is saved once (by the lowest rank holding it). Each rank
+loads only the keys of its own stages (DCP's planner reads them wherever they were written), so a
+checkpoint of a 2-stage plan resumes under a 3-stage plan of the same model.
+
+Nothing is unpickled as code: ``.metadata`` (a pickle) is read by an unpickler that knows only the
+classes DCP's metadata is made of; the tensor files by DCP's reader, whose ``torch.load`` is
+``weights_only``; non-tensor values (which DCP would ``torch.load`` with ``weights_only=False``) are
+never written and refused on load; and fxpipe's own file is JSON.
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from fxpipe.errors import RankFailedError
+from fxpipe.errors import CheckpointError, OptionError
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs 0.5 s to import: only when a checkpoint is read or written
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+SCHEMA = "fxpipe.checkpoint/v1"
+MARKER = "fxpipe-checkpoint.json"
+DEFAULT_KEEP = 3
+_STEP = re.compile(r"^step_(\d+)$")
+_PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+# What a step directory holds when fxpipe and DCP wrote it: only such a directory is ever deleted.
+_OURS = re.compile(r"^(\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)|fxpipe-checkpoint\.json(\.tmp)?)$")
+
+# Every global DCP's .metadata pickle refers to (torch 2.13, found with pickletools on a real one).
+# Kept as names, not imported: the unpickler resolves them only after this check, and a torch that
+# renames one makes the check refuse the file with a clear line, not import a private module.
+_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by its name, in torch's own table
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
+} | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)})
 
 
-def save(rt: Any, directory: str | os.PathLike[str], step: int) -> Path:
-    """Write ``rt.state_dict()`` to ``directory/rank{R}.pt`` atomically (a temporary file, then a rename)."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    final = path / f"rank{rt.rank}.pt"
-    tmp = path / f".rank{rt.rank}.pt.tmp"
-    torch.save({"step": step, **rt.state_dict()}, tmp)
-    os.replace(tmp, final)  # a crash before this line leaves the previous checkpoint whole
+@dataclass(frozen=True)
+class Found:
+    """A complete step: its directory, DCP's index of it (read as data) and fxpipe's record of it."""
+
+    step: int
+    path: Path
+    metadata: Metadata
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a checkpoint directory holds: the newest complete step (or None), and why each newer one was passed over."""
+
+    found: Found | None
+    skipped: tuple[str, ...]
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"step_{step:06d}"
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+
+def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = DEFAULT_KEEP) -> Path:
+    """Every rank: write ``rt``'s state as ``directory/step_NNNNNN`` and keep the newest ``keep`` steps.
+
+    Collective (every rank calls it with the same step). The ranks write into
+    ``.step_NNNNNN.partial``; after DCP's coordinator has written ``.metadata`` (which it does only
+    once every rank's file is in), rank 0 adds ``fxpipe-checkpoint.json`` and renames the directory
+    to its final name. Returns that path on every rank, once the step is complete.
+    """
+    if keep < 1:
+        raise OptionError(f"keep is how many complete checkpoints to keep (keep: {keep}); pass 1 or more")
+    steps = _all_gather(step)
+    if len(set(steps)) != 1:
+        raise CheckpointError(f"the ranks save different steps ({_by_rank(steps)}); a checkpoint is one step of "
+                              "every rank: call save_checkpoint with the same step on every rank")
+    root = Path(directory)
+    partial, final = root / f".step_{step:06d}.partial", step_dir(root, step)
+    rank, world = _rank(), _world()
+    flat, groups = _flat_state(rt, step)
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a save that never finished
+                _remove_step(partial)
+        except OSError as exc:
+            error = f"cannot write checkpoints to {root} ({exc.strerror or exc}); pick a writable --checkpoint-dir"
+    _raise_first(_all_gather(error))
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet():
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+    all_groups = _all_gather(groups)
+    if rank == 0:
+        try:
+            info = {"schema": SCHEMA, "step": step, "world": world, "stages": rt.pipe.num_stages,
+                    "schedule": rt.schedule.name,
+                    "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if _DATA_FILE.match(p.name)},
+                    "param_groups": [g for gs in all_groups for g in gs]}
+            _write_json(partial / MARKER, info)
+            if final.exists():  # the same step again (a resumed run): replace it whole
+                old = root / f".step_{step:06d}.replaced"
+                if old.exists():
+                    _remove_step(old)
+                os.replace(final, old)
+                os.replace(partial, final)
+                _remove_step(old)
+            else:
+                os.replace(partial, final)
+            _fsync_dir(root)
+            _prune(root, step, keep)
+        except OSError as exc:
+            error = f"cannot complete checkpoint {final} ({exc.strerror or exc}); check the disk and --checkpoint-dir"
+    _raise_first(_all_gather(error))
     return final
 
 
-def load(rt: Any, directory: str | os.PathLike[str]) -> int:
-    """Load ``directory/rank{R}.pt`` into ``rt``; returns the step it was saved after."""
-    file = Path(directory) / f"rank{rt.rank}.pt"
-    if not file.is_file():
-        raise RankFailedError(f"no checkpoint for rank {rt.rank} in {directory} (missing {file.name}); "
-                              "start without --resume or point --checkpoint-dir at a run's checkpoints")
-    state = torch.load(file, weights_only=False)
-    rt.load_state_dict(state)
-    return int(state["step"])
+def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """This rank's part: tensors by DCP key, and its optimizers' hyperparameters (JSON values)."""
+    state = rt.state_dict()
+    # A parameter several ranks hold (tied) is saved by the lowest of them.
+    skip = {name for name, holders in rt.pipe.shared_params.items()
+            if rt.rank != min(rt.where[k] for k in holders)}
+    flat: dict[str, torch.Tensor] = {f"fxpipe.step.rank{rt.rank}": torch.tensor(step, dtype=torch.int64)}
+    for fqn, tensor in (*state["params"].items(), *state["buffers"].items()):
+        if fqn not in skip:
+            flat[f"model.{fqn}"] = tensor
+    for fqn, values in state["optim"].items():
+        if fqn in skip:
+            continue
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"optim.state.{fqn}.{key}"] = value
+            elif isinstance(value, (bool, int, float)):
+                flat[f"optim.number.{fqn}.{key}"] = torch.tensor(value)
+            elif value is not None:
+                raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__}; fxpipe "
+                                      "checkpoints hold tensors and numbers only (nothing that loads as code)")
+    return flat, state["param_groups"]
+
+
+def _prune(root: Path, current: int, keep: int) -> None:
+    """Remove the steps before the ``keep`` newest up to ``current``, and partial saves of earlier steps."""
+    steps = sorted((n, p) for n, p in _numbered(root, _STEP) if n <= current)
+    for _, path in steps[:-keep]:
+        _remove_step(path)
+    for n, path in _numbered(root, _PARTIAL):
+        if n < current:
+            _remove_step(path)
+
+
+def clear(directory: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """Remove the step directories fxpipe wrote in ``directory``; returns (removed, kept) names.
+
+    A step-named directory holding anything fxpipe and DCP do not write is kept, whole.
+    """
+    removed, kept = [], []
+    root = Path(directory)
+    for _, path in sorted(_numbered(root, _STEP) + _numbered(root, _PARTIAL)):
+        (removed if _remove_step(path) else kept).append(path.name)
+    return removed, kept
+
+
+def _remove_step(path: Path) -> bool:
+    """Delete a step directory if it holds only what fxpipe and DCP write; True if it did."""
+    entries = list(path.iterdir())
+    if any(not (e.is_file() and _OURS.match(e.name)) for e in entries):
+        return False
+    for e in entries:
+        e.unlink()
+    path.rmdir()
+    return True
+
+
+def _numbered(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return [(int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+
+
+# -- finding the step to resume -------------------------------------------------------------
+
+
+def scan(directory: str | os.PathLike[str]) -> Scan:
+    """The newest complete step of ``directory``; every newer one passed over says why (incomplete,
+    truncated, corrupt). Reads only fxpipe's JSON, ``.metadata`` (as data) and file sizes.
+
+    Raises CheckpointError when a file refers to anything DCP's metadata is not made of (it was
+    tampered with: it could run code), rather than passing over it to an older step.
+    """
+    root = Path(directory)
+    skipped: list[str] = []
+    found = None
+    for n, path in sorted(_numbered(root, _STEP), reverse=True):
+        result = _check(path, n)
+        if isinstance(result, Found):
+            found = result
+            break
+        skipped.append(f"{path.name} is {result}")
+    newer = [(n, p) for n, p in _numbered(root, _PARTIAL) if found is None or n > found.step]
+    skipped += [f"{p.name} is incomplete (a save that did not finish)" for _, p in sorted(newer, reverse=True)]
+    return Scan(found, tuple(skipped))
+
+
+def _check(path: Path, step: int) -> Found | str:
+    """A Found, or why ``path`` is not a complete step."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"incomplete (no {MARKER})"
+    try:
+        info = json.loads(marker.read_bytes().decode())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"corrupt ({MARKER} is not JSON: {_first_line(exc)})"
+    if not isinstance(info, dict) or info.get("schema") != SCHEMA:
+        return f"corrupt ({MARKER} is not of schema {SCHEMA})"
+    files, world = info.get("files"), info.get("world")
+    if (info.get("step") != step or not isinstance(world, int) or world < 1 or not isinstance(files, dict)
+            or not all(isinstance(k, str) and _DATA_FILE.match(k) and isinstance(v, int) for k, v in files.items())
+            or not isinstance(info.get("param_groups"), list)):
+        return f"corrupt ({MARKER} does not describe step {step})"
+    if not (path / ".metadata").is_file():
+        return "incomplete (no .metadata)"
+    try:
+        metadata = read_metadata(path / ".metadata")
+    except _NotData:
+        raise
+    except CheckpointError as exc:
+        return f"corrupt ({exc})"
+    for name, size in files.items():
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have != size:
+            return f"truncated ({name} has {have or 0} of {size} bytes)"
+    for index, where in metadata.storage_data.items():
+        if where.relative_path not in files or where.offset + where.length > files[where.relative_path]:
+            return f"corrupt (.metadata puts {index.fqn} outside the data files)"
+    return Found(step, path, metadata, info)
+
+
+# -- .metadata as data ----------------------------------------------------------------------
+
+
+class _NotData(CheckpointError):
+    """A checkpoint file refers to code: refused, never passed over for an older step."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the globals DCP's metadata is made of; anything else stops the load before it is imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _METADATA_GLOBALS:
+            raise _Refused(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def read_metadata(file: Path) -> Metadata:
+    """DCP's ``.metadata`` read as data: its pickle may build only DCP's metadata classes, torch sizes,
+    dtypes and layouts; the result must be an index of tensors in files of this directory."""
+    try:
+        data = file.read_bytes()
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:
+        raise _NotData(f"{file} refers to {exc}, which DCP's metadata never does; it was not loaded (it could run "
+                       f"code); remove {file.parent} to resume from the step before") from None
+    except Exception as exc:  # a truncated or garbled pickle: any error of pickle's
+        raise CheckpointError(f".metadata does not load: {_first_line(exc)}") from None
+    problem = _metadata_problem(metadata)
+    if problem is not None:
+        raise CheckpointError(f".metadata {problem}")
+    return metadata  # type: ignore[no-any-return]
+
+
+def _metadata_problem(md: Any) -> str | None:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if type(md) is not Metadata:
+        return f"holds a {type(md).__name__}, not DCP's Metadata"
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        return "has no index of tensors"
+    for key, item in md.state_dict_metadata.items():
+        if type(item) is not TensorStorageMetadata or not isinstance(key, str):
+            return f"lists {key!r} as a {type(item).__name__}: fxpipe checkpoints hold tensors only"
+    for index, where in md.storage_data.items():
+        if (not isinstance(getattr(where, "relative_path", None), str) or not _DATA_FILE.match(where.relative_path)
+                or not isinstance(where.offset, int) or not isinstance(where.length, int)
+                or where.offset < 0 or where.length < 0 or getattr(where, "transform_descriptors", None)):
+            return f"puts {getattr(index, 'fqn', index)!r} in a file fxpipe does not write"
+    return None
+
+
+@cache
+def _dcp_classes() -> tuple[Any, Any]:
+    """DCP's file reader and load planner as fxpipe reads checkpoints (made on first use: DCP imports slowly)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+    from torch.futures import Future
+
+    class _SafeReader(dcp.FileSystemReader):
+        """DCP's file reader with fxpipe's checked ``.metadata`` and one-line errors naming the file."""
+
+        def __init__(self, found: Found) -> None:
+            super().__init__(found.path)
+            self.found = found
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return self.found.metadata  # already read as data by scan()
+
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            per_file: dict[str, list[ReadItem]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in per_file.items():
+                file = self.found.path / name
+                try:
+                    super().read_data(replace(plan, items=items), planner).wait()
+                except CheckpointError:
+                    raise
+                except pickle.UnpicklingError:
+                    raise _NotData(f"{file} is not a file of tensors (torch.load(weights_only=True) refused it); it "
+                                   f"was not loaded (it could run code); remove {file.parent} to resume from the step "
+                                   "before") from None
+                except Exception as exc:
+                    raise CheckpointError(f"{file} is corrupt ({type(exc).__name__}: {_first_line(exc)}); remove "
+                                          f"{file.parent} to resume from the step before") from None
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+
+    class _TensorsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's planner, but a non-tensor value (which it would ``torch.load`` with ``weights_only=False``) is refused."""
+
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            raise _NotData(f"the checkpoint holds {read_item.dest_index.fqn} as pickled bytes, which fxpipe never "
+                           "writes; it was not loaded (it could run code)")
+
+    return _SafeReader, _TensorsOnlyPlanner
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None) -> int:
+    """Every rank: load the newest complete step of ``directory`` into ``rt``; returns its step.
+
+    Collective. Newer steps that are incomplete, truncated or corrupt are passed over, each said
+    in one line to ``warn`` (rank 0's). Each rank reads only its own stages' keys. Raises
+    CheckpointError when no step is complete, a file was tampered with, the files are of different
+    steps, or the checkpoint is of another model.
+    """
+    root = Path(directory)
+    try:
+        result: Scan | str = scan(root)
+    except CheckpointError as exc:
+        result = str(exc)
+    found = result.found if isinstance(result, Scan) else None
+    seen = _all_gather((found.step if found else None, result if isinstance(result, str) else None))
+    _raise_first([error for _, error in seen])
+    if found is None:
+        raise CheckpointError(_none_complete(root, result.skipped if isinstance(result, Scan) else ()))
+    if len({s for s, _ in seen}) != 1:
+        raise CheckpointError(f"the ranks see different newest checkpoints in {root} ({_by_rank([s for s, _ in seen])}); "
+                              "every rank must read the same directory (a shared file system)")
+    if warn is not None and _rank() == 0 and isinstance(result, Scan):
+        for line in result.skipped:
+            warn(f"{line}; resuming from {found.path.name}")
+    md, info = found.metadata.state_dict_metadata, found.info
+    state = rt.state_dict()
+    want: dict[str, torch.Tensor] = {f"fxpipe.step.rank{r}": torch.zeros((), dtype=torch.int64)
+                                     for r in range(info["world"])}
+    mine = {**state["params"], **state["buffers"]}
+    for fqn, tensor in mine.items():
+        want[f"model.{fqn}"] = torch.empty_like(tensor, device="cpu")
+    optim_keys = _optim_keys(md)
+    optimized = [fqn for group in state["param_groups"] for fqn in group["params"]]
+    for fqn in optimized:
+        for key, (kind, item) in optim_keys.get(fqn, {}).items():
+            want[f"optim.{kind}.{fqn}.{key}"] = torch.empty(item.size, dtype=item.properties.dtype)
+    # Every rank checks the whole model: the union of what the ranks hold is what the checkpoint holds.
+    held = set().union(*_all_gather(sorted(mine)))
+    problem = _model_problem(md, held, mine, root=found.path)
+    if problem is not None:
+        raise CheckpointError(problem)
+    import torch.distributed.checkpoint as dcp
+
+    reader, planner = _dcp_classes()
+    try:
+        with _quiet():
+            dcp.load(want, storage_reader=reader(found), planner=planner(), no_dist=not _distributed())
+    except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure into one
+        raise _one_line(exc) from None
+    steps = [int(want[f"fxpipe.step.rank{r}"]) for r in range(info["world"])]
+    if any(s != found.step for s in steps):
+        raise CheckpointError(f"{found.path} mixes steps: its rank files are of steps {_by_rank(steps)}, its index of "
+                              f"step {found.step}; it was not loaded; remove it to resume from the step before")
+    nested: dict[str, Any] = {"params": {}, "buffers": {}, "optim": {}, "param_groups": info["param_groups"]}
+    for fqn in state["params"]:
+        nested["params"][fqn] = want[f"model.{fqn}"]
+    for fqn in state["buffers"]:
+        nested["buffers"][fqn] = want[f"model.{fqn}"]
+    for fqn in optimized:
+        values: dict[str, Any] = {}
+        for key, (kind, _) in optim_keys.get(fqn, {}).items():
+            value = want[f"optim.{kind}.{fqn}.{key}"]
+            values[key] = value if kind == "state" else value.item()
+        if values:
+            nested["optim"][fqn] = values
+    rt.load_state_dict(nested)
+    return found.step
+
+
+def _optim_keys(md: dict[str, Any]) -> dict[str, dict[str, tuple[str, TensorStorageMetadata]]]:
+    """Optimizer entries of the checkpoint: fqn -> key -> ("state" or "number", its tensor's metadata)."""
+    out: dict[str, dict[str, tuple[str, TensorStorageMetadata]]] = {}
+    for name, item in md.items():
+        for kind in ("state", "number"):
+            prefix = f"optim.{kind}."
+            if name.startswith(prefix) and "." in name[len(prefix):]:
+                fqn, key = name[len(prefix):].rsplit(".", 1)
+                out.setdefault(fqn, {})[key] = (kind, item)
+    return out
+
+
+def _model_problem(md: dict[str, Any], held: set[str], mine: dict[str, torch.Tensor], *, root: Path) -> str | None:
+    saved = {k[len("model."):] for k in md if k.startswith("model.")}
+    missing, extra = sorted(held - saved), sorted(saved - held)
+    if missing or extra:
+        what = (f"lacks {_few(missing)}" if missing else "") + (" and " if missing and extra else "") + \
+               (f"holds {_few(extra)}, which this plan does not" if extra else "")
+        return f"{root} is of another model: it {what}; resume with a plan of the model it was saved from"
+    for fqn, tensor in mine.items():
+        item = md[f"model.{fqn}"]
+        if tuple(item.size) != tuple(tensor.shape) or item.properties.dtype != tensor.dtype:
+            return (f"{root} holds {fqn} as {item.properties.dtype} {list(item.size)}, this plan as {tensor.dtype} "
+                    f"{list(tensor.shape)}; resume with a plan of the model it was saved from (same sizes, same dtype)")
+    return None
+
+
+def _none_complete(root: Path, skipped: Iterable[str]) -> str:
+    why = list(skipped)
+    if not root.is_dir():
+        why = [f"{root} does not exist"]
+    elif not why:
+        why = [f"{root} holds no step_NNNNNN directory"]
+    old = sorted(p.name for p in root.glob("rank*.pt")) if root.is_dir() else []
+    if old:
+        why.append(f"{', '.join(old)} {'is' if len(old) == 1 else 'are'} of fxpipe's old per-rank format, which is "
+                   "no longer loaded (a pickle could run code)")
+    return f"no complete checkpoint in {root} ({'; '.join(why)}); start without --resume"
+
+
+def _one_line(exc: BaseException) -> CheckpointError:
+    """DCP's CheckpointException (every rank's failure with its traceback) as the first rank's one line."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, CheckpointError):
+            return CheckpointError(str(inner))
+        return CheckpointError(f"loading the checkpoint failed on rank {min(failures)}: "
+                               f"{type(inner).__name__}: {_first_line(inner)}")
+    if isinstance(exc, CheckpointError):
+        return CheckpointError(str(exc))
+    return CheckpointError(f"loading the checkpoint failed: {type(exc).__name__}: {_first_line(exc)}")
+
+
+# -- small helpers --------------------------------------------------------------------------
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it saves or loads in one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (plain Python values fxpipe made, never read from a file), by rank."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _raise_first(errors: list[str | None]) -> None:
+    """Raise the first rank's error on every rank, so that no rank waits for one that stopped."""
+    for error in errors:
+        if error is not None:
+            raise CheckpointError(error)
+
+
+def _by_rank(values: list[Any]) -> str:
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _write_json(file: Path, value: Any) -> None:
+    tmp = file.with_name(file.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+__all__ = ["DEFAULT_KEEP", "MARKER", "SCHEMA", "Found", "Scan", "clear", "load", "read_metadata", "save", "scan",
+           "step_dir"]

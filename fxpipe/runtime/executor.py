@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpipe._compat import pytree
-from fxpipe.errors import OptionError, RankFailedError
+from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
@@ -60,8 +62,7 @@ class PipelineRuntime:
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None) -> None:
-        if not dist.is_initialized():
-            raise RankFailedError("PipelineRuntime needs torch.distributed initialised (torchrun, or init_process_group)")
+        _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
@@ -244,34 +245,69 @@ class PipelineRuntime:
             if left.get(name, 0) == 0 and name not in keep:  # read only on other ranks (sent already)
                 values.pop(name, None)
 
-    def save_checkpoint(self, directory: str | Any, step: int) -> Any:
-        """Write this rank's state to ``directory/rank{R}.pt`` atomically (see fxpipe.runtime.checkpoint)."""
-        return checkpoint.save(self, directory, step)
+    def save_checkpoint(self, directory: str | os.PathLike[str], step: int, *,
+                        keep: int = checkpoint.DEFAULT_KEEP) -> Path:
+        """Every rank: save the state after ``step`` as ``directory/step_NNNNNN`` (a DCP checkpoint, complete
+        once every rank's part is in) and keep the newest ``keep`` steps; see :mod:`fxpipe.runtime.checkpoint`."""
+        return checkpoint.save(self, directory, step, keep=keep)
 
-    def load_checkpoint(self, directory: str | Any) -> int:
-        """Load ``directory/rank{R}.pt``; returns the step it was saved after."""
-        return checkpoint.load(self, directory)
+    def load_checkpoint(self, directory: str | os.PathLike[str]) -> int:
+        """Every rank: load the newest complete step of ``directory`` (saved with this plan or another plan of
+        the same model) and return it. A newer step that is incomplete or corrupt is passed over with a
+        warning on rank 0."""
+        return checkpoint.load(self, directory, warn=lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3))
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's stages: parameters and buffers by name, and each stage's optimizer state."""
+        """This rank's state, keyed by the model's parameter names (the same under any plan of the model).
+
+        ``params`` and ``buffers``: name -> tensor (copies); ``optim``: parameter name -> its optimizer
+        state (e.g. ``{"momentum_buffer": tensor}``); ``param_groups``: each optimizer group's
+        hyperparameters (plain values) with the names of its parameters.
+        """
+        names = {id(p): n for n, p in self._named(lambda mod: mod.named_parameters())}
+        optim: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                groups.append({"params": [names[id(p)] for p in group["params"]],
+                               **{k: list(v) if isinstance(v, tuple) else v for k, v in group.items()
+                                  if k != "params" and _plain(v)}})
+                for p in group["params"]:
+                    if opt.state.get(p):
+                        optim[names[id(p)]] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                               for k, v in opt.state[p].items()}
         return {"rank": self.rank,
                 "params": {n: p.detach().clone() for n, p in self._named(lambda mod: mod.named_parameters())},
                 "buffers": {n: b.detach().clone() for n, b in self._named(lambda mod: mod.named_buffers())},
-                "optimizers": {s: opt.state_dict() for s, opt in self.optimizers.items()}}
+                "optim": optim, "param_groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` of any plan of the same model: this rank takes the entries of its own
+        stages (``state`` may hold more, e.g. every rank's merged)."""
         params = dict(self._named(lambda mod: mod.named_parameters()))
         buffers = dict(self._named(lambda mod: mod.named_buffers()))
-        if set(state["params"]) != set(params) or set(state.get("optimizers", {})) != set(self.optimizers):
-            raise RankFailedError(f"this state is of other stages than rank {self.rank}'s {self.mine}; load the state "
-                                  "saved by this rank of a run with the same plan and schedule")
+        missing = sorted((set(params) - set(state["params"])) | (set(buffers) - set(state.get("buffers", {}))))
+        if missing:
+            raise CheckpointError(f"this state lacks {len(missing)} of rank {self.rank}'s tensors ({', '.join(missing[:3])}"
+                                  f"{', ...' if len(missing) > 3 else ''}); load a state of the same model")
         with torch.no_grad():
-            for n, t in state["params"].items():
-                params[n].copy_(t)
-            for n, t in state.get("buffers", {}).items():
-                buffers[n].copy_(t)
-        for s, opt in self.optimizers.items():
-            opt.load_state_dict(state["optimizers"][s])
+            for n, p in params.items():
+                p.copy_(state["params"][n])
+            for n, b in buffers.items():
+                b.copy_(state["buffers"][n])
+        saved_groups = {fqn: g for g in state.get("param_groups", ()) for fqn in g["params"]}
+        names = {id(p): n for n, p in params.items()}
+        for opt in self.optimizers.values():
+            sd = opt.state_dict()
+            index = 0
+            for group, packed in zip(opt.param_groups, sd["param_groups"]):
+                fqns = [names[id(p)] for p in group["params"]]
+                for fqn in fqns:
+                    if fqn in state.get("optim", {}):
+                        sd["state"][index] = dict(state["optim"][fqn])
+                    index += 1
+                packed.update(_hyperparameters(fqns, saved_groups, packed))
+            opt.load_state_dict(sd)
 
     def _named(self, items: Callable[[torch.nn.Module], Any]) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for s in self.mine for n, t in items(self.stages[s].module)]
@@ -353,6 +389,17 @@ class _RankRunner(ActionRunner):
         self.rt.backward_weight(s, args)
 
 
+def _init_process_group(timeout: timedelta | None) -> None:
+    """Under torchrun (its RANK, WORLD_SIZE and MASTER_ADDR set), start the default process group if the
+    script has not: gloo for CPU tensors, NCCL for CUDA ones where torch has it."""
+    if dist.is_initialized():
+        return
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        raise RankFailedError("PipelineRuntime needs torch.distributed: launch the script with torchrun (the runtime "
+                              "then starts the process group), or call dist.init_process_group first")
+    dist.init_process_group(**({"timeout": timeout} if timeout is not None else {}))
+
+
 def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Pipeline:
     """The Pipeline of a Pipeline or a plan directory, with its F/B/W graphs built.
 
@@ -390,3 +437,27 @@ def _resolve_schedule(pipe: Pipeline, schedule: Schedule | str | None, microbatc
     if isinstance(schedule, Schedule):
         return schedule
     return plan_schedule(pipe.plan, schedule, microbatches)
+
+
+def _plain(value: Any) -> bool:
+    """A hyperparameter that is a plain value (kept in a checkpoint's JSON)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, (bool, int, float)) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: dict[str, Any]) -> dict[str, Any]:
+    """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree)."""
+    found = [saved[f] for f in fqns if f in saved]
+    if not found:
+        return {}
+    values = {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in found[0].items()
+              if k != "params" and k in group}
+    for other in found[1:]:
+        for k, v in values.items():
+            theirs = tuple(other.get(k)) if isinstance(v, tuple) and isinstance(other.get(k), list) else other.get(k)
+            if theirs != v:
+                raise CheckpointError(f"parameters {fqns[0]} and {other['params'][0]} share an optimizer here but had "
+                                      f"different {k} when saved ({v} and {theirs}); use one value, or one "
+                                      "optimizer group per stage as saved")
+    return values

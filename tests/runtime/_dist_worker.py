@@ -71,6 +71,17 @@ def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[
     return start
 
 
+def merged_state(files: list[str]) -> dict[str, Any]:
+    """Every rank's ``state_dict()`` (as this worker saved them) merged into one: what a rank of any plan loads from."""
+    merged: dict[str, Any] = {"params": {}, "buffers": {}, "optim": {}, "param_groups": []}
+    for file in files:
+        state = torch.load(file, weights_only=True)["state"]
+        for key in ("params", "buffers", "optim"):
+            merged[key].update(state[key])
+        merged["param_groups"] += state["param_groups"]
+    return merged
+
+
 def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -104,22 +115,112 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
                 sched = auto(stages, Costs.from_plan(pipe.plan), microbatches=[m]).schedule
             else:
                 sched = generate(name, stages, m, Costs.from_plan(pipe.plan))
-            rt = PipelineRuntime(pipe, sched, loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                 timeout=timedelta(seconds=cfg.get("timeout", 10)))
-            starting = die_mid_step(rt, rank, cfg, out)
-            first = rt.load_checkpoint(cfg["resume"]) if cfg.get("resume") else 0
-            losses = []
-            for step in range(first, cfg["steps"]):
-                if rank == cfg.get("fail_rank", -1) and step == 1:
-                    raise ValueError(f"boom on rank {rank}")
-                starting(step)
-                losses.append(float(rt.step(inputs, target)))
-                if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
-                    rt.save_checkpoint(cfg["checkpoint"], step + 1)
-            torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}-rank{rank}.pt")
+            # Resumed from a checkpoint, and (``load_state``) again from the merged states an earlier
+            # launch's ranks ended with: the same plan, two ways in.
+            for start in ("resume", "load_state") if cfg.get("resume") and cfg.get("load_state") else ("",):
+                rt = PipelineRuntime(pipe, sched, loss_fn,
+                                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                                     timeout=timedelta(seconds=cfg.get("timeout", 10)))
+                starting = die_mid_step(rt, rank, cfg, out)
+                first = 0
+                if cfg.get("resume") and start != "load_state":
+                    first = rt.load_checkpoint(cfg["resume"])
+                elif cfg.get("load_state"):
+                    rt.load_state_dict(merged_state(cfg["load_state"]))
+                    first = cfg["load_state_step"]
+                losses = []
+                for step in range(first, cfg["steps"]):
+                    if rank == cfg.get("fail_rank", -1) and step == 1:
+                        raise ValueError(f"boom on rank {rank}")
+                    starting(step)
+                    losses.append(float(rt.step(inputs, target)))
+                    if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
+                        rt.save_checkpoint(cfg["checkpoint"], step + 1)
+                tag = f"-{start}" if start == "load_state" else ""
+                torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}{tag}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def payload(marker: Path) -> bytes:
+    """A pickle that, if anything unpickled it, would create ``marker`` (it runs ``os.system``)."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return os.system, (f"touch {marker}",)
+
+    return pickle.dumps(Payload())
+
+
+def checkpoint_cases(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> None:
+    """Many checkpoint cases in one launch: gpt-tiny (tied weights) on 2 stages saves steps 1-3 (keeping 2);
+    then rank 0 damages the files in one way after another and every rank loads. Writes
+    ``OUT/cases-rank{R}.json``: case -> the step loaded (and rank 0's warnings) or the error's line."""
+    import shutil
+    import warnings
+
+    import fxpipe
+    from fxpipe.errors import CheckpointError
+    from fxpipe.runtime.executor import PipelineRuntime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        model, inputs, target, loss_fn = build("gpt-tiny", 4)
+        pipe = fxpipe.compile(model, tuple(x.tensor_split(4)[0] for x in inputs), stages=world)
+        rt = PipelineRuntime(pipe, "1f1b", loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                             microbatches=4, timeout=timedelta(seconds=20))
+        ck = Path(out) / "ck"
+        for step in range(3):
+            rt.step(inputs, target)
+            rt.save_checkpoint(ck, step + 1, keep=2)
+        results: dict[str, Any] = {"listing": sorted(p.name for p in ck.iterdir())}
+        step2, step3 = ck / "step_000002", ck / "step_000003"
+        saved = {p: p.read_bytes() for d in (step2, step3) for p in d.iterdir()}
+
+        def case(name: str, damage: Callable[[], None], load: Callable[[], Any] | None = None) -> None:
+            if rank == 0:
+                damage()
+            dist.barrier()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                try:
+                    got: Any = (load or (lambda: rt.load_checkpoint(ck)))()
+                except CheckpointError as exc:
+                    got = f"error: {exc}"
+            results[name] = {"got": got, "warned": [str(w.message) for w in caught if w.category is RuntimeWarning]}
+            dist.barrier()
+            if rank == 0:  # undo: the saved steps as written, nothing else
+                for d in ck.iterdir():
+                    if d.name not in ("step_000002", "step_000003"):
+                        shutil.rmtree(d)
+                for p, data in saved.items():
+                    p.write_bytes(data)
+            dist.barrier()
+
+        def truncate(file: Path) -> None:
+            file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+        case("newest", lambda: None)
+        case("truncated", lambda: truncate(step3 / "__1_0.distcp"))
+        case("partial", lambda: (ck / ".step_000004.partial").mkdir())
+        case("mixed", lambda: shutil.copyfile(step2 / "__1_0.distcp", step3 / "__1_0.distcp"))
+        marker = Path(out) / "code-ran"
+        for name in (".metadata", "__0_0.distcp", "fxpipe-checkpoint.json"):
+            def tamper(name: str = name) -> None:
+                for d in (step2, step3):  # a payload the size of the file it replaces (so sizes match)
+                    size = (d / name).stat().st_size
+                    (d / name).write_bytes(payload(marker).ljust(size, b"\0"))
+            case(f"payload {name}", tamper)
+        results["code ran"] = marker.exists()
+        case("different steps", lambda: None, lambda: str(rt.save_checkpoint(ck, 10 + rank)))
+        (Path(out) / f"cases-rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    train(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
+    cfg = json.loads(sys.argv[5])
+    main = checkpoint_cases if cfg.get("checkpoint_cases") else train
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], cfg)

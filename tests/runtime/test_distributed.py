@@ -101,7 +101,9 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     assert all(r.returncode == 0 for r in _launch(straight, 2, {**base, "steps": 3}))
     assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 2, "checkpoint": str(ckpt),
                                                                  "checkpoint_after": 2}))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt"]  # no temporary file left
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002"]  # no partial save left
+    assert sorted(p.name for p in (ckpt / "step_000002").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "fxpipe-checkpoint.json"]
     assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 3, "resume": str(ckpt)}))
     for rank in range(2):
         a = torch.load(straight / f"zb-h1-rank{rank}.pt", weights_only=False)["state"]["params"]
