@@ -154,9 +154,10 @@ class PipelineRuntime:
         parts = [split_batch(self._here(x), m, fix=fix) for x in flat]
         targets = split_batch(self._here(target), m, fix=fix)
         core = self.core
-        core.begin([dict(zip(self.pipe.input_names, flatten_inputs(
-            self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)],
-            targets)
+        micro = [dict(zip(self.pipe.input_names, flatten_inputs(
+            self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)]
+        self._check_shapes(micro[0], m)
+        core.begin(micro, targets)
         self._left = [dict(self.readers) for _ in range(m)]  # local reads still to come, per microbatch
         # Receives are posted ahead into buffers shaped from the graphs (all at once, into the
         # previous step's buffers; or, with ``prefetch``, the next ``prefetch`` actions' into new
@@ -216,6 +217,16 @@ class PipelineRuntime:
         total = total.cpu()
         self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
         return total / m  # float64: the mean over microbatches, summed in double
+
+    def _check_shapes(self, values: dict[str, Any], m: int) -> None:
+        """A microbatch's inputs must have the shapes the plan's graphs were compiled for."""
+        for spec in self.pipe.plan.inputs:
+            got = values.get(spec.name)
+            if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(spec.shape):
+                rows = f"{spec.shape[0] * m} rows, " if spec.shape else ""
+                raise OptionError(f"a microbatch's input {spec.name} has shape {list(got.shape)}, but the plan was "
+                                  f"compiled for {list(spec.shape)}: pass {m} microbatches' worth ({rows}the compiled "
+                                  "inputs stacked), or compile the plan with one microbatch's inputs")
 
     def _here(self, value: Any) -> Any:
         """A batch tensor on this rank's device (the stages compute where their parameters are)."""
