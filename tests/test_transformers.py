@@ -1,9 +1,12 @@
-"""A Hugging Face transformers GPT-2 (built from a small config, no download) compiles and composes back."""
+"""Hugging Face transformers GPT-2 and Llama (built from small configs, no download) compile, compose back and
+round-trip through a plan directory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import fxpipe
 
 from tests.conftest import assert_composes
 
@@ -32,3 +35,53 @@ def test_hf_gpt2_composes(stages: int) -> None:
     assert [n for n in names if n.startswith("transformer.h.")] == ["transformer.h.0", "transformer.h.1",
                                                                    "transformer.h.2"]
     assert type(pipe(idx)).__name__ == "CausalLMOutputWithCrossAttentions"
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=32,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def test_hf_llama_with_a_nested_graph_composes_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Llama's rotary embedding runs under no_grad: export keeps it as a higher-order op over a nested graph,
+    which the plan saves as data and loads back (assert_composes round-trips every plan)."""
+    idx = torch.randint(0, 96, (2, 16))
+    target = torch.randint(0, 96, (2, 16))
+    pipe = assert_composes(_llama(), (idx,), _loss, target, 2)
+    def hops(p: fxpipe.Pipeline) -> list[str]:
+        return [str(n.target) for st in p.stages for n in st.module.graph.nodes
+                if n.op == "call_function" and type(n.target).__name__ == "WrapWithSetGradEnabled"]
+
+    assert hops(pipe) == ["wrap_with_set_grad_enabled"]
+    assert hops(fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))) == ["wrap_with_set_grad_enabled"]
+
+
+def test_a_hf_plan_loads_without_transformers_as_a_record(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    idx = torch.randint(0, 96, (2, 16))
+    model = _gpt2()
+    plan = fxpipe.save(fxpipe.compile(model, (idx,), stages=2), tmp_path / "plan")
+    torch.save({"idx": idx, "logits": model(idx).logits.detach()}, tmp_path / "io.pt")
+    script = f"""
+import sys, warnings
+import torch, fxpipe
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    pipe = fxpipe.load({str(plan)!r})
+io = torch.load({str(tmp_path / "io.pt")!r})
+out = pipe(io["idx"])
+assert type(out).__name__ == "Record" and list(out) == ["logits"], out
+torch.testing.assert_close(out.logits, io["logits"])
+torch.testing.assert_close(out["logits"], io["logits"])
+assert "transformers" not in sys.modules
+print([str(w.message) for w in caught])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CausalLMOutputWithCrossAttentions; loaded as fxpipe.Record" in proc.stdout
+    assert "Import transformers before loading" in proc.stdout
