@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     args = parser.parse_args(argv)
@@ -109,6 +110,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     sched, costs, m = rt.schedule, Costs.from_plan(pipe.plan), rt.schedule.num_microbatches
     inputs, target = synthetic_batch(zoo, m)
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
+    if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
+        from fxpipe.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
+                              f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
     for step in range(first, args.steps):
         if rank == args.fail_rank and step == first + 1:
@@ -122,7 +128,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
             with open(out_progress(args), "a") as f:
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
         if args.checkpoint_dir:
-            rt.save_checkpoint(args.checkpoint_dir, step + 1)
+            rt.save_checkpoint(args.checkpoint_dir, step + 1, keep=args.keep_checkpoints)
     from fxpipe.runtime.calibrate import calibrate
     from fxpipe.schedules.simulate import simulate
 
@@ -130,7 +136,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     return {
         "rank": rank, "world": world, "schedule": sched.name, "microbatches": m,
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
-        "losses": losses, "step_ms": step_ms,
+        "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
         "profiled": pipe.plan.provenance.profiled,

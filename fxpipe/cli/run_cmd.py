@@ -25,8 +25,11 @@ def run_cmd(
     data: Annotated[str, typer.Option(help="Training data: synthetic (random batches shaped like the example).")] = "synthetic",
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate [default: 0.01].")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
-    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save every rank's state here after each step.")] = None,
-    resume: Annotated[bool, typer.Option(help="Start from the checkpoint in --checkpoint-dir.")] = False,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here after each step (one "
+                                                                "directory per step).")] = None,
+    resume: Annotated[bool, typer.Option(help="Start from the newest complete checkpoint in --checkpoint-dir.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace the checkpoints in --checkpoint-dir (other files stay).")] = False,
+    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Complete checkpoints (steps) to keep.")] = 3,
     trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
@@ -58,12 +61,13 @@ def run_cmd(
                               f"not {nproc}; use --nproc {sched.num_ranks}")
         if data != "synthetic":
             raise OptionError(f"--data {data!r} is not known; use --data synthetic")
-        if resume and checkpoint_dir is None:
-            raise OptionError("--resume needs --checkpoint-dir")
+        _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
                                      fail_rank=fail_rank, kill_rank=kill_rank)
+        if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
+            cmd += ["--keep-checkpoints", str(keep_checkpoints)]
         try:
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks", 0, steps)
@@ -99,7 +103,8 @@ def run_cmd(
 
         per_step = Report("run: per step", ("step", "loss", "step ms", "samples/s"),
                           tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
-                                for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms))),
+                                for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms),
+                                                               results[0].get("first_step", 0))),
                           (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
                            f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
                            + ("" if results[0].get("profiled") else
@@ -113,3 +118,32 @@ def run_cmd(
         print_reports([per_step, per_rank], plain=plain, console=out)
         if trace is not None:
             err.print(f"wrote {trace}")
+
+
+def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int) -> None:
+    """Before any rank starts: a checkpoint directory is resumed from, overwritten or new, as the options say."""
+    if directory is None:
+        if resume or overwrite:
+            raise OptionError(f"--{'resume' if resume else 'overwrite'} needs --checkpoint-dir")
+        return
+    from fxpipe.runtime import checkpoint
+
+    if resume and overwrite:
+        raise OptionError("--resume continues from the checkpoints that --overwrite would remove; pass one of them")
+    if directory.exists() and not directory.is_dir():
+        raise OptionError(f"--checkpoint-dir {directory} is a file; name a directory")
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if resume:
+        found, skipped = checkpoint.newest(directory)
+        if found.step >= steps:
+            raise OptionError(f"the newest checkpoint in {directory} is of step {found.step}, and --steps {steps} "
+                              f"(counted from the start of training) asks for no more; pass --steps {found.step + 1} "
+                              "or more to train further")
+        for line in skipped:
+            err.print(f"note: {line}; resuming from {found.path.name}", markup=False, highlight=False, soft_wrap=True)
+    elif overwrite:
+        checkpoint.clear(directory)
+    elif held:
+        raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
+                          f"{', ...' if len(held) > 3 else ''}); pass --resume to continue from its newest checkpoint, "
+                          "--overwrite to replace its checkpoints, or another --checkpoint-dir")

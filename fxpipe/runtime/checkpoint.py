@@ -106,27 +106,35 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
     """
     if keep < 1:
         raise OptionError(f"keep is how many complete checkpoints to keep (keep: {keep}); pass 1 or more")
-    steps = _all_gather(step)
+    try:
+        flat, groups = _flat_state(rt, step)
+        error = None
+    except CheckpointError as exc:
+        flat, groups, error = {}, [], str(exc)
+    seen = _all_gather((step, error))  # every rank learns of every rank's problem: none waits for a stopped one
+    _raise_first([e for _, e in seen])
+    steps = [s for s, _ in seen]
     if len(set(steps)) != 1:
         raise CheckpointError(f"the ranks save different steps ({_by_rank(steps)}); a checkpoint is one step of "
                               "every rank: call save_checkpoint with the same step on every rank")
     root = Path(directory)
     partial, final = root / f".step_{step:06d}.partial", step_dir(root, step)
     rank, world = _rank(), _world()
-    flat, groups = _flat_state(rt, step)
-    error = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             if partial.exists():  # left by a save that never finished
                 _remove_step(partial)
         except OSError as exc:
-            error = f"cannot write checkpoints to {root} ({exc.strerror or exc}); pick a writable --checkpoint-dir"
+            error = f"cannot write checkpoints to {root} ({exc.strerror or exc}); pick a writable checkpoint directory"
     _raise_first(_all_gather(error))
     import torch.distributed.checkpoint as dcp
 
-    with _quiet():
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+    try:
+        with _quiet():
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+    except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure into one
+        raise _one_line(exc, "saving") from None
     all_groups = _all_gather(groups)
     if rank == 0:
         try:
@@ -147,7 +155,7 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
             _fsync_dir(root)
             _prune(root, step, keep)
         except OSError as exc:
-            error = f"cannot complete checkpoint {final} ({exc.strerror or exc}); check the disk and --checkpoint-dir"
+            error = f"cannot complete checkpoint {final} ({exc.strerror or exc}); check the disk and the directory"
     _raise_first(_all_gather(error))
     return final
 
@@ -186,16 +194,32 @@ def _prune(root: Path, current: int, keep: int) -> None:
             _remove_step(path)
 
 
-def clear(directory: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
-    """Remove the step directories fxpipe wrote in ``directory``; returns (removed, kept) names.
+def clear(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove the step directories fxpipe wrote in ``directory`` (nothing else); returns their names.
 
-    A step-named directory holding anything fxpipe and DCP do not write is kept, whole.
+    Raises CheckpointError, having removed nothing, when a step-named directory holds a file fxpipe
+    and DCP do not write.
     """
-    removed, kept = [], []
     root = Path(directory)
-    for _, path in sorted(_numbered(root, _STEP) + _numbered(root, _PARTIAL)):
-        (removed if _remove_step(path) else kept).append(path.name)
-    return removed, kept
+    steps = sorted(_numbered(root, _STEP) + _numbered(root, _PARTIAL))
+    for _, path in steps:
+        foreign = sorted(e.name for e in path.iterdir() if not (e.is_file() and _OURS.match(e.name)))
+        if foreign:
+            raise CheckpointError(f"{path} holds {_few(foreign)}, which fxpipe did not write; nothing was removed: "
+                                  f"move {'it' if len(foreign) == 1 else 'them'} out, or use another checkpoint "
+                                  "directory")
+    for _, path in steps:
+        _remove_step(path)
+    return [path.name for _, path in steps]
+
+
+def newest(directory: str | os.PathLike[str]) -> tuple[Found, tuple[str, ...]]:
+    """:func:`scan`'s newest complete step and the newer ones passed over; CheckpointError (one line:
+    why each step was passed over) when no step is complete."""
+    result = scan(directory)
+    if result.found is None:
+        raise CheckpointError(_none_complete(Path(directory), result.skipped))
+    return result.found, result.skipped
 
 
 def _remove_step(path: Path) -> bool:
@@ -418,9 +442,7 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
             want[f"optim.{kind}.{fqn}.{key}"] = torch.empty(item.size, dtype=item.properties.dtype)
     # Every rank checks the whole model: the union of what the ranks hold is what the checkpoint holds.
     held = set().union(*_all_gather(sorted(mine)))
-    problem = _model_problem(md, held, mine, root=found.path)
-    if problem is not None:
-        raise CheckpointError(problem)
+    _raise_first(_all_gather(_model_problem(md, held, mine, root=found.path)))
     import torch.distributed.checkpoint as dcp
 
     reader, planner = _dcp_classes()
@@ -428,7 +450,7 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
         with _quiet():
             dcp.load(want, storage_reader=reader(found), planner=planner(), no_dist=not _distributed())
     except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure into one
-        raise _one_line(exc) from None
+        raise _one_line(exc, "loading") from None
     steps = [int(want[f"fxpipe.step.rank{r}"]) for r in range(info["world"])]
     if any(s != found.step for s in steps):
         raise CheckpointError(f"{found.path} mixes steps: its rank files are of steps {_by_rank(steps)}, its index of "
@@ -489,7 +511,7 @@ def _none_complete(root: Path, skipped: Iterable[str]) -> str:
     return f"no complete checkpoint in {root} ({'; '.join(why)}); start without --resume"
 
 
-def _one_line(exc: BaseException) -> CheckpointError:
+def _one_line(exc: BaseException, doing: str) -> CheckpointError:
     """DCP's CheckpointException (every rank's failure with its traceback) as the first rank's one line."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -497,11 +519,11 @@ def _one_line(exc: BaseException) -> CheckpointError:
         inner = first[0] if isinstance(first, tuple) else first
         if isinstance(inner, CheckpointError):
             return CheckpointError(str(inner))
-        return CheckpointError(f"loading the checkpoint failed on rank {min(failures)}: "
+        return CheckpointError(f"{doing} the checkpoint failed on rank {min(failures)}: "
                                f"{type(inner).__name__}: {_first_line(inner)}")
     if isinstance(exc, CheckpointError):
         return CheckpointError(str(exc))
-    return CheckpointError(f"loading the checkpoint failed: {type(exc).__name__}: {_first_line(exc)}")
+    return CheckpointError(f"{doing} the checkpoint failed: {type(exc).__name__}: {_first_line(exc)}")
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -579,5 +601,5 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["DEFAULT_KEEP", "MARKER", "SCHEMA", "Found", "Scan", "clear", "load", "read_metadata", "save", "scan",
-           "step_dir"]
+__all__ = ["DEFAULT_KEEP", "MARKER", "SCHEMA", "Found", "Scan", "clear", "load", "newest", "read_metadata", "save",
+           "scan", "step_dir"]

@@ -67,12 +67,62 @@ def test_a_killed_rank_is_named(plan: Path) -> None:
 
 
 def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
-    straight = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--json")).stdout)["losses"]
+    """Resume is bit-exact, falls back past a truncated newest step (saying so), and --overwrite replaces
+    only the checkpoints."""
+    straight = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--json")).stdout)["losses"]
     ckpt = tmp_path / "ckpt"
     ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "2", "--checkpoint-dir", ckpt, "--json"))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000001", "step_000002"]
     resumed = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--checkpoint-dir", ckpt,
                                        "--resume", "--json")).stdout)["losses"]
     assert resumed == [straight[2]]  # bit for bit: the same float
+    data = ckpt / "step_000003" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:64])  # the newest step truncated: the run goes on from the one before
+    result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "--json",
+                           "--keep-checkpoints", "2"))
+    assert json.loads(result.stdout)["losses"] == straight[2:4]
+    assert result.stderr.startswith("note: step_000003 is truncated (__1_0.distcp has 64 of ")
+    assert result.stderr.rstrip().endswith("resuming from step_000002")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000003", "step_000004"]
+    # Without --resume or --overwrite the directory is refused; --overwrite keeps the user's own files.
+    (ckpt / "NOTES.txt").write_text("mine")
+    line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt))
+    assert line == (f"error: --checkpoint-dir {ckpt} is not empty (it holds NOTES.txt, step_000003, step_000004); pass "
+                    "--resume to continue from its newest checkpoint, --overwrite to replace its checkpoints, or another "
+                    "--checkpoint-dir")
+    ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt, "--overwrite", "--json"))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["NOTES.txt", "step_000001"]
+    assert (ckpt / "NOTES.txt").read_text() == "mine"
+
+
+def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path) -> None:
+    from tests.runtime._dist_worker import payload
+    from tests.runtime.test_checkpoint import _saved
+
+    started = time.perf_counter()
+    ckpt = _saved(tmp_path / "ckpt", range(1, 4))
+    assert "the newest checkpoint in" in one_line_error(fxpipe_cli("run", plan, "--steps", "3", "--checkpoint-dir", ckpt,
+                                                                   "--resume"))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--checkpoint-dir", ckpt, "--resume"))
+    assert line == (f"error: the newest checkpoint in {ckpt} is of step 3, and --steps 2 (counted from the start of "
+                    "training) asks for no more; pass --steps 4 or more to train further")
+    empty = tmp_path / "empty"
+    assert one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", empty, "--resume")) == (
+        f"error: no complete checkpoint in {empty} ({empty} does not exist); start without --resume")
+    assert one_line_error(fxpipe_cli("run", plan, "--resume")) == "error: --resume needs --checkpoint-dir"
+    assert "pass one of them" in one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", ckpt, "--resume",
+                                                           "--overwrite"))
+    # A pickle payload in place of .metadata, then of every file of every step: one line, no code run.
+    ran = tmp_path / "code-ran"
+    (ckpt / "step_000003" / ".metadata").write_bytes(payload(ran))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"))
+    assert line == (f"error: {ckpt}/step_000003/.metadata refers to posix.system, which DCP's metadata never does; it "
+                    f"was not loaded (it could run code); remove {ckpt}/step_000003 to resume from the step before")
+    for file in ckpt.glob("step_*/*"):
+        file.write_bytes(payload(ran).ljust(file.stat().st_size, b"\0"))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"))
+    assert line.startswith(f"error: no complete checkpoint in {ckpt} (step_000003 is corrupt (") and not ran.exists()
+    assert time.perf_counter() - started < 30  # no torchrun: refused up front
 
 
 @pytest.mark.parametrize(("args", "expected"), [

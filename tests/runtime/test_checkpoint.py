@@ -169,13 +169,16 @@ def test_optimizer_state_that_is_not_tensors_or_numbers_is_not_saved(tmp_path: P
 def test_clear_removes_only_the_step_directories_fxpipe_wrote(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", range(1, 3))
     (root / "NOTES.txt").write_text("mine")
-    (root / "step_000001" / "mine.txt").write_text("mine")  # a user's file inside: that step stays whole
-    (root / "step_000009").mkdir()
     (root / "logs").mkdir()
-    removed, kept = checkpoint.clear(root)
-    assert removed == ["step_000002", "step_000009"] and kept == ["step_000001"]
-    assert sorted(p.name for p in root.iterdir()) == ["NOTES.txt", "logs", "step_000001"]
-    assert (root / "step_000001" / "mine.txt").read_text() == "mine"
+    (root / "step_000009").mkdir()
+    (root / "step_000001" / "mine.txt").write_text("mine")  # a user's file inside a step: nothing is removed
+    with pytest.raises(CheckpointError, match=r"step_000001 holds mine\.txt, which fxpipe did not write; nothing was "
+                                              "removed: move it out, or use another checkpoint directory"):
+        checkpoint.clear(root)
+    assert sorted(p.name for p in root.iterdir()) == ["NOTES.txt", "logs", "step_000001", "step_000002", "step_000009"]
+    (root / "step_000001" / "mine.txt").rename(root / "mine.txt")
+    assert checkpoint.clear(root) == ["step_000001", "step_000002", "step_000009"]
+    assert sorted(p.name for p in root.iterdir()) == ["NOTES.txt", "logs", "mine.txt"]
 
 
 # -- real ranks -------------------------------------------------------------------------------
