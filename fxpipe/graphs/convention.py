@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.func
 import torch.fx
 
 from fxpipe._compat import pytree
@@ -65,17 +66,23 @@ class StageGraphs:
     # Plain calls: no autograd mode is set here (executors run them under ``torch.no_grad()``),
     # and nothing is kept. The loss on the pipeline's outputs is ``loss_and_output_grads``.
 
-    def run_forward(self, args: Sequence[Any]) -> tuple[Sequence[Any], list[Any]]:
-        """F on the stage's inputs: ``(outputs, saved)``, saved being what B and W read as ``("saved", i)``."""
-        result = self.forward(*args)  # type: ignore[misc]
+    def run_forward(self, args: Sequence[Any], weights: Mapping[str, torch.Tensor] | None = None,
+                    ) -> tuple[Sequence[Any], list[Any]]:
+        """F on the stage's inputs: ``(outputs, saved)``, saved being what B and W read as ``("saved", i)``.
+
+        ``weights``: tensors to read in place of the stage's parameters, by name (asynchronous
+        training's weight versions); None reads the parameters themselves. So for B and W.
+        """
+        result = call_with(self.forward, weights, args)
         return result[: self.num_outputs], list(result[self.num_outputs:])
 
-    def run_backward_input(self, saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Sequence[Any], tuple[Any, ...]]:
+    def run_backward_input(self, saved: Sequence[Any], grad_outs: Sequence[Any],
+                           weights: Mapping[str, torch.Tensor] | None = None) -> tuple[Sequence[Any], tuple[Any, ...]]:
         """B: ``(input_grads, handover)``; ``input_grads[k]`` is the gradient of stage input ``grad_inputs[k]``.
 
         ``grad_outs[j]`` is the gradient of stage output ``grad_outputs[j]`` (a ``("grad", j)`` slot).
         """
-        result = self.backward_input(*_slot_args(self.b_slots, saved, grad_outs))  # type: ignore[misc]
+        result = call_with(self.backward_input, weights, _slot_args(self.b_slots, saved, grad_outs))
         n = len(self.grad_inputs)
         return result[:n], tuple(result[n:])
 
@@ -83,9 +90,19 @@ class StageGraphs:
         """W's arguments, ``(*handover, *w_slots)``: for ``backward_weight`` or its accumulating variants."""
         return (*handover, *_slot_args(self.w_slots, saved, grad_outs))
 
-    def run_backward_weight(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> Sequence[Any]:
+    def run_backward_weight(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any],
+                            weights: Mapping[str, torch.Tensor] | None = None) -> Sequence[Any]:
         """W: the parameter gradients, in ``param_names`` order (a tied parameter may come twice)."""
-        return self.backward_weight(*self.weight_args(handover, saved, grad_outs))  # type: ignore[misc]
+        return call_with(self.backward_weight, weights, self.weight_args(handover, saved, grad_outs))
+
+
+def call_with(gm: Any, weights: Mapping[str, torch.Tensor] | None, args: Sequence[Any]) -> Any:
+    """``gm(*args)``, reading ``weights`` (by parameter name) in place of its parameters when given."""
+    if weights is None:
+        return gm(*args)
+    names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    return torch.func.functional_call(gm, {n: t for n, t in weights.items() if n in names}, tuple(args),
+                                      tie_weights=False)
 
 
 def _slot_args(slots: Sequence[Slot], saved: Sequence[Any], grad_outs: Sequence[Any]) -> list[Any]:

@@ -12,6 +12,10 @@ what differs is policy, given by overriding four methods:
     weight(stage, mb, args)         what W does with the parameter gradients (default: add to .grad)
     zeros(stage, mb, j)             the gradient of an output nothing differentiated (default: zeros)
 
+Asynchronous schedules set ``versions`` (:class:`fxpipe.runtime.weights.WeightVersions`) and
+``optimizers``: each phase then reads the weights its policy gives, and after each microbatch's
+W (or BW) the stage steps its optimizer (``step``, overridable).
+
     F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]     (then the loss, once
                                                                               every output exists)
     B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import OptionError
-from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
+from fxpipe.graphs.convention import StageGraphs, call_with, loss_and_output_grads
 from fxpipe.schedules.ir import Action, Kind
 
 
@@ -43,6 +47,8 @@ class ActionRunner:
         self.loss_scale = loss_scale
         self.loss_divisor = loss_divisor
         self.outputs = [n for n in pipe.output_names if n is not None]
+        self.versions: Any = None  # WeightVersions when the schedule is asynchronous
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -87,8 +93,12 @@ class ActionRunner:
                 outs = list(st.module(*leaves))
             self.autograd[(s, m)] = (outs, leaves)
             outputs: Sequence[Any] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
-        else:
+        elif self.versions is None:
             outputs, self.saved[(s, m)] = g.run_forward(args)
+        else:
+            weights = self.versions.weights(s, m, "F")
+            outputs, self.saved[(s, m)] = g.run_forward(args, weights)
+            self.versions.remember_aliases(s, weights, self.saved[(s, m)])
         self.values[m].update(zip(st.outputs, outputs))
         self.maybe_loss(m)
 
@@ -106,15 +116,38 @@ class ActionRunner:
     def backward_input(self, s: int, m: int) -> None:
         st, g = self.stages[s], self.graphs[s]
         grad_outs = [self.output_grad(s, m, j) for j in g.grad_outputs]
-        input_grads, self.handover[(s, m)] = g.run_backward_input(self.saved[(s, m)], grad_outs)
+        if self.versions is None:
+            input_grads, self.handover[(s, m)] = g.run_backward_input(self.saved[(s, m)], grad_outs)
+        else:
+            weights = self.versions.weights(s, m, "B")
+            saved = self.versions.rebase_saved(s, self.saved[(s, m)], weights)
+            input_grads, self.handover[(s, m)] = g.run_backward_input(saved, grad_outs, weights)
         self.out_grads[(s, m)] = grad_outs
         for pos, grad in zip(g.grad_inputs, input_grads):
             self.deliver(s, m, st.inputs[pos], grad)
 
     def backward_weight(self, s: int, m: int) -> None:
         g = self.graphs[s]
-        self.weight(s, m, g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)),
-                                        self.out_grads.pop((s, m))))
+        if self.versions is None:
+            self.weight(s, m, g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)),
+                                            self.out_grads.pop((s, m))))
+            return
+        weights = self.versions.weights(s, m, "W")
+        saved = self.versions.rebase_saved(s, self.saved.pop((s, m)), weights)
+        args = g.weight_args(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)))
+        module = self.stages[s].module
+        grads = g.backward_weight(*args) if weights is None else call_with(g.backward_weight, weights, args)
+        for name, grad in zip(g.param_names, grads):
+            accumulate(module.get_parameter(name), grad)
+        self.step(s)
+
+    def step(self, s: int) -> None:
+        """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh."""
+        opt = self.optimizers.get(s)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.versions.updated(s)
 
     def fused_backward(self, s: int, m: int) -> None:
         """A stage without split graphs: one autograd backward through its module (reference executor only)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import FxpipeError, ScheduleOrderError
+from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
 from fxpipe.runtime.core import ActionRunner
 from fxpipe.schedules.ir import Action, Kind
@@ -52,17 +52,43 @@ class ReferenceExecutor:
 
     def run_schedule(self, schedule: Any, microbatches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
         """Run a ``fxpipe.schedules.Schedule``'s compute actions in the order its simulation executes them."""
-        from fxpipe.schedules.simulate import Costs, simulate
-
         if schedule.num_stages != len(self.graphs) or schedule.num_microbatches != len(microbatches):
             raise ScheduleOrderError(f"the schedule is for {schedule.num_stages} stages x {schedule.num_microbatches} "
                                 f"microbatches, the pipeline has {len(self.graphs)} stages and {len(microbatches)} "
                                 "microbatches were given")
-        result = simulate(schedule, Costs.uniform(schedule.num_stages, 1.0, 1.0, 1.0))
-        events = sorted((e for e in result.events if e.action.kind.value in ("F", "B", "W", "BW")),
-                        key=lambda e: (e.start, e.rank))
-        order = [(e.action.stage, e.action.kind.value, e.action.mb) for e in events]
-        return self.run(microbatches, order=order)
+        return self.run(microbatches, order=_simulated_order(schedule))
+
+    def run_async(self, schedule: Any, microbatches: Sequence[tuple[Sequence[Any], Any]],
+                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
+                  weights: str = "stash") -> list[torch.Tensor]:
+        """Train on an asynchronous schedule (``schedule.synchronous`` is False): every stage steps its own
+        optimizer (``optimizer(params)``) after each microbatch's W, and each phase reads the weights the
+        ``weights`` policy gives (``fxpipe.runtime.weights``). Returns each microbatch's loss.
+
+        ``self.optimizers`` and ``self.versions`` (its ``log`` of what each phase read) stay for inspection.
+        """
+        from fxpipe.runtime.weights import WeightVersions
+
+        if schedule.synchronous:
+            raise OptionError(f"{schedule.name} is synchronous; use run_schedule")
+        if schedule.num_stages != len(self.graphs) or schedule.num_microbatches != len(microbatches):
+            raise ScheduleOrderError(f"the schedule is for {schedule.num_stages} stages x {schedule.num_microbatches} "
+                                     f"microbatches, the pipeline has {len(self.graphs)} stages and "
+                                     f"{len(microbatches)} microbatches were given")
+        check_async(self.pipe, self.graphs)
+        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=1.0)
+        stages = {s: st.module for s, st in enumerate(self.pipe.stage_list())}
+        run.optimizers = {s: optimizer(list(mod.parameters())) for s, mod in stages.items()
+                          if any(True for _ in mod.parameters())}
+        run.versions = WeightVersions(schedule, weights, stages, run.optimizers)
+        self.optimizers, self.versions = run.optimizers, run.versions
+        run.begin([dict(zip(self.pipe.input_names, _flatten(self.pipe, inputs))) for inputs, _ in microbatches],
+                  [target for _, target in microbatches])
+        with torch.no_grad():
+            for stage_idx, kind, mb in _simulated_order(schedule):
+                run.checked(stage_idx, kind, mb)
+        run.check_finished()
+        return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
 
     def run(self, microbatches: Sequence[tuple[Sequence[Any], Any]], order: Sequence[Order] | None = None) -> list[torch.Tensor]:
         """Run ``order`` (default: :meth:`default_order`) over ``(inputs, target)`` microbatches; returns the losses.
@@ -148,6 +174,29 @@ class _Checked(ActionRunner):
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ScheduleOrderError(f"the order never runs {_fmt(missing[0])}{more}; "
                                      "every microbatch needs F and B and W (or BW) on every stage")
+
+
+def check_async(pipe: Any, graphs: Sequence[StageGraphs]) -> None:
+    """Asynchronous training needs every stage split into F, B and W and no parameter shared by two stages."""
+    fused = [s for s, g in enumerate(graphs) if g.fused]
+    if fused:
+        raise OptionError(f"stage {fused[0]} has a fused backward ({graphs[fused[0]].fused_reason}); asynchronous "
+                          "training reads weight versions through the F, B and W graphs: compile with split_backward")
+    if pipe.shared_params:
+        name = next(iter(pipe.shared_params))
+        raise OptionError(f"{name} is shared by stages {pipe.shared_params[name]}; asynchronous training steps each "
+                          "stage on its own, which would update a tied weight from part of its gradient: untie it "
+                          "or use a synchronous schedule")
+
+
+def _simulated_order(schedule: Any) -> list[Order]:
+    """A schedule's compute actions in the order its simulation (uniform costs) starts them."""
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    result = simulate(schedule, Costs.uniform(schedule.num_stages, 1.0, 1.0, 1.0))
+    events = sorted((e for e in result.events if e.action.kind.value in ("F", "B", "W", "BW")),
+                    key=lambda e: (e.start, e.rank))
+    return [(e.action.stage, e.action.kind.value, e.action.mb) for e in events]
 
 
 def _flatten(pipe: Any, inputs: Sequence[Any]) -> list[Any]:

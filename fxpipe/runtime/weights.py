@@ -1,0 +1,159 @@
+"""Weight versions for asynchronous training: what each F, B and W reads under stale, stash and predict.
+
+``fxpipe.schedules.versions`` says, from the schedule alone, which version each phase reads;
+this module makes those tensors and hands them to the graphs (``torch.func.functional_call``
+puts them where the graph's ``get_attr`` nodes look). F's saved tensors that are, or are views
+of, the weights F read are remembered by position, so a later phase that must read other weights
+(``predict``: B reads its own prediction) gets them there too.
+
+    stale    every phase reads the live parameters
+    stash    F snapshots the live weights when the stage's version has moved since the last
+             snapshot; B and W read that snapshot; a version is freed once no microbatch in
+             flight holds it (reference counting does it: F's saved tensors are what hold it)
+    predict  F and B read W - ahead * lr * v (SpecTrain), v the optimizer's smoothed step:
+               SGD with momentum:  v = momentum buffer                 (update: W -= lr * v)
+               Adam / AdamW:       v = m_hat / (sqrt(v_hat) + eps)      (update: W -= lr * v)
+             weight decay is not extrapolated; other optimizers are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.ir import Schedule
+from fxpipe.schedules.versions import POLICIES, Read, reads, timings
+
+Weights = dict[str, torch.Tensor]
+
+
+class WeightVersions:
+    """The weights each (stage, microbatch, phase) of an asynchronous schedule reads, per policy.
+
+    ``stages[s]`` is stage s's module and ``optimizers[s]`` the optimizer over its parameters;
+    the executor calls :meth:`updated` after each optimizer step of a stage.
+    """
+
+    def __init__(self, schedule: Schedule, policy: str, stages: Mapping[int, torch.nn.Module],
+                 optimizers: Mapping[int, torch.optim.Optimizer]) -> None:
+        if policy not in POLICIES:
+            raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
+        self.policy = policy
+        self.table: dict[tuple[int, int, str], Read] = reads(schedule, policy)
+        self.params = {s: dict(mod.named_parameters(remove_duplicate=False)) for s, mod in stages.items()}
+        self.optimizers = dict(optimizers)
+        self.version = {s: 0 for s in stages}
+        self.timing = timings(schedule)
+        self._snapshot: dict[int, tuple[int, Weights]] = {}  # stash: stage -> (version, tensors) of its last F
+        self._held: dict[tuple[int, int], Weights | None] = {}  # what a microbatch's later phases read
+        self._aliases: dict[int, list[tuple[int, str, Any]]] = {}  # stage -> F's saved slots holding weights
+        self.log: list[tuple[int, int, str, int, int]] = []  # (stage, mb, phase, version, ahead) as read
+        if policy == "predict":
+            for s, opt in self.optimizers.items():
+                _check_predictable(opt, s)
+
+    def updated(self, s: int) -> None:
+        """Stage s applied one optimizer step."""
+        self.version[s] += 1
+
+    def weights(self, s: int, m: int, phase: str) -> Weights | None:
+        """The tensors phase ``phase`` of microbatch m on stage s reads by parameter name; None: the live ones."""
+        read, t = self.table[(s, m, phase)], self.timing[(s, m)]
+        now = {"F": t.f, "B": t.b, "W": t.w}[phase]
+        if now != self.version[s]:
+            raise OptionError(f"stage {s} is at weight version {self.version[s]} when {s}{phase}{m} runs, the "
+                              f"schedule says {now}; run the schedule's actions in its order")
+        self.log.append((s, m, phase, read.version, read.ahead))
+        if self.policy == "stale":
+            return None
+        if self.policy == "stash":
+            if phase == "F":
+                have = self._snapshot.get(s)
+                if have is None or have[0] != read.version:
+                    have = (read.version, {n: p.detach().clone() for n, p in self.params[s].items()})
+                    self._snapshot[s] = have
+                self._held[(s, m)] = have[1]
+                return have[1]
+            return self._held[(s, m)] if phase == "B" else self._held.pop((s, m))
+        if phase == "W":
+            return self._held.pop((s, m))
+        weights = self._predict(s, read.ahead) if read.ahead else None
+        if phase == "B":
+            self._held[(s, m)] = weights
+        return weights
+
+    def forget_snapshots(self) -> None:
+        """Drop the stash's cached snapshot (the microbatches in flight keep theirs)."""
+        self._snapshot.clear()
+
+    def remember_aliases(self, s: int, passed: Weights | None, saved: Sequence[Any]) -> None:
+        """After F: which of its saved tensors are the weights it read (or views of them), by name."""
+        if s in self._aliases or self.policy != "predict":
+            return
+        by_id = {id(t): n for n, t in (passed or self.params[s]).items()}
+        found = []
+        for i, t in enumerate(saved):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if id(t) in by_id:
+                found.append((i, by_id[id(t)], None))
+            elif t._base is not None and id(t._base) in by_id:
+                found.append((i, by_id[id(t._base)], (t.size(), t.stride(), t.storage_offset())))
+        self._aliases[s] = found
+
+    def rebase_saved(self, s: int, saved: list[Any], weights: Weights | None) -> list[Any]:
+        """F's saved tensors with the weights in them replaced by ``weights`` (the live ones if None)."""
+        if self.policy != "predict":
+            return saved
+        source = weights if weights is not None else {n: p.detach() for n, p in self.params[s].items()}
+        out = list(saved)
+        for i, name, view in self._aliases.get(s, ()):
+            out[i] = source[name] if view is None else source[name].as_strided(*view)
+        return out
+
+    def _predict(self, s: int, ahead: int) -> Weights:
+        opt = self.optimizers.get(s)
+        out: Weights = {}
+        with torch.no_grad():
+            for name, p in self.params[s].items():
+                step = _smoothed_step(opt, p) if opt is not None else None
+                out[name] = p.detach().clone() if step is None else p.detach() - ahead * step
+        return out
+
+
+def _check_predictable(opt: torch.optim.Optimizer, s: int) -> None:
+    if isinstance(opt, torch.optim.SGD):
+        if any(g.get("momentum", 0) == 0 for g in opt.param_groups):
+            raise OptionError(f"stage {s}'s SGD has no momentum, so there is no smoothed gradient to predict weights "
+                              "with; give SGD momentum (e.g. 0.9), use Adam, or use --weights stash")
+        if any(g.get("nesterov") for g in opt.param_groups):
+            raise OptionError(f"stage {s}'s SGD is Nesterov, which weight prediction does not model; use plain "
+                              "momentum or --weights stash")
+        return
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        if any(g.get("amsgrad") for g in opt.param_groups):
+            raise OptionError(f"stage {s}'s Adam uses amsgrad, which weight prediction does not model; turn it off "
+                              "or use --weights stash")
+        return
+    raise OptionError(f"stage {s}'s optimizer is {type(opt).__name__}; weight prediction knows momentum SGD, Adam "
+                      "and AdamW: use one of those or --weights stash")
+
+
+def _smoothed_step(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
+    """lr * v: the step the optimizer would take now from its smoothed gradient, or None before its first step."""
+    state = opt.state.get(p)
+    if not state:
+        return None
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    lr = float(group["lr"])
+    if isinstance(opt, torch.optim.SGD):
+        buf = state.get("momentum_buffer")
+        return None if buf is None else lr * buf
+    beta1, beta2 = group["betas"]
+    step = float(state["step"])
+    m_hat = state["exp_avg"] / (1 - beta1 ** step)
+    v_hat = state["exp_avg_sq"] / (1 - beta2 ** step)
+    return lr * m_hat / (v_hat.sqrt() + group["eps"])

@@ -1,0 +1,126 @@
+"""Which weight version each phase of an asynchronous schedule reads, per weight policy.
+
+In an asynchronous schedule a stage applies its optimizer after every microbatch's weight
+gradient (W, or the fused backward BW), in its rank's order, with no flush. Version v of stage s
+is its weights after v updates. For each (stage, microbatch) the schedule fixes four counts:
+
+    f  updates of the stage before its F           b  ... before its B (or BW)
+    w  updates before its W (or BW)                 (its own update makes version w + 1)
+
+A policy says what each phase reads, as ``Read(version, ahead)``: the stage's weights at
+``version``, extrapolated ``ahead`` updates further (SpecTrain's prediction) when ``ahead > 0``:
+
+    stale    F: (f, 0)    B: (b, 0)        W: (w, 0)        whatever is current (naive asynchronous)
+    stash    F: (f, 0)    B: (f, 0)        W: (f, 0)        PipeDream: B and W use F's version
+    predict  F: (f, b-f)  B: (b, w-b)      W: (b, w-b)      SpecTrain: F predicts the weights its
+                                                             backward will meet, B the weights its
+                                                             update will be applied to
+
+With B and W split apart (zero-bubble orders), a deferred W computes the gradient from what B
+handed over and from F's saved tensors, so under ``stash`` and ``predict`` it reads B's weights
+(the same tensors); under ``stale`` a W that reads a weight reads the current one. Everything here
+is read off the schedule itself, not from a closed formula, so it holds for any order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.ir import Kind, Schedule
+
+POLICIES = ("stale", "stash", "predict")
+PHASES = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Updates of one stage applied before a microbatch's F, B (or BW) and W (or BW)."""
+
+    f: int
+    b: int
+    w: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """The weights a phase reads: version ``version``, predicted ``ahead`` updates further."""
+
+    version: int
+    ahead: int = 0
+
+
+def timings(schedule: Schedule) -> dict[tuple[int, int], Timing]:
+    """Per (stage, microbatch), the stage's update count before each phase, in its rank's order."""
+    out: dict[tuple[int, int], Timing] = {}
+    for actions in schedule.ranks:
+        updates: dict[int, int] = {}
+        seen: dict[tuple[int, int], dict[str, int]] = {}
+        for a in actions:
+            if a.kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                continue
+            n = updates.get(a.stage, 0)
+            entry = seen.setdefault((a.stage, a.mb), {})
+            if a.kind is Kind.F:
+                entry["f"] = n
+            elif a.kind is Kind.B:
+                entry["b"] = n
+            else:  # W or BW: the microbatch's update comes right after it
+                entry["w"] = n
+                entry.setdefault("b", n)
+                updates[a.stage] = n + 1
+        for key, entry in seen.items():
+            out[key] = Timing(entry["f"], entry["b"], entry["w"])
+    return out
+
+
+def reads(schedule: Schedule, policy: str) -> dict[tuple[int, int, str], Read]:
+    """Per (stage, microbatch, phase), the weights ``policy`` makes it read (see the module docstring)."""
+    if policy not in POLICIES:
+        raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
+    out: dict[tuple[int, int, str], Read] = {}
+    for (s, m), t in timings(schedule).items():
+        if policy == "stale":
+            phases = (Read(t.f), Read(t.b), Read(t.w))
+        elif policy == "stash":
+            phases = (Read(t.f), Read(t.f), Read(t.f))
+        else:
+            phases = (Read(t.f, t.b - t.f), Read(t.b, t.w - t.b), Read(t.b, t.w - t.b))
+        for phase, r in zip(PHASES, phases):
+            out[(s, m, phase)] = r
+    return out
+
+
+def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
+    """Per stage, the most weight versions held at once besides the live weights.
+
+    ``stash`` keeps F's version of every microbatch in flight (versions shared by microbatches
+    whose F met the same one); ``predict`` keeps one predicted copy per microbatch between F and
+    its B and one between B and W; ``stale`` keeps none.
+    """
+    if policy == "stale":
+        return {s: 0 for s in range(schedule.num_stages)}
+    times = timings(schedule)
+    out: dict[int, int] = {}
+    for actions in schedule.ranks:
+        held: dict[int, dict[int, set[object]]] = {}  # stage -> microbatch -> keys it holds
+        for a in actions:
+            if a.kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                continue
+            t = times[(a.stage, a.mb)]
+            mine = held.setdefault(a.stage, {})
+            if policy == "stash":
+                if a.kind is Kind.F:
+                    mine[a.mb] = {t.f}
+                elif a.kind in (Kind.W, Kind.BW):
+                    mine.pop(a.mb, None)
+            else:
+                if a.kind is Kind.F:
+                    mine[a.mb] = {("f", a.mb)}
+                elif a.kind is Kind.B:
+                    mine[a.mb] = {("b", a.mb)}
+                else:
+                    mine.pop(a.mb, None)
+            live = set().union(*mine.values()) if mine else set()
+            out[a.stage] = max(out.get(a.stage, 0), len(live))
+    return out

@@ -1,0 +1,76 @@
+"""The weight versions an asynchronous schedule implies, per policy, read off the schedule's order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fxpipe.errors import OptionError
+from fxpipe.schedules.generators import GENERATORS, async_1f1b
+from fxpipe.schedules.ir import Kind
+from fxpipe.schedules.versions import Read, Timing, reads, timings, versions_kept
+
+
+def test_async_1f1b_two_stages_by_hand() -> None:
+    # stage 0: F0 F1 BW0 F2 BW1 F3 BW2 BW3; stage 1: F0 BW0 F1 BW1 F2 BW2 F3 BW3
+    t = timings(async_1f1b(2, 4))
+    assert [t[(0, m)] for m in range(4)] == [Timing(0, 0, 0), Timing(0, 1, 1), Timing(1, 2, 2), Timing(2, 3, 3)]
+    assert [t[(1, m)] for m in range(4)] == [Timing(m, m, m) for m in range(4)]
+    stash, predict = reads(async_1f1b(2, 4), "stash"), reads(async_1f1b(2, 4), "predict")
+    assert [stash[(0, 2, phase)] for phase in "FBW"] == [Read(1), Read(1), Read(1)]
+    assert [predict[(0, 2, phase)] for phase in "FBW"] == [Read(1, 1), Read(2, 0), Read(2, 0)]
+    assert reads(async_1f1b(2, 4), "stale")[(0, 2, "B")] == Read(2)
+
+
+def _asynchronous(name: str, p: int, m: int):  # type: ignore[no-untyped-def]
+    return dataclasses.replace(GENERATORS[name](p, m), synchronous=False)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "layerpipe"])
+def test_timings_follow_the_order_for_any_schedule(name: str, p: int) -> None:
+    """For fused and split backwards: f <= b <= w, each stage's updates are 0..m-1 once each, and each
+    phase's count is the number of W/BW of its stage before it in the rank's order."""
+    m = 2 * p
+    schedule = _asynchronous(name, p, m)
+    t = timings(schedule)
+    for actions in schedule.ranks:
+        for i, a in enumerate(actions):
+            if a.kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                continue
+            before = sum(1 for x in actions[:i] if x.stage == a.stage and x.kind in (Kind.W, Kind.BW))
+            got = {Kind.F: t[(a.stage, a.mb)].f, Kind.B: t[(a.stage, a.mb)].b}.get(a.kind, t[(a.stage, a.mb)].w)
+            assert got == before, (name, a)
+    for s in range(p):
+        assert sorted(t[(s, mb)].w for mb in range(m)) == list(range(m))
+        assert all(t[(s, mb)].f <= t[(s, mb)].b <= t[(s, mb)].w for mb in range(m))
+    for policy in ("stale", "stash", "predict"):
+        r = reads(schedule, policy)
+        for (s, mb), tm in t.items():
+            if policy == "stash":
+                assert {r[(s, mb, ph)] for ph in "FBW"} == {Read(tm.f)}
+            elif policy == "predict":  # F aims at B's version, B and W at the update's
+                assert (r[(s, mb, "F")], r[(s, mb, "B")], r[(s, mb, "W")]) == \
+                    (Read(tm.f, tm.b - tm.f), Read(tm.b, tm.w - tm.b), Read(tm.b, tm.w - tm.b))
+            else:
+                assert (r[(s, mb, "F")], r[(s, mb, "B")], r[(s, mb, "W")]) == (Read(tm.f), Read(tm.b), Read(tm.w))
+
+
+def test_zero_bubble_orders_defer_w_and_predict_looks_further() -> None:
+    schedule = _asynchronous("zb-h2", 4, 8)
+    t = timings(schedule)
+    assert any(tm.w > tm.b for tm in t.values())  # some W runs after other stages' updates of its stage
+    r = reads(schedule, "predict")
+    assert any(r[(s, mb, "B")].ahead > 0 for (s, mb) in t)
+
+
+def test_versions_kept_per_stage() -> None:
+    # 1F1B: stage s holds p - s microbatches in flight, each with its own F version (PipeDream's count)
+    assert versions_kept(async_1f1b(4, 12), "stash") == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert versions_kept(async_1f1b(4, 12), "stale") == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_unknown_policy_is_one_error() -> None:
+    with pytest.raises(OptionError, match="unknown weight policy 'newest'; use one of stale, stash, predict"):
+        reads(async_1f1b(2, 2), "newest")
