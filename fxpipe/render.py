@@ -19,22 +19,28 @@ def render_text(report: Report) -> str:
 
 
 def render_rich(report: Report) -> Any:
-    """A rich Table with the notes as its caption."""
+    """A rich Table with the notes as its caption; every string is text (a ``[b]`` in a name stays), and a
+    cell too wide for the terminal folds onto the next line instead of being cut to "…"."""
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=report.title, title_justify="left", caption="\n".join(report.notes) or None,
-                  caption_justify="left")
+    table = Table(title=Text(report.title), title_justify="left",
+                  caption=Text("\n".join(report.notes)) if report.notes else None, caption_justify="left")
     for i, col in enumerate(report.columns):
         numeric = bool(report.rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
                                             for r in report.rows)
-        table.add_column(col, justify="right" if numeric else "left")
+        table.add_column(Text(str(col)), justify="right" if numeric else "left", overflow="fold")
     for row in report.rows:
-        table.add_row(*(_cell(v) for v in row))
+        table.add_row(*(Text(_cell(v)) for v in row))
     return table
 
 
 def print_reports(reports: Iterable[Report], *, plain: bool = False, console: Any = None) -> None:
-    """Print reports to the terminal (rich) or as plain text."""
+    """Print reports to the terminal (rich) or as plain text.
+
+    Off a terminal (a pipe, a file, ``| tee log``) rich would assume 80 columns and cut or fold wide
+    tables, so each table is printed at its natural width instead.
+    """
     if plain:
         for report in reports:
             print(render_text(report) + "\n")
@@ -43,8 +49,20 @@ def print_reports(reports: Iterable[Report], *, plain: bool = False, console: An
 
     console = console or Console()
     for report in reports:
-        console.print(render_rich(report))
-        console.print()
+        table = render_rich(report)
+        target = console if console.is_terminal else _wide_as(console, table)
+        target.print(table)
+        target.print()
+
+
+def _wide_as(console: Any, table: Any) -> Any:
+    """A console on the same file, as wide as ``table`` wants to be (at least the console's own width)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    return Console(file=console.file, width=max(natural, console.width), force_terminal=False,
+                   no_color=console.no_color, highlight=False, stderr=console.stderr)
 
 
 def _cell(value: Any) -> str:

@@ -1,17 +1,26 @@
-"""What every command shares: the two consoles, one-line errors, the progress spinner and size parsing.
+"""What every command shares: the two consoles, literal messages, one-line errors, signals, the progress
+spinner, output checks and size parsing.
 
-Nothing here imports torch, so ``fxpipe --help`` answers at once.
+Every message is printed as text, never as rich markup: a ``[/bold]`` in a path, a module name or an
+exception is printed as it is. Nothing here imports torch, so ``fxpipe --help`` answers at once.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 # torch warns on import when NumPy is absent; fxpipe never needs NumPy, so the warning is noise.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -22,17 +31,108 @@ out = Console()
 err = Console(stderr=True)
 
 
+def say(message: str, *, console: Console | None = None, style: str = "") -> None:
+    """Print ``message`` literally (no markup, no highlighting, never cut): on stderr unless told."""
+    (console or err).print(Text(message, style=style), highlight=False, soft_wrap=True)
+
+
+class _Signalled(BaseException):
+    """SIGTERM arrived: raised in the main thread so that every ``finally`` (stop the ranks, remove the
+    temporary files) runs before the process exits. A BaseException, like KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, frame: FrameType | None) -> None:
+    raise _Signalled(signum)
+
+
 @contextmanager
 def one_line_errors() -> Iterator[None]:
-    """An FxpipeError becomes one line on stderr and exit code 2; Ctrl-C exits 130."""
+    """An FxpipeError becomes one line on stderr and exit code 2; Ctrl-C exits 130 and SIGTERM 143,
+    each after the command's cleanup ran."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_signalled) if main else None
     try:
         yield
     except FxpipeError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(Text.assemble(("error:", "bold red"), " ", str(exc)), highlight=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
     except KeyboardInterrupt:
-        err.print("interrupted")
-        raise typer.Exit(code=130) from None
+        say("interrupted")
+        raise typer.Exit(code=128 + signal.SIGINT) from None
+    except _Signalled as exc:
+        say(f"terminated ({signal.Signals(exc.signum).name})")
+        raise typer.Exit(code=128 + exc.signum) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """Refuse an output file fxpipe could not write, before any work starts (so no result is lost).
+
+    The file may exist (it is not touched) or not (its directory must exist and take a new file).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OptionError(f"{option} {str(path)!r} is a directory; give a file path")
+    if path.exists():
+        try:
+            with path.open("a"):
+                pass
+        except OSError as exc:
+            raise OptionError(f"{option} {str(path)!r} cannot be written ({exc.strerror}); choose another path") from None
+        return
+    parent = path.parent
+    if parent.exists() and not parent.is_dir():
+        raise OptionError(f"{option} {str(path)!r}: {str(parent)!r} is not a directory; choose another path")
+    if not parent.is_dir():
+        raise OptionError(f"{option} {str(path)!r}: the directory {str(parent)!r} does not exist; create it or "
+                          "choose another path")
+    _probe(parent, option, path)
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """Refuse an output directory fxpipe could not create or write into, before any work starts.
+
+    Checks only that: whether an existing directory may be replaced is the writer's rule.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return  # the writer names this case itself (e.g. "exists and is not a plan directory")
+    base = path
+    while not base.exists():  # the nearest existing ancestor must take the new directory
+        if base.parent == base:
+            break
+        base = base.parent
+    if not base.is_dir():
+        raise OptionError(f"{option} {str(path)!r} cannot be created: {str(base)!r} is not a directory; "
+                          "choose another path")
+    _probe(base, option, path)
+    if base == path:  # an existing directory is replaced by a sibling written next to it
+        _probe(path.absolute().parent, option, path)
+
+
+def _probe(directory: Path, option: str, path: Path) -> None:
+    """Create and remove a file in ``directory`` (permissions alone cannot tell: root, read-only mounts)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".fxpipe-probe-", dir=directory)
+    except OSError as exc:
+        raise OptionError(f"{option} {str(path)!r} cannot be written ({exc.strerror or exc} in {str(directory)!r}); "
+                          "choose another path") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def write_output(path: Path, option: str, write: Callable[[Path], object]) -> None:
+    """Run ``write(path)``; an OSError (disk full, removed directory) becomes one line naming the option."""
+    try:
+        write(path)
+    except OSError as exc:
+        raise OptionError(f"{option} {str(path)!r} could not be written ({exc.strerror or exc})") from None
 
 
 @contextmanager
@@ -40,7 +140,7 @@ def progress(*, disable: bool) -> Iterator[Callable[[str, int, int], None]]:
     """A transient spinner on stderr (drawn only on a terminal)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=err, transient=True, disable=disable or not err.is_terminal)
     with bar:
         task = bar.add_task("starting", total=None)

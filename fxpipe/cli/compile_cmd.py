@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import err, one_line_errors, out, parse_size, progress
+from fxpipe.cli.common import check_writable_dir, one_line_errors, out, parse_size, progress, say
 
 
 class Tracer(str, Enum):
@@ -99,7 +99,8 @@ def compile_cmd(
             if out_dir is not None:
                 from fxpipe.plan_dir import check_out_dir
 
-                check_out_dir(out_dir)  # before the compile, not after it
+                check_writable_dir(out_dir, "--out")  # before the compile, not after it
+                check_out_dir(out_dir)
             step(f"building {target}", 0, 0)
             resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
                                batch_size=batch_size, seed=seed)
@@ -145,14 +146,14 @@ def compile_cmd(
         print_reports(reports, plain=plain, console=out)
         for rec in history.records:
             if rec.printed is not None:
-                out.print(f"[bold]graph after {rec.name}[/]")
-                out.print(rec.printed, highlight=False, markup=False)
+                say(f"graph after {rec.name}", console=out, style="bold")
+                say(rec.printed, console=out)
         if not finished:
-            err.print(f"stopped after {history.records[-1].name}: no plan written")
+            say(f"stopped after {history.records[-1].name}: no plan written")
         elif written is not None:
-            err.print(f"wrote {written} ({options.stages} stages) in {seconds:.1f} s")
+            say(f"wrote {written} ({options.stages} stages) in {seconds:.1f} s")
         else:
-            err.print(f"done in {seconds:.1f} s; no --out given, so no plan written")
+            say(f"done in {seconds:.1f} s; no --out given, so no plan written")
 
 
 def _ratio(root: Any) -> float | None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import err, one_line_errors, out, parse_size
+from fxpipe.cli.common import check_writable_file, one_line_errors, out, parse_size, say, write_output
 from fxpipe.errors import OptionError
 
 
@@ -35,6 +36,9 @@ def simulate_cmd(
         from fxpipe.schedules.simulate import Costs, report
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
+        for path, option in ((trace, "--trace"), (svg, "--svg")):
+            if path is not None:
+                check_writable_file(path, option)  # before the work, so no result is lost
         unit = "s"
         if uniform_costs is not None:
             values = _floats(uniform_costs, "--uniform-costs", 3)
@@ -51,12 +55,18 @@ def simulate_cmd(
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
 
+        _check_size(num_stages, microbatches or (max(DEFAULTS.auto_microbatches(num_stages)) if schedule == "auto"
+                                                 else DEFAULTS.microbatches(num_stages)),
+                    sum(values) if uniform_costs is not None else 0.0)
         sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
+        if not math.isfinite(result.makespan):
+            raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "
+                              "the costs are too large: use smaller --uniform-costs, or recompile the plan")
         table = report(result, sched, unit=unit)
         if trace is not None:
-            write_chrome_trace(result, trace, time_unit_us=1e6 if unit == "s" else 1.0)
+            write_output(trace, "--trace", lambda p: write_chrome_trace(result, p, time_unit_us=1e6 if unit == "s" else 1.0))
         if svg is not None:
-            write_svg(result, svg)
+            write_output(svg, "--svg", lambda p: write_svg(result, p))
         if as_json:
             print(json.dumps({
                 "schema": "fxpipe.simulate/v1", "schedule": sched.name, "microbatches": sched.num_microbatches,
@@ -72,7 +82,7 @@ def simulate_cmd(
         print(ascii_timeline(result))  # plain print: rich would wrap the long rows
         for path in (trace, svg):
             if path is not None:
-                err.print(f"wrote {path}")
+                say(f"wrote {path}")
 
 
 def _floats(text: str, option: str, count: int) -> tuple[float, ...]:
@@ -80,9 +90,27 @@ def _floats(text: str, option: str, count: int) -> tuple[float, ...]:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != count or any(v < 0 for v in values):
-        raise OptionError(f"{option} takes {count} non-negative numbers separated by commas (got {text!r}); e.g. 1,1,1")
+    if len(values) != count or not all(math.isfinite(v) and v >= 0 for v in values):
+        raise OptionError(f"{option} takes {count} non-negative numbers separated by commas, each finite (got "
+                          f"{text!r}); e.g. 1,1,1")
     return values
+
+
+# Limits of what the simulator can do in a moment and exactly: it steps time by 1e-9 to wait for an
+# arrival, and at 1e7 a step of 1e-9 is lost to rounding (t + 1e-9 == t).
+_MAX_SLOTS = 10_000  # stages x microbatches
+_MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
+
+
+def _check_size(num_stages: int, microbatches: int, step_units: float) -> None:
+    """Refuse a simulation too big to finish in a moment, or whose times the simulator cannot step through."""
+    if num_stages * microbatches > _MAX_SLOTS:
+        raise OptionError(f"simulating {num_stages} stages x {microbatches} microbatches is too big (at most "
+                          f"{_MAX_SLOTS:,} stage-microbatches); lower --stages or --microbatches")
+    if step_units * (microbatches + num_stages) > _MAX_UNITS:
+        raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
+                          f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "
+                          "use smaller units")
 
 
 def _plan_stages(target: str) -> int | None:
