@@ -1,0 +1,523 @@
+"""data: real training data with no download (scikit-learn's digits, any text file as bytes), split, batched, scored.
+
+``parse_data(spec)`` turns ``--data`` into a source:
+
+    parse_data("digits")          # 1797 8x8 images, 10 classes: 1438 train, 359 held out
+    parse_data("text:notes.txt")  # the file's bytes (vocabulary 256), the last 10% held out
+    parse_data("text:stdlib")     # a few of Python's own source files, 1 MiB at most
+
+Every batch has the same shape (pipeline stages are compiled for fixed shapes), and batch ``step`` is a pure
+function of ``(seed, step)``, so a resumed run or another rank draws the same batch without replaying earlier
+ones. ``check_fit(source, example_inputs, output_shape)`` says in one line when a model cannot take the data.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.nn import functional as F
+
+from fxpipe.errors import OptionError
+
+__all__ = [
+    "DIGITS_ZOO",
+    "STDLIB_FILES",
+    "STDLIB_MAX_BYTES",
+    "TEXT_ZOO",
+    "Accuracy",
+    "DataSource",
+    "Digits",
+    "Fit",
+    "Synthetic",
+    "Text",
+    "TextLoss",
+    "check_fit",
+    "load_digits",
+    "load_stdlib_text",
+    "load_text",
+    "parse_data",
+]
+
+DIGITS_FEATURES = 64  # 8 x 8 pixels
+DIGITS_CLASSES = 10
+DIGITS_HELDOUT = 5  # one sample in 5 is held out
+TEXT_HELDOUT = 10  # the last tenth of a text is held out
+BYTE_VOCAB = 256
+
+#: The standard library files ``text:stdlib`` reads, in this order (those missing are passed over): large,
+#: present since Python 3.8, and plain code and prose rather than data tables.
+STDLIB_FILES = (
+    "argparse.py", "dataclasses.py", "functools.py", "inspect.py", "os.py", "subprocess.py", "typing.py",
+    "textwrap.py", "collections/__init__.py", "json/decoder.py", "string.py", "random.py",
+)
+STDLIB_MAX_BYTES = 1 << 20
+
+#: The zoo models that take each source as they are (``fxpipe models``); tests/test_data.py checks the list
+#: against the zoo, so a new size that fits shows up there.
+DIGITS_ZOO = ("mlp-small",)
+TEXT_ZOO = ("gpt-small", "gpt-medium", "gpt-base")
+
+DigitsLayout = Literal["flat", "image"]
+
+
+# --------------------------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    """Random batches shaped like the model's example batch: what ``fxpipe run`` trains on without ``--data``."""
+
+    spec: str = "synthetic"
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Held-out classification accuracy: ``correct`` of ``total`` samples, in ``batches`` fixed-shape batches.
+
+    ``padded`` rows filled the last batch (copies of the first held-out samples) and were not counted.
+    """
+
+    correct: int
+    total: int
+    batches: int
+    padded: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+
+@dataclass(frozen=True)
+class TextLoss:
+    """Held-out next-byte cross entropy: mean ``loss`` in nats over ``tokens`` predictions (``windows`` x seq_len)."""
+
+    loss: float
+    tokens: int
+    windows: int
+    batches: int
+    padded: int
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.loss / math.log(2)
+
+
+@dataclass(frozen=True, eq=False)
+class Digits:
+    """scikit-learn's handwritten digits: features in [0, 1] (float32), labels 0..9 (int64), split once by a seed.
+
+    ``train_index`` / ``heldout_index`` are the samples' rows in ``sklearn.datasets.load_digits()``, sorted.
+    Compared by identity: its fields are tensors.
+    """
+
+    train_x: torch.Tensor  # (N, 64)
+    train_y: torch.Tensor  # (N,)
+    heldout_x: torch.Tensor
+    heldout_y: torch.Tensor
+    train_index: torch.Tensor
+    heldout_index: torch.Tensor
+    split_seed: int
+    spec: str = "digits"
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Full batches in one pass over the training set (the last ``N % batch_size`` samples are dropped)."""
+        _check_batch_size(batch_size, len(self.train_y), "digits' training set")
+        return len(self.train_y) // batch_size
+
+    def batch(self, step: int, batch_size: int, *, seed: int = 0, layout: DigitsLayout = "flat",
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step``: ``(x, y)``, x ``(B, 64)`` for ``flat`` or ``(B, 1, 8, 8)`` for ``image``, y ``(B,)`` int64.
+
+        Epoch ``step // steps_per_epoch`` visits the training set in its own seeded order, so the samples
+        dropped to keep batches full differ from epoch to epoch.
+        """
+        per_epoch = self.steps_per_epoch(batch_size)
+        _check_start(step)
+        epoch, pos = divmod(step, per_epoch)
+        rows = _epoch_order(len(self.train_y), seed, epoch)[pos * batch_size:(pos + 1) * batch_size]
+        return _shape(self.train_x[rows], layout, dtype), self.train_y[rows]
+
+    def batches(self, batch_size: int, *, seed: int = 0, start: int = 0, steps: int | None = None,
+                layout: DigitsLayout = "flat", dtype: torch.dtype = torch.float32,
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches ``start, start + 1, ...`` (``steps`` of them, or without end), as ``batch`` draws them."""
+        per_epoch = self.steps_per_epoch(batch_size)
+        _check_start(start)
+        _shape(self.train_x[:1], layout, dtype)  # a bad layout or dtype fails here, not at the first next()
+        return self._batches(batch_size, per_epoch, seed, start, steps, layout, dtype)
+
+    def _batches(self, batch_size: int, per_epoch: int, seed: int, start: int, steps: int | None,
+                 layout: DigitsLayout, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step, order, order_epoch = start, torch.empty(0, dtype=torch.int64), -1
+        while steps is None or step < start + steps:
+            epoch, pos = divmod(step, per_epoch)
+            if epoch != order_epoch:  # one permutation per epoch, not one per batch
+                order, order_epoch = _epoch_order(len(self.train_y), seed, epoch), epoch
+            rows = order[pos * batch_size:(pos + 1) * batch_size]
+            yield _shape(self.train_x[rows], layout, dtype), self.train_y[rows]
+            step += 1
+
+    def evaluate(self, model: Callable[[torch.Tensor], Any], batch_size: int, *, layout: DigitsLayout = "flat",
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Accuracy:
+        """Accuracy of ``model`` (logits ``(B, 10)``) on every held-out sample, in batches of ``batch_size``.
+
+        The last batch is filled up with the first held-out samples so it has the compiled shape too; their
+        predictions are not counted. Runs under ``torch.no_grad``; put a model with dropout or BatchNorm in
+        eval mode first (in train mode BatchNorm would also see the filler rows).
+        """
+        _check_batch_size(batch_size, None, "digits' held-out set")
+        _shape(self.heldout_x[:1], layout, dtype)
+        total = len(self.heldout_y)
+        correct = batches = 0
+        for rows, real in _padded_batches(total, batch_size):
+            with torch.no_grad():
+                logits = model(_shape(self.heldout_x[rows], layout, dtype).to(device))
+            predicted = _tensor_output(logits, "digits").argmax(-1).cpu()
+            correct += int((predicted[:real] == self.heldout_y[rows[:real]]).sum())
+            batches += 1
+        return Accuracy(correct, total, batches, batches * batch_size - total)
+
+
+@dataclass(frozen=True, eq=False)
+class Text:
+    """A byte string (vocab 256, the same for every file) split into train and the last 10% held out.
+
+    ``train`` and ``heldout`` are uint8 tensors; batches hold int64 ids. Compared by identity.
+    """
+
+    spec: str
+    files: tuple[str, ...]
+    train: torch.Tensor
+    heldout: torch.Tensor
+    vocab_size: int = BYTE_VOCAB
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise OptionError unless train and held-out each hold one sequence of ``seq_len`` plus its target."""
+        if seq_len < 1:
+            raise OptionError(f"a sequence holds at least one byte (seq_len: {seq_len}); pass seq_len >= 1")
+        need = seq_len + 1
+        if len(self.heldout) < need:
+            size = len(self.train) + len(self.heldout)
+            raise OptionError(
+                f"{self.spec} is too short for one held-out sequence (bytes: {size}, held out (last 10%): "
+                f"{len(self.heldout)}, seq_len {seq_len} needs {need}); use a text of at least "
+                f"{need * TEXT_HELDOUT} bytes or a shorter sequence"
+            )
+
+    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step``: ``(idx, target)``, both ``(B, seq_len)`` int64, target = idx shifted left by one byte.
+
+        Each row starts at its own random offset in the training bytes, drawn from ``(seed, step)``.
+        """
+        self.check_seq_len(seq_len)
+        _check_batch_size(batch_size, None, self.spec)
+        _check_start(step)
+        generator = torch.Generator().manual_seed(_mix(seed, step))
+        starts = torch.randint(0, len(self.train) - seq_len, (batch_size,), generator=generator)
+        windows = self.train[starts[:, None] + torch.arange(seq_len + 1)].to(torch.int64)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def batches(self, batch_size: int, seq_len: int, *, seed: int = 0, start: int = 0, steps: int | None = None,
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches ``start, start + 1, ...`` (``steps`` of them, or without end), as ``batch`` draws them."""
+        self.check_seq_len(seq_len)
+        _check_batch_size(batch_size, None, self.spec)
+        _check_start(start)
+        return (self.batch(step, batch_size, seq_len, seed=seed)
+                for step in (range(start, start + steps) if steps is not None else _count(start)))
+
+    def evaluate(self, model: Callable[[torch.Tensor], Any], batch_size: int, seq_len: int, *,
+                 max_batches: int | None = None, device: str | torch.device = "cpu") -> TextLoss:
+        """Mean next-byte cross entropy of ``model`` (logits ``(B, T, V)``, V >= 256) on the held-out bytes.
+
+        The held-out bytes are cut into consecutive windows of ``seq_len`` (each predicting the byte after
+        every position), batched in order; the last batch is filled up with the first windows, which are not
+        counted. ``max_batches`` scores only the first that many batches. Runs under ``torch.no_grad``.
+        """
+        self.check_seq_len(seq_len)
+        _check_batch_size(batch_size, None, self.spec)
+        windows = (len(self.heldout) - 1) // seq_len
+        if max_batches is not None:
+            if max_batches < 1:
+                raise OptionError(f"max_batches must be at least 1 (max_batches: {max_batches}); raise it")
+            windows = min(windows, max_batches * batch_size)
+        offsets = torch.arange(seq_len + 1)
+        total = 0.0
+        batches = 0
+        for rows, real in _padded_batches(windows, batch_size):
+            chunk = self.heldout[rows[:, None] * seq_len + offsets].to(torch.int64)
+            with torch.no_grad():
+                logits = _tensor_output(model(chunk[:, :-1].to(device)), self.spec)
+            if logits.dim() != 3 or logits.shape[:2] != (batch_size, seq_len) or logits.size(-1) < self.vocab_size:
+                raise OptionError(
+                    f"{self.spec} needs logits ({batch_size}, {seq_len}, V >= {self.vocab_size}), but the model "
+                    f"gave {tuple(logits.shape)}; use one of {', '.join(TEXT_ZOO)}"
+                )
+            logits = logits[:real].float()
+            total += float(F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                                           chunk[:real, 1:].reshape(-1).to(logits.device), reduction="sum"))
+            batches += 1
+        tokens = windows * seq_len
+        return TextLoss(total / tokens, tokens, windows, batches, batches * batch_size - windows)
+
+    def unigram_loss(self) -> float:
+        """Held-out cross entropy (nats per byte) of the training bytes' frequencies, add-one smoothed.
+
+        The loss of a model that ignores context: what a trained model must beat.
+        """
+        counts = torch.bincount(self.train.to(torch.int64), minlength=self.vocab_size).double() + 1.0
+        log_p = (counts / counts.sum()).log()
+        return float(-log_p[self.heldout.to(torch.int64)].mean())
+
+
+DataSource = Synthetic | Digits | Text
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def parse_data(spec: str, *, seq_len: int | None = None) -> DataSource:
+    """The source ``--data`` names: ``synthetic``, ``digits``, ``text:PATH`` or ``text:stdlib``.
+
+    A text must hold one held-out sequence of ``seq_len`` bytes (1 when not given) and its target
+    (``Text.check_seq_len``). A file named ``stdlib`` is ``text:./stdlib``.
+
+    Raises: OptionError (one line) for an unknown spec, a missing, unreadable, empty or too short file, or
+    scikit-learn missing for ``digits``.
+    """
+    text = spec.strip()
+    kind, colon, rest = text.partition(":")
+    kind = kind.lower()
+    if not colon and kind == "synthetic":
+        return Synthetic()
+    if not colon and kind == "digits":
+        return load_digits()
+    if colon and kind == "text":
+        if not rest:
+            raise OptionError("--data text: needs a file after the colon (spec: 'text:'); "
+                              "use text:PATH or text:stdlib")
+        source = load_stdlib_text() if rest == "stdlib" else load_text(rest)
+        source.check_seq_len(1 if seq_len is None else seq_len)
+        return source
+    known = ["synthetic", "digits", "text:PATH", "text:stdlib"]
+    close = difflib.get_close_matches(text.lower(), ["synthetic", "digits", "text:stdlib"], n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise OptionError(f"unknown --data {spec!r} (known: {', '.join(known)}); use one of them{hint}")
+
+
+def load_digits(*, split_seed: int = 0) -> Digits:
+    """scikit-learn's digits (bundled with it, no download), one in five samples held out by ``split_seed``.
+
+    Raises: OptionError when scikit-learn is not installed.
+    """
+    try:
+        from sklearn import datasets
+    except ImportError:
+        raise OptionError("--data digits reads the digits bundled with scikit-learn, which is not installed; "
+                          "pip install 'fxpipe[data]'") from None
+    bunch = datasets.load_digits()
+    x = torch.from_numpy(bunch.data).to(torch.float32) / 16.0  # pixel counts 0..16
+    y = torch.from_numpy(bunch.target).to(torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(split_seed))
+    held = len(y) // DIGITS_HELDOUT
+    heldout_index, train_index = order[:held].sort().values, order[held:].sort().values
+    return Digits(x[train_index], y[train_index], x[heldout_index], y[heldout_index],
+                  train_index, heldout_index, split_seed)
+
+
+def load_text(path: str | Path, *, max_bytes: int | None = None) -> Text:
+    """The bytes of the file at ``path`` (the first ``max_bytes``), the last 10% held out.
+
+    Raises: OptionError for a missing, unreadable or empty file.
+    """
+    file = Path(path).expanduser()
+    spec = f"text:{path}"
+    if not file.exists():
+        raise OptionError(f"--data {spec}: no such file ({file.absolute()}); check the path")
+    if file.is_dir():
+        raise OptionError(f"--data {spec} is a directory; name a text file in it")
+    try:
+        with file.open("rb") as handle:
+            raw = handle.read(-1 if max_bytes is None else max_bytes)
+    except OSError as error:
+        raise OptionError(f"--data {spec} cannot be read ({error.strerror}); check its permissions") from None
+    if not raw:
+        raise OptionError(f"--data {spec} is empty (bytes: 0); use a file with text in it")
+    return _split_text(spec, (str(file),), raw)
+
+
+def load_stdlib_text(*, max_bytes: int = STDLIB_MAX_BYTES) -> Text:
+    """``STDLIB_FILES`` from this Python's standard library, concatenated in order and cut at ``max_bytes``.
+
+    The same on every machine with the same Python version. Raises: OptionError when none is found (a
+    Python installed without its sources).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[bytes] = []
+    files: list[str] = []
+    size = 0
+    for name in STDLIB_FILES:
+        if size >= max_bytes:
+            break
+        file = root / name
+        if not file.is_file():
+            continue
+        data = file.read_bytes()[:max_bytes - size]
+        parts.append(data)
+        files.append(str(file))
+        size += len(data)
+    if not parts:
+        raise OptionError(f"--data text:stdlib found none of its files in {root} (a Python without its "
+                          "sources?); use --data text:PATH with any text file")
+    return _split_text("text:stdlib", tuple(files), b"".join(parts))
+
+
+def _split_text(spec: str, files: tuple[str, ...], raw: bytes) -> Text:
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    held = len(data) // TEXT_HELDOUT
+    cut = len(data) - held
+    return Text(spec, files, data[:cut], data[cut:])
+
+
+# --------------------------------------------------------------------------------------------- fitting
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a source's batches must look for a model: ``layout`` (flat, image, tokens), dtype and ``seq_len``."""
+
+    spec: str
+    layout: str
+    dtype: torch.dtype
+    seq_len: int | None = None
+
+
+def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: Sequence[int]) -> Fit:
+    """How ``source`` feeds a model compiled for ``example_inputs`` whose output is ``output_shape``.
+
+    digits takes one float input ``(B, 64)`` (an MLP) or ``(B, 1, 8, 8)`` (a CNN) and 10 outputs ``(B, 10)``;
+    text takes one integer input ``(B, T)`` and logits ``(B, T, V)`` with ``V >= 256``, and its batches then
+    have ``seq_len = T``; synthetic takes anything. The output shape is cheap to get on the meta device:
+
+        zoo = fxpipe.models.build("mlp-small", device="meta")
+        check_fit(parse_data("digits"), zoo.example_inputs, zoo.model(*zoo.example_inputs).shape)
+
+    Raises: OptionError, one line naming what the model takes and the zoo models to use instead.
+    """
+    if isinstance(source, Synthetic):
+        return Fit(source.spec, "synthetic", _first_dtype(example_inputs))
+    inputs = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
+    takes = f"takes {', '.join(map(str, inputs)) or 'no inputs'}"
+    out = tuple(int(d) for d in output_shape)
+    if isinstance(source, Digits):
+        instead = (f"use {' or '.join(DIGITS_ZOO)}; the zoo has no CNN for 1x8x8 images yet (a model of your "
+                   "own that takes (B, 1, 8, 8) works)")
+        x = example_inputs[0] if len(example_inputs) == 1 else None
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise OptionError(f"digits gives one float input, (B, 64) or (B, 1, 8, 8), but the model {takes}"
+                              f"{_dtypes(example_inputs)}; {instead}")
+        shape = tuple(x.shape[1:])
+        if shape not in ((DIGITS_FEATURES,), (1, 8, 8)):
+            raise OptionError(f"digits gives (B, 64) features or (B, 1, 8, 8) images, but the model {takes}; "
+                              f"{instead}")
+        if out[1:] != (DIGITS_CLASSES,):
+            raise OptionError(f"digits has 10 classes and needs logits (B, 10), but the model gives {out}; "
+                              f"{instead}")
+        return Fit(source.spec, "flat" if len(shape) == 1 else "image", x.dtype)
+    instead = f"use {', '.join(TEXT_ZOO)} (vocabulary 256 or more)"
+    x = example_inputs[0] if len(example_inputs) == 1 else None
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point() or x.dtype == torch.bool:
+        raise OptionError(f"{source.spec} gives one int64 input of byte ids (B, T), but the model {takes}"
+                          f"{_dtypes(example_inputs)}; {instead}")
+    seq_len = int(x.shape[1])
+    if len(out) != 3 or out[1] != seq_len:
+        raise OptionError(f"{source.spec} needs next-byte logits (B, {seq_len}, V), but the model gives {out}; "
+                          f"{instead}")
+    if out[2] < source.vocab_size:
+        raise OptionError(f"{source.spec} is bytes (vocabulary {source.vocab_size}), but the model's vocabulary is "
+                          f"{out[2]}; {instead}")
+    source.check_seq_len(seq_len)
+    return Fit(source.spec, "tokens", torch.int64, seq_len)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 63-bit generator seed from ``(seed, index)`` (splitmix64), so neighbouring pairs do not collide."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + index + 0x632BE59BD9B4E019) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(_mix(seed, epoch)))
+
+
+def _padded_batches(total: int, batch_size: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """Rows ``0..total-1`` in batches of ``batch_size``, the last filled up from row 0 on; yields (rows, real)."""
+    for first in range(0, total, batch_size):
+        real = min(batch_size, total - first)
+        rows = torch.arange(first, first + batch_size)
+        rows[real:] = torch.arange(batch_size - real) % total
+        yield rows, real
+
+
+def _shape(x: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    if not dtype.is_floating_point:
+        raise OptionError(f"digits' features are floating point (dtype: {dtype}); "
+                          "pass torch.float32, torch.float64, torch.bfloat16 or torch.float16")
+    if layout == "flat":
+        return x.to(dtype)
+    if layout == "image":
+        return x.reshape(-1, 1, 8, 8).to(dtype)
+    raise OptionError(f"unknown digits layout {layout!r} (known: flat, image); use flat for an MLP, image for a CNN")
+
+
+def _check_batch_size(batch_size: int, size: int | None, what: str) -> None:
+    if batch_size < 1:
+        raise OptionError(f"batch size must be at least 1 (batch_size: {batch_size}); raise it")
+    if size is not None and batch_size > size:
+        raise OptionError(f"batch size exceeds {what} (batch_size: {batch_size}, samples: {size}); lower it")
+
+
+def _check_start(step: int) -> None:
+    if step < 0:
+        raise OptionError(f"batch steps count from 0 (step: {step}); pass a step >= 0")
+
+
+def _tensor_output(output: Any, spec: str) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)  # a Hugging Face ModelOutput
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise OptionError(f"{spec} scores a model's logits tensor, but it returned {type(output).__name__}; "
+                      "return the logits")
+
+
+def _first_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.dtype
+    return torch.float32
+
+
+def _dtypes(example_inputs: Sequence[Any]) -> str:
+    dtypes = [str(x.dtype).removeprefix("torch.") for x in example_inputs if isinstance(x, torch.Tensor)]
+    return f" of {', '.join(dtypes)}" if dtypes else ""
+
+
+def _count(start: int) -> Iterator[int]:
+    while True:
+        yield start
+        start += 1
