@@ -36,10 +36,12 @@ from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
+from fxpipe.schedules.versions import POLICIES
 
 
 class PipelineRuntime:
@@ -61,23 +63,24 @@ class PipelineRuntime:
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
-                 prefetch: int | None = None) -> None:
+                 prefetch: int | None = None, weights: str = "stash") -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
         if loss_fn is None:
             raise OptionError("no loss function: pass loss_fn=(outputs, target) -> loss")
-        if not schedule.synchronous:
-            raise OptionError(f"{schedule.name} is asynchronous (weights update after every microbatch, no flush), and "
-                              "the runtime does not run asynchronous schedules yet; it will not train one as a "
-                              "synchronous schedule either: use 1f1b")
+        if weights not in POLICIES:
+            raise OptionError(f"unknown weight policy {weights!r}; use one of {', '.join(POLICIES)}")
+        self.weights = weights  # asynchronous schedules only: what each phase reads (fxpipe.runtime.weights)
         if schedule.num_ranks != self.world or schedule.num_stages != pipe.num_stages:
             raise OptionError(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
                               f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
         graphs = pipe.stage_graphs
         if graphs is None or any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
+        if not schedule.synchronous:
+            check_async(pipe, graphs)
         self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, graphs
         self.timeout = timeout
         self.stages = pipe.stage_list()
@@ -144,33 +147,95 @@ class PipelineRuntime:
     def step(self, inputs: Sequence[Any], target: Any) -> torch.Tensor:
         """One mini-batch: every microbatch's F, B and W on this rank's stages, then the optimizer step.
 
-        Returns the mean loss over microbatches (the same value on every rank).
+        Returns the mean loss over microbatches (the same value on every rank). Asynchronous
+        schedules have no step: use :meth:`train`.
         """
+        if not self.schedule.synchronous:
+            raise OptionError(f"{self.schedule.name} is asynchronous: there is no step boundary to stop at; "
+                              "pass the batches to rt.train(batches), which streams them without a flush")
         m = self.schedule.num_microbatches
+        micro, targets = self._microbatches(inputs, target, m)
+        self.core.loss_divisor = m
+        losses = self._execute(self.program, micro, targets, ahead=self.prefetch)
+        for p, group, ranks in self.shared:
+            if p.grad is not None:
+                self._collective(partial(dist.all_reduce, p.grad, group=group),
+                                 f"the tied weight's gradient (ranks {ranks})")
+        for opt in self.optimizers.values():
+            opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            if loss is not None:
+                total += loss.double()
+        total = total.cpu()
+        self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
+        return total / m  # float64: the mean over microbatches, summed in double
+
+    def train(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
+        """Asynchronous training over ``batches`` (each split into the schedule's microbatch count): one schedule
+        for the whole stream, each stage stepping its optimizer after every microbatch's W, no flush between
+        batches; each phase reads the weights of the ``weights`` policy. Returns each batch's mean loss (the same
+        on every rank). A synchronous schedule trains batch by batch (:meth:`step`)."""
+        from fxpipe.runtime.weights import WeightVersions
+
+        if self.schedule.synchronous:
+            return [self.step(inputs, target) for inputs, target in batches]
+        m = self.schedule.num_microbatches
+        micro: list[dict[str, Any]] = []
+        targets: list[Any] = []
+        for inputs, target in batches:
+            more, more_targets = self._microbatches(inputs, target, m)
+            micro += more
+            targets += more_targets
+        stream = _resolve_schedule(self.pipe, self.schedule.name, len(micro))
+        program = lower(self.pipe, stream, self.rank)
+        self.stream = stream
+        core = self.core
+        core.loss_divisor = 1  # each microbatch's gradient is an update of its own
+        core.optimizers = self.optimizers
+        core.versions = WeightVersions(stream, self.weights, {s: self.stages[s].module for s in self.mine},
+                                       self.optimizers)
+        try:
+            losses = self._execute(program, micro, targets, ahead=self.prefetch if self.prefetch is not None else 8)
+        finally:
+            self.versions, core.versions = core.versions, None
+        mine = torch.tensor([float(x) if x is not None else 0.0 for x in losses], dtype=torch.float64)
+        self._collective(partial(dist.all_reduce, mine), "the losses (every rank)")
+        return list(mine.view(len(batches), m).mean(dim=1))
+
+    def _microbatches(self, inputs: Sequence[Any], target: Any, m: int) -> tuple[list[dict[str, Any]], list[Any]]:
+        """One batch cut into m microbatches: each one's model inputs by name, and its target."""
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
         flat, spec = pytree.tree_flatten(tuple(inputs))
         fix = f"pick a batch that is a multiple of {m}"
         parts = [split_batch(self._here(x), m, fix=fix) for x in flat]
         targets = split_batch(self._here(target), m, fix=fix)
-        core = self.core
         micro = [dict(zip(self.pipe.input_names, flatten_inputs(
             self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)]
         self._check_shapes(micro[0], m)
+        return micro, list(targets)
+
+    def _execute(self, program: Any, micro: list[dict[str, Any]], targets: list[Any],
+                 ahead: int | None) -> list[torch.Tensor | None]:
+        """Run this rank's part of ``program`` over the microbatches; returns the losses this rank computed.
+
+        Receives are posted ahead into buffers shaped from the graphs (``ahead`` None: all at once,
+        into the previous step's buffers; else the next ``ahead`` actions' into new ones); each is
+        waited for right before the compute that reads it, and each send goes out right after the
+        compute that makes it.
+        """
+        core = self.core
         core.begin(micro, targets)
-        self._left = [dict(self.readers) for _ in range(m)]  # local reads still to come, per microbatch
-        # Receives are posted ahead into buffers shaped from the graphs (all at once, into the
-        # previous step's buffers; or, with ``prefetch``, the next ``prefetch`` actions' into new
-        # ones); each is waited for right before the compute that reads it, and each send goes
-        # out right after the compute that makes it.
-        ops = self.program.ops
+        self._left = [dict(self.readers) for _ in range(len(micro))]  # local reads still to come, per microbatch
+        ops = program.ops
         posted: list[list[Any] | None] = [None] * len(ops)
-        ahead = len(ops) if self.prefetch is None else self.prefetch + 1
+        reuse = ahead is None
+        window = len(ops) if ahead is None else ahead + 1
 
         def post_until(j: int) -> None:
-            for k in range(j, min(j + ahead, len(ops))):
+            for k in range(j, min(j + window, len(ops))):
                 if posted[k] is None:
-                    reuse = self.prefetch is None
                     items = [self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
                                                self._buffers.get(msg.tag) if reuse else None)
                              for msg in ops[k].recvs]
@@ -204,19 +269,7 @@ class PipelineRuntime:
                 self.channel.poll()
                 self.events.append((op.action, t0, time.perf_counter() - start))
         self.channel.flush(self._failed_send)
-        for p, group, ranks in self.shared:
-            if p.grad is not None:
-                self._collective(partial(dist.all_reduce, p.grad, group=group),
-                                 f"the tied weight's gradient (ranks {ranks})")
-        for opt in self.optimizers.values():
-            opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in core.losses:
-            if loss is not None:
-                total += loss.double()
-        total = total.cpu()
-        self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
-        return total / m  # float64: the mean over microbatches, summed in double
+        return list(core.losses)
 
     def _check_shapes(self, values: dict[str, Any], m: int) -> None:
         """A microbatch's inputs must have the shapes the plan's graphs were compiled for."""

@@ -50,7 +50,7 @@ def _delayed_sgd(model: nn.Module, stage_params: list[list[str]], schedule, stre
     return losses, {n: w for h in history for n, w in h[-1].items()}
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 def test_stash_equals_delayed_sgd_in_float64(stages: int) -> None:
     zoo = models.build("mlp-tiny", dtype=torch.float64)
     eager = copy.deepcopy(zoo.model)

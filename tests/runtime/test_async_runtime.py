@@ -1,0 +1,66 @@
+"""Asynchronous training on ranks (gloo): ``PipelineRuntime(..., schedule="async-1f1b", weights=...).train`` equals
+the one-process reference executor's asynchronous run, and reads exactly the versions the schedule implies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import models
+from fxpipe.runtime.reference import ReferenceExecutor
+from fxpipe.schedules.generators import async_1f1b
+from fxpipe.schedules.versions import reads
+
+WORKER = Path(__file__).with_name("_async_worker.py")
+ROOT = Path(__file__).parents[2]
+POLICIES = ("stale", "stash", "predict")
+
+
+def stream(zoo: models.ZooModel, batches: int, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """``batches`` batches of m microbatches shaped like the zoo example, from a fixed seed."""
+    gen = torch.Generator().manual_seed(7)
+    x, y = zoo.example_inputs[0], zoo.example_target
+    return [((torch.randn((x.shape[0] * m, *x.shape[1:]), generator=gen, dtype=x.dtype),),
+             torch.randint(0, int(y.max()) + 1, (y.shape[0] * m, *y.shape[1:]), generator=gen))
+            for _ in range(batches)]
+
+
+# one launch (~30 s: every rank builds its graphs); 2 and 4 stages: test_async_reference.py
+@pytest.mark.parametrize("world", [3])
+def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, world: int) -> None:
+    zoo = models.build("mlp-tiny", dtype=torch.float64)
+    plan = fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=world), tmp_path / "plan")
+    cfg = {"model": "mlp-tiny", "policies": list(POLICIES), "batches": 3, "microbatches": 2}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}",
+                               str(plan), str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+    batches = stream(zoo, cfg["batches"], cfg["microbatches"])
+    micro = [((x,), t) for (xb,), tb in batches for x, t in zip(xb.tensor_split(2), tb.tensor_split(2))]
+    schedule = async_1f1b(world, len(micro))
+    for policy in POLICIES:
+        pipe = fxpipe.load(plan)
+        pipe.build_backward(zoo.example_inputs)
+        ex = ReferenceExecutor(pipe, zoo.loss_fn)
+        losses = ex.run_async(schedule, micro, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), weights=policy)
+        want_losses = torch.stack(losses).view(cfg["batches"], 2).mean(dim=1)
+        want = {n: p for st in pipe.stages for n, p in st.module.named_parameters()}
+        table = reads(schedule, policy)
+        for r in ranks:
+            got = r[policy]
+            torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64), want_losses)
+            for n, value in got["params"].items():
+                torch.testing.assert_close(value, want[n].detach(), msg=lambda msg, n=n: f"{policy} {n}: {msg}")
+            # every phase of this rank's stages read the version (and prediction distance) the schedule implies
+            mine = {k: (v.version, v.ahead) for k, v in table.items() if k[0] in got["stages"]}
+            assert got["reads"] == mine
