@@ -1,5 +1,5 @@
-"""An asynchronous schedule keeps ``synchronous=False`` through a plan directory, and the runtime refuses to
-train it synchronously (until asynchronous execution exists) instead of silently training it as 1F1B."""
+"""An asynchronous schedule keeps ``synchronous=False`` through a plan directory, and is never trained as a
+synchronous one: ``PipelineRuntime.step`` points to ``train``, which streams without a flush."""
 
 from __future__ import annotations
 
@@ -27,18 +27,24 @@ def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
     # fxpipe run: refused before any rank starts, one line, exit 2.
     result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--steps", "1"])
     assert result.exit_code == 2 and "asynchronous" in result.output and "Traceback" not in result.output
-    # PipelineRuntime in a user's script (one rank is enough: the schedule is checked first).
+    # PipelineRuntime in a user's script: rt.step has no step boundary to stop at and points to rt.train.
+    one = tmp_path / "one"
+    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "1", "--schedule", "async-1f1b",
+                                      "--out", str(one)])
+    assert result.exit_code == 0, result.output
     script = (
         "import datetime, torch, torch.distributed as dist\n"
         "from fxpipe.errors import OptionError\n"
         "from fxpipe.runtime import PipelineRuntime\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
         "try:\n"
-        f"    PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out[0].sum())\n"
+        f"    rt = PipelineRuntime({str(one)!r}, loss_fn=lambda out, t: out.sum())\n"
+        "    rt.step((torch.zeros(8, 16),), None)\n"
         "except OptionError as exc:\n"
         "    print('refused:', exc)\n"
         "finally:\n"
         "    dist.destroy_process_group()\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: async-1f1b is asynchronous" in proc.stdout
+    assert "refused: async-1f1b is asynchronous: there is no step boundary" in proc.stdout
+    assert "rt.train(batches)" in proc.stdout
