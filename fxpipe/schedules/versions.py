@@ -24,9 +24,11 @@ is read off the schedule itself, not from a closed formula, so it holds for any 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import OptionError
+from fxpipe.report import Report
 from fxpipe.schedules.ir import Kind, Schedule
 
 POLICIES = ("stale", "stash", "predict")
@@ -124,3 +126,21 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
             live = set().union(*mine.values()) if mine else set()
             out[a.stage] = max(out.get(a.stage, 0), len(live))
     return out
+
+
+def memory_report(schedule: Schedule, param_bytes: Sequence[float]) -> Report:
+    """Per policy and stage: the weight versions kept besides the live weights, and their bytes
+    (``param_bytes[s]``: stage s's parameter bytes)."""
+    rows = []
+    for policy in POLICIES:
+        kept = versions_kept(schedule, policy)
+        for s in range(schedule.num_stages):
+            rows.append((policy, s, kept.get(s, 0), round(kept.get(s, 0) * param_bytes[s] / 2**20, 3)))
+    return Report(
+        title="weights: versions per stage",
+        columns=("policy", "stage", "versions kept", "extra MiB"),
+        rows=tuple(rows),
+        notes=(f"{schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches: besides the "
+               "live weights, stash keeps the version each microbatch in flight read in its F (shared by microbatches "
+               "that read the same one) and predict one predicted copy per microbatch between F and W",),
+    )

@@ -9,7 +9,7 @@ import pytest
 from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import GENERATORS, async_1f1b
 from fxpipe.schedules.ir import Kind
-from fxpipe.schedules.versions import Read, Timing, reads, timings, versions_kept
+from fxpipe.schedules.versions import Read, Timing, memory_report, reads, timings, versions_kept
 
 
 def test_async_1f1b_two_stages_by_hand() -> None:
@@ -74,3 +74,9 @@ def test_versions_kept_per_stage() -> None:
 def test_unknown_policy_is_one_error() -> None:
     with pytest.raises(OptionError, match="unknown weight policy 'newest'; use one of stale, stash, predict"):
         reads(async_1f1b(2, 2), "newest")
+
+
+def test_memory_report_counts_versions_and_bytes() -> None:
+    report = memory_report(async_1f1b(2, 6), [2**20, 2 * 2**20])
+    rows = {(r[0], r[1]): r[2:] for r in report.rows}
+    assert rows[("stale", 0)] == (0, 0.0) and rows[("stash", 0)] == (2, 2.0) and rows[("stash", 1)] == (1, 2.0)
