@@ -274,11 +274,12 @@ def _check(path: Path, step: int) -> Found | str:
         return f"corrupt ({MARKER} is not JSON: {_first_line(exc)})"
     if not isinstance(info, dict) or info.get("schema") != SCHEMA:
         return f"corrupt ({MARKER} is not of schema {SCHEMA})"
-    files, world = info.get("files"), info.get("world")
-    if (info.get("step") != step or not isinstance(world, int) or world < 1 or not isinstance(files, dict)
-            or not all(isinstance(k, str) and _DATA_FILE.match(k) and isinstance(v, int) for k, v in files.items())
-            or not isinstance(info.get("param_groups"), list)):
-        return f"corrupt ({MARKER} does not describe step {step})"
+    files, world, groups = info.get("files"), info.get("world"), info.get("param_groups")
+    if (info.get("step") != step or not isinstance(world, int) or not isinstance(files, dict)
+            or len(files) != world or set(files) != {f"__{r}_0.distcp" for r in range(world)}  # one per rank
+            or not all(isinstance(v, int) for v in files.values())
+            or not isinstance(groups, list) or not all(_plain_group(g) for g in groups)):
+        return f"corrupt ({MARKER} does not describe step {step} of every rank)"
     if not (path / ".metadata").is_file():
         return "incomplete (no .metadata)"
     try:
@@ -295,6 +296,17 @@ def _check(path: Path, step: int) -> Found | str:
         if where.relative_path not in files or where.offset + where.length > files[where.relative_path]:
             return f"corrupt (.metadata puts {index.fqn} outside the data files)"
     return Found(step, path, metadata, info)
+
+
+def _plain_group(group: Any) -> bool:
+    """An optimizer group as saved: parameter names and plain hyperparameters."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return False
+    if not all(isinstance(name, str) for name in group["params"]):
+        return False
+    return all(v is None or isinstance(v, (bool, int, float, str))
+               or (isinstance(v, list) and all(isinstance(x, (bool, int, float)) for x in v))
+               for k, v in group.items() if k != "params")
 
 
 # -- .metadata as data ----------------------------------------------------------------------

@@ -105,6 +105,16 @@ def test_resume_passes_over_newer_incomplete_or_truncated_steps_and_says_why(tmp
         _load(tmp_path / "old")
 
 
+@pytest.mark.parametrize("change", [{"world": 10**9}, {"step": 1}, {"files": {"../x": 1}},
+                                    {"param_groups": [{"params": ["a.weight"], "lr": {"x": 1}}]}, {"schema": "v0"}])
+def test_a_json_record_that_does_not_describe_its_step_is_passed_over(tmp_path: Path, change: dict[str, Any]) -> None:
+    root = _saved(tmp_path / "ck", range(1, 3))
+    marker = root / "step_000002" / checkpoint.MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), **change}))
+    step, warned, _ = _load(root)
+    assert step == 1 and len(warned) == 1 and warned[0].startswith("step_000002 is corrupt (fxpipe-checkpoint.json ")
+
+
 def test_metadata_is_read_by_an_unpickler_that_knows_only_dcp_classes(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", range(1, 2))
     data = (root / "step_000001" / ".metadata").read_bytes()
