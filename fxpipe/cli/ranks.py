@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,17 @@ class DiedRank:
     rank: int
     how: str
     terminated: bool
+
+
+@dataclass(frozen=True)
+class RanksExit:
+    """How torchrun ended: its exit code and output, and the ranks whose processes were stopped (SIGSTOP,
+    a debugger) when the run ended (such a rank cannot answer its peers, nor exit when told)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    stopped: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -81,28 +93,149 @@ def parse_step(line: str) -> StepDone | None:
         return None
 
 
-def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None]) -> subprocess.CompletedProcess[str]:
+def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
+              grace: float = 3.0) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
-    The ranks run with one thread each (``OMP_NUM_THREADS=1``); torchrun's stdout and stderr come back
-    in the result (its failure summary is in stderr).
+    The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
+    ``progress``'s directory; torchrun's stdout and stderr come back
+    in the result (its failure summary is in stderr). However this returns or raises (SIGTERM, Ctrl-C,
+    an error), no rank outlives it: torchrun starts each rank in a session of its own, so a signal to
+    this process reaches neither; :func:`stop_tree` stops torchrun and every rank seen while it ran.
+    Once a rank has reported an error while another is stopped (SIGSTOP), the run cannot finish:
+    it is stopped at once rather than after torchrun's own 30 s wait for the stopped rank.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
+        # directory, which the caller removes, instead of staying behind in /tmp.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent)})
+        seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
+        stopped: set[int] = set()
         shown = 0
-        done = threading.Event()
-        while not done.wait(0.2):
-            if proc.poll() is not None:
-                done.set()
-            lines = progress.read_text().splitlines() if progress.exists() else []
-            for line in lines[shown:]:
-                step = parse_step(line)
-                if step is not None:
-                    on_step(step)
-            shown = len(lines)
+        try:
+            while proc.poll() is None:
+                seen.update(descendants(proc.pid))
+                stopped = {r for r in map(_rank_of, _stopped(seen)) if r is not None}
+                if stopped and any(progress.parent.glob("rank*.error")):
+                    break
+                time.sleep(0.2)
+                lines = progress.read_text().splitlines() if progress.exists() else []
+                for line in lines[shown:]:
+                    step = parse_step(line)
+                    if step is not None:
+                        on_step(step)
+                shown = len(lines)
+        finally:
+            stop_tree(proc, seen, grace)
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        for line in lines[shown:]:
+            step = parse_step(line)
+            if step is not None:
+                on_step(step)
         out.seek(0)
         errf.seek(0)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), errf.read())
+        return RanksExit(proc.returncode, out.read(), errf.read(), frozenset(stopped))
+
+
+def stop_tree(proc: subprocess.Popen[str], seen: Mapping[int, int], grace: float) -> None:
+    """Stop ``proc`` (torchrun, a session leader) and its ranks: SIGTERM (and SIGCONT, so a stopped rank
+    gets it) to torchrun's group and to each rank's, then SIGKILL whatever still runs after ``grace``
+    seconds. Signals that arrive meanwhile are held off, so a second Ctrl-C cannot leave ranks behind."""
+    main = threading.current_thread() is threading.main_thread()
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        procs = {**seen, **descendants(proc.pid)} if proc.poll() is None else dict(seen)
+        alive = {pid: start for pid, start in procs.items() if _running(pid, start)}
+        if proc.poll() is None or alive:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                _signal_group(proc.pid, sig)
+                for pid in alive:
+                    _signal_group(pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and (proc.poll() is None or
+                                                   any(_running(p, s) for p, s in alive.items())):
+                time.sleep(0.05)
+            for pid, start in alive.items():
+                if _running(pid, start):
+                    _signal_group(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group led by ``pid`` (torchrun and each rank lead their own), else to ``pid``."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, parent pid, start time)`` of a process from ``/proc``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def _stopped(procs: Mapping[int, int]) -> list[int]:
+    """The processes of ``procs`` (pid -> start time) that are stopped (state T: SIGSTOP; t: a debugger)."""
+    return [pid for pid, start in procs.items()
+            if (stat := _stat(pid)) is not None and stat[2] == start and stat[0] in ("T", "t")]
+
+
+def _rank_of(pid: int) -> int | None:
+    """The RANK torchrun gave process ``pid`` (from its environment), or None (torchrun itself, or unreadable)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in env:
+        if entry.startswith(b"RANK="):
+            try:
+                return int(entry[5:])
+            except ValueError:
+                return None
+    return None
+
+
+def _running(pid: int, start: int) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs (a zombie has finished)."""
+    stat = _stat(pid)
+    return stat is not None and stat[2] == start and stat[0] not in ("Z", "X")
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root``, as pid -> start time (empty where ``/proc`` is missing)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and stat[0] not in ("Z", "X"):
+            children.setdefault(stat[1], []).append(pid)
+            starts[pid] = stat[2]
+    found: dict[int, int] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found[pid] = starts[pid]
+            todo.extend(children.get(pid, []))
+    return found
 
 
 def rank_errors(out_dir: Path) -> dict[int, str]:
@@ -127,13 +260,20 @@ def died_ranks(torchrun_stderr: str, reported: Collection[int]) -> list[DiedRank
 
     >>> died_ranks("  rank      : 1 (local_rank: 1)\\n  exitcode  : -9 (pid: 7)\\n", reported=())
     [DiedRank(rank=1, how='killed by signal 9, SIGKILL: often the out-of-memory killer', terminated=False)]
+
+    A rank torchrun itself had to SIGKILL ("Unable to shutdown process PID via SIGTERM") was not
+    killed for memory: it did not answer SIGTERM, so it was stopped (SIGSTOP) or hung.
     """
+    forced = {int(pid) for pid in re.findall(r"Unable to shutdown process (\d+) via", torchrun_stderr)}
     died = []
-    for rank, code in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", torchrun_stderr):
+    for rank, code, pid in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?",
+                                      torchrun_stderr):
         rank, code = int(rank), int(code)
         if rank in reported or code == 0:
             continue
-        if code < 0:
+        if code == -signal.SIGKILL and pid and int(pid) in forced:
+            how = "unresponsive: it ignored torchrun's SIGTERM and was SIGKILLed, so it was stopped (SIGSTOP) or hung"
+        elif code < 0:
             try:
                 name = signal.Signals(-code).name
             except ValueError:
@@ -146,15 +286,23 @@ def died_ranks(torchrun_stderr: str, reported: Collection[int]) -> list[DiedRank
 
 
 def diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
-             finished: Collection[int]) -> RankFailure | None:
+             finished: Collection[int], stopped: Collection[int] = ()) -> RankFailure | None:
     """The rank to blame for a failed run, or None when every rank finished (exit code 0, no error report).
 
     The root cause is a rank that died without a word (a signal, ``os._exit``: torchrun's summary has
     its exit code) or failed by itself, not one that gave up waiting for it (its error says "waited
-    for"), nor one torchrun stopped (SIGTERM) because another had failed.
+    for"), nor one torchrun stopped (SIGTERM) because another had failed. A rank whose process was
+    ``stopped`` (SIGSTOP) when the run ended comes first: it is alive but cannot answer.
     """
     if returncode == 0 and not errors:
         return None
+    if stopped:
+        rank = min(stopped)
+        waiting = len([r for r in errors if r != rank])
+        return RankFailure(rank, f"rank {rank} was unresponsive: its process was stopped (SIGSTOP, a debugger or job "
+                                 "control), so its peers timed out waiting for it"
+                           + (f" ({waiting} reported waiting for it)" if waiting else "")
+                           + "; the ranks were stopped")
     died = died_ranks(torchrun_stderr, set(errors) | set(finished))
     first = sorted(errors.items(), key=lambda kv: ("waited for" in kv[1], kv[0]))
     alone = [kv for kv in first if "waited for" not in kv[1]]

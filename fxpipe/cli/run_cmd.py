@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from fxpipe.cli import ranks
-from fxpipe.cli.common import err, one_line_errors, out, progress
+from fxpipe.cli.common import check_writable_file, err, one_line_errors, out, progress, say, write_output
 from fxpipe.errors import OptionError, RankFailedError
 
 
@@ -62,6 +62,8 @@ def run_cmd(
         if data != "synthetic":
             raise OptionError(f"--data {data!r} is not known; use --data synthetic")
         _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
+        if trace is not None:
+            check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
@@ -75,7 +77,7 @@ def run_cmd(
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
                                                       s.step, steps))
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
-                                     ranks.finished_ranks(out_dir))
+                                     ranks.finished_ranks(out_dir), proc.stopped)
             if failure is not None:
                 raise RankFailedError(failure.message)
             results = ranks.rank_results(out_dir, nproc)
@@ -91,13 +93,18 @@ def run_cmd(
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
         }
-        if trace is not None:
-            from fxpipe.schedules.timeline import measured_result, write_chrome_trace
 
-            write_chrome_trace(measured_result({r["rank"]: r["events"] for r in results},
-                                               f"measured {results[0]['schedule']}"), trace)
+        def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
+            if trace is not None:
+                from fxpipe.schedules.timeline import measured_result, write_chrome_trace
+
+                write_output(trace, "--trace", lambda path: write_chrome_trace(
+                    measured_result({r["rank"]: r["events"] for r in results}, f"measured {results[0]['schedule']}"),
+                    path))
+
         if as_json:
             print(json.dumps(doc))
+            write_trace()
             return
         from fxpipe.render import print_reports
 
@@ -116,8 +123,9 @@ def run_cmd(
                           tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results))
         print_reports([per_step, per_rank], plain=plain, console=out)
+        write_trace()
         if trace is not None:
-            err.print(f"wrote {trace}")
+            say(f"wrote {trace}")
 
 
 def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int) -> None:

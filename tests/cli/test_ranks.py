@@ -84,3 +84,19 @@ def test_reports_are_read_from_the_out_dir(tmp_path: Path) -> None:
     (tmp_path / "rank2.error").write_text("")  # stopped while writing it
     assert rank_errors(tmp_path) == {1: "ValueError: boom"}
     assert finished_ranks(tmp_path) == {0}
+
+
+def test_a_stopped_rank_is_blamed_as_unresponsive_not_as_killed_for_memory() -> None:
+    failure = diagnose(1, "", {0: "RankFailedError: rank 1 did not answer within 2 s while rank 0 waited for "
+                                        "F1 of microbatch 0"}, set(), stopped={1})
+    assert failure is not None and failure.rank == 1
+    assert failure.message.startswith("rank 1 was unresponsive: its process was stopped (SIGSTOP")
+    assert "out-of-memory" not in failure.message
+
+
+def test_a_rank_torchrun_had_to_sigkill_is_unresponsive_not_out_of_memory() -> None:
+    stderr = ("WARNING Sending process 8 closing signal SIGTERM\n"
+              "WARNING Unable to shutdown process 8 via Signals.SIGTERM, forcefully exiting via Signals.SIGKILL\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8)\n")
+    (died,) = died_ranks(stderr, reported={0})
+    assert died.rank == 1 and "unresponsive" in died.how and "out-of-memory" not in died.how

@@ -1,0 +1,120 @@
+"""``fxpipe run`` under signals: SIGTERM and SIGINT stop every rank within seconds and leave no temporary
+files; a rank stopped with SIGSTOP is named as unresponsive, not as killed for memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fxpipe.cli.main import app
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("signals") / "plan"
+    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def start_run(plan: Path, tmp: Path, *args: str) -> subprocess.Popen[str]:
+    """``fxpipe run PLAN --steps 100000`` in a session of its own, its temporary files under ``tmp``."""
+    return subprocess.Popen([sys.executable, "-m", "fxpipe.cli.main", "run", str(plan), "--steps", "100000",
+                             "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+
+
+def first_step(proc: subprocess.Popen[str], tmp: Path, timeout: float = 120.0) -> Path:
+    """The run's report directory, once rank 0 has finished a step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for progress in tmp.glob("fxpipe-run-*/progress"):
+            if progress.read_text().strip():
+                return progress.parent
+        time.sleep(0.1)
+    raise AssertionError("no step finished")
+
+
+def processes_naming(text: str) -> dict[int, str]:
+    """Live processes whose command line contains ``text``: pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state not in ("Z", "X"):
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def rank_pid(out_dir: Path, rank: int) -> int:
+    for pid in processes_naming(str(out_dir)):
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return pid
+    raise AssertionError(f"no process of rank {rank}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, tmp_path: Path,
+                                                                   sig: signal.Signals) -> None:
+    proc = start_run(plan, tmp_path)
+    try:
+        out_dir = first_step(proc, tmp_path)
+        ranks = processes_naming(str(out_dir))
+        assert len(ranks) >= 3, ranks  # torchrun and its 2 ranks
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=15)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr
+    assert took < 8, f"{sig.name} took {took:.1f} s"
+    print(f"{sig.name}: every rank stopped and fxpipe exited {took:.2f} s after the signal")
+    assert processes_naming(str(out_dir)) == {}  # not a rank, not torchrun
+    assert not any(_alive(pid) for pid in ranks)
+    assert list(tmp_path.iterdir()) == []  # the report directory, torchrun's logs and all
+
+
+def test_a_stopped_rank_is_named_unresponsive(plan: Path, tmp_path: Path) -> None:
+    proc = start_run(plan, tmp_path, "--timeout", "2")
+    try:
+        out_dir = first_step(proc, tmp_path)
+        os.kill(rank_pid(out_dir, 1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 was unresponsive"), stderr
+    assert "out-of-memory" not in stderr
+    assert took < 20, f"took {took:.1f} s"  # the 2 s timeout, not torchrun's 30 s wait for a stopped rank
+    assert processes_naming(str(out_dir)) == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
