@@ -140,3 +140,11 @@ def higher_order_op(value: Any) -> str | None:
 def serialized_type_names() -> frozenset[str]:
     """The type names ``pytree.treespec_loads`` can read now (registered by torch and the imported libraries)."""
     return frozenset(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE)
+
+
+def data_dependent_output_error() -> type[Exception]:
+    """``torch._subclasses.fake_tensor.DataDependentOutputException``: a fake tensor was asked for its value
+    (``.item()``, ``.tolist()``, ``bool(tensor)``), which fake execution cannot know."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    return DataDependentOutputException

@@ -11,7 +11,8 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe._compat import fake_tensor_mode, flop_counter_mode
+from fxpipe._compat import data_dependent_output_error, fake_tensor_mode, flop_counter_mode
+from fxpipe.errors import TraceError
 from fxpipe.graphs.fx import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
@@ -38,6 +39,8 @@ def annotate_costs(
     flops_bwd_input and flops_bwd_weight (estimates: a node's B costs its forward FLOPs when
     an activation input needs a gradient, its W costs its forward FLOPs when it reads a
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
+    Raises: TraceError when a node reads a tensor's value as a Python number (``.item()``): its
+    cost, and every later shape, would depend on the data.
 
         %linear = call_function[aten.linear](%x, %w, %b)
           ──▶ NodeMeta(shape=((4, 64),), flops_fwd=32768, flops_bwd_input=32768, ...)
@@ -49,7 +52,10 @@ def annotate_costs(
     interp = _CostInterpreter(out, fake_mode)
     with fake_mode:
         fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    interp.run_costs(fake_inputs)
+    try:
+        interp.run_costs(fake_inputs)
+    except data_dependent_output_error() as exc:
+        raise _data_dependent(interp.current, exc) from None
 
     needs_grad: set[torch.fx.Node] = set()
     by_op: Counter[str] = Counter()
@@ -140,6 +146,7 @@ class _CostInterpreter(torch.fx.Interpreter):
         self.flops: dict[torch.fx.Node, int] = {}
         self._fake_attrs: dict[str, Any] = {}
         self._counter: FlopCounterMode | None = None
+        self.current: torch.fx.Node | None = None  # the node being run (named when it fails)
 
     def fetch_attr(self, target: str) -> Any:
         if target not in self._fake_attrs:
@@ -163,6 +170,7 @@ class _CostInterpreter(torch.fx.Interpreter):
             self.run(*inputs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        self.current = n
         counter = self._counter
         before = counter.get_total_flops() if counter is not None else 0
         result = super().run_node(n)
@@ -172,6 +180,23 @@ class _CostInterpreter(torch.fx.Interpreter):
         elif n.op == "placeholder":
             self.values[n] = _shallow(result)
         return result
+
+
+def _data_dependent(node: torch.fx.Node | None, exc: Exception) -> TraceError:
+    """The one-line error for a node that turns a tensor into a Python number (``.item()``)."""
+    what = f"node {node.name} ({_op_name(node)})" if node is not None else "a node"
+    where = ""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    if trace:  # the last frame is the user's line: '  File "m.py", line 9, in forward\n    s = y.item()'
+        frames = [line.strip() for line in str(trace).strip().splitlines()]
+        files = [i for i, line in enumerate(frames) if line.startswith("File ")]
+        if files:
+            i = files[-1]
+            where = f" at {frames[i].removeprefix('File ')}" + (f": {frames[i + 1]}" if i + 1 < len(frames) else "")
+    op = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return TraceError(f"{what}{where} reads a tensor's value as a Python number ({op}), so the stages' shapes and "
+                      "costs would depend on the data; keep it a tensor (e.g. y * y.sum() instead of "
+                      "y * y.sum().item()), or move the conversion out of forward")
 
 
 def _shallow(val: Any) -> Any:
