@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--keep-checkpoints", type=int, default=3)
+    parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     args = parser.parse_args(argv)
@@ -100,15 +104,17 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     from fxpipe.schedules.simulate import Costs
 
     pipe = fxpipe.load(args.plan)
-    zoo = _zoo_of(pipe)  # built as fxpipe compile built it (dtype, batch, seed)
+    zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed)
     if zoo is None:
         raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.plan.provenance.model!r}); "
                             "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=zoo.example_inputs,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr), timeout=timedelta(seconds=args.timeout))
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
+                         timeout=timedelta(seconds=args.timeout), weights=args.weights)
     sched, costs, m = rt.schedule, Costs.from_plan(pipe.plan), rt.schedule.num_microbatches
-    inputs, target = synthetic_batch(zoo, m)
+    batch_of = training_batches(args.data, zoo, m, args.seed)
+    inputs, target = batch_of(0)
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
         from fxpipe.errors import CheckpointError
@@ -116,7 +122,15 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
-    for step in range(first, args.steps):
+    if not sched.synchronous:  # one schedule over every batch: no step boundary to time or checkpoint at
+        t0 = time.perf_counter()
+        losses = [float(x) for x in rt.train([batch_of(k) for k in range(first, args.steps)])]
+        step_ms = [(time.perf_counter() - t0) * 1e3 / len(losses)] * len(losses)
+        if rank == 0:
+            with open(out_progress(args), "a") as f:
+                f.write(f"step {args.steps} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
+    for step in range(first, args.steps) if sched.synchronous else ():
+        inputs, target = batch_of(step)
         if rank == args.fail_rank and step == first + 1:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         if rank == args.kill_rank and step == first + 1:
@@ -133,8 +147,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     from fxpipe.schedules.simulate import simulate
 
     calibration = calibrate()  # collective: this machine's link and compute contention, measured now (< 2 s)
+    if args.data != "synthetic":  # the launcher scores the held-out data with every rank's weights
+        torch.save({n: p.detach() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()},
+                   Path(args.out) / f"rank{rank}.params.pt")
     return {
-        "rank": rank, "world": world, "schedule": sched.name, "microbatches": m,
+        "rank": rank, "world": world, "schedule": sched.name, "microbatches": m, "synchronous": sched.synchronous,
+        "weights": args.weights,
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
         "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -145,14 +163,58 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     }
 
 
-def _zoo_of(pipe: Any) -> Any:
-    """The built-in model a plan was compiled from (built as ``fxpipe compile`` built it), or None."""
+def training_batches(spec: str, zoo: Any, m: int, seed: int) -> Any:
+    """``batch(k)``: step k's batch of m microbatches, each shaped like the plan's compiled example.
+
+    ``synthetic`` gives the same random batch every step (as fxpipe run always did); real data
+    (``fxpipe.data``) gives batch k of its training split, a pure function of (seed, k).
+    """
+    from fxpipe import data
+
+    source = data.parse_data(spec)
+    if isinstance(source, data.Synthetic):
+        fixed = synthetic_batch(zoo, m)
+        return lambda k: fixed
+    fit = fit_of(source, zoo)
+    size = int(zoo.example_inputs[0].shape[0]) * m
+    if isinstance(source, data.Digits):
+        def digits(k: int) -> Any:
+            x, y = source.batch(k, size, seed=seed, layout=fit.layout, dtype=fit.dtype)
+            return (x,), y
+        return digits
+
+    def text(k: int) -> Any:
+        idx, target = source.batch(k, size, fit.seq_len, seed=seed)
+        return (idx,), target
+    return text
+
+
+def fit_of(source: Any, zoo: Any) -> Any:
+    """How a data source feeds a zoo model (``fxpipe.data.check_fit``); one line if it cannot."""
+    from fxpipe import data
+
+    return data.check_fit(source, zoo.example_inputs, _meta_output_shape(zoo))
+
+
+def _meta_output_shape(zoo: Any) -> tuple[int, ...]:
+    """The model's output shape for its example batch, from a copy on the meta device (no compute)."""
+    import copy
+
+    model = copy.deepcopy(zoo.model).to("meta")
+    out = model(*(x.to("meta") for x in zoo.example_inputs))
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return tuple(out.shape)
+
+
+def zoo_of(plan: Any) -> Any:
+    """The built-in model a plan (``fxpipe.plan.Plan``) was compiled from (built as ``fxpipe compile`` built it),
+    or None."""
     import torch
 
     from fxpipe import models
     from fxpipe.errors import FxpipeError
 
-    name, build = pipe.plan.provenance.model, pipe.plan.provenance.build
+    name, build = plan.provenance.model, plan.provenance.build
     if name is None or build is None:
         return None
     try:

@@ -22,8 +22,16 @@ def run_cmd(
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
     schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
-    data: Annotated[str, typer.Option(help="Training data: synthetic (random batches shaped like the example).")] = "synthetic",
+    data: Annotated[str, typer.Option(help="Training data: synthetic (one random batch shaped like the example), "
+                                           "digits (scikit-learn's handwritten digits; mlp-small), text:PATH or "
+                                           "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "
+                                           "Real data reports held-out accuracy or loss.")] = "synthetic",
+    seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate [default: 0.01].")] = None,
+    momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
+    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
+                                              "stale (the current ones), stash (PipeDream: its F's), predict "
+                                              "(SpecTrain: extrapolated; needs --momentum).")] = "stash",
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here after each step (one "
                                                                 "directory per step).")] = None,
@@ -52,15 +60,19 @@ def run_cmd(
 
         # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
         sched = plan_schedule(plan, schedule, microbatches)
+        if weights not in ("stale", "stash", "predict"):
+            raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
         if not sched.synchronous:
-            raise OptionError(f"{sched.name} is asynchronous (weights update after every microbatch, no flush), and "
-                              "fxpipe run does not train asynchronous schedules yet; it will not train one as a "
-                              "synchronous schedule either: use --schedule 1f1b")
+            if weights == "predict" and momentum == 0:
+                raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
+                                  "pass --momentum 0.9 (or --weights stash)")
+            if checkpoint_dir is not None:
+                raise OptionError(f"{sched.name} streams every step through one schedule, and fxpipe run does not "
+                                  "checkpoint asynchronous runs yet; drop --checkpoint-dir or use --schedule 1f1b")
         if sched.num_ranks != nproc:
             raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
                               f"not {nproc}; use --nproc {sched.num_ranks}")
-        if data != "synthetic":
-            raise OptionError(f"--data {data!r} is not known; use --data synthetic")
+        source, fit = _data_fit(plan, data)
         _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
@@ -70,6 +82,7 @@ def run_cmd(
                                      fail_rank=fail_rank, kill_rank=kill_rank)
         if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
             cmd += ["--keep-checkpoints", str(keep_checkpoints)]
+        cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights]
         try:
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks", 0, steps)
@@ -81,6 +94,7 @@ def run_cmd(
             if failure is not None:
                 raise RankFailedError(failure.message)
             results = ranks.rank_results(out_dir, nproc)
+            heldout = _held_out(plan_dir, out_dir, nproc, source, fit) if fit is not None else None
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
         step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
@@ -92,6 +106,8 @@ def run_cmd(
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+            "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
+                "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
         }
 
         def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
@@ -112,7 +128,10 @@ def run_cmd(
                           tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
                                 for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms),
                                                                results[0].get("first_step", 0))),
-                          (f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
+                          ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update "
+                            "of each stage and the steps stream through one schedule, so each step's time is the "
+                            "run's mean; " if not doc["synchronous"] else "")
+                           + f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
                            f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
                            + ("" if results[0].get("profiled") else
                               " from estimated costs (compile with --profile to simulate with measured ones)")
@@ -122,7 +141,11 @@ def run_cmd(
         per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
                           tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results))
-        print_reports([per_step, per_rank], plain=plain, console=out)
+        reports = [per_step, per_rank]
+        if heldout is not None:
+            reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
+                                  (f"{data} held-out split, after the last step, with every rank's weights",)))
+        print_reports(reports, plain=plain, console=out)
         write_trace()
         if trace is not None:
             say(f"wrote {trace}")
@@ -155,3 +178,42 @@ def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bo
         raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
                           f"{', ...' if len(held) > 3 else ''}); pass --resume to continue from its newest checkpoint, "
                           "--overwrite to replace its checkpoints, or another --checkpoint-dir")
+
+
+def _data_fit(plan: object, spec: str) -> tuple[object, object]:
+    """``--data``, checked against the plan's built-in model before any rank starts: (source, fit or None)."""
+    from fxpipe import data
+    from fxpipe.cli.rank import fit_of, zoo_of
+
+    source = data.parse_data(spec)
+    if isinstance(source, data.Synthetic):
+        return source, None
+    zoo = zoo_of(plan)
+    if zoo is None:
+        raise OptionError(f"--data {spec} trains plans of built-in models ({', '.join(data.DIGITS_ZOO + data.TEXT_ZOO)}"
+                          "); for your own model use fxpipe.runtime.PipelineRuntime with fxpipe.data in your script")
+    return source, fit_of(source, zoo)
+
+
+def _held_out(plan_dir: Path, out_dir: Path, nproc: int, source: object, fit: object) -> dict[str, float]:
+    """Every rank's final weights in one pipeline, scored on the held-out split (accuracy or loss)."""
+    import torch
+
+    import fxpipe
+    from fxpipe import data
+
+    pipe = fxpipe.load(plan_dir)
+    params = {n: p for st in pipe.stages for n, p in st.module.named_parameters(remove_duplicate=False)}
+    for r in range(nproc):
+        for name, value in torch.load(out_dir / f"rank{r}.params.pt", weights_only=True).items():
+            with torch.no_grad():
+                params[name].copy_(value)
+    batch = int(pipe.plan.inputs[0].shape[0])
+    pipe.eval()
+    if isinstance(source, data.Digits):
+        acc = source.evaluate(pipe, batch, layout=fit.layout, dtype=fit.dtype)  # type: ignore[attr-defined]
+        return {"held-out accuracy %": round(100 * acc.accuracy, 2), "samples": acc.total}
+    assert isinstance(source, data.Text)
+    loss = source.evaluate(pipe, batch, fit.seq_len, max_batches=64)  # type: ignore[attr-defined]
+    return {"held-out loss": round(loss.loss, 4), "bits per byte": round(loss.bits_per_byte, 4),
+            "unigram loss": round(source.unigram_loss(), 4)}
