@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--keep-checkpoints", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
     parser.add_argument("--momentum", type=float, default=0.0)
@@ -122,27 +123,30 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
-    if not sched.synchronous:  # one schedule over every batch: no step boundary to time or checkpoint at
-        t0 = time.perf_counter()
-        losses = [float(x) for x in rt.train([batch_of(k) for k in range(first, args.steps)])]
-        step_ms = [(time.perf_counter() - t0) * 1e3 / len(losses)] * len(losses)
-        if rank == 0:
-            with open(out_progress(args), "a") as f:
-                f.write(f"step {args.steps} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
-    for step in range(first, args.steps) if sched.synchronous else ():
-        inputs, target = batch_of(step)
-        if rank == args.fail_rank and step == first + 1:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-        if rank == args.kill_rank and step == first + 1:
+    # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
+    # one schedule (all of them, or --checkpoint-every with --checkpoint-dir): its pipeline drains only at
+    # a chunk's end, where it checkpoints, and a resumed run restarts the pipeline at the same place.
+    every = 1 if sched.synchronous else (args.checkpoint_every if args.checkpoint_dir else args.steps - first)
+    for start in range(first, args.steps, every):
+        chunk = range(start, min(start + every, args.steps))
+        if rank == args.fail_rank and start == (first + 1 if sched.synchronous else first):
+            raise RuntimeError(f"injected failure on rank {rank} at step {start}")
+        if rank == args.kill_rank and start == (first + 1 if sched.synchronous else first):
             _die_after_first_compute(pipe)
         t0 = time.perf_counter()
-        losses.append(float(rt.step(inputs, target)))
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if sched.synchronous:
+            inputs, target = batch_of(start)
+            done = [float(rt.step(inputs, target))]
+        else:
+            done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
+        ms = (time.perf_counter() - t0) * 1e3 / len(done)
+        losses += done
+        step_ms += [ms] * len(done)
         if rank == 0:  # the CLI's progress bar follows this file
             with open(out_progress(args), "a") as f:
-                f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
+                f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
         if args.checkpoint_dir:
-            rt.save_checkpoint(args.checkpoint_dir, step + 1, keep=args.keep_checkpoints)
+            rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     from fxpipe.runtime.calibrate import calibrate
     from fxpipe.schedules.simulate import simulate
 

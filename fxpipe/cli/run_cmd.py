@@ -38,6 +38,9 @@ def run_cmd(
     resume: Annotated[bool, typer.Option(help="Start from the newest complete checkpoint in --checkpoint-dir.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace the checkpoints in --checkpoint-dir (other files stay).")] = False,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Complete checkpoints (steps) to keep.")] = 3,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints of an asynchronous schedule: "
+                                                              "its pipeline drains at each (and a resumed run restarts "
+                                                              "it there), so larger is faster.")] = 1,
     trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
@@ -66,9 +69,6 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
-            if checkpoint_dir is not None:
-                raise OptionError(f"{sched.name} streams every step through one schedule, and fxpipe run does not "
-                                  "checkpoint asynchronous runs yet; drop --checkpoint-dir or use --schedule 1f1b")
         if sched.num_ranks != nproc:
             raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
                               f"not {nproc}; use --nproc {sched.num_ranks}")
@@ -81,7 +81,7 @@ def run_cmd(
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
                                      fail_rank=fail_rank, kill_rank=kill_rank)
         if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
-            cmd += ["--keep-checkpoints", str(keep_checkpoints)]
+            cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
         cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights]
         try:
             with progress(disable=as_json) as step:

@@ -43,3 +43,28 @@ def test_data_options_are_checked_before_any_rank_starts(digits_plan: Path, args
     result = CliRunner().invoke(app, ["run", str(digits_plan), "--nproc", "2", "--steps", "1", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_async_checkpoints_drain_the_pipeline_and_resume_exactly(digits_plan: Path, tmp_path: Path) -> None:
+    """An asynchronous run checkpoints where its stream drains (--checkpoint-every); resumed there, it restarts
+    the pipeline at the same place, so the rest of the run is bit-exact."""
+    common = ["run", str(digits_plan), "--nproc", "2", "--schedule", "async-1f1b", "--weights", "stash",
+              "--data", "digits", "--lr", "0.02", "--microbatches", "2", "--checkpoint-every", "2", "--json"]
+    ck = tmp_path / "ck"
+    result = CliRunner().invoke(app, [*common, "--steps", "4", "--checkpoint-dir", str(ck)])
+    assert result.exit_code == 0, result.output
+    straight = json.loads(result.stdout)["losses"]
+    assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000004"]
+    import shutil
+
+    shutil.rmtree(ck / "step_000004")
+    result = CliRunner().invoke(app, [*common, "--steps", "4", "--checkpoint-dir", str(ck), "--resume"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["losses"] == straight[2:]
+
+
+def test_a_killed_rank_is_named_in_an_async_run(digits_plan: Path) -> None:
+    result = CliRunner().invoke(app, ["run", str(digits_plan), "--nproc", "2", "--schedule", "async-1f1b",
+                                      "--steps", "3", "--timeout", "10", "--kill-rank", "1"])
+    assert result.exit_code == 2, result.output
+    assert "rank 1 died (killed by signal 9, SIGKILL" in result.output and "Traceback" not in result.output
