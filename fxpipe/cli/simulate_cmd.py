@@ -50,7 +50,8 @@ def simulate_cmd(
         elif target is None:
             raise OptionError("give a plan directory or a model to simulate, or --uniform-costs F,B,W with --stages")
         else:
-            costs = Costs.from_plan(_plan(target, stages))
+            plan = _plan(target, stages)
+            costs = Costs.from_plan(plan)
             num_stages = len(costs.f)
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
@@ -63,6 +64,13 @@ def simulate_cmd(
             raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "
                               "the costs are too large: use smaller --uniform-costs, or recompile the plan")
         table = report(result, sched, unit=unit)
+        if not sched.synchronous:  # the weight versions each policy keeps, per stage
+            from fxpipe.schedules.versions import memory_report
+
+            param_bytes = [0.0] * num_stages if uniform_costs is not None else [
+                float(sum(layer.param_bytes for layer in plan.layers[st.first_layer:st.end_layer]))
+                for st in plan.stages]
+            extra = [*extra, memory_report(sched, param_bytes)]
         if trace is not None:
             write_output(trace, "--trace", lambda p: write_chrome_trace(result, p, time_unit_us=1e6 if unit == "s" else 1.0))
         if svg is not None:

@@ -97,8 +97,8 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
     """Per stage, the most weight versions held at once besides the live weights.
 
     ``stash`` keeps F's version of every microbatch in flight (versions shared by microbatches
-    whose F met the same one); ``predict`` keeps one predicted copy per microbatch between F and
-    its B and one between B and W; ``stale`` keeps none.
+    whose F met the same one); ``predict`` keeps one predicted copy per microbatch from an F that
+    looks ahead until its B, and from a B that looks ahead until its W; ``stale`` keeps none.
     """
     if policy == "stale":
         return {s: 0 for s in range(schedule.num_stages)}
@@ -116,11 +116,11 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
                     mine[a.mb] = {t.f}
                 elif a.kind in (Kind.W, Kind.BW):
                     mine.pop(a.mb, None)
-            else:
+            else:  # a predicted copy only where the phase looks ahead
                 if a.kind is Kind.F:
-                    mine[a.mb] = {("f", a.mb)}
+                    mine[a.mb] = {("f", a.mb)} if t.b > t.f else set()
                 elif a.kind is Kind.B:
-                    mine[a.mb] = {("b", a.mb)}
+                    mine[a.mb] = {("b", a.mb)} if t.w > t.b else set()
                 else:
                     mine.pop(a.mb, None)
             live = set().union(*mine.values()) if mine else set()
@@ -142,5 +142,5 @@ def memory_report(schedule: Schedule, param_bytes: Sequence[float]) -> Report:
         rows=tuple(rows),
         notes=(f"{schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches: besides the "
                "live weights, stash keeps the version each microbatch in flight read in its F (shared by microbatches "
-               "that read the same one) and predict one predicted copy per microbatch between F and W",),
+               "that read the same one) and predict one predicted copy per microbatch whose F or B looks ahead",),
     )

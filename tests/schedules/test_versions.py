@@ -80,3 +80,8 @@ def test_memory_report_counts_versions_and_bytes() -> None:
     report = memory_report(async_1f1b(2, 6), [2**20, 2 * 2**20])
     rows = {(r[0], r[1]): r[2:] for r in report.rows}
     assert rows[("stale", 0)] == (0, 0.0) and rows[("stash", 0)] == (2, 2.0) and rows[("stash", 1)] == (1, 2.0)
+
+
+def test_predict_keeps_copies_only_where_a_phase_looks_ahead() -> None:
+    # 1F1B's last stage runs each BW right after its F: nothing to predict there
+    assert versions_kept(async_1f1b(3, 9), "predict") == {0: 3, 1: 2, 2: 0}
