@@ -85,3 +85,17 @@ def test_memory_report_counts_versions_and_bytes() -> None:
 def test_predict_keeps_copies_only_where_a_phase_looks_ahead() -> None:
     # 1F1B's last stage runs each BW right after its F: nothing to predict there
     assert versions_kept(async_1f1b(3, 9), "predict") == {0: 3, 1: 2, 2: 0}
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+def test_async_streams_keep_only_the_start_up_bubble(p: int) -> None:
+    """64 microbatches with unit F, B and W: asynchronous 1F1B takes (64 + p - 1) x 3, only the start-up bubble,
+    where synchronous 1F1B flushing every 8 microbatches pays its bubble 8 times."""
+    from fxpipe.schedules.generators import one_f_one_b
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    costs = Costs.uniform(p, 1.0, 1.0, 1.0)
+    stream = simulate(async_1f1b(p, 64), costs).makespan
+    flushed = 8 * simulate(one_f_one_b(p, 8), costs).makespan
+    assert stream == pytest.approx((64 + p - 1) * 3)
+    assert flushed == pytest.approx(8 * (8 + p - 1) * 3)
