@@ -151,6 +151,24 @@ def progress(*, disable: bool) -> Iterator[Callable[[str, int, int], None]]:
         yield step
 
 
+# Limits of what the simulator can do in a moment and exactly: it steps time by 1e-9 to wait for an
+# arrival, and at 1e7 a step of 1e-9 is lost to rounding (t + 1e-9 == t).
+_MAX_SLOTS = 10_000  # stages x microbatches
+_MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
+
+
+def check_schedule_size(num_stages: int, microbatches: int, step_units: float = 0.0) -> None:
+    """Refuse a schedule too big to generate and simulate in a moment, or whose times (``step_units``:
+    F+B+W in --uniform-costs units) the simulator cannot step through."""
+    if num_stages * microbatches > _MAX_SLOTS:
+        raise OptionError(f"a schedule of {num_stages} stages x {microbatches} microbatches is too big to generate and "
+                          f"simulate (at most {_MAX_SLOTS:,} stage-microbatches); lower --stages or --microbatches")
+    if step_units * (microbatches + num_stages) > _MAX_UNITS:
+        raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
+                          f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "
+                          "use smaller units")
+
+
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}

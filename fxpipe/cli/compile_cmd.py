@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import check_writable_dir, one_line_errors, out, parse_size, progress, say
+from fxpipe.cli.common import check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress, say
 
 
 class Tracer(str, Enum):
@@ -101,6 +101,10 @@ def compile_cmd(
 
                 check_writable_dir(out_dir, "--out")  # before the compile, not after it
                 check_out_dir(out_dir)
+            if schedule is not None and microbatches is not None:  # before the compile: generating it could take ages
+                from fxpipe.plan import DEFAULTS
+
+                check_schedule_size(stages if stages is not None else DEFAULTS.stages, microbatches)
             step(f"building {target}", 0, 0)
             resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
                                batch_size=batch_size, seed=seed)

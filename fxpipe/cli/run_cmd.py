@@ -62,6 +62,10 @@ def run_cmd(
         from fxpipe.schedules.auto import plan_schedule
 
         # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
+        if microbatches is not None:
+            from fxpipe.cli.common import check_schedule_size
+
+            check_schedule_size(plan.num_stages, microbatches)
         sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")

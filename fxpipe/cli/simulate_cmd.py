@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import check_writable_file, one_line_errors, out, parse_size, say, write_output
+from fxpipe.cli.common import check_schedule_size, check_writable_file, one_line_errors, out, parse_size, say, write_output
 from fxpipe.errors import OptionError
 
 
@@ -56,7 +56,7 @@ def simulate_cmd(
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
 
-        _check_size(num_stages, microbatches or (max(DEFAULTS.auto_microbatches(num_stages)) if schedule == "auto"
+        check_schedule_size(num_stages, microbatches or (max(DEFAULTS.auto_microbatches(num_stages)) if schedule == "auto"
                                                  else DEFAULTS.microbatches(num_stages)),
                     sum(values) if uniform_costs is not None else 0.0)
         sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
@@ -102,23 +102,6 @@ def _floats(text: str, option: str, count: int) -> tuple[float, ...]:
         raise OptionError(f"{option} takes {count} non-negative numbers separated by commas, each finite (got "
                           f"{text!r}); e.g. 1,1,1")
     return values
-
-
-# Limits of what the simulator can do in a moment and exactly: it steps time by 1e-9 to wait for an
-# arrival, and at 1e7 a step of 1e-9 is lost to rounding (t + 1e-9 == t).
-_MAX_SLOTS = 10_000  # stages x microbatches
-_MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
-
-
-def _check_size(num_stages: int, microbatches: int, step_units: float) -> None:
-    """Refuse a simulation too big to finish in a moment, or whose times the simulator cannot step through."""
-    if num_stages * microbatches > _MAX_SLOTS:
-        raise OptionError(f"simulating {num_stages} stages x {microbatches} microbatches is too big (at most "
-                          f"{_MAX_SLOTS:,} stage-microbatches); lower --stages or --microbatches")
-    if step_units * (microbatches + num_stages) > _MAX_UNITS:
-        raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
-                          f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "
-                          "use smaller units")
 
 
 def _plan_stages(target: str) -> int | None:

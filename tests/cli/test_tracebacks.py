@@ -115,3 +115,13 @@ def test_backend_with_zero_stages_is_an_option_error() -> None:
     inner = getattr(err.value, "inner_exception", err.value)  # Dynamo wraps what a backend raises
     assert isinstance(inner, OptionError)
     assert len(str(inner).splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["compile", "mlp-tiny", "--schedule", "1f1b"], ["run", "PLAN"],
+                                     ["simulate", "--uniform-costs", "1,1,1", "--stages", "2"]])
+def test_a_schedule_too_big_to_generate_is_refused_at_once(command: list[str], plan: Path) -> None:
+    started = time.monotonic()
+    args = [str(plan) if a == "PLAN" else a for a in command]
+    line = one_line_error(fxpipe_cli(*args, "--microbatches", "99999999"))
+    assert "is too big to generate and simulate" in line
+    assert time.monotonic() - started < 10  # it used to hang generating 1e8 microbatches
