@@ -526,8 +526,8 @@ def test_inspect_prints_the_tables_and_the_summary(gpt_plan: tuple[Result, Path]
     assert titles_in(stdout) == list(DEFAULT_PASSES)
     assert "partition-stages: chosen partition" in stdout
     assert f"plan {out}" in stdout
-    assert "schema fxpipe.plan/v2" in stdout and "model gpt-tiny" in stdout
-    assert "stage_0.py" in stdout and "stage_1.py" in stdout
+    assert "schema fxpipe.plan/v3" in stdout and "model gpt-tiny" in stdout
+    assert "stage_0.json" in stdout and "stage_1.json" in stdout
 
 
 def test_inspect_plain_repeats_compiles_tables_exactly(mlp_plain: tuple[Result, Path]) -> None:
@@ -539,7 +539,7 @@ def test_inspect_plain_repeats_compiles_tables_exactly(mlp_plain: tuple[Result, 
     doc = json.loads((out / "plan.json").read_text())
     for stage in doc["stages"]:
         elements = sum(int(torch.Size(p["shape"]).numel()) for p in stage["parameters"])
-        assert re.search(rf"^{stage['index']}\s+{stage['module']}\s+{len(stage['inputs'])}\s+"
+        assert re.search(rf"^{stage['index']}\s+{stage['graph']}\s+{len(stage['inputs'])}\s+"
                          rf"{len(stage['outputs'])}\s+{len(stage['parameters'])}\s+{elements}\s*$",
                          summary, re.MULTILINE), summary
 
@@ -570,7 +570,7 @@ def test_inspect_a_wrong_schema(mlp_plain: tuple[Result, Path], tmp_path: Path) 
     doc["schema"] = "fxpipe.plan/v999"
     (out / "plan.json").write_text(json.dumps(doc))
     line = one_line_error(fxpipe_cli("inspect", out))
-    assert "has schema 'fxpipe.plan/v999', this fxpipe reads 'fxpipe.plan/v2'" in line
+    assert "has schema 'fxpipe.plan/v999', this fxpipe reads 'fxpipe.plan/v3'" in line
 
 
 def test_inspect_invalid_json(tmp_path: Path) -> None:
@@ -581,9 +581,9 @@ def test_inspect_invalid_json(tmp_path: Path) -> None:
 
 def test_inspect_a_plan_whose_stage_file_was_deleted(mlp_plain: tuple[Result, Path], tmp_path: Path) -> None:
     out = Path(shutil.copytree(mlp_plain[1], tmp_path / "plan"))
-    (out / "stage_1.py").unlink()
+    (out / "stage_1.json").unlink()
     line = one_line_error(fxpipe_cli("inspect", out))
-    assert "missing the stage file 'stage_1.py'" in line
+    assert "missing the stage file 'stage_1.json'" in line
 
 
 @pytest.mark.parametrize("corrupt", ["stage without parameters", "report without rows"])
