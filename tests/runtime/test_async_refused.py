@@ -25,8 +25,8 @@ def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
     assert loaded.plan.schedule is not None and loaded.plan.schedule.synchronous is False
     assert plan_schedule(loaded.plan, None, None).synchronous is False
     # fxpipe run: what it cannot do asynchronously is refused before any rank starts, one line, exit 2.
-    for extra, message in ((["--checkpoint-dir", str(tmp_path / "ck")], "does not checkpoint asynchronous runs"),
-                           (["--weights", "predict"], "--weights predict extrapolates with SGD's momentum")):
+    for extra, message in ((["--weights", "predict"], "--weights predict extrapolates with SGD's momentum"),
+                           (["--weights", "newest"], "--weights 'newest' is not a policy")):
         result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--steps", "1", *extra])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     # PipelineRuntime in a user's script: rt.step has no step boundary to stop at and points to rt.train.
