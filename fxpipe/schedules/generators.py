@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 
 from fxpipe.errors import OptionError
@@ -168,7 +169,8 @@ def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name:
             choice = Action(s, Kind.W, pending_w[s].pop(0))
         if choice is None:
             later = [x for x in wake if x > t] + [u for u, _ in heap if u > t]
-            heapq.heappush(heap, (min(later) if later else t + 1e-9, s))
+            # after every other stage at t; nextafter where t + 1e-9 rounds back to t (t >= ~1e7)
+            heapq.heappush(heap, (min(later) if later else max(t + 1e-9, math.nextafter(t, math.inf)), s))
             continue
         end = t + costs.time(choice)
         done[choice] = end

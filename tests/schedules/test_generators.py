@@ -128,3 +128,13 @@ def test_the_backends_one_rank_order_is_a_valid_schedule(p: int, m: int, defer_w
     assert [str(a) for a in acts[: p * m]] == [f"{s}F{i}" for i in range(m) for s in range(p)]
     if defer_w and m > 1:
         assert str(acts[p * m + p]) == f"{p - 1}B1" and str(acts[p * m + p + 1]) == f"{p - 1}W0"
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_zero_bubble_orders_do_not_depend_on_the_time_unit(name: str) -> None:
+    """At costs of 1e7 a wait of t + 1e-9 rounds back to t; the greedy generator used to loop forever there."""
+    from fxpipe.schedules.generators import GENERATORS
+    from fxpipe.schedules.simulate import Costs
+
+    big = GENERATORS[name](4, 8, Costs.uniform(4, 1e7, 1e7, 1e7))
+    assert big.ranks == GENERATORS[name](4, 8, Costs.uniform(4, 1.0, 1.0, 1.0)).ranks
