@@ -70,6 +70,14 @@ def run_cmd(
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
         if not sched.synchronous:
+            from fxpipe.plan_dir import read_plan_json
+
+            shared = read_plan_json(plan_dir)["shared_params"]
+            if shared:
+                name = sorted(shared)[0]
+                raise OptionError(f"{name} is shared by stages {shared[name]}; an asynchronous schedule steps each "
+                                  "stage on its own, which would update a tied weight from part of its gradient: "
+                                  "train this plan with a synchronous schedule (e.g. --schedule 1f1b)")
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")

@@ -68,3 +68,11 @@ def test_a_killed_rank_is_named_in_an_async_run(digits_plan: Path) -> None:
                                       "--steps", "3", "--timeout", "10", "--kill-rank", "1"])
     assert result.exit_code == 2, result.output
     assert "rank 1 died (killed by signal 9, SIGKILL" in result.output and "Traceback" not in result.output
+
+
+def test_an_async_run_of_a_plan_with_tied_weights_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    assert CliRunner().invoke(app, ["compile", "gpt-tiny", "--stages", "2", "--out", str(plan)]).exit_code == 0
+    result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--schedule", "async-1f1b", "--steps", "1"])
+    assert result.exit_code == 2, result.output
+    assert "lm_head.weight is shared by stages [0, 1]" in result.output and "starting" not in result.output
