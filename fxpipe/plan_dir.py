@@ -325,7 +325,8 @@ def _leaf_modules(gm: torch.fx.GraphModule, index: int) -> list[dict[str, Any]]:
                 f"stage {index} calls module {node.target} of class {cls.__qualname__}, which is not a torch.nn layer, "
                 "so the plan cannot be saved without its source; use --tracer export"
             )
-        attrs = {k: _encode(v) for k, v in vars(mod).items() if _encodable(v)}
+        attrs = {k: serialize.encode_value(v, f"stage {index} module {node.target}") for k, v in vars(mod).items()
+                 if _encodable(v)}
         found.append({
             "name": str(node.target),
             "class": f"{cls.__module__}.{cls.__qualname__}",
@@ -343,22 +344,6 @@ def _encodable(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and all(_encodable(x) for x in v)
 
 
-def _encode(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return {"tuple": [_encode(x) for x in v]}
-    if isinstance(v, list):
-        return [_encode(x) for x in v]
-    return v
-
-
-def _decode(v: Any) -> Any:
-    if isinstance(v, dict) and set(v) == {"tuple"}:
-        return tuple(_decode(x) for x in v["tuple"])
-    if isinstance(v, list):
-        return [_decode(x) for x in v]
-    return v
-
-
 def _build_leaf(info: dict[str, Any], path: Path) -> torch.nn.Module:
     module_name, _, qualname = str(info["class"]).rpartition(".")
     if not module_name.startswith("torch.nn."):
@@ -371,7 +356,7 @@ def _build_leaf(info: dict[str, Any], path: Path) -> torch.nn.Module:
     mod = cls.__new__(cls)
     torch.nn.Module.__init__(mod)
     for key, value in info["attrs"].items():
-        object.__setattr__(mod, key, _decode(value))
+        object.__setattr__(mod, key, serialize.decode_value(value, f"{path / PLAN_FILE} module {info['name']}"))
     for key in info.get("none_parameters", []):
         mod.register_parameter(key, None)
     for key in info.get("none_buffers", []):

@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
                          timeout=timedelta(seconds=args.timeout), weights=args.weights)
     sched, costs, m = rt.schedule, Costs.from_plan(pipe.plan), rt.schedule.num_microbatches
-    batch_of = training_batches(args.data, zoo, m, args.seed)
+    batch_of = training_batches(args.data, zoo, pipe.plan, m, args.seed)
     inputs, target = batch_of(0)
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     }
 
 
-def training_batches(spec: str, zoo: Any, m: int, seed: int) -> Any:
+def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:
     """``batch(k)``: step k's batch of m microbatches, each shaped like the plan's compiled example.
 
     ``synthetic`` gives the same random batch every step (as fxpipe run always did); real data
@@ -179,7 +179,7 @@ def training_batches(spec: str, zoo: Any, m: int, seed: int) -> Any:
     if isinstance(source, data.Synthetic):
         fixed = synthetic_batch(zoo, m)
         return lambda k: fixed
-    fit = fit_of(source, zoo)
+    fit = fit_of(source, plan)
     size = int(zoo.example_inputs[0].shape[0]) * m
     if isinstance(source, data.Digits):
         def digits(k: int) -> Any:
@@ -193,26 +193,27 @@ def training_batches(spec: str, zoo: Any, m: int, seed: int) -> Any:
     return text
 
 
-def fit_of(source: Any, zoo: Any) -> Any:
-    """How a data source feeds a zoo model (``fxpipe.data.check_fit``); one line if it cannot."""
+def fit_of(source: Any, plan: Any) -> Any:
+    """How a data source feeds the plan's built-in model (``fxpipe.data.check_fit``); one line if it cannot.
+
+    The model is built on the meta device: only its example's and its output's shapes are read.
+    """
     from fxpipe import data
+    from fxpipe.errors import OptionError
 
-    return data.check_fit(source, zoo.example_inputs, _meta_output_shape(zoo))
-
-
-def _meta_output_shape(zoo: Any) -> tuple[int, ...]:
-    """The model's output shape for its example batch, from a copy on the meta device (no compute)."""
-    import copy
-
-    model = copy.deepcopy(zoo.model).to("meta")
-    out = model(*(x.to("meta") for x in zoo.example_inputs))
+    zoo = zoo_of(plan, device="meta")
+    if zoo is None:
+        raise OptionError(f"--data {source.spec} trains plans of built-in models "
+                          f"({', '.join(data.DIGITS_ZOO + data.TEXT_ZOO)}); for your own model use "
+                          "fxpipe.runtime.PipelineRuntime with fxpipe.data in your script")
+    out = zoo.model(*zoo.example_inputs)
     out = out[0] if isinstance(out, (tuple, list)) else out
-    return tuple(out.shape)
+    return data.check_fit(source, zoo.example_inputs, tuple(out.shape))
 
 
-def zoo_of(plan: Any) -> Any:
-    """The built-in model a plan (``fxpipe.plan.Plan``) was compiled from (built as ``fxpipe compile`` built it),
-    or None."""
+def zoo_of(plan: Any, device: str = "cpu") -> Any:
+    """The built-in model a plan (``fxpipe.plan.Plan``) was compiled from (built as ``fxpipe compile`` built it,
+    on ``device``), or None."""
     import torch
 
     from fxpipe import models
@@ -222,7 +223,8 @@ def zoo_of(plan: Any) -> Any:
     if name is None or build is None:
         return None
     try:
-        return models.build(name, dtype=getattr(torch, build.dtype), batch_size=build.batch_size, seed=build.seed)
+        return models.build(name, dtype=getattr(torch, build.dtype), batch_size=build.batch_size, seed=build.seed,
+                            device=device)
     except FxpipeError:  # not a zoo name: the user's own model
         return None
 

@@ -195,16 +195,10 @@ def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bo
 def _data_fit(plan: object, spec: str) -> tuple[object, object]:
     """``--data``, checked against the plan's built-in model before any rank starts: (source, fit or None)."""
     from fxpipe import data
-    from fxpipe.cli.rank import fit_of, zoo_of
+    from fxpipe.cli.rank import fit_of
 
     source = data.parse_data(spec)
-    if isinstance(source, data.Synthetic):
-        return source, None
-    zoo = zoo_of(plan)
-    if zoo is None:
-        raise OptionError(f"--data {spec} trains plans of built-in models ({', '.join(data.DIGITS_ZOO + data.TEXT_ZOO)}"
-                          "); for your own model use fxpipe.runtime.PipelineRuntime with fxpipe.data in your script")
-    return source, fit_of(source, zoo)
+    return source, None if isinstance(source, data.Synthetic) else fit_of(source, plan)
 
 
 def _held_out(plan_dir: Path, out_dir: Path, nproc: int, source: object, fit: object) -> dict[str, float]:

@@ -21,6 +21,7 @@ the file's text is never compiled.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable
@@ -43,6 +44,7 @@ _BUILTINS: dict[str, Callable[..., Any]] = {
     "math.ceil": math.ceil, "math.floor": math.floor, "math.sqrt": math.sqrt, "math.trunc": math.trunc,
     **{f"torch.{name}": getattr(torch, name) for name in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not")},
 }
+_BUILTIN_NAMES = {id(fn): key for key, fn in _BUILTINS.items()}
 _TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "layout", "requires_grad",
                            "is_cuda", "real", "imag"})
 _UNSAFE_OPS = frozenset({"aten::save", "aten::from_file", "aten::_print"})
@@ -136,20 +138,16 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
 
 def _target_name(target: Any, where: str) -> str:
     name = op_overload_name(target)
-    if name is not None:
-        _resolve(name, where)  # refuse at save what load would refuse
-        return name
-    hop = higher_order_op(target)
+    hop = higher_order_op(target) if name is None else None
     if hop is not None:
-        return _resolve(f"higher_order.{hop}", where) and f"higher_order.{hop}"
-    for key, fn in _BUILTINS.items():
-        if fn is target:
-            return key
-    qualified = _torch_function_name(target)
-    if qualified is not None:
-        return qualified
-    raise PlanFileError(f"{where} calls {getattr(target, '__qualname__', target)!r}, which a plan cannot store "
-                           "as data (only torch operators, torch functions on tensors and Python's operators)")
+        name = f"higher_order.{hop}"
+    if name is None:
+        name = _BUILTIN_NAMES.get(id(target)) or _torch_functions()[1].get(id(target))
+    if name is None:
+        raise PlanFileError(f"{where} calls {getattr(target, '__qualname__', target)!r}, which a plan cannot store "
+                            "as data (only torch operators, torch functions on tensors and Python's operators)")
+    _resolve(name, where)  # refuse at save what load would refuse
+    return name
 
 
 def _resolve(name: Any, where: str) -> Any:
@@ -172,41 +170,29 @@ def _resolve(name: Any, where: str) -> Any:
         if f"{namespace}::{op_name}" in _UNSAFE_OPS:
             raise PlanFileError(f"{where} calls {name!r}, which reads or writes files; a plan may not")
         return op
-    fn = _torch_function(name)
+    fn = _torch_functions()[0].get(name)
     if fn is None:
         raise PlanFileError(f"{where} calls {name!r}, which is not an allowed torch operator or function")
     return fn
 
 
-def _overridable() -> dict[str, Callable[..., Any]]:
-    global _TORCH_FUNCTIONS
-    if _TORCH_FUNCTIONS is None:
-        found = {}
-        for namespace, fns in torch.overrides.get_overridable_functions().items():
-            module = getattr(namespace, "__name__", None)
-            if module not in ("torch", "torch.functional", "torch.nn.functional", "torch.special", "torch.linalg",
-                              "torch.fft"):
-                continue
-            for fn in fns:
-                name = getattr(fn, "__name__", "")
-                if name and not name.startswith("_"):
-                    found[f"{module}.{name}"] = fn
-        _TORCH_FUNCTIONS = found
-    return _TORCH_FUNCTIONS
-
-
-_TORCH_FUNCTIONS: dict[str, Callable[..., Any]] | None = None
-
-
-def _torch_function(name: str) -> Callable[..., Any] | None:
-    return _overridable().get(name)
-
-
-def _torch_function_name(fn: Any) -> str | None:
-    for name, found in _overridable().items():
-        if found is fn:
-            return name
-    return None
+@functools.cache
+def _torch_functions() -> tuple[dict[str, Callable[..., Any]], dict[int, str]]:
+    """The torch functions on tensors a plan may call: by qualified name, and the name by function id."""
+    by_name = {}
+    for namespace, fns in torch.overrides.get_overridable_functions().items():
+        module = getattr(namespace, "__name__", None)
+        if module not in ("torch", "torch.functional", "torch.nn.functional", "torch.special", "torch.linalg",
+                          "torch.fft"):
+            continue
+        for fn in fns:
+            name = getattr(fn, "__name__", "")
+            if name and not name.startswith("_"):
+                by_name[f"{module}.{name}"] = fn
+    by_id: dict[int, str] = {}
+    for name, fn in by_name.items():
+        by_id.setdefault(id(fn), name)  # a function listed under two names is saved by the first
+    return by_name, by_id
 
 
 def _check_method(name: Any, where: str) -> None:
@@ -224,6 +210,16 @@ def _attr(root: torch.nn.Module, target: str, where: str = "") -> Any:
             raise PlanFileError(f"{where} reads {target!r}, which the stage's tensors and modules do not have")
         obj = getattr(obj, atom)
     return obj
+
+
+def encode_value(value: Any, where: str) -> Any:
+    """A plain value (None, numbers, strings, tuples, lists, dicts, torch dtypes, ...) in the graph format's JSON."""
+    return _encode(value, where)
+
+
+def decode_value(value: Any, where: str) -> Any:
+    """The value :func:`encode_value` wrote; PlanFileError naming ``where`` for anything else."""
+    return _decode(value, {}, where)
 
 
 def _encode(value: Any, where: str) -> Any:

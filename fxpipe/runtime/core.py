@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fxpipe.errors import OptionError
-from fxpipe.graphs.convention import StageGraphs, call_with, loss_and_output_grads
+from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
 from fxpipe.schedules.ir import Action, Kind
 
 
@@ -134,9 +134,8 @@ class ActionRunner:
             return
         weights = self.versions.weights(s, m, "W")
         saved = self.versions.rebase_saved(s, self.saved.pop((s, m)), weights)
-        args = g.weight_args(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)))
+        grads = g.run_backward_weight(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)), weights)
         module = self.stages[s].module
-        grads = g.backward_weight(*args) if weights is None else call_with(g.backward_weight, weights, args)
         for name, grad in zip(g.param_names, grads):
             accumulate(module.get_parameter(name), grad)
         self.step(s)

@@ -85,10 +85,6 @@ class WeightVersions:
             self._held[(s, m)] = weights
         return weights
 
-    def forget_snapshots(self) -> None:
-        """Drop the stash's cached snapshot (the microbatches in flight keep theirs)."""
-        self._snapshot.clear()
-
     def remember_aliases(self, s: int, passed: Weights | None, saved: Sequence[Any]) -> None:
         """After F: which of its saved tensors are the weights it read (or views of them), by name."""
         if s in self._aliases or self.policy != "predict":
