@@ -183,7 +183,7 @@ def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenan
                    for name, v in zip(wiring["inputs"], flat_inputs))
     return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
                 link=Link(float(link["bandwidth"]), float(link["latency"])),
-                mesh=Mesh.from_rank_of_stage(tuple(range(len(stages)))),
+                mesh=Mesh.from_rank_of_stage(tuple(range(len(stages))), options.dp),
                 bottleneck_s=float(stage_plan.bottleneck), lower_bound_s=float(stage_plan.lower_bound))
 
 

@@ -94,6 +94,7 @@ class CompileOptions:
     split_backward: bool = True
     input_grads: bool = False
     balance_backward: bool = False
+    dp: int = 1  # replicas of every stage (data parallel): the plan's mesh is pp x dp
 
     @property
     def num_microbatches(self) -> int:
@@ -173,10 +174,11 @@ class Link:
 
 @dataclass(frozen=True)
 class Mesh:
-    """Named device-mesh dimensions and which ranks hold each stage.
+    """Named device-mesh dimensions (``pp``, ``dp``) and which ranks hold each stage.
 
-    Today every stage lives on one rank (``dp`` = 1); the type already says "a stage lives on a
-    group of ranks": ``stage_ranks[s]`` is that group.
+    A stage lives on a group of ranks: ``stage_ranks[s]`` is stage s's group, its dp replicas. The
+    layout is torch's ``init_device_mesh(..., (pp, dp), mesh_dim_names=("pp", "dp"))``: the rank at
+    pipeline position p and replica d is ``p * dp + d``, so a stage's replicas are neighbours.
     """
 
     dims: tuple[str, ...]
@@ -188,14 +190,24 @@ class Mesh:
         return math.prod(self.shape)
 
     @property
+    def pp(self) -> int:
+        return self.shape[self.dims.index("pp")]
+
+    @property
+    def dp(self) -> int:
+        return self.shape[self.dims.index("dp")] if "dp" in self.dims else 1
+
+    @property
     def rank_of_stage(self) -> tuple[int, ...]:
-        """The first rank of each stage's group (with dp = 1, the stage's only rank)."""
-        return tuple(group[0] for group in self.stage_ranks)
+        """Each stage's pipeline position (the schedule's rank of the stage; replica 0's rank over dp)."""
+        return tuple(group[0] // self.dp for group in self.stage_ranks)
 
     @classmethod
-    def from_rank_of_stage(cls, rank_of_stage: tuple[int, ...] | list[int]) -> "Mesh":
+    def from_rank_of_stage(cls, rank_of_stage: tuple[int, ...] | list[int], dp: int = 1) -> "Mesh":
+        """The mesh of a schedule's placement of stages (``rank_of_stage``: pipeline positions), each on ``dp`` replicas."""
         ranks = tuple(rank_of_stage)
-        return cls(("pp", "dp"), (1 + max(ranks, default=0), 1), tuple((r,) for r in ranks))
+        return cls(("pp", "dp"), (1 + max(ranks, default=0), dp),
+                   tuple(tuple(r * dp + d for d in range(dp)) for r in ranks))
 
 
 @dataclass(frozen=True)
@@ -242,7 +254,7 @@ class Plan:
 
     def with_schedule(self, record: ScheduleRecord, rank_of_stage: tuple[int, ...]) -> "Plan":
         """This plan running ``record`` (the mesh follows the schedule's placement of stages)."""
-        return dataclasses.replace(self, schedule=record, mesh=Mesh.from_rank_of_stage(rank_of_stage))
+        return dataclasses.replace(self, schedule=record, mesh=Mesh.from_rank_of_stage(rank_of_stage, self.mesh.dp))
 
     def to_json(self) -> dict[str, Any]:
         return _encode(self)

@@ -33,6 +33,8 @@ def compile_cmd(
     target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Number of pipeline stages "
                                                   "[default: 2].", rich_help_panel="Partitioning")] = None,
+    dp: Annotated[int, typer.Option("--dp", min=1, help="Replicas of every stage (data parallel): the plan's mesh "
+                                    "is stages x dp ranks, each replica taking its share of every batch.")] = 1,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
                                                     rich_help_panel="Output")] = None,
     tracer: Annotated[Tracer, typer.Option(help="Graph capture: torch.export, or torch.fx as a fallback.")] = Tracer.export,
@@ -117,6 +119,7 @@ def compile_cmd(
                 memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
                 microbatches=microbatches, schedule=schedule, profile=profile, profile_runs=profile_runs,
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
+                dp=dp,
             )
             compiled = run_compile(resolved.model, resolved.example_inputs, options,
                                    example_kwargs=resolved.example_kwargs, model_name=resolved.name,
