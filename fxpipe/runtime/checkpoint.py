@@ -14,7 +14,9 @@ Keys are the model's names, not the plan's: ``model.<fqn>`` (parameters and buff
 ``optim.state.<fqn>.<key>`` (a parameter's optimizer state, e.g. ``momentum_buffer``),
 ``optim.number.<fqn>.<key>`` (a state value that is a Python number, kept as a 0-d tensor) and
 ``fxpipe.step.rank<R>`` (the step, in every rank's file: a set of files from different steps is
-refused). A parameter tied across ranks is saved once (by the lowest rank holding it). Each rank
+refused). A parameter tied across ranks is saved once (by the lowest rank holding it), and a stage
+with replicas (pipeline x data parallel) once, by replica 0: the other replicas' files hold only
+their step, so the checkpoint is the same size for any replica count and loads onto any. Each rank
 loads only the keys of its own stages (DCP's planner reads them wherever they were written), so a
 checkpoint of a 2-stage plan resumes under a 3-stage plan of the same model.
 
@@ -162,11 +164,13 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
 
 def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """This rank's part: tensors by DCP key, and its optimizers' hyperparameters (JSON values)."""
-    state = rt.state_dict()
-    # A parameter several ranks hold (tied) is saved by the lowest of them.
-    skip = {name for name, holders in rt.pipe.shared_params.items()
-            if rt.rank != min(rt.where[k] for k in holders)}
     flat: dict[str, torch.Tensor] = {f"fxpipe.step.rank{rt.rank}": torch.tensor(step, dtype=torch.int64)}
+    if rt.dp_rank != 0:  # a stage's replicas hold the same state: replica 0 saves it, once per stage
+        return flat, []
+    state = rt.state_dict()
+    # A parameter several pipeline ranks hold (tied) is saved by the first of them.
+    skip = {name for name, holders in rt.pipe.shared_params.items()
+            if rt.pp_rank != min(rt.where[k] for k in holders)}
     for fqn, tensor in (*state["params"].items(), *state["buffers"].items()):
         if fqn not in skip:
             flat[f"model.{fqn}"] = tensor

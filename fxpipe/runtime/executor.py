@@ -33,7 +33,7 @@ from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
-from fxpipe.runtime import checkpoint
+from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner
 from fxpipe.runtime.reference import check_async
@@ -63,7 +63,7 @@ class PipelineRuntime:
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
-                 prefetch: int | None = None, weights: str = "stash") -> None:
+                 prefetch: int | None = None, weights: str = "stash", mesh: Any = None) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
@@ -73,9 +73,18 @@ class PipelineRuntime:
         if weights not in POLICIES:
             raise OptionError(f"unknown weight policy {weights!r}; use one of {', '.join(POLICIES)}")
         self.weights = weights  # asynchronous schedules only: what each phase reads (fxpipe.runtime.weights)
-        if schedule.num_ranks != self.world or schedule.num_stages != pipe.num_stages:
-            raise OptionError(f"the schedule has {schedule.num_stages} stages on {schedule.num_ranks} ranks; the plan "
-                              f"has {pipe.num_stages} stages and the world has {self.world} ranks; make them agree")
+        if schedule.num_stages != pipe.num_stages:
+            raise OptionError(f"the schedule has {schedule.num_stages} stages and the plan {pipe.num_stages}; "
+                              "make them agree")
+        # Stages on rank groups: this rank's pipeline position and replica on the pp x dp mesh.
+        kind = torch.device(device).type if device is not None else \
+            next((p.device.type for p in pipe.parameters()), "cpu")
+        self.layout = replicas.layout(mesh, schedule.num_ranks, self.rank, self.world, kind)
+        self.mesh, self.dp = self.layout.mesh, self.layout.dp
+        self.pp_rank, self.dp_rank = self.layout.pp_rank, self.layout.dp_rank
+        if self.dp > 1 and not schedule.synchronous:
+            raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
+                              f"stage (here {self.dp}); start {schedule.num_ranks} ranks, or pick a synchronous schedule")
         graphs = pipe.stage_graphs
         if graphs is None or any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
@@ -85,7 +94,7 @@ class PipelineRuntime:
         self.timeout = timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
-        self.program = lower(pipe, schedule, self.rank)
+        self.program = replicas.on_ranks(lower(pipe, schedule, self.pp_rank), self.layout)
         self.mine = self.program.stages
         last_rank = self.where[-1]
         producer = {n: s for s, st in enumerate(self.stages) for n in st.outputs}
@@ -121,18 +130,30 @@ class PipelineRuntime:
         self.core = _RankRunner(self, loss_fn)
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
+        # With replicas, one group per replica: the tied weight's holders among that replica's ranks.
+        grid = self.mesh.mesh.tolist() if self.mesh is not None else [[r] for r in range(schedule.num_ranks)]
         for name, holders in sorted(pipe.shared_params.items()):
-            ranks = sorted({self.where[k] for k in holders})
-            if len(ranks) < 2:
+            positions = sorted({self.where[k] for k in holders})
+            if len(positions) < 2:
                 continue
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                k = next(k for k in holders if self.where[k] == self.rank)
-                self.shared.append((self.stages[k].module.get_parameter(name), group, ranks))
+            for d in range(self.dp):
+                ranks = [int(grid[p][d]) for p in positions]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    k = next(k for k in holders if self.where[k] == self.pp_rank)
+                    self.shared.append((self.stages[k].module.get_parameter(name), group, ranks))
         if device is None:
             first = next((p for s in self.mine for p in self.stages[s].module.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
+        self.sync: replicas.GradSync | None = None
+        if self.dp > 1:
+            ws = defaultdict(int)
+            for op in self.program.ops:
+                if op.action.kind in (Kind.W, Kind.BW):
+                    ws[op.action.stage] += 1
+            self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
+            replicas.attach(self.sync)
         self.channel = Channel(self.device, timeout)
         if prefetch is not None and prefetch < 0:
             raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
@@ -147,29 +168,39 @@ class PipelineRuntime:
     def step(self, inputs: Sequence[Any], target: Any) -> torch.Tensor:
         """One mini-batch: every microbatch's F, B and W on this rank's stages, then the optimizer step.
 
-        Returns the mean loss over microbatches (the same value on every rank). Asynchronous
-        schedules have no step: use :meth:`train`.
+        With replicas (dp > 1), ``inputs`` and ``target`` are the whole batch on every rank (dp x the
+        microbatch count x one compiled microbatch's rows): replica d takes the d-th of dp equal
+        slices, and each stage's gradients are averaged over its replicas (summed over its dp group,
+        each bucket as soon as its last W has run) before the optimizer steps. Returns the mean loss
+        over the whole batch (the same value on every rank). Asynchronous schedules have no step: use
+        :meth:`train`.
         """
         if not self.schedule.synchronous:
             raise OptionError(f"{self.schedule.name} is asynchronous: there is no step boundary to stop at; "
                               "pass the batches to rt.train(batches), which streams them without a flush")
         m = self.schedule.num_microbatches
         micro, targets = self._microbatches(inputs, target, m)
-        self.core.loss_divisor = m
+        self.core.loss_divisor = m * self.dp  # the replicas' gradients are summed: each is 1/dp of the mean
         losses = self._execute(self.program, micro, targets, ahead=self.prefetch)
+        if self.sync is not None:
+            self.sync.wait(lambda work: self._wait(work, self.sync.group, "the replicas' gradients (dp group)"))
         for p, group, ranks in self.shared:
             if p.grad is not None:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
                                  f"the tied weight's gradient (ranks {ranks})")
         for opt in self.optimizers.values():
             opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        if self.sync is not None:
+            group = self.sync.group
+            replicas.average_buffers([self.stages[s].module for s in self.mine], self.dp, lambda t: self._collective(
+                partial(dist.all_reduce, t, group=group), "the replicas' buffers (dp group)"))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             if loss is not None:
                 total += loss.double()
         total = total.cpu()
         self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
-        return total / m  # float64: the mean over microbatches, summed in double
+        return total / (m * self.dp)  # float64: the mean over the whole batch's microbatches, summed in double
 
     def train(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
         """Asynchronous training over ``batches`` (each split into the schedule's microbatch count): one schedule
@@ -188,7 +219,7 @@ class PipelineRuntime:
             micro += more
             targets += more_targets
         stream = _resolve_schedule(self.pipe, self.schedule.name, len(micro))
-        program = lower(self.pipe, stream, self.rank)
+        program = replicas.on_ranks(lower(self.pipe, stream, self.pp_rank), self.layout)
         self.stream = stream
         core = self.core
         core.loss_divisor = 1  # each microbatch's gradient is an update of its own
@@ -208,12 +239,13 @@ class PipelineRuntime:
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
         flat, spec = pytree.tree_flatten(tuple(inputs))
-        fix = f"pick a batch that is a multiple of {m}"
-        parts = [split_batch(self._here(x), m, fix=fix) for x in flat]
-        targets = split_batch(self._here(target), m, fix=fix)
+        n, d = m * self.dp, self.dp_rank  # with replicas, this replica's m of the batch's dp x m microbatches
+        fix = f"pick a batch that is a multiple of {n}" + (f" ({self.dp} replicas x {m} microbatches)" if self.dp > 1 else "")
+        parts = [split_batch(self._here(x), n, fix=fix)[d * m:(d + 1) * m] for x in flat]
+        targets = split_batch(self._here(target), n, fix=fix)[d * m:(d + 1) * m]
         micro = [dict(zip(self.pipe.input_names, flatten_inputs(
             self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)]
-        self._check_shapes(micro[0], m)
+        self._check_shapes(micro[0], n)
         return micro, list(targets)
 
     def _execute(self, program: Any, micro: list[dict[str, Any]], targets: list[Any],
@@ -247,6 +279,8 @@ class PipelineRuntime:
         self.events = []  # this step's compute actions (start, end), seconds from its start
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
         start = time.perf_counter()
+        if self.sync is not None:
+            self.sync.begin(start)
         with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
             for j, op in enumerate(ops):
                 post_until(j)
@@ -265,6 +299,8 @@ class PipelineRuntime:
                 for msg in op.sends:
                     value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
                     self.channel.send(value, msg.dst, msg.tag)
+                if self.sync is not None:
+                    self.sync.after(op.action)
                 self._drop_dead(op.action)
                 self.channel.poll()
                 self.events.append((op.action, t0, time.perf_counter() - start))
@@ -424,6 +460,17 @@ class PipelineRuntime:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(self.world)
             raise self._peer_down(exc, [r for r in ranks if r != self.rank], f"the sum of {what}") from exc
 
+    def _wait(self, work: Any, group: Any, what: str) -> None:
+        """Wait for an asynchronous collective on ``group``, bounded by the runtime's timeout."""
+        try:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except Exception as exc:
+            peers = [r for r in dist.get_process_group_ranks(group) if r != self.rank]
+            raise self._peer_down(exc, peers, f"the sum of {what}") from exc
+
     def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RankFailedError:
         return peer_down(exc, peers, waited, rank=self.rank, timeout=self.timeout)
 
@@ -439,7 +486,7 @@ class _RankRunner(ActionRunner):
 
     def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
         src = self.rt.program.producer.get(name, -1)
-        if src >= 0 and self.rt.where[src] != self.rt.rank:
+        if src >= 0 and self.rt.where[src] != self.rt.pp_rank:
             # This stage's own share, sent on its own: another stage of this rank that reads the
             # same value sends its share separately, and the producer sums them.
             self.shares[name] = grad

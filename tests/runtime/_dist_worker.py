@@ -92,16 +92,17 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
         from fxpipe.schedules.generators import generate
         from fxpipe.schedules.simulate import Costs
 
-        m = cfg["microbatches"]
+        m, dp = cfg["microbatches"], cfg.get("dp", 1)
+        positions = world // dp  # pipeline ranks; each stage on dp replicas (the batch is dp times bigger)
         compiled: dict[int, Any] = {}
         for name in cfg["schedules"]:
             # interleaved-1f1b puts two stages on each rank; the others one.
-            stages = 2 * world if name == "interleaved-1f1b" else world
+            stages = 2 * positions if name == "interleaved-1f1b" else positions
             if stages not in compiled:
-                model, inputs, target, loss_fn = build(cfg["model"], m)
+                model, inputs, target, loss_fn = build(cfg["model"], m * dp)
                 # Two stages per rank can need more layers than the blocks give: cut between nodes.
-                granularity = "node" if stages > world else cfg.get("granularity", "auto")
-                pipe = fxpipe.compile(model, tuple(x.tensor_split(m)[0] for x in inputs), stages=stages,
+                granularity = "node" if stages > positions else cfg.get("granularity", "auto")
+                pipe = fxpipe.compile(model, tuple(x.tensor_split(m * dp)[0] for x in inputs), stages=stages,
                                       granularity=granularity)
                 state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
                 compiled[stages] = (model, inputs, target, loss_fn, pipe, state)

@@ -1,0 +1,78 @@
+"""Pipeline x data parallel (gloo, 4 processes: 2 pipeline ranks x 2 replicas): every synchronous schedule trains
+exactly like one process on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.runtime._dist_worker import build
+from tests.runtime.test_distributed import SCHEDULES, _launch
+
+SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
+
+
+def reference(model: str, m: int, dp: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                 dict[str, torch.Tensor]]:
+    """One process on the whole batch (dp x m microbatches): the mean loss, SGD with momentum. Buffers follow the
+    replicas' rule: each replica updates the step's starting statistics with its own m microbatches, in order,
+    and every replica ends the step with their mean."""
+    net, inputs, target, loss_fn = build(model, m * dp)
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    n = m * dp
+    xs = [x.tensor_split(n) for x in inputs]
+    ts = target.tensor_split(n)
+    bufs = dict(ref.named_buffers())
+    losses = []
+    for _ in range(steps):
+        start = {k: b.clone() for k, b in bufs.items()}
+        ends = []
+        with torch.no_grad():  # each replica's statistics, from the weights before the step
+            for d in range(dp):
+                for k, b in bufs.items():
+                    b.copy_(start[k])
+                for i in range(d * m, (d + 1) * m):
+                    ref(*(x[i] for x in xs))  # train mode: only the running statistics change
+                ends.append({k: b.clone() for k, b in bufs.items()})
+        total = sum(loss_fn(ref(*(x[i] for x in xs)), ts[i]) for i in range(n)) / n
+        total.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total.detach()))
+        with torch.no_grad():
+            for k, b in bufs.items():
+                b.copy_(sum(e[k] for e in ends) / dp if b.is_floating_point() else ends[0][k])
+    return losses, dict(ref.named_parameters(remove_duplicate=False)), {k: b.detach().clone() for k, b in bufs.items()}
+
+
+def check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
+    results = _launch(tmp_path, world, cfg)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    losses, params, buffers = reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"])
+    for name in cfg["schedules"]:
+        seen = set()
+        for rank in range(world):
+            saved = torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=False)
+            assert saved["losses"] == pytest.approx(losses, rel=1e-9), name
+            for pname, value in saved["state"]["params"].items():
+                torch.testing.assert_close(value, params[pname].detach(), msg=lambda msg: f"{name} {pname}: {msg}")
+                seen.add(pname)
+            for bname, value in saved["state"]["buffers"].items():
+                torch.testing.assert_close(value, buffers[bname], msg=lambda msg: f"{name} {bname}: {msg}")
+        assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
+
+
+@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])
+def test_two_stages_on_two_replicas_train_like_one_process(model: str, tmp_path: Path) -> None:
+    """mlp; gpt (the tied embedding/head is summed over each replica's pipeline ranks, then over the replicas);
+    resnet (BatchNorm: running statistics per replica, their mean at each step's end); skip-tied."""
+    cfg = {"model": model, "schedules": SYNCHRONOUS, "microbatches": 4, "steps": 3, "dp": 2}
+    if model == "skip-tied":
+        cfg["granularity"] = "1"
+    check(tmp_path, 4, cfg)
