@@ -12,8 +12,13 @@ ZB-H1 keeps 1F1B's F/B order but runs stage s's W s backward slots late:
     bw   0  0  0  1  1  2  1  1  2  1           peak: fb 3, bw 2, fb + bw 4 = p
 
 Every closed form here is exact against ``fxpipe.schedules.simulate`` (tests/planning/test_cost.py
-simulates every schedule over a grid of stage and microbatch counts). Pure functions on plain
-values; no torch.
+simulates every schedule over a grid of stage and microbatch counts).
+
+Data parallelism (dp replicas of every stage) adds two things: each stage's gradients are
+all-reduced over its dp group once per step, in buckets, by a ring (``allreduce_seconds``), and a
+rank holds its stages' parameters, gradients and optimizer state besides the activations in flight
+(``static_memory``, ``rank_memory``); the microbatch shape, so the activations, do not change with dp.
+Pure functions on plain values; no torch.
 """
 
 from __future__ import annotations
@@ -24,13 +29,26 @@ from dataclasses import dataclass
 from fxpipe.errors import OptionError
 
 __all__ = [
+    "BUCKET_BYTES",
+    "OPTIMIZER_STATE",
     "SCHEDULES",
     "InFlight",
     "activation_memory",
+    "allreduce_buckets",
+    "allreduce_bucket_seconds",
+    "allreduce_seconds",
     "in_flight",
     "limited_in_flight",
+    "rank_memory",
+    "static_memory",
     "transfer_time",
 ]
+
+BUCKET_BYTES = 25 * 2**20
+"""The largest gradient bucket all-reduced at once: DDP's ``bucket_cap_mb=25`` (25 MiB)."""
+
+OPTIMIZER_STATE: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+"""Optimizer state per parameter byte: none for plain SGD, a momentum buffer, Adam's two moments."""
 
 
 def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
@@ -43,6 +61,76 @@ def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:
     if nbytes == 0:
         return 0.0
     return latency + nbytes / bandwidth
+
+
+def allreduce_buckets(nbytes: float, bucket_bytes: float = BUCKET_BYTES) -> tuple[float, ...]:
+    """The buckets ``nbytes`` of gradients are all-reduced in: full ones of ``bucket_bytes``, the rest last.
+
+    The fewest buckets any packing can make; a runtime that packs whole parameters may make more.
+
+    >>> allreduce_buckets(60, bucket_bytes=25), allreduce_buckets(0)
+    ((25, 25, 10), ())
+    """
+    if not bucket_bytes > 0:
+        raise OptionError(f"the all-reduce bucket must hold at least one byte (bucket_bytes: {bucket_bytes})")
+    if nbytes <= 0:
+        return ()
+    full, rest = divmod(nbytes, bucket_bytes)
+    return (bucket_bytes,) * int(full) + ((rest,) if rest > 0 else ())
+
+
+def allreduce_bucket_seconds(nbytes: float, dp: int, bandwidth: float, latency: float,
+                             bucket_bytes: float = BUCKET_BYTES) -> tuple[float, ...]:
+    """Seconds of each bucket's ring all-reduce over ``dp`` ranks: ``2(d-1)/d x bytes / bandwidth + 2(d-1) x latency``.
+
+    A ring all-reduce is a reduce-scatter and an all-gather, each d - 1 steps that send 1/d of
+    the bucket to the next rank; nothing to reduce (dp = 1, or no bytes) costs nothing.
+
+    >>> allreduce_bucket_seconds(60, 2, bandwidth=10.0, latency=0.5, bucket_bytes=25)
+    (3.5, 3.5, 2.0)
+    """
+    if dp < 1:
+        raise OptionError(f"data parallelism needs at least 1 replica (dp: {dp})")
+    if dp == 1:
+        return ()
+    steps = 2 * (dp - 1)
+    return tuple(steps / dp * b / bandwidth + steps * latency for b in allreduce_buckets(nbytes, bucket_bytes))
+
+
+def allreduce_seconds(nbytes: float, dp: int, bandwidth: float, latency: float,
+                      bucket_bytes: float = BUCKET_BYTES) -> float:
+    """Seconds to all-reduce ``nbytes`` of gradients over ``dp`` ranks, bucket after bucket (ring).
+
+    >>> allreduce_seconds(60, 2, bandwidth=10.0, latency=0.5, bucket_bytes=25), allreduce_seconds(60, 1, 10.0, 0.5)
+    (9.0, 0.0)
+    """
+    return float(sum(allreduce_bucket_seconds(nbytes, dp, bandwidth, latency, bucket_bytes)))
+
+
+def static_memory(param_bytes: float, optimizer: str = "sgd") -> float:
+    """Bytes a rank holds for ``param_bytes`` of trainable parameters whatever the schedule: the
+    parameters, their gradients (the flat all-reduce buckets are the gradients, not a copy) and
+    the optimizer's state.
+
+    >>> static_memory(100.0, "sgd"), static_memory(100.0, "momentum"), static_memory(100.0, "adam")
+    (200.0, 300.0, 400.0)
+    """
+    state = OPTIMIZER_STATE.get(optimizer)
+    if state is None:
+        raise OptionError(f"no memory model for optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_STATE)}); "
+                          "pick one of those")
+    return (2 + state) * param_bytes
+
+
+def rank_memory(param_bytes: float, activation_bytes: float, optimizer: str = "sgd") -> float:
+    """Peak bytes of one rank: its ``static_memory`` plus its peak activations in flight (``activation_memory``,
+    or the simulator's ``RankStats.peak_memory``). The same for every dp replica: dp multiplies
+    the batch by adding microbatches on other ranks, not by making them larger.
+
+    >>> rank_memory(100.0, 30.0, "adam")
+    430.0
+    """
+    return static_memory(param_bytes, optimizer) + activation_bytes
 
 
 @dataclass(frozen=True)

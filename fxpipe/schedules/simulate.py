@@ -10,18 +10,43 @@ In simulated time a message takes ``latency + bytes / bandwidth`` and uses no co
 either rank. Each ordered pair of ranks is one link that carries one message at a time, in the
 order they were sent (as gloo queues a pair's sends), so a message sent while the one before it
 is still crossing waits for it; the two directions are separate links.
+
+Data parallelism (``Costs.dp`` replicas of every stage) runs the same schedule on every replica,
+each on its own microbatches, so one replica's simulation is every replica's. On top of it each
+rank has one all-reduce lane: once the last W (or BW) of a stage on that rank has run, the
+stage's gradient buckets are all-reduced over its dp group, one bucket after the other, in the
+order the stages finish; the rank's step ends when both its compute and its lane are done.
+1f1b, 2 stages, 2 microbatches, unit F/B/W, all-reduce 1.5 per stage, dp = 2 (``A``: all-reduce)::
+
+    rank 0    |F0F1....X0XX..X1XX...|     compute ends at 9
+    rank 0 ar |..................A0A|     all-reduce 9 .. 10.5
+    rank 1    |..F0X0XXF1X1XX.......|     compute ends at 7
+    rank 1 ar |..............A1A....|     all-reduce 7 .. 8.5
+
+Two measures of what was hidden. A rank's own (``RankStats.exposed_s``, ``hidden_fraction``):
+the all-reduce time after its last compute, what the rank waits for before its optimizer step
+(here 1.5 of 1.5 on both ranks). With one stage per rank the stage's last W is the rank's last
+compute, so this is always all of it; only ranks holding several stages (interleaved-1f1b) hide
+some. The step's (``exposed_step_s``, ``SimResult.step_hidden_fraction``): the all-reduce time
+after the last compute of any rank, which lengthens the step (here rank 1's all-reduce hides
+behind rank 0's cooldown: 1.5 of 3 hidden). 1F1B's staggered cooldown hides the later stages'
+all-reduce this way; zero-bubble schedules end every rank together and so hide less, in a shorter step.
+
+The lane takes no compute time: gloo reduces on its own thread (on a machine with fewer cores
+than ranks that thread competes with compute; see ``Costs.cores`` for compute itself).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fxpipe.errors import ScheduleError
+from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
-from fxpipe.planning.cost import transfer_time
+from fxpipe.planning.cost import BUCKET_BYTES, allreduce_bucket_seconds, transfer_time
 from fxpipe.report import Report
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
 
@@ -38,6 +63,17 @@ class Costs:
     held_bw: tuple[float, ...] = ()  # bytes stage s keeps from B until W
     latency: float = 0.0
     bandwidth: float = math.inf
+    # Data parallelism: dp replicas of every stage, each stage's gradients all-reduced over its replicas.
+    dp: int = 1
+    grad_bytes: tuple[float, ...] = ()  # bytes of stage s's gradients (its trainable parameters)
+    allreduce_latency: float = 0.0  # the ring's per-step latency (seconds)
+    allreduce_bandwidth: float = math.inf  # the ring's bytes per second between neighbours
+    allreduce_s: tuple[float, ...] = ()  # seconds of stage s's whole all-reduce: overrides bytes and link
+    bucket_bytes: float = BUCKET_BYTES
+    # Time-sharing: pp x dp ranks on this many cores run F, B and W ranks / cores times slower. An
+    # approximation: it charges every rank as if all were computing all the time (idle ranks free
+    # their core in fact), so it overstates the bubble-heavy schedules' compute. None: off.
+    cores: int | None = None
 
     @classmethod
     def uniform(cls, num_stages: int, f: float, b: float, w: float) -> "Costs":
@@ -49,9 +85,11 @@ class Costs:
     def from_plan(cls, plan: Plan) -> "Costs":
         """The plan's per-stage costs and link, for one microbatch."""
         st = plan.stages
+        grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
         return cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
-                   plan.link.latency, plan.link.bandwidth)
+                   plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,
+                   allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
 
     def time(self, action: Action) -> float:
         s = action.stage
@@ -61,6 +99,26 @@ class Costs:
         """Seconds to send stage ``stage``'s output (or the gradient for it) over one link."""
         nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
         return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
+
+    def allreduce_buckets(self, stage: int) -> tuple[float, ...]:
+        """Seconds of each of stage ``stage``'s all-reduce buckets, in order (one when ``allreduce_s`` is given)."""
+        if self.dp == 1:
+            return ()
+        if self.allreduce_s:
+            return (self.allreduce_s[stage],) if self.allreduce_s[stage] > 0 else ()
+        nbytes = self.grad_bytes[stage] if self.grad_bytes else 0.0
+        return allreduce_bucket_seconds(nbytes, self.dp, self.allreduce_bandwidth, self.allreduce_latency,
+                                        self.bucket_bytes)
+
+    def allreduce(self, stage: int) -> float:
+        """Seconds to all-reduce stage ``stage``'s gradients over its ``dp`` replicas (0 for dp = 1)."""
+        return float(sum(self.allreduce_buckets(stage)))
+
+    def compute_scale(self, num_ranks: int) -> float:
+        """How much slower F, B and W run with ``num_ranks`` x dp ranks time-sharing ``cores`` (1 when off)."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, num_ranks * self.dp / self.cores)
 
 
 @dataclass(frozen=True)
@@ -72,18 +130,43 @@ class Event:
 
 
 @dataclass(frozen=True)
+class AllReduceEvent:
+    """One gradient bucket of ``stage`` all-reduced on ``rank``'s lane (every replica of the rank alike)."""
+
+    rank: int
+    stage: int
+    bucket: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class RankStats:
     rank: int
     start: float
-    end: float
+    end: float  # the rank's last compute end
     busy: float
     peak_memory: float  # bytes (or units with uniform costs) held from F to B and from B to W
     peak_in_flight: int  # microbatches with F done and their last backward action not done
     bytes_sent: float
+    allreduce_s: float = 0.0  # seconds its all-reduce lane was busy
+    allreduce_end: float = 0.0  # when its last bucket was reduced (0 with nothing to reduce)
+    exposed_s: float = 0.0  # all-reduce seconds past ``end``: what the rank waits for before its optimizer step
+    exposed_step_s: float = 0.0  # all-reduce seconds past the last compute of any rank: what lengthens the step
 
     @property
     def span(self) -> float:
         return self.end - self.start
+
+    @property
+    def step_end(self) -> float:
+        """When the rank may step its optimizer: compute and all-reduce both done."""
+        return max(self.end, self.allreduce_end)
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the all-reduce that ran while the rank still computed (1 when there is none)."""
+        return 1.0 if self.allreduce_s == 0 else 1.0 - self.exposed_s / self.allreduce_s
 
     @property
     def bubble(self) -> float:
@@ -94,16 +177,51 @@ class RankStats:
 @dataclass(frozen=True)
 class SimResult:
     schedule: str
-    makespan: float  # first action's start to last action's end, over all ranks
-    max_stage_span: float  # the longest single rank's first-start-to-last-end
+    makespan: float  # first action's start to the last rank's step end (compute and all-reduce), over all ranks
+    max_stage_span: float  # the longest single rank's first start to its step end
     ranks: tuple[RankStats, ...]
     events: tuple[Event, ...]
     staleness: dict[int, int] = field(default_factory=dict)  # stage -> most weight updates between a mb's F and B
     # (stage, microbatch) -> weight updates between that microbatch's F and its backward (asynchronous schedules)
     staleness_per_microbatch: dict[tuple[int, int], int] = field(default_factory=dict)
+    dp: int = 1  # replicas of every rank; ``ranks`` are the pipeline positions, each the same on every replica
+    allreduce: tuple[AllReduceEvent, ...] = ()  # every rank's all-reduce lane, bucket by bucket
+
+    @property
+    def allreduce_s(self) -> float:
+        """All-reduce seconds of one replica, summed over its ranks."""
+        return sum(r.allreduce_s for r in self.ranks)
+
+    @property
+    def exposed_s(self) -> float:
+        """All-reduce seconds past each rank's last compute, summed over one replica's ranks."""
+        return sum(r.exposed_s for r in self.ranks)
+
+    @property
+    def hidden_fraction(self) -> float:
+        """1 - exposed / total over all ranks: how much all-reduce ran while its own rank computed (1 when none)."""
+        return 1.0 if self.allreduce_s == 0 else 1.0 - self.exposed_s / self.allreduce_s
+
+    @property
+    def step_hidden_fraction(self) -> float:
+        """1 - exposed_step / total over all ranks: how much ran while any rank computed (1 when none)."""
+        return 1.0 if self.allreduce_s == 0 else 1.0 - sum(r.exposed_step_s for r in self.ranks) / self.allreduce_s
+
+    @property
+    def compute_makespan(self) -> float:
+        """The makespan without waiting for the all-reduce: the first compute start to the last compute end."""
+        active = [r for r in self.ranks if r.end > r.start]
+        return (max(r.end for r in active) - min(r.start for r in active)) if active else 0.0
+
+    def allreduce_stage_s(self, num_stages: int) -> tuple[float, ...]:
+        """Per stage, its all-reduce seconds."""
+        out = [0.0] * num_stages
+        for e in self.allreduce:
+            out[e.stage] += e.end - e.start
+        return tuple(out)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        doc: dict[str, object] = {
             "schedule": self.schedule,
             "makespan": self.makespan,
             "max_stage_span": self.max_stage_span,
@@ -112,6 +230,16 @@ class SimResult:
             "staleness": {str(k): v for k, v in self.staleness.items()},
             "staleness_per_microbatch": [[s, m, n] for (s, m), n in sorted(self.staleness_per_microbatch.items())],
         }
+        if self.dp > 1:  # dp = 1 keeps the document it always had
+            for row, r in zip(doc["ranks"], self.ranks):  # type: ignore[call-overload]
+                row.update({"allreduce_s": r.allreduce_s, "exposed_s": r.exposed_s, "exposed_step_s": r.exposed_step_s,
+                            "hidden_fraction": r.hidden_fraction, "step_end": r.step_end})
+            doc.update({"dp": self.dp, "compute_makespan": self.compute_makespan, "allreduce_s": self.allreduce_s,
+                        "exposed_s": self.exposed_s, "hidden_fraction": self.hidden_fraction,
+                        "step_hidden_fraction": self.step_hidden_fraction,
+                        "allreduce": [{"rank": e.rank, "stage": e.stage, "bucket": e.bucket, "start": e.start,
+                                       "end": e.end} for e in self.allreduce]})
+        return doc
 
 
 def validate(schedule: Schedule) -> None:
@@ -120,15 +248,27 @@ def validate(schedule: Schedule) -> None:
     _walk(with_communication(schedule), None)
 
 
-def simulate(schedule: Schedule, costs: Costs) -> SimResult:
-    """Run the schedule in simulated time; see the module docstring for the rules."""
+def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allreduce: Sequence[float] | None = None,
+             cores: int | None = None) -> SimResult:
+    """Run the schedule in simulated time; see the module docstring for the rules.
+
+    ``dp``, ``allreduce`` (per-stage all-reduce seconds) and ``cores`` are shorthand for the same
+    fields of ``costs`` (``Costs.dp``, ``Costs.allreduce_s``, ``Costs.cores``), which say the rest.
+    """
     _check_counts(schedule)
     if len(costs.f) != schedule.num_stages:
         raise ScheduleError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
                             "give one cost per stage")
+    costs = _with(costs, schedule, dp, allreduce, cores)
+    scale = costs.compute_scale(schedule.num_ranks)
+    timed = costs if scale == 1.0 else dataclasses.replace(
+        costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
+        w=tuple(t * scale for t in costs.w))
     full = with_communication(schedule)
-    events = _walk(full, costs)
+    events = _walk(full, timed)
+    lanes = _allreduce_lanes(events, timed, full.num_ranks)
     ranks = []
+    step_compute_end = max((e.end for e in events if e.action.kind in COMPUTE), default=0.0)
     for r in range(full.num_ranks):
         mine = [e for e in events if e.rank == r]
         compute = [e for e in mine if e.action.kind in COMPUTE]
@@ -136,19 +276,66 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
             ranks.append(RankStats(r, 0.0, 0.0, 0.0, 0.0, 0, 0.0))
             continue
         start, end = min(e.start for e in compute), max(e.end for e in compute)
+        lane = [e for e in lanes if e.rank == r]
         ranks.append(RankStats(
-            r, start, end, sum(e.end - e.start for e in compute), *_memory(compute, costs),
-            sum(costs.send_bytes[e.action.stage] if costs.send_bytes else 0.0
+            r, start, end, sum(e.end - e.start for e in compute), *_memory(compute, timed),
+            sum(timed.send_bytes[e.action.stage] if timed.send_bytes else 0.0
                 for e in mine if e.action.kind in (Kind.SEND_F, Kind.SEND_B)),
+            sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),
+            sum(max(0.0, e.end - max(e.start, end)) for e in lane),
+            sum(max(0.0, e.end - max(e.start, step_compute_end)) for e in lane),
         ))
     active = [r for r in ranks if r.end > r.start]
-    makespan = (max(r.end for r in active) - min(r.start for r in active)) if active else 0.0
+    makespan = (max(r.step_end for r in active) - min(r.start for r in active)) if active else 0.0
     per_mb = _staleness(schedule) if not schedule.synchronous else {}
     worst: dict[int, int] = {}
     for (s, _), n in per_mb.items():
         worst[s] = max(worst.get(s, 0), n)
-    return SimResult(schedule.name, makespan, max((r.span for r in active), default=0.0), tuple(ranks),
-                     tuple(events), worst, per_mb)
+    return SimResult(schedule.name, makespan, max((r.step_end - r.start for r in active), default=0.0), tuple(ranks),
+                     tuple(events), worst, per_mb, timed.dp, tuple(lanes))
+
+
+def _with(costs: Costs, schedule: Schedule, dp: int | None, allreduce: Sequence[float] | None,
+          cores: int | None) -> Costs:
+    """``costs`` with the keyword overrides of :func:`simulate`, checked."""
+    changes: dict[str, object] = {}
+    if dp is not None:
+        changes["dp"] = dp
+    if allreduce is not None:
+        changes["allreduce_s"] = tuple(float(x) for x in allreduce)
+    if cores is not None:
+        changes["cores"] = cores
+    out = dataclasses.replace(costs, **changes) if changes else costs  # type: ignore[arg-type]
+    if out.dp < 1:
+        raise OptionError(f"data parallelism needs at least 1 replica per stage (dp: {out.dp})")
+    if out.cores is not None and out.cores < 1:
+        raise OptionError(f"cores must be at least 1 (cores: {out.cores}); leave it unset to not model time-sharing")
+    for name in ("allreduce_s", "grad_bytes"):
+        values = getattr(out, name)
+        if values and len(values) != schedule.num_stages:
+            raise OptionError(f"{name} needs one value per stage (values: {len(values)}, stages: "
+                              f"{schedule.num_stages}); give {schedule.num_stages}")
+    return out
+
+
+def _allreduce_lanes(events: Sequence[Event], costs: Costs, num_ranks: int) -> list[AllReduceEvent]:
+    """Every rank's all-reduce lane: a stage's buckets start once its last W or BW on the rank has run,
+    one after another, stages in the order they finish (ties: lower stage first)."""
+    if costs.dp == 1:
+        return []
+    last: dict[tuple[int, int], float] = {}  # (rank, stage) -> its last W or BW end
+    for e in events:
+        if e.action.kind in (Kind.W, Kind.BW):
+            key = (e.rank, e.action.stage)
+            last[key] = max(last.get(key, e.end), e.end)
+    out: list[AllReduceEvent] = []
+    free = [0.0] * num_ranks
+    for (rank, stage), ready in sorted(last.items(), key=lambda kv: (kv[1], kv[0][1])):
+        for i, seconds in enumerate(costs.allreduce_buckets(stage)):
+            start = max(free[rank], ready)
+            free[rank] = start + seconds
+            out.append(AllReduceEvent(rank, stage, i, start, free[rank]))
+    return sorted(out, key=lambda e: (e.rank, e.start))
 
 
 def _check_counts(schedule: Schedule) -> None:

@@ -8,6 +8,16 @@ makes its SimResult). ``zb-h1`` on 2 stages, 2 microbatches, unit costs, ``ascii
     F forward  B input gradient  W weight gradient  X fused backward (BW)  . idle  digits: microbatch
     rank 0 |F0F1..B0W0B1W1|
     rank 1 |..F0B0F1B1W0W1|
+
+With data parallelism (``SimResult.dp`` > 1) each rank gets a second row, its all-reduce lane:
+``A`` per bucket, the digit its stage (``simulate(..., dp=2, allreduce=[1.5, 1.5])``, 1f1b)::
+
+    1f1b: 2 ranks x dp 2, makespan 10.5, 1 column = 0.5
+    ...
+    rank 0    |F0F1....X0XX..X1XX...|
+    rank 0 ar |..................A0A|
+    rank 1    |..F0X0XXF1X1XX.......|
+    rank 1 ar |..............A1A....|
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from pathlib import Path
 
 from fxpipe.errors import OptionError
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind
-from fxpipe.schedules.simulate import Event, RankStats, SimResult
+from fxpipe.schedules.simulate import AllReduceEvent, Event, RankStats, SimResult
 
 LETTER: dict[Kind, str] = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 FILL: dict[Kind, str] = {Kind.F: "#4e79a7", Kind.B: "#f28e2b", Kind.W: "#59a14f", Kind.BW: "#e15759"}
@@ -28,6 +38,8 @@ _KIND_NAME: dict[Kind, str] = {Kind.F: "forward", Kind.B: "input gradient", Kind
                                Kind.BW: "fused backward"}
 _LEGEND = ("  ".join(f"{LETTER[k]} {_KIND_NAME[k]}" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
            + " (BW)  . idle  digits: microbatch")
+ALLREDUCE_LETTER = "A"
+ALLREDUCE_FILL = "#9c6ade"
 _COMM_TINY = 1e-3  # a zero-length send/receive is drawn this fraction of the makespan long, so viewers show it
 _SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 
@@ -53,9 +65,25 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
         if hi - lo >= 1 + len(digits):
             cells[1:1 + len(digits)] = digits
         rows[e.rank][lo:hi] = cells
-    label = max((len(f"rank {r}") for r in ranks), default=0)
-    header = f"{result.schedule}: {len(ranks)} ranks, makespan {result.makespan:g}, 1 column = {span / width:g}"
-    lines = [header, _LEGEND] + [f"rank {r}".ljust(label) + " |" + "".join(rows[r]) + "|" for r in ranks]
+    lanes: dict[int, list[str]] = {}
+    for ar in result.allreduce:
+        lo = min(width, max(0, round((ar.start - origin) * scale)))
+        hi = min(width, max(lo, round((ar.end - origin) * scale)))
+        cells = [ALLREDUCE_LETTER] * (hi - lo)
+        digits = str(ar.stage)
+        if hi - lo >= 1 + len(digits):
+            cells[1:1 + len(digits)] = digits
+        lanes.setdefault(ar.rank, ["."] * width)[lo:hi] = cells
+    names = {r: f"rank {r}" for r in ranks}
+    label = max((len(n) + (3 if lanes else 0) for n in names.values()), default=0)
+    header = (f"{result.schedule}: {len(ranks)} ranks{f' x dp {result.dp}' if result.dp > 1 else ''}, "
+              f"makespan {result.makespan:g}, 1 column = {span / width:g}")
+    legend = _LEGEND + (f"  {ALLREDUCE_LETTER} all-reduce (digit: stage)" if lanes else "")
+    lines = [header, legend]
+    for r in ranks:
+        lines.append(names[r].ljust(label) + " |" + "".join(rows[r]) + "|")
+        if r in lanes:
+            lines.append(f"{names[r]} ar".ljust(label) + " |" + "".join(lanes[r]) + "|")
     return "\n".join(lines)
 
 
@@ -66,8 +94,10 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | No
     F/B/W/BW (name ``1F3``, cat the kind) and a ``comm`` thread (tid 1) holding the sends and
     receives, each send linked to its receive by a flow (``s`` then ``f`` with ``bp: "e"``, one
     ``id``). An ``in flight`` counter per rank counts microbatch-stages with F done and their
-    last backward not done (its peak is ``RankStats.peak_in_flight``). Event times are in the
-    costs' unit; ``time_unit_us`` converts them to microseconds (the default assumes seconds).
+    last backward not done (its peak is ``RankStats.peak_in_flight``). With data parallelism an
+    ``all-reduce`` thread (tid 2) holds one ``X`` event per gradient bucket (cat ``allreduce``).
+    Event times are in the costs' unit; ``time_unit_us`` converts them to microseconds (the
+    default assumes seconds).
     """
     if not time_unit_us > 0 or math.isinf(time_unit_us):
         raise OptionError(f"time_unit_us must be a positive number of microseconds per unit (time_unit_us: "
@@ -78,7 +108,8 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | No
     for r in ranks:
         trace.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
         trace.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for tid, thread in ((0, "compute"), (1, "comm")):
+        threads = ((0, "compute"), (1, "comm")) + (((2, "all-reduce"),) if result.allreduce else ())
+        for tid, thread in threads:
             trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": thread}})
             trace.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
     sends: dict[tuple[str, int, int], Event] = {}
@@ -94,6 +125,11 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | No
                           "dur": dur if dur > 0 else tiny,
                           "args": {"stage": a.stage, "microbatch": a.mb, "kind": a.kind.value}})
             (sends if a.kind in _SENDS else recvs)[_link(a)] = e
+    for ar in result.allreduce:
+        trace.append({"ph": "X", "name": f"all-reduce stage {ar.stage} bucket {ar.bucket}", "cat": "allreduce",
+                      "pid": ar.rank, "tid": 2, "ts": ar.start * time_unit_us,
+                      "dur": (ar.end - ar.start) * time_unit_us,
+                      "args": {"stage": ar.stage, "bucket": ar.bucket, "dp": result.dp}})
     for flow_id, key in enumerate(sorted(k for k in sends if k in recvs)):
         send, recv = sends[key], recvs[key]
         flow_name = f"{send.action} -> {recv.action}"
@@ -110,7 +146,8 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | No
         "displayTimeUnit": "ms",
         "otherData": {"name": name if name is not None else result.schedule, "schedule": result.schedule,
                       "makespan": result.makespan, "max_stage_span": result.max_stage_span,
-                      "time_unit_us": time_unit_us},
+                      "time_unit_us": time_unit_us, **({"dp": result.dp, "allreduce_hidden_fraction":
+                                                        result.hidden_fraction} if result.dp > 1 else {})},
     }
 
 
@@ -123,24 +160,42 @@ def write_chrome_trace(result: SimResult, path: str | Path, **kw: object) -> Pat
 
 
 def measured_result(events_per_rank: Mapping[int, Sequence[tuple[Action | str, float, float]]],
-                    name: str) -> SimResult:
+                    name: str, *, allreduce: Mapping[int, Sequence[tuple[int, float, float]]] | None = None,
+                    dp: int = 1) -> SimResult:
     """A measured run's ``(action, start, end)`` per rank (actions as ``Action`` or as printed, ``1F0``) as a
     SimResult, so every view here draws it as it draws a simulated one.
 
     A rank's stats are its first start, last end and busy time; the makespan is the last end. What the
     simulator models and a run does not measure (memory held, microbatches in flight, bytes sent) is 0.
+    ``allreduce``: per rank, its measured all-reduces as ``(stage, start, end)``, one per bucket in order;
+    they give the rank's all-reduce, exposed and hidden seconds as the simulator counts them.
 
     >>> measured_result({0: [("0F0", 0.0, 1.0)], 1: [("1F0", 1.5, 2.5)]}, "measured 1f1b").makespan
     2.5
+    >>> measured_result({0: [("0F0", 0.0, 1.0)]}, "dp", allreduce={0: [(0, 0.5, 1.5)]}, dp=2).hidden_fraction
+    0.5
     """
     events = [Event(rank, a if isinstance(a, Action) else Action.parse(a), t0, t1)
               for rank, acts in events_per_rank.items() for a, t0, t1 in acts]
-    ranks = tuple(RankStats(rank, min((t0 for _, t0, _ in acts), default=0.0),
-                            max((t1 for _, _, t1 in acts), default=0.0),
-                            sum(t1 - t0 for _, t0, t1 in acts), 0.0, 0, 0.0)
-                  for rank, acts in events_per_rank.items())
-    return SimResult(name, max((e.end for e in events), default=0.0), max((r.span for r in ranks), default=0.0),
-                     ranks, tuple(events))
+    lanes: list[AllReduceEvent] = []
+    for rank, reduces in (allreduce or {}).items():
+        count: dict[int, int] = {}
+        for stage, t0, t1 in reduces:
+            lanes.append(AllReduceEvent(rank, stage, count.get(stage, 0), t0, t1))
+            count[stage] = count.get(stage, 0) + 1
+    step_end = max((e.end for e in events), default=0.0)
+    ranks = []
+    for rank, acts in events_per_rank.items():
+        end = max((t1 for _, _, t1 in acts), default=0.0)
+        lane = [e for e in lanes if e.rank == rank]
+        ranks.append(RankStats(rank, min((t0 for _, t0, _ in acts), default=0.0), end,
+                               sum(t1 - t0 for _, t0, t1 in acts), 0.0, 0, 0.0,
+                               sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),
+                               sum(max(0.0, e.end - max(e.start, end)) for e in lane),
+                               sum(max(0.0, e.end - max(e.start, step_end)) for e in lane)))
+    return SimResult(name, max([e.end for e in events] + [e.end for e in lanes], default=0.0),
+                     max((r.step_end - r.start for r in ranks), default=0.0), tuple(ranks), tuple(events),
+                     dp=dp, allreduce=tuple(sorted(lanes, key=lambda e: (e.rank, e.start))))
 
 
 def in_flight(events: Iterable[Event], rank: int) -> list[tuple[float, int]]:
@@ -170,7 +225,9 @@ def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> 
     Each action rect has a ``<title>`` tooltip ``1F3 [start, end]`` and, when wide enough, a text
     label; below the rows a time axis with a few ticks and a legend of the four kinds. Rects other
     than actions are ``class="background"`` (one), ``class="lane"`` (one per rank) and
-    ``class="legend"`` (one per kind).
+    ``class="legend"`` (one per kind). With data parallelism every rank's row is followed by a
+    half-height all-reduce row (``class="arlane"``) with one ``<rect class="allreduce">`` per
+    bucket, and the legend gains an all-reduce entry.
     """
     if width < 200 or row_height < 8:
         raise OptionError(f"an SVG Gantt chart needs width >= 200 and row_height >= 8 (width: {width}, "
@@ -179,7 +236,8 @@ def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> 
     origin, span = _window(result)
     left, right, top = 70, 20, 30
     plot = width - left - right
-    axis_y = top + row_height * len(ranks)
+    ar_height = row_height // 2 if result.allreduce else 0
+    axis_y = top + (row_height + ar_height) * len(ranks)
     legend_y = axis_y + 34
     height = legend_y + 24
     font = max(8, min(12, row_height // 2))
@@ -194,16 +252,28 @@ def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> 
            f'<rect class="background" x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
            f'<text x="{left}" y="{top - 10}" font-size="{font + 2}">{escape(title)}</text>']
     for i, r in enumerate(ranks):
-        y = top + i * row_height
+        y = top + i * (row_height + ar_height)
         out.append(f'<rect class="lane" x="{left}" y="{y}" width="{plot}" height="{row_height}" '
                    f'fill="{"#f4f4f4" if i % 2 == 0 else "#e9e9e9"}"/>')
         out.append(f'<text x="{left - 6}" y="{y + row_height / 2:.2f}" text-anchor="end" '
                    f'dominant-baseline="middle">{escape(f"rank {r}")}</text>')
+        if ar_height:
+            out.append(f'<rect class="arlane" x="{left}" y="{y + row_height}" width="{plot}" height="{ar_height}" '
+                       f'fill="#fbfaff"/>')
+            out.append(f'<text x="{left - 6}" y="{y + row_height + ar_height / 2:.2f}" text-anchor="end" '
+                       f'dominant-baseline="middle" font-size="{max(6, font - 2)}">all-reduce</text>')
     row_of = {r: i for i, r in enumerate(ranks)}
+    for ar in result.allreduce:
+        x0, x1 = x(ar.start), x(ar.end)
+        y = top + row_of[ar.rank] * (row_height + ar_height) + row_height + 1
+        out.append(f'<rect class="allreduce" data-stage="{ar.stage}" x="{x0:.2f}" y="{y}" width="{x1 - x0:.2f}" '
+                   f'height="{max(1, ar_height - 2)}" fill="{ALLREDUCE_FILL}" stroke="#ffffff" stroke-width="0.5">'
+                   f"<title>{escape(f'all-reduce stage {ar.stage} bucket {ar.bucket} [{ar.start:g}, {ar.end:g}]')}"
+                   "</title></rect>")
     for e in _compute(result.events):
         a = e.action
         x0, x1 = x(e.start), x(e.end)
-        y = top + row_of[e.rank] * row_height + 2
+        y = top + row_of[e.rank] * (row_height + ar_height) + 2
         h = row_height - 4
         label = str(a)
         out.append(f'<rect class="action" data-kind="{a.kind.value}" x="{x0:.2f}" y="{y}" '
@@ -224,6 +294,10 @@ def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> 
         out.append(f'<rect class="legend" x="{lx}" y="{legend_y}" width="12" height="12" fill="{FILL[k]}"/>')
         out.append(f'<text x="{lx + 16}" y="{legend_y + 10}">{escape(text)}</text>')
         lx += 16 + int(len(text) * font * 0.62) + 16
+    if result.allreduce:
+        text = f"all-reduce (dp {result.dp})"
+        out.append(f'<rect class="legend" x="{lx}" y="{legend_y}" width="12" height="12" fill="{ALLREDUCE_FILL}"/>')
+        out.append(f'<text x="{lx + 16}" y="{legend_y + 10}">{escape(text)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
