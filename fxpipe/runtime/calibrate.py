@@ -24,6 +24,13 @@ and W times scaled by ``contention``; bytes and memory are unchanged.
 
     cal = calibrate()                                   # on every rank
     simulate(schedule, cal.apply(pipe.schedule_costs()))
+
+**All-reduce.** :func:`calibrate_allreduce` times gloo's ``all_reduce`` (SUM, ``async_op=True``
+then ``wait``, as the runtime reduces gradient buckets) over a group of d ranks at a few sizes (4 B
+.. 25 MiB) and fits the ring formula ``t = 2(d-1) x latency + 2(d-1)/d x bytes / bandwidth``
+(``fxpipe.planning.cost.allreduce_seconds``) by the same relative least squares; its ``apply``
+sets ``Costs.allreduce_latency`` and ``allreduce_bandwidth``. Call it on the dp group the runtime
+reduces over (or the world, for one estimate): ``ar.apply(cal.apply(costs))``.
 """
 
 from __future__ import annotations
@@ -39,10 +46,11 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import OptionError
-from fxpipe.planning.cost import transfer_time
+from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
+ALLREDUCE_SIZES = (4, 65536, 1048576, 4194304, 16777216, 26214400)  # bytes: 4 B .. 25 MiB, the largest bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +217,89 @@ def _contention(rank: int, world: int, group: Any, size: int, reps: int, stream_
         together.append(loop())
     dist.barrier(group=group)
     return min(alone), min(together)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceCalibration:
+    """What :func:`calibrate_allreduce` measured over ``dp`` ranks; the same on every rank of the group."""
+
+    latency: float  # seconds per ring step (the fit's intercept / 2(d-1))
+    bandwidth: float  # bytes per second between ring neighbours (2(d-1)/d over the fit's slope)
+    dp: int  # the group's size
+    sizes: tuple[int, ...] = ()  # the all-reduced sizes, bytes
+    measured: tuple[float, ...] = ()  # seconds per all-reduce at each size (the slowest rank's fastest run)
+    seconds: float = 0.0  # how long calibrate_allreduce() took
+
+    def allreduce(self, nbytes: float, dp: int | None = None, bucket_bytes: float = BUCKET_BYTES) -> float:
+        """The fitted seconds to all-reduce ``nbytes`` over ``dp`` ranks (default: the measured group's size)."""
+        return allreduce_seconds(nbytes, self.dp if dp is None else dp, self.bandwidth, self.latency, bucket_bytes)
+
+    def apply(self, costs: Costs) -> Costs:
+        """``costs`` with the all-reduce link measured (dp, bytes and compute times unchanged)."""
+        return dataclasses.replace(costs, allreduce_latency=self.latency, allreduce_bandwidth=self.bandwidth)
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> AllReduceCalibration:
+        """The inverse of :meth:`to_json` (lists back to tuples)."""
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()}
+        return cls(**fields)
+
+    def summary(self) -> str:
+        return (f"all-reduce over {self.dp} ranks: {self.latency * 1e6:.1f} us per ring step + "
+                f"{self.bandwidth / 1e9:.3g} GB/s ({self.seconds:.2f} s to measure)")
+
+
+def fit_allreduce(sizes: Sequence[float], seconds: Sequence[float], dp: int) -> tuple[float, float]:
+    """Least squares (relative error) of the ring formula over ``dp`` ranks; returns (latency, bandwidth).
+
+    The ring is a line in ``x = 2(d-1)/d x bytes`` with intercept ``2(d-1) x latency``, so this is
+    :func:`fit_link` on those coordinates.
+
+    >>> lat, bw = fit_allreduce([0, 1e6], [4e-5, 4e-5 + 1e6 / 1e9], 2)   # 2 ranks: 2 x 20 us + bytes / 1 GB/s
+    >>> round(lat * 1e6, 6), round(bw / 1e9, 6)
+    (20.0, 1.0)
+    """
+    if dp < 2:
+        raise OptionError(f"an all-reduce fit needs a group of 2 or more ranks (dp: {dp})")
+    steps = 2 * (dp - 1)
+    intercept, bandwidth = fit_link([steps / dp * x for x in sizes], seconds)
+    return intercept / steps, bandwidth
+
+
+def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = None, trips: int = 8,
+                        warmup: int = 2) -> AllReduceCalibration:
+    """Time gloo's all-reduce over ``group`` (default: the world) at ``sizes`` and fit the ring; collective.
+
+    Each size is all-reduced ``warmup`` times untimed, then ``trips`` times (a quarter as many above
+    4 MiB), each after a barrier; a rank keeps its fastest time and the group takes the slowest
+    rank's (an all-reduce ends when its last rank has its result). About 0.5 s for two idle ranks.
+    """
+    if not dist.is_initialized():
+        raise OptionError("calibrate_allreduce() needs torch.distributed initialised (torchrun, or "
+                          "init_process_group)")
+    world = dist.get_world_size(group)
+    if world < 2:
+        raise OptionError(f"calibrate_allreduce() measures an all-reduce between ranks (group size: {world}); run "
+                          "it on two or more")
+    start = time.perf_counter()
+    mine = []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        n = trips if nbytes <= 4 << 20 else max(2, trips // 4)
+        for _ in range(warmup):
+            _wait(dist.all_reduce(buf, group=group, async_op=True))
+        best = math.inf
+        for _ in range(n):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            _wait(dist.all_reduce(buf, group=group, async_op=True))
+            best = min(best, time.perf_counter() - t0)
+        mine.append(best)
+    slowest = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    measured = [float(t) for t in slowest]
+    latency, bandwidth = fit_allreduce(sizes, measured, world)
+    return AllReduceCalibration(latency, bandwidth, world, tuple(sizes), tuple(measured), time.perf_counter() - start)

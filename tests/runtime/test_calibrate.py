@@ -1,6 +1,7 @@
 """Calibration: the link and contention measured on two real gloo ranks, and how it rescales the simulator's Costs.
 
-Run as a script, this file is one rank of the two-process test: ``python test_calibrate.py RANK WORLD INIT OUT``.
+Run as a script, this file is one rank of the two-process tests:
+``python test_calibrate.py RANK WORLD INIT OUT link|allreduce``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 ROOT = Path(__file__).parents[2]
 
 
-def _launch(tmp_path: Path, world: int) -> list[dict[str, Any]]:
+def _launch(tmp_path: Path, world: int, what: str = "link") -> list[dict[str, Any]]:
     init = f"file://{tmp_path / 'pg'}"
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, str(tmp_path)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, str(tmp_path), what], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=120)
@@ -96,7 +97,44 @@ def test_messages_on_one_link_queue_behind_each_other() -> None:
     assert sorted(recv_b) == pytest.approx([send_b[0] + 2.5, send_b[0] + 5.0, send_b[0] + 7.5])
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
+def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> None:
+    from fxpipe.runtime.calibrate import AllReduceCalibration
+
+    docs = _launch(tmp_path, 2, "allreduce")
+    assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # the slowest rank's times, on every rank
+    ar = AllReduceCalibration.from_json(docs[0])
+    assert ar.dp == 2 and len(ar.sizes) == len(ar.measured) and min(ar.measured) > 0
+    assert 0 <= ar.latency < 0.1 and 1e6 < ar.bandwidth < 1e13
+    assert ar.seconds < 10  # about 0.5 s when the machine is otherwise idle
+    # The fitted ring goes through the measured times within a factor 2 at every size (one bucket each),
+    # and 25 MiB costs more than 4 bytes.
+    for nbytes, measured in zip(ar.sizes, ar.measured):
+        assert ar.allreduce(nbytes) == pytest.approx(measured, rel=1.0), (nbytes, ar)
+    assert ar.allreduce(ar.sizes[-1]) > 4 * ar.allreduce(ar.sizes[0])
+
+
+def test_allreduce_calibration_sets_the_ring_and_fits_a_line() -> None:
+    from fxpipe.errors import OptionError
+    from fxpipe.runtime.calibrate import AllReduceCalibration, fit_allreduce
+    from fxpipe.schedules.simulate import Costs
+
+    # 4 ranks: t = 6 x 10 us + 1.5 x bytes / 2 GB/s.
+    sizes = [4, 65536, 1 << 20, 16 << 20]
+    latency, bandwidth = fit_allreduce(sizes, [6e-5 + 1.5 * x / 2e9 for x in sizes], 4)
+    assert latency == pytest.approx(1e-5) and bandwidth == pytest.approx(2e9)
+    with pytest.raises(OptionError, match="2 or more ranks"):
+        fit_allreduce(sizes, [1.0] * 4, 1)
+    ar = AllReduceCalibration(latency=1e-5, bandwidth=2e9, dp=4)
+    costs = Costs.uniform(2, 1.0, 2.0, 3.0)
+    out = ar.apply(costs)
+    assert (out.allreduce_latency, out.allreduce_bandwidth) == (1e-5, 2e9)
+    assert (out.f, out.latency, out.bandwidth, out.dp) == (costs.f, costs.latency, costs.bandwidth, 1)
+    assert ar.allreduce(8e6) == pytest.approx(6e-5 + 1.5 * 8e6 / 2e9)  # one bucket
+    assert ar.allreduce(8e6, dp=2) == pytest.approx(2e-5 + 8e6 / 2e9)
+    assert ar.allreduce(8e6, dp=1) == 0.0
+
+
+def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
     from datetime import timedelta
 
     import torch
@@ -105,9 +143,9 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from fxpipe.runtime.calibrate import calibrate
+        from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
 
-        cal = calibrate()
+        cal = calibrate() if what == "link" else calibrate_allreduce()
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(cal.to_json()))
     finally:
         dist.destroy_process_group()
@@ -115,4 +153,4 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
