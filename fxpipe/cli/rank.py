@@ -6,15 +6,25 @@ Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`
 and the runtime does not import the zoo.
 
 Writes ``OUT/rank{R}.json`` (losses, step times, peak RSS, the last step's measured actions) or, on
-failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero; rank 0 appends a line
-``step K loss L ms T`` to ``OUT/progress`` after each step.
+failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero; each node's first rank
+(LOCAL_RANK 0) appends a line ``step K loss L ms T`` to ``OUT/progress`` after each step. ``OUT`` is
+a directory of this node: rank 0 gathers every rank's result (and, for real data, every stage's final
+weights) over the process group into its own ``OUT/results.json`` (and ``OUT/params.pt``), so the
+node that holds rank 0 has the whole run.
+
+With more ranks than the schedule's (``WORLD_SIZE`` = pipeline ranks x dp), the runtime runs dp
+replicas of the pipeline; every rank builds the same global batch (dp x microbatches x one compiled
+microbatch's rows) from the seed and the runtime gives replica d the d-th slice.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import resource
+import socket
 import sys
 import time
 import traceback
@@ -49,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     out = Path(args.out)
     try:
-        result = _run(args, rank, dist.get_world_size())
+        result, params = _run(args, rank, dist.get_world_size())
+        _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
         return 0
     except BaseException as exc:  # every failure becomes one line the launcher can report
@@ -63,6 +74,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def out_progress(args: argparse.Namespace) -> Path:
     return Path(args.out) / "progress"
+
+
+def _gather(out: Path, rank: int, world: int, result: dict[str, object], params: dict[str, Any] | None,
+            timeout: float) -> None:
+    """Every rank's result (and final weights, when it holds replica 0 of its stages) to rank 0, which writes
+    them on its node: ``results.json`` in rank order, and ``params.pt`` (one tensor per name)."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpipe.cli.ranks import PARAMS, RESULTS
+    from fxpipe.errors import RankFailedError
+
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    try:
+        dist.gather_object((result, params), gathered, dst=0)
+    except Exception as exc:
+        raise RankFailedError(f"a rank stopped responding while rank {rank} waited for the results to be gathered on "
+                              f"rank 0 (timeout {timeout:g} s): {str(exc).splitlines()[0] if str(exc) else exc}") from exc
+    if gathered is None:
+        return
+    merged: dict[str, Any] = {}
+    for _, part in gathered:
+        merged.update(part or {})
+    if merged:
+        torch.save(merged, out / PARAMS)
+    (out / RESULTS).write_text(json.dumps([r for r, _ in gathered]))
 
 
 def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object, ...], object]:
@@ -96,7 +133,7 @@ def _die_after_first_compute(pipe: object) -> None:
                 gm.register_forward_hook(die)
 
 
-def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
+def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, object], dict[str, Any] | None]:
     import torch
 
     import fxpipe
@@ -113,8 +150,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
                          example_inputs=zoo.example_inputs,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
                          timeout=timedelta(seconds=args.timeout), weights=args.weights)
-    sched, costs, m = rt.schedule, Costs.from_plan(pipe.plan), rt.schedule.num_microbatches
-    batch_of = training_batches(args.data, zoo, pipe.plan, m, args.seed)
+    sched, m = rt.schedule, rt.schedule.num_microbatches
+    costs = dataclasses.replace(Costs.from_plan(pipe.plan), dp=rt.dp)
+    # The global batch: every replica's microbatches, the same on every rank (the runtime slices it).
+    batch_of = training_batches(args.data, zoo, pipe.plan, m * rt.dp, args.seed)
+    reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     inputs, target = batch_of(0)
     first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
@@ -142,7 +182,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
         ms = (time.perf_counter() - t0) * 1e3 / len(done)
         losses += done
         step_ms += [ms] * len(done)
-        if rank == 0:  # the CLI's progress bar follows this file
+        if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
             with open(out_progress(args), "a") as f:
                 f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
         if args.checkpoint_dir:
@@ -151,24 +191,29 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, object]:
     from fxpipe.schedules.simulate import simulate
 
     calibration = calibrate()  # collective: this machine's link and compute contention, measured now (< 2 s)
-    if args.data != "synthetic":  # the launcher scores the held-out data with every rank's weights
-        torch.save({n: p.detach() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()},
-                   Path(args.out) / f"rank{rank}.params.pt")
+    simulated = calibration.apply(costs)
+    simulated = dataclasses.replace(simulated, allreduce_latency=calibration.latency,
+                                    allreduce_bandwidth=calibration.bandwidth)
+    params = None
+    if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
+        params = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
     return {
         "rank": rank, "world": world, "schedule": sched.name, "microbatches": m, "synchronous": sched.synchronous,
-        "weights": args.weights,
+        "weights": args.weights, "dp": rt.dp, "pp": sched.num_ranks, "pp_rank": rt.pp_rank, "dp_rank": rt.dp_rank,
+        "stages": sorted(rt.mine), "host": socket.gethostname(),
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
         "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "simulated_step_ms": simulate(sched, calibration.apply(costs)).makespan * 1e3,
+        "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
-    }
+    }, params
 
 
 def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:
-    """``batch(k)``: step k's batch of m microbatches, each shaped like the plan's compiled example.
+    """``batch(k)``: step k's batch of m microbatches, each shaped like the plan's compiled example (with
+    replicas, m counts every replica's: the global batch).
 
     ``synthetic`` gives the same random batch every step (as fxpipe run always did); real data
     (``fxpipe.data``) gives batch k of its training split, a pure function of (seed, k).

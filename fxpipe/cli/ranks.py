@@ -1,14 +1,18 @@
 """``fxpipe run``'s ranks from the outside: start them under torchrun, follow their steps, name the rank that failed.
 
-The ranks run ``python -m fxpipe.cli.rank`` and leave their reports in one directory: ``rank{R}.json``
-(a result), ``rank{R}.error`` (one line saying why it stopped) and ``progress`` (rank 0's finished
-steps). A rank that died by a signal leaves neither report; torchrun's failure summary has its exit
-code. :func:`diagnose` turns all of that into the one line that names the rank to look at.
+The ranks run ``python -m fxpipe.cli.rank`` and leave their reports in one directory of this node
+(each node of a multi-node run has its own): ``rank{R}.json`` (a result), ``rank{R}.error`` (one
+line saying why it stopped), ``progress`` (the node's first rank's finished steps) and, on the node
+that holds rank 0, ``results.json`` (every rank's result, gathered). A rank that died by a signal
+leaves neither report; torchrun's failure summary has its exit code. :func:`diagnose` turns all of
+that into the one line that names the rank to look at, or says that the nodes never met
+(:class:`Rendezvous`: where they meet, torchrun's multi-node options).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -23,7 +27,53 @@ from pathlib import Path
 from typing import Any
 
 RANK_MODULE = "fxpipe.cli.rank"  # the program every rank runs
+RESULTS = "results.json"  # every rank's result, written by rank 0 (on the node that holds it)
+PARAMS = "params.pt"  # every stage's final weights (replica 0's), written by rank 0 for a held-out score
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 _STEP_LINE = re.compile(r"^step (\d+) loss (\S+) ms (\S+)$")
+# What torchrun's agent raises when the nodes never all meet (static TCPStore, or c10d rendezvous).
+_RDZV_FAILURE = re.compile(r"^\S*?(RendezvousTimeoutError|RendezvousConnectionError|RendezvousClosedError|"
+                           r"DistStoreError|DistNetworkError)\b:?\s*(.*)$", re.M)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of a run meet: torchrun's multi-node options.
+
+    One node and no address is ``--standalone`` (torchrun picks a free port on this machine). With
+    ``master_addr`` it is torchrun's static rendezvous (``--node-rank`` fixes which ranks this node
+    starts: ``node_rank x nproc`` onwards), with ``endpoint`` the c10d one (ranks in the order nodes
+    join; ``run_id`` names the run). Either way a node waits at most ``timeout`` seconds for the others.
+    """
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    endpoint: str | None = None
+    run_id: str = "fxpipe"
+    timeout: float = 300.0
+
+    @property
+    def standalone(self) -> bool:
+        return self.nnodes == 1 and self.master_addr is None and self.endpoint is None
+
+    def torchrun_args(self) -> list[str]:
+        """torchrun's options for this rendezvous."""
+        if self.standalone:
+            return ["--standalone"]
+        seconds = max(1, math.ceil(self.timeout))
+        if self.endpoint is not None:
+            return [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+                    f"--rdzv-id={self.run_id}", f"--rdzv-conf=join_timeout={seconds},read_timeout={seconds}"]
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port or DEFAULT_MASTER_PORT}", f"--rdzv-conf=timeout={seconds}"]
+
+    def where(self) -> str:
+        """The options that say where the nodes meet, as the user wrote them."""
+        if self.endpoint is not None:
+            return f"--rdzv-endpoint {self.endpoint}"
+        return f"--master-addr {self.master_addr} --master-port {self.master_port or DEFAULT_MASTER_PORT}"
 
 
 @dataclass(frozen=True)
@@ -54,6 +104,7 @@ class RanksExit:
     stdout: str
     stderr: str
     stopped: frozenset[int] = frozenset()
+    local: frozenset[int] = frozenset()  # the ranks seen running on this node
 
 
 @dataclass(frozen=True)
@@ -67,9 +118,11 @@ class RankFailure:
 def torchrun_command(plan_dir: Path, out_dir: Path, nproc: int, *, steps: int, lr: float, timeout: float,
                      schedule: str | None = None, microbatches: int | None = None,
                      checkpoint_dir: Path | None = None, resume: bool = False, fail_rank: int = -1,
-                     kill_rank: int = -1) -> list[str]:
-    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` on this machine, reporting to ``out_dir``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                     kill_rank: int = -1, rendezvous: Rendezvous | None = None) -> list[str]:
+    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` on this machine, reporting to
+    ``out_dir``; with a multi-node ``rendezvous`` they join the other nodes' ranks in one world."""
+    meet = (rendezvous or Rendezvous()).torchrun_args()
+    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, f"--nproc-per-node={nproc}",
            "-m", RANK_MODULE, str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
            "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank),
            "--kill-rank", str(kill_rank)]
@@ -111,11 +164,14 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent)})
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
+        local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: torchrun's own processes)
         stopped: set[int] = set()
         shown = 0
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))
+                for pid in seen.keys() - local.keys():
+                    local[pid] = _rank_of(pid)
                 stopped = {r for r in map(_rank_of, _stopped(seen)) if r is not None}
                 if stopped and any(progress.parent.glob("rank*.error")):
                     break
@@ -135,7 +191,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                 on_step(step)
         out.seek(0)
         errf.seek(0)
-        return RanksExit(proc.returncode, out.read(), errf.read(), frozenset(stopped))
+        return RanksExit(proc.returncode, out.read(), errf.read(), frozenset(stopped),
+                         frozenset(r for r in local.values() if r is not None))
 
 
 def stop_tree(proc: subprocess.Popen[str], seen: Mapping[int, int], grace: float) -> None:
@@ -249,9 +306,10 @@ def finished_ranks(out_dir: Path) -> set[int]:
     return {int(p.stem[4:]) for p in out_dir.glob("rank*.json")}
 
 
-def rank_results(out_dir: Path, nproc: int) -> list[dict[str, Any]]:
-    """Every rank's result, in rank order."""
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+def rank_results(out_dir: Path) -> list[dict[str, Any]] | None:
+    """Every rank's result, in rank order, as rank 0 gathered them; None on a node that does not hold rank 0."""
+    path = out_dir / RESULTS
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def died_ranks(torchrun_stderr: str, reported: Collection[int]) -> list[DiedRank]:
@@ -285,15 +343,48 @@ def died_ranks(torchrun_stderr: str, reported: Collection[int]) -> list[DiedRank
     return [DiedRank(rank, how, term) for term, rank, how in sorted(set(died))]
 
 
+def rendezvous_failure(torchrun_stderr: str, rendezvous: Rendezvous) -> RankFailure | None:
+    """The line for a node whose torchrun gave up waiting for the other nodes (no rank ever started), or None."""
+    match = _RDZV_FAILURE.search(torchrun_stderr)
+    if match is None or rendezvous.standalone:
+        return None
+    what = f"{match.group(1)}: {match.group(2).strip()}".rstrip(": ")[:200]
+    nodes = rendezvous.nnodes
+    if rendezvous.endpoint is not None:
+        same, host = "--nnodes, --rdzv-endpoint and --rdzv-id", rendezvous.endpoint
+    else:
+        same = "--nnodes, --master-addr and --master-port (--node-rank 0 on the machine at --master-addr)"
+        host = f"{rendezvous.master_addr}:{rendezvous.master_port or DEFAULT_MASTER_PORT}"
+    return RankFailure(None, f"this node waited up to {rendezvous.timeout:g} s at {rendezvous.where()} and the "
+                             f"{nodes} nodes never all met ({what}); start fxpipe run on all {nodes} nodes with the "
+                             f"same {same}, check that {host} is reachable from every node, or raise --rdzv-timeout")
+
+
 def diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
-             finished: Collection[int], stopped: Collection[int] = ()) -> RankFailure | None:
+             finished: Collection[int], stopped: Collection[int] = (), *,
+             rendezvous: Rendezvous | None = None, local: Collection[int] = ()) -> RankFailure | None:
     """The rank to blame for a failed run, or None when every rank finished (exit code 0, no error report).
 
     The root cause is a rank that died without a word (a signal, ``os._exit``: torchrun's summary has
     its exit code) or failed by itself, not one that gave up waiting for it (its error says "waited
     for"), nor one torchrun stopped (SIGTERM) because another had failed. A rank whose process was
-    ``stopped`` (SIGSTOP) when the run ended comes first: it is alive but cannot answer.
+    ``stopped`` (SIGSTOP) when the run ended comes first: it is alive but cannot answer. With several
+    nodes (``rendezvous``), a node whose ranks never started waited for the others in vain, and a rank
+    that is not one of this node's (``local``) is said to be on another node.
     """
+    failure = _diagnose(returncode, torchrun_stderr, errors, finished, stopped)
+    if failure is None or rendezvous is None or rendezvous.standalone:
+        return failure
+    if not errors and not finished and not local:
+        return rendezvous_failure(torchrun_stderr, rendezvous) or failure
+    if failure.rank is not None and local and failure.rank not in local and failure.rank not in errors:
+        return RankFailure(failure.rank, f"{failure.message} (rank {failure.rank} ran on another node: its "
+                                         "fxpipe run says more)")
+    return failure
+
+
+def _diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
+              finished: Collection[int], stopped: Collection[int] = ()) -> RankFailure | None:
     if returncode == 0 and not errors:
         return None
     if stopped:

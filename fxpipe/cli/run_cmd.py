@@ -18,7 +18,28 @@ from fxpipe.errors import OptionError, RankFailedError
 
 def run_cmd(
     plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model).")],
-    nproc: Annotated[int, typer.Option(min=1, help="Ranks to start (one per stage, or stages/2 for interleaved).")] = 2,
+    nproc: Annotated[Optional[int], typer.Option(min=1, help="Ranks to start on this machine (torchrun's "
+                                                 "--nproc-per-node) [default: the schedule's ranks x --dp / --nnodes].")
+                     ] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Replicas of the pipeline (data parallel): the run "
+                                              "has the schedule's ranks x dp ranks, each replica training on its "
+                                              "share of a dp times bigger batch [default: the plan's mesh].")] = None,
+    nnodes: Annotated[int, typer.Option(min=1, help="Machines in the run: start fxpipe run on each, with the same "
+                                        "options and its own --node-rank.", rich_help_panel="Across machines")] = 1,
+    node_rank: Annotated[int, typer.Option(min=0, help="This machine's place, 0 .. nnodes-1 (with --master-addr; "
+                                           "node 0 is the machine at --master-addr).",
+                                           rich_help_panel="Across machines")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option(help="Node 0's address, where the nodes meet (torchrun's "
+                                                       "static rendezvous).", rich_help_panel="Across machines")] = None,
+    master_port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Node 0's free port [default: 29500].",
+                                                       rich_help_panel="Across machines")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT where the nodes meet instead (torchrun's "
+                                                         "c10d rendezvous; --node-rank is not needed, ranks go by "
+                                                         "arrival).", rich_help_panel="Across machines")] = None,
+    rdzv_id: Annotated[str, typer.Option(help="The run's name at --rdzv-endpoint (the same on every node).",
+                                         rich_help_panel="Across machines")] = "fxpipe",
+    rdzv_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds a node waits for the others to join.",
+                                                rich_help_panel="Across machines")] = 300.0,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
     schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
@@ -48,7 +69,8 @@ def run_cmd(
     kill_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank is SIGKILLed "
                                                              "mid-step.")] = -1,
 ) -> None:
-    """Train the plan on NPROC ranks (torch.distributed.run, gloo): per-step table, measured vs simulated."""
+    """Train the plan on its schedule's ranks x --dp (torch.distributed.run, gloo), on this machine or across
+    --nnodes machines: per-step table, measured vs simulated."""
     with one_line_errors():
         import shutil
         import statistics
@@ -81,9 +103,9 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
-        if sched.num_ranks != nproc:
-            raise OptionError(f"{sched.name} runs this plan's {sched.num_stages} stages on {sched.num_ranks} ranks, "
-                              f"not {nproc}; use --nproc {sched.num_ranks}")
+        replicas = dp if dp is not None else plan.mesh.dp
+        meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
+        nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         source, fit = _data_fit(plan, data)
         _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
         if trace is not None:
@@ -91,30 +113,41 @@ def run_cmd(
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
-                                     fail_rank=fail_rank, kill_rank=kill_rank)
+                                     fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting)
         if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
             cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
         cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights]
         try:
             with progress(disable=as_json) as step:
-                step(f"starting {nproc} ranks", 0, steps)
+                step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
+                                                   f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
                 proc = ranks.run_ranks(cmd, out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
                                                       s.step, steps))
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
-                                     ranks.finished_ranks(out_dir), proc.stopped)
+                                     ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
+                                     local=proc.local)
             if failure is not None:
                 raise RankFailedError(failure.message)
-            results = ranks.rank_results(out_dir, nproc)
-            heldout = _held_out(plan_dir, out_dir, nproc, source, fit) if fit is not None else None
+            results = ranks.rank_results(out_dir)
+            if results is None:  # another node holds rank 0 and prints the run's results
+                mine = sorted(ranks.finished_ranks(out_dir))
+                _node_done(mine, nproc * nnodes, node_rank, steps, as_json)
+                return
+            heldout = _held_out(plan_dir, out_dir, source, fit) if fit is not None else None
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
+        world = len(results)
+        mesh = {"dims": ["pp", "dp"], "shape": [results[0].get("pp", world), results[0].get("dp", 1)],
+                "ranks": [[r["rank"] for r in results if r.get("pp_rank", r["rank"]) == p]
+                          for p in range(results[0].get("pp", world))]}
         step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
         batch = results[0]["batch"]
         measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
         doc = {
             "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
-            "ranks": nproc, "batch": batch, "losses": results[0]["losses"], "step_ms": step_ms,
+            "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": nnodes, "batch": batch,
+            "losses": results[0]["losses"], "step_ms": step_ms,
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
@@ -143,16 +176,25 @@ def run_cmd(
                           ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update "
                             "of each stage and the steps stream through one schedule, so each step's time is the "
                             "run's mean; " if not doc["synchronous"] else "")
-                           + f"{doc['schedule']}, {doc['microbatches']} microbatches, {nproc} ranks: median step "
+                           + f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
+                           + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
+                              f"{doc['microbatches']} microbatches of the {batch}-row batch)" if mesh["shape"][1] > 1
+                              else "")
+                           + (f" on {nnodes} nodes" if nnodes > 1 else "") + ": median step "
                            f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
                            + ("" if results[0].get("profiled") else
                               " from estimated costs (compile with --profile to simulate with measured ones)")
                            + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
                               "compile with --profile-threads 1 to match)"
                               if (results[0].get("profile_threads") or 1) != 1 else ""),))
-        per_rank = Report("run: per rank", ("rank", "peak RSS MiB", "median step ms"),
-                          tuple((r["rank"], round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
-                                for r in results))
+        per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),
+                          tuple((r["rank"], r.get("pp_rank", r["rank"]), r.get("dp_rank", 0),
+                                 ",".join(map(str, r.get("stages", []))), r.get("host", ""),
+                                 round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
+                                for r in results),
+                          (f"mesh (pp, dp) = ({mesh['shape'][0]}, {mesh['shape'][1]}): rank = pp x {mesh['shape'][1]} "
+                           "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
+                           "stage's replicas",) if mesh["shape"][1] > 1 else ())
         reports = [per_step, per_rank]
         if heldout is not None:
             reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
@@ -161,6 +203,74 @@ def run_cmd(
         write_trace()
         if trace is not None:
             say(f"wrote {trace}")
+
+
+def _rendezvous(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None,
+                endpoint: str | None, run_id: str, timeout: float) -> ranks.Rendezvous:
+    """Where this node meets the others, checked before any rank starts."""
+    if master_addr is not None and endpoint is not None:
+        raise OptionError("--master-addr (static rendezvous) and --rdzv-endpoint (c10d) both say where the nodes "
+                          "meet; pass one of them")
+    if master_port is not None and master_addr is None:
+        raise OptionError("--master-port needs --master-addr (node 0's address); with --rdzv-endpoint, put the port "
+                          "in it (HOST:PORT)")
+    if nnodes > 1 and master_addr is None and endpoint is None:
+        raise OptionError(f"--nnodes {nnodes} needs where the nodes meet: --master-addr HOST (node 0's address) "
+                          "[--master-port PORT], or --rdzv-endpoint HOST:PORT, the same on every node")
+    if node_rank >= nnodes:
+        raise OptionError(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}; number the nodes 0 to "
+                          f"{nnodes - 1}")
+    if not master_addr and master_addr is not None:
+        raise OptionError("--master-addr is empty; give node 0's host name or address")
+    if endpoint is not None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise OptionError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT; write e.g. node0.example:29400")
+    return ranks.Rendezvous(nnodes, node_rank, master_addr, master_port, endpoint, run_id, timeout)
+
+
+def _ranks_per_node(sched: object, dp: int, nproc: int | None, nnodes: int) -> int:
+    """--nproc (ranks on this node), checked against the schedule's ranks x dp over --nnodes nodes; its default."""
+    pp, name, stages = sched.num_ranks, sched.name, sched.num_stages  # type: ignore[attr-defined]
+    if dp > 1 and not sched.synchronous:  # type: ignore[attr-defined]
+        raise OptionError(f"{name} is asynchronous, and asynchronous training runs one replica per stage (--dp {dp}); "
+                          "pass --dp 1, or a synchronous schedule (e.g. --schedule 1f1b)")
+    world = pp * dp
+    per = f"{pp} rank{'s' * (pp != 1)}" + (f" x {dp} replicas = {world} ranks" if dp > 1 else "")
+    if nproc is None:
+        if world % nnodes:
+            raise OptionError(f"{name} runs this plan's {stages} stages on {per}, which do not split evenly over "
+                              f"--nnodes {nnodes}; pass --nproc for each node (they must add up to {world}), or "
+                              "another --dp")
+        return world // nnodes
+    if nproc * nnodes != world:
+        started = f"{nproc}" if nnodes == 1 else f"--nproc {nproc} x --nnodes {nnodes} = {nproc * nnodes}"
+        fix = f"use --nproc {world // nnodes}" if world % nnodes == 0 else f"start {world} ranks over the nodes"
+        if (nproc * nnodes) % pp == 0 and sched.synchronous:  # type: ignore[attr-defined]
+            fix += f", or --dp {nproc * nnodes // pp}"
+        raise OptionError(f"{name} runs this plan's {stages} stages on {per}, not {started}; {fix}")
+    return nproc
+
+
+def _node_done(mine: list[int], world: int, node_rank: int, steps: int, as_json: bool) -> None:
+    """A node that does not hold rank 0: one line about its ranks (the node holding rank 0 prints the results)."""
+    if as_json:
+        print(json.dumps({"schema": "fxpipe.run.node/v1", "node_rank": node_rank, "ranks": mine, "world": world,
+                          "results": "printed by the node that holds rank 0"}))
+        return
+    say(f"node {node_rank}: ranks {_spans(mine)} of {world} finished {steps} steps; the node that holds rank 0 "
+        "prints the results", console=out)
+
+
+def _spans(numbers: list[int]) -> str:
+    """[2, 3, 5] -> '2-3, 5'."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int) -> None:
@@ -201,8 +311,9 @@ def _data_fit(plan: object, spec: str) -> tuple[object, object]:
     return source, None if isinstance(source, data.Synthetic) else fit_of(source, plan)
 
 
-def _held_out(plan_dir: Path, out_dir: Path, nproc: int, source: object, fit: object) -> dict[str, float]:
-    """Every rank's final weights in one pipeline, scored on the held-out split (accuracy or loss)."""
+def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object) -> dict[str, float]:
+    """Every stage's final weights (as rank 0 gathered them) in one pipeline, scored on the held-out split
+    (accuracy or loss)."""
     import torch
 
     import fxpipe
@@ -210,10 +321,9 @@ def _held_out(plan_dir: Path, out_dir: Path, nproc: int, source: object, fit: ob
 
     pipe = fxpipe.load(plan_dir)
     params = {n: p for st in pipe.stages for n, p in st.module.named_parameters(remove_duplicate=False)}
-    for r in range(nproc):
-        for name, value in torch.load(out_dir / f"rank{r}.params.pt", weights_only=True).items():
-            with torch.no_grad():
-                params[name].copy_(value)
+    for name, value in torch.load(out_dir / ranks.PARAMS, weights_only=True).items():
+        with torch.no_grad():
+            params[name].copy_(value)
     batch = int(pipe.plan.inputs[0].shape[0])
     pipe.eval()
     if isinstance(source, data.Digits):
