@@ -119,9 +119,14 @@ def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> No
             # Resumed from a checkpoint, and (``load_state``) again from the merged states an earlier
             # launch's ranks ended with: the same plan, two ways in.
             for start in ("resume", "load_state") if cfg.get("resume") and cfg.get("load_state") else ("",):
+                mesh = None
+                if cfg.get("mesh"):  # the user's own DeviceMesh (else the runtime lays out pp x dp itself)
+                    from torch.distributed.device_mesh import init_device_mesh
+
+                    mesh = init_device_mesh("cpu", (positions, dp), mesh_dim_names=("pp", "dp"))
                 rt = PipelineRuntime(pipe, sched, loss_fn,
                                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                     timeout=timedelta(seconds=cfg.get("timeout", 10)))
+                                     timeout=timedelta(seconds=cfg.get("timeout", 10)), mesh=mesh)
                 starting = die_mid_step(rt, rank, cfg, out)
                 first = 0
                 if cfg.get("resume") and start != "load_state":

@@ -29,7 +29,7 @@ class _OneRank:
     """What checkpoint.save/load read of a PipelineRuntime, for one rank holding ``a.weight`` and a buffer."""
 
     def __init__(self, value: float, *, name: str = "a.weight", extra: dict[str, Any] | None = None) -> None:
-        self.rank, self.where = 0, [0]
+        self.rank, self.where, self.pp_rank, self.dp_rank = 0, [0], 0, 0
         self.pipe = types.SimpleNamespace(shared_params={}, num_stages=1)
         self.schedule = types.SimpleNamespace(name="1f1b")
         self.name, self.value, self.extra = name, value, extra or {}

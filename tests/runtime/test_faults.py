@@ -109,3 +109,15 @@ def test_four_ranks_all_name_the_killed_one(tmp_path: Path) -> None:
             2: r"waited for \w+ of microbatch 0 \(stage 1\) from rank 1 at 2F0",
             3: r", seen by rank [02] while rank 3 waited for \w+ of microbatch 0 \(stage 2\) from rank 2 at 3F0; "
                r"rank 2 stopped because of it"})
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_named_by_every_survivor(tmp_path: Path) -> None:
+    """2 stages x 2 replicas: rank 1 (stage 0, replica 1) dies after its first forward. Its pipeline peer (rank
+    3) sees the link close; its replica peer (rank 0) finishes the step with rank 2 and finds it gone in the
+    gradients' sum over the dp group; rank 2 waits in the sum with rank 3, which stopped because of it."""
+    _check(tmp_path, 4, {"model": "mlp-tiny", "schedules": ["1f1b"], "microbatches": 4, "steps": 2, "dp": 2,
+                         "kill_rank": 1, "kill_at": 1},
+           {0: r"while rank 0 waited for the sum of the replicas' gradients \(dp group\)",
+            2: r"while rank 2 waited for the sum of the replicas' gradients \(dp group\)",
+            3: r"waited for \w+ of microbatch 0 \(stage 0\) from rank 1 at 1F0"})

@@ -73,6 +73,48 @@ def test_two_stages_on_two_replicas_train_like_one_process(model: str, tmp_path:
     """mlp; gpt (the tied embedding/head is summed over each replica's pipeline ranks, then over the replicas);
     resnet (BatchNorm: running statistics per replica, their mean at each step's end); skip-tied."""
     cfg = {"model": model, "schedules": SYNCHRONOUS, "microbatches": 4, "steps": 3, "dp": 2}
+    if model == "mlp-tiny":
+        cfg["mesh"] = True  # PipelineRuntime(..., mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
     if model == "skip-tied":
         cfg["granularity"] = "1"
     check(tmp_path, 4, cfg)
+
+
+def test_a_checkpoint_is_written_once_per_stage_and_resumes_onto_another_replica_count(tmp_path: Path) -> None:
+    """gpt-tiny (tied weights): 2 stages x 1 replica train 2 steps of 8 microbatches and save; 2 x 2 resume (4
+    microbatches each, the same batch), train step 3 and save; 2 x 1 resume and train step 4. The losses and
+    weights are one process's on the whole batch; the 2 x 2 checkpoint holds each tensor once (its replicas'
+    files only their step)."""
+    ck = tmp_path / "ck"
+    runs = [(2, {"dp": 1, "microbatches": 8, "steps": 2, "checkpoint_after": 2}),
+            (4, {"dp": 2, "microbatches": 4, "steps": 3, "checkpoint_after": 3, "resume": str(ck)}),
+            (2, {"dp": 1, "microbatches": 8, "steps": 4, "resume": str(ck)})]
+    losses, params, _ = reference("gpt-tiny", 4, 2, 4)
+    for i, (world, cfg) in enumerate(runs):
+        out = tmp_path / f"run{i}"
+        out.mkdir()
+        for r in _launch(out, world, {"model": "gpt-tiny", "schedules": ["zb-h1"], "checkpoint": str(ck), **cfg}):
+            assert r.returncode == 0, r.stderr[-3000:]
+        first = 0 if "resume" not in cfg else runs[i - 1][1]["steps"]
+        for rank in range(world):
+            saved = torch.load(out / f"zb-h1-rank{rank}.pt", weights_only=True)
+            assert saved["losses"] == pytest.approx(losses[first:cfg["steps"]], rel=1e-9), (i, rank)
+            if cfg["steps"] == 4:  # the last run: the weights after 4 steps
+                for name, value in saved["state"]["params"].items():
+                    torch.testing.assert_close(value, params[name].detach(), msg=lambda msg: f"{name}: {msg}")
+    two, four = ck / "step_000002", ck / "step_000003"
+    sizes = {f.name: f.stat().st_size for f in four.glob("*.distcp")}
+    assert sorted(sizes) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    # Replica 1 (ranks 1 and 3) writes only its step; replica 0 what the one-replica run wrote for each stage.
+    assert sizes["__1_0.distcp"] < 4096 and sizes["__3_0.distcp"] < 4096, sizes  # the step, DCP framing
+    one = {f.name: f.stat().st_size for f in two.glob("*.distcp")}
+    assert abs(sizes["__0_0.distcp"] + sizes["__2_0.distcp"] - sum(one.values())) < 4096, (sizes, one)
+
+
+def test_the_layout_is_refused_when_the_world_does_not_divide() -> None:
+    from fxpipe.errors import OptionError
+    from fxpipe.runtime import replicas
+
+    with pytest.raises(OptionError, match="the schedule runs on 2 ranks and the world has 3: start a multiple of 2"):
+        replicas.layout(None, 2, 0, 3, "cpu")
+    assert replicas.layout(None, 2, 1, 2, "cpu") == replicas.Layout(None, 1, 1, 0, (0, 1))
