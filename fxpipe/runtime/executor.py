@@ -84,7 +84,8 @@ class PipelineRuntime:
         self.pp_rank, self.dp_rank = self.layout.pp_rank, self.layout.dp_rank
         if self.dp > 1 and not schedule.synchronous:
             raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
-                              f"stage (here {self.dp}); start {schedule.num_ranks} ranks, or pick a synchronous schedule")
+                              f"stage (here {self.dp}); start {schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}, or "
+                              "pick a synchronous schedule")
         graphs = pipe.stage_graphs
         if graphs is None or any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")

@@ -118,3 +118,13 @@ def test_the_layout_is_refused_when_the_world_does_not_divide() -> None:
     with pytest.raises(OptionError, match="the schedule runs on 2 ranks and the world has 3: start a multiple of 2"):
         replicas.layout(None, 2, 0, 3, "cpu")
     assert replicas.layout(None, 2, 1, 2, "cpu") == replicas.Layout(None, 1, 1, 0, (0, 1))
+
+
+def test_asynchronous_training_on_replicas_is_refused_on_every_rank(tmp_path: Path) -> None:
+    for r in _launch(tmp_path, 2, {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbatches": 2, "steps": 1,
+                                   "dp": 2, "refused": True}):
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        assert (tmp_path / f"async-1f1b-refused-rank{rank}.txt").read_text() == (
+            "OptionError: async-1f1b is asynchronous, and asynchronous training runs one replica per stage (here 2); "
+            "start 1 rank, or pick a synchronous schedule")
