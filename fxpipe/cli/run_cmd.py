@@ -132,7 +132,7 @@ def run_cmd(
             results = ranks.rank_results(out_dir)
             if results is None:  # another node holds rank 0 and prints the run's results
                 mine = sorted(ranks.finished_ranks(out_dir))
-                _node_done(mine, nproc * nnodes, node_rank, steps, as_json)
+                _node_done(mine, nproc * nnodes, node_rank if rdzv_endpoint is None else None, steps, as_json)
                 return
             heldout = _held_out(plan_dir, out_dir, source, fit) if fit is not None else None
         finally:
@@ -252,14 +252,16 @@ def _ranks_per_node(sched: object, dp: int, nproc: int | None, nnodes: int) -> i
     return nproc
 
 
-def _node_done(mine: list[int], world: int, node_rank: int, steps: int, as_json: bool) -> None:
-    """A node that does not hold rank 0: one line about its ranks (the node holding rank 0 prints the results)."""
+def _node_done(mine: list[int], world: int, node_rank: int | None, steps: int, as_json: bool) -> None:
+    """A node that does not hold rank 0: one line about its ranks (the node holding rank 0 prints the results).
+    ``node_rank`` is None under c10d rendezvous, where it does not say which ranks a node runs."""
     if as_json:
         print(json.dumps({"schema": "fxpipe.run.node/v1", "node_rank": node_rank, "ranks": mine, "world": world,
                           "results": "printed by the node that holds rank 0"}))
         return
-    say(f"node {node_rank}: ranks {_spans(mine)} of {world} finished {steps} steps; the node that holds rank 0 "
-        "prints the results", console=out)
+    who = "this node" if node_rank is None else f"node {node_rank}"
+    say(f"{who}: ranks {_spans(mine)} of {world} finished {steps} steps; the node that holds rank 0 prints the "
+        "results", console=out)
 
 
 def _spans(numbers: list[int]) -> str:
