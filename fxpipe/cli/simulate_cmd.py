@@ -25,6 +25,17 @@ def simulate_cmd(
     uniform_costs: Annotated[Optional[str], typer.Option(help="F,B,W: every stage takes these times and transfers "
                                                          "are free (for checking closed forms).")] = None,
     memory_per_stage: Annotated[Optional[str], typer.Option(help="Activation memory cap per rank for auto, e.g. 2GiB.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Replicas of every stage (data parallel); each "
+                                              "stage's gradients are all-reduced over them [default: the plan's "
+                                              "mesh, else 1].")] = None,
+    allreduce: Annotated[Optional[float], typer.Option("--allreduce", min=0.0, help="Seconds (with --uniform-costs: "
+                                                       "units) of every stage's all-reduce, instead of its "
+                                                       "gradient bytes over the plan's link.")] = None,
+    cores: Annotated[Optional[int], typer.Option("--cores", min=1, help="Cores the ranks share: F, B and W run "
+                                                 "ranks / cores times slower when there are more ranks "
+                                                 "(approximate time-sharing).")] = None,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, momentum or adam: the state counted in "
+                                           "memory per rank with --dp.")] = "sgd",
     trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome-trace JSON (Perfetto, chrome://tracing).")] = None,
     svg: Annotated[Optional[Path], typer.Option(help="Write an SVG Gantt chart.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
@@ -33,7 +44,7 @@ def simulate_cmd(
     """Simulate a schedule on a plan's costs: per-rank table, ASCII timeline, optional trace and SVG."""
     with one_line_errors():
         from fxpipe.schedules.auto import choose
-        from fxpipe.schedules.simulate import Costs, report
+        from fxpipe.schedules.simulate import Costs, dp_report, report
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
         for path, option in ((trace, "--trace"), (svg, "--svg")):
@@ -53,6 +64,15 @@ def simulate_cmd(
             plan = _plan(target, stages)
             costs = Costs.from_plan(plan)
             num_stages = len(costs.f)
+        import dataclasses
+
+        from fxpipe.planning.cost import OPTIMIZER_STATE
+
+        if optimizer not in OPTIMIZER_STATE:
+            raise OptionError(f"--optimizer takes one of {', '.join(OPTIMIZER_STATE)} (got {optimizer!r})")
+        costs = dataclasses.replace(costs, **({"dp": dp} if dp is not None else {}),
+                                    **({"allreduce_s": (allreduce,) * num_stages} if allreduce is not None else {}),
+                                    **({"cores": cores} if cores is not None else {}))
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
 
@@ -64,6 +84,9 @@ def simulate_cmd(
             raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "
                               "the costs are too large: use smaller --uniform-costs, or recompile the plan")
         table = report(result, sched, unit=unit)
+        if costs.dp > 1 or costs.cores is not None:
+            extra = [*extra, dp_report(result, sched, costs, unit=unit, optimizer=optimizer,
+                                       param_bytes=None if uniform_costs is not None else costs.grad_bytes)]
         if not sched.synchronous:  # the weight versions each policy keeps, per stage
             from fxpipe.schedules.versions import memory_report
 
@@ -81,6 +104,9 @@ def simulate_cmd(
                 "stages": sched.num_stages, "ranks": sched.num_ranks, "time_unit": unit,
                 "makespan": result.makespan, "max_stage_span": result.max_stage_span,
                 "per_rank": result.to_json()["ranks"], "staleness": result.to_json()["staleness"],
+                **({key: result.to_json()[key] for key in ("dp", "compute_makespan", "allreduce_s", "exposed_s",
+                                                            "hidden_fraction", "step_hidden_fraction", "allreduce")}
+                   if result.dp > 1 else {}),
                 "schedule_csv": sched.to_csv(), "reports": [r.to_json() for r in [*extra, table]],
             }))
             return

@@ -517,3 +517,46 @@ def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:
         rows=rows,
         notes=tuple(notes),
     )
+
+
+def dp_report(result: SimResult, schedule: Schedule, costs: Costs, *, param_bytes: Sequence[float] | None = None,
+              optimizer: str = "sgd", unit: str = "s") -> Report:
+    """The data-parallel table of a simulation: per rank its replicas, all-reduce, what of it hid, memory.
+
+    ``param_bytes[s]``: stage s's trainable parameter bytes, for memory per rank (parameters,
+    gradients, ``optimizer``'s state and the simulated peak activations); None: no memory column
+    (uniform costs have no bytes).
+    """
+    from fxpipe.planning.cost import rank_memory
+
+    scale, tu = (1e3, "ms") if unit == "s" else (1.0, unit)
+    dp = result.dp
+    per_stage = result.allreduce_stage_s(schedule.num_stages)
+    rows = []
+    for r in result.ranks:
+        stages = [s for s in range(schedule.num_stages) if schedule.rank_of_stage[s] == r.rank]
+        row: tuple[object, ...] = (
+            r.rank, ",".join(str(r.rank * dp + d) for d in range(dp)), ",".join(str(s) for s in stages),
+            sum(len(costs.allreduce_buckets(s)) for s in stages), round(r.allreduce_s * scale, 4),
+            round(r.exposed_s * scale, 4), round(r.exposed_step_s * scale, 4), round(100 * r.hidden_fraction, 2))
+        if param_bytes is not None:
+            static = sum(param_bytes[s] for s in stages)
+            row += (round(rank_memory(static, r.peak_memory, optimizer) / 2**20, 3),)
+        rows.append(row)
+    columns = ("rank", "dp ranks", "stages", "buckets", f"all-reduce {tu}", f"exposed {tu}", f"exposed in step {tu}",
+               "hidden %")
+    if param_bytes is not None:
+        columns += (f"memory per rank MiB ({optimizer})",)
+    notes = [f"dp {dp}: {schedule.num_ranks} x {dp} = {schedule.num_ranks * dp} ranks; a step takes "
+             f"{dp} x {schedule.num_microbatches} microbatches; each stage's gradients are all-reduced over its "
+             f"{dp} replicas (ring, buckets of at most {costs.bucket_bytes / 2**20:g} MiB) once its last W has run",
+             "all-reduce per stage: " + ", ".join(f"{s}: {t * scale:.4g} {tu}" for s, t in enumerate(per_stage)),
+             f"makespan {result.makespan * scale:.4f} {tu} = compute {result.compute_makespan * scale:.4f} {tu} + "
+             f"{(result.makespan - result.compute_makespan) * scale:.4f} {tu} of all-reduce past the last compute",
+             f"hidden: {100 * result.hidden_fraction:.1f}% behind the rank's own compute (exposed: after the rank's "
+             f"last compute), {100 * result.step_hidden_fraction:.1f}% behind any rank's compute (exposed in step)"]
+    if costs.cores is not None:
+        notes.append(f"F, B and W {costs.compute_scale(schedule.num_ranks):g}x slower: "
+                     f"{schedule.num_ranks * dp} ranks time-share {costs.cores} cores (an approximation: as if "
+                     "every rank always computed)")
+    return Report(title="simulate: data parallel", columns=columns, rows=tuple(rows), notes=tuple(notes))

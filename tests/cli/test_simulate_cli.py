@@ -62,3 +62,20 @@ def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
 ])
 def test_bad_simulate_input_is_one_line(args: list[str], match: str) -> None:
     assert match in one_line_error(fxpipe_cli(*args))
+
+
+def test_simulate_with_dp_shows_the_all_reduce() -> None:
+    """The hand-computed case of tests/schedules/test_simulate_dp.py through the CLI: 1f1b, 2 stages x 2 replicas."""
+    args = ("simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "1f1b", "--microbatches", "2",
+            "--dp", "2", "--allreduce", "1.5")
+    doc = json.loads(ok(fxpipe_cli(*args, "--json")).stdout)
+    assert (doc["dp"], doc["makespan"], doc["compute_makespan"]) == (2, 10.5, 9.0)
+    assert (doc["hidden_fraction"], doc["step_hidden_fraction"]) == (0.0, 0.5)
+    assert [(e["rank"], e["stage"], e["start"], e["end"]) for e in doc["allreduce"]] == [(0, 0, 9.0, 10.5),
+                                                                                         (1, 1, 7.0, 8.5)]
+    table = next(r for r in doc["reports"] if r["title"] == "simulate: data parallel")
+    assert [row[:5] for row in table["rows"]] == [[0, "0,1", "0", 1, 1.5], [1, "2,3", "1", 1, 1.5]]
+    text = ok(fxpipe_cli(*args, "--plain")).stdout
+    assert "simulate: data parallel" in text and "rank 1 ar |" in text and "A all-reduce" in text
+    # Without --dp (and no plan mesh) nothing of it shows.
+    assert "all-reduce" not in ok(fxpipe_cli(*args[:-4], "--plain")).stdout
