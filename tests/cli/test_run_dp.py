@@ -1,0 +1,119 @@
+"""``fxpipe run --dp``: 2 pipeline ranks x 2 replicas train like one process on the dp-times-bigger batch, real
+data learns, a killed replica is named, and mismatched options are refused before any rank starts."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe import models
+from fxpipe.cli.rank import synthetic_batch
+from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+
+STEPS = 3
+
+
+@functools.cache
+def dp_plan() -> Path:
+    """mlp-small in 2 stages, compiled with --dp 2 (so fxpipe run starts 2 x 2 ranks unless told otherwise);
+    shared with tests/cli/test_multinode.py."""
+    out = Path(tempfile.mkdtemp(prefix="fxpipe-test-dp-")) / "plan"
+    ok(fxpipe_cli("compile", "mlp-small", "--stages", "2", "--dp", "2", "--out", out))
+    return out
+
+
+@functools.cache
+def four_rank_run() -> tuple[dict[str, object], list[dict[str, object]]]:
+    """One launch on this node: the plan's 2 x 2 ranks, 3 steps of synthetic data, with its trace's events;
+    shared with tests/cli/test_multinode.py (its 2 x 2 across two nodes must equal it)."""
+    trace = Path(tempfile.mkdtemp(prefix="fxpipe-test-dp-")) / "measured.json"
+    doc = json.loads(ok(fxpipe_cli("run", dp_plan(), "--steps", STEPS, "--json", "--trace", trace)).stdout)
+    return doc, json.loads(trace.read_text())["traceEvents"]
+
+
+def reference_losses(m: int, steps: int = STEPS, lr: float = 0.01) -> list[float]:
+    """One process, mlp-small on the whole batch of m microbatches (fxpipe run's synthetic batch), plain SGD."""
+    zoo = models.build("mlp-small")
+    ref = copy.deepcopy(zoo.model)
+    inputs, target = synthetic_batch(zoo, m)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    xs, ts = inputs[0].tensor_split(m), target.tensor_split(m)
+    losses = []
+    for _ in range(steps):
+        loss = sum(zoo.loss_fn(ref(xs[i]), ts[i]) for i in range(m)) / m
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_the_plans_dp_runs_two_replicas_like_one_process_on_the_whole_batch() -> None:
+    doc, events = four_rank_run()
+    assert doc["ranks"] == 4 and doc["dp"] == 2 and doc["nodes"] == 1
+    assert doc["mesh"] == {"dims": ["pp", "dp"], "shape": [2, 2], "ranks": [[0, 1], [2, 3]]}
+    assert doc["microbatches"] == 4 and doc["batch"] == 2 * 4 * 8  # dp x microbatches x mlp-small's 8 rows
+    assert doc["losses"] == pytest.approx(reference_losses(2 * 4), rel=1e-5)
+    assert len(doc["peak_rss_mib_per_rank"]) == 4 and doc["simulated_step_ms"] > 0
+    # Every rank's last step is in the trace: each of the 4 ranks ran F and BW (1f1b) of its 4 microbatches.
+    assert sorted({e["pid"] for e in events if e.get("ph") == "X"}) == [0, 1, 2, 3]
+    assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "BW")) == 4 * 4 * 2
+
+
+def test_dp_trains_digits_and_scores_the_held_out_split() -> None:
+    pytest.importorskip("sklearn")
+    doc = json.loads(ok(fxpipe_cli("run", dp_plan(), "--dp", "2", "--nproc", "4", "--data", "digits", "--lr", "0.3",
+                                   "--momentum", "0.9", "--steps", "20", "--json")).stdout)
+    losses = doc["losses"]
+    assert doc["dp"] == 2 and doc["batch"] == 64 and len(losses) == 20 and all(map(math.isfinite, losses))
+    assert sum(losses[-5:]) < sum(losses[:5]) - 1.0, losses  # measured: 11.51 -> 9.89 (2.30 -> 1.88 at the end)
+    assert doc["held_out"]["samples"] == 359 and doc["held_out"]["held-out accuracy %"] > 30  # chance 10%; measured 37
+
+
+def test_a_killed_replica_is_named_in_bounded_time() -> None:
+    """Rank 1 (stage 0's second replica) is SIGKILLed mid-step: its pipeline peer and its dp peer give up
+    waiting for it, and the run names rank 1, not them."""
+    start = time.monotonic()
+    line = one_line_error(fxpipe_cli("run", dp_plan(), "--steps", "3", "--timeout", "10", "--kill-rank", "1"))
+    assert time.monotonic() - start < 60, line  # the whole run, start-up included
+    assert line.startswith("error: rank 1 died (killed by signal 9, SIGKILL"), line
+    assert "the other ranks stopped" in line, line
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--schedule", "async-1f1b"], "error: async-1f1b is asynchronous, and asynchronous training runs one replica per "
+                                   "stage (--dp 2); pass --dp 1, or a synchronous schedule (e.g. --schedule 1f1b)"),
+    (["--nproc", "3"], "error: 1f1b runs this plan's 2 stages on 2 ranks x 2 replicas = 4 ranks, not 3; use --nproc 4"),
+    (["--nproc", "2"], "error: 1f1b runs this plan's 2 stages on 2 ranks x 2 replicas = 4 ranks, not 2; use --nproc 4, "
+                       "or --dp 1"),
+    (["--dp", "3", "--nproc", "4"], "error: 1f1b runs this plan's 2 stages on 2 ranks x 3 replicas = 6 ranks, not 4; "
+                                    "use --nproc 6, or --dp 2"),
+    (["--nnodes", "3", "--master-addr", "127.0.0.1"], "error: 1f1b runs this plan's 2 stages on 2 ranks x 2 replicas "
+                                                      "= 4 ranks, which do not split evenly over --nnodes 3; pass "
+                                                      "--nproc for each node (they must add up to 4), or another --dp"),
+    (["--nnodes", "2", "--nproc", "1", "--master-addr", "h"], "error: 1f1b runs this plan's 2 stages on 2 ranks x 2 "
+                                                              "replicas = 4 ranks, not --nproc 1 x --nnodes 2 = 2; use "
+                                                              "--nproc 2, or --dp 1"),
+    (["--nnodes", "2"], "error: --nnodes 2 needs where the nodes meet: --master-addr HOST (node 0's address) "
+                        "[--master-port PORT], or --rdzv-endpoint HOST:PORT, the same on every node"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h"], "error: --node-rank 2 is not a node of --nnodes 2; "
+                                                                  "number the nodes 0 to 1"),
+    (["--master-addr", "h", "--rdzv-endpoint", "h:1"], "error: --master-addr (static rendezvous) and --rdzv-endpoint "
+                                                       "(c10d) both say where the nodes meet; pass one of them"),
+    (["--master-port", "29500"], "error: --master-port needs --master-addr (node 0's address); with --rdzv-endpoint, "
+                                 "put the port in it (HOST:PORT)"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "error: --rdzv-endpoint 'node0' is not HOST:PORT; write e.g. "
+                                                    "node0.example:29400"),
+])
+def test_options_that_do_not_fit_are_refused_before_any_rank_starts(args: list[str], expected: str) -> None:
+    started = time.perf_counter()
+    assert one_line_error(fxpipe_cli("run", dp_plan(), *args, "--steps", "1")) == expected
+    assert time.perf_counter() - started < 20  # no torchrun: refused up front
