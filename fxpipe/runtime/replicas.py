@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import OptionError
+from fxpipe.planning.cost import BUCKET_BYTES  # 25 MiB, DDP's cap; the simulator's buckets too
 from fxpipe.schedules.ir import Action, Kind
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
 
 
 @dataclass(frozen=True)
