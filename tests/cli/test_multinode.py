@@ -1,0 +1,95 @@
+"""``fxpipe run`` across machines, as two "nodes" on 127.0.0.1: each ``fxpipe run`` starts its own ranks, the node
+holding rank 0 prints the results (the same as one node's run), a rank killed on one node is named on both, and a
+node whose peer never comes gives up in bounded time, in one line naming where it waited."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_run_dp import STEPS, dp_plan, four_rank_run
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_node(*args: str | int | Path) -> subprocess.Popen[str]:
+    """``fxpipe run ARGS`` as its own process (a node), outside any torchrun environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    return subprocess.Popen([sys.executable, "-m", "fxpipe.cli.main", "run", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def two_nodes(*args: str | int | Path, timeout: float = 120) -> list[tuple[int, str, str]]:
+    """Node 0 and node 1 of a static rendezvous on 127.0.0.1, started together: (exit code, stdout, stderr) each."""
+    port = free_port()
+    procs = [start_node(dp_plan(), "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port",
+                        port, "--nproc", 2, *args) for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:  # a node that hangs fails the test, and leaves nothing behind (fxpipe run stops its ranks)
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def test_two_nodes_train_like_one() -> None:
+    (rc0, out0, err0), (rc1, out1, err1) = two_nodes("--steps", STEPS, "--json")
+    assert rc0 == 0 and rc1 == 0, (err0, err1)
+    doc = json.loads(out0)
+    alone, _ = four_rank_run()  # the same 2 x 2 ranks on one node
+    assert doc["nodes"] == 2 and doc["ranks"] == 4 and doc["mesh"] == alone["mesh"]
+    assert doc["losses"] == alone["losses"]  # the same ranks doing the same arithmetic: bit for bit
+    assert json.loads(out1) == {"schema": "fxpipe.run.node/v1", "node_rank": 1, "ranks": [2, 3], "world": 4,
+                                "results": "printed by the node that holds rank 0"}
+
+
+def test_a_rank_killed_on_one_node_is_named_on_both() -> None:
+    """Rank 3 (node 1; stage 1's second replica) is SIGKILLed mid-step: node 1 saw it die, node 0's ranks
+    waited for it in vain; both name rank 3, within the --timeout."""
+    start = time.monotonic()
+    (rc0, out0, err0), (rc1, out1, err1) = two_nodes("--steps", "3", "--timeout", "10", "--kill-rank", "3")
+    assert time.monotonic() - start < 60, (err0, err1)
+    assert (rc0, out0, rc1, out1) == (2, "", 2, ""), (err0, err1)
+    assert err1.startswith("error: rank 3 died (killed by signal 9, SIGKILL") and err1.count("\n") == 1, err1
+    assert err0.startswith("error: rank 3 failed without an error report; rank ") and err0.count("\n") == 1, err0
+    assert err0.rstrip().endswith("(rank 3 ran on another node: its fxpipe run says more)"), err0
+
+
+def test_a_node_whose_peer_never_comes_gives_up_in_one_line() -> None:
+    """Static (node 1 alone: node 0's address never answers) and c10d (one of two nodes), concurrently."""
+    static_port, c10d_port = free_port(), free_port()
+    start = time.monotonic()
+    static = start_node(dp_plan(), "--nnodes", 2, "--node-rank", 1, "--master-addr", "127.0.0.1", "--master-port",
+                        static_port, "--rdzv-timeout", 3, "--steps", 1)
+    c10d = start_node(dp_plan(), "--nnodes", 2, "--rdzv-endpoint", f"127.0.0.1:{c10d_port}", "--rdzv-timeout", 3,
+                      "--steps", 1)
+    lines = []
+    for proc in (static, c10d):
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+        lines.append(err.strip())
+    assert time.monotonic() - start < 45, lines
+    assert lines[0].startswith(f"error: this node waited up to 3 s at --master-addr 127.0.0.1 --master-port "
+                               f"{static_port} and the 2 nodes never all met (DistNetworkError: "), lines[0]
+    assert lines[0].endswith(f"start fxpipe run on all 2 nodes with the same --nnodes, --master-addr and --master-port "
+                             f"(--node-rank 0 on the machine at --master-addr), check that 127.0.0.1:{static_port} is "
+                             "reachable from every node, or raise --rdzv-timeout"), lines[0]
+    assert lines[1] == (f"error: this node waited up to 3 s at --rdzv-endpoint 127.0.0.1:{c10d_port} and the 2 nodes "
+                        "never all met (RendezvousTimeoutError); start fxpipe run on all 2 nodes with the same --nnodes, "
+                        f"--rdzv-endpoint and --rdzv-id, check that 127.0.0.1:{c10d_port} is reachable from every node, "
+                        "or raise --rdzv-timeout")
