@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fxpipe.cli.ranks import (RANK_MODULE, DiedRank, RankFailure, StepDone, diagnose, died_ranks, finished_ranks,
-                              parse_step, rank_errors, torchrun_command)
+from fxpipe.cli.ranks import (RANK_MODULE, RESULTS, DiedRank, RankFailure, Rendezvous, StepDone, diagnose, died_ranks,
+                              finished_ranks, parse_step, rank_errors, rank_results, rendezvous_failure,
+                              torchrun_command)
 
 
 def _summary(*failures: tuple[int, int]) -> str:
@@ -100,3 +101,54 @@ def test_a_rank_torchrun_had_to_sigkill_is_unresponsive_not_out_of_memory() -> N
               "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8)\n")
     (died,) = died_ranks(stderr, reported={0})
     assert died.rank == 1 and "unresponsive" in died.how and "out-of-memory" not in died.how
+
+
+def test_the_nodes_meet_where_the_options_say() -> None:
+    assert Rendezvous().torchrun_args() == ["--standalone"]
+    static = Rendezvous(2, 1, "10.0.0.1", None, timeout=30)
+    assert static.torchrun_args() == ["--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29500",
+                                      "--rdzv-conf=timeout=30"]
+    assert static.where() == "--master-addr 10.0.0.1 --master-port 29500"
+    c10d = Rendezvous(2, endpoint="node0:29400", run_id="job7", timeout=2.5)
+    assert c10d.torchrun_args() == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400",
+                                    "--rdzv-id=job7", "--rdzv-conf=join_timeout=3,read_timeout=3"]
+    cmd = torchrun_command(Path("plan"), Path("out"), 2, steps=1, lr=0.1, timeout=5.0, rendezvous=static)
+    assert cmd[3:9] == [*static.torchrun_args(), "--nproc-per-node=2"]
+
+
+def test_a_node_that_never_met_the_others_says_where_it_waited() -> None:
+    static = Rendezvous(2, 0, "127.0.0.1", 29611, timeout=5)
+    stderr = ("Traceback (most recent call last):\n  File \"static_tcp_rendezvous.py\", line 67\n"
+              "torch.distributed.DistStoreError: Timed out after 6 seconds waiting for clients. 1/2 clients joined.\n")
+    failure = diagnose(1, stderr, {}, set(), rendezvous=static)
+    assert failure == RankFailure(None, "this node waited up to 5 s at --master-addr 127.0.0.1 --master-port 29611 and "
+                                        "the 2 nodes never all met (DistStoreError: Timed out after 6 seconds waiting "
+                                        "for clients. 1/2 clients joined.); start fxpipe run on all 2 nodes with the "
+                                        "same --nnodes, --master-addr and --master-port (--node-rank 0 on the machine "
+                                        "at --master-addr), check that 127.0.0.1:29611 is reachable from every node, "
+                                        "or raise --rdzv-timeout")
+    c10d = Rendezvous(3, endpoint="h:1", timeout=9)
+    line = rendezvous_failure("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n", c10d)
+    assert line is not None and line.message.startswith("this node waited up to 9 s at --rdzv-endpoint h:1 and the 3 "
+                                                        "nodes never all met (RendezvousTimeoutError); ")
+    assert rendezvous_failure(stderr, Rendezvous()) is None  # one machine: nothing to meet
+    # Ranks ran here: it is a rank's failure, not the rendezvous's.
+    assert diagnose(1, stderr, {0: "ValueError: boom"}, set(), rendezvous=static) == RankFailure(
+        0, "rank 0 failed: ValueError: boom; the other ranks stopped")
+
+
+def test_a_rank_on_another_node_is_said_to_be_there() -> None:
+    errors = {0: "RankFailedError: rank 3 stopped responding while rank 0 waited for x",
+              1: "RankFailedError: rank 3 stopped responding while rank 1 waited for y"}
+    node = Rendezvous(2, 0, "h", None)
+    failure = diagnose(1, "", errors, set(), rendezvous=node, local={0, 1})
+    assert failure is not None and failure.rank == 3
+    assert failure.message.endswith("(rank 3 ran on another node: its fxpipe run says more)")
+    # Without a multi-node rendezvous the message is the one-node one.
+    assert diagnose(1, "", errors, set(), local={0, 1}) == diagnose(1, "", errors, set())
+
+
+def test_only_the_node_holding_rank_0_has_the_results(tmp_path: Path) -> None:
+    assert rank_results(tmp_path) is None
+    (tmp_path / RESULTS).write_text('[{"rank": 0}, {"rank": 1}]')
+    assert rank_results(tmp_path) == [{"rank": 0}, {"rank": 1}]
