@@ -83,7 +83,8 @@ def run_cmd(
         from fxpipe.plan import DEFAULTS
         from fxpipe.schedules.auto import plan_schedule
 
-        # Before starting any rank: the schedule must exist and fit the plan on --nproc ranks.
+        # Before starting any rank: the schedule must exist and fit the plan on --nproc x --nnodes ranks
+        # (its pipeline ranks x --dp replicas).
         if microbatches is not None:
             from fxpipe.cli.common import check_schedule_size
 
@@ -130,6 +131,9 @@ def run_cmd(
             if failure is not None:
                 raise RankFailedError(failure.message)
             results = ranks.rank_results(out_dir)
+            if results is None and meeting.standalone:
+                raise RankFailedError("the ranks finished, but rank 0 wrote no results (its gather of every rank's "
+                                      "result did not complete); re-run")
             if results is None:  # another node holds rank 0 and prints the run's results
                 mine = sorted(ranks.finished_ranks(out_dir))
                 _node_done(mine, nproc * nnodes, node_rank if rdzv_endpoint is None else None, steps, as_json)
