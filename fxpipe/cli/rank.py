@@ -55,10 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     try:
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        except Exception as exc:  # across machines: a port the firewall blocks, or a host name that resolves locally
+            from fxpipe.errors import RankFailedError
+
+            raise RankFailedError(f"rank {rank} could not join the process group within {args.timeout:g} s "
+                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank must "
+                                  "reach MASTER_ADDR:MASTER_PORT and every other node's ranks (gloo connects each pair; "
+                                  "GLOO_SOCKET_IFNAME picks the network interface)") from exc
         result, params = _run(args, rank, dist.get_world_size())
         _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))

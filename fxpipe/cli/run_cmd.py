@@ -19,11 +19,11 @@ from fxpipe.errors import OptionError, RankFailedError
 def run_cmd(
     plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model).")],
     nproc: Annotated[Optional[int], typer.Option(min=1, help="Ranks to start on this machine (torchrun's "
-                                                 "--nproc-per-node) [default: the schedule's ranks x --dp / --nnodes].")
+                                                 "--nproc-per-node; default: the schedule's ranks x --dp / --nnodes).")
                      ] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Replicas of the pipeline (data parallel): the run "
                                               "has the schedule's ranks x dp ranks, each replica training on its "
-                                              "share of a dp times bigger batch [default: the plan's mesh].")] = None,
+                                              "share of a dp times bigger batch (default: the plan's mesh).")] = None,
     nnodes: Annotated[int, typer.Option(min=1, help="Machines in the run: start fxpipe run on each, with the same "
                                         "options and its own --node-rank.", rich_help_panel="Across machines")] = 1,
     node_rank: Annotated[int, typer.Option(min=0, help="This machine's place, 0 .. nnodes-1 (with --master-addr; "
@@ -31,7 +31,7 @@ def run_cmd(
                                            rich_help_panel="Across machines")] = 0,
     master_addr: Annotated[Optional[str], typer.Option(help="Node 0's address, where the nodes meet (torchrun's "
                                                        "static rendezvous).", rich_help_panel="Across machines")] = None,
-    master_port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Node 0's free port [default: 29500].",
+    master_port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Node 0's free port (default: 29500, torchrun's).",
                                                        rich_help_panel="Across machines")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT where the nodes meet instead (torchrun's "
                                                          "c10d rendezvous; --node-rank is not needed, ranks go by "
@@ -48,7 +48,7 @@ def run_cmd(
                                            "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "
                                            "Real data reports held-out accuracy or loss.")] = "synthetic",
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
-    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate [default: 0.01].")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.01).")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
     weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
