@@ -1,6 +1,11 @@
-"""``fxpipe run PLAN_DIR``: train a plan on NPROC ranks and compare the measured step with the simulated one.
+"""``fxpipe run PLAN_DIR``: train a plan on its schedule's ranks x --dp replicas and compare the measured step
+with the simulated one.
 
-Starting the ranks and naming a failed one is ``fxpipe.cli.ranks``; each rank runs ``fxpipe.cli.rank``.
+On one machine or several: each machine's ``fxpipe run`` starts its ``--nproc`` ranks under torchrun
+(``--standalone``, or the nodes meet at ``--master-addr`` / ``--rdzv-endpoint``), the one holding rank 0
+prints the results and the others one line about their ranks. Everything that can be checked is
+checked before any rank starts. Starting the ranks and naming a failed one is ``fxpipe.cli.ranks``;
+each rank runs ``fxpipe.cli.rank``.
 """
 
 from __future__ import annotations
