@@ -195,13 +195,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                 f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
-    from fxpipe.runtime.calibrate import calibrate
+    from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
 
     calibration = calibrate()  # collective: this machine's link and compute contention, measured now (< 2 s)
     simulated = calibration.apply(costs)
-    simulated = dataclasses.replace(simulated, allreduce_latency=calibration.latency,
-                                    allreduce_bandwidth=calibration.bandwidth)
+    if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
+        simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     params = None
     if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
         params = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
