@@ -31,12 +31,14 @@ from fxpipe.errors import OptionError
 __all__ = [
     "BUCKET_BYTES",
     "OPTIMIZER_STATE",
+    "OPTIMIZER_TRAFFIC",
     "SCHEDULES",
     "InFlight",
     "activation_memory",
     "allreduce_buckets",
     "allreduce_bucket_seconds",
     "allreduce_seconds",
+    "optimizer_step_seconds",
     "in_flight",
     "limited_in_flight",
     "rank_memory",
@@ -49,6 +51,23 @@ BUCKET_BYTES = 25 * 2**20
 
 OPTIMIZER_STATE: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 """Optimizer state per parameter byte: none for plain SGD, a momentum buffer, Adam's two moments."""
+
+OPTIMIZER_TRAFFIC: dict[str, int] = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}
+"""Bytes an optimizer step reads and writes per parameter byte: the parameter, its gradient and its state
+read, the parameter and the state written (SGD: p, g in, p out; momentum adds the buffer in and out)."""
+
+
+def optimizer_step_seconds(param_bytes: float, optimizer: str, mem_bw: float) -> float:
+    """Seconds of one optimizer step over ``param_bytes``: a memory-bound pass (``OPTIMIZER_TRAFFIC``) at ``mem_bw``.
+
+    >>> optimizer_step_seconds(1e9, "momentum", 1e10)
+    0.5
+    """
+    traffic = OPTIMIZER_TRAFFIC.get(optimizer)
+    if traffic is None:
+        raise OptionError(f"no step-time model for optimizer {optimizer!r} (known: {', '.join(OPTIMIZER_TRAFFIC)}); "
+                          "pick one of those")
+    return traffic * param_bytes / mem_bw
 
 
 def transfer_time(nbytes: float, *, bandwidth: float, latency: float) -> float:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
-from fxpipe.planning.cost import BUCKET_BYTES, allreduce_bucket_seconds, transfer_time
+from fxpipe.planning.cost import BUCKET_BYTES, allreduce_bucket_seconds, optimizer_step_seconds, transfer_time
 from fxpipe.report import Report
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
 
@@ -74,6 +74,14 @@ class Costs:
     # approximation: it charges every rank as if all were computing all the time (idle ranks free
     # their core in fact), so it overstates the bubble-heavy schedules' compute. None: off.
     cores: int | None = None
+    # Seconds of stage s's optimizer step, after its all-reduce and its last compute (``with_optimizer``). Empty:
+    # the step ends at the last compute or all-reduce, as schedules are usually compared.
+    optimizer_s: tuple[float, ...] = ()
+
+    def with_optimizer(self, optimizer: str, mem_bw: float) -> "Costs":
+        """These costs with each stage's optimizer step: a memory-bound pass over its parameters at ``mem_bw``."""
+        return dataclasses.replace(self, optimizer_s=tuple(optimizer_step_seconds(g, optimizer, mem_bw)
+                                                           for g in self.grad_bytes))
 
     @classmethod
     def uniform(cls, num_stages: int, f: float, b: float, w: float) -> "Costs":
@@ -153,6 +161,7 @@ class RankStats:
     allreduce_end: float = 0.0  # when its last bucket was reduced (0 with nothing to reduce)
     exposed_s: float = 0.0  # all-reduce seconds past ``end``: what the rank waits for before its optimizer step
     exposed_step_s: float = 0.0  # all-reduce seconds past the last compute of any rank: what lengthens the step
+    optimizer_s: float = 0.0  # its stages' optimizer steps, once compute and all-reduce are done
 
     @property
     def span(self) -> float:
@@ -160,8 +169,8 @@ class RankStats:
 
     @property
     def step_end(self) -> float:
-        """When the rank may step its optimizer: compute and all-reduce both done."""
-        return max(self.end, self.allreduce_end)
+        """When the rank's step is done: compute and all-reduce both, then its optimizer step."""
+        return max(self.end, self.allreduce_end) + self.optimizer_s
 
     @property
     def hidden_fraction(self) -> float:
@@ -284,6 +293,8 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
             sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),
             sum(max(0.0, e.end - max(e.start, end)) for e in lane),
             sum(max(0.0, e.end - max(e.start, step_compute_end)) for e in lane),
+            sum(timed.optimizer_s[s] for s in range(schedule.num_stages)
+                if timed.optimizer_s and schedule.rank_of_stage[s] == r),
         ))
     active = [r for r in ranks if r.end > r.start]
     makespan = (max(r.step_end for r in active) - min(r.start for r in active)) if active else 0.0

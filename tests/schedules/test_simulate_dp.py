@@ -187,3 +187,18 @@ def test_costs_from_a_plan_take_its_mesh_and_parameter_bytes() -> None:
     result = simulate(generate("1f1b", 2, 4), costs)
     assert result.allreduce_stage_s(2) == pytest.approx([allreduce_seconds(b, 2, plan.link.bandwidth,
                                                                            plan.link.latency) for b in params])
+
+
+def test_the_optimizer_step_ends_each_rank_after_its_all_reduce() -> None:
+    """1f1b, 2 stages, 2 microbatches, unit F/B/W (BW takes 2), dp 2 with 1.5 s all-reduce per stage: stage 1 ends
+    its compute at 7 and its lane at 8.5; stage 0 at 9 and 10.5. Optimizer steps of 0.25 and 0.5 s end them at
+    8.75 and 11."""
+    costs = dataclasses.replace(Costs.uniform(2, 1.0, 1.0, 1.0), dp=2, allreduce_s=(1.5, 1.5))
+    plain = simulate(generate("1f1b", 2, 2), costs)
+    stepped = simulate(generate("1f1b", 2, 2), dataclasses.replace(costs, optimizer_s=(0.5, 0.25)))
+    assert [r.step_end for r in plain.ranks] == [10.5, 8.5]
+    assert [r.step_end for r in stepped.ranks] == [11.0, 8.75]
+    assert stepped.makespan == plain.makespan + 0.5
+    # A memory-bound pass: momentum SGD reads parameter, gradient and buffer and writes two (5 bytes per byte).
+    with_opt = dataclasses.replace(costs, grad_bytes=(1e9, 2e9)).with_optimizer("momentum", 1e10)
+    assert with_opt.optimizer_s == (0.5, 1.0)
