@@ -1,0 +1,880 @@
+"""Per-layer parallel configurations (OptCNN) searched exactly on the layer graph: elimination, then enumeration or an ILP.
+
+Every layer of a graph has candidate configurations, each with a node cost (compute plus the
+all-reduce of its replicated parameters' gradients) and a memory per rank; every edge (a tensor
+from one layer to another) has a table of redistribution costs, one per pair of the producer's and
+the consumer's configurations. A strategy picks one configuration per layer; its cost is the sum
+of its node costs and of its edges' table entries (Jia et al., OptCNN). ``solve`` finds the least:
+
+- **edge elimination**: two edges between the same pair of layers become one, their tables added;
+- **node elimination**: a layer with exactly two edges, to two different neighbours i and k, is
+  removed; the new edge's table is ``T[ci][ck] = min_cj (A[ci][cj] + cost_j[cj] + B[cj][ck])`` and
+  the argmin is kept for unwinding. The paper asks for one in-edge and one out-edge; any two edges
+  are as exact (the cost is a sum of pairwise terms, so direction does not matter); ``strict=True``
+  keeps the paper's rule;
+- **leaf elimination** (Hetu's endpoint rule; off with ``strict=True``): a layer with one edge is
+  folded into its neighbour's node costs, ``cost_i[ci] += min_cj (A[ci][cj] + cost_j[cj])``.
+
+The rules run until none applies. Series-parallel graphs (chains, residual blocks, Inception-like
+branches) end at one layer (two under ``strict``: the source and the sink); the residue is solved by
+enumeration when small, else by an ILP (HiGHS, ``pip install 'fxpipe[strategies]'``), and the
+eliminations are unwound in reverse to give every layer its configuration. ``solve_ilp`` and
+``solve_brute_force`` solve the whole graph (cross-checks, and graphs that do not reduce)::
+
+    chain a - b - c (2 configs each):  eliminate b  ->  a - c  ->  fold a into c  ->  c alone
+    K4 (every pair joined):            no rule applies  ->  4 layers left  ->  enumeration or ILP
+
+**Configurations from plain numbers** (``layer_configs``, ``build_graph``). On ``d`` ranks a layer's
+configuration is its degrees ``(s, c, r, h)``: s splits the batch (sample), c the output
+channels/features (column), r the input channels/features (row: each rank adds a partial sum), h
+the height (spatial; convolutions, pooling), with ``s*c*r*h == d`` (or dividing d with
+``divisors=True``: the rest of the ranks compute the same thing). Per rank:
+
+    compute  = seconds / (s*c*r*h)                        seconds: the layer's F + B + W, whole batch
+    sync     = allreduce_seconds(params / P, s*h, link)   P = c*r (matmul) or c (elementwise): the
+                                                          parameters are split over P and replicated
+                                                          over the s*h ranks that see other samples/pixels
+    memory   = static_memory(params / P, optimizer)       parameters, gradients, optimizer state
+             + saved / (the degrees that split the input) a matmul saves its input (s*r*h); else s*c*h
+
+Layouts (what each rank holds of a tensor: a block of the batch, channel and height dims, and
+maybe a partial sum over a group) of a layer with degrees (s, c, r, h)::
+
+    kind         input it reads                 output it writes               backward
+    matmul       batch/s chan/r height/h,       batch/s chan/c height/h,       input grad: partial over c;
+                 the same on the c ranks        partial over r                 output grad needed on all r
+    elementwise  batch/s chan/c height/h        the same                       the same (no r)
+    input        -                              batch/s (s = d)                no gradient
+
+**Redistribution** (``transfer``): a tensor of B bytes goes from the layout held to the layout
+needed; bytes are what each rank receives, steps are its ring steps (each costs the latency)::
+
+    held -> needed                               collective       bytes per rank         steps
+    same blocks, or needed blocks inside held    none / a slice   0                      0
+    split g ways -> whole (on the g ranks)       all-gather       (g-1)/g * R            g-1
+    split g ways on one dim -> on another        all-to-all       (g-1)/g * R/g          g-1
+    partial over g -> split g ways               reduce-scatter   (g-1)/g * R            g-1
+    partial over g -> whole                      all-reduce       2(g-1)/g * R           2(g-1)
+
+R is the region one rank holds before the collective. In general: partial sums over g are first
+reduce-scattered (``(g-1)/g`` of the held region, g-1 steps), splitting the dimension that leaves
+the least to fetch; then a rank receives what it needs and does not hold,
+``B/(s'c'h') - B/(max(s,s') max(c,c') max(h,h'))``, in ``max(..)/(s'c'h') - 1`` steps. This assumes
+nested degrees (powers of two: one split refines the other) placed so blocks line up; otherwise it
+is a lower bound. Convolution halos are not counted. An edge costs its forward transfer (producer's
+output -> consumer's input) plus its backward one (consumer's input gradient -> producer's output
+gradient), each ``steps x latency + bytes / bandwidth``; Megatron's column-then-row MLP is 0 inside
+and one all-reduce each way around it.
+
+Pure functions on plain values; no torch. HiGHS is imported only inside ``solve_ilp``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fxpipe.errors import OptionError
+from fxpipe.planning.cost import allreduce_seconds, static_memory
+
+__all__ = [
+    "ENUMERATE_LIMIT",
+    "KINDS",
+    "Config",
+    "Degrees",
+    "Edge",
+    "Layer",
+    "LayerGraph",
+    "LayerSpec",
+    "Layout",
+    "Reduction",
+    "Strategy",
+    "Transfer",
+    "apply_memory_cap",
+    "build_graph",
+    "config_degrees",
+    "cost_graph",
+    "edge_seconds",
+    "eliminate",
+    "layer_configs",
+    "layouts",
+    "solve",
+    "solve_brute_force",
+    "solve_ilp",
+    "strategy_cost",
+    "transfer",
+]
+
+ENUMERATE_LIMIT = 10_000
+"""The most strategies ``solve`` enumerates for one connected piece of the residue; above it, the ILP."""
+
+BRUTE_FORCE_LIMIT = 2_000_000
+"""The most strategies ``solve_brute_force`` agrees to enumerate."""
+
+KINDS = ("matmul", "elementwise", "input")
+"""Layer kinds ``layer_configs`` knows: contracts input features | keeps its input's layout | a model input."""
+
+_INSTALL = "pip install 'fxpipe[strategies]'"
+
+
+# --- the layer graph: plain data --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How a layer is split over ranks: batch (sample), output (column) and input (row) features, height (spatial).
+
+    >>> Degrees(sample=2, column=2).name, Degrees().name, Degrees(row=4).product
+    ('s2c2', 's1', 4)
+    """
+
+    sample: int = 1
+    column: int = 1
+    row: int = 1
+    spatial: int = 1
+
+    @property
+    def product(self) -> int:
+        return self.sample * self.column * self.row * self.spatial
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in zip("scrh", (self.sample, self.column, self.row, self.spatial)) if v > 1]
+        return "".join(parts) or "s1"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One candidate configuration of a layer: its costs in seconds and its memory per rank in bytes."""
+
+    name: str
+    compute: float = 0.0
+    sync: float = 0.0
+    memory: float = 0.0
+    degrees: Degrees | None = None
+
+    @property
+    def cost(self) -> float:
+        """The node cost: compute plus the parameter-gradient sync (OptCNN's t_c + t_s)."""
+        return self.compute + self.sync
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A node of the layer graph: a name and its candidate configurations (at least one)."""
+
+    name: str
+    configs: tuple[Config, ...]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor from layer ``src`` to layer ``dst``; ``cost[a][b]``: seconds to redistribute it when
+    ``src`` runs its configuration a and ``dst`` its configuration b (OptCNN's t_x)."""
+
+    src: int
+    dst: int
+    cost: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """Layers and the edges between them (several edges may join the same pair; no self-loops)."""
+
+    layers: tuple[Layer, ...]
+    edges: tuple[Edge, ...] = ()
+
+    def __post_init__(self) -> None:
+        for i, layer in enumerate(self.layers):
+            if not layer.configs:
+                raise OptionError(f"layer {i} ({layer.name!r}) has no configuration; give it at least one")
+        n = len(self.layers)
+        for e, edge in enumerate(self.edges):
+            if not (0 <= edge.src < n and 0 <= edge.dst < n) or edge.src == edge.dst:
+                raise OptionError(f"edge {e} ({edge.src} -> {edge.dst}) must join two different layers of 0..{n - 1}")
+            rows, cols = len(self.layers[edge.src].configs), len(self.layers[edge.dst].configs)
+            if len(edge.cost) != rows or any(len(r) != cols for r in edge.cost):
+                shape = f"{len(edge.cost)}x{len(edge.cost[0]) if edge.cost else 0}"
+                raise OptionError(f"edge {e} ({edge.src} -> {edge.dst}) needs a {rows}x{cols} cost table "
+                                  f"(configurations of its layers), not {shape}")
+
+
+def cost_graph(node_costs: Sequence[Sequence[float]],
+               edges: Sequence[tuple[int, int, Sequence[Sequence[float]]]] = (),
+               names: Sequence[str] | None = None) -> LayerGraph:
+    """A ``LayerGraph`` from bare numbers: ``node_costs[v][c]`` and ``(src, dst, table)`` edges.
+
+    >>> g = cost_graph([[1.0, 2.0], [3.0]], [(0, 1, [[5.0], [0.0]])])
+    >>> solve(g).choice, solve(g).cost
+    ((1, 0), 5.0)
+    """
+    layers = tuple(
+        Layer(names[v] if names else f"l{v}", tuple(Config(f"c{c}", compute=float(x)) for c, x in enumerate(costs)))
+        for v, costs in enumerate(node_costs))
+    return LayerGraph(layers, tuple(Edge(u, v, tuple(tuple(float(x) for x in row) for row in t)) for u, v, t in edges))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A configuration per layer (``choice[v]`` indexes ``graph.layers[v].configs``) and its total cost.
+
+    ``method``: how it was found (``elimination``, ``elimination+ilp``, ``ilp``, ``brute-force``);
+    ``remaining``: layers left when no elimination rule applied (all of them for ``ilp`` / ``brute-force``).
+    """
+
+    choice: tuple[int, ...]
+    cost: float
+    method: str
+    remaining: int
+
+    def names(self, graph: LayerGraph) -> tuple[str, ...]:
+        """Each layer's chosen configuration's name."""
+        return tuple(layer.configs[c].name for layer, c in zip(graph.layers, self.choice))
+
+
+def strategy_cost(graph: LayerGraph, choice: Sequence[int]) -> float:
+    """The cost of one configuration per layer: its node costs plus its edges' table entries.
+
+    >>> strategy_cost(cost_graph([[1.0, 2.0], [3.0]], [(0, 1, [[5.0], [0.0]])]), (0, 0))
+    9.0
+    """
+    if len(choice) != len(graph.layers):
+        raise OptionError(f"a strategy needs one configuration per layer (layers: {len(graph.layers)}, "
+                          f"given: {len(choice)})")
+    total = math.fsum(layer.configs[c].cost for layer, c in zip(graph.layers, choice))
+    return total + math.fsum(e.cost[choice[e.src]][choice[e.dst]] for e in graph.edges)
+
+
+# --- the memory cap ---------------------------------------------------------------------------
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def apply_memory_cap(graph: LayerGraph, cap: float) -> tuple[LayerGraph, tuple[tuple[int, ...], ...]]:
+    """Drop every configuration whose memory per rank exceeds ``cap``; also returns, per layer, the
+    original indices of the configurations kept. Raises ``OptionError`` when a layer keeps none.
+
+    >>> g = LayerGraph((Layer("fc", (Config("s2", memory=8.0), Config("c2", memory=5.0))),))
+    >>> apply_memory_cap(g, 6.0)[1]
+    ((1,),)
+    """
+    kept = tuple(tuple(c for c, cfg in enumerate(layer.configs) if cfg.memory <= cap) for layer in graph.layers)
+    empty = [v for v, k in enumerate(kept) if not k]
+    if empty:
+        need = {v: min(cfg.memory for cfg in graph.layers[v].configs) for v in empty}
+        worst = max(empty, key=lambda v: need[v])
+        names = ", ".join(repr(graph.layers[v].name) for v in empty[:3]) + (", ..." if len(empty) > 3 else "")
+        raise OptionError(
+            f"no configuration of {len(empty)} layer(s) fits the memory cap per rank ({names}; cap: "
+            f"{_format_bytes(cap)}, the smallest {graph.layers[worst].name!r} has needs {_format_bytes(need[worst])}); "
+            f"raise the cap to at least {_format_bytes(need[worst])} or use more ranks")
+    layers = tuple(Layer(layer.name, tuple(layer.configs[c] for c in k)) for layer, k in zip(graph.layers, kept))
+    edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.cost[a][b] for b in kept[e.dst]) for a in kept[e.src]))
+                  for e in graph.edges)
+    return LayerGraph(layers, edges), kept
+
+
+# --- elimination ------------------------------------------------------------------------------
+
+_Table = list[list[float]]
+
+
+@dataclass(frozen=True)
+class _Series:
+    """Layer ``node`` was removed between ``left`` and ``right``: ``arg[c_left][c_right]`` is its best config."""
+
+    node: int
+    left: int
+    right: int
+    arg: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """Layer ``node`` was folded into ``into``: ``arg[c_into]`` is its best config."""
+
+    node: int
+    into: int
+    arg: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What elimination leaves: the remaining layers with their folded node costs, the remaining
+    edges (between remaining layers), and the log that ``unwind`` replays backwards."""
+
+    num_layers: int
+    remaining: tuple[int, ...]
+    node_costs: Mapping[int, tuple[float, ...]]
+    edges: tuple[Edge, ...]
+    steps: tuple[_Series | _Leaf, ...]
+
+    def residual(self) -> tuple[LayerGraph, tuple[int, ...]]:
+        """The remaining layers as a graph of their own (layer i is original layer ``remaining[i]``)."""
+        index = {v: i for i, v in enumerate(self.remaining)}
+        layers = tuple(Layer(f"l{v}", tuple(Config(f"c{c}", compute=x) for c, x in enumerate(self.node_costs[v])))
+                       for v in self.remaining)
+        edges = tuple(Edge(index[e.src], index[e.dst], e.cost) for e in self.edges)
+        return LayerGraph(layers, edges), self.remaining
+
+    def unwind(self, residual_choice: Mapping[int, int]) -> tuple[int, ...]:
+        """Every layer's configuration, from one for each remaining layer (keyed by original index)."""
+        missing = [v for v in self.remaining if v not in residual_choice]
+        if missing:
+            raise OptionError(f"unwinding needs a configuration for every remaining layer (missing: {missing})")
+        choice = dict(residual_choice)
+        for step in reversed(self.steps):
+            if isinstance(step, _Series):
+                choice[step.node] = step.arg[choice[step.left]][choice[step.right]]
+            else:
+                choice[step.node] = step.arg[choice[step.into]]
+        return tuple(choice[v] for v in range(self.num_layers))
+
+
+def _fold_series(a: _Table, mid: Sequence[float], b: _Table) -> tuple[_Table, list[tuple[int, ...]]]:
+    """``T[i][k] = min_j a[i][j] + mid[j] + b[j][k]`` and its argmin (the first j on ties)."""
+    cols = list(zip(*b))
+    table, arg = [], []
+    for row in a:
+        pre = [x + m for x, m in zip(row, mid)]
+        t_row, a_row = [], []
+        for col in cols:
+            vals = [p + q for p, q in zip(pre, col)]
+            best = min(vals)
+            t_row.append(best)
+            a_row.append(vals.index(best))
+        table.append(t_row)
+        arg.append(tuple(a_row))
+    return table, arg
+
+
+def _fold_leaf(a: _Table, leaf: Sequence[float]) -> tuple[list[float], tuple[int, ...]]:
+    """``add[i] = min_j a[i][j] + leaf[j]`` and its argmin."""
+    add, arg = [], []
+    for row in a:
+        vals = [x + m for x, m in zip(row, leaf)]
+        best = min(vals)
+        add.append(best)
+        arg.append(vals.index(best))
+    return add, tuple(arg)
+
+
+def _transpose(t: _Table) -> _Table:
+    return [list(col) for col in zip(*t)]
+
+
+def eliminate(graph: LayerGraph, *, strict: bool = False) -> Reduction:
+    """Apply edge, node and (unless ``strict``) leaf elimination until none applies; see the module docstring.
+
+    ``strict=True`` removes only layers with one in-edge and one out-edge (OptCNN's rule) and folds
+    no leaves, so a series-parallel DAG ends at its source and sink.
+
+    >>> chain = cost_graph([[1.0, 2.0]] * 4, [(v, v + 1, [[0.0, 1.0], [1.0, 0.0]]) for v in range(3)])
+    >>> eliminate(chain).remaining, eliminate(chain, strict=True).remaining
+    ((3,), (0, 3))
+    """
+    n = len(graph.layers)
+    costs: dict[int, list[float]] = {v: [cfg.cost for cfg in layer.configs] for v, layer in enumerate(graph.layers)}
+    edges: dict[int, tuple[int, int, _Table]] = {}
+    incident: dict[int, set[int]] = {v: set() for v in range(n)}
+    between: dict[tuple[int, int], int] = {}
+    steps: list[_Series | _Leaf] = []
+    next_id = 0
+
+    def add_edge(u: int, v: int, table: _Table) -> None:
+        nonlocal next_id
+        key = (min(u, v), max(u, v))
+        if key in between:  # edge elimination: add the tables, in the existing edge's direction
+            eid = between[key]
+            eu, ev, old = edges[eid]
+            if (eu, ev) != (u, v):
+                table = _transpose(table)
+            edges[eid] = (eu, ev, [[x + y for x, y in zip(r, s)] for r, s in zip(old, table)])
+            return
+        eid, next_id = next_id, next_id + 1
+        edges[eid] = (u, v, table)
+        between[key] = eid
+        incident[u].add(eid)
+        incident[v].add(eid)
+
+    def remove_edge(eid: int) -> tuple[int, int, _Table]:
+        u, v, table = edges.pop(eid)
+        del between[(min(u, v), max(u, v))]
+        incident[u].discard(eid)
+        incident[v].discard(eid)
+        return u, v, table
+
+    for e in graph.edges:
+        add_edge(e.src, e.dst, [list(row) for row in e.cost])
+
+    def oriented(eid: int, frm: int) -> tuple[int, _Table]:
+        """The edge's other end and its table with ``frm``'s configurations as rows."""
+        u, v, table = edges[eid]
+        return (v, table) if u == frm else (u, _transpose(table))
+
+    work = deque(range(n))
+    queued = set(work)
+    while work:
+        j = work.popleft()
+        queued.discard(j)
+        if j not in costs:
+            continue
+        eids = sorted(incident[j])
+        if strict:
+            ins = [e for e in eids if edges[e][1] == j]
+            if len(eids) != 2 or len(ins) != 1:
+                continue
+            eids = [ins[0], next(e for e in eids if e != ins[0])]
+        if len(eids) == 2:
+            i, a = oriented(eids[0], j)  # a[cj][ci]
+            k, b = oriented(eids[1], j)  # b[cj][ck]
+            remove_edge(eids[0])
+            remove_edge(eids[1])
+            table, arg = _fold_series(_transpose(a), costs.pop(j), b)
+            steps.append(_Series(j, i, k, tuple(arg)))
+            add_edge(i, k, table)
+            touched = [i, k]
+        elif len(eids) == 1 and not strict:
+            i, a = oriented(eids[0], j)
+            remove_edge(eids[0])
+            add, arg1 = _fold_leaf(_transpose(a), costs.pop(j))
+            costs[i] = [x + y for x, y in zip(costs[i], add)]
+            steps.append(_Leaf(j, i, arg1))
+            touched = [i]
+        else:
+            continue
+        for t in touched:
+            if t not in queued:
+                work.append(t)
+                queued.add(t)
+
+    remaining = tuple(sorted(costs))
+    left = tuple(Edge(u, v, tuple(tuple(r) for r in t)) for u, v, t in (edges[e] for e in sorted(edges)))
+    return Reduction(n, remaining, {v: tuple(costs[v]) for v in remaining}, left, tuple(steps))
+
+
+# --- exhaustive search ------------------------------------------------------------------------
+
+
+def _exhaustive(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
+                edges: Sequence[tuple[int, int, Sequence[Sequence[float]]]]) -> tuple[float, list[int]]:
+    """The least-cost assignment by trying every one (depth first, the last layer's choice vectorised)."""
+    n = len(sizes)
+    if n == 0:
+        return 0.0, []
+    # back[k]: the edges from layer k to layers before it, as (earlier, table with earlier's configs as rows)
+    back: list[list[tuple[int, Sequence[Sequence[float]]]]] = [[] for _ in range(n)]
+    for u, v, t in edges:
+        if u < v:
+            back[v].append((u, t))
+        else:
+            back[u].append((v, [list(col) for col in zip(*t)]))
+    best_cost = math.inf
+    best: list[int] = []
+    assign = [0] * n
+
+    def step_costs(k: int) -> list[float]:
+        vals = list(node_costs[k])
+        for u, t in back[k]:
+            row = t[assign[u]]
+            vals = [x + y for x, y in zip(vals, row)]
+        return vals
+
+    def visit(k: int, partial: float) -> None:
+        nonlocal best_cost, best
+        vals = step_costs(k)
+        if k == n - 1:
+            low = min(vals)
+            if partial + low < best_cost:
+                best_cost = partial + low
+                assign[k] = vals.index(low)
+                best = list(assign)
+            return
+        for c, x in enumerate(vals):
+            assign[k] = c
+            visit(k + 1, partial + x)
+
+    visit(0, 0.0)
+    return best_cost, best
+
+
+def _count(sizes: Sequence[int]) -> int:
+    return math.prod(sizes)
+
+
+def solve_brute_force(graph: LayerGraph, *, limit: int = BRUTE_FORCE_LIMIT) -> Strategy:
+    """The least-cost strategy by trying every one (tests, small graphs); refuses above ``limit`` strategies.
+
+    >>> solve_brute_force(cost_graph([[1.0, 2.0], [3.0]], [(0, 1, [[5.0], [0.0]])])).choice
+    (1, 0)
+    """
+    sizes = [len(layer.configs) for layer in graph.layers]
+    if _count(sizes) > limit:
+        raise OptionError(f"brute force would try {_count(sizes)} strategies (limit: {limit}); "
+                          "use solve() or solve_ilp()")
+    _, choice = _exhaustive(sizes, [[cfg.cost for cfg in layer.configs] for layer in graph.layers],
+                            [(e.src, e.dst, e.cost) for e in graph.edges])
+    return Strategy(tuple(choice), strategy_cost(graph, choice), "brute-force", len(graph.layers))
+
+
+def _components(nodes: Sequence[int], edges: Sequence[Edge]) -> list[list[int]]:
+    parent = {v: v for v in nodes}
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for e in edges:
+        parent[find(e.src)] = find(e.dst)
+    groups: dict[int, list[int]] = {}
+    for v in nodes:
+        groups.setdefault(find(v), []).append(v)
+    return list(groups.values())
+
+
+# --- the ILP (HiGHS) --------------------------------------------------------------------------
+
+
+def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
+         edges: Sequence[tuple[int, int, Sequence[Sequence[float]]]], time_limit: float | None) -> list[int]:
+    """Solve min sum x.cost + sum y.table with HiGHS; returns each layer's configuration.
+
+    Variables: binary x[v,c] (layer v runs c), continuous y[e,a,b] in [0, 1] (edge e's ends run a, b).
+    Rows: sum_c x[v,c] = 1; for each edge and each a: sum_b y[e,a,b] = x[src,a]; for each b:
+    sum_a y[e,a,b] = x[dst,b]. With x integral these force y[e,a,b] = x[src,a] x[dst,b] exactly
+    (the marginal form of the product linearisation, tighter than y >= x + x' - 1).
+    """
+    try:
+        import highspy
+        import numpy as np
+    except ImportError:
+        raise OptionError(f"this layer graph does not reduce by elimination and its residue is too large to enumerate, "
+                          f"so it needs the ILP solver HiGHS, which is not installed; {_INSTALL}") from None
+
+    x_col: list[int] = []  # first column of layer v's x
+    col = 0
+    for s in sizes:
+        x_col.append(col)
+        col += s
+    num_x = col
+    y_col, e_row = [], []
+    row = len(sizes)
+    for u, v, _ in edges:
+        y_col.append(col)
+        col += sizes[u] * sizes[v]
+        e_row.append(row)
+        row += sizes[u] + sizes[v]
+    num_col, num_row = col, row
+
+    # column-wise matrix: each x column's rows, then each y column's two rows
+    x_rows: list[list[tuple[int, float]]] = [[] for _ in range(num_x)]
+    for v, s in enumerate(sizes):
+        for c in range(s):
+            x_rows[x_col[v] + c].append((v, 1.0))
+    for e, (u, v, _) in enumerate(edges):
+        for a in range(sizes[u]):
+            x_rows[x_col[u] + a].append((e_row[e] + a, -1.0))
+        for b in range(sizes[v]):
+            x_rows[x_col[v] + b].append((e_row[e] + sizes[u] + b, -1.0))
+    start, index, value, cost = [0], [], [], []
+    for v, s in enumerate(sizes):
+        cost.extend(node_costs[v])
+    for entries in x_rows:
+        for r, coef in entries:
+            index.append(r)
+            value.append(coef)
+        start.append(len(index))
+    for e, (u, v, table) in enumerate(edges):
+        for a in range(sizes[u]):
+            for b in range(sizes[v]):
+                cost.append(table[a][b])
+                index.extend((e_row[e] + a, e_row[e] + sizes[u] + b))
+                value.extend((1.0, 1.0))
+                start.append(len(index))
+
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = num_col, num_row
+    lp.col_cost_ = np.array(cost, dtype=np.float64)
+    lp.col_lower_ = np.zeros(num_col)
+    lp.col_upper_ = np.ones(num_col)
+    rhs = np.zeros(num_row)
+    rhs[: len(sizes)] = 1.0
+    lp.row_lower_, lp.row_upper_ = rhs, rhs.copy()
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = num_col, num_row
+    lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_x + [highspy.HighsVarType.kContinuous] * (num_col - num_x)
+
+    h: Any = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 0.0)  # the defaults (1e-4 relative, 1e-6 absolute) would stop short of exact
+    h.setOptionValue("mip_abs_gap", 0.0)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise OptionError(f"HiGHS did not prove an optimal strategy (status: {h.modelStatusToString(status)}); "
+                          "raise time_limit or shrink the graph")
+    x = h.getSolution().col_value
+    return [max(range(s), key=lambda c, v=v: x[x_col[v] + c]) for v, s in enumerate(sizes)]
+
+
+def solve_ilp(graph: LayerGraph, *, memory_cap: float | None = None, time_limit: float | None = None) -> Strategy:
+    """The least-cost strategy of the whole graph from an ILP solved by HiGHS (``highspy``, imported here).
+
+    Exact on any graph; the cross-check of ``solve`` on large ones. Raises ``OptionError`` when
+    highspy is missing, or HiGHS proves no optimum within ``time_limit`` seconds.
+    """
+    capped, kept = (graph, None) if memory_cap is None else apply_memory_cap(graph, memory_cap)
+    sizes = [len(layer.configs) for layer in capped.layers]
+    choice = _ilp(sizes, [[cfg.cost for cfg in layer.configs] for layer in capped.layers],
+                  [(e.src, e.dst, e.cost) for e in capped.edges], time_limit)
+    if kept is not None:
+        choice = [kept[v][c] for v, c in enumerate(choice)]
+    return Strategy(tuple(choice), strategy_cost(graph, choice), "ilp", len(graph.layers))
+
+
+# --- the search -------------------------------------------------------------------------------
+
+
+def solve(graph: LayerGraph, *, memory_cap: float | None = None, strict: bool = False,
+          enumerate_limit: int = ENUMERATE_LIMIT, time_limit: float | None = None) -> Strategy:
+    """The least-cost strategy: drop configurations over ``memory_cap``, eliminate, solve the residue, unwind.
+
+    Each connected piece of the residue is enumerated when it has at most ``enumerate_limit``
+    strategies, else solved by ``solve_ilp``'s ILP (HiGHS; without highspy, an ``OptionError``
+    naming ``pip install 'fxpipe[strategies]'``). ``Strategy.choice`` indexes the original
+    configurations, also under a cap; ``Strategy.remaining`` counts the layers elimination left.
+
+    >>> block = cost_graph([[1.0, 0.0], [0.0, 3.0], [2.0, 2.0], [0.0, 1.0]],
+    ...                    [(0, 1, [[0.0, 1.0]] * 2), (1, 3, [[0.0, 0.0]] * 2), (0, 2, [[1.0, 0.0]] * 2),
+    ...                     (2, 3, [[0.0, 0.0]] * 2), (0, 3, [[0.0, 0.0]] * 2)])
+    >>> s = solve(block)
+    >>> s.choice, s.cost, s.method, s.remaining
+    ((1, 0, 1, 0), 2.0, 'elimination', 1)
+    """
+    capped, kept = (graph, None) if memory_cap is None else apply_memory_cap(graph, memory_cap)
+    reduction = eliminate(capped, strict=strict)
+    residual: dict[int, int] = {}
+    used_ilp = False
+    for comp in _components(reduction.remaining, reduction.edges):
+        members = set(comp)
+        sizes = [len(reduction.node_costs[v]) for v in comp]
+        local = {v: i for i, v in enumerate(comp)}
+        costs = [reduction.node_costs[v] for v in comp]
+        edges = [(local[e.src], local[e.dst], e.cost) for e in reduction.edges if e.src in members]
+        if _count(sizes) <= enumerate_limit:
+            _, picked = _exhaustive(sizes, costs, edges)
+        else:
+            picked = _ilp(sizes, costs, edges, time_limit)
+            used_ilp = True
+        residual.update(zip(comp, picked))
+    choice = list(reduction.unwind(residual))
+    if kept is not None:
+        choice = [kept[v][c] for v, c in enumerate(choice)]
+    method = "elimination+ilp" if used_ilp else "elimination"
+    return Strategy(tuple(choice), strategy_cost(graph, choice), method, len(reduction.remaining))
+
+
+# --- configurations and costs from plain numbers ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What ``layer_configs`` needs to know about a layer, for the whole batch on one rank.
+
+    ``seconds``: its forward + backward (B + W) time; ``param_bytes``: its trainable parameters;
+    ``out_bytes``: its output tensor (what its out-edges carry); ``saved_bytes``: the activations it
+    keeps for backward; ``kind``: one of ``KINDS``; ``spatial``: it has a height to split (conv, pool).
+    """
+
+    name: str
+    seconds: float = 0.0
+    param_bytes: float = 0.0
+    out_bytes: float = 0.0
+    saved_bytes: float = 0.0
+    kind: str = "matmul"
+    spatial: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which block of a tensor each rank holds: the batch, channel and height dims split these many
+    ways, and (held tensors only) a sum still pending over ``partial`` ranks."""
+
+    batch: int = 1
+    channel: int = 1
+    height: int = 1
+    partial: int = 1
+
+    @property
+    def splits(self) -> tuple[int, int, int]:
+        return (self.batch, self.channel, self.height)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes one rank receives, and its ring steps (each pays the link's latency once)."""
+
+    nbytes: float
+    steps: int
+
+    def seconds(self, *, bandwidth: float, latency: float) -> float:
+        return self.steps * latency + self.nbytes / bandwidth
+
+
+def transfer(held: Layout, needed: Layout, nbytes: float) -> Transfer:
+    """What redistributing a tensor of ``nbytes`` from ``held`` to ``needed`` costs one rank (see the module's table).
+
+    >>> transfer(Layout(batch=2), Layout(), 100.0)            # all-gather over 2
+    Transfer(nbytes=50.0, steps=1)
+    >>> transfer(Layout(partial=2), Layout(), 100.0)          # all-reduce over 2
+    Transfer(nbytes=100.0, steps=2)
+    >>> transfer(Layout(channel=2), Layout(channel=2), 100.0)  # already in place
+    Transfer(nbytes=0.0, steps=0)
+    """
+    if needed.partial != 1:
+        raise OptionError(f"a layer reads whole values, not partial sums (needed: {needed})")
+
+    def gather(splits: Sequence[int]) -> Transfer:
+        need = nbytes / math.prod(needed.splits)
+        finest = math.prod(max(a, b) for a, b in zip(splits, needed.splits))
+        pieces = finest // math.prod(needed.splits)
+        return Transfer(need - nbytes / finest, max(0, pieces - 1))
+
+    g = held.partial
+    if g == 1:
+        return gather(held.splits)
+    region = nbytes / math.prod(held.splits)
+    reduce = Transfer((g - 1) / g * region, g - 1)
+    options = []
+    for dim in range(3):  # the reduce-scatter splits one dim g ways further: the one that leaves least to fetch
+        splits = list(held.splits)
+        splits[dim] *= g
+        options.append(gather(splits))
+    rest = min(options, key=lambda t: (t.nbytes, t.steps))
+    return Transfer(reduce.nbytes + rest.nbytes, reduce.steps + rest.steps)
+
+
+def layouts(kind: str, d: Degrees) -> tuple[Layout, Layout, Layout, Layout]:
+    """A layer's (input needed, output held, input gradient held, output gradient needed), per the module's table.
+
+    >>> layouts("matmul", Degrees(column=2))[:2]
+    (Layout(batch=1, channel=1, height=1, partial=1), Layout(batch=1, channel=2, height=1, partial=1))
+    """
+    if kind == "matmul":
+        return (Layout(d.sample, d.row, d.spatial), Layout(d.sample, d.column, d.spatial, d.row),
+                Layout(d.sample, d.row, d.spatial, d.column), Layout(d.sample, d.column, d.spatial))
+    if kind in ("elementwise", "input"):
+        same = Layout(d.sample, d.column, d.spatial)
+        return same, same, same, same
+    raise OptionError(f"unknown layer kind {kind!r} (known: {', '.join(KINDS)})")
+
+
+def edge_seconds(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degrees: Degrees, *,
+                 bandwidth: float, latency: float, nbytes: float | None = None) -> float:
+    """Seconds to move ``src``'s output (``nbytes``, default ``src.out_bytes``) to ``dst`` and its gradient back.
+
+    >>> mlp = LayerSpec("fc", out_bytes=100.0)
+    >>> edge_seconds(mlp, Degrees(column=2), mlp, Degrees(row=2), bandwidth=10.0, latency=1.0)   # Megatron
+    0.0
+    >>> edge_seconds(mlp, Degrees(row=2), mlp, Degrees(column=2), bandwidth=10.0, latency=1.0)   # all-reduce x 2
+    24.0
+    """
+    size = src.out_bytes if nbytes is None else nbytes
+    _, out_held, _, out_grad_needed = layouts(src.kind, src_degrees)
+    in_needed, _, in_grad_held, _ = layouts(dst.kind, dst_degrees)
+    total = transfer(out_held, in_needed, size).seconds(bandwidth=bandwidth, latency=latency)
+    if src.kind != "input":  # a model input needs no gradient
+        total += transfer(in_grad_held, out_grad_needed, size).seconds(bandwidth=bandwidth, latency=latency)
+    return total
+
+
+def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Ordered ways to write n as a product of ``parts`` positive integers."""
+    if parts == 1:
+        return [(n,)]
+    return [(f, *rest) for f in range(1, n + 1) if n % f == 0 for rest in _factorisations(n // f, parts - 1)]
+
+
+def config_degrees(ranks: int, *, kind: str = "matmul", spatial: bool = False,
+                   divisors: bool = False) -> tuple[Degrees, ...]:
+    """The degrees a layer of ``kind`` may take on ``ranks`` ranks: products equal to ``ranks``
+    (or, with ``divisors``, dividing it). Row splits only for matmuls, spatial only with ``spatial``,
+    a model input only over the batch.
+
+    >>> [d.name for d in config_degrees(2)]
+    ['s2', 'c2', 'r2']
+    """
+    if ranks < 1:
+        raise OptionError(f"a layer needs at least 1 rank (ranks: {ranks})")
+    if kind not in KINDS:
+        raise OptionError(f"unknown layer kind {kind!r} (known: {', '.join(KINDS)})")
+    totals = [t for t in range(1, ranks + 1) if ranks % t == 0] if divisors else [ranks]
+    out: list[Degrees] = []
+    for total in sorted(totals, reverse=True):
+        for s, c, r, h in _factorisations(total, 4):
+            if (kind == "input" and (c, r, h) != (1, 1, 1)) or (kind == "elementwise" and r != 1) \
+                    or (not spatial and h != 1):
+                continue
+            out.append(Degrees(s, c, r, h))
+    return tuple(sorted(out, key=lambda d: (-d.product, -d.sample, -d.column, -d.row, -d.spatial)))
+
+
+def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: float, optimizer: str = "sgd",
+                  divisors: bool = False) -> tuple[Config, ...]:
+    """The configurations of one layer on ``ranks`` ranks with their compute, sync and memory (module docstring).
+
+    >>> fc = LayerSpec("fc", seconds=1.0, param_bytes=100.0, saved_bytes=40.0)
+    >>> [(c.name, c.compute, c.sync, c.memory) for c in layer_configs(fc, 2, bandwidth=10.0, latency=0.5)]
+    [('s2', 0.5, 11.0, 220.0), ('c2', 0.5, 0.0, 140.0), ('r2', 0.5, 0.0, 120.0)]
+    """
+    configs = []
+    for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial, divisors=divisors):
+        param_split = d.column * d.row if spec.kind == "matmul" else d.column
+        in_split = math.prod(layouts(spec.kind, d)[0].splits)
+        params = spec.param_bytes / param_split
+        sync = allreduce_seconds(params, d.sample * d.spatial, bandwidth, latency)
+        memory = static_memory(params, optimizer) + spec.saved_bytes / in_split
+        configs.append(Config(d.name, spec.seconds / d.product, sync, memory, d))
+    return tuple(configs)
+
+
+def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
+                latency: float, optimizer: str = "sgd", divisors: bool = False) -> LayerGraph:
+    """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
+    configurations and every edge's table of ``edge_seconds``.
+
+    >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
+    >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
+    >>> [c.name for c in g.layers[1].configs], g.edges[0].cost
+    (['s2', 'c2', 'r2'], ((0.0, 32.0, 16.0),))
+    """
+    configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors)
+               for s in specs]
+    layers = tuple(Layer(s.name, c) for s, c in zip(specs, configs))
+    out = []
+    for u, v in edges:
+        if not (0 <= u < len(specs) and 0 <= v < len(specs)):
+            raise OptionError(f"edge ({u}, {v}) must join two of the {len(specs)} layers")
+        table = tuple(tuple(edge_seconds(specs[u], a.degrees or Degrees(), specs[v], b.degrees or Degrees(),
+                                         bandwidth=bandwidth, latency=latency) for b in configs[v])
+                      for a in configs[u])
+        out.append(Edge(u, v, table))
+    return LayerGraph(layers, tuple(out))
+
