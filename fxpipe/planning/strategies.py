@@ -51,20 +51,21 @@ needed; bytes are what each rank receives, steps are its ring steps (each costs 
 
     held -> needed                               collective       bytes per rank         steps
     same blocks, or needed blocks inside held    none / a slice   0                      0
-    split g ways -> whole (on the g ranks)       all-gather       (g-1)/g * R            g-1
-    split g ways on one dim -> on another        all-to-all       (g-1)/g * R/g          g-1
-    partial over g -> split g ways               reduce-scatter   (g-1)/g * R            g-1
-    partial over g -> whole                      all-reduce       2(g-1)/g * R           2(g-1)
+    split g ways -> whole (on the g ranks)       all-gather       (g-1)/g * B            g-1
+    split g ways on one dim -> on another        all-to-all       (g-1)/g * B/g          g-1
+    partial over g -> split g ways               reduce-scatter   (g-1)/g * B            g-1
+    partial over g -> whole                      all-reduce       2(g-1)/g * B           2(g-1)
 
-R is the region one rank holds before the collective. In general: partial sums over g are first
-reduce-scattered (``(g-1)/g`` of the held region, g-1 steps), splitting the dimension that leaves
-the least to fetch; then a rank receives what it needs and does not hold,
-``B/(s'c'h') - B/(max(s,s') max(c,c') max(h,h'))``, in ``max(..)/(s'c'h') - 1`` steps. This assumes
-nested degrees (powers of two: one split refines the other) placed so blocks line up; otherwise it
-is a lower bound. Convolution halos are not counted. An edge costs its forward transfer (producer's
+Here B is the block the g ranks share (the whole tensor when they are all the ranks). In general,
+for a tensor of B bytes: partial sums over g are first reduce-scattered (``(g-1)/g`` of the block
+the g ranks share, g-1 steps), splitting further the dimension that leaves the least to fetch; then
+a rank receives what it needs and does not hold, ``B/(s'c'h') - B/(max(s,s') max(c,c') max(h,h'))``
+(held splits s, c, h; needed s', c', h'), in ``max(..)/(s'c'h') - 1`` steps. This assumes nested
+degrees (powers of two: one split refines the other) placed so blocks line up; otherwise it is a
+lower bound. Convolution halos are not counted. An edge costs its forward transfer (producer's
 output -> consumer's input) plus its backward one (consumer's input gradient -> producer's output
-gradient), each ``steps x latency + bytes / bandwidth``; Megatron's column-then-row MLP is 0 inside
-and one all-reduce each way around it.
+gradient), each ``steps x latency + bytes / bandwidth``; Megatron's column-then-row MLP moves
+nothing inside and one all-reduce each way around it.
 
 Pure functions on plain values; no torch. HiGHS is imported only inside ``solve_ilp``.
 """
@@ -270,13 +271,15 @@ def apply_memory_cap(graph: LayerGraph, cap: float) -> tuple[LayerGraph, tuple[t
     kept = tuple(tuple(c for c, cfg in enumerate(layer.configs) if cfg.memory <= cap) for layer in graph.layers)
     empty = [v for v, k in enumerate(kept) if not k]
     if empty:
-        need = {v: min(cfg.memory for cfg in graph.layers[v].configs) for v in empty}
-        worst = max(empty, key=lambda v: need[v])
+        smallest = {v: min(graph.layers[v].configs, key=lambda cfg: cfg.memory) for v in empty}
+        worst = max(empty, key=lambda v: smallest[v].memory)
         names = ", ".join(repr(graph.layers[v].name) for v in empty[:3]) + (", ..." if len(empty) > 3 else "")
+        which = f"layer {names}" if len(empty) == 1 else f"{len(empty)} layers ({names})"
+        need = _format_bytes(smallest[worst].memory)
         raise OptionError(
-            f"no configuration of {len(empty)} layer(s) fits the memory cap per rank ({names}; cap: "
-            f"{_format_bytes(cap)}, the smallest {graph.layers[worst].name!r} has needs {_format_bytes(need[worst])}); "
-            f"raise the cap to at least {_format_bytes(need[worst])} or use more ranks")
+            f"no configuration of {which} fits the memory cap per rank (cap: {_format_bytes(cap)}; the smallest "
+            f"of {graph.layers[worst].name!r}, {smallest[worst].name}, needs {need}); raise the cap to at least "
+            f"{need} or use more ranks")
     layers = tuple(Layer(layer.name, tuple(layer.configs[c] for c in k)) for layer, k in zip(graph.layers, kept))
     edges = tuple(Edge(e.src, e.dst, tuple(tuple(e.cost[a][b] for b in kept[e.dst]) for a in kept[e.src]))
                   for e in graph.edges)
