@@ -606,7 +606,7 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
                 value.extend((1.0, 1.0))
                 start.append(len(index))
 
-    lp = highspy.HighsLp()
+    lp: Any = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = num_col, num_row
     lp.col_cost_ = np.array(cost, dtype=np.float64)
     lp.col_lower_ = np.zeros(num_col)
@@ -643,7 +643,10 @@ def solve_ilp(graph: LayerGraph, *, memory_cap: float | None = None, time_limit:
     Exact on any graph; the cross-check of ``solve`` on large ones. Raises ``OptionError`` when
     highspy is missing, or HiGHS proves no optimum within ``time_limit`` seconds.
     """
-    capped, kept = (graph, None) if memory_cap is None else apply_memory_cap(graph, memory_cap)
+    capped: LayerGraph = graph
+    kept: tuple[tuple[int, ...], ...] | None = None
+    if memory_cap is not None:
+        capped, kept = apply_memory_cap(graph, memory_cap)
     sizes = [len(layer.configs) for layer in capped.layers]
     choice = _ilp(sizes, [[cfg.cost for cfg in layer.configs] for layer in capped.layers],
                   [(e.src, e.dst, e.cost) for e in capped.edges], time_limit)
@@ -671,7 +674,10 @@ def solve(graph: LayerGraph, *, memory_cap: float | None = None, strict: bool = 
     >>> s.choice, s.cost, s.method, s.remaining
     ((1, 0, 1, 0), 2.0, 'elimination', 1)
     """
-    capped, kept = (graph, None) if memory_cap is None else apply_memory_cap(graph, memory_cap)
+    capped: LayerGraph = graph
+    kept: tuple[tuple[int, ...], ...] | None = None
+    if memory_cap is not None:
+        capped, kept = apply_memory_cap(graph, memory_cap)
     reduction = eliminate(capped, strict=strict)
     residual: dict[int, int] = {}
     used_ilp = False

@@ -374,3 +374,12 @@ def test_an_impossible_memory_cap_is_one_clear_error() -> None:
         Edge(0, 1, ((0.0,),)),))
     with pytest.raises(OptionError, match=r"of 2 layers \('a', 'b'\).*the smallest of 'b', y, needs 9.00 B"):
         apply_memory_cap(two, 1.0)
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    from fxpipe.planning import strategies
+
+    result = doctest.testmod(strategies)
+    assert result.failed == 0 and result.attempted >= 15
