@@ -1,4 +1,4 @@
-"""Per-layer parallel configurations (OptCNN) searched exactly on the layer graph: elimination, then enumeration or an ILP.
+"""Per-layer parallel configurations (OptCNN), searched exactly on the layer graph by elimination, enumeration or an ILP.
 
 Every layer of a graph has candidate configurations, each with a node cost (compute plus the
 all-reduce of its replicated parameters' gradients) and a memory per rank; every edge (a tensor
@@ -21,8 +21,9 @@ enumeration when small, else by an ILP (HiGHS, ``pip install 'fxpipe[strategies]
 eliminations are unwound in reverse to give every layer its configuration. ``solve_ilp`` and
 ``solve_brute_force`` solve the whole graph (cross-checks, and graphs that do not reduce)::
 
-    chain a - b - c (2 configs each):  eliminate b  ->  a - c  ->  fold a into c  ->  c alone
-    K4 (every pair joined):            no rule applies  ->  4 layers left  ->  enumeration or ILP
+    chain a -> b -> c:        fold a into b, then b into c  ->  c alone
+                   strict:    eliminate b  ->  a -> c (source and sink)
+    K4 (every pair joined):   no rule applies  ->  4 layers left  ->  enumeration or ILP
 
 **Configurations from plain numbers** (``layer_configs``, ``build_graph``). On ``d`` ranks a layer's
 configuration is its degrees ``(s, c, r, h)``: s splits the batch (sample), c the output
