@@ -411,6 +411,9 @@ def _diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
         culprit = int(named.group(1)) if named else None
         return RankFailure(culprit, f"rank {culprit if culprit is not None else '?'} failed without an error "
                                     f"report; rank {rank} reported: {why}")
-    tail = (torchrun_stderr.strip().splitlines() or ["no output"])[-1]
+    # torchrun's last words: its error line if it gave one, never a line of its summary's ===== frame.
+    lines = [ln.strip() for ln in torchrun_stderr.splitlines() if ln.strip().strip("=-")]
+    errors_said = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+    tail = (errors_said or lines or ["no output"])[-1]
     return RankFailure(None, f"the ranks exited with code {returncode} without a report ({tail[:200]}); "
                              "re-run to see the ranks' output")

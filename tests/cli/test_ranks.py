@@ -77,6 +77,11 @@ def test_no_report_at_all_quotes_torchrun() -> None:
     failure = diagnose(3, "some noise\nModuleNotFoundError: No module named 'x'\n", {}, set())
     assert failure == RankFailure(None, "the ranks exited with code 3 without a report (ModuleNotFoundError: No "
                                         "module named 'x'); re-run to see the ranks' output")
+    # torchrun's failure summary ends in a frame of ===; its error line is what is quoted, not the frame.
+    framed = ("torch.distributed.DistNetworkError: The server socket has failed to listen (port 29400)\n"
+              "=====\nroot cause (first observed failure):\n  exitcode: 1\n=====\n")
+    failure = diagnose(1, framed, {}, set())
+    assert failure is not None and "(torch.distributed.DistNetworkError: The server socket has failed" in failure.message
 
 
 def test_reports_are_read_from_the_out_dir(tmp_path: Path) -> None:
