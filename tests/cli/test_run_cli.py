@@ -22,8 +22,9 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _reference_losses(steps: int, m: int = 4, lr: float = 0.01) -> list[float]:
-    zoo = models.build("gpt-tiny")
+def _reference_losses(steps: int, m: int = 4, lr: float = 0.01, model: str = "gpt-tiny") -> list[float]:
+    """One process on fxpipe run's synthetic batch of m microbatches: the mean loss per step, plain SGD."""
+    zoo = models.build(model)
     ref = copy.deepcopy(zoo.model)
     inputs, target = synthetic_batch(zoo, m)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)

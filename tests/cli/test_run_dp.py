@@ -3,7 +3,6 @@ data learns, a killed replica is named, and mismatched options are refused befor
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import math
@@ -12,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from tests.cli.test_run_cli import _reference_losses
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
 
 STEPS = 3
@@ -41,19 +38,7 @@ def four_rank_run() -> tuple[dict[str, object], list[dict[str, object]]]:
 
 def reference_losses(m: int, steps: int = STEPS, lr: float = 0.01) -> list[float]:
     """One process, mlp-small on the whole batch of m microbatches (fxpipe run's synthetic batch), plain SGD."""
-    zoo = models.build("mlp-small")
-    ref = copy.deepcopy(zoo.model)
-    inputs, target = synthetic_batch(zoo, m)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    xs, ts = inputs[0].tensor_split(m), target.tensor_split(m)
-    losses = []
-    for _ in range(steps):
-        loss = sum(zoo.loss_fn(ref(xs[i]), ts[i]) for i in range(m)) / m
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    return _reference_losses(steps, m, lr, model="mlp-small")
 
 
 def test_the_plans_dp_runs_two_replicas_like_one_process_on_the_whole_batch() -> None:

@@ -50,11 +50,14 @@ def _reference(model: str, m: int, steps: int) -> tuple[list[float], dict[str, t
     return losses, dict(ref.named_parameters(remove_duplicate=False))  # tied weights: one object, two names
 
 
-def _check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
+def _check(tmp_path: Path, world: int, cfg: dict[str, Any],
+           expected: tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> None:
+    """Every rank of every schedule ended with one process's losses and parameters (``expected``: losses,
+    parameters and buffers to check; default: :func:`_reference`'s, buffers unchecked)."""
     results = _launch(tmp_path, world, cfg)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
-    losses, params = _reference(cfg["model"], cfg["microbatches"], cfg["steps"])
+    losses, params, buffers = expected or (*_reference(cfg["model"], cfg["microbatches"], cfg["steps"]), {})
     for name in cfg["schedules"]:
         seen = set()
         for rank in range(world):
@@ -63,6 +66,8 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
             for pname, value in saved["state"]["params"].items():
                 torch.testing.assert_close(value, params[pname].detach(), msg=lambda msg: f"{name} {pname}: {msg}")
                 seen.add(pname)
+            for bname, value in saved["state"]["buffers"].items() if buffers else ():
+                torch.testing.assert_close(value, buffers[bname], msg=lambda msg: f"{name} {bname}: {msg}")
         # Every parameter was trained on some rank (a tied weight under either of its names).
         assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.runtime._dist_worker import build
-from tests.runtime.test_distributed import SCHEDULES, _launch
+from tests.runtime.test_distributed import SCHEDULES, _check, _launch
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
 
@@ -50,24 +50,6 @@ def reference(model: str, m: int, dp: int, steps: int) -> tuple[list[float], dic
     return losses, dict(ref.named_parameters(remove_duplicate=False)), {k: b.detach().clone() for k, b in bufs.items()}
 
 
-def check(tmp_path: Path, world: int, cfg: dict[str, Any]) -> None:
-    results = _launch(tmp_path, world, cfg)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    losses, params, buffers = reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"])
-    for name in cfg["schedules"]:
-        seen = set()
-        for rank in range(world):
-            saved = torch.load(tmp_path / f"{name}-rank{rank}.pt", weights_only=False)
-            assert saved["losses"] == pytest.approx(losses, rel=1e-9), name
-            for pname, value in saved["state"]["params"].items():
-                torch.testing.assert_close(value, params[pname].detach(), msg=lambda msg: f"{name} {pname}: {msg}")
-                seen.add(pname)
-            for bname, value in saved["state"]["buffers"].items():
-                torch.testing.assert_close(value, buffers[bname], msg=lambda msg: f"{name} {bname}: {msg}")
-        assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
-
-
 @pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])
 def test_two_stages_on_two_replicas_train_like_one_process(model: str, tmp_path: Path) -> None:
     """mlp; gpt (the tied embedding/head is summed over each replica's pipeline ranks, then over the replicas);
@@ -77,7 +59,7 @@ def test_two_stages_on_two_replicas_train_like_one_process(model: str, tmp_path:
         cfg["mesh"] = True  # PipelineRuntime(..., mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
     if model == "skip-tied":
         cfg["granularity"] = "1"
-    check(tmp_path, 4, cfg)
+    _check(tmp_path, 4, cfg, reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"]))
 
 
 def test_a_checkpoint_is_written_once_per_stage_and_resumes_onto_another_replica_count(tmp_path: Path) -> None:
