@@ -53,6 +53,9 @@ class PipelineRuntime:
     optimizer per stage from that stage's parameters (any ``torch.optim`` class or factory;
     default SGD, lr 0.01). ``loss_fn(outputs, target)`` defaults to the built-in model's loss for
     plans of the zoo. Every rank builds the same plan and schedule and runs only its own part.
+    ``mesh``: a ``DeviceMesh`` with dimensions ``("pp", "dp")`` (pipeline positions x replicas of
+    every stage); None lays out ``world // schedule ranks`` replicas itself (see
+    :mod:`fxpipe.runtime.replicas`; with replicas, :meth:`step` takes the whole batch).
     ``prefetch``: None posts all of a step's receives at its start into buffers reused every
     step (fastest; one buffer per message of the step); K posts each action's receives K
     actions ahead into new buffers, so receive memory follows the schedule's in-flight count.
@@ -83,9 +86,9 @@ class PipelineRuntime:
         self.mesh, self.dp = self.layout.mesh, self.layout.dp
         self.pp_rank, self.dp_rank = self.layout.pp_rank, self.layout.dp_rank
         if self.dp > 1 and not schedule.synchronous:
+            ranks = f"{schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}"
             raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
-                              f"stage (here {self.dp}); start {schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}, or "
-                              "pick a synchronous schedule")
+                              f"stage (here {self.dp}); start {ranks}, or pick a synchronous schedule")
         graphs = pipe.stage_graphs
         if graphs is None or any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
