@@ -81,13 +81,16 @@ from typing import Any
 
 from fxpipe.errors import OptionError
 from fxpipe.planning.cost import allreduce_seconds, static_memory
+from fxpipe.report import Report
 
 __all__ = [
     "ENUMERATE_LIMIT",
     "KINDS",
+    "STRATEGY_COLUMNS",
     "Config",
     "Degrees",
     "Edge",
+    "LayerMemory",
     "Layer",
     "LayerGraph",
     "LayerSpec",
@@ -99,14 +102,18 @@ __all__ = [
     "build_graph",
     "config_degrees",
     "cost_graph",
+    "data_parallel",
     "edge_seconds",
     "eliminate",
     "layer_configs",
+    "layer_memory",
     "layouts",
     "solve",
     "solve_brute_force",
     "solve_ilp",
+    "splitbrain",
     "strategy_cost",
+    "strategy_rows",
     "transfer",
 ]
 
@@ -888,3 +895,125 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
         out.append(Edge(u, v, table))
     return LayerGraph(layers, tuple(out))
 
+
+
+# --- preset strategies and the per-layer table ---------------------------------------------------
+
+
+def _find(graph: LayerGraph, v: int, degrees: Degrees) -> int:
+    for c, cfg in enumerate(graph.layers[v].configs):
+        if cfg.degrees == degrees:
+            return c
+    names = ", ".join(cfg.name for cfg in graph.layers[v].configs)
+    raise OptionError(f"layer {v} ({graph.layers[v].name!r}) has no configuration {degrees.name} (it has: {names}); "
+                      "build the graph with build_graph on a rank count the preset divides")
+
+
+def _ranks(graph: LayerGraph) -> int:
+    products = {cfg.degrees.product for layer in graph.layers for cfg in layer.configs if cfg.degrees is not None}
+    if not products:
+        raise OptionError("a preset needs a graph from build_graph (configurations with degrees)")
+    return max(products)
+
+
+def _preset(graph: LayerGraph, choice: Sequence[int], method: str) -> Strategy:
+    return Strategy(tuple(choice), strategy_cost(graph, choice), method, len(graph.layers))
+
+
+def data_parallel(graph: LayerGraph) -> Strategy:
+    """Pure data parallelism: every layer of a ``build_graph`` graph splits only the batch, over all d ranks.
+
+    >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
+    >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
+    >>> data_parallel(g).names(g)
+    ('s2', 's2')
+    """
+    d = _ranks(graph)
+    return _preset(graph, [_find(graph, v, Degrees(sample=d)) for v in range(len(graph.layers))], "data-parallel")
+
+
+def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min_param_bytes: float = 0.0) -> Strategy:
+    """SplitBrain (Vyas et al.): convolutions and parameter-free layers data-parallel over all d ranks;
+    fully-connected layers (``matmul`` kind, not ``spatial``, more than ``min_param_bytes`` of
+    parameters) sharded over groups of ``group`` ranks and data-parallel across the d/group groups.
+
+    Consecutive sharded layers alternate column then row (Megatron's pair: nothing moves between
+    them); a lone or odd one is column-sharded. ``group`` must divide d.
+
+    >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("conv", seconds=1.0, param_bytes=8.0,
+    ...          spatial=True), LayerSpec("fc1", seconds=1.0, param_bytes=80.0), LayerSpec("fc2", param_bytes=80.0)]
+    >>> g = build_graph(specs, [(0, 1), (1, 2), (2, 3)], 4, bandwidth=1.0, latency=0.0)
+    >>> splitbrain(g, specs, 2).names(g)
+    ('s4', 's4', 's2c2', 's2r2')
+    """
+    d = _ranks(graph)
+    if len(specs) != len(graph.layers):
+        raise OptionError(f"splitbrain needs one spec per layer (layers: {len(graph.layers)}, specs: {len(specs)})")
+    if group < 1 or d % group:
+        raise OptionError(f"the SplitBrain group ({group}) must divide the ranks ({d})")
+    choice = []
+    previous_column = False
+    for v, spec in enumerate(specs):
+        fc = spec.kind == "matmul" and not spec.spatial and spec.param_bytes > min_param_bytes and group > 1
+        if not fc:
+            degrees, previous_column = Degrees(sample=d), False
+        elif previous_column:
+            degrees, previous_column = Degrees(sample=d // group, row=group), False
+        else:
+            degrees, previous_column = Degrees(sample=d // group, column=group), True
+        choice.append(_find(graph, v, degrees))
+    return _preset(graph, choice, f"splitbrain-{group}")
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One rank's bytes for one layer in one configuration: parameters, gradients, optimizer state, saved activations."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def layer_memory(spec: LayerSpec, degrees: Degrees, optimizer: str = "sgd") -> LayerMemory:
+    """``layer_configs``'s memory per rank, split into its parts (its sum is the configuration's memory).
+
+    >>> layer_memory(LayerSpec("fc", param_bytes=100.0, saved_bytes=40.0), Degrees(column=2), "momentum")
+    LayerMemory(params=50.0, grads=50.0, optimizer=50.0, activations=40.0)
+    """
+    param_split = degrees.column * degrees.row if spec.kind == "matmul" else degrees.column
+    params = spec.param_bytes / param_split
+    state = static_memory(params, optimizer) - 2 * params
+    in_split = math.prod(layouts(spec.kind, degrees)[0].splits)
+    return LayerMemory(params, params, state, spec.saved_bytes / in_split)
+
+
+STRATEGY_COLUMNS = ("layer", "config", "compute_s", "sync_s", "transfer_in_s", "memory_bytes")
+
+
+def strategy_rows(graph: LayerGraph, specs: Sequence[LayerSpec] | None, strategy: Strategy) -> Report:
+    """A table of ``strategy`` on ``graph``: per layer its configuration, compute, sync, transfer-in
+    seconds (its in-edges' entries, forward and backward) and memory per rank; then a ``total`` row
+    (memory: the sum over layers, a rank holds all of them). ``specs`` only names the layers when given.
+
+    >>> g = cost_graph([[1.0, 2.0], [3.0]], [(0, 1, [[5.0], [0.0]])])
+    >>> strategy_rows(g, None, solve(g)).rows[-1]
+    ('total', '', 5.0, 0.0, 0.0, 0.0)
+    """
+    if len(strategy.choice) != len(graph.layers):
+        raise OptionError(f"the strategy has {len(strategy.choice)} choices for {len(graph.layers)} layers")
+    transfer_in = [0.0] * len(graph.layers)
+    for e in graph.edges:
+        transfer_in[e.dst] += e.cost[strategy.choice[e.src]][strategy.choice[e.dst]]
+    rows = []
+    for v, (layer, c) in enumerate(zip(graph.layers, strategy.choice)):
+        cfg = layer.configs[c]
+        name = specs[v].name if specs is not None else layer.name
+        rows.append((name, cfg.name, cfg.compute, cfg.sync, transfer_in[v], cfg.memory))
+    totals = tuple(math.fsum(r[i] for r in rows) for i in range(2, 6))
+    rows.append(("total", "", *totals))
+    return Report(f"strategy ({strategy.method}): {strategy.cost:.6g} s", STRATEGY_COLUMNS, tuple(rows))

@@ -23,13 +23,17 @@ from fxpipe.planning.strategies import (
     build_graph,
     config_degrees,
     cost_graph,
+    data_parallel,
     edge_seconds,
     eliminate,
     layer_configs,
+    layer_memory,
     solve,
     solve_brute_force,
     solve_ilp,
+    splitbrain,
     strategy_cost,
+    strategy_rows,
     transfer,
 )
 
@@ -383,3 +387,62 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(strategies)
     assert result.failed == 0 and result.attempted >= 15
+
+
+# --- presets: data parallelism and SplitBrain -------------------------------------------------
+
+
+@pytest.mark.parametrize(("ranks", "group"), [(4, 2), (4, 4), (8, 2), (8, 4)])
+def test_presets_on_a_vgg_like_chain(ranks: int, group: int) -> None:
+    """Data parallelism splits only the batch; SplitBrain keeps the convolutions there and shards the
+    classifier's fully-connected layers within groups of K (column, row, column), the batch across groups."""
+    specs, edges = vgg_like()
+    graph = build_graph(specs, edges, ranks, **LINK)
+    assert set(data_parallel(graph).names(graph)) == {f"s{ranks}"}
+    sb = splitbrain(graph, specs, group)
+    chosen = dict(zip((s.name for s in specs), sb.names(graph)))
+    outer = f"s{ranks // group}" if ranks > group else ""
+    for name in ("input", "conv1", "conv2", "pool2", "conv3", "conv4", "pool4"):
+        assert chosen[name] == f"s{ranks}", (name, chosen)
+    assert (chosen["fc6"], chosen["fc7"], chosen["fc8"]) == (f"{outer}c{group}", f"{outer}r{group}", f"{outer}c{group}")
+    assert close(sb.cost, strategy_cost(graph, sb.choice))
+    # SplitBrain's point: the classifier's parameters (and gradients, optimizer state) shrink K-fold per rank
+    fc6 = graph.layers[7].configs[sb.choice[7]]
+    assert fc6.degrees is not None
+    assert layer_memory(specs[7], fc6.degrees).params == pytest.approx(specs[7].param_bytes / group)
+    with pytest.raises(OptionError, match="must divide"):
+        splitbrain(graph, specs, 3)
+
+
+def test_the_search_is_never_costlier_than_either_preset() -> None:
+    rng = random.Random(14)
+    cases = [(make, ranks) for make in (vgg_like, resnet_block, inception_block) for ranks in (2, 4, 8)]
+    for _ in range(30):
+        n = rng.randint(3, 8)
+        edges = random_sp_edges(rng, n)
+        kinds = ["input"] + [rng.choice(["matmul", "elementwise"]) for _ in range(n - 1)]
+        specs = [LayerSpec(f"l{v}", rng.uniform(0, 0.3), rng.choice([0.0, 1.0, 50.0]) * MB * (k == "matmul"),
+                           rng.uniform(0.1, 20) * MB, rng.uniform(0.1, 20) * MB, k, spatial=rng.random() < 0.5)
+                 for v, k in enumerate(kinds)]
+        cases.append((lambda specs=specs, edges=edges: (specs, edges), rng.choice([2, 4])))
+    for make, ranks in cases:
+        specs, edges = make()
+        graph = build_graph(specs, edges, ranks, **LINK)
+        best = solve(graph).cost
+        presets = [data_parallel(graph)] + [splitbrain(graph, specs, k) for k in (2, ranks) if ranks % k == 0]
+        for preset in presets:
+            assert best <= preset.cost * (1 + 1e-9) + 1e-12, (preset.method, best, preset.cost)
+
+
+def test_strategy_rows_add_up_to_the_strategy() -> None:
+    specs, edges = vgg_like()
+    graph = build_graph(specs, edges, 4, **LINK)
+    for strategy in (solve(graph), data_parallel(graph), splitbrain(graph, specs, 2)):
+        report = strategy_rows(graph, specs, strategy)
+        body, total = report.rows[:-1], report.rows[-1]
+        assert [r[0] for r in body] == [s.name for s in specs] and total[0] == "total"
+        assert [r[1] for r in body] == list(strategy.names(graph))
+        assert close(total[2] + total[3] + total[4], strategy.cost)
+        mem = [layer_memory(s, graph.layers[v].configs[c].degrees).total
+               for v, (s, c) in enumerate(zip(specs, strategy.choice))]
+        assert [r[5] for r in body] == pytest.approx(mem)
