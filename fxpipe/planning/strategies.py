@@ -938,7 +938,8 @@ def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min
     parameters) sharded over groups of ``group`` ranks and data-parallel across the d/group groups.
 
     Consecutive sharded layers alternate column then row (Megatron's pair: nothing moves between
-    them); a lone or odd one is column-sharded. ``group`` must divide d.
+    them; elementwise layers between the two keep the column layout); a lone or odd one is
+    column-sharded. ``group`` must divide d.
 
     >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("conv", seconds=1.0, param_bytes=8.0,
     ...          spatial=True), LayerSpec("fc1", seconds=1.0, param_bytes=80.0), LayerSpec("fc2", param_bytes=80.0)]
@@ -955,7 +956,9 @@ def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min
     previous_column = False
     for v, spec in enumerate(specs):
         fc = spec.kind == "matmul" and not spec.spatial and spec.param_bytes > min_param_bytes and group > 1
-        if not fc:
+        if not fc and previous_column and spec.kind == "elementwise":
+            degrees = Degrees(sample=d // group, column=group)  # ReLU/dropout between the pair keep its layout
+        elif not fc:
             degrees, previous_column = Degrees(sample=d), False
         elif previous_column:
             degrees, previous_column = Degrees(sample=d // group, row=group), False
