@@ -74,14 +74,12 @@ Pure functions on plain values; no torch. HiGHS is imported only inside ``solve_
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import OptionError
 from fxpipe.planning.cost import allreduce_seconds, static_memory
-from fxpipe.report import Report
 
 __all__ = [
     "ENUMERATE_LIMIT",
@@ -97,6 +95,7 @@ __all__ = [
     "Layout",
     "Reduction",
     "Strategy",
+    "StrategyTable",
     "Transfer",
     "apply_memory_cap",
     "build_graph",
@@ -432,10 +431,12 @@ def eliminate(graph: LayerGraph, *, strict: bool = False) -> Reduction:
         u, v, table = edges[eid]
         return (v, table) if u == frm else (u, _transpose(table))
 
-    work = deque(range(n))
+    work = list(range(n))  # a FIFO queue: popped from ``head`` on (planning imports no collections)
+    head = 0
     queued = set(work)
-    while work:
-        j = work.popleft()
+    while head < len(work):
+        j = work[head]
+        head += 1
         queued.discard(j)
         if j not in costs:
             continue
@@ -566,9 +567,9 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
     sum_a y[e,a,b] = x[dst,b]. With x integral these force y[e,a,b] = x[src,a] x[dst,b] exactly
     (the marginal form of the product linearisation, tighter than y >= x + x' - 1).
     """
-    try:
-        import highspy
-        import numpy as np
+    try:  # optional, and only here: __import__ keeps planning's module-level imports the standard library's
+        highspy: Any = __import__("highspy")
+        np: Any = __import__("numpy")
     except ImportError:
         raise OptionError(f"this layer graph does not reduce by elimination and its residue is too large to enumerate, "
                           f"so it needs the ILP solver HiGHS, which is not installed; {_INSTALL}") from None
@@ -998,7 +999,20 @@ def layer_memory(spec: LayerSpec, degrees: Degrees, optimizer: str = "sgd") -> L
 STRATEGY_COLUMNS = ("layer", "config", "compute_s", "sync_s", "transfer_in_s", "memory_bytes")
 
 
-def strategy_rows(graph: LayerGraph, specs: Sequence[LayerSpec] | None, strategy: Strategy) -> Report:
+@dataclass(frozen=True)
+class StrategyTable:
+    """``strategy_rows``'s table as plain values (planning imports nothing else; ``fxpipe.report.Report(*table)``
+    makes it a report: the same title, columns and rows)."""
+
+    title: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter((self.title, self.columns, self.rows))
+
+
+def strategy_rows(graph: LayerGraph, specs: Sequence[LayerSpec] | None, strategy: Strategy) -> StrategyTable:
     """A table of ``strategy`` on ``graph``: per layer its configuration, compute, sync, transfer-in
     seconds (its in-edges' entries, forward and backward) and memory per rank; then a ``total`` row
     (memory: the sum over layers, a rank holds all of them). ``specs`` only names the layers when given.
@@ -1019,4 +1033,4 @@ def strategy_rows(graph: LayerGraph, specs: Sequence[LayerSpec] | None, strategy
         rows.append((name, cfg.name, cfg.compute, cfg.sync, transfer_in[v], cfg.memory))
     totals = tuple(math.fsum(r[i] for r in rows) for i in range(2, 6))
     rows.append(("total", "", *totals))
-    return Report(f"strategy ({strategy.method}): {strategy.cost:.6g} s", STRATEGY_COLUMNS, tuple(rows))
+    return StrategyTable(f"strategy ({strategy.method}): {strategy.cost:.6g} s", STRATEGY_COLUMNS, tuple(rows))
