@@ -567,9 +567,9 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
     sum_a y[e,a,b] = x[dst,b]. With x integral these force y[e,a,b] = x[src,a] x[dst,b] exactly
     (the marginal form of the product linearisation, tighter than y >= x + x' - 1).
     """
-    try:  # optional, and only here: __import__ keeps planning's module-level imports the standard library's
-        highspy: Any = __import__("highspy")
-        np: Any = __import__("numpy")
+    try:  # optional (the strategies extra), imported only here, when a graph needs the ILP
+        import highspy
+        import numpy as np
     except ImportError:
         raise OptionError(f"this layer graph does not reduce by elimination and its residue is too large to enumerate, "
                           f"so it needs the ILP solver HiGHS, which is not installed; {_INSTALL}") from None
