@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds = time.perf_counter() - start
         print(f"trained steps {first}..{args.steps - 1} on {world} ranks: pp {pp} x dp {rt.dp}, global batch {rows} "
               f"rows, {max(args.steps - first, 0) * rows / max(seconds, 1e-9):.0f} samples/s", flush=True)
+    del rt  # the runtime's communication buffers and works go before the process group does
     dist.destroy_process_group()
 
 
