@@ -35,6 +35,8 @@ the height (spatial; convolutions, pooling), with ``s*c*r*h == d`` (or dividing 
     sync     = allreduce_seconds(params / P, s*h, link)   P = c*r (matmul) or c (elementwise): the
                                                           parameters are split over P and replicated
                                                           over the s*h ranks that see other samples/pixels
+                                                          (a matmul's bias over c only)
+             + 2 x allreduce_seconds(stats / c, s*h)      BatchNorm's batch statistics, forward and backward
     memory   = static_memory(params / P, optimizer)       parameters, gradients, optimizer state
              + saved / (the degrees that split the input) a matmul saves its input (s*r*h); else s*c*h
 
@@ -79,7 +81,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import OptionError
-from fxpipe.planning.cost import allreduce_seconds, static_memory
+from fxpipe.planning.cost import allreduce_buckets, allreduce_seconds, static_memory
 
 __all__ = [
     "ENUMERATE_LIMIT",
@@ -103,16 +105,20 @@ __all__ = [
     "cost_graph",
     "data_parallel",
     "edge_seconds",
+    "edge_transfers",
     "eliminate",
     "layer_configs",
     "layer_memory",
     "layouts",
+    "local_param_bytes",
     "solve",
     "solve_brute_force",
     "solve_ilp",
     "splitbrain",
     "strategy_cost",
     "strategy_rows",
+    "sync_collectives",
+    "sync_seconds",
     "transfer",
 ]
 
@@ -122,8 +128,9 @@ ENUMERATE_LIMIT = 10_000
 BRUTE_FORCE_LIMIT = 2_000_000
 """The most strategies ``solve_brute_force`` agrees to enumerate."""
 
-KINDS = ("matmul", "elementwise", "input")
-"""Layer kinds ``layer_configs`` knows: contracts input features | keeps its input's layout | a model input."""
+KINDS = ("matmul", "elementwise", "input", "loss")
+"""Layer kinds ``layer_configs`` knows: contracts input features | keeps its input's layout | a model input |
+the loss (reads the model's output split over the batch on every rank, as the input is)."""
 
 _INSTALL = "pip install 'fxpipe[strategies]'"
 
@@ -718,7 +725,11 @@ class LayerSpec:
 
     ``seconds``: its forward + backward (B + W) time; ``param_bytes``: its trainable parameters;
     ``out_bytes``: its output tensor (what its out-edges carry); ``saved_bytes``: the activations it
-    keeps for backward; ``kind``: one of ``KINDS``; ``spatial``: it has a height to split (conv, pool).
+    keeps for backward; ``kind``: one of ``KINDS``; ``spatial``: it has a height to split (conv, pool);
+    ``bias_bytes``: the part of ``param_bytes`` a matmul adds to its output (split over its columns
+    only: a row-split layer keeps the whole bias on each rank); ``stat_bytes``: statistics over the
+    batch it all-reduces once forward and once backward when the batch is split (BatchNorm: the
+    sums of x and x² per channel, then of dy and dy·x̂).
     """
 
     name: str
@@ -728,6 +739,8 @@ class LayerSpec:
     saved_bytes: float = 0.0
     kind: str = "matmul"
     spatial: bool = False
+    bias_bytes: float = 0.0
+    stat_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -756,8 +769,12 @@ class Transfer:
         return self.steps * latency + self.nbytes / bandwidth
 
 
-def transfer(held: Layout, needed: Layout, nbytes: float) -> Transfer:
+def transfer(held: Layout, needed: Layout, nbytes: float, *, alltoall: bool = True) -> Transfer:
     """What redistributing a tensor of ``nbytes`` from ``held`` to ``needed`` costs one rank (see the module's table).
+
+    ``alltoall=False``: the backend has no all-to-all (gloo), so moving a split from one dim to
+    another all-gathers the block the ranks share and keeps its part, as DTensor does there: a rank
+    receives everything of the block split ``min(held, needed)`` ways per dim that it does not hold.
 
     >>> transfer(Layout(batch=2), Layout(), 100.0)            # all-gather over 2
     Transfer(nbytes=50.0, steps=1)
@@ -770,6 +787,11 @@ def transfer(held: Layout, needed: Layout, nbytes: float) -> Transfer:
         raise OptionError(f"a layer reads whole values, not partial sums (needed: {needed})")
 
     def gather(splits: Sequence[int]) -> Transfer:
+        if not alltoall:
+            coarse = math.prod(min(a, b) for a, b in zip(splits, needed.splits))
+            held_block = nbytes / math.prod(splits)
+            pieces = math.prod(splits) // coarse
+            return Transfer(nbytes / coarse - held_block, max(0, pieces - 1))
         need = nbytes / math.prod(needed.splits)
         finest = math.prod(max(a, b) for a, b in zip(splits, needed.splits))
         pieces = finest // math.prod(needed.splits)
@@ -798,14 +820,26 @@ def layouts(kind: str, d: Degrees) -> tuple[Layout, Layout, Layout, Layout]:
     if kind == "matmul":
         return (Layout(d.sample, d.row, d.spatial), Layout(d.sample, d.column, d.spatial, d.row),
                 Layout(d.sample, d.row, d.spatial, d.column), Layout(d.sample, d.column, d.spatial))
-    if kind in ("elementwise", "input"):
+    if kind in ("elementwise", "input", "loss"):
         same = Layout(d.sample, d.column, d.spatial)
         return same, same, same, same
     raise OptionError(f"unknown layer kind {kind!r} (known: {', '.join(KINDS)})")
 
 
+def edge_transfers(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degrees: Degrees, *,
+                   nbytes: float | None = None, alltoall: bool = True) -> tuple[Transfer, Transfer]:
+    """The forward (``src``'s output to ``dst``'s input) and backward (the gradient back) transfers of one edge."""
+    size = src.out_bytes if nbytes is None else nbytes
+    _, out_held, _, out_grad_needed = layouts(src.kind, src_degrees)
+    in_needed, _, in_grad_held, _ = layouts(dst.kind, dst_degrees)
+    forward = transfer(out_held, in_needed, size, alltoall=alltoall)
+    if src.kind == "input":  # a model input needs no gradient
+        return forward, Transfer(0.0, 0)
+    return forward, transfer(in_grad_held, out_grad_needed, size, alltoall=alltoall)
+
+
 def edge_seconds(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degrees: Degrees, *,
-                 bandwidth: float, latency: float, nbytes: float | None = None) -> float:
+                 bandwidth: float, latency: float, nbytes: float | None = None, alltoall: bool = True) -> float:
     """Seconds to move ``src``'s output (``nbytes``, default ``src.out_bytes``) to ``dst`` and its gradient back.
 
     >>> mlp = LayerSpec("fc", out_bytes=100.0)
@@ -814,13 +848,8 @@ def edge_seconds(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degre
     >>> edge_seconds(mlp, Degrees(row=2), mlp, Degrees(column=2), bandwidth=10.0, latency=1.0)   # all-reduce x 2
     24.0
     """
-    size = src.out_bytes if nbytes is None else nbytes
-    _, out_held, _, out_grad_needed = layouts(src.kind, src_degrees)
-    in_needed, _, in_grad_held, _ = layouts(dst.kind, dst_degrees)
-    total = transfer(out_held, in_needed, size).seconds(bandwidth=bandwidth, latency=latency)
-    if src.kind != "input":  # a model input needs no gradient
-        total += transfer(in_grad_held, out_grad_needed, size).seconds(bandwidth=bandwidth, latency=latency)
-    return total
+    forward, backward = edge_transfers(src, src_degrees, dst, dst_degrees, nbytes=nbytes, alltoall=alltoall)
+    return forward.seconds(bandwidth=bandwidth, latency=latency) + backward.seconds(bandwidth=bandwidth, latency=latency)
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -847,7 +876,7 @@ def config_degrees(ranks: int, *, kind: str = "matmul", spatial: bool = False,
     out: list[Degrees] = []
     for total in sorted(totals, reverse=True):
         for s, c, r, h in _factorisations(total, 4):
-            if (kind == "input" and (c, r, h) != (1, 1, 1)) or (kind == "elementwise" and r != 1) \
+            if (kind in ("input", "loss") and (c, r, h) != (1, 1, 1)) or (kind == "elementwise" and r != 1) \
                     or (not spatial and h != 1):
                 continue
             out.append(Degrees(s, c, r, h))
@@ -864,19 +893,50 @@ def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: flo
     """
     configs = []
     for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial, divisors=divisors):
-        param_split = d.column * d.row if spec.kind == "matmul" else d.column
-        in_split = math.prod(layouts(spec.kind, d)[0].splits)
-        params = spec.param_bytes / param_split
-        sync = allreduce_seconds(params, d.sample * d.spatial, bandwidth, latency)
-        memory = static_memory(params, optimizer) + spec.saved_bytes / in_split
-        configs.append(Config(d.name, spec.seconds / d.product, sync, memory, d))
+        sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency)
+        configs.append(Config(d.name, spec.seconds / d.product, sync, layer_memory(spec, d, optimizer).total, d))
     return tuple(configs)
 
 
+def local_param_bytes(spec: LayerSpec, degrees: Degrees) -> float:
+    """A rank's share of ``spec``'s parameters: a matmul's weight split over columns x rows, its bias
+    over columns only; an elementwise layer's (BatchNorm's) over columns.
+
+    >>> local_param_bytes(LayerSpec("fc", param_bytes=104.0, bias_bytes=4.0), Degrees(row=2))
+    54.0
+    """
+    if spec.kind == "matmul":
+        return (spec.param_bytes - spec.bias_bytes) / (degrees.column * degrees.row) + spec.bias_bytes / degrees.column
+    return spec.param_bytes / degrees.column
+
+
+def sync_collectives(spec: LayerSpec, degrees: Degrees) -> tuple[tuple[float, int], ...]:
+    """The all-reduces a layer issues itself, as ``(bytes, ranks)``: its parameters' gradients (a rank's
+    share, in ``BUCKET_BYTES`` buckets) over the ``sample x spatial`` ranks that hold the same share,
+    and, for ``stat_bytes``, the batch statistics once forward and once backward over the same ranks.
+
+    >>> sync_collectives(LayerSpec("bn", param_bytes=16.0, stat_bytes=16.0, kind="elementwise"), Degrees(sample=2))
+    ((16.0, 2), (16.0, 2), (16.0, 2))
+    """
+    g = degrees.sample * degrees.spatial
+    if g == 1:
+        return ()
+    out = [(b, g) for b in allreduce_buckets(local_param_bytes(spec, degrees))]
+    if spec.stat_bytes:
+        out += [(spec.stat_bytes / degrees.column, g)] * 2
+    return tuple(out)
+
+
+def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency: float) -> float:
+    """Seconds of ``sync_collectives``, each a ring all-reduce (``allreduce_seconds``)."""
+    return math.fsum(allreduce_seconds(b, g, bandwidth, latency) for b, g in sync_collectives(spec, degrees))
+
+
 def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
-                latency: float, optimizer: str = "sgd", divisors: bool = False) -> LayerGraph:
+                latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True) -> LayerGraph:
     """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
-    configurations and every edge's table of ``edge_seconds``.
+    configurations and every edge's table of ``edge_seconds`` (``alltoall=False`` for a backend without
+    all-to-all, gloo).
 
     >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
     >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
@@ -891,7 +951,8 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
         if not (0 <= u < len(specs) and 0 <= v < len(specs)):
             raise OptionError(f"edge ({u}, {v}) must join two of the {len(specs)} layers")
         table = tuple(tuple(edge_seconds(specs[u], a.degrees or Degrees(), specs[v], b.degrees or Degrees(),
-                                         bandwidth=bandwidth, latency=latency) for b in configs[v])
+                                         bandwidth=bandwidth, latency=latency, alltoall=alltoall)
+                               for b in configs[v])
                       for a in configs[u])
         out.append(Edge(u, v, table))
     return LayerGraph(layers, tuple(out))
@@ -989,8 +1050,7 @@ def layer_memory(spec: LayerSpec, degrees: Degrees, optimizer: str = "sgd") -> L
     >>> layer_memory(LayerSpec("fc", param_bytes=100.0, saved_bytes=40.0), Degrees(column=2), "momentum")
     LayerMemory(params=50.0, grads=50.0, optimizer=50.0, activations=40.0)
     """
-    param_split = degrees.column * degrees.row if spec.kind == "matmul" else degrees.column
-    params = spec.param_bytes / param_split
+    params = local_param_bytes(spec, degrees)
     state = static_memory(params, optimizer) - 2 * params
     in_split = math.prod(layouts(spec.kind, degrees)[0].splits)
     return LayerMemory(params, params, state, spec.saved_bytes / in_split)
