@@ -160,6 +160,24 @@ class Degrees:
         parts = [f"{k}{v}" for k, v in zip("scrh", (self.sample, self.column, self.row, self.spatial)) if v > 1]
         return "".join(parts) or "s1"
 
+    @classmethod
+    def from_name(cls, name: str) -> Degrees:
+        """The degrees ``name`` spells (the inverse of ``name``).
+
+        >>> Degrees.from_name("s2c2") == Degrees(sample=2, column=2), Degrees.from_name("s1")
+        (True, Degrees(sample=1, column=1, row=1, spatial=1))
+        """
+        import re  # noqa: PLC0415  (stdlib; only this parser needs it)
+
+        parts = re.findall(r"([scrh])(\d+)", name)
+        if not parts or "".join(f"{k}{v}" for k, v in parts) != name or len({k for k, _ in parts}) != len(parts):
+            raise OptionError(f"{name!r} is not a configuration name (e.g. s4, s2c2, c2r2: degrees over sample, "
+                              "column, row, height)")
+        values = {k: int(v) for k, v in parts}
+        if any(v < 1 for v in values.values()):
+            raise OptionError(f"{name!r}: every degree is at least 1")
+        return cls(values.get("s", 1), values.get("c", 1), values.get("r", 1), values.get("h", 1))
+
 
 @dataclass(frozen=True)
 class Config:
