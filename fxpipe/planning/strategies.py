@@ -76,7 +76,6 @@ Pure functions on plain values; no torch. HiGHS is imported only inside ``solve_
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,8 +167,16 @@ class Degrees:
         >>> Degrees.from_name("s2c2") == Degrees(sample=2, column=2), Degrees.from_name("s1")
         (True, Degrees(sample=1, column=1, row=1, spatial=1))
         """
-        parts = re.findall(r"([scrh])(\d+)", name)
-        if not parts or "".join(f"{k}{v}" for k, v in parts) != name or len({k for k, _ in parts}) != len(parts):
+        parts: list[tuple[str, str]] = []
+        for ch in name:
+            if ch in "scrh":
+                parts.append((ch, ""))
+            elif ch.isdigit() and parts:
+                parts[-1] = (parts[-1][0], parts[-1][1] + ch)
+            else:
+                parts = []
+                break
+        if not parts or any(not v for _, v in parts) or len({k for k, _ in parts}) != len(parts):
             raise OptionError(f"{name!r} is not a configuration name (e.g. s4, s2c2, c2r2: degrees over sample, "
                               "column, row, height)")
         values = {k: int(v) for k, v in parts}
