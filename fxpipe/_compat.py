@@ -8,9 +8,10 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree  # no public pytree module in torch 2.13; every fxpipe module uses this one
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
-__all__ = ["default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flop_counter_mode",
-           "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "pytree"]
+__all__ = ["TorchDispatchMode", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
+           "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_group_size", "pytree"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -148,3 +149,23 @@ def data_dependent_output_error() -> type[Exception]:
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     return DataDependentOutputException
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D DeviceMesh over all the ranks of ``mesh`` (a sub-mesh): ``DeviceMesh._flatten`` (torch 2.13), the
+    group a collective over several mesh dimensions at once runs on."""
+    return mesh._flatten(name)
+
+
+def process_group_size(group: Any) -> int:
+    """The size of a process group given as a group name (functional collectives' argument), a ProcessGroup, or
+    the boxed one a c10d op is dispatched with."""
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    elif isinstance(group, torch.ScriptObject):  # the boxed ProcessGroup a c10d op receives
+        import torch.distributed as dist
+
+        group = dist.ProcessGroup.unbox(group)
+    return int(group.size())

@@ -101,8 +101,14 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
         raise OptionError(f"the per-layer strategy search takes a model of one input tensor (it has "
                           f"{len(placeholders)}); wrap the others into the model")
     recorder = _Recorder(gm)
-    with torch.no_grad():
-        recorder.run(*example_inputs)
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()  # the trace shares the model's modules: a training-mode run would move its BatchNorm statistics
+    try:
+        with torch.no_grad():
+            recorder.run(*example_inputs)
+    finally:
+        for m, training in modes.items():
+            m.train(training)
 
     specs: list[LayerSpec] = []
     names: list[str] = []

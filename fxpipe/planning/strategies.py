@@ -119,6 +119,7 @@ __all__ = [
     "strategy_rows",
     "sync_collectives",
     "sync_seconds",
+    "traffic_per_layer",
     "transfer",
 ]
 
@@ -948,6 +949,24 @@ def sync_collectives(spec: LayerSpec, degrees: Degrees) -> tuple[tuple[float, in
     out = [(b, g) for b in allreduce_buckets(local_param_bytes(spec, degrees))]
     if spec.stat_bytes:
         out += [(spec.stat_bytes / degrees.column, g)] * 2
+    return tuple(out)
+
+
+def traffic_per_layer(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], degrees: Sequence[Degrees], *,
+                      alltoall: bool = True) -> tuple[float, ...]:
+    """Bytes one rank receives per step for each layer: its in-edges' transfers (forward and backward) and its
+    ``sync_collectives`` (a ring all-reduce of b bytes over g ranks receives ``2(g-1)/g x b``).
+
+    >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", param_bytes=8.0, out_bytes=16.0)]
+    >>> traffic_per_layer(specs, [(0, 1)], [Degrees(sample=2), Degrees(column=2)])
+    (0.0, 32.0)
+    """
+    out = [0.0] * len(specs)
+    for u, v in edges:
+        fwd, bwd = edge_transfers(specs[u], degrees[u], specs[v], degrees[v], alltoall=alltoall)
+        out[v] += fwd.nbytes + bwd.nbytes
+    for v, (spec, d) in enumerate(zip(specs, degrees)):
+        out[v] += math.fsum(2 * (g - 1) / g * b for b, g in sync_collectives(spec, d))
     return tuple(out)
 
 

@@ -1,0 +1,537 @@
+"""Per-layer strategies on DTensor: every node of a traced model runs in its own configuration on one rank group.
+
+``planning.strategies`` picks, per layer (fx node), degrees ``(s, c, r)`` over the batch (sample),
+the output channels (column) and the input channels (row); this module runs them. The group of
+``d = 2**k`` ranks is a ``DeviceMesh`` of shape ``(2, ..., 2)``; a configuration gives each mesh
+dimension a role, sample dims first, then column, then row (``s2c2`` on 4 ranks: dim 0 splits the
+batch, dim 1 the channels), so every configuration of the search is a placement on the same mesh,
+and moving a tensor between two layers' configurations is one ``DTensor.redistribute``:
+
+    tensor (per mesh dim of role)      sample      column       row
+    a matmul's input (needed)          Shard(0)    Replicate    Shard(1)
+    a matmul's output (held)           Shard(0)    Shard(1)     Partial      (partial sums over the row ranks)
+    a matmul's weight [out, in, ...]   Replicate   Shard(0)     Shard(1)
+    a matmul's bias                    Replicate   Shard(0)     Replicate    (added once: on row rank 0)
+    elementwise in/out, BN params      Shard(0)    Shard(1)     -            (BN params: Replicate / Shard(0))
+    the input and the loss             Shard(0) on every dim
+
+Each node computes on local shards (``to_local``): ``F.linear`` / the convolution with the local
+weight, the module or function itself for elementwise nodes, and wraps its output with the held
+placements (``from_local``). Gradients follow DTensor's autograd: a column-split matmul's input
+gradient is ``Partial`` over its column ranks and is reduce-scattered or all-reduced on its way back,
+exactly as ``planning.strategies.transfer`` counts. Then, after backward, each layer's parameter
+gradients (partial sums over its sample ranks) are all-reduced as one flat buffer per layer (in
+``BUCKET_BYTES`` buckets) over the ranks that hold the same shard: ``sync_collectives``.
+
+BatchNorm with a split batch computes the whole batch's statistics: one all-reduce of the per-channel
+sums of x and x² forward, one of dy and dy·x̂ backward (``stat_bytes``), so a replica's running
+statistics and gradients are one process's. Spatial (height) splits are not run: DTensor's
+convolution on a split height gives wrong results on this torch (gloo), so they stay in the cost
+model (``OptionError`` here). Dropout draws each rank's own mask (training is valid, it is not one
+process's mask).
+
+``CollectiveCounter`` (a ``CommDebugMode``) records every collective the runtime issues with the
+layer it belongs to and the bytes a rank receives, to check the cost model's prediction per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from fxpipe._compat import TorchDispatchMode, flatten_mesh, process_group_size
+from fxpipe.errors import OptionError
+from fxpipe.planning.cost import BUCKET_BYTES
+from fxpipe.planning.strategies import Degrees, LayerSpec
+
+__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "mesh_roles", "strategy_mesh"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def strategy_mesh(ranks: int, device_type: str = "cpu") -> DeviceMesh:
+    """The ``(2, ..., 2)`` mesh of ``ranks`` (a power of two, at least 2) a strategy runs on."""
+    k = ranks.bit_length() - 1
+    if ranks < 2 or 1 << k != ranks:
+        raise OptionError(f"per-layer strategies run on a power-of-two rank group of at least 2 (ranks: {ranks}); "
+                          "start 2, 4, 8, ... ranks")
+    return init_device_mesh(device_type, (2,) * k, mesh_dim_names=tuple(f"m{i}" for i in range(k)))
+
+
+def mesh_roles(degrees: Degrees, ndim: int) -> tuple[str, ...]:
+    """Each mesh dimension's role under ``degrees``: ``"s"`` (sample), ``"c"`` (column), ``"r"`` (row), in that order
+    (``StrategyRuntime`` may permute them to line up with a layer's producers).
+
+    >>> mesh_roles(Degrees(sample=2, column=2), 2), mesh_roles(Degrees(row=4), 2)
+    (('s', 'c'), ('r', 'r'))
+    """
+    if degrees.spatial > 1:
+        raise OptionError(f"configuration {degrees.name} splits the height, which DTensor computes wrongly on this "
+                          "torch (convolutions on a split height); it stays in the cost model: search without "
+                          "spatial degrees to run the strategy")
+    roles: list[str] = []
+    for letter, n in (("s", degrees.sample), ("c", degrees.column), ("r", degrees.row)):
+        k = n.bit_length() - 1
+        if 1 << k != n:
+            raise OptionError(f"configuration {degrees.name}: every degree must be a power of two on a (2, ..., 2) mesh")
+        roles += [letter] * k
+    if len(roles) != ndim:
+        raise OptionError(f"configuration {degrees.name} uses {2 ** len(roles)} ranks; the mesh has {2 ** ndim}")
+    return tuple(roles)
+
+
+_S0, _S1, _R, _P = Shard(0), Shard(1), Replicate(), Partial()
+_TABLE: dict[str, dict[str, Any]] = {
+    # what: role -> placement (module docstring)
+    "in": {"s": _S0, "c": _R, "r": _S1},
+    "in_grad": {"s": _S0, "c": _P, "r": _S1},
+    "out": {"s": _S0, "c": _S1, "r": _P},
+    "weight": {"s": _R, "c": _S0, "r": _S1},
+    "weight_grad": {"s": _P, "c": _S0, "r": _S1},
+    "bias": {"s": _R, "c": _S0, "r": _R},
+    "bias_grad": {"s": _P, "c": _S0, "r": _R},
+    "act": {"s": _S0, "c": _S1},
+    "norm": {"s": _R, "c": _S0},
+    "norm_grad": {"s": _P, "c": _S0},
+}
+
+
+def _placements(what: str, roles: Sequence[str]) -> tuple[Any, ...]:
+    return tuple(_TABLE[what][r] for r in roles)
+
+
+def _lined_up(held: Sequence[Any], needed: Sequence[Any]) -> tuple[int, int]:
+    """How well two placements on one mesh line up: the tensor dims whose splits nest (one's mesh dims, in
+    order, a prefix of the other's: DTensor splits a dim over its mesh dims outermost first), then the
+    mesh dims with equal placements."""
+    def shards(placements: Sequence[Any]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(placements):
+            if p.is_shard():
+                out.setdefault(p.dim, []).append(i)
+        return out
+
+    a, b = shards(held), shards(needed)
+    nested = sum(1 for x in set(a) | set(b)
+                 if (lambda u, v: u[:len(v)] == v or v[:len(u)] == u)(a.get(x, []), b.get(x, [])))
+    return nested, sum(h == w for h, w in zip(held, needed))
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective: the layer it belongs to, its op, its group size and the bytes one rank receives."""
+
+    layer: str
+    op: str
+    ranks: int
+    nbytes: float
+
+
+def _received(op: str, nbytes: float, g: int) -> float:
+    if op.startswith("all_gather"):
+        return (g - 1) * nbytes
+    if op.startswith("reduce_scatter") or op.startswith("all_to_all"):
+        return (g - 1) / g * nbytes
+    return 2 * (g - 1) / g * nbytes  # all-reduce
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Records every collective issued under it (as ``CommDebugMode`` sees them: after DTensor has desugared
+    into functional collectives, and the runtime's own c10d all-reduces) with the layer the runtime was
+    at and the bytes one rank receives. (``CommDebugMode`` itself attributes by module calls, which the
+    runtime's node-by-node execution does not make.)"""
+
+    _FUNCOL = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = ""
+        self.records: list[Record] = []
+
+    @contextlib.contextmanager
+    def at(self, layer: str) -> Iterator[None]:
+        previous, self.layer = self.layer, layer
+        try:
+            yield
+        finally:
+            self.layer = previous
+
+    def counts(self) -> dict[str, int]:
+        """Collectives by op, like ``CommDebugMode.get_comm_counts``."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into plain collectives first, as CommDebugMode does
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        name, ns = packet.__name__, str(packet).split(".")[0]
+        if "c10d_functional" in ns and name in self._FUNCOL:
+            g = process_group_size(args[-1])  # the group's name is the last argument of each
+            self.records.append(Record(self.layer, name, g, _received(name, _nbytes(args[0]), g)))
+        elif ns.endswith("c10d") and name == "allreduce_":  # the runtime's own all-reduces (gradients, statistics)
+            g = process_group_size(args[1])
+            self.records.append(Record(self.layer, "all_reduce", g, _received("all_reduce", _nbytes(args[0]), g)))
+        elif ns.endswith("c10d") and name in ("allgather_", "_allgather_base_", "reduce_scatter_",
+                                              "_reduce_scatter_base_", "alltoall_base_", "broadcast_"):
+            raise OptionError(f"the collective counter saw c10d.{name}, which it does not size; count inside the "
+                              "strategy runtime only")
+        return out
+
+
+def _at(counter: CollectiveCounter | None, layer: str) -> Any:
+    return counter.at(layer) if counter is not None else contextlib.nullcontext()
+
+
+class _Move(torch.autograd.Function):
+    """``redistribute`` forward, and its gradient back to the held placements backward (DTensor's rule: a
+    gradient for a ``Partial`` placement stays whole), both under the layer's label for the counter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, needed: tuple[Any, ...], label: str, rt: StrategyRuntime) -> DTensor:  # type: ignore[override]
+        ctx.held, ctx.label, ctx.rt = x.placements, label, rt
+        with _at(rt.counter, label):
+            return x.redistribute(x.device_mesh, needed)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> Any:  # type: ignore[override]
+        back = tuple(_R if h.is_partial() else h for h in ctx.held)
+        with _at(ctx.rt.counter, ctx.label):
+            moved = grad.redistribute(grad.device_mesh, back) if grad.placements != back else grad
+        return moved, None, None, None
+
+
+class _BatchNormSync(torch.autograd.Function):
+    """BatchNorm over a batch split on ``group``: the whole batch's statistics, one all-reduce each way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running: Any,  # type: ignore[override]
+                group: Any, label: str, rt: StrategyRuntime) -> torch.Tensor:
+        module, mean_buf, var_buf = running
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        g = process_group_size(group)
+        n = x.numel() // x.shape[1] * g
+        sums = torch.cat([x.sum(dims), (x * x).sum(dims)])
+        with _at(rt.counter, label):
+            dist.all_reduce(sums, group=group)
+        mean, sq = sums.chunk(2)
+        mean = mean / n
+        var = sq / n - mean * mean
+        invstd = torch.rsqrt(var + module.eps)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        with torch.no_grad():
+            m = module.momentum
+            mean_buf.mul_(1 - m).add_(mean, alpha=m)
+            var_buf.mul_(1 - m).add_(var * n / max(n - 1, 1), alpha=m)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.group, ctx.label, ctx.rt, ctx.n, ctx.dims, ctx.shape = group, label, rt, n, dims, shape
+        return xhat * weight.view(shape) + bias.view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:  # type: ignore[override]
+        xhat, invstd, weight = ctx.saved_tensors
+        dims, shape = ctx.dims, ctx.shape
+        local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
+        grad_bias, grad_weight = local.clone().chunk(2)  # this rank's share: summed with the layer's gradients
+        with _at(ctx.rt.counter, ctx.label):
+            dist.all_reduce(local, group=ctx.group)
+        sum_dy, sum_dy_xhat = local.chunk(2)
+        dx = (weight * invstd).view(shape) / ctx.n * (ctx.n * dy - sum_dy.view(shape) - xhat * sum_dy_xhat.view(shape))
+        return dx, grad_weight, grad_bias, None, None, None, None
+
+
+@dataclass
+class _Layer:
+    spec: LayerSpec
+    degrees: Degrees
+    roles: tuple[str, ...]
+
+    @property
+    def sample_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.roles) if r == "s")
+
+
+class StrategyRuntime:
+    """Train ``module`` (an fx GraphModule) with one configuration per node on a (2, ..., 2) mesh.
+
+    ``nodes[i]`` (a node name of ``module``'s graph) runs ``degrees[i]``; ``specs[i]`` says its kind
+    (``fxpipe.passes.strategy_graph`` makes all three). ``train_step(x, target, optimizer)`` takes the
+    whole batch on every rank, like one process: the loss is ``loss_fn``'s mean over it.
+    ``parameters()`` are DTensors, for any torch optimizer; ``full_parameters()`` and
+    ``full_grads()`` gather them whole (collectives: every rank calls them).
+    """
+
+    def __init__(self, module: fx.GraphModule, nodes: Sequence[str], specs: Sequence[LayerSpec],
+                 degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> None:
+        if not (len(nodes) == len(specs) == len(degrees)):
+            raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
+                              f"configurations: {len(degrees)})")
+        self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size())
+        self.module = copy.deepcopy(module)
+        self.loss_fn = loss_fn
+        self.counter: CollectiveCounter | None = None
+        ndim = self.mesh.ndim
+        self.layers = {n: _Layer(s, d, mesh_roles(d, ndim)) for n, s, d in zip(nodes, specs, degrees)}
+        graph_nodes = {n.name: n for n in self.module.graph.nodes}
+        missing = [n for n in graph_nodes if n not in self.layers]
+        if missing:
+            raise OptionError(f"node {missing[0]!r} of the model has no configuration; build the strategy from "
+                              "strategy_graph of this model")
+        for node in self.module.graph.nodes:
+            self._line_up(node)
+        self._groups: dict[tuple[int, ...], Any] = {}
+        for layer in self.layers.values():
+            self._group(layer.sample_dims)
+        self._params: dict[str, list[tuple[str, nn.Parameter, str]]] = {}
+        for node in self.module.graph.nodes:
+            if node.op == "call_module":
+                self._distribute(node, self.module.get_submodule(str(node.target)))
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _line_up(self, node: fx.Node) -> None:
+        """Give ``node``'s roles the order over mesh dims that keeps most of its producers' placements where
+        they are (the cost model assumes split blocks line up: a split kept on the same ranks moves nothing)."""
+        layer = self.layers[node.name]
+        producers = [self.layers[a.name] for a in node.all_input_nodes if a.name in self.layers]
+        if not producers or len(set(layer.roles)) < 2:
+            return
+        best, best_score = layer.roles, (-1, -1)
+        for roles in sorted(set(itertools.permutations(layer.roles))):
+            trial = _Layer(layer.spec, layer.degrees, roles)
+            needed = self._needed(trial)[0]
+            scores = [_lined_up(self._held(p), needed) for p in producers]
+            score = (sum(n for n, _ in scores), sum(e for _, e in scores))
+            if score > best_score:
+                best, best_score = roles, score
+        layer.roles = best
+
+    def _group(self, dims: tuple[int, ...]) -> Any:
+        if len(dims) == 0:
+            return None
+        if dims not in self._groups:
+            names = tuple(self.mesh.mesh_dim_names[i] for i in dims)  # type: ignore[index]
+            sub = self.mesh[names[0]] if len(names) == 1 else flatten_mesh(self.mesh[names], "_".join(names))
+            self._groups[dims] = sub.get_group()
+        return self._groups[dims]
+
+    def _distribute(self, node: fx.Node, module: nn.Module) -> None:
+        layer = self.layers[node.name]
+        roles = layer.roles
+        params = dict(module.named_parameters(recurse=False))
+        if not params:
+            return
+        if isinstance(module, (nn.Linear, *_CONV)):
+            if isinstance(module, _CONV) and (module.groups != 1 or module.padding_mode != "zeros"):
+                raise OptionError(f"node {node.name!r}: the strategy runtime runs convolutions with groups=1 and "
+                                  "zero padding")
+            what = {"weight": "weight", "bias": "bias"}
+        elif isinstance(module, _NORM):
+            if module.momentum is None or not module.affine:
+                raise OptionError(f"node {node.name!r}: the strategy runtime runs affine BatchNorm with a momentum")
+            what = {"weight": "norm", "bias": "norm"}
+            for name in ("running_mean", "running_var"):
+                buf = getattr(module, name)
+                if buf is not None:
+                    setattr(module, name, distribute_tensor(buf, self.mesh, _placements("norm", roles)))
+        else:
+            raise OptionError(f"node {node.name!r} is a {type(module).__name__} with parameters; the strategy "
+                              "runtime runs Linear, convolutions and BatchNorm")
+        self._params[node.name] = []
+        for name, p in params.items():
+            dt = distribute_tensor(p.detach(), self.mesh, _placements(what[name], roles))
+            setattr(module, name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            self._params[node.name].append((name, getattr(module, name), what[name]))
+
+    # --- parameters ---------------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for entries in self._params.values():
+            for _, p, _ in entries:
+                yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters by the traced module's qualified names (those of the model: ``features.0.weight``)."""
+        for name, p in self.module.named_parameters():
+            yield name, p
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor() for n, p in self.named_parameters()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.full_tensor() for n, p in self.named_parameters() if p.grad is not None}
+
+    def full_buffers(self) -> dict[str, torch.Tensor]:
+        return {n: (b.full_tensor() if isinstance(b, DTensor) else b) for n, b in self.module.named_buffers()}
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[CollectiveCounter]:
+        """Record every collective of the steps run inside (``CollectiveCounter``)."""
+        counter = CollectiveCounter()
+        self.counter = counter
+        try:
+            with counter:
+                yield counter
+        finally:
+            self.counter = None
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def _module(self, node: fx.Node, module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> torch.Tensor:
+        layer = self.layers[node.name]
+        entries = self._params.get(node.name)
+        if not entries:
+            return module(*args, **kwargs)
+        roles = layer.roles
+        local = {name: p.to_local(grad_placements=_placements(what + "_grad", roles)) for name, p, what in entries}
+        x = args[0]
+        if isinstance(module, _NORM):
+            return self._norm(node.name, module, layer, x, local)
+        weight, bias = local["weight"], local.get("bias")
+        if bias is not None and "r" in roles:
+            coords = self.mesh.get_coordinate() or []
+            first = all(coords[i] == 0 for i, r in enumerate(roles) if r == "r")
+            bias = bias if first else bias - bias.detach()  # the sum over row ranks adds it once; every rank's grad is whole
+        if isinstance(module, nn.Linear):
+            return F.linear(x, weight, bias)
+        return module._conv_forward(x, weight, bias)  # type: ignore[operator]
+
+    def _norm(self, name: str, module: nn.Module, layer: _Layer, x: torch.Tensor, local: dict[str, torch.Tensor]) -> Any:
+        mean, var = module.running_mean, module.running_var
+        mean_l, var_l = mean.to_local(), var.to_local()
+        group = self._group(layer.sample_dims)
+        if module.training and group is not None:
+            module.num_batches_tracked.add_(1)
+            return _BatchNormSync.apply(x, local["weight"], local["bias"], (module, mean_l, var_l), group, name, self)
+        if module.training:
+            module.num_batches_tracked.add_(1)
+        return F.batch_norm(x, mean_l, var_l, local["weight"], local["bias"], module.training, module.momentum,
+                            module.eps)
+
+    def _held(self, layer: _Layer) -> tuple[Any, ...]:
+        if layer.spec.kind == "matmul":
+            return _placements("out", layer.roles)
+        return _placements("act", layer.roles)
+
+    def _needed(self, layer: _Layer) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        if layer.spec.kind == "matmul":
+            return _placements("in", layer.roles), _placements("in_grad", layer.roles)
+        act = _placements("act", layer.roles)
+        return act, act
+
+    def forward(self, x: torch.Tensor) -> DTensor:
+        """The model's output on ``x`` (the whole batch), as a DTensor in the output layer's layout."""
+        env: dict[fx.Node, Any] = {}
+        for node in self.module.graph.nodes:
+            layer = self.layers[node.name]
+            if node.op == "placeholder":
+                whole = DTensor.from_local(x, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
+                env[node] = whole.redistribute(self.mesh, self._held(layer))  # a local slice: no collective
+                continue
+            if node.op == "output":
+                return env[node.args[0]]  # type: ignore[index]
+            needed, grads = self._needed(layer)
+            moved: dict[fx.Node, Any] = {}
+
+            def local(a: fx.Node) -> Any:
+                value = env[a]
+                if not isinstance(value, DTensor):
+                    return value
+                if a not in moved:
+                    d = _Move.apply(value, needed, node.name, self) if value.placements != needed else value
+                    moved[a] = d.to_local(grad_placements=grads)
+                return moved[a]
+
+            args = fx.node.map_arg(node.args, local)
+            kwargs = fx.node.map_arg(node.kwargs, local)
+            if node.op == "call_module":
+                out = self._module(node, self.module.get_submodule(str(node.target)), list(args), dict(kwargs))
+            elif node.op == "call_function":
+                out = node.target(*args, **kwargs)  # type: ignore[operator]
+            elif node.op == "call_method":
+                out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+            else:
+                raise OptionError(f"node {node.name!r} ({node.op}) cannot run on the strategy runtime")
+            if not isinstance(out, torch.Tensor):
+                raise OptionError(f"node {node.name!r} returns {type(out).__name__}, not a tensor; the strategy "
+                                  "runtime runs tensor-to-tensor models")
+            env[node] = DTensor.from_local(out, self.mesh, self._held(layer), run_check=False)
+        raise OptionError("the traced model has no output node")
+
+    def loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss: ``loss_fn`` on its slice of the batch, scaled so the shares sum to
+        ``loss_fn`` on the whole batch (a mean)."""
+        out_node = next(n for n in self.module.graph.nodes if n.op == "output")
+        layer = self.layers[out_node.name]
+        out = self.forward(x)
+        held = _placements("act", layer.roles)  # the loss reads the output split over the batch on every rank
+        if out.placements != held:
+            out = _Move.apply(out, held, out_node.name, self)
+        mine = DTensor.from_local(target, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
+        local_target = mine.redistribute(self.mesh, held).to_local()
+        local_out = out.to_local(grad_placements=held)
+        return self.loss_fn(local_out, local_target) * (local_out.shape[0] / x.shape[0])
+
+    def sync(self) -> None:
+        """All-reduce each layer's parameter gradients over the ranks holding the same shard (one flat buffer
+        per layer, ``BUCKET_BYTES`` buckets), leaving every gradient in its parameter's placements."""
+        pending = []
+        for name, entries in self._params.items():
+            layer = self.layers[name]
+            group = self._group(layer.sample_dims)
+            grads = [(p, p.grad) for _, p, _ in entries if p.grad is not None]
+            if not grads:
+                continue
+            locals_ = [g.to_local() for _, g in grads]
+            flat = torch.cat([t.reshape(-1) for t in locals_]) if group is not None else None
+            if flat is not None:
+                per = max(1, int(BUCKET_BYTES // flat.element_size()))
+                with _at(self.counter, name):
+                    works = [dist.all_reduce(chunk, group=group, async_op=True) for chunk in flat.split(per)]
+                pending.append((grads, locals_, flat, works))
+            else:
+                for p, g in grads:
+                    p.grad = DTensor.from_local(g.to_local(), self.mesh, p.placements, run_check=False)
+        for grads, locals_, flat, works in pending:
+            for w in works:
+                w.wait()
+            offset = 0
+            for (p, _), t in zip(grads, locals_):
+                piece = flat[offset:offset + t.numel()].view_as(t)
+                offset += t.numel()
+                p.grad = DTensor.from_local(piece, self.mesh, p.placements, run_check=False)
+
+    def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+        """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss."""
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(x, target)
+        loss.backward()
+        self.sync()
+        optimizer.step()
+        total = loss.detach().clone()
+        with _at(self.counter, "(loss value)"):
+            dist.all_reduce(total)  # every rank holds its own slice: the shares sum to the whole batch's mean
+        return float(total)
