@@ -417,7 +417,8 @@ class StrategyRuntime:
             bias = bias if first else bias - bias.detach()  # the sum over row ranks adds it once; every rank's grad is whole
         if isinstance(module, nn.Linear):
             return F.linear(x, weight, bias)
-        return module._conv_forward(x, weight, bias)  # type: ignore[operator]
+        conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[weight.dim() - 2]
+        return conv(x, weight, bias, module.stride, module.padding, module.dilation, 1)
 
     def _norm(self, name: str, module: nn.Module, layer: _Layer, x: torch.Tensor, local: dict[str, torch.Tensor]) -> Any:
         mean, var = module.running_mean, module.running_var
