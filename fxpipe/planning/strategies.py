@@ -115,6 +115,7 @@ __all__ = [
     "solve_brute_force",
     "solve_ilp",
     "splitbrain",
+    "stage_graph",
     "strategy_cost",
     "strategy_rows",
     "sync_collectives",
@@ -968,6 +969,49 @@ def traffic_per_layer(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int
     for v, (spec, d) in enumerate(zip(specs, degrees)):
         out[v] += math.fsum(2 * (g - 1) / g * b for b, g in sync_collectives(spec, d))
     return tuple(out)
+
+
+def stage_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], lo: int, hi: int) -> tuple[
+        tuple[LayerSpec, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Layers ``lo .. hi-1`` (topological order) as a pipeline stage's own graph: ``(specs, edges, index)``.
+
+    A stage after the first starts with an ``input`` layer (the tensor layer ``lo - 1`` sends, split over
+    the batch on every rank of the group); a stage before the last ends with a ``loss``-kind layer
+    (what it sends on, split the same way). ``index[i]``: the original layer of the stage's i-th, -1 for
+    those two. Only one tensor may cross a cut: every edge into the stage comes from layer ``lo - 1``,
+    every edge out of it leaves from ``hi - 1``.
+
+    >>> chain = [LayerSpec("x", kind="input", out_bytes=8.0), LayerSpec("a", out_bytes=4.0), LayerSpec("b")]
+    >>> [s.kind for s in stage_graph(chain, [(0, 1), (1, 2)], 2, 3)[0]], stage_graph(chain, [(0, 1), (1, 2)], 2, 3)[2]
+    (['input', 'matmul'], (-1, 2))
+    """
+    n = len(specs)
+    if not 0 <= lo < hi <= n:
+        raise OptionError(f"a stage is a non-empty range of the {n} layers (given {lo}..{hi - 1})")
+    for u, v in edges:
+        if u < lo <= v and u != lo - 1:
+            raise OptionError(f"cutting before layer {lo} ({specs[lo].name!r}) cuts {specs[u].name!r} -> "
+                              f"{specs[v].name!r} too: cut where one tensor crosses")
+        if u < hi <= v and u != hi - 1:
+            raise OptionError(f"cutting after layer {hi - 1} ({specs[hi - 1].name!r}) cuts {specs[u].name!r} -> "
+                              f"{specs[v].name!r} too: cut where one tensor crosses")
+    index = ([-1] if lo > 0 else []) + list(range(lo, hi)) + ([-1] if hi < n else [])
+    where = {orig: i for i, orig in enumerate(index) if orig >= 0}
+    out = []
+    if lo > 0:
+        out.append(LayerSpec(f"{specs[lo - 1].name}:recv", out_bytes=specs[lo - 1].out_bytes, kind="input"))
+    out += list(specs[lo:hi])
+    if hi < n:
+        out.append(LayerSpec(f"{specs[hi - 1].name}:send", kind="loss"))
+    sub = []
+    for u, v in edges:
+        if lo <= u < hi and lo <= v < hi:
+            sub.append((where[u], where[v]))
+        elif u == lo - 1 and lo <= v < hi:
+            sub.append((0, where[v]))
+        elif u == hi - 1 and v >= hi and (where[u], len(out) - 1) not in sub:
+            sub.append((where[u], len(out) - 1))
+    return tuple(out), tuple(sub), tuple(index)
 
 
 def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency: float) -> float:

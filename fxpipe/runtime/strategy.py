@@ -274,25 +274,45 @@ class _Layer:
 
 
 class StrategyRuntime:
-    """Train ``module`` (an fx GraphModule) with one configuration per node on a (2, ..., 2) mesh.
+    """Train ``module`` (an fx GraphModule) with one configuration per node on a (2, ..., 2) mesh, or on a
+    pipeline of such groups.
 
     ``nodes[i]`` (a node name of ``module``'s graph) runs ``degrees[i]``; ``specs[i]`` says its kind
     (``fxpipe.passes.strategy_graph`` makes all three). ``train_step(x, target, optimizer)`` takes the
     whole batch on every rank, like one process: the loss is ``loss_fn``'s mean over it.
     ``parameters()`` are DTensors, for any torch optimizer; ``full_parameters()`` and
-    ``full_grads()`` gather them whole (collectives: every rank calls them).
+    ``full_grads()`` gather them whole (collectives: every rank of the group calls them).
+
+    **Pipelined** (``stages``: the node each stage but the last ends with): the world is ``pp x g``
+    ranks, a mesh ``("pp", "m0", ...)``; the ranks at pipeline position p run that stage's nodes in
+    their configurations on their group of g. A stage sends its last node's output split over the
+    batch on every rank of its group (each rank its slice, to the rank at the same place in the next
+    group), the next stage starts from it (``planning.strategies.stage_graph`` costs a stage this
+    way); ``microbatches`` go through in GPipe order (every forward, then every backward), and each
+    group syncs its gradients once per step.
     """
 
     def __init__(self, module: fx.GraphModule, nodes: Sequence[str], specs: Sequence[LayerSpec],
-                 degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None,
+                 degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None, stages: Sequence[str] = (),
+                 microbatches: int = 1,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> None:
         if not (len(nodes) == len(specs) == len(degrees)):
             raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
                               f"configurations: {len(degrees)})")
-        self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size())
+        if microbatches < 1:
+            raise OptionError(f"at least 1 microbatch (microbatches: {microbatches})")
         self.module = copy.deepcopy(module)
         self.loss_fn = loss_fn
+        self.microbatches = microbatches
         self.counter: CollectiveCounter | None = None
+        self.pp = len(stages) + 1
+        self.pipeline = self._pipeline_mesh(mesh)
+        if self.pipeline is None:
+            self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size())
+            self.pp_rank = 0
+        else:
+            self.mesh = self.pipeline[tuple(n for n in self.pipeline.mesh_dim_names if n != "pp")]
+            self.pp_rank = self.pipeline.get_local_rank("pp")
         ndim = self.mesh.ndim
         self.layers = {n: _Layer(s, d, mesh_roles(d, ndim)) for n, s, d in zip(nodes, specs, degrees)}
         graph_nodes = {n.name: n for n in self.module.graph.nodes}
@@ -300,15 +320,53 @@ class StrategyRuntime:
         if missing:
             raise OptionError(f"node {missing[0]!r} of the model has no configuration; build the strategy from "
                               "strategy_graph of this model")
-        for node in self.module.graph.nodes:
+        self.stage_of = self._stages(list(stages))
+        self._mine = [n for n in self.module.graph.nodes if self.stage_of[n.name] == self.pp_rank]
+        for node in self._mine:
             self._line_up(node)
         self._groups: dict[tuple[int, ...], Any] = {}
-        for layer in self.layers.values():
+        for layer in self.layers.values():  # every rank, every stage, the same order: groups are made collectively
             self._group(layer.sample_dims)
         self._params: dict[str, list[tuple[str, nn.Parameter, str]]] = {}
-        for node in self.module.graph.nodes:
+        for node in self._mine:
             if node.op == "call_module":
                 self._distribute(node, self.module.get_submodule(str(node.target)))
+
+    def _pipeline_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        if self.pp == 1:
+            return None
+        if mesh is not None:
+            if mesh.mesh_dim_names is None or mesh.mesh_dim_names[0] != "pp" or mesh.size(0) != self.pp:
+                raise OptionError(f"a pipelined strategy runs on a mesh whose first dimension is 'pp' of size {self.pp}")
+            return mesh
+        world = dist.get_world_size()
+        group = world // self.pp
+        k = group.bit_length() - 1
+        if world % self.pp or group < 2 or 1 << k != group:
+            raise OptionError(f"{self.pp} stages on {world} ranks: start {self.pp} x a power of two (at least 2) ranks")
+        return init_device_mesh("cpu", (self.pp,) + (2,) * k, mesh_dim_names=("pp",) + tuple(f"m{i}" for i in range(k)))
+
+    def _stages(self, cuts: list[str]) -> dict[str, int]:
+        order = list(self.module.graph.nodes)
+        names = [n.name for n in order]
+        unknown = [c for c in cuts if c not in names]
+        if unknown:
+            raise OptionError(f"stage cut {unknown[0]!r} is not a node of the model")
+        positions = [names.index(c) for c in cuts]
+        if positions != sorted(set(positions)) or (positions and positions[-1] >= len(order) - 2):
+            raise OptionError("stage cuts must be distinct nodes in the model's order, each leaving a stage after it")
+        stage_of, stage = {}, 0
+        for i, node in enumerate(order):
+            stage_of[node.name] = stage
+            if stage < len(positions) and i == positions[stage]:
+                stage += 1
+        for node in order:
+            for a in node.all_input_nodes:
+                s_a, s_n = stage_of[a.name], stage_of[node.name]
+                if s_a != s_n and not (s_n == s_a + 1 and a.name == cuts[s_a]):
+                    raise OptionError(f"{a.name!r} -> {node.name!r} crosses a stage cut that does not end with it; "
+                                      "cut where one tensor crosses (between blocks)")
+        return stage_of
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -374,9 +432,10 @@ class StrategyRuntime:
                 yield p
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters by the traced module's qualified names (those of the model: ``features.0.weight``)."""
-        for name, p in self.module.named_parameters():
-            yield name, p
+        """This stage's parameters by the model's qualified names (``features.0.weight``)."""
+        for node in self._mine:
+            for name, p, _ in self._params.get(node.name, ()):
+                yield f"{node.target}.{name}", p
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor() for n, p in self.named_parameters()}
@@ -385,7 +444,13 @@ class StrategyRuntime:
         return {n: p.grad.full_tensor() for n, p in self.named_parameters() if p.grad is not None}
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
-        return {n: (b.full_tensor() if isinstance(b, DTensor) else b) for n, b in self.module.named_buffers()}
+        """This stage's buffers (BatchNorm's running statistics), whole."""
+        out = {}
+        for node in self._mine:
+            if node.op == "call_module":
+                for name, b in self.module.get_submodule(str(node.target)).named_buffers(recurse=False):
+                    out[f"{node.target}.{name}"] = b.full_tensor() if isinstance(b, DTensor) else b
+        return out
 
     @contextlib.contextmanager
     def count(self) -> Iterator[CollectiveCounter]:
@@ -443,10 +508,16 @@ class StrategyRuntime:
         act = _placements("act", layer.roles)
         return act, act
 
-    def forward(self, x: torch.Tensor) -> DTensor:
-        """The model's output on ``x`` (the whole batch), as a DTensor in the output layer's layout."""
+    def _sliced(self) -> tuple[Any, ...]:
+        return (_S0,) * self.mesh.ndim  # the input, the loss, and what a stage sends: the batch split on every rank
+
+    def forward(self, x: torch.Tensor | DTensor) -> DTensor:
+        """This stage's output: on ``x`` (the whole batch, first stage) or the previous stage's output (a DTensor)."""
         env: dict[fx.Node, Any] = {}
-        for node in self.module.graph.nodes:
+        if isinstance(x, DTensor):
+            cut = next(a for n in self._mine for a in n.all_input_nodes if self.stage_of[a.name] != self.pp_rank)
+            env[cut] = x
+        for node in self._mine:
             layer = self.layers[node.name]
             if node.op == "placeholder":
                 whole = DTensor.from_local(x, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
@@ -480,21 +551,103 @@ class StrategyRuntime:
                 raise OptionError(f"node {node.name!r} returns {type(out).__name__}, not a tensor; the strategy "
                                   "runtime runs tensor-to-tensor models")
             env[node] = DTensor.from_local(out, self.mesh, self._held(layer), run_check=False)
-        raise OptionError("the traced model has no output node")
+        return env[self._mine[-1]]
 
-    def loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the loss: ``loss_fn`` on its slice of the batch, scaled so the shares sum to
-        ``loss_fn`` on the whole batch (a mean)."""
+    def _share(self, out: DTensor, target: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's share of the loss on ``out``: ``loss_fn`` on its slice, scaled so the shares of all ranks
+        (and microbatches) sum to ``loss_fn`` on the whole batch of ``batch`` samples (a mean)."""
         out_node = next(n for n in self.module.graph.nodes if n.op == "output")
-        layer = self.layers[out_node.name]
-        out = self.forward(x)
-        held = _placements("act", layer.roles)  # the loss reads the output split over the batch on every rank
+        held = self._sliced()
         if out.placements != held:
             out = _Move.apply(out, held, out_node.name, self)
         mine = DTensor.from_local(target, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
         local_target = mine.redistribute(self.mesh, held).to_local()
         local_out = out.to_local(grad_placements=held)
-        return self.loss_fn(local_out, local_target) * (local_out.shape[0] / x.shape[0])
+        return self.loss_fn(local_out, local_target) * (local_out.shape[0] / batch)
+
+    def loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss on the whole batch (one stage, one microbatch)."""
+        return self._share(self.forward(x), target, x.shape[0])
+
+    # --- the pipeline: each rank talks to the rank at its place in the next and previous groups ----------
+
+    def _peer(self, step: int) -> int:
+        assert self.pipeline is not None
+        coords = self.pipeline.get_coordinate()
+        assert coords is not None
+        index = (self.pp_rank + step, *coords[1:])
+        return int(self.pipeline.mesh[index].item())
+
+    def _send(self, t: torch.Tensor, step: int) -> None:
+        head = torch.zeros(8, dtype=torch.int64)
+        head[0] = t.dim()
+        head[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        peer = self._peer(step)
+        dist.send(head, peer)
+        dist.send(t.detach().contiguous(), peer)
+
+    def _recv(self, step: int, dtype: torch.dtype) -> torch.Tensor:
+        head = torch.zeros(8, dtype=torch.int64)
+        peer = self._peer(step)
+        dist.recv(head, peer)
+        t = torch.empty(tuple(int(v) for v in head[1:1 + int(head[0])]), dtype=dtype)
+        dist.recv(t, peer)
+        return t
+
+    def _pipelined(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """GPipe: every microbatch forward, then every one backward; this rank's summed loss share."""
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        xs, ts = x.tensor_split(self.microbatches), target.tensor_split(self.microbatches)
+        held = self._sliced()
+        kept, total = [], torch.zeros((), dtype=x.dtype)
+        for i in range(self.microbatches):
+            received = None
+            if first:
+                inp: Any = xs[i]
+            else:
+                received = self._recv(-1, x.dtype).requires_grad_()
+                inp = DTensor.from_local(received, self.mesh, held, run_check=False)
+            out = self.forward(inp)
+            if last:
+                share = self._share(out, ts[i], x.shape[0])
+                total = total + share.detach()
+                kept.append((share, None, received))
+            else:
+                sent = (_Move.apply(out, held, "(send)", self) if out.placements != held else out).to_local(
+                    grad_placements=held)
+                self._send(sent, +1)
+                kept.append((None, sent, received))
+        for share, sent, received in reversed(kept):
+            if share is not None:
+                share.backward()
+            else:
+                sent.backward(self._recv(+1, sent.dtype))
+            if received is not None:
+                self._send(received.grad, -1)
+        return total
+
+    def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+        """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is None and self.microbatches == 1:
+            loss = self.loss(x, target)
+            loss.backward()
+            total = loss.detach().clone()
+        else:
+            total = self._pipelined(x, target) if self.pipeline is not None else self._microbatched(x, target)
+        self.sync()
+        optimizer.step()
+        with _at(self.counter, "(loss value)"):
+            dist.all_reduce(total)  # every rank of the last stage holds its own slice: the shares sum to the mean
+        return float(total)
+
+    def _microbatched(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=x.dtype)
+        for xi, ti in zip(x.tensor_split(self.microbatches), target.tensor_split(self.microbatches)):
+            share = self._share(self.forward(xi), ti, x.shape[0])
+            share.backward()
+            total = total + share.detach()
+        return total
 
     def sync(self) -> None:
         """All-reduce each layer's parameter gradients over the ranks holding the same shard (one flat buffer
@@ -524,15 +677,3 @@ class StrategyRuntime:
                 piece = flat[offset:offset + t.numel()].view_as(t)
                 offset += t.numel()
                 p.grad = DTensor.from_local(piece, self.mesh, p.placements, run_check=False)
-
-    def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss."""
-        optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(x, target)
-        loss.backward()
-        self.sync()
-        optimizer.step()
-        total = loss.detach().clone()
-        with _at(self.counter, "(loss value)"):
-            dist.all_reduce(total)  # every rank holds its own slice: the shares sum to the whole batch's mean
-        return float(total)

@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from fxpipe.models import resnet, vgg
 from fxpipe.passes.strategy_graph import strategy_graph
-from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, sync_collectives, traffic_per_layer
+from fxpipe.planning.strategies import (
+    build_graph,
+    data_parallel,
+    solve,
+    splitbrain,
+    stage_graph,
+    sync_collectives,
+    traffic_per_layer,
+)
 from fxpipe.runtime.strategy import StrategyRuntime
 
 BATCH = 8
@@ -71,11 +79,44 @@ def run_case(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
             "counts": counter.counts()}
 
 
+def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Stages cut after ``case["cut"]`` on groups of world / 2 ranks, each stage's strategy searched on its own
+    graph (``stage_graph``), ``case["microbatches"]`` microbatches in GPipe order."""
+    net, x, target = example(case["model"])
+    g = strategy_graph(net, (x,))
+    group = world // 2
+    cut = g.nodes.index(case["cut"]) + 1
+    degrees: list[Any] = [None] * len(g.specs)
+    configs = []
+    for lo, hi in ((0, cut), (cut, len(g.specs))):
+        specs, edges, index = stage_graph(g.specs, g.edges, lo, hi)
+        graph = build_graph(specs, edges, group, bandwidth=1e9, latency=1e-4, alltoall=False)
+        strategy = solve(graph)
+        configs += [name for name, orig in zip(strategy.names(graph), index) if orig >= 0]
+        for i, c in enumerate(strategy.choice):
+            if index[i] >= 0:
+                degrees[index[i]] = graph.layers[i].configs[c].degrees
+    rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, stages=[case["cut"]],
+                         microbatches=case["microbatches"])
+    opt = torch.optim.SGD(rt.parameters(), lr=0.05, momentum=0.9)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        losses.append(rt.train_step(x, target, opt))
+        grads.append(rt.full_grads())
+    name = f"{case['model']}-pipelined"
+    whole = {"grads": grads, "params": rt.full_parameters(), "buffers": rt.full_buffers()}  # collectives: all ranks
+    if rt.mesh.get_rank() == rt.mesh.mesh.flatten()[0].item():  # one rank per stage writes its stage
+        torch.save(whole, out / f"{name}-stage{rt.pp_rank}.pt")
+    return {"name": name, "losses": losses, "configs": configs, "layers": {}, "loss_value": 0.0, "unlabelled": 0.0,
+            "counts": {}}
+
+
 def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     out = Path(outdir)
     results = [run_case(world, case, out) for case in cfg["cases"]]
+    results += [run_pipelined(world, case, out) for case in cfg.get("pipelined", [])]
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
