@@ -22,6 +22,7 @@ from fxpipe.models import resnet, vgg
 from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import (
     build_graph,
+    edge_transfers,
     data_parallel,
     solve,
     splitbrain,
@@ -67,12 +68,16 @@ def run_case(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
     name = f"{case['model']}-{case['strategy']}"
     if dist.get_rank() == 0:
         torch.save({"grads": grads, "params": params, "buffers": buffers}, out / f"{name}.pt")
+    moves = [0] * len(g.specs)  # transfers that move bytes, forward and backward, into each layer
+    for u, v in g.edges:
+        moves[v] += sum(t.nbytes > 0 for t in edge_transfers(g.specs[u], degrees[u], g.specs[v], degrees[v],
+                                                              alltoall=False))
     layers = {}
-    for node, spec, d, p in zip(g.nodes, g.specs, degrees, predicted):
-        mine = [r for r in records if r.layer == node and r.op == "all_reduce"]
+    for node, spec, d, p, m in zip(g.nodes, g.specs, degrees, predicted, moves):
+        mine = [r for r in records if r.layer == node]
         reduces[node] = len(mine)
         layers[node] = {"config": d.name, "predicted": p, "actual": actual.get(node, 0.0),
-                        "sync_predicted": len(sync_collectives(spec, d)), "all_reduces": len(mine)}
+                        "predicted_count": len(sync_collectives(spec, d)) + m, "count": len(mine)}
     return {"name": name, "losses": losses, "configs": strategy.names(graph), "layers": layers,
             "loss_value": actual.get("(loss value)", 0.0),
             "unlabelled": sum(r.nbytes for r in records if r.layer not in layers and r.layer != "(loss value)"),
