@@ -83,3 +83,29 @@ def test_the_slurm_script_parses_and_starts_the_example() -> None:
     assert "examples/train_pipeline_dp.py" in text and "--rdzv-backend c10d" in text
     readme = (ROOT / "README.md").read_text()
     assert "examples/slurm_pipeline_dp.sh" in readme and "examples/train_pipeline_dp.py" in readme
+
+
+STRATEGY = ROOT / "examples" / "train_strategy.py"
+
+
+def test_the_strategy_example_trains_two_searched_stages_on_four_ranks() -> None:
+    """examples/train_strategy.py as documented (its env:// rendezvous, started here without torchrun's agent):
+    VGG-tiny in 2 stages of 2 ranks, each stage's strategy searched; both tables print and the loss falls."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4")
+    procs = [subprocess.Popen([sys.executable, str(STRATEGY), "--model", "vgg-tiny", "--stages", "2", "--cut", "flatten",
+                               "--steps", "6", "--lr", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    stdout = outs[0][0]
+    assert stdout.count("strategy (elimination)") == 2, stdout  # one table per stage
+    assert re.search(r"^classifier_0\s+\S+", stdout, re.M)
+    losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", stdout, re.M)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
