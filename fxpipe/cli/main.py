@@ -14,6 +14,7 @@ from fxpipe.cli.compile_cmd import compile_cmd
 from fxpipe.cli.inspect_cmd import inspect_cmd, models_cmd
 from fxpipe.cli.run_cmd import run_cmd
 from fxpipe.cli.simulate_cmd import simulate_cmd
+from fxpipe.cli.strategy_cmd import strategy_cmd
 
 app = typer.Typer(
     name="fxpipe",
@@ -26,6 +27,7 @@ app = typer.Typer(
 app.command("compile")(compile_cmd)
 app.command("simulate")(simulate_cmd)
 app.command("run")(run_cmd)
+app.command("strategy")(strategy_cmd)
 app.command("inspect")(inspect_cmd)
 app.command("models")(models_cmd)
 

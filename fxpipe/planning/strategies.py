@@ -910,7 +910,7 @@ def config_degrees(ranks: int, *, kind: str = "matmul", spatial: bool = False,
 
 
 def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: float, optimizer: str = "sgd",
-                  divisors: bool = False) -> tuple[Config, ...]:
+                  divisors: bool = False, spatial: bool = True) -> tuple[Config, ...]:
     """The configurations of one layer on ``ranks`` ranks with their compute, sync and memory (module docstring).
 
     >>> fc = LayerSpec("fc", seconds=1.0, param_bytes=100.0, saved_bytes=40.0)
@@ -918,7 +918,7 @@ def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: flo
     [('s2', 0.5, 11.0, 220.0), ('c2', 0.5, 0.0, 140.0), ('r2', 0.5, 0.0, 120.0)]
     """
     configs = []
-    for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial, divisors=divisors):
+    for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial and spatial, divisors=divisors):
         sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency)
         configs.append(Config(d.name, spec.seconds / d.product, sync, layer_memory(spec, d, optimizer).total, d))
     return tuple(configs)
@@ -1020,18 +1020,19 @@ def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency
 
 
 def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
-                latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True) -> LayerGraph:
+                latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True,
+                spatial: bool = True) -> LayerGraph:
     """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
     configurations and every edge's table of ``edge_seconds`` (``alltoall=False`` for a backend without
-    all-to-all, gloo).
+    all-to-all, gloo; ``spatial=False``: no height splits, which the DTensor runtime does not run).
 
     >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
     >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
     >>> [c.name for c in g.layers[1].configs], g.edges[0].cost
     (['s2', 'c2', 'r2'], ((0.0, 32.0, 16.0),))
     """
-    configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors)
-               for s in specs]
+    configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors,
+                             spatial=spatial) for s in specs]
     layers = tuple(Layer(s.name, c) for s, c in zip(specs, configs))
     out = []
     for u, v in edges:
