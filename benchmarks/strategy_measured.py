@@ -48,7 +48,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         side = family.SIZES[size].image_size
         x = torch.randn(args.batch, 3, side, side)
         t = torch.randint(0, 10, (args.batch,))
-        g = strategy_graph(net, (x,))
+        g = strategy_graph(net, (x,), profile_runs=args.profile_runs)
         graph = build_graph(g.specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
         for name, strategy in (("dp", data_parallel(graph)), ("splitbrain-2", splitbrain(graph, g.specs, 2)),
                                ("auto", solve(graph))):
@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile-runs", type=int, default=0, help="time each node's forward this many times "
+                        "(one thread) for the compute costs, instead of FLOP estimates")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []

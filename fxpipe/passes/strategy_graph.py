@@ -20,6 +20,9 @@ traced module and the node names come back with the specs, so the runtime
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,12 +58,14 @@ def _nbytes(value: Any) -> int:
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule) -> None:
+    def __init__(self, module: fx.GraphModule, runs: int = 0) -> None:
         super().__init__(module)
         self.out: dict[str, int] = {}
         self.dims: dict[str, int] = {}
         self.inputs: dict[str, int] = {}
         self.flops: dict[str, int] = {}
+        self.runs = runs
+        self.seconds: dict[str, float] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         args = [a for a in n.all_input_nodes]
@@ -68,6 +73,13 @@ class _Recorder(fx.Interpreter):
         with counter:
             value = super().run_node(n)
         self.flops[n.name] = counter.get_total_flops()
+        if self.runs and n.op not in ("placeholder", "output"):
+            times = []
+            for _ in range(self.runs):
+                start = time.perf_counter()
+                super().run_node(n)
+                times.append(time.perf_counter() - start)
+            self.seconds[n.name] = statistics.median(times)
         self.out[n.name] = _nbytes(value)
         self.dims[n.name] = value.dim() if isinstance(value, torch.Tensor) else 0
         self.inputs[n.name] = sum(self.out.get(a.name, 0) for a in args)
@@ -81,8 +93,12 @@ def _target_name(gm: fx.GraphModule, n: fx.Node) -> str:
 
 
 def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_flops: float | None = None,
-                   device_mem_bw: float | None = None) -> OpGraph:
+                   device_mem_bw: float | None = None, profile_runs: int = 0) -> OpGraph:
     """The layer graph of ``model`` on ``example_inputs`` (the whole batch), one spec per fx node.
+
+    ``profile_runs > 0`` (real tensors): each node's forward is timed (the median of that many runs, in
+    eval mode) and its F + B + W is that time x 3 for a matmul, x 2 for the rest, instead of the
+    FLOP and byte estimates.
 
     Raises ``OptionError`` when the model does not trace symbolically, has more than one input
     or output tensor, or holds parameters in a module other than Linear, a convolution (groups=1)
@@ -100,7 +116,7 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
     if len(placeholders) != 1 or len(example_inputs) != 1:
         raise OptionError(f"the per-layer strategy search takes a model of one input tensor (it has "
                           f"{len(placeholders)}); wrap the others into the model")
-    recorder = _Recorder(gm)
+    recorder = _Recorder(gm, profile_runs)
     modes = {m: m.training for m in gm.modules()}
     gm.eval()  # the trace shares the model's modules: a training-mode run would move its BatchNorm statistics
     try:
@@ -128,6 +144,8 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
             spec = LayerSpec(n.name, out_bytes=recorder.out[n.name], kind="input")
         else:
             spec = _spec(gm, n, recorder, flops_rate, mem_bw)
+            if n.name in recorder.seconds:
+                spec = dataclasses.replace(spec, seconds=recorder.seconds[n.name] * (3 if spec.kind == "matmul" else 2))
         index[n.name] = len(specs)
         for a in dict.fromkeys(n.all_input_nodes):
             if recorder.out.get(a.name, 0) or a.op == "placeholder":
