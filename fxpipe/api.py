@@ -22,10 +22,11 @@ from fxpipe.passes import (History, Step, annotate_costs, group_layers, partitio
                            trace, verify_costs, verify_layers, verify_split, verify_stages)
 from fxpipe.pipeline import Pipeline, Stage
 from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan, Provenance,
-                         ScheduleRecord, StageCost, TensorSpec, fxpipe_version)
+                         ScheduleRecord, StageCost, StrategyRecord, TensorSpec, fxpipe_version)
 from fxpipe.report import Report
 
-__all__ = ["Compiled", "build_steps", "compile", "load", "run_compile", "save", "set_schedule"]
+__all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_strategy", "compile", "load",
+           "run_compile", "save", "set_schedule", "set_strategy"]
 
 
 @dataclass
@@ -238,6 +239,84 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
     pipe.plan = pipe.plan.with_schedule(record, sched.rank_of_stage)
     pipe.extra_reports = [*extra, report(result, sched)]
     return result
+
+
+@dataclass(frozen=True)
+class ChosenStrategy:
+    """What :func:`choose_strategy` returns: the record for the plan and its two tables (per layer, totals)."""
+
+    record: StrategyRecord
+    reports: tuple[Report, ...]
+
+
+def check_strategy(name: str, stages: int, ranks: int, group: int) -> None:
+    """Refuse, in one line each, what ``--strategy`` cannot run: more than one stage, a rank group that is not
+    a power of two of at least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it."""
+    from fxpipe.plan import STRATEGY_NAMES
+
+    if name not in STRATEGY_NAMES:
+        raise OptionError(f"--strategy must be one of {', '.join(STRATEGY_NAMES)} (given: {name!r})")
+    if stages != 1:
+        raise OptionError(f"--strategy splits layers over one stage's ranks, not over {stages} pipeline stages; "
+                          "use --stages 1 (and --dp for the ranks)")
+    if ranks < 2 or ranks & (ranks - 1):
+        raise OptionError(f"--strategy runs on --dp ranks, a power of two of at least 2 (the DTensor runtime's "
+                          f"(2, ..., 2) mesh; given: --dp {ranks}); use --dp 2, 4, 8, ...")
+    if group < 1 or ranks % group:
+        raise OptionError(f"--group {group} must divide --dp {ranks}; use a power of two up to {ranks}")
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name: str, *, ranks: int, group: int = 2,
+                    bandwidth: float | None = None, latency: float | None = None) -> ChosenStrategy:
+    """A per-layer strategy for ``model`` on ``ranks`` ranks: ``auto`` (the search), ``dp`` or ``splitbrain``
+    (groups of ``group``), on ``fxpipe.passes.strategy_graph``'s one-layer-per-fx-node graph of the whole
+    batch, with the link ``bandwidth``/``latency`` (default: DEFAULTS'), no all-to-all (gloo) and no height
+    splits (the DTensor runtime does not run them; they stay in ``fxpipe strategy --heights``).
+    """
+    from fxpipe.passes.strategy_graph import strategy_graph
+    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows
+
+    check_strategy(name, 1, ranks, group)
+    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
+    latency = DEFAULTS.latency if latency is None else latency
+    g = strategy_graph(model, example_inputs)
+    graph = build_graph(g.specs, g.edges, ranks, bandwidth=bandwidth, latency=latency, alltoall=False,
+                        spatial=False)
+    presets = {"dp": data_parallel(graph), "splitbrain": splitbrain(graph, g.specs, group), "auto": solve(graph)}
+    chosen = presets[name]
+    table = strategy_rows(graph, g.specs, chosen)
+    rows = tuple((r[0], r[1], *(_round(x) for x in r[2:5]), int(round(r[5]))) for r in table.rows)
+    per_layer = Report(f"strategy: {name} ({chosen.method}) on {ranks} ranks, {_round(chosen.cost)} s per step",
+                       table.columns, rows,
+                       notes=(f"one row per fx node; link {bandwidth:g} B/s, {latency:g} s per ring step, no "
+                              "all-to-all (gloo); no height splits (cost model only: fxpipe strategy --heights); "
+                              "memory per rank: parameters, gradients, sgd state, saved activations",))
+    totals = []
+    for key, s in presets.items():
+        total = strategy_rows(graph, g.specs, s).rows[-1]
+        label = {"dp": "data parallel", "splitbrain": f"splitbrain (group {group})", "auto": "auto (search)"}[key]
+        totals.append((label + (" (chosen)" if key == name else ""), s.method, _round(s.cost), _round(total[2]),
+                       _round(total[3]), _round(total[4]), int(round(total[5]))))
+    summary = Report(f"strategy totals: {name} against data parallel and SplitBrain on {ranks} ranks",
+                     ("strategy", "method", "step_s", "compute_s", "sync_s", "transfer_s", "memory_bytes"),
+                     tuple(totals), notes=("seconds per step; memory per rank",))
+    record = StrategyRecord(name=name, ranks=ranks, group=group, method=chosen.method, cost=float(chosen.cost),
+                            nodes=tuple(zip(g.nodes, chosen.names(graph))))
+    return ChosenStrategy(record, (per_layer, summary))
+
+
+def set_strategy(pipe: Pipeline, chosen: ChosenStrategy) -> None:
+    """Record ``chosen`` in ``pipe.plan``; its tables join ``pipe.report()`` and the plan directory."""
+    if pipe.num_stages != 1 or pipe.plan.mesh.dp != chosen.record.ranks:
+        raise OptionError(f"a strategy on {chosen.record.ranks} ranks needs a 1-stage plan on as many dp ranks "
+                          f"(this one: {pipe.num_stages} stages x {pipe.plan.mesh.dp}); compile with --stages 1 "
+                          f"--dp {chosen.record.ranks}")
+    pipe.plan = pipe.plan.with_strategy(chosen.record)
+    pipe.extra_reports = [*pipe.extra_reports, *chosen.reports]
 
 
 def save(pipe: Pipeline, path: str | Path) -> Path:

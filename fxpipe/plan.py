@@ -2,9 +2,9 @@
 
 A :class:`Plan` records where it came from (:class:`Provenance`), what was asked
 (:class:`CompileOptions`), the model's flat inputs, every layer's costs, the stages (which layers,
-what they cost), the link model, the device mesh (which ranks hold each stage) and the schedule
-record. It is plain values only: it round-trips through JSON exactly
-(``Plan.from_json(p.to_json()) == p``), and its schema is versioned.
+what they cost), the link model, the device mesh (which ranks hold each stage), the schedule
+record and the per-layer strategy record (:class:`StrategyRecord`). It is plain values only: it
+round-trips through JSON exactly (``Plan.from_json(p.to_json()) == p``), and its schema is versioned.
 
 Every default fxpipe uses lives in :data:`DEFAULTS`, read when a value is needed (never bound into
 a signature), so changing it there changes it everywhere::
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -224,6 +225,51 @@ class ScheduleRecord:
     max_stage_span_s: float = 0.0
 
 
+STRATEGY_NAMES = ("auto", "dp", "splitbrain")
+_CONFIG_NAME = re.compile(r"^(?:s[0-9]+)?(?:c[0-9]+)?(?:r[0-9]+)?(?:h[0-9]+)?$")
+
+
+@dataclass(frozen=True)
+class StrategyRecord:
+    """The per-layer strategy a plan runs (``fxpipe compile --strategy``): on which ranks, how it was found, and
+    each fx node's configuration (``Degrees`` names: ``s4``, ``s2c2``, ``s2r2``; degrees over sample, column,
+    row, height) of ``fxpipe.passes.strategy_graph``'s trace."""
+
+    name: str  # auto, dp or splitbrain: what was asked
+    ranks: int  # the stage's group of ranks (--dp)
+    group: int  # SplitBrain's group (recorded for every choice)
+    method: str  # how it was found: elimination, elimination+ilp, data-parallel, splitbrain-K, ...
+    cost: float  # modelled seconds per step
+    nodes: tuple[tuple[str, str], ...]  # (fx node name, configuration name), in graph order
+
+    @property
+    def configs(self) -> dict[str, str]:
+        """fx node name -> configuration name."""
+        return dict(self.nodes)
+
+    def problems(self) -> list[str]:
+        """What is wrong with this record (empty when it is sound)."""
+        found = []
+        if self.name not in STRATEGY_NAMES:
+            found.append(f"name {self.name!r} is not one of {', '.join(STRATEGY_NAMES)}")
+        if self.ranks < 2 or self.ranks & (self.ranks - 1):
+            found.append(f"ranks {self.ranks} is not a power of two of at least 2")
+        if self.group < 1 or (self.ranks > 0 and self.ranks % self.group):
+            found.append(f"group {self.group} does not divide ranks {self.ranks}")
+        if not math.isfinite(self.cost) or self.cost < 0:
+            found.append(f"cost {self.cost!r} is not a finite number of seconds")
+        names = [n for n, _ in self.nodes]
+        if len(set(names)) != len(names):
+            found.append("a node is named twice")
+        for node, config in self.nodes:
+            m = _CONFIG_NAME.match(config) if config else None
+            degrees = [int(x) for x in re.findall(r"[0-9]+", config)] if m else []
+            if not m or not degrees or math.prod(degrees) != self.ranks and config != "s1":
+                found.append(f"node {node!r} has configuration {config!r}, not degrees whose product is {self.ranks}")
+                break
+        return found
+
+
 @dataclass(frozen=True)
 class Plan:
     provenance: Provenance
@@ -237,6 +283,7 @@ class Plan:
     lower_bound_s: float
     schedule: ScheduleRecord | None = None
     version: int = PLAN_VERSION
+    strategy: StrategyRecord | None = None  # a per-layer strategy (--strategy); absent from plan.json when None
 
     @property
     def num_stages(self) -> int:
@@ -256,8 +303,15 @@ class Plan:
         """This plan running ``record`` (the mesh follows the schedule's placement of stages)."""
         return dataclasses.replace(self, schedule=record, mesh=Mesh.from_rank_of_stage(rank_of_stage, self.mesh.dp))
 
+    def with_strategy(self, record: StrategyRecord | None) -> "Plan":
+        """This plan running the per-layer strategy ``record``."""
+        return dataclasses.replace(self, strategy=record)
+
     def to_json(self) -> dict[str, Any]:
-        return _encode(self)
+        doc = _encode(self)
+        if self.strategy is None:  # plans without a strategy are written exactly as before it existed
+            del doc["strategy"]
+        return doc
 
     @classmethod
     def from_json(cls, data: Any, where: str = "the plan") -> "Plan":
@@ -266,7 +320,12 @@ class Plan:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise PlanFileError(f"{where} has plan version {found!r}, this fxpipe reads {PLAN_VERSION}; "
                                 "re-run fxpipe compile")
-        return _decode(cls, data, where)
+        plan = _decode(cls, data, where)
+        if plan.strategy is not None:
+            bad = plan.strategy.problems()
+            if bad:
+                raise PlanFileError(f"{where}.strategy is corrupt ({bad[0]}); re-run fxpipe compile")
+        return plan
 
 
 # -- exact JSON: dataclasses as objects, tuples as lists, decoded by the field types ----------------

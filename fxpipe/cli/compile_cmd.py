@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fxpipe.cli.common import check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress, say
+from fxpipe.errors import OptionError
 
 
 class Tracer(str, Enum):
@@ -21,6 +22,12 @@ class Tracer(str, Enum):
 class Device(str, Enum):
     cpu = "cpu"
     meta = "meta"
+
+
+class StrategyChoice(str, Enum):
+    auto = "auto"
+    dp = "dp"
+    splitbrain = "splitbrain"
 
 
 class DType(str, Enum):
@@ -51,6 +58,15 @@ def compile_cmd(
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pick a schedule for the plan and record it: "
                                                     "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, async-1f1b "
                                                     "or auto.", rich_help_panel="Schedule")] = None,
+    strategy: Annotated[Optional[StrategyChoice], typer.Option(
+        help="A per-layer parallel configuration (degrees over batch, output and input channels) for the one "
+             "stage's --dp ranks (a power of two), recorded in the plan: auto (the search), dp (every layer "
+             "splits the batch) or splitbrain (fully connected layers sharded in groups of --group). Needs "
+             "--stages 1 (its default with --strategy). Costed for gloo: no all-to-all; height splits stay in "
+             "the cost model only (fxpipe strategy --heights). [default: none]",
+        rich_help_panel="Strategy")] = None,
+    group: Annotated[Optional[int], typer.Option(min=1, help="SplitBrain's group of ranks (divides --dp) "
+                                                 "[default: 2].", rich_help_panel="Strategy")] = None,
     profile: Annotated[bool, typer.Option(help="Measure each layer's time on real tensors instead of estimating.",
                                           rich_help_panel="Costs")] = False,
     profile_runs: Annotated[int, typer.Option(min=1, help="Runs per layer with --profile (median).",
@@ -103,6 +119,13 @@ def compile_cmd(
 
                 check_writable_dir(out_dir, "--out")  # before the compile, not after it
                 check_out_dir(out_dir)
+            if strategy is not None:
+                from fxpipe.api import check_strategy
+
+                stages = 1 if stages is None else stages
+                check_strategy(strategy.value, stages, dp, 2 if group is None else group)
+            elif group is not None:
+                raise OptionError("--group is SplitBrain's group of ranks; give it with --strategy splitbrain")
             if schedule is not None and microbatches is not None:  # before the compile: generating it could take ages
                 from fxpipe.plan import DEFAULTS
 
@@ -121,6 +144,14 @@ def compile_cmd(
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
                 dp=dp,
             )
+            chosen = None
+            if strategy is not None:
+                from fxpipe.api import choose_strategy
+
+                step(f"choosing a per-layer strategy ({strategy.value}) on {dp} ranks", 0, 0)
+                chosen = choose_strategy(resolved.model, resolved.example_inputs, strategy.value, ranks=dp,
+                                         group=2 if group is None else group, bandwidth=options.bandwidth,
+                                         latency=options.latency)
             compiled = run_compile(resolved.model, resolved.example_inputs, options,
                                    example_kwargs=resolved.example_kwargs, model_name=resolved.name,
                                    build=BuildRecipe(dtype.value, batch_size, seed), verify_each=verify_each,
@@ -128,8 +159,14 @@ def compile_cmd(
                                    on_pass=lambda name, i, n: step(f"pass {name}", i, n),
                                    profile_threads=profile_threads)
         history, root = compiled.history, compiled.root
-        reports = compiled.reports
         finished = compiled.pipeline is not None
+        if chosen is not None and compiled.pipeline is not None:
+            from fxpipe.api import set_strategy
+
+            set_strategy(compiled.pipeline, chosen)
+        reports = compiled.reports
+        if chosen is not None and compiled.pipeline is None:  # stopped early: the tables still print, unrecorded
+            reports = [*reports[:-1], *chosen.reports, reports[-1]]
         written = None
         if compiled.pipeline is not None and out_dir is not None:
             from fxpipe.api import save
@@ -146,6 +183,10 @@ def compile_cmd(
                 "bottleneck_ratio": _ratio(root),
                 "reports": [r.to_json() for r in reports],
             }
+            if chosen is not None:
+                import dataclasses
+
+                doc["strategy"] = dataclasses.asdict(chosen.record)
             print(json.dumps(doc, default=str))
             return
         from fxpipe.render import print_reports
@@ -158,7 +199,8 @@ def compile_cmd(
         if not finished:
             say(f"stopped after {history.records[-1].name}: no plan written")
         elif written is not None:
-            say(f"wrote {written} ({options.stages} stages) in {seconds:.1f} s")
+            using = f", strategy {chosen.record.name} on {chosen.record.ranks} ranks" if chosen is not None else ""
+            say(f"wrote {written} ({options.stages} stages{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
 
