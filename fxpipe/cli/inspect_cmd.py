@@ -29,7 +29,8 @@ def inspect_cmd(
             rows=tuple((s["index"], s["graph"], len(s["inputs"]), len(s["outputs"]), len(s["parameters"]),
                         sum(_numel(p["shape"]) for p in s["parameters"])) for s in doc["stages"]),
             notes=(f"schema {doc['schema']}, fxpipe {doc.get('fxpipe_version')}, torch {doc.get('torch_version')}, "
-                   f"model {(doc.get('plan') or {}).get('provenance', {}).get('model', '?')}",),
+                   f"model {(doc.get('plan') or {}).get('provenance', {}).get('model', '?')}",
+                   *_strategy_note(doc)),
         )
         if as_json:
             print(json.dumps({"schema": "fxpipe.inspect/v1", "plan": doc}, default=str))
@@ -70,3 +71,15 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _strategy_note(doc: dict) -> tuple[str, ...]:
+    """A line naming the plan's per-layer strategy (fxpipe compile --strategy), when it has one."""
+    record = (doc.get("plan") or {}).get("strategy")
+    if not isinstance(record, dict):
+        return ()
+    nodes = record.get("nodes") if isinstance(record.get("nodes"), list) else []
+    split = sum(1 for n in nodes if isinstance(n, list) and len(n) == 2 and any(ch in str(n[1]) for ch in "crh"))
+    return (f"strategy {record.get('name')} ({record.get('method')}) on {record.get('ranks')} ranks: "
+            f"{len(nodes)} nodes, {split} split beyond the batch",)
+

@@ -57,6 +57,7 @@ def test_splitbrain_shards_the_classifier_in_groups(tmp_path: Path) -> None:
     # the inspect command prints the tables again from plan.json
     again = ok(fxpipe_cli("inspect", out, "--plain")).stdout
     assert "strategy: splitbrain (splitbrain-2) on 4 ranks" in again
+    assert "strategy splitbrain (splitbrain-2) on 4 ranks: 19 nodes, 5 split beyond the batch" in again
 
 
 def test_dp_chooses_the_batch_split_everywhere(tmp_path: Path) -> None:
