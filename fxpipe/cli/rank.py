@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         result, params = _run(args, rank, dist.get_world_size())
         _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # every rank is done talking before any tears its connections down
         return 0
     except BaseException as exc:  # every failure becomes one line the launcher can report
         (out / f"rank{rank}.error").write_text(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001  (the results are written; a peer closing first must not fail this rank)
+                traceback.print_exc()
 
 
 def out_progress(args: argparse.Namespace) -> Path:

@@ -113,6 +113,7 @@ class RankFailure:
 
     rank: int | None
     message: str
+    after_results: bool = False  # every failing rank had written its result: the run's results are complete
 
 
 def torchrun_command(plan_dir: Path, out_dir: Path, nproc: int, *, steps: int, lr: float, timeout: float,
@@ -395,6 +396,12 @@ def _diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
                            + (f" ({waiting} reported waiting for it)" if waiting else "")
                            + "; the ranks were stopped")
     died = died_ranks(torchrun_stderr, set(errors) | set(finished))
+    closing = [d for d in died_ranks(torchrun_stderr, set(errors)) if d.rank in finished and not d.terminated]
+    if closing and not died and not errors:
+        first_closing = closing[0]
+        return RankFailure(first_closing.rank, f"rank {first_closing.rank} exited ({first_closing.how}) after writing "
+                                               "its result, while closing the process group; the results are complete",
+                           after_results=True)
     first = sorted(errors.items(), key=lambda kv: ("waited for" in kv[1], kv[0]))
     alone = [kv for kv in first if "waited for" not in kv[1]]
     if died and (not died[0].terminated or not alone):

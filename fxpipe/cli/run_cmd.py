@@ -133,7 +133,9 @@ def run_cmd(
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
                                      local=proc.local)
-            if failure is not None:
+            if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
+                say(f"warning: {failure.message}")
+            elif failure is not None:
                 raise RankFailedError(failure.message)
             results = ranks.rank_results(out_dir)
             if results is None and meeting.standalone:

@@ -157,3 +157,13 @@ def test_only_the_node_holding_rank_0_has_the_results(tmp_path: Path) -> None:
     assert rank_results(tmp_path) is None
     (tmp_path / RESULTS).write_text('[{"rank": 0}, {"rank": 1}]')
     assert rank_results(tmp_path) == [{"rank": 0}, {"rank": 1}]
+
+
+def test_a_rank_that_fails_while_closing_after_its_result_keeps_the_results() -> None:
+    # Every rank wrote its result; rank 1 then exited 1 in gloo's teardown: the run's results stand, with a warning.
+    failure = diagnose(1, _summary((1, 1)), {}, {0, 1})
+    assert failure == RankFailure(1, "rank 1 exited (exit code 1) after writing its result, while closing the "
+                                     "process group; the results are complete", after_results=True)
+    # A rank that wrote no result is still a failure, whatever the others did.
+    failure = diagnose(1, _summary((1, 1)), {}, {0})
+    assert failure is not None and not failure.after_results and failure.rank == 1
