@@ -9,6 +9,7 @@ the ``torch.compile`` backend all call :func:`run_compile`; nothing else builds 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ class Compiled:
         return [r for rec in self.history.records for r in rec.reports] + [self.history.report()]
 
 
-def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: int | None = None,
+def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: int | str | None = None,
             example_kwargs: dict[str, Any] | None = None, verify_each: bool = True, print_after: Sequence[str] = (),
             stop_after: str | None = None, **options: Any) -> Pipeline:
     """Trace ``model``, cost and partition it into ``stages`` stages (default ``DEFAULTS.stages``); the Pipeline.
@@ -52,8 +53,14 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: in
     ``options`` are the fields of :class:`fxpipe.plan.CompileOptions` (``tracer``, ``granularity``,
     ``bandwidth``, ``latency``, ``memory_per_stage``, ``schedule``, ``profile``, ...). With
     ``schedule`` given, the schedule is also generated and recorded in the plan. ``print_after``
-    keeps the printed graph after those passes in ``pipe.history``.
+    keeps the printed graph after those passes in ``pipe.history``. ``stages="auto"`` chooses the count
+    (``stage_objective``, default ``fastest``; ``max_stages``, default 8); see ``fxpipe.planning.stage_count``.
     """
+    if stages == "auto":
+        from fxpipe.planning.stage_count import DEFAULT_OBJECTIVE
+
+        options.setdefault("stage_objective", str(DEFAULT_OBJECTIVE))
+        stages = None
     if stop_after not in (None, "split-backward", "balance-backward"):
         raise OptionError("compile() builds a Pipeline, so it runs every pass; to stop early use "
                           "fxpipe.api.run_compile(..., stop_after=...) or fxpipe.passes.run_steps")
@@ -112,6 +119,13 @@ def _check_options(options: CompileOptions) -> None:
         raise OptionError(f"--latency must be 0 or more seconds (latency: {options.latency})")
     if options.stages < 1:
         raise PlanError(f"--stages must be at least 1 (stages: {options.stages})")
+    if options.stage_objective is not None:
+        from fxpipe.planning.stage_count import parse_objective
+
+        parse_objective(options.stage_objective)
+    if options.max_stages is not None and options.max_stages < 1:
+        raise OptionError(f"the stage budget must be at least 1 (max stages: {options.max_stages}); give "
+                          "--devices >= --dp")
     if options.microbatches is not None and options.microbatches < 1:
         raise OptionError(f"--microbatches must be at least 1 (microbatches: {options.microbatches})")
     if options.balance_backward and not options.split_backward:
@@ -147,9 +161,10 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
                           verify_layers))
     steps += [
         Step("partition-stages", lambda gm: partition_stages(
-            need(gm), num_stages=options.stages, bandwidth=options.bandwidth, latency=options.latency,
-            memory_per_stage=options.memory_per_stage, microbatches=options.microbatches,
-            schedule=options.schedule_name), verify_stages),
+            need(gm), num_stages="auto" if options.stage_objective is not None else options.stages,
+            bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
+            microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
+            max_stages=options.max_stages), verify_stages),
         Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
     ]
     if options.split_backward:
@@ -182,6 +197,8 @@ def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenan
     inputs = tuple(TensorSpec(name, tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
                    if isinstance(v, torch.Tensor) else TensorSpec(name, (), type(v).__name__)
                    for name, v in zip(wiring["inputs"], flat_inputs))
+    if options.stage_objective is not None:  # --stages auto: the plan records the count it chose
+        options = dataclasses.replace(options, stages=len(stages))
     return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
                 link=Link(float(link["bandwidth"]), float(link["latency"])),
                 mesh=Mesh.from_rank_of_stage(tuple(range(len(stages))), options.dp),

@@ -96,6 +96,10 @@ class CompileOptions:
     input_grads: bool = False
     balance_backward: bool = False
     dp: int = 1  # replicas of every stage (data parallel): the plan's mesh is pp x dp
+    # --stages auto: the objective that chose ``stages`` (fastest, efficiency:E, speedup:X) and the most stages it
+    # could pick (None: stage_count.DEFAULT_MAX_STAGES, 8); None when the stage count was given.
+    stage_objective: str | None = None
+    max_stages: int | None = None
 
     @property
     def num_microbatches(self) -> int:

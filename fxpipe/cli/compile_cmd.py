@@ -38,8 +38,17 @@ class DType(str, Enum):
 
 def compile_cmd(
     target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
-    stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Number of pipeline stages "
-                                                  "[default: 2].", rich_help_panel="Partitioning")] = None,
+    stages: Annotated[Optional[str], typer.Option("--stages", "-s", help="Number of pipeline stages, or auto: "
+                                                  "every count up to --devices / --dp (default 8) partitioned, "
+                                                  "simulated, and the one --objective picks [default: 2].",
+                                                  rich_help_panel="Partitioning")] = None,
+    objective: Annotated[Optional[str], typer.Option(help="With --stages auto: fastest (the most speedup), "
+                                                     "efficiency:E (the most speedup with speedup / stages >= E) or "
+                                                     "speedup:X (the fewest stages reaching X) [default: fastest].",
+                                                     rich_help_panel="Partitioning")] = None,
+    devices: Annotated[Optional[int], typer.Option(min=1, help="With --stages auto: the devices to use at most "
+                                                   "(stages x --dp) [default: 8 stages].",
+                                                   rich_help_panel="Partitioning")] = None,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Replicas of every stage (data parallel): the plan's mesh "
                                     "is stages x dp ranks, each replica taking its share of every batch.")] = 1,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
@@ -119,21 +128,24 @@ def compile_cmd(
 
                 check_writable_dir(out_dir, "--out")  # before the compile, not after it
                 check_out_dir(out_dir)
+            count, objective_text = _stage_count(stages, objective, devices, dp)
             if strategy is not None:
                 from fxpipe.api import check_strategy
 
-                stages = 1 if stages is None else stages
-                check_strategy(strategy.value, stages, dp, 2 if group is None else group)
+                if objective_text is not None:
+                    raise OptionError("--strategy splits layers over one stage's ranks; it takes --stages 1, not auto")
+                count = 1 if count is None else count
+                check_strategy(strategy.value, count, dp, 2 if group is None else group)
             elif group is not None:
                 raise OptionError("--group is SplitBrain's group of ranks; give it with --strategy splitbrain")
             if schedule is not None and microbatches is not None:  # before the compile: generating it could take ages
                 from fxpipe.plan import DEFAULTS
 
-                check_schedule_size(stages if stages is not None else DEFAULTS.stages, microbatches)
+                check_schedule_size(count if count is not None else DEFAULTS.stages, microbatches)
             step(f"building {target}", 0, 0)
             resolved = resolve(target, device=device.value, dtype=getattr(torch, dtype.value),
                                batch_size=batch_size, seed=seed)
-            given = {"stages": stages, "latency": latency, "device_flops": device_flops,
+            given = {"stages": count, "latency": latency, "device_flops": device_flops,
                      "bandwidth": parse_size(bandwidth, "--bandwidth") if bandwidth is not None else None,
                      "device_mem_bw": parse_size(device_mem_bw, "--device-mem-bw") if device_mem_bw is not None else None}
             options = CompileOptions(
@@ -142,7 +154,8 @@ def compile_cmd(
                 memory_per_stage=parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None,
                 microbatches=microbatches, schedule=schedule, profile=profile, profile_runs=profile_runs,
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
-                dp=dp,
+                dp=dp, stage_objective=objective_text,
+                max_stages=None if devices is None or objective_text is None else devices // dp,
             )
             chosen = None
             if strategy is not None:
@@ -200,9 +213,32 @@ def compile_cmd(
             say(f"stopped after {history.records[-1].name}: no plan written")
         elif written is not None:
             using = f", strategy {chosen.record.name} on {chosen.record.ranks} ranks" if chosen is not None else ""
-            say(f"wrote {written} ({options.stages} stages{using}) in {seconds:.1f} s")
+            chosen_by = f", chosen by {options.stage_objective}" if options.stage_objective is not None else ""
+            say(f"wrote {written} ({compiled.pipeline.num_stages} stages{chosen_by}{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def _stage_count(stages: str | None, objective: str | None, devices: int | None,
+                 dp: int) -> tuple[int | None, str | None]:
+    """``--stages N`` or ``auto`` (with ``--objective`` and ``--devices``): the fixed count, or the objective."""
+    if stages is not None and stages.strip().lower() == "auto":
+        from fxpipe.planning.stage_count import DEFAULT_OBJECTIVE, parse_objective
+
+        if devices is not None and devices < dp:
+            raise OptionError(f"--devices {devices} cannot hold one stage of --dp {dp} replicas; give --devices >= {dp}")
+        return None, str(parse_objective(objective) if objective is not None else DEFAULT_OBJECTIVE)
+    if objective is not None or devices is not None:
+        raise OptionError("--objective and --devices choose the stage count; give them with --stages auto")
+    if stages is None:
+        return None, None
+    try:
+        count = int(stages)
+    except ValueError:
+        raise OptionError(f"--stages takes a number of stages or auto (got {stages!r}); e.g. --stages 4") from None
+    if count < 1:
+        raise OptionError(f"--stages must be at least 1 or auto (got {count}); e.g. --stages 2")
+    return count, None
 
 
 def _ratio(root: Any) -> float | None:

@@ -13,7 +13,7 @@ from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
-from fxpipe.planning.stage_dp import StagePlan, plan_stages
+from fxpipe.planning.stage_dp import StagePlan, min_memory_cap, plan_for_bounds, plan_stages
 from fxpipe.report import Report
 from fxpipe.plan import DEFAULTS
 from fxpipe.schedules.auto import FIXED, greedy_limits
@@ -35,12 +35,14 @@ class Cut:
 def partition_stages(
     gm: torch.fx.GraphModule,
     *,
-    num_stages: int,
+    num_stages: int | str,
     bandwidth: float | None = None,
     latency: float | None = None,
     memory_per_stage: float | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
+    objective: str | None = None,
+    max_stages: int | None = None,
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -56,6 +58,12 @@ def partition_stages(
     split-backward measures them). ``auto`` plans for the most any of its candidates holds, so
     whichever it picks fits. ``microbatches`` None: the stage count (for ``auto``, every count
     it searches).
+
+    ``num_stages="auto"`` chooses the count too (``fxpipe.planning.stage_count``): for every count up
+    to ``max_stages`` (None: ``stage_count.DEFAULT_MAX_STAGES``, 8) the partition that minimises the pipeline step model,
+    each simulated under ``schedule`` (1F1B for ``auto``), and the count ``objective`` picks
+    (``fastest``, the default; ``efficiency[:E]`` or ``speedup:X``); its report has a row
+    per count and a line per merge (P+1 to P stages: the cuts removed, the bytes no longer sent).
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
     smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
@@ -66,24 +74,34 @@ def partition_stages(
     out = clone(gm)
     stats = layer_stats(out)
     num_layers = len(stats)
-    if num_stages < 1:
-        raise PlanError(f"--stages must be at least 1 (stages: {num_stages})")
     if microbatches is not None and microbatches < 1:
         raise PlanError(f"--microbatches must be at least 1 (microbatches: {microbatches})")
-    flights, why = _in_flight(schedule, num_stages, microbatches)
     cut_bytes = _cut_bytes(out, num_layers)
     static = [_static_bytes(out, s) for s in stats]
-    plan = plan_stages(
-        [s.time for s in stats],
-        num_stages,
-        cut_bytes=cut_bytes,
-        bandwidth=bandwidth,
-        latency=latency,
-        static_bytes=static,
-        activation_bytes=[float(s.saved_bytes) for s in stats],
-        in_flight=flights,
-        memory_cap=memory_per_stage,
-    )
+    counted: tuple[Report, ...] = ()
+    if num_stages == "auto":
+        num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
+                                                    memory_cap=memory_per_stage, microbatches=microbatches,
+                                                    schedule=schedule, objective=objective, max_stages=max_stages)
+    elif not isinstance(num_stages, int) or num_stages < 1:
+        raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
+    flights, why = _in_flight(schedule, num_stages, microbatches)
+    if counted:
+        plan = plan_for_bounds([s.time for s in stats], bounds, cut_bytes=cut_bytes, bandwidth=bandwidth,
+                               latency=latency, static_bytes=static,
+                               activation_bytes=[float(s.saved_bytes) for s in stats], in_flight=flights)
+    else:
+        plan = plan_stages(
+            [s.time for s in stats],
+            num_stages,
+            cut_bytes=cut_bytes,
+            bandwidth=bandwidth,
+            latency=latency,
+            static_bytes=static,
+            activation_bytes=[float(s.saved_bytes) for s in stats],
+            in_flight=flights,
+            memory_cap=memory_per_stage,
+        )
     stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
     for node in compute_nodes(out.graph):
         update_meta(node, stage_idx=stage_of_layer[get_meta(node).layer_idx])
@@ -102,7 +120,81 @@ def partition_stages(
         for k in range(num_stages)
     ]
     out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
-    return PassResult(out, True, (_report(out, plan, stats, cuts, flights, why, bandwidth, latency),))
+    return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency)))
+
+
+def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
+                  latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
+                  objective: str | None, max_stages: int | None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
+    """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks."""
+    from fxpipe.planning.cost import transfer_time
+    from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES, DEFAULT_OBJECTIVE, StageCount, best_partition, \
+        choose_count, merges, parse_objective
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    goal = DEFAULT_OBJECTIVE if objective is None else parse_objective(objective)
+    num_layers = len(stats)
+    if max_stages is not None and max_stages < 1:
+        raise OptionError(f"the stage budget must be at least 1 (max stages: {max_stages}); give --devices >= --dp")
+    top = min(DEFAULT_MAX_STAGES if max_stages is None else max_stages, num_layers)
+    times = [s.time for s in stats]
+    acts = [float(s.saved_bytes) for s in stats]
+    cut_s = [transfer_time(b, bandwidth=bandwidth, latency=latency) for b in cut_bytes]
+    static_pre, acts_pre = [0.0], [0.0]
+    for a, b in zip(static, acts):
+        static_pre.append(static_pre[-1] + a)
+        acts_pre.append(acts_pre[-1] + b)
+    sim_schedule = "1f1b" if schedule == "auto" else schedule
+    rows: list[StageCount] = []
+    for p in range(1, top + 1):
+        m = microbatches if microbatches is not None else DEFAULTS.microbatches(p)
+        flights, _ = _in_flight(schedule, p, microbatches)
+        cap = memory_cap
+        def fits(_p: int, k: int, i: int, j: int, flights: list[int] = flights, cap: float | None = cap) -> bool:
+            return cap is None or static_pre[j] - static_pre[i] + flights[k] * (acts_pre[j] - acts_pre[i]) <= cap
+
+        found = best_partition(times, cut_s, p, m, feasible=None if memory_cap is None else fits)
+        if found is None:
+            continue
+        bounds, model = found
+        spans = list(zip(bounds, bounds[1:]))
+        sends = tuple(float(cut_bytes[j - 1]) if j < num_layers else 0.0 for _, j in spans)
+        costs = Costs(tuple(sum(s.time_fwd for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans),
+                      sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
+                      latency, bandwidth)
+        simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
+        rows.append(StageCount(p, tuple(bounds), tuple(sum(times[i:j]) for i, j in spans), sends[:-1], m, model,
+                               simulated, sum(times)))
+    if not rows:
+        need = min_memory_cap(static, acts, _in_flight(schedule, top, microbatches)[0], top)
+        raise PlanError(f"no stage count up to {top} fits --memory-per-stage {memory_cap:.0f} bytes; the smallest "
+                        f"cap that works at {top} stages is {need:.0f} bytes; raise --memory-per-stage or --devices")
+    chosen = choose_count(rows, goal)
+    return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule),)
+
+
+def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  # type: ignore[no-untyped-def]
+    table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches,
+                   round(max(r.stage_times) * 1e3, 3), round(r.model_s * 1e3, 3), round(r.step_s * 1e3, 3),
+                   round(r.speedup, 3), round(r.efficiency, 3), round(sum(r.cut_bytes) / 2**20, 4),
+                   "chosen" if r is chosen else "") for r in rows)
+    notes = [f"objective {goal}: {chosen.stages} stages (speedup {chosen.speedup:.2f}, efficiency "
+             f"{chosen.efficiency:.2f}); speedup = m x one device's microbatch / step; a cut at b runs between "
+             f"layers b-1 and b; partitions minimise sum(t) + 2 sum(cut) + (m-1) max(t), steps simulated under "
+             f"{schedule}"]
+    for mg in merged:
+        names = ", ".join(f"{b} ({stats[b - 1].name} | {stats[b].name})" for b in mg.removed) or "none"
+        moved = f", cut(s) {', '.join(map(str, mg.added))} added" if mg.added else ""
+        notes.append(f"merge {mg.stages + 1} -> {mg.stages} stages: cut(s) {names} removed{moved}; "
+                     f"{mg.bytes_saved / 2**20:.4f} MiB less sent per microbatch; "
+                     f"{mg.per_microbatch_change_s * 1e3:+.3f} ms per microbatch")
+    return Report(title="partition-stages: stage count (--stages auto)",
+                  columns=("stages", "cuts", "microbatches", "max stage ms", "model step ms", "simulated step ms",
+                           "speedup", "efficiency", "cut MiB", ""),
+                  rows=table, notes=tuple(notes))
 
 
 # How the report names a schedule; the rest go by their CLI names.

@@ -13,6 +13,7 @@ __all__ = [
     "StagePlan",
     "format_bytes",
     "min_memory_cap",
+    "plan_for_bounds",
     "plan_stages",
     "stage_memory",
     "stage_time",
@@ -373,3 +374,35 @@ def plan_stages(
         bottleneck=max(stage_times),
         lower_bound=float(lower_bound),
     )
+
+
+def plan_for_bounds(
+    costs: Sequence[float],
+    bounds: Sequence[int],
+    *,
+    cut_bytes: Sequence[float] | None = None,
+    bandwidth: float = math.inf,
+    latency: float = 0.0,
+    static_bytes: Sequence[float] | None = None,
+    activation_bytes: Sequence[float] | None = None,
+    in_flight: Sequence[int] | None = None,
+) -> StagePlan:
+    """The StagePlan of given ``bounds`` (chosen elsewhere, e.g. by ``stage_count``), costed as :func:`plan_stages`
+    costs its own: stage time with both cuts' transfers, memory with ``in_flight`` microbatches.
+
+    >>> plan_for_bounds([1.0, 2.0, 3.0], (0, 2, 3)).stage_times
+    (3.0, 3.0)
+    """
+    num_layers, num_stages = len(costs), len(bounds) - 1
+    _check_stage_count(num_layers, num_stages)
+    if bounds[0] != 0 or bounds[-1] != num_layers or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise PlanError(f"bounds {tuple(bounds)} do not cut {num_layers} layers into non-empty stages")
+    cuts: Sequence[float] = [0.0] * (num_layers - 1) if cut_bytes is None else cut_bytes
+    statics: Sequence[float] = [0.0] * num_layers if static_bytes is None else static_bytes
+    acts: Sequence[float] = [0.0] * num_layers if activation_bytes is None else activation_bytes
+    flights = _default_in_flight(in_flight, num_stages)
+    spans = list(zip(bounds, bounds[1:]))
+    times = tuple(stage_time(costs, cuts, i, j, bandwidth=bandwidth, latency=latency) for i, j in spans)
+    memory = tuple(stage_memory(statics, acts, flights, k, i, j) for k, (i, j) in enumerate(spans))
+    return StagePlan(bounds=tuple(bounds), stage_times=times, stage_memory=memory, bottleneck=max(times),
+                     lower_bound=float(max(math.fsum(costs) / num_stages, max(costs))))

@@ -1,0 +1,84 @@
+"""``fxpipe compile MODEL --stages auto [--objective ...] [--devices N]``: every count partitioned and simulated,
+the objective's pick written as the plan (and recorded), a line per merge, and the one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+import fxpipe
+from fxpipe import models
+from fxpipe.plan_dir import read_plan
+from fxpipe.planning.stage_count import Objective, StageCount, choose_count
+from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests.conftest import assert_composes
+
+
+def _table(doc: dict) -> tuple[dict, list[dict]]:
+    report = next(r for r in doc["reports"] if r["title"] == "partition-stages: stage count (--stages auto)")
+    rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
+    return report, rows
+
+
+def test_auto_picks_the_fastest_count_it_simulated_and_writes_that_plan(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    doc = json.loads(ok(fxpipe_cli("compile", "mlp-deep", "--stages", "auto", "--devices", "6", "--json",
+                                   "--out", out)).stdout)
+    report, rows = _table(doc)
+    assert [r["stages"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the budget: --devices 6 at --dp 1
+    chosen = [r for r in rows if r[""] == "chosen"]
+    assert len(chosen) == 1
+    # Never slower in simulation than any count it considered (speedup = throughput at each count's microbatches).
+    assert all(chosen[0]["speedup"] >= r["speedup"] for r in rows)
+    assert chosen[0]["stages"] > 1  # mlp-deep's 16 equal layers pipeline well at the default link
+    assert sum(n.startswith("merge ") for n in report["notes"]) == 5  # 6 -> 5, ..., 2 -> 1
+    plan = read_plan(out)
+    assert len(plan.stages) == chosen[0]["stages"]
+    assert plan.options.stages == chosen[0]["stages"] and plan.options.stage_objective == "fastest"
+    assert plan.options.max_stages == 6
+    cuts = [s.first_layer for s in plan.stages[1:]]
+    assert " ".join(map(str, cuts)) == chosen[0]["cuts"]  # the plan is the partition the table judged
+    assert fxpipe.load(out).plan == plan
+
+
+@pytest.mark.parametrize(("objective", "rule"), [
+    ("efficiency:0.6", lambda rows: max((r for r in rows if r["efficiency"] >= 0.6), key=lambda r: r["speedup"])),
+    ("speedup:2", lambda rows: min((r for r in rows if r["speedup"] >= 2), key=lambda r: r["stages"])),
+])
+def test_the_other_objectives_pick_by_their_rule(objective: str, rule) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(ok(fxpipe_cli("compile", "mlp-deep", "--stages", "auto", "--objective", objective,
+                                   "--devices", "6", "--json")).stdout)
+    _, rows = _table(doc)
+    assert [r for r in rows if r[""] == "chosen"] == [rule(rows)]
+
+
+def test_an_auto_plan_trains_like_eager() -> None:
+    zoo = models.build("mlp-deep")
+    probe = fxpipe.compile(copy.deepcopy(zoo.model), zoo.example_inputs, stages="auto", max_stages=3)
+    assert probe.num_stages == 3 and probe.plan.options.stage_objective == "fastest"
+    assert_composes(zoo.model, zoo.example_inputs, zoo.loss_fn, zoo.example_target, probe.num_stages,
+                    stage_objective="fastest", max_stages=3)
+
+
+def test_ties_go_to_fewer_stages() -> None:
+    rows = [StageCount(p, (0, 4), (1.0,), (), 2 * p, 2.0 * p, None, 1.0) for p in (1, 2, 3)]  # speedup 1 each
+    assert choose_count(rows, Objective("fastest")).stages == 1
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--stages", "auto", "--objective", "slowest"), "unknown stage-count objective 'slowest'"),
+    (("--stages", "auto", "--objective", "speedup"), "needs its target"),
+    (("--objective", "fastest"), "give them with --stages auto"),
+    (("--devices", "4"), "give them with --stages auto"),
+    (("--stages", "auto", "--devices", "1", "--dp", "2"), "--devices 1 cannot hold one stage of --dp 2"),
+    (("--stages", "two"), "--stages takes a number of stages or auto"),
+    (("--stages", "0"), "--stages must be at least 1 or auto"),
+    (("--stages", "auto", "--dp", "2", "--strategy", "dp"), "it takes --stages 1, not auto"),
+    (("--stages", "auto", "--memory-per-stage", "1KiB"), "no stage count up to 8 fits --memory-per-stage"),
+])
+def test_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
+    line = one_line_error(fxpipe_cli("compile", "mlp-tiny", *args))
+    assert words in line, line
