@@ -103,6 +103,7 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
                             torch_version=torch.__version__, fxpipe_version=fxpipe_version(), build=build,
                             profiled=options.profile, profile_threads=profiled_threads if options.profile else None)
     pipe = pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
+    options = pipe.plan.options  # --stages auto and --plan auto record their choices there
     if options.schedule is not None:
         set_schedule(pipe, options.schedule, options.microbatches)
     return Compiled(pipe, history, root)
@@ -123,6 +124,8 @@ def _check_options(options: CompileOptions) -> None:
         from fxpipe.planning.stage_count import parse_objective
 
         parse_objective(options.stage_objective)
+    if options.plan_search and (options.devices is None or options.devices < 1):
+        raise OptionError("--plan auto needs --devices N (at least 1): the devices it may use")
     if options.max_stages is not None and options.max_stages < 1:
         raise OptionError(f"the stage budget must be at least 1 (max stages: {options.max_stages}); give "
                           "--devices >= --dp")
@@ -161,7 +164,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
                           verify_layers))
     steps += [
         Step("partition-stages", lambda gm: partition_stages(
-            need(gm), num_stages="auto" if options.stage_objective is not None else options.stages,
+            need(gm), num_stages="plan" if options.plan_search else "auto" if options.stage_objective is not None
+            else options.stages, devices=options.devices,
             bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
             microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
             max_stages=options.max_stages), verify_stages),
@@ -199,6 +203,10 @@ def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenan
                    for name, v in zip(wiring["inputs"], flat_inputs))
     if options.stage_objective is not None:  # --stages auto: the plan records the count it chose
         options = dataclasses.replace(options, stages=len(stages))
+    choice = root.meta.get("fxpipe_plan_choice")
+    if choice is not None:  # --plan auto: the plan records what it chose (the schedule is generated and recorded)
+        options = dataclasses.replace(options, stages=len(stages), dp=int(choice["dp"]),
+                                      schedule=str(choice["schedule"]), microbatches=int(choice["microbatches"]))
     return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
                 link=Link(float(link["bandwidth"]), float(link["latency"])),
                 mesh=Mesh.from_rank_of_stage(tuple(range(len(stages))), options.dp),

@@ -100,6 +100,9 @@ class CompileOptions:
     # could pick (None: stage_count.DEFAULT_MAX_STAGES, 8); None when the stage count was given.
     stage_objective: str | None = None
     max_stages: int | None = None
+    # --plan auto: stages, dp, schedule and microbatches searched on this many devices (recorded as chosen).
+    plan_search: bool = False
+    devices: int | None = None
 
     @property
     def num_microbatches(self) -> int:

@@ -46,9 +46,13 @@ def compile_cmd(
                                                      "efficiency:E (the most speedup with speedup / stages >= E) or "
                                                      "speedup:X (the fewest stages reaching X) [default: fastest].",
                                                      rich_help_panel="Partitioning")] = None,
-    devices: Annotated[Optional[int], typer.Option(min=1, help="With --stages auto: the devices to use at most "
-                                                   "(stages x --dp) [default: 8 stages].",
+    devices: Annotated[Optional[int], typer.Option(min=1, help="With --stages auto or --plan auto: the devices to "
+                                                   "use at most (stages x dp) [default: 8 stages].",
                                                    rich_help_panel="Partitioning")] = None,
+    plan: Annotated[Optional[str], typer.Option("--plan", help="auto: search stages x dp replicas x schedule x "
+                                                "microbatches on --devices (under --memory-per-device), simulate "
+                                                "the best, and record the fastest.",
+                                                rich_help_panel="Partitioning")] = None,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Replicas of every stage (data parallel): the plan's mesh "
                                     "is stages x dp ranks, each replica taking its share of every batch.")] = 1,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
@@ -60,7 +64,9 @@ def compile_cmd(
                                                      "[default: 1.5GB].", rich_help_panel="Partitioning")] = None,
     latency: Annotated[Optional[float], typer.Option(help="Seconds per transfer [default: 0.0001].",
                                                      rich_help_panel="Partitioning")] = None,
-    memory_per_stage: Annotated[Optional[str], typer.Option(help="Memory cap per stage, e.g. 8GiB.",
+    memory_per_stage: Annotated[Optional[str], typer.Option("--memory-per-stage", "--memory-per-device",
+                                                             help="Memory cap per stage (one stage per device), "
+                                                             "e.g. 8GiB.",
                                                              rich_help_panel="Partitioning")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
                                                          "default: the stage count).", rich_help_panel="Partitioning")] = None,
@@ -128,7 +134,9 @@ def compile_cmd(
 
                 check_writable_dir(out_dir, "--out")  # before the compile, not after it
                 check_out_dir(out_dir)
-            count, objective_text = _stage_count(stages, objective, devices, dp)
+            searching = _check_plan(plan, stages, objective, devices, dp, schedule, microbatches, strategy)
+            count, objective_text = _stage_count(None if searching else stages, objective,
+                                                 None if searching else devices, dp)
             if strategy is not None:
                 from fxpipe.api import check_strategy
 
@@ -156,6 +164,7 @@ def compile_cmd(
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
                 dp=dp, stage_objective=objective_text,
                 max_stages=None if devices is None or objective_text is None else devices // dp,
+                plan_search=searching, devices=devices if searching else None,
             )
             chosen = None
             if strategy is not None:
@@ -214,9 +223,30 @@ def compile_cmd(
         elif written is not None:
             using = f", strategy {chosen.record.name} on {chosen.record.ranks} ranks" if chosen is not None else ""
             chosen_by = f", chosen by {options.stage_objective}" if options.stage_objective is not None else ""
+            if options.plan_search:
+                p = compiled.pipeline.plan
+                chosen_by = (f" x {p.mesh.dp} replicas, {p.schedule.name if p.schedule else '?'} with "
+                             f"{p.options.microbatches} microbatches, chosen on {options.devices} devices")
             say(f"wrote {written} ({compiled.pipeline.num_stages} stages{chosen_by}{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def _check_plan(plan: str | None, stages: str | None, objective: str | None, devices: int | None, dp: int,
+                schedule: str | None, microbatches: int | None, strategy: object) -> bool:
+    """``--plan auto``: whether to search, refusing the options it chooses itself."""
+    if plan is None:
+        return False
+    if plan.strip().lower() != "auto":
+        raise OptionError(f"--plan takes auto (got {plan!r}): search stages x dp x schedule x microbatches")
+    if devices is None:
+        raise OptionError("--plan auto needs --devices N: the devices it may use")
+    chosen = [name for name, given in (("--stages", stages), ("--objective", objective), ("--schedule", schedule),
+                                       ("--microbatches", microbatches), ("--strategy", strategy),
+                                       ("--dp", dp if dp != 1 else None)) if given is not None]
+    if chosen:
+        raise OptionError(f"--plan auto chooses {', '.join(chosen)} itself; drop {'it' if len(chosen) == 1 else 'them'}")
+    return True
 
 
 def _stage_count(stages: str | None, objective: str | None, devices: int | None,

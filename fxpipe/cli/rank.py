@@ -202,8 +202,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
 
-    calibration = calibrate()  # collective: this machine's link and compute contention, measured now (< 2 s)
-    simulated = calibration.apply(costs)
+    # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
+    simulated = calibrate().apply(costs) if world > 1 else costs
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     params = None

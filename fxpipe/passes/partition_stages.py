@@ -43,6 +43,7 @@ def partition_stages(
     schedule: str = "1f1b",
     objective: str | None = None,
     max_stages: int | None = None,
+    devices: int | None = None,
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -64,6 +65,12 @@ def partition_stages(
     each simulated under ``schedule`` (1F1B for ``auto``), and the count ``objective`` picks
     (``fastest``, the default; ``efficiency[:E]`` or ``speedup:X``); its report has a row
     per count and a line per merge (P+1 to P stages: the cuts removed, the bytes no longer sent).
+
+    ``num_stages="plan"`` searches stages x dp replicas x schedule x microbatches on ``devices``
+    (``fxpipe.planning.plan_search``, ``memory_per_stage`` the cap per device): the model screens every
+    candidate, the best 16 are simulated, and the fastest simulated (microbatches per second over
+    all replicas) is the plan; ``out.meta["fxpipe_plan_choice"]`` holds its stages, dp, schedule and
+    microbatches for the Plan.
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
     smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
@@ -79,7 +86,13 @@ def partition_stages(
     cut_bytes = _cut_bytes(out, num_layers)
     static = [_static_bytes(out, s) for s in stats]
     counted: tuple[Report, ...] = ()
-    if num_stages == "auto":
+    choice: dict[str, object] | None = None
+    if num_stages == "plan":
+        choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
+                                        latency=latency, memory_cap=memory_per_stage)
+        num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
+        schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
+    elif num_stages == "auto":
         num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
                                                     memory_cap=memory_per_stage, microbatches=microbatches,
                                                     schedule=schedule, objective=objective, max_stages=max_stages)
@@ -120,6 +133,8 @@ def partition_stages(
         for k in range(num_stages)
     ]
     out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
+    if choice is not None:
+        out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
     return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency)))
 
 
@@ -176,6 +191,61 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule),)
 
 
+SIMULATED_CANDIDATES = 16
+"""How many of the model's best candidates ``--plan auto`` simulates."""
+
+
+def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, devices: int | None,
+                  bandwidth: float, latency: float,
+                  memory_cap: float | None) -> tuple[dict[str, object], tuple[Report, ...]]:
+    """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
+    simulated; the fastest simulated is the plan."""
+    from fxpipe.planning.plan_search import Layers, plan_candidates
+    from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    budget = DEFAULT_MAX_STAGES if devices is None else devices
+    layers = Layers(tuple(s.time for s in stats), tuple(float(s.saved_bytes) for s in stats), tuple(static),
+                    tuple(float(s.param_bytes) for s in stats), tuple(cut_bytes))
+    candidates = plan_candidates(layers, budget, bandwidth=bandwidth, latency=latency, memory_cap=memory_cap)
+    compute = sum(layers.times)
+    simulated = []
+    for c in candidates[:SIMULATED_CANDIDATES]:
+        spans = list(zip(c.bounds, c.bounds[1:]))
+        sends = tuple(float(cut_bytes[j - 1]) if j < len(stats) else 0.0 for _, j in spans)
+        held = tuple(sum(layers.activation_bytes[i:j]) for i, j in spans)
+        costs = Costs(tuple(sum(s.time_fwd for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans), sends, held, held,
+                      latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
+                      allreduce_latency=latency, allreduce_bandwidth=bandwidth)
+        simulated.append((c, simulate(generate(c.schedule, c.stages, c.microbatches, costs), costs).makespan))
+    top = max(c.throughput(step) for c, step in simulated)
+    # Ties (within 1e-9) go to the least memory per device, then the fewest devices.
+    best, best_step = min(((c, step) for c, step in simulated if c.throughput(step) >= top * (1 - 1e-9)),
+                          key=lambda t: (t[0].memory_bytes, t[0].devices))
+    ordered = [(best, best_step), *sorted(((c, s) for c, s in simulated if c is not best),
+                                          key=lambda t: (-t[0].throughput(t[1]), t[0].memory_bytes))]
+    rows = tuple((rank + 1, c.stages, c.dp, c.devices, c.schedule, c.microbatches, round(c.model_s * 1e3, 3),
+                  round(step * 1e3, 3), round(c.throughput(step) * compute, 3), round(c.memory_bytes / 2**20, 2),
+                  "chosen" if c is best else "")
+                 for rank, (c, step) in enumerate(ordered))
+    notes = (f"{len(candidates)} candidates on {budget} devices (stages x dp <= devices; gpipe, 1f1b, zb-h1, zb-h2; "
+             f"P, 2P, 4P microbatches{'; memory per device <= ' + format(memory_cap, '.0f') + ' bytes' if memory_cap else ''}"
+             f"): the step model screened them, the best {len(simulated)} simulated",
+             f"chosen: {best.stages} stages x {best.dp} replicas, {best.schedule}, {best.microbatches} microbatches: "
+             f"{best.throughput(best_step) * compute:.2f}x one device's throughput on {best.devices} devices",
+             "speedup = microbatches per step over all replicas x one device's microbatch / simulated step; per-layer "
+             "strategies are not searched (fxpipe run cannot run a plan's strategy yet)")
+    report = Report(title="plan auto: candidates, fastest simulated first",
+                    columns=("rank", "stages", "dp", "devices", "schedule", "microbatches", "model step ms",
+                             "simulated step ms", "speedup", "memory MiB", ""),
+                    rows=rows, notes=notes)
+    return ({"stages": best.stages, "dp": best.dp, "schedule": best.schedule, "microbatches": best.microbatches,
+             "bounds": best.bounds}, (report,))
+
+
 def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  # type: ignore[no-untyped-def]
     table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches,
                    round(max(r.stage_times) * 1e3, 3), round(r.model_s * 1e3, 3), round(r.step_s * 1e3, 3),
@@ -183,7 +253,7 @@ def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  
                    "chosen" if r is chosen else "") for r in rows)
     notes = [f"objective {goal}: {chosen.stages} stages (speedup {chosen.speedup:.2f}, efficiency "
              f"{chosen.efficiency:.2f}); speedup = m x one device's microbatch / step; a cut at b runs between "
-             f"layers b-1 and b; partitions minimise sum(t) + 2 sum(cut) + (m-1) max(t), steps simulated under "
+             f"layers b-1 and b; partitions minimise sum(t) + 2 sum(cut) + (m-1) max(t, cut), steps simulated under "
              f"{schedule}"]
     for mg in merged:
         names = ", ".join(f"{b} ({stats[b - 1].name} | {stats[b].name})" for b in mg.removed) or "none"

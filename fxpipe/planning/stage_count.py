@@ -159,8 +159,16 @@ def best_partition(layer_times: Sequence[float], cut_seconds: Sequence[float], n
     # Every partition's pace is one span's compute or one cut's transfer: the only maxima worth trying.
     candidates = sorted({span(i, j) for i in range(n) for j in range(i + 1, n + 1)} | set(cut_seconds))
     cheapest_cuts = 2 * math.fsum(sorted(cut_seconds)[:p - 1])
+    # Feasibility only grows with the cap: bisect for the least cap any partition meets, and start there.
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _cheapest_cuts(span, cut_seconds, n, p, candidates[mid], feasible) is None:
+            lo = mid + 1
+        else:
+            hi = mid
     best: tuple[float, tuple[int, ...]] | None = None
-    for cap in candidates:
+    for cap in candidates[lo:]:
         floor = total + (microbatches - 1) * cap + cheapest_cuts
         if best is not None and floor > best[0] * (1 + _TIE):
             break  # the maximum alone now costs more than the best step: no larger cap can win
@@ -185,10 +193,16 @@ def _cheapest_cuts(span: Callable[[int, int], float], cut_seconds: Sequence[floa
     cost = [[inf] * (n + 1) for _ in range(p + 1)]
     back = [[-1] * (n + 1) for _ in range(p + 1)]
     cost[0][0] = 0.0
+    # first[j]: the first i whose span i..j-1 fits the cap (spans shrink as i grows: times are >= 0).
+    first, i = [0] * (n + 1), 0
+    for j in range(n + 1):
+        while i < j and span(i, j) > slack:
+            i += 1
+        first[j] = i
     for k in range(1, p + 1):
         for j in range(k, n - (p - k) + 1):
-            for i in range(k - 1, j):
-                if cost[k - 1][i] == inf or span(i, j) > slack or (i > 0 and cut_seconds[i - 1] > slack):
+            for i in range(max(k - 1, first[j]), j):
+                if cost[k - 1][i] == inf or (i > 0 and cut_seconds[i - 1] > slack):
                     continue
                 if feasible is not None and not feasible(p, k - 1, i, j):
                     continue

@@ -82,3 +82,54 @@ def test_ties_go_to_fewer_stages() -> None:
 def test_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
     line = one_line_error(fxpipe_cli("compile", "mlp-tiny", *args))
     assert words in line, line
+
+
+def test_plan_auto_picks_the_fastest_simulated_candidate_and_its_plan_runs(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    doc = json.loads(ok(fxpipe_cli("compile", "gpt-tiny", "--plan", "auto", "--devices", "2", "--json",
+                                   "--out", out)).stdout)
+    report = next(r for r in doc["reports"] if r["title"] == "plan auto: candidates, fastest simulated first")
+    rows = [dict(zip(report["columns"], row)) for row in report["rows"]]
+    chosen = [r for r in rows if r[""] == "chosen"]
+    assert len(chosen) == 1 and all(chosen[0]["speedup"] >= r["speedup"] for r in rows)
+    assert {(r["stages"], r["dp"]) for r in rows} <= {(1, 1), (1, 2), (2, 1)}
+    assert chosen[0]["stages"] * chosen[0]["dp"] == 2  # gpt-tiny pays for a second device (dp 2, or 2 stages)
+    assert chosen[0]["memory MiB"] == min(r["memory MiB"] for r in rows if r["speedup"] == chosen[0]["speedup"])
+    plan = read_plan(out)
+    assert (len(plan.stages), plan.mesh.dp) == (chosen[0]["stages"], chosen[0]["dp"])
+    assert plan.schedule is not None and plan.schedule.name == chosen[0]["schedule"]
+    assert plan.schedule.microbatches == chosen[0]["microbatches"] == plan.options.microbatches
+    assert plan.options.plan_search and plan.options.devices == 2
+    result = json.loads(ok(fxpipe_cli("run", out, "--steps", "2", "--json")).stdout)
+    assert result["ranks"] == 2 and result["schedule"] == chosen[0]["schedule"]
+    assert all(loss == loss for loss in result["losses"])  # it trained: finite losses on both steps
+
+
+def test_the_screen_keeps_the_candidate_simulating_everything_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    pass_module = importlib.import_module("fxpipe.passes.partition_stages")  # the package re-exports the function
+
+    picks = []
+    for everything in (False, True):
+        if everything:
+            monkeypatch.setattr(pass_module, "SIMULATED_CANDIDATES", 10**6)
+        doc = json.loads(ok(fxpipe_cli("compile", "gpt-tiny", "--plan", "auto", "--devices", "4", "--json",
+                                       "--stop-after", "partition-stages")).stdout)
+        report = next(r for r in doc["reports"] if r["title"].startswith("plan auto"))
+        row = next(dict(zip(report["columns"], r)) for r in report["rows"] if r[-1] == "chosen")
+        picks.append((row["stages"], row["dp"], row["schedule"], row["microbatches"], len(report["rows"])))
+    assert picks[0][:4] == picks[1][:4]
+    assert picks[1][4] > picks[0][4]  # simulating everything did simulate more
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--plan", "auto"), "--plan auto needs --devices N"),
+    (("--plan", "auto", "--devices", "4", "--stages", "2"), "--plan auto chooses --stages itself"),
+    (("--plan", "auto", "--devices", "4", "--schedule", "1f1b", "--dp", "2"), "chooses --schedule, --dp itself"),
+    (("--plan", "best", "--devices", "4"), "--plan takes auto"),
+    (("--plan", "auto", "--devices", "4", "--memory-per-device", "1KiB"), "no plan on 4 devices fits"),
+])
+def test_plan_auto_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
+    line = one_line_error(fxpipe_cli("compile", "mlp-tiny", *args))
+    assert words in line, line

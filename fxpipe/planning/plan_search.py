@@ -1,0 +1,132 @@
+"""``--plan auto``: stage count x dp replicas x schedule x microbatches on a device budget, screened by a model.
+
+Every combination with ``stages x dp <= devices`` is a candidate: for each stage count P and
+microbatch count m (P, 2P, 4P) the partition minimising the pipeline step model
+(``stage_count.best_partition``, under each schedule's memory in flight and the per-device cap),
+for each schedule whose memory fits, for each replica count dp (every power of two, and the most
+that fit the budget). Its modelled step is the pipeline's (``stage_count.pipeline_step``) plus
+the slowest stage's gradient all-reduce over its dp replicas, fully exposed; its throughput is
+``dp x m`` microbatches per step. The model ranks them; the caller simulates the best few and
+picks by the simulated throughput (``passes.partition_stages``), so the model only screens.
+
+Memory per device: the stage's parameters, gradients and optimizer state
+(``static_bytes``, 4 x the trainable bytes, as the partitioner counts them) plus the activations
+the schedule keeps in flight on that stage (``cost.in_flight``), the same on every dp replica.
+
+Per-layer strategies (issue 14) are not a dimension: ``fxpipe run`` cannot run a plan's strategy
+yet, and a plan the runtime cannot run is no plan to choose.
+
+Pure: plain values in, plain values out; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.errors import PlanError
+from fxpipe.planning.cost import allreduce_seconds, in_flight, transfer_time
+from fxpipe.planning.stage_count import best_partition, pipeline_step
+
+__all__ = ["PLAN_SCHEDULES", "Layers", "PlanCandidate", "plan_candidates"]
+
+PLAN_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+"""The synchronous schedules with one stage per rank that the runtime runs from a plan."""
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Per layer: compute (F + B + W, one microbatch), bytes kept per microbatch in flight, static bytes
+    (parameters, gradients, optimizer state) and trainable parameter bytes; per cut between layers, bytes."""
+
+    times: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    static_bytes: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    cut_bytes: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PlanCandidate:
+    stages: int
+    dp: int
+    schedule: str
+    microbatches: int
+    bounds: tuple[int, ...]
+    model_s: float  # the pipeline step model plus the slowest stage's all-reduce
+    memory_bytes: float  # the most any device holds
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.dp
+
+    @property
+    def per_step(self) -> int:
+        """Microbatches per step over all replicas."""
+        return self.dp * self.microbatches
+
+    def throughput(self, step_s: float) -> float:
+        """Microbatches per second at a step of ``step_s``."""
+        return self.per_step / step_s if step_s > 0 else math.inf
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: float,
+                    memory_cap: float | None = None, schedules: Sequence[str] = PLAN_SCHEDULES,
+                    microbatches_per_stage: Sequence[int] = (1, 2, 4)) -> list[PlanCandidate]:
+    """Every candidate that fits, best modelled throughput first (ties: fewer devices, then fewer stages).
+
+    Raises PlanError when none fits the cap (naming the least memory any needs) or the budget is below 1.
+    """
+    if devices < 1:
+        raise PlanError(f"--devices must be at least 1 (devices: {devices})")
+    n = len(layers.times)
+    cut_s = [transfer_time(b, bandwidth=bandwidth, latency=latency) for b in layers.cut_bytes]
+    static, acts, grads = _prefix(layers.static_bytes), _prefix(layers.activation_bytes), _prefix(layers.param_bytes)
+    out: list[PlanCandidate] = []
+    least = math.inf
+    cache: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], float] | None] = {}
+    for p in range(1, min(n, devices) + 1):
+        replicas = sorted({d for d in (2 ** k for k in range(devices.bit_length())) if p * d <= devices}
+                          | {devices // p})
+        for m in sorted({k * p for k in microbatches_per_stage}):
+            for schedule in schedules:
+                flights = [f.total for f in in_flight(schedule, p, m)]
+
+                def fits(_p: int, k: int, i: int, j: int, flights: list[int] = flights) -> bool:
+                    return memory_cap is None or static[j] - static[i] + flights[k] * (acts[j] - acts[i]) <= memory_cap
+
+                key = (p, m, tuple(flights) if memory_cap is not None else ())
+                if key not in cache:  # without a cap the partition does not depend on the schedule
+                    cache[key] = best_partition(layers.times, cut_s, p, m,
+                                                feasible=fits if memory_cap is not None else None)
+                found = cache[key]
+                if found is None:
+                    if memory_cap is not None:  # the least memory this (P, m, schedule) needs: its unconstrained plan
+                        free = best_partition(layers.times, cut_s, p, m)
+                        assert free is not None
+                        spans = list(zip(free[0], free[0][1:]))
+                        least = min(least, max(static[j] - static[i] + flights[k] * (acts[j] - acts[i])
+                                               for k, (i, j) in enumerate(spans)))
+                    continue
+                bounds, _ = found
+                spans = list(zip(bounds, bounds[1:]))
+                stage_t = [sum(layers.times[i:j]) for i, j in spans]
+                step = pipeline_step(stage_t, [cut_s[b - 1] for b in bounds[1:-1]], m)
+                memory = max(static[j] - static[i] + flights[k] * (acts[j] - acts[i]) for k, (i, j) in enumerate(spans))
+                for dp in replicas:
+                    sync = max(allreduce_seconds(grads[j] - grads[i], dp, bandwidth, latency) for i, j in spans)
+                    out.append(PlanCandidate(p, dp, schedule, m, tuple(bounds), step + sync, memory))
+    if not out:
+        raise PlanError(f"no plan on {devices} devices fits --memory-per-device {memory_cap:.0f} bytes; the least any "
+                        f"needs is {least:.0f} bytes; raise --memory-per-device or --devices")
+    out.sort(key=lambda c: (-c.throughput(c.model_s), c.devices, c.stages, PLAN_SCHEDULES.index(c.schedule)
+                            if c.schedule in PLAN_SCHEDULES else 99, c.microbatches))
+    return out
