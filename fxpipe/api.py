@@ -149,7 +149,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     steps = [
         Step("trace", lambda gm: trace(model, example_inputs, tracer=options.tracer, example_kwargs=example_kwargs)),
         Step("annotate-costs", lambda gm: annotate_costs(need(gm), flat(gm), device_flops=options.device_flops,
-                                                          device_mem_bw=options.device_mem_bw), verify_costs),
+                                                          device_mem_bw=options.device_mem_bw,
+                                                          compute=options.compute), verify_costs),
         Step("group-layers", lambda gm: group_layers(need(gm), granularity=options.granularity), verify_layers),
     ]
     if options.split_backward:

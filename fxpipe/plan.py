@@ -77,6 +77,22 @@ def _default(name: str) -> Any:
 
 
 @dataclass(frozen=True)
+class ComputeRates:
+    """This machine's compute as ``fxpipe.passes.calibrate_compute`` measured it: what estimated times are made of
+    (``annotate_costs``: per-node host time + max(FLOPs / rate, bytes / mem_bw))."""
+
+    gemm_flops: float  # FLOP/s of a matmul (the median over a few sizes)
+    conv_flops: float  # FLOP/s of a 3x3 convolution (the slope between a small one and a large one)
+    mem_bw: float  # bytes/s of an element-wise add over tensors larger than the caches
+    op_fwd: float  # seconds of host work per graph node in F, whatever its size
+    op_bwd: float  # seconds per node on the gradient path in B + W together
+    threads: int  # torch threads it was measured with (fxpipe run's ranks use 1)
+    conv_fwd: float = 0.0  # seconds a convolution costs beyond a node whatever its size (the fit's intercept)
+    conv_bwd: float = 0.0  # the same for its backward (input and weight gradients together)
+    machine: str = ""  # what it was measured on: host, CPU, torch version, threads
+
+
+@dataclass(frozen=True)
 class CompileOptions:
     """What was asked of the compile: every knob of ``fxpipe compile`` (defaults from DEFAULTS)."""
 
@@ -92,6 +108,9 @@ class CompileOptions:
     profile_runs: int = _default("profile_runs")
     device_flops: float = _default("device_flops")
     device_mem_bw: float = _default("device_mem_bw")
+    # This machine's calibrated compute (fxpipe compile without --profile); None: device_flops and device_mem_bw
+    # alone, no per-node host time. Absent from plan.json when None (plans from before it still load).
+    compute: ComputeRates | None = None
     split_backward: bool = True
     input_grads: bool = False
     balance_backward: bool = False
@@ -318,6 +337,8 @@ class Plan:
         doc = _encode(self)
         if self.strategy is None:  # plans without a strategy are written exactly as before it existed
             del doc["strategy"]
+        if self.options.compute is None:  # nor uncalibrated ones before calibration existed
+            del doc["options"]["compute"]
         return doc
 
     @classmethod

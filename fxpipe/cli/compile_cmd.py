@@ -93,6 +93,11 @@ def compile_cmd(
                                                           rich_help_panel="Costs")] = None,
     device_mem_bw: Annotated[Optional[str], typer.Option(help="Memory bandwidth per second for estimated times "
                                                          "[default: 10GB].", rich_help_panel="Costs")] = None,
+    calibration: Annotated[Optional[str], typer.Option(help="on: estimate with this machine's GEMM, memory and "
+                                                       "per-node times (measured once, cached); off: the fixed "
+                                                       "--device-flops/--device-mem-bw model [default: "
+                                                       "$FXPIPE_CALIBRATION, else on].",
+                                                       rich_help_panel="Costs")] = None,
     device: Annotated[Device, typer.Option(help="Build the model on cpu, or on meta (no weights allocated).",
                                            rich_help_panel="Model")] = Device.cpu,
     dtype: Annotated[DType, typer.Option(help="Parameter dtype.", rich_help_panel="Model")] = DType.float32,
@@ -166,6 +171,11 @@ def compile_cmd(
                 max_stages=None if devices is None or objective_text is None else devices // dp,
                 plan_search=searching, devices=devices if searching else None,
             )
+            from fxpipe.passes.calibrate_compute import calibrated_options, describe
+
+            step("calibrating compute", 0, 0)
+            options, rates, cached = calibrated_options(options, calibration,
+                                                        explicit=device_flops is not None or device_mem_bw is not None)
             chosen = None
             if strategy is not None:
                 from fxpipe.api import choose_strategy
@@ -209,11 +219,15 @@ def compile_cmd(
                 import dataclasses
 
                 doc["strategy"] = dataclasses.asdict(chosen.record)
+            if rates is not None:
+                doc["calibration"] = describe(rates, cached=cached)
             print(json.dumps(doc, default=str))
             return
         from fxpipe.render import print_reports
 
         print_reports(reports, plain=plain, console=out)
+        if rates is not None:
+            say(describe(rates, cached=cached), console=out)
         for rec in history.records:
             if rec.printed is not None:
                 say(f"graph after {rec.name}", console=out, style="bold")

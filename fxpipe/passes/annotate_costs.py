@@ -16,12 +16,16 @@ from fxpipe.errors import TraceError
 from fxpipe.graphs.fx import COMPUTE_OPS, clone, get_path, tensors_in, value_bytes
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
-from fxpipe.plan import DEFAULTS
+from fxpipe.plan import DEFAULTS, ComputeRates
 from fxpipe.report import Report
 
 # A CPU core of this machine does ~1.8e11 FLOP/s in a 512^3 matmul on one thread and streams
 # ~4e9 B/s through an element-wise op; these round defaults model "one busy core" (see
-# docs/architecture.md). --profile replaces the estimates with measured times.
+# docs/architecture.md). ``compute`` (calibrate_compute: fxpipe compile measures it unless
+# FXPIPE_CALIBRATION=off) replaces them with this machine's rates and adds each node's host time;
+# --profile replaces the estimates with measured times.
+
+_CONVOLUTIONS = {"convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
 
 
 def annotate_costs(
@@ -30,6 +34,7 @@ def annotate_costs(
     *,
     device_flops: float | None = None,
     device_mem_bw: float | None = None,
+    compute: ComputeRates | None = None,
 ) -> PassResult:
     """Write shape, bytes, FLOPs and estimated times into each call node's NodeMeta.
 
@@ -39,6 +44,10 @@ def annotate_costs(
     flops_bwd_input and flops_bwd_weight (estimates: a node's B costs its forward FLOPs when
     an activation input needs a gradient, its W costs its forward FLOPs when it reads a
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
+    With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
+    its conv rate) and every node but ``getitem`` adds its host time: ``op_fwd`` to F, and
+    ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
+    convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
     Raises: TraceError when a node reads a tensor's value as a Python number (``.item()``): its
     cost, and every later shape, would depend on the data.
 
@@ -47,6 +56,8 @@ def annotate_costs(
     """
     device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
     device_mem_bw = DEFAULTS.device_mem_bw if device_mem_bw is None else device_mem_bw
+    if compute is not None:
+        device_flops, device_mem_bw = compute.gemm_flops, compute.mem_bw
     out = clone(gm)
     fake_mode = fake_tensor_mode(allow_non_fake_inputs=True)
     interp = _CostInterpreter(out, fake_mode)
@@ -89,6 +100,16 @@ def annotate_costs(
         flops_b = flops if grad_to_act else 0
         flops_w = flops if grad_to_param else 0
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
+        rate = device_flops
+        host_f = host_b = host_w = 0.0
+        if compute is not None:
+            conv = _op_name(node).split(".")[0] in _CONVOLUTIONS
+            if node.target is not operator.getitem:
+                host_f, host_bw = compute.op_fwd, compute.op_bwd
+                if conv:
+                    rate, host_f, host_bw = compute.conv_flops, host_f + compute.conv_fwd, host_bw + compute.conv_bwd
+                host_b = host_bw * (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0
+                host_w = host_bw * (0.5 if grad_to_act else 1.0) if grad_to_param else 0.0
         update_meta(
             node,
             shape=tuple(tuple(int(s) for s in t.shape) for t in tensors),
@@ -99,9 +120,9 @@ def annotate_costs(
             flops_fwd=flops,
             flops_bwd_input=flops_b,
             flops_bwd_weight=flops_w,
-            time_fwd=max(flops / device_flops, traffic / device_mem_bw),
-            time_bwd_input=max(flops_b / device_flops, traffic / device_mem_bw) if grad_to_act else 0.0,
-            time_bwd_weight=max(flops_w / device_flops, param_bytes / device_mem_bw) if grad_to_param else 0.0,
+            time_fwd=host_f + max(flops / rate, traffic / device_mem_bw),
+            time_bwd_input=host_b + max(flops_b / rate, traffic / device_mem_bw) if grad_to_act else 0.0,
+            time_bwd_weight=host_w + max(flops_w / rate, param_bytes / device_mem_bw) if grad_to_param else 0.0,
         )
         name = _op_name(node)
         by_op[name] += 1

@@ -1,0 +1,331 @@
+"""calibrate_compute: this machine's GEMM and convolution throughput, memory bandwidth and per-node host time,
+measured once (a few seconds) and cached per machine and thread count.
+
+Estimated costs (``annotate_costs`` without ``--profile``) know a node's FLOPs and bytes, not how
+fast this machine turns them into time. Four measurements give them a clock, each the fastest of
+several runs (another job on the machine only ever adds time):
+
+- **GEMM.** ``torch.mm`` of square float32 matrices (128, 256, 512): FLOP/s, the median size's.
+- **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
+  images, batch 2) and a large one (128 channels, 28 x 28): the line through the two gives FLOP/s
+  (slope) and a per-call time (intercept; small convolutions cost tens of microseconds whatever
+  their FLOPs).
+- **Memory.** ``torch.add(a, b, out=c)`` over 32 MiB tensors (larger than the caches): 3 x bytes / s.
+- **Per node.** A small model made of one of each kind of node the zoo's graphs hold (linear,
+  conv, batch and layer norm, attention, views, element-wise ops) is traced and split into F, B
+  and W as ``fxpipe compile`` does, at sizes where its arithmetic is negligible; F's time over its
+  nodes is what a node costs the host whatever its size (Python, dispatch, allocation, and the
+  ATen ops a node decomposes into), B + W's over the nodes on the gradient path the same for the
+  backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating).
+
+The result is cached as JSON in ``$XDG_CACHE_HOME/fxpipe/compute.json`` (else
+``~/.cache/fxpipe``), keyed by host, CPU model, torch version and thread count; a file that cannot
+be read as such is ignored and rewritten (it is only ever parsed as JSON, never executed).
+``FXPIPE_CALIBRATION=off`` (or ``fxpipe compile --calibration off``) keeps the fixed
+``DEFAULTS.device_flops`` / ``device_mem_bw`` model: the test suite sets it, so no plan there
+depends on the machine.
+
+    >>> rates = calibrate_compute()                     # doctest: +SKIP
+    >>> describe(rates, cached=True)                    # doctest: +SKIP
+    'compute calibrated (1 thread): GEMM 205 GFLOP/s, conv 61 GFLOP/s, 14.9 GB/s, 7.9 us + 15.2 us per node F / B+W; cached'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe.errors import OptionError
+from fxpipe.plan import CompileOptions, ComputeRates
+
+ENV = "FXPIPE_CALIBRATION"
+CACHE_FORMAT = 2  # bump when what is measured changes: older entries are then measured again
+GEMM_SIZES = (128, 256, 512)
+STREAM_BYTES = 32 << 20
+
+__all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrated_options", "calibration_enabled",
+           "describe", "machine_key", "measure_compute"]
+
+
+def calibration_enabled(setting: str | None = None) -> bool:
+    """Whether compiles calibrate: ``setting`` (``--calibration on|off``), else ``$FXPIPE_CALIBRATION``, else on."""
+    value = setting if setting is not None else os.environ.get(ENV, "on")
+    choice = value.strip().lower()
+    if choice in ("on", "1", "true", "yes"):
+        return True
+    if choice in ("off", "0", "false", "no"):
+        return False
+    where = "--calibration" if setting is not None else f"${ENV}"
+    raise OptionError(f"{where} takes on or off (got {value!r}); e.g. {where.lstrip('$')}=off for the fixed model")
+
+
+def machine_key(threads: int) -> str:
+    """What a calibration is valid for: host, CPU model, torch version and thread count, and the cache format."""
+    return f"{socket.gethostname()}|{_cpu_model()}|torch {torch.__version__}|{threads} thread(s)|v{CACHE_FORMAT}"
+
+
+def cache_path() -> Path:
+    """``$XDG_CACHE_HOME/fxpipe/compute.json``, else ``~/.cache/fxpipe/compute.json``."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "fxpipe" / "compute.json"
+
+
+def calibrate_compute(*, threads: int = 1, cache: bool = True,
+                      measure: Callable[[int], ComputeRates] | None = None) -> tuple[ComputeRates, bool]:
+    """This machine's rates at ``threads`` threads and whether they came from the cache.
+
+    Read from :func:`cache_path` when an entry for :func:`machine_key` is there and sound, else
+    measured now (:func:`measure_compute`, a few seconds) and written back. A cache that cannot be
+    read or written is no error: the rates are measured (and used) all the same.
+    """
+    if threads < 1:
+        raise OptionError(f"a calibration needs at least 1 thread (threads: {threads})")
+    key = machine_key(threads)
+    path = cache_path()
+    entries = _read_cache(path) if cache else {}
+    found = _rates_from(entries.get(key), key)
+    if found is not None:
+        return found, True
+    rates = (measure or measure_compute)(threads)
+    if cache:
+        entries[key] = dataclasses.asdict(rates)
+        _write_cache(path, entries)
+    return rates, False
+
+
+def calibrated_options(options: CompileOptions, setting: str | None = None, *,
+                       explicit: bool = False) -> tuple[CompileOptions, ComputeRates | None, bool]:
+    """``options`` with this machine's calibrated compute, the rates, and whether they were cached.
+
+    Unchanged (and None) when calibration is off (:func:`calibration_enabled`), with ``--profile``
+    (measured layer times replace the estimates) or when the device model was given
+    (``explicit``: ``--device-flops`` / ``--device-mem-bw``).
+    """
+    if not calibration_enabled(setting) or options.profile or explicit:
+        return options, None, False
+    rates, cached = calibrate_compute(threads=1)  # fxpipe run's ranks compute on one thread each
+    return (dataclasses.replace(options, compute=rates, device_flops=rates.gemm_flops, device_mem_bw=rates.mem_bw),
+            rates, cached)
+
+
+def describe(rates: ComputeRates, *, cached: bool) -> str:
+    """One line for the compile output."""
+    threads = f"{rates.threads} thread{'s' if rates.threads != 1 else ''}"
+    return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s, conv "
+            f"{rates.conv_flops / 1e9:.0f} GFLOP/s, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
+            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W; {'cached' if cached else 'measured now'} "
+            f"({cache_path()}; {ENV}=off for the fixed model)")
+
+
+def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZES, stream_bytes: int = STREAM_BYTES,
+                    runs: int = 10) -> ComputeRates:
+    """Measure GEMM and convolution FLOP/s, memory bandwidth and per-node host time now, at ``threads`` threads.
+
+    Each time is the fastest of ``runs`` after one warm-up; about 2-4 s on one core.
+    """
+    start = time.perf_counter()
+    with _threads(threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
+        conv, conv_fwd, conv_bwd = _conv_rate(runs)
+        mem_bw = _stream_rate(stream_bytes, runs)
+        op_fwd, op_bwd = _node_times(runs)
+    return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
+                        conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads, machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s")
+
+
+# -- the measurements ---------------------------------------------------------------------------------
+
+
+def _fastest(fn: Callable[[], object], runs: int) -> float:
+    fn()  # warm up: first-touch pages, kernel selection
+    best = math.inf
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _gemm_rate(n: int, runs: int) -> float:
+    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    reps = max(1, int(4e6 // (2 * n**3)))  # each timing at least ~4 MFLOP, so the clock's resolution does not matter
+
+    def mm() -> None:
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+
+    return 2 * n**3 * reps / _fastest(mm, runs)
+
+
+def _conv_rate(runs: int) -> tuple[float, float, float]:
+    """FLOP/s of a 3x3 convolution, and its seconds per call forward and backward at no FLOPs (the intercepts)."""
+    points = []
+    for batch, channels, side in ((2, 8, 16), (2, 128, 28)):
+        x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
+        grad = torch.randn(batch, channels, side, side)
+        flops = 2 * batch * channels * channels * side * side * 9
+        with torch.no_grad():
+            fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                                      [0, 0], 1), runs)
+            bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
+                grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
+        points.append((flops, fwd, bwd))
+    (f0, a0, b0), (f1, a1, b1) = points
+    rate = (f1 - f0) / max(a1 - a0, 1e-9)
+    # The backward does twice the forward's FLOPs (input and weight gradients): its intercept at that rate.
+    return rate, max(0.0, a0 - f0 / rate), max(0.0, b0 - 2 * f0 / rate)
+
+
+def _stream_rate(nbytes: int, runs: int) -> float:
+    a = torch.randn(max(1, nbytes // 4))
+    b, out = torch.randn_like(a), torch.empty_like(a)
+    return 3 * a.numel() * 4 / _fastest(lambda: torch.add(a, b, out=out), runs)
+
+
+class _Mix(nn.Module):
+    """One of each kind of node the zoo's graphs hold, at sizes where the arithmetic is negligible."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(16, 16)
+        self.ln_1 = nn.LayerNorm(8)
+        self.qkv = nn.Linear(8, 24)
+        self.proj = nn.Linear(8, 8)
+        self.ln_2 = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 32)
+        self.down = nn.Linear(32, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (2, 2, 4, 4)
+        h = F.max_pool2d(F.relu(self.bn(self.conv(x))) + x.repeat(1, 2, 1, 1), 2)  # (2, 4, 2, 2)
+        h = self.fc(torch.flatten(h, 1)).view(2, 2, 8)  # (batch 2, sequence 2, width 8)
+        q, k, v = self.qkv(self.ln_1(h)).split(8, dim=2)
+        q, k, v = (t.view(2, 2, 2, 4).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(2, 2, 8)
+        h = h + F.dropout(self.proj(a), 0.1, self.training)
+        h = h + self.down(F.gelu(self.up(self.ln_2(h))))
+        return self.head(h.mean(dim=1)).log_softmax(dim=-1)
+
+
+def _node_times(runs: int) -> tuple[float, float]:
+    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` run as fxpipe runs it."""
+    from fxpipe.graphs.fx import COMPUTE_OPS
+    from fxpipe.graphs.split import split_stage
+    from fxpipe.passes.time_graphs import time_graphs
+    from fxpipe.passes.trace import trace
+
+    model = _Mix()
+    x = torch.randn(2, 2, 4, 4)
+    gm = trace(model, (x,)).gm
+    nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.target is not _getitem()]
+    arg = x.clone().requires_grad_(True)
+    graphs = split_stage(gm, [arg])
+    if graphs.fused:  # cannot happen on this model unless torch changes; then time it under autograd
+        return _autograd_node_times(gm, x, len(nodes), runs)
+    times = [time_graphs(graphs, [x], 1) for _ in range(runs)]
+    f = min(t[0] for t in times)
+    bw = min(t[1] + t[2] for t in times)
+    return f / len(nodes), bw / len(nodes)
+
+
+def _autograd_node_times(gm: torch.fx.GraphModule, x: torch.Tensor, nodes: int, runs: int) -> tuple[float, float]:
+    def fwd() -> Any:
+        return gm(x.detach().requires_grad_(True))
+
+    def both() -> None:
+        out = fwd()
+        (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+
+    f = _fastest(fwd, runs)
+    return f / nodes, max(0.0, _fastest(both, runs) - f) / nodes
+
+
+def _getitem() -> Any:
+    import operator
+
+    return operator.getitem
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's entries; empty when the file is missing, unreadable or not a JSON object (it is rewritten)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _rates_from(entry: Any, key: str) -> ComputeRates | None:
+    """The rates in one cache entry, or None when it is not a sound record for ``key``."""
+    if not isinstance(entry, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(ComputeRates)}
+    if set(entry) != names:
+        return None
+    floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd")
+    if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
+           or entry[k] < 0 for k in floats):
+        return None
+    if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")):
+        return None
+    if type(entry["threads"]) is not int or not isinstance(entry["machine"], str):
+        return None
+    if not entry["machine"].startswith(key):
+        return None
+    return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}})
+
+
+def _write_cache(path: Path, entries: dict[str, Any]) -> None:
+    """Write ``entries`` atomically (a temporary file renamed over the cache); failing to is no error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".compute-", suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    name = platform.processor() or platform.machine()
+    return name or hashlib.sha1(platform.platform().encode()).hexdigest()[:12]

@@ -1,0 +1,184 @@
+"""calibrate_compute: real measurements at small sizes, the per-machine cache (round trip, corrupt file), the
+estimate made of the calibrated rates, and the off switch that keeps the test suite's plans machine-independent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import fxpipe
+from fxpipe import models
+from fxpipe.api import run_compile
+from fxpipe.cli.main import app
+from fxpipe.errors import OptionError
+from fxpipe.meta import get_meta
+from fxpipe.passes import calibrate_compute as cc
+from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.trace import trace
+from fxpipe.plan import DEFAULTS, CompileOptions, ComputeRates, Plan
+
+RATES = ComputeRates(gemm_flops=2e11, conv_flops=1e11, mem_bw=2e10, op_fwd=5e-6, op_bwd=8e-6, threads=1,
+                     conv_fwd=3e-5, conv_bwd=6e-5, machine="")
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "fxpipe"
+
+
+def _fake_measure(calls: list[int]):  # type: ignore[no-untyped-def]
+    def measure(threads: int) -> ComputeRates:
+        calls.append(threads)
+        return dataclasses.replace(RATES, threads=threads, machine=cc.machine_key(threads) + "|0.0 s")
+    return measure
+
+
+def test_measure_compute_gives_positive_finite_rates() -> None:
+    rates = cc.measure_compute(1, gemm_sizes=(64, 128), stream_bytes=1 << 20, runs=2)
+    for name in ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd"):
+        value = getattr(rates, name)
+        assert math.isfinite(value) and value > 0, (name, value)
+    assert rates.conv_fwd >= 0 and rates.conv_bwd >= 0
+    assert 1e8 < rates.gemm_flops < 1e14 and 1e7 < rates.mem_bw < 1e13
+    assert 1e-8 < rates.op_fwd < 1e-2  # a node's host time: microseconds, not nothing and not seconds
+    assert rates.threads == 1 and rates.machine.startswith(cc.machine_key(1))
+
+
+def test_cache_round_trip(cache_dir: Path) -> None:
+    calls: list[int] = []
+    first, cached = cc.calibrate_compute(threads=1, measure=_fake_measure(calls))
+    assert not cached and calls == [1]
+    again, cached = cc.calibrate_compute(threads=1, measure=_fake_measure(calls))
+    assert cached and again == first and calls == [1]  # read back, not measured again
+    _, cached = cc.calibrate_compute(threads=2, measure=_fake_measure(calls))  # another thread count: its own entry
+    assert not cached and calls == [1, 2]
+    doc = json.loads((cache_dir / "compute.json").read_text())
+    assert set(doc) == {cc.machine_key(1), cc.machine_key(2)}
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '"x"', "", "\x00\xff",
+                                  '{"KEY": {"gemm_flops": "__import__(\'os\')"}}',
+                                  '{"KEY": {"gemm_flops": -1, "conv_flops": 1, "mem_bw": 1, "op_fwd": 0, "op_bwd": 0, '
+                                  '"conv_fwd": 0, "conv_bwd": 0, "threads": 1, "machine": "KEY"}}'])
+def test_a_corrupt_cache_is_ignored_and_rewritten(cache_dir: Path, text: str) -> None:
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "compute.json").write_text(text.replace("KEY", cc.machine_key(1)))
+    calls: list[int] = []
+    rates, cached = cc.calibrate_compute(threads=1, measure=_fake_measure(calls))
+    assert not cached and calls == [1] and rates.gemm_flops == RATES.gemm_flops
+    doc = json.loads((cache_dir / "compute.json").read_text())  # rewritten, sound
+    assert doc[cc.machine_key(1)]["gemm_flops"] == RATES.gemm_flops
+    assert cc.calibrate_compute(threads=1, measure=_fake_measure(calls))[1]
+
+
+def test_an_unwritable_cache_still_calibrates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    rates, cached = cc.calibrate_compute(threads=1, measure=_fake_measure([]))
+    assert not cached and rates.gemm_flops == RATES.gemm_flops
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not cc.calibration_enabled()  # tests/conftest.py turns it off for the whole suite
+    monkeypatch.setenv(cc.ENV, "on")
+    assert cc.calibration_enabled() and not cc.calibration_enabled("off")
+    monkeypatch.delenv(cc.ENV)
+    assert cc.calibration_enabled()  # on by default
+    with pytest.raises(OptionError, match=r"--calibration takes on or off \(got 'maybe'\)"):
+        cc.calibration_enabled("maybe")
+    monkeypatch.setenv(cc.ENV, "sometimes")
+    with pytest.raises(OptionError, match=r"\$FXPIPE_CALIBRATION takes on or off"):
+        cc.calibration_enabled()
+
+
+def test_calibrated_options_skip_profile_and_explicit_rates(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cc, "measure_compute", _fake_measure([]))
+    base = CompileOptions()
+    assert cc.calibrated_options(base, "off") == (base, None, False)
+    assert cc.calibrated_options(dataclasses.replace(base, profile=True), "on")[1] is None
+    assert cc.calibrated_options(base, "on", explicit=True)[1] is None
+    options, rates, _ = cc.calibrated_options(base, "on")
+    assert rates is not None and options.compute == rates
+    assert (options.device_flops, options.device_mem_bw) == (rates.gemm_flops, rates.mem_bw)
+
+
+def test_the_estimate_uses_the_calibrated_rates() -> None:
+    """time = host time per node + max(FLOPs / gemm_flops, bytes / mem_bw), checked one term at a time."""
+    import operator
+
+    zoo = models.build("mlp-tiny")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+    flops_only = annotate_costs(gm, zoo.example_inputs, compute=dataclasses.replace(RATES, mem_bw=1e30)).gm
+    bytes_fixed = annotate_costs(gm, zoo.example_inputs, device_flops=1e30).gm  # traffic / 1e10
+    bytes_only = annotate_costs(gm, zoo.example_inputs, compute=dataclasses.replace(RATES, gemm_flops=1e30)).gm
+    checked = 0
+    for a, b, c in zip(flops_only.graph.nodes, bytes_fixed.graph.nodes, bytes_only.graph.nodes):
+        if a.op not in ("call_function", "call_module"):
+            continue
+        fa, fb, fc = get_meta(a), get_meta(b), get_meta(c)
+        host = 0.0 if a.target is operator.getitem else RATES.op_fwd
+        assert fa.time_fwd == pytest.approx(host + fa.flops_fwd / RATES.gemm_flops, abs=1e-15)
+        assert fc.time_fwd == pytest.approx(host + fb.time_fwd * DEFAULTS.device_mem_bw / RATES.mem_bw, abs=1e-15)
+        if fa.flops_bwd_input and fa.flops_bwd_weight:  # a linear on the gradient path: half the host time each
+            assert fa.time_bwd_input == pytest.approx(RATES.op_bwd / 2 + fa.flops_bwd_input / RATES.gemm_flops)
+            assert fa.time_bwd_weight == pytest.approx(RATES.op_bwd / 2 + fa.flops_bwd_weight / RATES.gemm_flops)
+            checked += 1
+    assert checked >= 3
+
+
+def test_a_convolution_costs_its_call_and_its_conv_rate() -> None:
+    zoo = models.build("vgg-tiny")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+    out = annotate_costs(gm, zoo.example_inputs, compute=dataclasses.replace(RATES, mem_bw=1e30)).gm
+    convs = [n for n in out.graph.nodes if "conv" in str(n.target)]
+    assert convs
+    for node in convs:
+        m = get_meta(node)
+        assert m.time_fwd == pytest.approx(RATES.op_fwd + RATES.conv_fwd + m.flops_fwd / RATES.conv_flops)
+        assert m.time_bwd_input + m.time_bwd_weight == pytest.approx(
+            (RATES.op_bwd + RATES.conv_bwd) * (1.0 if m.time_bwd_input and m.time_bwd_weight else 1.0)
+            + (m.flops_bwd_input + m.flops_bwd_weight) / RATES.conv_flops)
+
+
+def test_the_plan_records_the_rates_and_old_plans_still_load(tmp_path: Path) -> None:
+    zoo = models.build("mlp-tiny")
+    options = CompileOptions(compute=RATES, device_flops=RATES.gemm_flops, device_mem_bw=RATES.mem_bw)
+    pipe = run_compile(zoo.model, zoo.example_inputs, options).pipeline
+    assert pipe is not None and pipe.plan.options.compute == RATES
+    loaded = fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))
+    assert loaded.plan.options.compute == RATES
+    doc = json.loads(json.dumps(pipe.plan.to_json()))
+    assert Plan.from_json(doc) == pipe.plan
+    plain = json.loads(json.dumps(fxpipe.compile(zoo.model, zoo.example_inputs).plan.to_json()))
+    assert "compute" not in plain["options"]  # uncalibrated plans are written as before calibration existed
+    assert Plan.from_json(plain).options.compute is None
+
+
+def test_fxpipe_compile_reports_the_calibration(cache_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(cc, "measure_compute", _fake_measure(calls))
+    runner = CliRunner()
+    args = ["compile", "mlp-tiny", "--plain", "--out"]
+    result = runner.invoke(app, [*args, str(tmp_path / "a"), "--calibration", "on"])
+    assert result.exit_code == 0, result.output
+    assert "compute calibrated (1 thread): GEMM 200 GFLOP/s, conv 100 GFLOP/s, 20.0 GB/s, 5.0 us + 8.0 us per node" \
+        in result.output and "measured now" in result.output
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())["plan"]
+    assert plan["options"]["compute"]["gemm_flops"] == RATES.gemm_flops and calls == [1]
+    result = runner.invoke(app, [*args, str(tmp_path / "b"), "--calibration", "on"])
+    assert "; cached (" in result.output and calls == [1]
+    result = runner.invoke(app, [*args, str(tmp_path / "c")])  # FXPIPE_CALIBRATION=off (conftest): the fixed model
+    assert result.exit_code == 0 and "calibrated" not in result.output
+    assert "compute" not in json.loads((tmp_path / "c" / "plan.json").read_text())["plan"]["options"]
+    result = runner.invoke(app, [*args, str(tmp_path / "d"), "--calibration", "on", "--device-flops", "1e12"])
+    assert "calibrated" not in result.output  # an explicit device model wins
+    result = runner.invoke(app, [*args, str(tmp_path / "e"), "--calibration", "sometimes"])
+    assert result.exit_code == 2 and "--calibration takes on or off" in result.output
