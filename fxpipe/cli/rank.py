@@ -158,6 +158,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     if zoo is None:
         raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.plan.provenance.model!r}); "
                             "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
+    if pipe.plan.strategy is not None:  # a per-layer strategy: DTensor on the plan's ranks, not a pipeline
+        from fxpipe.cli.rank_strategy import run_strategy
+
+        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed))
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=zoo.example_inputs,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),

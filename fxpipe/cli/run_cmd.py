@@ -187,10 +187,12 @@ def run_cmd(
                           ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update "
                             "of each stage and the steps stream through one schedule, so each step's time is the "
                             "run's mean; " if not doc["synchronous"] else "")
-                           + f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
-                           + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
-                              f"{doc['microbatches']} microbatches of the {batch}-row batch)" if mesh["shape"][1] > 1
-                              else "")
+                           + (f"per-layer {doc['schedule']} on {world} ranks (each layer takes its share of the "
+                              f"{batch}-row batch)" if doc["schedule"].startswith("strategy ") else
+                              f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
+                              + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
+                                 f"{doc['microbatches']} microbatches of the {batch}-row batch)"
+                                 if mesh["shape"][1] > 1 else ""))
                            + (f" on {nnodes} nodes" if nnodes > 1 else "") + ": median step "
                            f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
                            + ("" if results[0].get("profiled") else

@@ -237,7 +237,7 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
              f"chosen: {best.stages} stages x {best.dp} replicas, {best.schedule}, {best.microbatches} microbatches: "
              f"{best.throughput(best_step) * compute:.2f}x one device's throughput on {best.devices} devices",
              "speedup = microbatches per step over all replicas x one device's microbatch / simulated step; per-layer "
-             "strategies are not searched (fxpipe run cannot run a plan's strategy yet)")
+             "strategies are not searched (fxpipe compile --strategy plans them for one stage)")
     report = Report(title="plan auto: candidates, fastest simulated first",
                     columns=("rank", "stages", "dp", "devices", "schedule", "microbatches", "model step ms",
                              "simulated step ms", "speedup", "memory MiB", ""),

@@ -62,6 +62,7 @@ class _Recorder(fx.Interpreter):
         super().__init__(module)
         self.out: dict[str, int] = {}
         self.dims: dict[str, int] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
         self.inputs: dict[str, int] = {}
         self.flops: dict[str, int] = {}
         self.runs = runs
@@ -82,6 +83,7 @@ class _Recorder(fx.Interpreter):
             self.seconds[n.name] = statistics.median(times)
         self.out[n.name] = _nbytes(value)
         self.dims[n.name] = value.dim() if isinstance(value, torch.Tensor) else 0
+        self.shape[n.name] = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
         self.inputs[n.name] = sum(self.out.get(a.name, 0) for a in args)
         return value
 
@@ -139,9 +141,9 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
             if len(produced) != 1:
                 raise OptionError(f"the per-layer strategy search takes a model of one output tensor (it returns "
                                   f"{len(produced)}); return the logits")
-            spec = LayerSpec("loss", kind="loss")
+            spec = LayerSpec("loss", kind="loss", shape=recorder.shape[produced[0].name][:1])
         elif n.op == "placeholder":
-            spec = LayerSpec(n.name, out_bytes=recorder.out[n.name], kind="input")
+            spec = LayerSpec(n.name, out_bytes=recorder.out[n.name], kind="input", shape=recorder.shape[n.name])
         else:
             spec = _spec(gm, n, recorder, flops_rate, mem_bw)
             if n.name in recorder.seconds:
@@ -158,6 +160,7 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
 def _spec(gm: fx.GraphModule, n: fx.Node, rec: _Recorder, flops_rate: float, mem_bw: float) -> LayerSpec:
     out, inp, flops = rec.out[n.name], rec.inputs[n.name], rec.flops[n.name]
     spatial = rec.dims[n.name] >= 3
+    shape = rec.shape[n.name]
     traffic = 2 * (out + inp) / mem_bw  # forward and backward, each reads its inputs and writes its output
     module = gm.get_submodule(str(n.target)) if n.op == "call_module" else None
     params = list(module.parameters()) if module is not None else []
@@ -165,12 +168,14 @@ def _spec(gm: fx.GraphModule, n: fx.Node, rec: _Recorder, flops_rate: float, mem
     if isinstance(module, nn.Linear) or (isinstance(module, _CONV) and module.groups == 1):
         bias = float(_nbytes(module.bias)) if module.bias is not None else 0.0
         return LayerSpec(n.name, max(3 * flops / flops_rate, traffic), param_bytes, out, inp, "matmul",
-                         isinstance(module, _CONV), bias_bytes=bias)
+                         isinstance(module, _CONV), bias_bytes=bias, shape=shape,
+                         in_features=module.in_features if isinstance(module, nn.Linear) else module.in_channels)
     if isinstance(module, _NORM):
         stats = 2.0 * module.num_features * (params[0].element_size() if params else 4)
-        return LayerSpec(n.name, traffic, param_bytes, out, inp, "elementwise", spatial, stat_bytes=stats)
+        return LayerSpec(n.name, traffic, param_bytes, out, inp, "elementwise", spatial, stat_bytes=stats,
+                         shape=shape)
     if params:
         raise OptionError(f"node {n.name!r} is a {type(module).__name__} with parameters; the strategy search knows "
                           "Linear, convolutions (groups=1) and BatchNorm (keep other modules parameter-free)")
     saved = 0 if _target_name(gm, n).lower() in _VIEWS else inp
-    return LayerSpec(n.name, traffic, 0.0, out, saved, "elementwise", spatial)
+    return LayerSpec(n.name, traffic, 0.0, out, saved, "elementwise", spatial, shape=shape)

@@ -13,8 +13,8 @@ Memory per device: the stage's parameters, gradients and optimizer state
 (``static_bytes``, 4 x the trainable bytes, as the partitioner counts them) plus the activations
 the schedule keeps in flight on that stage (``cost.in_flight``), the same on every dp replica.
 
-Per-layer strategies (issue 14) are not a dimension: ``fxpipe run`` cannot run a plan's strategy
-yet, and a plan the runtime cannot run is no plan to choose.
+Per-layer strategies (issue 14) are not a dimension yet: a strategy plan is one stage on its ranks,
+and its cost model (``planning/strategies``) shares no step model with these candidates.
 
 Pure: plain values in, plain values out; no torch.
 """

@@ -767,6 +767,19 @@ class LayerSpec:
     spatial: bool = False
     bias_bytes: float = 0.0
     stat_bytes: float = 0.0
+    shape: tuple[int, ...] = ()  # its output's shape (batch, channels, height, ...); () when unknown
+    in_features: int = 0  # a matmul's input features or channels (what a row split divides); 0 when unknown
+
+    def splits(self, degrees: Degrees) -> bool:
+        """Whether ``degrees`` divide this layer's dims evenly: batch by sample, channels by column, height by
+        spatial, input features by row (a dim of unknown size takes any degree).
+
+        >>> LayerSpec("x", shape=(2, 3)).splits(Degrees(sample=4)), LayerSpec("x", shape=(8, 3)).splits(Degrees(sample=4))
+        (False, True)
+        """
+        sizes = (*self.shape, 0, 0, 0)
+        return all(size == 0 or size % degree == 0 for size, degree in ((sizes[0], degrees.sample),
+                   (sizes[1], degrees.column), (sizes[2], degrees.spatial), (self.in_features, degrees.row)))
 
 
 @dataclass(frozen=True)
@@ -919,6 +932,8 @@ def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: flo
     """
     configs = []
     for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial and spatial, divisors=divisors):
+        if not spec.splits(d):  # DTensor would shard unevenly, and a rank could get no rows at all
+            continue
         sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency)
         configs.append(Config(d.name, spec.seconds / d.product, sync, layer_memory(spec, d, optimizer).total, d))
     return tuple(configs)
@@ -1033,6 +1048,12 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
     """
     configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors,
                              spatial=spatial) for s in specs]
+    for spec, options in zip(specs, configs):
+        if not options:
+            dims = "x".join(map(str, spec.shape)) or "?"
+            raise OptionError(f"layer {spec.name!r} (output {dims}) has no even split over {ranks} ranks: its batch of "
+                              f"{spec.shape[0] if spec.shape else '?'} rows must be a multiple of {ranks} for a "
+                              f"{spec.kind} layer; use a batch that {ranks} divides (--batch-size)")
     layers = tuple(Layer(s.name, c) for s, c in zip(specs, configs))
     out = []
     for u, v in edges:

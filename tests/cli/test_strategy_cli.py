@@ -48,7 +48,7 @@ def test_auto_prints_the_table_and_records_the_choice(tmp_path: Path) -> None:
 
 def test_splitbrain_shards_the_classifier_in_groups(tmp_path: Path) -> None:
     text, out = _compile(tmp_path, "vgg-tiny", "--stages", "1", "--dp", "4", "--strategy", "splitbrain",
-                         "--group", "2")
+                         "--group", "2", "--batch-size", "8")
     assert "splitbrain (group 2) (chosen)" in text
     record = _record(out)
     assert (record.name, record.ranks, record.group, record.method) == ("splitbrain", 4, 2, "splitbrain-2")

@@ -1,0 +1,74 @@
+"""``fxpipe run`` of a plan with a per-layer strategy (``fxpipe compile --stages 1 --dp D --strategy ...``).
+
+Called by ``fxpipe.cli.rank`` on every rank. The plan records each fx node's configuration by name;
+nothing from the plan directory is executed: the rank rebuilds the built-in model the plan was
+compiled from (fxpipe's own code, as the pipeline path does), traces it again with
+``strategy_graph`` (the same one-layer-per-fx-node graph the search saw), and gives each node its
+recorded configuration. A node the trace has and the record lacks (or the other way round) is a
+plan of another model or version: one ``PlanFileError``. It then trains ``StrategyRuntime`` (DTensor
+on the plan's D ranks) on the global batch, the compiled example's rows, each layer taking its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import socket
+import time
+from typing import Any
+
+
+def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any,
+                 batches: Any) -> tuple[dict[str, object], dict[str, Any] | None]:
+    """Train the plan's strategy for ``args.steps`` steps; the rank's result (the keys ``fxpipe run`` reads)."""
+    import torch
+
+    from fxpipe.errors import OptionError, PlanFileError
+    from fxpipe.passes.strategy_graph import strategy_graph
+    from fxpipe.planning.strategies import Degrees
+    from fxpipe.runtime.strategy import StrategyRuntime
+
+    record = pipe.plan.strategy
+    if world != record.ranks:
+        raise OptionError(f"the plan's strategy runs on {record.ranks} ranks, and this run has {world}; run it with "
+                          f"--dp {record.ranks}")
+    for flag, given in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
+                        ("--checkpoint-dir", args.checkpoint_dir)):
+        if given is not None:
+            raise OptionError(f"{flag} is for pipeline plans; a per-layer strategy runs the whole batch as one step")
+    inputs, target = batches(0)
+    g = strategy_graph(zoo.model, tuple(inputs))
+    configs = record.configs
+    missing = [n for n in g.nodes if n not in configs]
+    extra = [n for n in configs if n not in set(g.nodes)]
+    if missing or extra:
+        which = f"node {missing[0]!r} has no configuration" if missing else f"it names node {extra[0]!r}, not traced"
+        raise PlanFileError(f"the plan's strategy does not fit this model's trace ({which}); compile the plan again "
+                            "with this fxpipe")
+    rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
+                         loss_fn=zoo.loss_fn)
+    opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
+    losses, step_ms = [], []
+    for step in range(args.steps):
+        if rank == args.fail_rank and step == 1:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        inputs, target = batches(step)
+        t0 = time.perf_counter()
+        losses.append(rt.train_step(inputs[0], target, opt))
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if rank == 0:
+            from fxpipe.cli.rank import out_progress
+
+            with open(out_progress(args), "a") as f:
+                f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
+    params = None
+    if args.data != "synthetic" and rank == 0:  # the launcher scores the held-out data with the whole model
+        params = {n: p.detach().clone() for n, p in rt.full_parameters().items()}
+    return {
+        "rank": rank, "world": world, "schedule": f"strategy {record.name} ({record.method})", "microbatches": 1,
+        "synchronous": True, "weights": args.weights, "dp": world, "pp": 1, "pp_rank": 0, "dp_rank": rank,
+        "stages": [0], "host": socket.gethostname(),
+        "batch": int(inputs[0].shape[0]), "losses": losses, "step_ms": step_ms, "first_step": 0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "simulated_step_ms": record.cost * 1e3, "profiled": False, "profile_threads": None, "events": [],
+    }, params
