@@ -44,3 +44,13 @@ def test_pipeline_options_are_refused_for_a_strategy_plan(tmp_path: Path) -> Non
     ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "dp", "--out", plan))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--microbatches", "2"))
     assert "--microbatches is for pipeline plans; a per-layer strategy runs the whole batch as one step" in line
+
+
+def test_a_record_that_does_not_fit_the_trace_is_refused(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "dp", "--out", plan))
+    doc = json.loads((plan / "plan.json").read_text())
+    doc["plan"]["strategy"]["nodes"][3][0] = "not_a_node"
+    (plan / "plan.json").write_text(json.dumps(doc))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "1"))
+    assert "the plan's strategy does not fit this model's trace (node" in line, line
