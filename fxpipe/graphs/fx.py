@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -101,6 +101,28 @@ def value_bytes(val: Any) -> int:
     if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat)):
         return 8
     return 0
+
+
+def storage_bytes(vals: Sequence[Any], exclude: Sequence[Any] = ()) -> int:
+    """Bytes of the distinct storages the tensors in ``vals`` keep alive, less those of ``exclude``'s tensors.
+
+    What holding ``vals`` costs: views of one tensor share its storage (counted once, whole),
+    and a view of a parameter (``exclude``) costs nothing more. Works on fake tensors (``meta["val"]``),
+    whose views share their base's fake storage, as on real ones.
+    """
+    skip = {_storage_key(t) for v in exclude for t in tensors_in(v)}
+    sizes: dict[Any, int] = {}
+    for t in (t for v in vals for t in tensors_in(v)):
+        key = _storage_key(t)
+        if key not in skip:
+            sizes[key] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 def tensors_in(val: Any) -> list[torch.Tensor]:

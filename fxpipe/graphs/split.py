@@ -20,7 +20,7 @@ import torch.fx
 
 from fxpipe._compat import descriptor_kind, joint_graph, partition_joint
 from fxpipe.graphs.convention import Slot, StageGraphs
-from fxpipe.graphs.fx import COMPUTE_OPS, copy_graph, value_bytes
+from fxpipe.graphs.fx import COMPUTE_OPS, copy_graph, storage_bytes
 
 FlopCounter = Callable[[torch.fx.GraphModule], int]  # FLOPs of one run of a graph (fxpipe.passes.split_backward.count_flops)
 
@@ -317,8 +317,12 @@ def _build_backward(module: torch.fx.GraphModule, bw: torch.fx.GraphModule, flop
     backward_input, b_slots = build(in_b, [], [b_roots[i] for i in grad_inputs] + handover, "StageBackwardInput")
     backward_weight, w_slots = build(in_w, handover, [r for _, r in w_roots], "StageBackwardWeight")
 
+    # Held bytes are storages, each once and none of a parameter's: F saves views of the weights
+    # (``t(weight)`` for B's matmul) and several views of one activation, which hold nothing more.
+    weights = [n.meta.get("val") for n in forward.graph.nodes if n.op == "get_attr"]
+    weights += [n.meta.get("val") for n in bw.graph.nodes if n.op == "placeholder" and n not in slot_of]
     saved_vals = [n.meta.get("val") for n in bw.graph.nodes if n.op == "placeholder" and slot_of.get(n, ("", 0))[0] == "saved"]
-    slot_bytes = {slot_of[n]: value_bytes(n.meta.get("val")) for n in slot_of}
+    slot_val = {slot_of[n]: n.meta.get("val") for n in slot_of}
     count = count_flops or (lambda gm: 0)
     return StageGraphs(
         forward=forward,
@@ -336,8 +340,8 @@ def _build_backward(module: torch.fx.GraphModule, bw: torch.fx.GraphModule, flop
         flops_backward_input=count(backward_input),
         flops_backward_weight=count(backward_weight),
         flops_fused_backward=flops_fused,
-        bytes_f_to_b=sum(value_bytes(v) for v in saved_vals),
-        bytes_b_to_w=sum(value_bytes(n.meta.get("val")) for n in handover) + sum(slot_bytes[s] for s in w_slots),
+        bytes_f_to_b=storage_bytes(saved_vals, weights),
+        bytes_b_to_w=storage_bytes([n.meta.get("val") for n in handover] + [slot_val[s] for s in w_slots], weights),
         split_ops=tuple(split_ops),
     )
 

@@ -23,7 +23,7 @@ Pure functions on plain values; no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import OptionError
@@ -38,6 +38,7 @@ __all__ = [
     "allreduce_buckets",
     "allreduce_bucket_seconds",
     "allreduce_seconds",
+    "held_peaks",
     "optimizer_step_seconds",
     "in_flight",
     "limited_in_flight",
@@ -310,6 +311,34 @@ def activation_memory(schedule: str, microbatches: int, held_fb: Sequence[float]
                           f"(held_fb: {len(held_fb)} values, held_bw: {len(held_bw)}); pass as many of each")
     flights = in_flight(schedule, len(held_fb), microbatches)
     return tuple(f.memory(a, b) for f, a, b in zip(flights, held_fb, held_bw))
+
+
+def held_peaks(actions: Iterable[tuple[int, str]], held_fb: Sequence[float],
+               held_bw: Sequence[float]) -> tuple[float, ...]:
+    """Per stage, the peak bytes held when the stages run ``actions`` (``(stage, kind)``) in this order:
+    F keeps ``held_fb[s]``, B trades it for ``held_bw[s]``, W frees that, BW frees ``held_fb[s]``;
+    other kinds (sends, receives) hold nothing.
+
+    A stage's peak depends only on the order of its own actions, which every valid run keeps (its
+    rank runs them in list order): so it is the simulator's accounting (``RankStats.peak_memory``,
+    per stage rather than per rank), and what the runtime's ``HeldBytes`` measures.
+
+    >>> held_peaks([(0, "F"), (0, "F"), (0, "B"), (0, "W"), (0, "B"), (0, "W")], [10.0], [4.0])
+    (20.0,)
+    """
+    level = [0.0] * len(held_fb)
+    peak = [0.0] * len(held_fb)
+    for s, kind in actions:
+        if kind == "F":
+            level[s] += held_fb[s]
+        elif kind == "B":
+            level[s] += held_bw[s] - held_fb[s]
+        elif kind == "W":
+            level[s] -= held_bw[s]
+        elif kind == "BW":
+            level[s] -= held_fb[s]
+        peak[s] = max(peak[s], level[s])
+    return tuple(peak)
 
 
 def _check_counts(num_stages: int, microbatches: int) -> None:

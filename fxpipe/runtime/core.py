@@ -21,11 +21,16 @@ W (or BW) the stage steps its optimizer (``step``, overridable).
     B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
     W(s, m):  handover, saved, output grads ──▶ weight(s, m, W's arguments)
     BW(s, m): B then W (a stage without split graphs: one autograd backward)
+
+Once B ran, only what W reads stays: F's saved tensors in W's slots, the handover, and the output
+gradients in W's slots. With ``held`` set (:class:`HeldBytes`), the bytes of what is kept for a
+microbatch's later actions are counted per stage, each storage once, and the step's peak recorded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -49,6 +54,10 @@ class ActionRunner:
         self.outputs = [n for n in pipe.output_names if n is not None]
         self.versions: Any = None  # WeightVersions when the schedule is asynchronous
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        # What W reads of F's saved tensors and of the output gradients: the rest is dropped after B.
+        self.w_saved = [frozenset(i for k, i in g.w_slots if k == "saved") for g in self.graphs]
+        self.w_grads = [frozenset(i for k, i in g.w_slots if k == "grad") for g in self.graphs]
+        self.held: HeldBytes | None = None  # set to count the bytes kept between actions (off: no cost)
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -59,13 +68,20 @@ class ActionRunner:
         self.losses: list[torch.Tensor | None] = [None] * len(inputs)
         self.saved: dict[tuple[int, int], list[Any]] = {}
         self.handover: dict[tuple[int, int], tuple[Any, ...]] = {}
-        self.out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.out_grads: dict[tuple[int, int], list[Any]] = {}  # None where W reads no gradient
         self.autograd: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}  # fused stages: outputs, leaves
+        if self.held is not None:
+            self.held.reset(x for d in self.values for x in d.values())
 
     # -- the one dispatch -------------------------------------------------------------------
 
     def run(self, action: Action) -> None:
         s, kind, m = action.stage, action.kind, action.mb
+        self._run(s, kind, m, action)
+        if self.held is not None:
+            self.held.settle(s)
+
+    def _run(self, s: int, kind: Kind, m: int, action: Action) -> None:
         if kind is Kind.F:
             self.forward(s, m)
         elif kind is Kind.B:
@@ -99,6 +115,8 @@ class ActionRunner:
             weights = self.versions.weights(s, m, "F")
             outputs, self.saved[(s, m)] = g.run_forward(args, weights)
             self.versions.remember_aliases(s, weights, self.saved[(s, m)])
+        if self.held is not None and not g.fused:
+            self.held.hold(s, ("F", m), self.saved[(s, m)])
         self.values[m].update(zip(st.outputs, outputs))
         self.maybe_loss(m)
 
@@ -122,12 +140,20 @@ class ActionRunner:
             weights = self.versions.weights(s, m, "B")
             saved = self.versions.rebase_saved(s, self.saved[(s, m)], weights)
             input_grads, self.handover[(s, m)] = g.run_backward_input(saved, grad_outs, weights)
-        self.out_grads[(s, m)] = grad_outs
+        # Until W, keep only what W reads: B's own inputs would otherwise live as long as a deferred W.
+        w_saved, w_grads = self.w_saved[s], self.w_grads[s]
+        saved = self.saved[(s, m)] = [x if i in w_saved else None for i, x in enumerate(self.saved[(s, m)])]
+        self.out_grads[(s, m)] = [x if j in w_grads else None for j, x in enumerate(grad_outs)]
+        if self.held is not None:
+            self.held.hold(s, ("B", m), chain(saved, self.handover[(s, m)], self.out_grads[(s, m)]))
+            self.held.release(s, ("F", m))
         for pos, grad in zip(g.grad_inputs, input_grads):
             self.deliver(s, m, st.inputs[pos], grad)
 
     def backward_weight(self, s: int, m: int) -> None:
         g = self.graphs[s]
+        if self.held is not None:
+            self.held.release(s, ("B", m))
         if self.versions is None:
             self.weight(s, m, g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)),
                                             self.out_grads.pop((s, m))))
@@ -196,6 +222,78 @@ class ActionRunner:
         g, module = self.graphs[s], self.stages[s].module
         for name, grad in zip(g.param_names, g.backward_weight(*args)):  # type: ignore[misc]
             accumulate(module.get_parameter(name), grad)
+
+
+class HeldBytes:
+    """Per stage, the bytes of the tensors kept for a microbatch's later actions, and their peak over a step.
+
+    An entry is what one action keeps for later ones (F: its saved tensors; B: what W reads). Each
+    storage counts once per stage however many entries or views hold it, and not at all when it is
+    a parameter's or buffer's (F saves ``t(weight)`` for B: a view, no new memory). The step's
+    model inputs are one batch cut into microbatch views: a view of one counts its own bytes, as
+    the cost model counts a saved input per microbatch. ``settle`` after each action records the
+    peak, so an entry replaced within an action does not count twice.
+
+    >>> held = HeldBytes([torch.nn.Linear(2, 2)])
+    >>> x = torch.zeros(4, dtype=torch.float64)
+    >>> held.hold(0, ("F", 0), [x, x[:2], None]); held.settle(0); held.release(0, ("F", 0)); held.settle(0)
+    >>> held.now, held.peak
+    ([0], [32])
+    """
+
+    def __init__(self, stages: Sequence[torch.nn.Module]) -> None:
+        self.weights = [frozenset(t.untyped_storage().data_ptr() for t in chain(mod.parameters(), mod.buffers()))
+                        for mod in stages]
+        self.reset()
+
+    def reset(self, inputs: Iterable[Any] = ()) -> None:
+        """A new step over microbatches whose model inputs are ``inputs``: nothing held (the core starts a step with
+        empty state), the peak from zero."""
+        n = len(self.weights)
+        self.entries: list[dict[Any, list[Any]]] = [{} for _ in range(n)]
+        self.refs: list[dict[Any, list[int]]] = [{} for _ in range(n)]  # storage -> [holders, bytes]
+        self.now, self.peak = [0] * n, [0] * n
+        self.batches = frozenset(t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor))
+
+    def hold(self, s: int, key: Any, values: Iterable[Any]) -> None:
+        """Stage s keeps ``values`` (tensors, also in tuples: a multi-output op handed over whole; anything else
+        is ignored) under ``key`` until ``release``."""
+        refs, skip, ptrs = self.refs[s], self.weights[s], []
+        for t in values:
+            if not isinstance(t, torch.Tensor):
+                if isinstance(t, (tuple, list)):
+                    self.hold(s, (key, "items"), t)
+                    ptrs += self.entries[s].pop((key, "items"))
+                continue
+            storage = t.untyped_storage()
+            ptr: Any = storage.data_ptr()
+            if ptr in skip or ptr == 0:
+                continue
+            nbytes = storage.nbytes()
+            if ptr in self.batches:  # a microbatch's view of the batch: its own bytes
+                ptr, nbytes = (ptr, t.storage_offset(), t.numel()), t.numel() * t.element_size()
+            ptrs.append(ptr)
+            ref = refs.get(ptr)
+            if ref is None:
+                refs[ptr] = [1, nbytes]
+                self.now[s] += nbytes
+            else:
+                ref[0] += 1
+        self.entries[s][key] = ptrs
+
+    def release(self, s: int, key: Any) -> None:
+        refs = self.refs[s]
+        for ptr in self.entries[s].pop(key, ()):
+            ref = refs[ptr]
+            ref[0] -= 1
+            if ref[0] == 0:
+                self.now[s] -= ref[1]
+                del refs[ptr]
+
+    def settle(self, s: int) -> None:
+        """After an action of stage s: its peak so far."""
+        if self.now[s] > self.peak[s]:
+            self.peak[s] = self.now[s]
 
 
 def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
-from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.schedules.ir import Action, Kind
 
 Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
@@ -28,7 +28,8 @@ Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
 class ReferenceExecutor:
     """Runs a Pipeline's stages action by action; see the module docstring."""
 
-    def __init__(self, pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float | None = None) -> None:
+    def __init__(self, pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float | None = None,
+                 track_memory: bool = False) -> None:
         graphs = getattr(pipe, "stage_graphs", None)
         if graphs is None:
             raise FxpipeError("this pipeline has no F/B/W graphs; compile it with split_backward=True")
@@ -37,6 +38,9 @@ class ReferenceExecutor:
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
         self.input_grads: list[dict[str, torch.Tensor]] = []
+        # track_memory: after a run, each stage's peak bytes kept between actions (fxpipe.runtime.core.HeldBytes).
+        self.track_memory = track_memory
+        self.peak_held_bytes: list[int] = []
 
     def default_order(self, num_microbatches: int) -> list[Order]:
         """Every microbatch's F through all stages, then B (and W right after) from the last stage back."""
@@ -76,7 +80,7 @@ class ReferenceExecutor:
                                      f"microbatches, the pipeline has {len(self.graphs)} stages and "
                                      f"{len(microbatches)} microbatches were given")
         check_async(self.pipe, self.graphs)
-        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=1.0)
+        run = self._runner(1.0)
         stages = {s: st.module for s, st in enumerate(self.pipe.stage_list())}
         run.optimizers = {s: optimizer(list(mod.parameters())) for s, mod in stages.items()
                           if any(True for _ in mod.parameters())}
@@ -88,7 +92,14 @@ class ReferenceExecutor:
             for stage_idx, kind, mb in _simulated_order(schedule):
                 run.checked(stage_idx, kind, mb)
         run.check_finished()
+        self.peak_held_bytes = list(run.held.peak) if run.held is not None else []
         return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
+
+    def _runner(self, loss_scale: float) -> "_Checked":
+        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale)
+        if self.track_memory:
+            run.held = HeldBytes([st.module for st in run.stages])
+        return run
 
     def run(self, microbatches: Sequence[tuple[Sequence[Any], Any]], order: Sequence[Order] | None = None) -> list[torch.Tensor]:
         """Run ``order`` (default: :meth:`default_order`) over ``(inputs, target)`` microbatches; returns the losses.
@@ -97,13 +108,14 @@ class ReferenceExecutor:
         before its gradient flows back, so the accumulated gradients are those of the mean loss.
         """
         scale = self.loss_scale if self.loss_scale is not None else 1.0 / len(microbatches)
-        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=scale)
+        run = self._runner(scale)
         run.begin([dict(zip(self.pipe.input_names, _flatten(self.pipe, inputs))) for inputs, _ in microbatches],
                   [target for _, target in microbatches])
         with torch.no_grad():  # the graphs are the backward; fused stages enable grad themselves
             for stage_idx, kind, mb in order if order is not None else self.default_order(len(microbatches)):
                 run.checked(stage_idx, kind, mb)
         run.check_finished()
+        self.peak_held_bytes = list(run.held.peak) if run.held is not None else []
         # Gradients of the model's own inputs, per microbatch (compiled with input_grads=True).
         self.input_grads = [{n: g[n] for n in self.pipe.input_names if n in g} for g in run.grads]
         return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
