@@ -22,7 +22,7 @@ from fxpipe.graphs.convention import flatten_inputs
 from fxpipe.passes import (History, Step, annotate_costs, group_layers, partition_stages, run_steps, split_stages,
                            trace, verify_costs, verify_layers, verify_split, verify_stages)
 from fxpipe.pipeline import Pipeline, Stage
-from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan, Provenance,
+from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, ComputeRates, LayerCost, Link, Mesh, Plan, Provenance,
                          ScheduleRecord, StageCost, StrategyRecord, TensorSpec, fxpipe_version)
 from fxpipe.report import Report
 
@@ -292,47 +292,66 @@ def check_strategy(name: str, stages: int, ranks: int, group: int) -> None:
         raise OptionError(f"--group {group} must divide --dp {ranks}; use a power of two up to {ranks}")
 
 
-def _round(x: float) -> float:
-    return float(f"{x:.6g}")
-
-
 def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name: str, *, ranks: int, group: int = 2,
-                    bandwidth: float | None = None, latency: float | None = None) -> ChosenStrategy:
+                    bandwidth: float | None = None, latency: float | None = None, alltoall: bool = False,
+                    heights: bool = False, memory_cap: float | None = None, optimizer: str = "sgd",
+                    compute: ComputeRates | None = None) -> ChosenStrategy:
     """A per-layer strategy for ``model`` on ``ranks`` ranks: ``auto`` (the search), ``dp`` or ``splitbrain``
     (groups of ``group``), on ``fxpipe.passes.strategy_graph``'s one-layer-per-fx-node graph of the whole
-    batch, with the link ``bandwidth``/``latency`` (default: DEFAULTS'), no all-to-all (gloo) and no height
-    splits (the DTensor runtime does not run them; they stay in ``fxpipe strategy --heights``).
+    batch, with the link ``bandwidth``/``latency`` (default: DEFAULTS'). What the runtime runs is the default:
+    no all-to-all (gloo) and no height splits; ``alltoall``/``heights`` cost other backends and splits (the
+    ``fxpipe strategy`` preview), ``memory_cap`` bounds the search per rank, ``optimizer`` its state bytes,
+    ``compute`` (``calibrate_compute``) this machine's GEMM and memory rates instead of the defaults.
+    Both ``fxpipe compile --strategy`` and ``fxpipe strategy`` print its two tables.
     """
     from fxpipe.passes.strategy_graph import strategy_graph
-    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows
+    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
+        traffic_per_layer
 
     check_strategy(name, 1, ranks, group)
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
-    g = strategy_graph(model, example_inputs)
-    graph = build_graph(g.specs, g.edges, ranks, bandwidth=bandwidth, latency=latency, alltoall=False,
-                        spatial=False)
-    presets = {"dp": data_parallel(graph), "splitbrain": splitbrain(graph, g.specs, group), "auto": solve(graph)}
+    g = strategy_graph(model, example_inputs, device_flops=compute.gemm_flops if compute else None,
+                       device_mem_bw=compute.mem_bw if compute else None)
+    graph = build_graph(g.specs, g.edges, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer,
+                        alltoall=alltoall, spatial=heights)
+    presets = {"dp": data_parallel(graph), "splitbrain": splitbrain(graph, g.specs, group),
+               "auto": solve(graph, memory_cap=memory_cap)}
     chosen = presets[name]
-    table = strategy_rows(graph, g.specs, chosen)
-    rows = tuple((r[0], r[1], *(_round(x) for x in r[2:5]), int(round(r[5]))) for r in table.rows)
-    per_layer = Report(f"strategy: {name} ({chosen.method}) on {ranks} ranks, {_round(chosen.cost)} s per step",
-                       table.columns, rows,
-                       notes=(f"one row per fx node; link {bandwidth:g} B/s, {latency:g} s per ring step, no "
-                              "all-to-all (gloo); no height splits (cost model only: fxpipe strategy --heights); "
-                              "memory per rank: parameters, gradients, sgd state, saved activations",))
+    rows = strategy_rows(graph, g.specs, chosen).rows
+    batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
+    per_layer = Report(f"strategy {name} ({chosen.method}) on {ranks} ranks, batch {batch}: "
+                       f"{_ms(chosen.cost)} ms per step",
+                       ("layer", "config", "compute ms", "sync ms", "transfer in ms", "memory MB"),
+                       tuple((r[0], r[1], _ms(r[2]), _ms(r[3]), _ms(r[4]), _mb(r[5])) for r in rows),
+                       notes=(f"one row per fx node; link {bandwidth / 1e9:g} GB/s, {1e6 * latency:g} us per ring "
+                              f"step; {'all-to-all' if alltoall else 'no all-to-all (gloo)'}; "
+                              f"{'height splits (cost model only)' if heights else 'no height splits'}; compute "
+                              f"from FLOP estimates at {'this machine' if compute else 'the default'}'s rates; "
+                              f"memory per rank: parameters, gradients, {optimizer} state, "
+                              "saved activations",))
     totals = []
     for key, s in presets.items():
+        degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(s.choice)]
         total = strategy_rows(graph, g.specs, s).rows[-1]
-        label = {"dp": "data parallel", "splitbrain": f"splitbrain (group {group})", "auto": "auto (search)"}[key]
-        totals.append((label + (" (chosen)" if key == name else ""), s.method, _round(s.cost), _round(total[2]),
-                       _round(total[3]), _round(total[4]), int(round(total[5]))))
-    summary = Report(f"strategy totals: {name} against data parallel and SplitBrain on {ranks} ranks",
-                     ("strategy", "method", "step_s", "compute_s", "sync_s", "transfer_s", "memory_bytes"),
-                     tuple(totals), notes=("seconds per step; memory per rank",))
+        label = {"dp": "dp", "splitbrain": f"splitbrain-{group}", "auto": "auto (search)"}[key]
+        totals.append((label + (" (chosen)" if key == name else ""), s.method, _ms(s.cost), _ms(total[2]),
+                       _ms(total[3]), _ms(total[4]), _mb(total[5]),
+                       _mb(sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=alltoall)))))
+    summary = Report(f"totals per step and rank: {name} against dp and SplitBrain on {ranks} ranks",
+                     ("strategy", "method", "step ms", "compute ms", "sync ms", "transfer ms", "memory MB",
+                      "received MB"), tuple(totals))
     record = StrategyRecord(name=name, ranks=ranks, group=group, method=chosen.method, cost=float(chosen.cost),
                             nodes=tuple(zip(g.nodes, chosen.names(graph))))
     return ChosenStrategy(record, (per_layer, summary))
+
+
+def _ms(seconds: float) -> float:
+    return round(1e3 * seconds, 4)
+
+
+def _mb(nbytes: float) -> float:
+    return round(nbytes / 1e6, 3)
 
 
 def set_strategy(pipe: Pipeline, chosen: ChosenStrategy) -> None:

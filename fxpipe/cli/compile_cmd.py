@@ -183,7 +183,7 @@ def compile_cmd(
                 step(f"choosing a per-layer strategy ({strategy.value}) on {dp} ranks", 0, 0)
                 chosen = choose_strategy(resolved.model, resolved.example_inputs, strategy.value, ranks=dp,
                                          group=2 if group is None else group, bandwidth=options.bandwidth,
-                                         latency=options.latency)
+                                         latency=options.latency, compute=options.compute)
             compiled = run_compile(resolved.model, resolved.example_inputs, options,
                                    example_kwargs=resolved.example_kwargs, model_name=resolved.name,
                                    build=BuildRecipe(dtype.value, batch_size, seed), verify_each=verify_each,

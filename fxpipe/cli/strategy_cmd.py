@@ -43,8 +43,8 @@ def strategy_cmd(
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
 ) -> None:
     """Choose a configuration per layer (degrees over batch, output and input channels) for MODEL on --ranks ranks;
-    print each layer's compute, sync, transfer and memory, and the totals against dp and SplitBrain. Run the
-    choice with examples/train_strategy.py (torchrun)."""
+    print each layer's compute, sync, transfer and memory, and the totals against dp and SplitBrain: the tables of
+    fxpipe compile --stages 1 --dp D --strategy (which records the choice for fxpipe run), without a plan."""
     with one_line_errors():
         k = ranks.bit_length() - 1
         if ranks < 2 or 1 << k != ranks:
@@ -64,48 +64,19 @@ def strategy_cmd(
         print_reports(report["tables"], plain=plain, console=out)
 
 
-def _ms(seconds: float) -> float:
-    return round(1e3 * seconds, 4)
-
-
-def _mb(nbytes: float) -> float:
-    return round(nbytes / 1e6, 3)
-
-
 def _report(target: str, ranks: int, choice: str, group: int, batch: int | None, bandwidth: float, latency: float,
             alltoall: bool, heights: bool, cap: float | None, optimizer: str) -> dict[str, Any]:
+    """``fxpipe compile --strategy``'s choice and tables (``api.choose_strategy``) on the model built on meta,
+    without compiling it: a preview that may also cost all-to-all and height splits."""
     from fxpipe import models
-    from fxpipe.passes.strategy_graph import strategy_graph
-    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
-        traffic_per_layer
-    from fxpipe.report import Report
+    from fxpipe.api import choose_strategy
 
     zoo = models.build(target, device="meta", batch_size=batch)
-    g = strategy_graph(zoo.model, zoo.example_inputs)
-    graph = build_graph(g.specs, g.edges, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer,
-                        alltoall=alltoall, spatial=heights)
-    presets = {"dp": data_parallel(graph), f"splitbrain-{group}": splitbrain(graph, g.specs, group),
-               "auto": solve(graph, memory_cap=cap)}
-    chosen = presets[{"auto": "auto", "dp": "dp", "splitbrain": f"splitbrain-{group}"}[choice]]
-    rows = strategy_rows(graph, g.specs, chosen).rows
-    per_layer = Report(f"strategy {choice} ({chosen.method}) on {ranks} ranks: {target}, batch "
-                       f"{zoo.example_inputs[0].shape[0]}",
-                       ("layer", "config", "compute ms", "sync ms", "transfer in ms", "memory MB"),
-                       tuple((r[0], r[1], _ms(r[2]), _ms(r[3]), _ms(r[4]), _mb(r[5])) for r in rows),
-                       notes=(f"link {bandwidth / 1e9:g} GB/s, {1e6 * latency:g} us per ring step; "
-                              f"{'all-to-all' if alltoall else 'no all-to-all (gloo)'}; compute from FLOP "
-                              f"estimates; memory: parameters, gradients, {optimizer} state, saved activations",))
-    totals = []
-    for name, s in presets.items():
-        name = f"{name} (chosen)" if s is chosen else name
-        degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(s.choice)]
-        total = strategy_rows(graph, g.specs, s).rows[-1]
-        totals.append((name, _ms(s.cost), _ms(total[2]), _ms(total[3]), _ms(total[4]), _mb(total[5]),
-                       _mb(sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=alltoall)))))
-    summary = Report("totals per step and rank",
-                     ("strategy", "step ms", "compute ms", "sync ms", "transfer ms", "memory MB", "received MB"),
-                     tuple(totals))
-    payload = {"target": target, "ranks": ranks, "strategy": choice, "method": chosen.method,
-               "cost_s": chosen.cost, "layers": [{"node": r[0], "config": r[1]} for r in rows[:-1]],
-               "totals": [dict(zip(summary.columns, t)) for t in totals]}
+    chosen = choose_strategy(zoo.model, zoo.example_inputs, choice, ranks=ranks, group=group, bandwidth=bandwidth,
+                             latency=latency, alltoall=alltoall, heights=heights, memory_cap=cap, optimizer=optimizer)
+    per_layer, summary = chosen.reports
+    record = chosen.record
+    payload = {"target": target, "ranks": ranks, "strategy": choice, "method": record.method, "cost_s": record.cost,
+               "layers": [{"node": node, "config": config} for node, config in record.nodes],
+               "totals": [dict(zip(summary.columns, t)) for t in summary.rows]}
     return {"tables": [per_layer, summary], "json": payload}

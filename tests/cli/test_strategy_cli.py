@@ -34,9 +34,9 @@ def _record(out: Path) -> StrategyRecord:
 
 def test_auto_prints_the_table_and_records_the_choice(tmp_path: Path) -> None:
     text, out = _compile(tmp_path, "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "auto")
-    assert "strategy: auto (elimination" in text
-    assert "strategy totals: auto against data parallel and SplitBrain on 2 ranks" in text
-    assert "data parallel" in text and "splitbrain (group 2)" in text and "auto (search) (chosen)" in text
+    assert "strategy auto (elimination" in text
+    assert "totals per step and rank: auto against dp and SplitBrain on 2 ranks" in text  # as fxpipe strategy prints
+    assert "data-parallel" in text and "splitbrain-2" in text and "auto (search) (chosen)" in text
     for node in ("features_0", "classifier_0", "classifier_6"):
         assert node in text
     record = _record(out)
@@ -49,14 +49,14 @@ def test_auto_prints_the_table_and_records_the_choice(tmp_path: Path) -> None:
 def test_splitbrain_shards_the_classifier_in_groups(tmp_path: Path) -> None:
     text, out = _compile(tmp_path, "vgg-tiny", "--stages", "1", "--dp", "4", "--strategy", "splitbrain",
                          "--group", "2", "--batch-size", "8")
-    assert "splitbrain (group 2) (chosen)" in text
+    assert "splitbrain-2 (chosen)" in text
     record = _record(out)
     assert (record.name, record.ranks, record.group, record.method) == ("splitbrain", 4, 2, "splitbrain-2")
     by = record.configs
     assert by["features_0"] == "s4" and by["classifier_0"] == "s2c2" and by["classifier_3"] == "s2r2"
     # the inspect command prints the tables again from plan.json
     again = ok(fxpipe_cli("inspect", out, "--plain")).stdout
-    assert "strategy: splitbrain (splitbrain-2) on 4 ranks" in again
+    assert "strategy splitbrain (splitbrain-2) on 4 ranks, batch 8" in again
     assert "strategy splitbrain (splitbrain-2) on 4 ranks: 19 nodes, 5 split beyond the batch" in again
 
 
@@ -71,7 +71,7 @@ def test_stages_default_to_one_with_a_strategy_and_json_holds_the_record() -> No
     result = ok(fxpipe_cli("compile", "vgg-tiny", "--dp", "2", "--strategy", "dp", "--json"))
     doc = json.loads(result.stdout)
     assert doc["strategy"]["name"] == "dp" and doc["strategy"]["ranks"] == 2
-    assert any(r["title"].startswith("strategy:") for r in doc["reports"])
+    assert any(r["title"].startswith("strategy dp (data-parallel) on 2 ranks") for r in doc["reports"])
 
 
 def test_without_strategy_nothing_changes(tmp_path: Path) -> None:
@@ -84,7 +84,7 @@ def test_without_strategy_nothing_changes(tmp_path: Path) -> None:
 
 def test_resnet_auto(tmp_path: Path) -> None:
     text, out = _compile(tmp_path, "resnet-tiny", "--stages", "1", "--dp", "2", "--strategy", "auto")
-    assert "strategy: auto" in text
+    assert "strategy auto (elimination" in text
     record = _record(out)
     assert len(record.nodes) > 10
 
