@@ -45,7 +45,8 @@ def annotate_costs(
     an activation input needs a gradient, its W costs its forward FLOPs when it reads a
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
     With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
-    its conv rate) and every node but ``getitem`` adds its host time: ``op_fwd`` to F, and
+    its conv rate), the bytes count the parameters a node reads (F, B and W alike), and every node
+    but ``getitem`` adds its host time: ``op_fwd`` to F, and
     ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
     convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
     Raises: TraceError when a node reads a tensor's value as a Python number (``.item()``): its
@@ -102,7 +103,8 @@ def annotate_costs(
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
         rate = device_flops
         host_f = host_b = host_w = 0.0
-        if compute is not None:
+        if compute is not None:  # the node also reads its parameters (a skinny GEMM is bound by its weight's bytes)
+            traffic += param_bytes
             conv = _op_name(node).split(".")[0] in _CONVOLUTIONS
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
@@ -122,7 +124,8 @@ def annotate_costs(
             flops_bwd_weight=flops_w,
             time_fwd=host_f + max(flops / rate, traffic / device_mem_bw),
             time_bwd_input=host_b + max(flops_b / rate, traffic / device_mem_bw) if grad_to_act else 0.0,
-            time_bwd_weight=host_w + max(flops_w / rate, param_bytes / device_mem_bw) if grad_to_param else 0.0,
+            time_bwd_weight=host_w + max(flops_w / rate, (traffic if compute is not None else param_bytes)
+                                         / device_mem_bw) if grad_to_param else 0.0,
         )
         name = _op_name(node)
         by_op[name] += 1

@@ -7,9 +7,9 @@ several runs (another job on the machine only ever adds time):
 
 - **GEMM.** ``torch.mm`` of square float32 matrices (128, 256, 512): FLOP/s, the median size's.
 - **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
-  images, batch 2) and a large one (128 channels, 28 x 28): the line through the two gives FLOP/s
-  (slope) and a per-call time (intercept; small convolutions cost tens of microseconds whatever
-  their FLOPs).
+  images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
+  backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
+  small convolutions cost tens of microseconds whatever their FLOPs).
 - **Memory.** ``torch.add(a, b, out=c)`` over 32 MiB tensors (larger than the caches): 3 x bytes / s.
 - **Per node.** A small model made of one of each kind of node the zoo's graphs hold (linear,
   conv, batch and layer norm, attention, views, element-wise ops) is traced and split into F, B
@@ -55,7 +55,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 2  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 3  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 STREAM_BYTES = 32 << 20
 
@@ -177,7 +177,7 @@ def _gemm_rate(n: int, runs: int) -> float:
 def _conv_rate(runs: int) -> tuple[float, float, float]:
     """FLOP/s of a 3x3 convolution, and its seconds per call forward and backward at no FLOPs (the intercepts)."""
     points = []
-    for batch, channels, side in ((2, 8, 16), (2, 128, 28)):
+    for batch, channels, side in ((2, 8, 16), (2, 64, 56)):
         x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
         grad = torch.randn(batch, channels, side, side)
         flops = 2 * batch * channels * channels * side * side * 9
@@ -188,7 +188,7 @@ def _conv_rate(runs: int) -> tuple[float, float, float]:
                 grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
         points.append((flops, fwd, bwd))
     (f0, a0, b0), (f1, a1, b1) = points
-    rate = (f1 - f0) / max(a1 - a0, 1e-9)
+    rate = 3 * (f1 - f0) / max(a1 + b1 - a0 - b0, 1e-9)  # F does f FLOPs, its backward 2f
     # The backward does twice the forward's FLOPs (input and weight gradients): its intercept at that rate.
     return rate, max(0.0, a0 - f0 / rate), max(0.0, b0 - 2 * f0 / rate)
 

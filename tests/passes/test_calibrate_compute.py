@@ -125,7 +125,8 @@ def test_the_estimate_uses_the_calibrated_rates() -> None:
         fa, fb, fc = get_meta(a), get_meta(b), get_meta(c)
         host = 0.0 if a.target is operator.getitem else RATES.op_fwd
         assert fa.time_fwd == pytest.approx(host + fa.flops_fwd / RATES.gemm_flops, abs=1e-15)
-        assert fc.time_fwd == pytest.approx(host + fb.time_fwd * DEFAULTS.device_mem_bw / RATES.mem_bw, abs=1e-15)
+        traffic = fb.time_fwd * DEFAULTS.device_mem_bw + fb.param_bytes  # calibrated, a node reads its parameters
+        assert fc.time_fwd == pytest.approx(host + traffic / RATES.mem_bw, abs=1e-15)
         if fa.flops_bwd_input and fa.flops_bwd_weight:  # a linear on the gradient path: half the host time each
             assert fa.time_bwd_input == pytest.approx(RATES.op_bwd / 2 + fa.flops_bwd_input / RATES.gemm_flops)
             assert fa.time_bwd_weight == pytest.approx(RATES.op_bwd / 2 + fa.flops_bwd_weight / RATES.gemm_flops)
