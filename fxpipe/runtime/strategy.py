@@ -222,6 +222,44 @@ class _Move(torch.autograd.Function):
         return moved, None, None, None
 
 
+def _route(held: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...],
+           needed: Sequence[Any]) -> tuple[str | None, tuple[int, int]]:
+    """Where to move a value held on view ``src`` to what a layer on view ``dst`` needs: ``"dst"`` (seen on
+    ``dst`` as it is, then moved there), ``"src"`` (moved on ``src`` to what ``dst`` needs, then seen on
+    ``dst``) or None (neither view keeps its blocks nesting); and how well it then lines up (``_lined_up``)."""
+    seen, ok = _reinterpret(held, src, dst)
+    if ok:
+        return "dst", _lined_up(seen, needed)
+    there, ok = _reinterpret(needed, dst, src)
+    if ok:
+        return "src", _lined_up(held, there)
+    return None, (0, 0)
+
+
+class _View(torch.autograd.Function):
+    """The same local blocks as a DTensor on another view of the mesh (no data moves), and back for the gradient
+    (pending sums included; a gradient whose blocks would not nest on the way back is first brought to the
+    placements the forward produced, Partial made whole, under the layer's label)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, src: tuple[int, ...], dst: tuple[int, ...], label: str,  # type: ignore[override]
+                rt: StrategyRuntime) -> DTensor:
+        placements, ok = _reinterpret(x.placements, src, dst)
+        assert ok, (x.placements, src, dst)
+        ctx.src, ctx.dst, ctx.label, ctx.rt = src, dst, label, rt
+        ctx.want = tuple(_R if p.is_partial() else p for p in placements)
+        return DTensor.from_local(x.to_local(), rt.view(dst), placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> Any:  # type: ignore[override]
+        placements, ok = _reinterpret(grad.placements, ctx.dst, ctx.src)  # a pending sum is seen as it is
+        if not ok:
+            with _at(ctx.rt.counter, ctx.label):
+                grad = grad.redistribute(grad.device_mesh, ctx.want)
+            placements, _ = _reinterpret(grad.placements, ctx.dst, ctx.src)
+        return DTensor.from_local(grad.to_local(), ctx.rt.view(ctx.src), placements, run_check=False), None, None, None, None
+
+
 class _BatchNormSync(torch.autograd.Function):
     """BatchNorm over a batch split on ``group``: the whole batch's statistics, one all-reduce each way."""
 
@@ -264,13 +302,43 @@ class _BatchNormSync(torch.autograd.Function):
 
 @dataclass
 class _Layer:
+    """A node's configuration as the runtime runs it: ``roles[j]`` is the role of dim j of the layer's mesh view,
+    and ``perm[j]`` the base mesh dim that view dim is (DTensor splits a tensor dim over its mesh dims
+    outermost first, so the view's order is the order in which the layer's split blocks nest)."""
+
     spec: LayerSpec
     degrees: Degrees
     roles: tuple[str, ...]
+    perm: tuple[int, ...]
 
     @property
     def sample_dims(self) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.roles) if r == "s")
+        """The base mesh dims that split the batch: the ranks that hold the same shard of the parameters."""
+        return tuple(sorted(self.perm[i] for i, r in enumerate(self.roles) if r == "s"))
+
+
+def _reinterpret(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[Any, ...], bool]:
+    """The same local blocks seen on the view ``dst`` instead of ``src`` (both: view dim -> base dim), and whether
+    that is faithful: every tensor dim split over several mesh dims keeps the order they nest in.
+
+    >>> _reinterpret((Shard(1), Partial()), (0, 1), (1, 0))
+    ((Partial(sum), Shard(dim=1)), True)
+    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0))[1]
+    False
+    """
+    base: list[Any] = [None] * len(src)
+    for j, p in enumerate(placements):
+        base[src[j]] = p
+    out = tuple(base[dst[j]] for j in range(len(dst)))
+
+    def orders(pl: Sequence[Any], view: tuple[int, ...]) -> dict[int, list[int]]:
+        found: dict[int, list[int]] = {}
+        for j, p in enumerate(pl):
+            if p.is_shard():
+                found.setdefault(p.dim, []).append(view[j])
+        return found
+
+    return out, orders(placements, src) == orders(out, dst)
 
 
 class StrategyRuntime:
@@ -314,7 +382,10 @@ class StrategyRuntime:
             self.mesh = self.pipeline[tuple(n for n in self.pipeline.mesh_dim_names if n != "pp")]
             self.pp_rank = self.pipeline.get_local_rank("pp")
         ndim = self.mesh.ndim
-        self.layers = {n: _Layer(s, d, mesh_roles(d, ndim)) for n, s, d in zip(nodes, specs, degrees)}
+        self._identity = tuple(range(ndim))
+        self._views = self._make_views()
+        self._cuts = set(stages)
+        self.layers = {n: _Layer(s, d, mesh_roles(d, ndim), self._identity) for n, s, d in zip(nodes, specs, degrees)}
         graph_nodes = {n.name: n for n in self.module.graph.nodes}
         missing = [n for n in graph_nodes if n not in self.layers]
         if missing:
@@ -370,22 +441,63 @@ class StrategyRuntime:
 
     # --- set-up -------------------------------------------------------------------------------
 
+    def _make_views(self) -> dict[tuple[int, ...], DeviceMesh]:
+        """One DeviceMesh per order of the group's mesh dims (k! of them for 2^k ranks), made collectively by every
+        rank in the same order: a layer's view decides the order its split blocks nest in."""
+        views = {self._identity: self.mesh}
+        base = self.pipeline if self.pipeline is not None else self.mesh
+        lead = 1 if self.pipeline is not None else 0
+        for perm in sorted(itertools.permutations(self._identity)):
+            if perm == self._identity:
+                continue
+            tag = "".join(map(str, perm))
+            names = tuple(f"v{tag}_{j}" for j in range(len(perm)))
+            order = tuple(range(lead)) + tuple(lead + p for p in perm)
+            whole = DeviceMesh(base.device_type, base.mesh.permute(order),
+                               mesh_dim_names=(("pp",) if lead else ()) + names)
+            views[perm] = whole[names] if lead else whole
+        self._perm_of = {id(m): p for p, m in views.items()}
+        return views
+
+    def view(self, perm: tuple[int, ...]) -> DeviceMesh:
+        """The group's mesh with its dims in the order ``perm`` (view dim j is base dim ``perm[j]``)."""
+        return self._views[perm]
+
     def _line_up(self, node: fx.Node) -> None:
-        """Give ``node``'s roles the order over mesh dims that keeps most of its producers' placements where
-        they are (the cost model assumes split blocks line up: a split kept on the same ranks moves nothing)."""
+        """Give ``node`` the view of the mesh (an order of its dims, roles in the order s, c, r over it) whose
+        placements its producers' outputs fit best as they are: seen on that view without moving (their
+        blocks keep nesting), then nested with what the node reads, then equal to it (the cost model
+        assumes split blocks line up: a split kept on the same ranks moves nothing). A stage's last node
+        keeps the base view: the next stage reads its slices in the base order."""
         layer = self.layers[node.name]
         producers = [self.layers[a.name] for a in node.all_input_nodes if a.name in self.layers]
-        if not producers or len(set(layer.roles)) < 2:
+        if not producers or self.mesh.ndim < 2 or node.name in self._cuts:
             return
-        best, best_score = layer.roles, (-1, -1)
-        for roles in sorted(set(itertools.permutations(layer.roles))):
-            trial = _Layer(layer.spec, layer.degrees, roles)
+        best, best_score = layer.perm, (-1, -1, -1)
+        for perm in sorted(itertools.permutations(self._identity)):
+            trial = _Layer(layer.spec, layer.degrees, layer.roles, perm)
             needed = self._needed(trial)[0]
-            scores = [_lined_up(self._held(p), needed) for p in producers]
-            score = (sum(n for n, _ in scores), sum(e for _, e in scores))
-            if score > best_score:
-                best, best_score = roles, score
-        layer.roles = best
+            score = [0, 0, 0]
+            for p in producers:
+                route, (nested, equal) = _route(self._held(p), p.perm, perm, needed)
+                score = [score[0] + (route is not None), score[1] + nested, score[2] + equal]
+            if tuple(score) > best_score:
+                best, best_score = perm, tuple(score)
+        layer.perm = best
+
+    def _to(self, value: DTensor, layer: _Layer, needed: tuple[Any, ...], label: str) -> DTensor:
+        """``value`` (a producer's output, on its view) as ``layer`` reads it: on the layer's view, in ``needed``."""
+        src, dst = self._perm_of[id(value.device_mesh)], layer.perm
+        if src != dst:
+            route, _ = _route(value.placements, src, dst, needed)
+            if route == "src":  # moved on the producer's view, then seen on the layer's
+                there, _ = _reinterpret(needed, dst, src)
+                if value.placements != there:
+                    value = _Move.apply(value, there, label, self)
+            elif route is None:  # blocks that nest on neither view: the split dims gathered on the producer's first
+                value = _Move.apply(value, tuple(_R if p.is_shard() else p for p in value.placements), label, self)
+            value = _View.apply(value, src, dst, label, self)
+        return _Move.apply(value, needed, label, self) if value.placements != needed else value
 
     def _group(self, dims: tuple[int, ...]) -> Any:
         if len(dims) == 0:
@@ -414,13 +526,13 @@ class StrategyRuntime:
             for name in ("running_mean", "running_var"):
                 buf = getattr(module, name)
                 if buf is not None:
-                    setattr(module, name, distribute_tensor(buf, self.mesh, _placements("norm", roles)))
+                    setattr(module, name, distribute_tensor(buf, self.view(layer.perm), _placements("norm", roles)))
         else:
             raise OptionError(f"node {node.name!r} is a {type(module).__name__} with parameters; the strategy "
                               "runtime runs Linear, convolutions and BatchNorm")
         self._params[node.name] = []
         for name, p in params.items():
-            dt = distribute_tensor(p.detach(), self.mesh, _placements(what[name], roles))
+            dt = distribute_tensor(p.detach(), self.view(layer.perm), _placements(what[name], roles))
             setattr(module, name, nn.Parameter(dt, requires_grad=p.requires_grad))
             self._params[node.name].append((name, getattr(module, name), what[name]))
 
@@ -477,7 +589,7 @@ class StrategyRuntime:
             return self._norm(node.name, module, layer, x, local)
         weight, bias = local["weight"], local.get("bias")
         if bias is not None and "r" in roles:
-            coords = self.mesh.get_coordinate() or []
+            coords = self.view(layer.perm).get_coordinate() or []
             first = all(coords[i] == 0 for i, r in enumerate(roles) if r == "r")
             bias = bias if first else bias - bias.detach()  # the sum over row ranks adds it once; every rank's grad is whole
         if isinstance(module, nn.Linear):
@@ -520,8 +632,9 @@ class StrategyRuntime:
         for node in self._mine:
             layer = self.layers[node.name]
             if node.op == "placeholder":
-                whole = DTensor.from_local(x, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
-                env[node] = whole.redistribute(self.mesh, self._held(layer))  # a local slice: no collective
+                view = self.view(layer.perm)
+                whole = DTensor.from_local(x, view, (_R,) * view.ndim, run_check=False)
+                env[node] = whole.redistribute(view, self._held(layer))  # a local slice: no collective
                 continue
             if node.op == "output":
                 return env[node.args[0]]  # type: ignore[index]
@@ -533,8 +646,7 @@ class StrategyRuntime:
                 if not isinstance(value, DTensor):
                     return value
                 if a not in moved:
-                    d = _Move.apply(value, needed, node.name, self) if value.placements != needed else value
-                    moved[a] = d.to_local(grad_placements=grads)
+                    moved[a] = self._to(value, layer, needed, node.name).to_local(grad_placements=grads)
                 return moved[a]
 
             args = fx.node.map_arg(node.args, local)
@@ -550,18 +662,18 @@ class StrategyRuntime:
             if not isinstance(out, torch.Tensor):
                 raise OptionError(f"node {node.name!r} returns {type(out).__name__}, not a tensor; the strategy "
                                   "runtime runs tensor-to-tensor models")
-            env[node] = DTensor.from_local(out, self.mesh, self._held(layer), run_check=False)
+            env[node] = DTensor.from_local(out, self.view(layer.perm), self._held(layer), run_check=False)
         return env[self._mine[-1]]
 
     def _share(self, out: DTensor, target: torch.Tensor, batch: int) -> torch.Tensor:
         """This rank's share of the loss on ``out``: ``loss_fn`` on its slice, scaled so the shares of all ranks
         (and microbatches) sum to ``loss_fn`` on the whole batch of ``batch`` samples (a mean)."""
         out_node = next(n for n in self.module.graph.nodes if n.op == "output")
-        held = self._sliced()
+        held = self._sliced()  # on the output's own view: the target is sliced the same way
         if out.placements != held:
             out = _Move.apply(out, held, out_node.name, self)
-        mine = DTensor.from_local(target, self.mesh, (_R,) * self.mesh.ndim, run_check=False)
-        local_target = mine.redistribute(self.mesh, held).to_local()
+        mine = DTensor.from_local(target, out.device_mesh, (_R,) * self.mesh.ndim, run_check=False)
+        local_target = mine.redistribute(out.device_mesh, held).to_local()
         local_out = out.to_local(grad_placements=held)
         return self.loss_fn(local_out, local_target) * (local_out.shape[0] / batch)
 
@@ -668,7 +780,7 @@ class StrategyRuntime:
                 pending.append((grads, locals_, flat, works))
             else:
                 for p, g in grads:
-                    p.grad = DTensor.from_local(g.to_local(), self.mesh, p.placements, run_check=False)
+                    p.grad = DTensor.from_local(g.to_local(), p.device_mesh, p.placements, run_check=False)
         for grads, locals_, flat, works in pending:
             for w in works:
                 w.wait()
@@ -676,4 +788,4 @@ class StrategyRuntime:
             for (p, _), t in zip(grads, locals_):
                 piece = flat[offset:offset + t.numel()].view_as(t)
                 offset += t.numel()
-                p.grad = DTensor.from_local(piece, self.mesh, p.placements, run_check=False)
+                p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)

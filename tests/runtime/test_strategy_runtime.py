@@ -99,10 +99,12 @@ def test_each_layer_moves_what_the_cost_model_predicts(runs: tuple[int, Path, li
     assert sum(v["actual"] for v in result["layers"].values()) > 0
     bad = _mismatches(result)
     if case == "resnet-tiny-auto" and world == 4:
-        # Known: a row-split convolution between two column-split layers on the 2x2 mesh (c4 -> c2r2 -> c4)
-        # cannot keep its split blocks nested with both neighbours, and DTensor reshuffles (3.5x the model's
-        # bytes on those edges). The model is a lower bound there: never more than what moved.
-        assert bad, "the known nesting gap closed: make this case exact"
+        # Known: each row-split convolution between column-split layers (c4 -> c2r2 -> c4) leaves its c4 consumer
+        # on the other view of the 2x2 mesh (its blocks nest the other way round; the runtime's per-layer views
+        # make every such edge exact). A residual add whose two branches crossed such layers an odd and an even
+        # number of times gets its inputs nested in different orders: one must be reshuffled, which the cost
+        # model (orders unseen) prices at 0. Only that add is off, and the model is a lower bound there.
+        assert [n for n, *_ in bad] == ["add_1"], bad
         assert all(actual > predicted for _, _, predicted, actual in bad)
         exact = {n for n in result["layers"]} - {n for n, *_ in bad}
         assert all(result["layers"][n]["count"] == result["layers"][n]["predicted_count"] for n in exact)
