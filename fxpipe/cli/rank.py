@@ -166,6 +166,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                          example_inputs=zoo.example_inputs,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
                          timeout=timedelta(seconds=args.timeout), weights=args.weights)
+    # The bytes each stage keeps between actions, counted in the first step (left out of the median step
+    # time: counting costs a few percent of a small stage's step); every step holds the same.
+    rt.track_memory = True
     sched, m = rt.schedule, rt.schedule.num_microbatches
     costs = dataclasses.replace(Costs.from_plan(pipe.plan), dp=rt.dp)
     # The global batch: every replica's microbatches, the same on every rank (the runtime slices it).
@@ -193,6 +196,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if sched.synchronous:
             inputs, target = batch_of(start)
             done = [float(rt.step(inputs, target))]
+            rt.track_memory = False
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
         ms = (time.perf_counter() - t0) * 1e3 / len(done)
@@ -203,6 +207,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                 f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
+    from fxpipe.planning.cost import held_peaks
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
 
@@ -210,6 +215,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     simulated = calibrate().apply(costs) if world > 1 else costs
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
+    ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
+    held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
+                      simulated.held_bw)
     params = None
     if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
         params = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
@@ -224,6 +232,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
+        # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
+        # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
+        # the schedule's simulation holds them.
+        "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
+        "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -164,6 +164,7 @@ def run_cmd(
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
+            **_held_per_stage(results),
         }
 
         def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
@@ -209,6 +210,8 @@ def run_cmd(
                            "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
                            "stage's replicas",) if mesh["shape"][1] > 1 else ())
         reports = [per_step, per_rank]
+        if doc.get("peak_held_bytes_per_stage"):
+            reports.append(_held_report(doc, results))
         if heldout is not None:
             reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
                                   (f"{data} held-out split, after the last step, with every rank's weights",)))
@@ -216,6 +219,38 @@ def run_cmd(
         write_trace()
         if trace is not None:
             say(f"wrote {trace}")
+
+
+def _held_per_stage(results: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per stage (index = stage), the peak bytes it kept between actions, measured and simulated: the largest
+    over its replicas; {} when the ranks did not report them (a per-layer strategy)."""
+    if not all("peak_held_bytes_per_stage" in r for r in results):
+        return {}
+    measured: dict[int, int] = {}
+    simulated: dict[int, int] = {}
+    for r in results:
+        for s, got, sim in zip(r["stages"], r["peak_held_bytes_per_stage"], r["simulated_held_bytes_per_stage"]):
+            measured[s] = max(measured.get(s, 0), int(got))
+            simulated[s] = max(simulated.get(s, 0), int(sim))
+    stages = sorted(measured)
+    return {"peak_held_bytes_per_stage": [measured[s] for s in stages],
+            "simulated_held_bytes_per_stage": [simulated[s] for s in stages]}
+
+
+def _held_report(doc: dict[str, Any], results: list[dict[str, Any]]) -> Any:
+    from fxpipe.report import Report
+
+    rank_of = {s: r.get("pp_rank", r["rank"]) for r in results for s in r.get("stages", [])}
+    rows = tuple((s, rank_of.get(s, ""), round(got / 2**20, 4), round(sim / 2**20, 4),
+                  round(got / sim, 3) if sim else "")
+                 for s, (got, sim) in enumerate(zip(doc["peak_held_bytes_per_stage"],
+                                                    doc["simulated_held_bytes_per_stage"])))
+    return Report("run: memory per stage", ("stage", "pp", "held MiB measured", "held MiB simulated",
+                                             "measured / simulated"), rows,
+                  ("held: the bytes a stage keeps between actions for later ones of the same microbatch (F's saved "
+                   "tensors until B, what W reads until W), each storage once, parameters not counted; the peak "
+                   "in the run's first step, measured in the runtime and as the schedule's simulation holds the "
+                   "plan's F->B and B->W bytes",))
 
 
 def _rendezvous(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None,

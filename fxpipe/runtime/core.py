@@ -57,6 +57,7 @@ class ActionRunner:
         # What W reads of F's saved tensors and of the output gradients: the rest is dropped after B.
         self.w_saved = [frozenset(i for k, i in g.w_slots if k == "saved") for g in self.graphs]
         self.w_grads = [frozenset(i for k, i in g.w_slots if k == "grad") for g in self.graphs]
+        self.w_saved_list = [sorted(w) for w in self.w_saved]
         self.held: HeldBytes | None = None  # set to count the bytes kept between actions (off: no cost)
         self.begin([], [])
 
@@ -142,10 +143,11 @@ class ActionRunner:
             input_grads, self.handover[(s, m)] = g.run_backward_input(saved, grad_outs, weights)
         # Until W, keep only what W reads: B's own inputs would otherwise live as long as a deferred W.
         w_saved, w_grads = self.w_saved[s], self.w_grads[s]
-        saved = self.saved[(s, m)] = [x if i in w_saved else None for i, x in enumerate(self.saved[(s, m)])]
+        self.saved[(s, m)] = [x if i in w_saved else None for i, x in enumerate(self.saved[(s, m)])]
         self.out_grads[(s, m)] = [x if j in w_grads else None for j, x in enumerate(grad_outs)]
         if self.held is not None:
-            self.held.hold(s, ("B", m), chain(saved, self.handover[(s, m)], self.out_grads[(s, m)]))
+            self.held.hold(s, ("B", m), chain(self.handover[(s, m)], self.out_grads[(s, m)]),
+                           again=(("F", m), self.w_saved_list[s]))
             self.held.release(s, ("F", m))
         for pos, grad in zip(g.grad_inputs, input_grads):
             self.deliver(s, m, st.inputs[pos], grad)
@@ -255,40 +257,50 @@ class HeldBytes:
         self.now, self.peak = [0] * n, [0] * n
         self.batches = frozenset(t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor))
 
-    def hold(self, s: int, key: Any, values: Iterable[Any]) -> None:
+    def hold(self, s: int, key: Any, values: Iterable[Any], *, again: tuple[Any, Sequence[int]] | None = None) -> None:
         """Stage s keeps ``values`` (tensors, also in tuples: a multi-output op handed over whole; anything else
-        is ignored) under ``key`` until ``release``."""
-        refs, skip, ptrs = self.refs[s], self.weights[s], []
-        for t in values:
-            if not isinstance(t, torch.Tensor):
-                if isinstance(t, (tuple, list)):
-                    self.hold(s, (key, "items"), t)
-                    ptrs += self.entries[s].pop((key, "items"))
-                continue
-            storage = t.untyped_storage()
-            ptr: Any = storage.data_ptr()
-            if ptr in skip or ptr == 0:
-                continue
-            nbytes = storage.nbytes()
-            if ptr in self.batches:  # a microbatch's view of the batch: its own bytes
-                ptr, nbytes = (ptr, t.storage_offset(), t.numel()), t.numel() * t.element_size()
-            ptrs.append(ptr)
-            ref = refs.get(ptr)
-            if ref is None:
-                refs[ptr] = [1, nbytes]
-                self.now[s] += nbytes
-            else:
-                ref[0] += 1
-        self.entries[s][key] = ptrs
+        is ignored) under ``key`` until ``release``. ``again``: (an entry's key, positions in its values) held
+        once more, by the storages found when that entry was made (B keeps what W reads of F's)."""
+        refs, skip, batches = self.refs[s], self.weights[s], self.batches
+        entry: list[list[Any]] = []
+        for v in values:
+            found: list[Any] = []
+            for t in (v,) if isinstance(v, torch.Tensor) else v if isinstance(v, (tuple, list)) else ():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                storage = t.untyped_storage()
+                ptr: Any = storage.data_ptr()
+                if ptr in skip or ptr == 0:
+                    continue
+                if ptr in batches:  # a microbatch's view of the batch: its own bytes
+                    ptr, nbytes = (ptr, t.storage_offset(), t.numel()), t.numel() * t.element_size()
+                else:
+                    nbytes = storage.nbytes()
+                found.append(ptr)
+                ref = refs.get(ptr)
+                if ref is None:
+                    refs[ptr] = [1, nbytes]
+                    self.now[s] += nbytes
+                else:
+                    ref[0] += 1
+            entry.append(found)
+        if again is not None:
+            old = self.entries[s][again[0]]
+            for i in again[1]:
+                for ptr in old[i]:
+                    refs[ptr][0] += 1
+                entry.append(old[i])
+        self.entries[s][key] = entry
 
     def release(self, s: int, key: Any) -> None:
         refs = self.refs[s]
-        for ptr in self.entries[s].pop(key, ()):
-            ref = refs[ptr]
-            ref[0] -= 1
-            if ref[0] == 0:
-                self.now[s] -= ref[1]
-                del refs[ptr]
+        for found in self.entries[s].pop(key, ()):
+            for ptr in found:
+                ref = refs[ptr]
+                ref[0] -= 1
+                if ref[0] == 0:
+                    self.now[s] -= ref[1]
+                    del refs[ptr]
 
     def settle(self, s: int) -> None:
         """After an action of stage s: its peak so far."""

@@ -35,7 +35,7 @@ from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.channel import Channel
-from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
@@ -59,6 +59,10 @@ class PipelineRuntime:
     ``prefetch``: None posts all of a step's receives at its start into buffers reused every
     step (fastest; one buffer per message of the step); K posts each action's receives K
     actions ahead into new buffers, so receive memory follows the schedule's in-flight count.
+    ``track_memory`` (also settable between steps): count, per stage of this rank, the bytes kept
+    between actions for a microbatch's later ones (:class:`fxpipe.runtime.core.HeldBytes`; a few
+    percent of a step of small stages, so off by default); :attr:`peak_held_bytes` is the peak of
+    the last step counted (of :meth:`train`: the whole stream's).
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
@@ -66,7 +70,8 @@ class PipelineRuntime:
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
-                 prefetch: int | None = None, weights: str = "stash", mesh: Any = None) -> None:
+                 prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
+                 track_memory: bool = False) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
@@ -132,6 +137,8 @@ class PipelineRuntime:
         self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
         self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
         self.core = _RankRunner(self, loss_fn)
+        self.held = HeldBytes([st.module for st in self.stages])
+        self.track_memory = track_memory
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
         # With replicas, one group per replica: the tied weight's holders among that replica's ranks.
@@ -166,6 +173,19 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
+
+    @property
+    def track_memory(self) -> bool:
+        return self.core.held is not None
+
+    @track_memory.setter
+    def track_memory(self, on: bool) -> None:
+        self.core.held = self.held if on else None
+
+    @property
+    def peak_held_bytes(self) -> dict[int, int]:
+        """Per stage of this rank, the peak bytes kept between actions in the last step counted (all 0 if none was)."""
+        return {s: self.held.peak[s] for s in self.mine}
 
     # -- one step -------------------------------------------------------------------------
 

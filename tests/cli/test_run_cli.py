@@ -46,6 +46,11 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert doc["losses"] == pytest.approx(_reference_losses(3), rel=1e-5)
     assert doc["step_ms_median"] > 0 and doc["samples_per_s"] > 0 and doc["simulated_step_ms"] > 0
     assert len(doc["peak_rss_mib_per_rank"]) == 2 and all(x > 0 for x in doc["peak_rss_mib_per_rank"])
+    # Memory per stage: what the ranks kept between actions is what the schedule's simulation holds (the
+    # model and the runtime count the same storages; tests/runtime/test_memory_tracking.py per schedule).
+    measured, simulated = doc["peak_held_bytes_per_stage"], doc["simulated_held_bytes_per_stage"]
+    assert len(measured) == 2 and all(s > 0 for s in simulated)
+    assert all(abs(got / sim - 1) <= 0.15 for got, sim in zip(measured, simulated)), (measured, simulated)
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W")) == 2 * 4 * 3
 
