@@ -182,6 +182,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
+    in_flight: list[tuple[int, Any, float]] = []  # synchronous steps whose loss is still being summed over the ranks
     # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
     # one schedule (all of them, or --checkpoint-every with --checkpoint-dir): its pipeline drains only at
     # a chunk's end, where it checkpoints, and a resumed run restarts the pipeline at the same place.
@@ -193,20 +194,24 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if rank == args.kill_rank and start == (first + 1 if sched.synchronous else first):
             _die_after_first_compute(pipe)
         t0 = time.perf_counter()
-        if sched.synchronous:
+        if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)
-            done = [float(rt.step(inputs, target))]
+            pending = rt.step_async(inputs, target)
             rt.track_memory = False
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+            in_flight.append((start, pending, step_ms[-1]))
+            losses += _arrived(in_flight, args, reports, last=False)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
-        ms = (time.perf_counter() - t0) * 1e3 / len(done)
-        losses += done
-        step_ms += [ms] * len(done)
-        if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
-            with open(out_progress(args), "a") as f:
-                f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
+            ms = (time.perf_counter() - t0) * 1e3 / len(done)
+            losses += done
+            step_ms += [ms] * len(done)
+            if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
+                with open(out_progress(args), "a") as f:
+                    f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
+    losses += _arrived(in_flight, args, reports, last=True)
     from fxpipe.planning.cost import held_peaks
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
@@ -238,6 +243,20 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
+
+
+def _arrived(in_flight: list[tuple[int, Any, float]], args: argparse.Namespace, reports: bool, *,
+             last: bool) -> list[float]:
+    """The losses of the oldest steps whose all-reduce has arrived (all of them with ``last``), in order, each
+    written to the progress file; they leave ``in_flight`` (entries: step, pending loss, step ms)."""
+    out = []
+    while in_flight and (last or in_flight[0][1].done()):
+        step, pending, ms = in_flight.pop(0)
+        out.append(float(pending.wait()))
+        if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
+            with open(out_progress(args), "a") as f:
+                f.write(f"step {step + 1} loss {out[-1]:.6f} ms {ms:.1f}\n")
+    return out
 
 
 def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:

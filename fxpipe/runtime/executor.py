@@ -165,6 +165,8 @@ class PipelineRuntime:
                     ws[op.action.stage] += 1
             self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
             replicas.attach(self.sync)
+        self._early = self._early_steps()
+        self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
         self.channel = Channel(self.device, timeout)
         if prefetch is not None and prefetch < 0:
             raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
@@ -173,6 +175,25 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
+
+    def _early_steps(self) -> dict[int, list[int]]:
+        """Program index -> the stages whose optimizer steps right after it: after the last W (or BW) of every
+        stage whose W writes that optimizer's parameters. None without replicas or tied weights across
+        ranks: their gradients are summed after the last W (``step`` steps those optimizers then)."""
+        if self.dp > 1 or self.shared:
+            return {}
+        ids = {s: {id(p) for p in self.stage_params[s]} for s in self.mine}
+        last: dict[int, int] = {}
+        for j, op in enumerate(self.program.ops):
+            if op.action.kind in (Kind.W, Kind.BW):
+                last[op.action.stage] = j
+        out: dict[int, list[int]] = defaultdict(list)
+        for s, opt in self.optimizers.items():
+            mine = {id(p) for g in opt.param_groups for p in g["params"]}
+            writers = [t for t in self.mine if ids[t] & mine]
+            if writers and all(t in last for t in writers):
+                out[max(last[t] for t in writers)].append(s)
+        return dict(out)
 
     @property
     def track_memory(self) -> bool:
@@ -199,12 +220,21 @@ class PipelineRuntime:
         over the whole batch (the same value on every rank). Asynchronous schedules have no step: use
         :meth:`train`.
         """
+        return self.step_async(inputs, target).wait()
+
+    def step_async(self, inputs: Sequence[Any], target: Any) -> PendingLoss:
+        """:meth:`step` without the step's barrier: each stage's optimizer steps as soon as its last W has run
+        (with replicas or tied weights across ranks, once their gradients are summed), and the loss's
+        all-reduce over every rank is left in flight: ``.wait()`` on the result gives the mean loss. The
+        next ``step_async`` may start at once: a stage runs the next step's F only after its own update
+        (its actions are in order on its rank), so the semantics stay synchronous."""
         if not self.schedule.synchronous:
             raise OptionError(f"{self.schedule.name} is asynchronous: there is no step boundary to stop at; "
                               "pass the batches to rt.train(batches), which streams them without a flush")
         m = self.schedule.num_microbatches
         micro, targets = self._microbatches(inputs, target, m)
         self.core.loss_divisor = m * self.dp  # the replicas' gradients are summed: each is 1/dp of the mean
+        self._stepped = set()
         losses = self._execute(self.program, micro, targets, ahead=self.prefetch)
         if self.sync is not None:
             self.sync.wait(lambda work: self._wait(work, self.sync.group, "the replicas' gradients (dp group)"))
@@ -212,8 +242,9 @@ class PipelineRuntime:
             if p.grad is not None:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
                                  f"the tied weight's gradient (ranks {ranks})")
-        for opt in self.optimizers.values():
-            opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        for s, opt in self.optimizers.items():
+            if s not in self._stepped:
+                opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
         if self.sync is not None:
             group = self.sync.group
             replicas.average_buffers([self.stages[s].module for s in self.mine], self.dp, lambda t: self._collective(
@@ -223,8 +254,7 @@ class PipelineRuntime:
             if loss is not None:
                 total += loss.double()
         total = total.cpu()
-        self._collective(partial(dist.all_reduce, total), "the loss (every rank)")
-        return total / (m * self.dp)  # float64: the mean over the whole batch's microbatches, summed in double
+        return PendingLoss(self, dist.all_reduce(total, async_op=True), total, m * self.dp)
 
     def train(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
         """Asynchronous training over ``batches`` (each split into the schedule's microbatch count): one schedule
@@ -325,6 +355,9 @@ class PipelineRuntime:
                     self.channel.send(value, msg.dst, msg.tag)
                 if self.sync is not None:
                     self.sync.after(op.action)
+                for s in self._early.get(j, ()) if program is self.program else ():
+                    self.optimizers[s].step()  # its last W has run: nothing else writes these gradients
+                    self._stepped.add(s)
                 self._drop_dead(op.action)
                 self.channel.poll()
                 self.events.append((op.action, t0, time.perf_counter() - start))
@@ -497,6 +530,24 @@ class PipelineRuntime:
 
     def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RankFailedError:
         return peer_down(exc, peers, waited, rank=self.rank, timeout=self.timeout)
+
+
+class PendingLoss:
+    """A step's mean loss whose all-reduce over every rank may still be in flight (``step_async``)."""
+
+    def __init__(self, rt: PipelineRuntime, work: Any, total: torch.Tensor, divisor: int) -> None:
+        self._rt, self._work, self._total, self._divisor = rt, work, total, divisor
+        self._value: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        """The mean loss over the whole batch (float64, the same on every rank), once every rank's share is in."""
+        if self._value is None:
+            self._rt._wait(self._work, dist.group.WORLD, "the loss (every rank)")
+            self._value = self._total / self._divisor  # float64: summed over the batch's microbatches in double
+        return self._value
+
+    def done(self) -> bool:
+        return self._value is not None or bool(self._work.is_completed())
 
 
 class _RankRunner(ActionRunner):
