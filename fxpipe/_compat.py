@@ -169,3 +169,15 @@ def process_group_size(group: Any) -> int:
 
         group = dist.ProcessGroup.unbox(group)
     return int(group.size())
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler Inductor would use on CPU (its ``config.cpp.cxx`` candidates, found on PATH), or None."""
+    import shutil
+
+    from torch._inductor import config
+
+    for name in config.cpp.cxx:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None

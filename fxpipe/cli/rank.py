@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
+    parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     args = parser.parse_args(argv)
@@ -165,7 +166,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=zoo.example_inputs,
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
-                         timeout=timedelta(seconds=args.timeout), weights=args.weights)
+                         timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen)
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True

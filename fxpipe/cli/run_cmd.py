@@ -55,6 +55,10 @@ def run_cmd(
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.01).")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
+    codegen: Annotated[str, typer.Option(help="eager, or inductor: each stage's F, B and W graphs compiled "
+                                         "(torch.compile, Inductor; a C++ compiler for CPU, else eager with one "
+                                         "line; compiled code cached in ~/.cache/fxpipe/inductor, never in the "
+                                         "plan). Synchronous schedules.")] = "eager",
     weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
                                               "(SpecTrain: extrapolated; needs --momentum).")] = "stash",
@@ -97,6 +101,15 @@ def run_cmd(
         sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
+        from fxpipe.runtime.codegen import check_codegen
+
+        fallback = check_codegen(codegen)
+        if fallback is not None:
+            say(f"warning: {fallback}")
+            codegen = "eager"
+        if codegen != "eager" and not sched.synchronous:
+            raise OptionError(f"--codegen {codegen} compiles synchronous schedules' stages; {sched.name} reads weight "
+                              "versions through functional_call: use --codegen eager")
         if not sched.synchronous:
             from fxpipe.plan_dir import read_plan_json
 
@@ -122,7 +135,8 @@ def run_cmd(
                                      fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting)
         if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
             cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
-        cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights]
+        cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
+                "--codegen", codegen]
         try:
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "

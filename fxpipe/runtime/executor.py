@@ -71,7 +71,7 @@ class PipelineRuntime:
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
-                 track_memory: bool = False) -> None:
+                 track_memory: bool = False, codegen: str = "eager") -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
@@ -99,7 +99,7 @@ class PipelineRuntime:
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
         if not schedule.synchronous:
             check_async(pipe, graphs)
-        self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, graphs
+        self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, list(graphs)
         self.timeout = timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
@@ -165,6 +165,7 @@ class PipelineRuntime:
                     ws[op.action.stage] += 1
             self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
             replicas.attach(self.sync)
+        self.codegen = self._compile_stages(codegen)
         self._early = self._early_steps()
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
         self.channel = Channel(self.device, timeout)
@@ -175,6 +176,25 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
+
+    def _compile_stages(self, codegen: str) -> str:
+        """``codegen="inductor"``: this rank's F, B, W, W_acc and W_set graphs compiled (``runtime.codegen``); the
+        codegen that runs (eager, with one warning, where no C++ compiler is found)."""
+        from fxpipe.runtime.codegen import check_codegen, compile_stage, compiled
+
+        fallback = check_codegen(codegen)
+        if codegen == "eager":
+            return codegen
+        if not self.schedule.synchronous:
+            raise OptionError(f"--codegen {codegen} compiles synchronous schedules' stages; {self.schedule.name} reads "
+                              "weight versions through functional_call: use --codegen eager")
+        if fallback is not None:
+            warnings.warn(fallback, stacklevel=3)
+            return "eager"
+        for s in self.mine:
+            self.graphs[s] = self.core.graphs[s] = compile_stage(self.graphs[s])
+            self.w_acc[s], self.w_set[s] = compiled(self.w_acc[s]), compiled(self.w_set[s])
+        return codegen
 
     def _early_steps(self) -> dict[int, list[int]]:
         """Program index -> the stages whose optimizer steps right after it: after the last W (or BW) of every

@@ -1,0 +1,52 @@
+"""Compiled stages (``fxpipe run --codegen inductor``): the same losses as the eager stages, step after step; without
+a C++ compiler one line and the eager stages; the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe.runtime import codegen
+from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("codegen") / "plan"
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4", "--out", out))
+    return out
+
+
+@pytest.mark.skipif(codegen.cpp_compiler() is None, reason="needs a C++ compiler for Inductor's CPU code")
+def test_compiled_stages_train_like_the_eager_ones(plan: Path) -> None:
+    """zb-h1 runs F, B, W, W_set and W_acc: all five compiled graphs; 3 steps of SGD with momentum, so every
+    gradient shows in the later losses."""
+    args = ("run", plan, "--steps", "3", "--momentum", "0.9", "--lr", "0.05", "--json")
+    eager = json.loads(ok(fxpipe_cli(*args)).stdout)["losses"]
+    compiled = json.loads(ok(fxpipe_cli(*args, "--codegen", "inductor")).stdout)["losses"]
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+    assert eager[2] != eager[0]  # the steps changed the weights: the later losses check the gradients
+
+
+def test_without_a_cpp_compiler_the_stages_run_eagerly_with_one_line(plan: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codegen, "cpp_compiler", lambda: None)
+    result = ok(fxpipe_cli("run", plan, "--steps", "1", "--codegen", "inductor", "--json"))
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --codegen inductor needs a C++ compiler (g++ or clang on PATH) for CPU code; none "
+                        "found, so the stages run eagerly"]
+    assert json.loads(result.stdout)["losses"]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--codegen", "tvm"), "unknown codegen 'tvm'; use eager or inductor"),
+    (("--codegen", "inductor", "--schedule", "async-1f1b"), "--codegen inductor compiles synchronous schedules"),
+])
+def test_refusals_are_one_line(plan: Path, args: tuple[str, ...], words: str) -> None:
+    if "async-1f1b" in args and codegen.cpp_compiler() is None:
+        pytest.skip("without a compiler --codegen inductor falls back before the schedule is checked")
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "1", *args))
+    assert words in line, line
