@@ -114,7 +114,7 @@ def test_the_screen_keeps_the_candidate_simulating_everything_picks(monkeypatch:
     for everything in (False, True):
         if everything:
             monkeypatch.setattr(pass_module, "SIMULATED_CANDIDATES", 10**6)
-        doc = json.loads(ok(fxpipe_cli("compile", "gpt-tiny", "--plan", "auto", "--devices", "4", "--json",
+        doc = json.loads(ok(fxpipe_cli("compile", "gpt-tiny", "--plan", "auto", "--devices", "3", "--json",
                                        "--stop-after", "partition-stages")).stdout)
         report = next(r for r in doc["reports"] if r["title"].startswith("plan auto"))
         row = next(dict(zip(report["columns"], r)) for r in report["rows"] if r[-1] == "chosen")
