@@ -154,15 +154,18 @@ def progress(*, disable: bool) -> Iterator[Callable[[str, int, int], None]]:
 # Limits of what the simulator can do in a moment and exactly: it steps time by 1e-9 to wait for an
 # arrival, and at 1e7 a step of 1e-9 is lost to rounding (t + 1e-9 == t).
 _MAX_SLOTS = 10_000  # stages x microbatches
+MAX_SIMULATE_SLOTS = 500_000  # stages x microbatches for simulate alone: linear, about 10 s at this size
 _MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
 
 
-def check_schedule_size(num_stages: int, microbatches: int, step_units: float = 0.0) -> None:
-    """Refuse a schedule too big to generate and simulate in a moment, or whose times (``step_units``:
-    F+B+W in --uniform-costs units) the simulator cannot step through."""
-    if num_stages * microbatches > _MAX_SLOTS:
+def check_schedule_size(num_stages: int, microbatches: int, step_units: float = 0.0, *,
+                        max_slots: int = _MAX_SLOTS) -> None:
+    """Refuse a schedule too big to generate and simulate in a moment (more than ``max_slots``
+    stages x microbatches), or whose times (``step_units``: F+B+W in --uniform-costs units) the
+    simulator cannot step through."""
+    if num_stages * microbatches > max_slots:
         raise OptionError(f"a schedule of {num_stages} stages x {microbatches} microbatches is too big to generate and "
-                          f"simulate (at most {_MAX_SLOTS:,} stage-microbatches); lower --stages or --microbatches")
+                          f"simulate (at most {max_slots:,} stage-microbatches); lower --stages or --microbatches")
     if step_units * (microbatches + num_stages) > _MAX_UNITS:
         raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
                           f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "

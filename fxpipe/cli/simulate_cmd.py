@@ -9,7 +9,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import check_schedule_size, check_writable_file, one_line_errors, out, parse_size, say, write_output
+from fxpipe.cli.common import (MAX_SIMULATE_SLOTS, check_schedule_size, check_writable_file, one_line_errors, out,
+                               parse_size, say, write_output)
 from fxpipe.errors import OptionError
 
 
@@ -76,9 +77,11 @@ def simulate_cmd(
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
 
+        # One schedule simulates in time linear in its actions; auto simulates a dozen candidates per count.
         check_schedule_size(num_stages, microbatches or (max(DEFAULTS.auto_microbatches(num_stages)) if schedule == "auto"
                                                  else DEFAULTS.microbatches(num_stages)),
-                    sum(values) if uniform_costs is not None else 0.0)
+                    sum(values) if uniform_costs is not None else 0.0,
+                    **({} if schedule == "auto" else {"max_slots": MAX_SIMULATE_SLOTS}))
         sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
         if not math.isfinite(result.makespan):
             raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from fxpipe.errors import OptionError
 from fxpipe.schedules.ir import Action, Kind, Schedule
-from fxpipe.schedules.simulate import Costs
+from fxpipe.schedules.simulate import Costs, gc_paused
 
 
 def gpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
@@ -224,6 +224,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
 }
 
 
+@gc_paused()  # a long schedule is millions of actions with no cycles to collect
 def generate(name: str, num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
     if name not in GENERATORS:
         raise OptionError(f"unknown schedule {name!r} (known: {', '.join([*GENERATORS, 'auto'])}); pick one of those")
@@ -232,16 +233,12 @@ def generate(name: str, num_stages: int, num_microbatches: int, costs: Costs | N
 
 def _1f1b_rank(s: int, p: int, m: int, *, fused: bool) -> list[Action]:
     warmup = min(p - s - 1, m)
+    backward = Kind.BW if fused else Kind.B
     out = [Action(s, Kind.F, i) for i in range(warmup)]
-
-    def backward(i: int) -> list[Action]:
-        return [Action(s, Kind.BW, i)] if fused else [Action(s, Kind.B, i)]
-
     for i in range(m - warmup):
         out.append(Action(s, Kind.F, warmup + i))
-        out += backward(i)
-    for i in range(m - warmup, m):
-        out += backward(i)
+        out.append(Action(s, backward, i))
+    out += [Action(s, backward, i) for i in range(m - warmup, m)]
     return out
 
 

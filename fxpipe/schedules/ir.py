@@ -15,6 +15,7 @@ A whole schedule reads and writes as CSV: one row per rank, one action per colum
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -110,13 +111,36 @@ class Schedule:
         return cls(name, num_stages, 1 + max(a.mb for a in actions), tuple(rank_of[s] for s in range(num_stages)),
                    ranks, synchronous)
 
-    def grid(self, mark: dict[int, int] | None = None) -> str:
-        """The step x rank table; ``mark[rank] = step`` flags a cell with ``<<``."""
+    def grid(self, mark: dict[int, int] | None = None, *, context: int | None = None) -> str:
+        """The step x rank table; ``mark[rank] = step`` flags a cell with ``<<``.
+
+        With ``context``, only the steps within ``context`` of a marked one (of the first and the
+        last step when none is marked) are drawn, and each run of steps left out is one line that
+        says so: a schedule of a million steps prints in a few lines::
+
+            step  rank 0     rank 1
+               0  0F0        1RECV_F0
+              ... steps 1 to 9,997 not drawn (of 10,000) ...
+            9998  0BW9999 <<
+            9999
+        """
         mark = mark or {}
         steps = max((len(r) for r in self.ranks), default=0)
-        width = max([len(str(a)) for r in self.ranks for a in r] + [6]) + 3
+        if context is None:
+            drawn: Sequence[int] = range(steps)
+        else:
+            centres = sorted(set(mark.values())) or [0, steps - 1]
+            drawn = sorted({i for c in centres for i in range(max(0, c - context), min(steps, c + context + 1))})
+        width = max([len(str(r[i])) for r in self.ranks for i in drawn if i < len(r)] + [6]) + 3
         lines = ["step  " + "".join(f"rank {r}".ljust(width) for r in range(self.num_ranks))]
-        for i in range(steps):
+        previous = -1
+        for i in [*drawn, steps]:
+            if i > previous + 1:
+                gap = f"step {i - 1:,}" if i == previous + 2 else f"steps {previous + 1:,} to {i - 1:,}"
+                lines.append(f"  ... {gap} not drawn (of {steps:,}) ...")
+            previous = i
+            if i == steps:
+                break
             cells = []
             for r, acts in enumerate(self.ranks):
                 text = str(acts[i]) if i < len(acts) else ""
@@ -134,26 +158,38 @@ def with_communication(schedule: Schedule) -> Schedule:
     """Insert the sends and receives a schedule of compute actions needs between ranks.
 
     A receive goes right before the compute that reads it; a send right after the compute that
-    makes it. Stages on the same rank hand values over in memory, with no action.
+    makes it. Stages on the same rank hand values over in memory, with no action. A schedule that
+    already has sends or receives is returned as it is.
     """
-    if any(a.kind in COMM for r in schedule.ranks for a in r):
-        return schedule
     where = schedule.rank_of_stage
     last = schedule.num_stages - 1
+    cut_before = [s > 0 and where[s - 1] != where[s] for s in range(schedule.num_stages)]  # F receives, B sends
+    cut_after = [s < last and where[s + 1] != where[s] for s in range(schedule.num_stages)]  # F sends, B receives
+    forward, input_grad, fused, weight_grad = Kind.F, Kind.B, Kind.BW, Kind.W
     ranks = []
     for acts in schedule.ranks:
         out: list[Action] = []
+        append = out.append
         for a in acts:
-            s, m = a.stage, a.mb
-            if a.kind is Kind.F and s > 0 and where[s - 1] != where[s]:
-                out.append(Action(s, Kind.RECV_F, m))
-            if a.kind in (Kind.B, Kind.BW) and s < last and where[s + 1] != where[s]:
-                out.append(Action(s, Kind.RECV_B, m))
-            out.append(a)
-            if a.kind is Kind.F and s < last and where[s + 1] != where[s]:
-                out.append(Action(s, Kind.SEND_F, m))
-            if a.kind in (Kind.B, Kind.BW) and s > 0 and where[s - 1] != where[s]:
-                out.append(Action(s, Kind.SEND_B, m))
+            kind = a.kind
+            if kind is forward:
+                s = a.stage
+                if cut_before[s]:
+                    append(Action(s, Kind.RECV_F, a.mb))
+                append(a)
+                if cut_after[s]:
+                    append(Action(s, Kind.SEND_F, a.mb))
+            elif kind is input_grad or kind is fused:
+                s = a.stage
+                if cut_after[s]:
+                    append(Action(s, Kind.RECV_B, a.mb))
+                append(a)
+                if cut_before[s]:
+                    append(Action(s, Kind.SEND_B, a.mb))
+            elif kind is weight_grad:
+                append(a)
+            else:  # a send or receive: the schedule has its communication already
+                return schedule
         ranks.append(tuple(out))
     return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.rank_of_stage,
                     tuple(ranks), schedule.synchronous, schedule.notes)

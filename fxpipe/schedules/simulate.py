@@ -38,17 +38,19 @@ than ranks that thread competes with compute; see ``Costs.cores`` for compute it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
-from collections import Counter
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_bucket_seconds, optimizer_step_seconds, transfer_time
 from fxpipe.report import Report
-from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
+from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
 
 
 @dataclass(frozen=True)
@@ -251,12 +253,31 @@ class SimResult:
         return doc
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (as a ``with`` block or a decorator).
+
+    Generating and simulating a long schedule makes millions of small objects with no cycles
+    (actions, events), and every automatic collection would walk all of them again: a third of
+    the time at 100,000 microbatches. They are freed by reference counting all the same.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@gc_paused()
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError naming the first broken rule, with the grid; return None if valid."""
     _check_counts(schedule)
     _walk(with_communication(schedule), None)
 
 
+@gc_paused()
 def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allreduce: Sequence[float] | None = None,
              cores: int | None = None) -> SimResult:
     """Run the schedule in simulated time; see the module docstring for the rules.
@@ -274,22 +295,22 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
         w=tuple(t * scale for t in costs.w))
     full = with_communication(schedule)
-    events = _walk(full, timed)
-    lanes = _allreduce_lanes(events, timed, full.num_ranks)
+    walk = _walk(full, timed)
+    lanes = _allreduce_lanes(walk.events, timed, full.num_ranks)
+    # The last compute end of any rank (as max() over every compute event: ends are never -0.0).
+    step_compute_end = max((max(map(_END, c)) for c in walk.compute if c), default=0.0)
     ranks = []
-    step_compute_end = max((e.end for e in events if e.action.kind in COMPUTE), default=0.0)
     for r in range(full.num_ranks):
-        mine = [e for e in events if e.rank == r]
-        compute = [e for e in mine if e.action.kind in COMPUTE]
+        compute, sends = walk.compute[r], walk.sends[r]
         if not compute:
             ranks.append(RankStats(r, 0.0, 0.0, 0.0, 0.0, 0, 0.0))
             continue
-        start, end = min(e.start for e in compute), max(e.end for e in compute)
+        start, end = min(map(_START, compute)), max(map(_END, compute))
         lane = [e for e in lanes if e.rank == r]
+        send_bytes = timed.send_bytes
         ranks.append(RankStats(
-            r, start, end, sum(e.end - e.start for e in compute), *_memory(compute, timed),
-            sum(timed.send_bytes[e.action.stage] if timed.send_bytes else 0.0
-                for e in mine if e.action.kind in (Kind.SEND_F, Kind.SEND_B)),
+            r, start, end, sum(map(operator.sub, map(_END, compute), map(_START, compute))), *_memory(compute, timed),
+            sum([send_bytes[e.action.stage] for e in sends]) if send_bytes else 0.0 if sends else 0,
             sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),
             sum(max(0.0, e.end - max(e.start, end)) for e in lane),
             sum(max(0.0, e.end - max(e.start, step_compute_end)) for e in lane),
@@ -303,7 +324,7 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
     for (s, _), n in per_mb.items():
         worst[s] = max(worst.get(s, 0), n)
     return SimResult(schedule.name, makespan, max((r.step_end - r.start for r in active), default=0.0), tuple(ranks),
-                     tuple(events), worst, per_mb, timed.dp, tuple(lanes))
+                     tuple(walk.events), worst, per_mb, timed.dp, tuple(lanes))
 
 
 def _with(costs: Costs, schedule: Schedule, dp: int | None, allreduce: Sequence[float] | None,
@@ -349,40 +370,62 @@ def _allreduce_lanes(events: Sequence[Event], costs: Costs, num_ranks: int) -> l
     return sorted(out, key=lambda e: (e.rank, e.start))
 
 
+# Kinds as small integers, for the flat tables of the checks and the walk (Kind's order: F B W BW SEND_F RECV_F
+# SEND_B RECV_B). Looked up by the member's value string: an Enum member hashes in Python, a str in C.
+_KIND_INDEX: dict[str, int] = {k.value: i for i, k in enumerate(Kind)}
+_F, _B, _W, _BW, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(8)
+
+
 def _check_counts(schedule: Schedule) -> None:
-    seen: Counter[tuple[int, Kind, int]] = Counter()
+    """Every action in range, on its stage's rank and run once; F and BW (or B and W) once per stage
+    and microbatch; every send with its receive.
+
+    One pass marks each action in a flat table indexed by ``(mb * stages + stage) * 8 + kind``;
+    whole columns of it are then compared at once, and only a failed comparison scans stage by
+    stage for the first broken rule, to name it.
+    """
+    p, num_mb, where = schedule.num_stages, schedule.num_microbatches, schedule.rank_of_stage
+    seen = bytearray(8 * p * num_mb)
+    kind_index = _KIND_INDEX
+    comm: list[tuple[Action, int]] = []  # every send and receive with its table index, in rank order
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            if not (0 <= a.stage < schedule.num_stages and 0 <= a.mb < schedule.num_microbatches):
+            s, m, k = a.stage, a.mb, kind_index[a.kind._value_]
+            if not (0 <= s < p and 0 <= m < num_mb):
                 _fail(schedule, f"{a} names a stage or microbatch outside {schedule.num_stages} stages x "
                       f"{schedule.num_microbatches} microbatches", {r: i})
-            if a.kind in COMPUTE and schedule.rank_of_stage[a.stage] != r:
-                _fail(schedule, f"{a} runs on rank {r}, but stage {a.stage} lives on rank "
-                      f"{schedule.rank_of_stage[a.stage]}", {r: i})
-            seen[(a.stage, a.kind, a.mb)] += 1
-            if seen[(a.stage, a.kind, a.mb)] > 1:
+            if k < _SEND_F and where[s] != r:
+                _fail(schedule, f"{a} runs on rank {r}, but stage {s} lives on rank {where[s]}", {r: i})
+            code = (m * p + s) * 8 + k
+            if seen[code]:
                 _fail(schedule, f"{a} runs twice; every action runs once", {r: i})
-    for s in range(schedule.num_stages):
-        for m in range(schedule.num_microbatches):
-            fused = seen[(s, Kind.BW, m)]
-            split = (seen[(s, Kind.B, m)], seen[(s, Kind.W, m)])
-            if seen[(s, Kind.F, m)] != 1:
-                _fail(schedule, f"microbatch {m} never runs F on stage {s}; every microbatch runs F, B and W "
-                      "(or BW) once per stage")
-            if not ((fused == 1 and split == (0, 0)) or (fused == 0 and split == (1, 1))):
-                _fail(schedule, f"microbatch {m} on stage {s} runs BW {fused}x, B {split[0]}x, W {split[1]}x; "
-                      "it needs BW once, or B once and W once")
-    sends = Counter((a.stage, a.kind, a.mb) for r in schedule.ranks for a in r if a.kind in COMM)
-    for (s, kind, m), n in sends.items():
-        pair = {Kind.SEND_F: (s + 1, Kind.RECV_F), Kind.RECV_F: (s - 1, Kind.SEND_F),
-                Kind.SEND_B: (s - 1, Kind.RECV_B), Kind.RECV_B: (s + 1, Kind.SEND_B)}[kind]
-        if sends[(pair[0], pair[1], m)] != n:
-            _fail(schedule, f"{Action(s, kind, m)} has no matching {Action(pair[0], pair[1], m)}; "
-                  "every send needs its receive")
+            seen[code] = 1
+            if k >= _SEND_F:
+                comm.append((a, code))
+    f, b, w, bw = (int.from_bytes(seen[k::8], "little") for k in (_F, _B, _W, _BW))
+    ones = int.from_bytes(b"\x01" * (p * num_mb), "little")
+    if not (f == ones and b == w and b ^ bw == ones):  # each byte 0 or 1: B == W, and exactly one of B and BW
+        for s in range(p):
+            for m in range(num_mb):
+                base = (m * p + s) * 8
+                fused, split = seen[base + _BW], (seen[base + _B], seen[base + _W])
+                if seen[base + _F] != 1:
+                    _fail(schedule, f"microbatch {m} never runs F on stage {s}; every microbatch runs F, B and W "
+                          "(or BW) once per stage")
+                if not ((fused == 1 and split == (0, 0)) or (fused == 0 and split == (1, 1))):
+                    _fail(schedule, f"microbatch {m} on stage {s} runs BW {fused}x, B {split[0]}x, W {split[1]}x; "
+                          "it needs BW once, or B once and W once")
+    # A send's receive is one stage on (SEND_F -> RECV_F of s + 1) or back (SEND_B -> RECV_B of s - 1).
+    partner = {_SEND_F: (1, _RECV_F), _RECV_F: (-1, _SEND_F), _SEND_B: (-1, _RECV_B), _RECV_B: (1, _SEND_B)}
+    for a, code in comm:
+        step, kind = partner[code % 8]
+        s = a.stage + step
+        if not (0 <= s < p and seen[(a.mb * p + s) * 8 + kind]):
+            _fail(schedule, f"{a} has no matching {Action(s, list(Kind)[kind], a.mb)}; every send needs its receive")
 
 
 def _deps(a: Action, schedule: Schedule) -> list[Action]:
-    """What must have run before ``a`` (on any rank)."""
+    """What must have run before ``a`` (on any rank); :func:`_walk` follows the same rules on its tables."""
     s, m = a.stage, a.mb
     last = schedule.num_stages - 1
     where = schedule.rank_of_stage
@@ -415,94 +458,185 @@ def _is_fused(schedule: Schedule, s: int, m: int) -> bool:
     return any(a == Action(s, Kind.BW, m) for a in schedule.ranks[schedule.rank_of_stage[s]])
 
 
-def _walk(schedule: Schedule, costs: Costs | None) -> list[Event]:
-    """Execute every rank's list in order; with costs, in simulated time. Raises on deadlock."""
-    done: dict[Action, float] = {}  # action -> time its result is available
-    arrival: dict[Action, float] = {}  # send -> time its message is at the receiver
+@dataclass
+class _Walk:
+    """What :func:`_walk` ran: every event in order, each rank's compute and sends (in its order),
+    and how many dependency checks it made."""
+
+    events: list[Event]
+    compute: list[list[Event]]
+    sends: list[list[Event]]
+    checks: int
+
+
+def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
+    """Execute every rank's list in order; with costs, in simulated time. Raises on deadlock.
+
+    In rounds, each rank in turn runs its actions until one needs a result not yet available.
+    Results sit in a flat table indexed by ``(mb * stages + stage) * 8 + kind`` (a send's entry:
+    when its message arrives), so a dependency check is one or two lookups. Every round but the
+    last moves at least one action, so the checks number at most actions + ranks x rounds: linear
+    in the actions for a given number of ranks. Expects :func:`_check_counts` to have passed: each
+    (stage, microbatch) has one B or one BW, and a backward's entry (at B) is whichever ran, the
+    one :func:`_backward` names.
+    """
+    p, where, last = schedule.num_stages, schedule.rank_of_stage, schedule.num_stages - 1
+    slots = p * schedule.num_microbatches
+    F, B, W, BW, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # noqa: N806  (kind indices, as _KIND_INDEX)
+    from_prev = [s > 0 and where[s - 1] != where[s] for s in range(p)]  # F(s) receives its input from another rank
+    from_next = [s < last and where[s + 1] != where[s] for s in range(p)]  # B(s) receives its gradient
+    if costs is None:
+        took: list[tuple[float, ...]] = [(1.0,) * p] * 4
+        transfer = (0.0,) * p
+    else:
+        took = [tuple(costs.f), tuple(costs.b), tuple(costs.w), tuple(b + w for b, w in zip(costs.b, costs.w))]
+        transfer = tuple(costs.transfer(s) for s in range(p))
+    kind_index = _KIND_INDEX
+    done: list[float | None] = [None] * (8 * slots)  # when each result is available (a send's: its arrival)
     link_free: dict[tuple[int, int], float] = {}  # (from rank, to rank) -> when its last message has arrived
-    where = schedule.rank_of_stage
     clock = [0.0] * schedule.num_ranks
     pos = [0] * schedule.num_ranks
-    events: list[Event] = []
-    total = sum(len(r) for r in schedule.ranks)
-    while len(events) < total:
+    out = _Walk([], [[] for _ in schedule.ranks], [[] for _ in schedule.ranks], 0)
+    append = out.events.append
+    total = remaining = sum(len(r) for r in schedule.ranks)
+    waited = 0  # checks that found a rank waiting
+    while remaining:
         moved = False
         for r, acts in enumerate(schedule.ranks):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = _deps(a, schedule)
-                if any(d not in done for d in deps):
-                    break
-                ready = max((done[d] for d in deps), default=0.0)
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    ready = arrival[deps[0]]
-                start = max(clock[r], ready) if a.kind is not Kind.SEND_F and a.kind is not Kind.SEND_B else clock[r]
-                end = start + (costs.time(a) if costs is not None else 1.0 if a.kind in COMPUTE else 0.0)
-                clock[r] = end
-                done[a] = end
-                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            first = i = pos[r]
+            n = len(acts)
+            now = clock[r]
+            computed, sent = out.compute[r].append, out.sends[r].append
+            while i < n:
+                a = acts[i]
+                s, m, k = a.stage, a.mb, kind_index[a.kind._value_]
+                at = (m * p + s) * 8
+                # ``ready``: when its inputs are there; it starts at max(now, ready) (the first of equals, as max()).
+                if k < SEND_F:
+                    if k == F:
+                        ready = 0.0 if s == 0 else done[at + RECV_F] if from_prev[s] else done[at - 8 + F]
+                    elif k == W:
+                        ready = done[at + B]
+                    else:  # B or BW: its F, and the gradient from stage s + 1
+                        ready = done[at + F]
+                        if s < last and ready is not None:
+                            grad = done[at + RECV_B] if from_next[s] else done[at + 8 + B]
+                            ready = None if grad is None else grad if grad > ready else ready
+                    if ready is None:
+                        waited += 1
+                        break
+                    start = ready if ready > now else now
+                    now = end = start + took[k][s]
+                    done[at + k] = end
+                    if k == BW:
+                        done[at + B] = end  # the backward of (s, m), whichever kind ran
+                    e = Event(r, a, start, end)
+                    computed(e)
+                elif k == SEND_F or k == SEND_B:  # sends never wait (isend); they take no time
+                    if done[at + F if k == SEND_F else at + B] is None:
+                        waited += 1
+                        break
+                    start = end = now
                     # One link per ordered pair of ranks carries one message at a time, in the order
                     # they were sent (gloo queues a pair's sends): a message starts when it is sent and
                     # the one before it on the link has arrived, and takes latency + bytes / bandwidth.
-                    produced = a.stage if a.kind is Kind.SEND_F else a.stage - 1  # whose output (or its gradient)
-                    link = (r, where[a.stage + 1] if a.kind is Kind.SEND_F else where[a.stage - 1])
-                    begin = max(end, link_free.get(link, end))
-                    arrival[a] = link_free[link] = begin + (costs.transfer(produced) if costs is not None else 0.0)
-                events.append(Event(r, a, start, end))
-                pos[r] += 1
+                    link = (r, where[s + 1] if k == SEND_F else where[s - 1])
+                    free = link_free.get(link, end)
+                    # it carries stage s's output, or the gradient of stage s - 1's
+                    done[at + k] = link_free[link] = (free if free > end else end) + transfer[
+                        s if k == SEND_F else s - 1]
+                    e = Event(r, a, start, end)
+                    sent(e)
+                else:  # a receive: once its message has arrived
+                    ready = done[at - 8 + SEND_F] if k == RECV_F else done[at + 8 + SEND_B]
+                    if ready is None:
+                        waited += 1
+                        break
+                    now = start = end = ready if ready > now else now
+                    done[at + k] = end
+                    e = Event(r, a, start, end)
+                append(e)
+                i += 1
+            if i > first:
+                pos[r], clock[r] = i, now
+                remaining -= i - first
                 moved = True
         if not moved:
             stuck = {r: pos[r] for r in range(schedule.num_ranks) if pos[r] < len(schedule.ranks[r])}
             waits = []
             for r, i in stuck.items():
                 a = schedule.ranks[r][i]
-                missing = [str(d) for d in _deps(a, schedule) if d not in done]
+                missing = [str(d) for d in _deps(a, schedule)
+                           if done[(d.mb * p + d.stage) * 8 + kind_index[d.kind._value_]] is None]
                 waits.append(f"rank {r} at {a} waits for {', '.join(missing)}")
             _fail(schedule, "deadlock: no rank can run its next action (" + "; ".join(waits) + ")", stuck)
-    return events
+    out.checks = total + waited
+    return out
 
 
 def _memory(compute: Sequence[Event], costs: Costs) -> tuple[float, int]:
     held_fb = costs.held_fb or (1.0,) * len(costs.f)
     held_bw = costs.held_bw or (1.0,) * len(costs.f)
     level, peak, in_flight, peak_flight = 0.0, 0.0, 0, 0
-    for e in sorted(compute, key=lambda e: e.end):
-        s, kind = e.action.stage, e.action.kind
-        if kind is Kind.F:
+    forward, input_grad, weight_grad = Kind.F, Kind.B, Kind.W
+    for e in sorted(compute, key=_END):
+        a = e.action
+        s, kind = a.stage, a.kind
+        if kind is forward:
             level += held_fb[s]
             in_flight += 1
-        elif kind is Kind.B:
+        elif kind is input_grad:
             level += held_bw[s] - held_fb[s]
-        elif kind is Kind.W:
+        elif kind is weight_grad:
             level -= held_bw[s]
             in_flight -= 1
         else:  # BW
             level -= held_fb[s]
             in_flight -= 1
-        peak, peak_flight = max(peak, level), max(peak_flight, in_flight)
+        if level > peak:  # as peak = max(peak, level), without the call
+            peak = level
+        if in_flight > peak_flight:
+            peak_flight = in_flight
     return peak, peak_flight
 
 
+_START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+
+
 def _staleness(schedule: Schedule) -> dict[tuple[int, int], int]:
-    """Per (stage, microbatch), the weight updates (one per backward) between the microbatch's F and its backward."""
+    """Per (stage, microbatch), the weight updates (one per backward) between the microbatch's F and its backward.
+
+    One pass per rank counts every stage's updates; the entries are then laid out stage by stage,
+    in the order of the rank's set of stages, as the per-stage scan this replaced laid them out.
+    """
     out: dict[tuple[int, int], int] = {}
+    forward, weight_grad, fused = Kind.F, Kind.W, Kind.BW
     for acts in schedule.ranks:
+        updates: dict[int, int] = {}
+        f_at: dict[tuple[int, int], int] = {}
+        per_stage: dict[int, list[tuple[tuple[int, int], int]]] = {}
+        for a in acts:
+            kind, s = a.kind, a.stage
+            if kind is forward:
+                f_at[(s, a.mb)] = updates.get(s, 0)
+            elif kind is weight_grad or kind is fused:
+                n = updates.get(s, 0)
+                per_stage.setdefault(s, []).append(((s, a.mb), n - f_at[(s, a.mb)]))
+                updates[s] = n + 1
         for s in {a.stage for a in acts}:
-            updates = 0
-            f_at: dict[int, int] = {}
-            for a in acts:
-                if a.stage != s or a.kind not in COMPUTE:
-                    continue
-                if a.kind is Kind.F:
-                    f_at[a.mb] = updates
-                elif a.kind in (Kind.BW, Kind.W):
-                    out[(s, a.mb)] = updates - f_at[a.mb]
-                    updates += 1
+            out.update(per_stage.get(s, ()))
     return out
 
 
+# A schedule longer than this many steps shows only the steps near each marked one in its error.
+_GRID_STEPS = 200
+_GRID_CONTEXT = 8
+
+
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> None:
-    raise ScheduleError(f"invalid schedule {schedule.name!r}: {message}\n{schedule.grid(mark)}")
+    steps = max((len(r) for r in schedule.ranks), default=0)
+    grid = schedule.grid(mark, context=_GRID_CONTEXT if steps > _GRID_STEPS else None)
+    raise ScheduleError(f"invalid schedule {schedule.name!r}: {message}\n{grid}")
 
 
 def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:

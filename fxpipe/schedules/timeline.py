@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
@@ -54,12 +55,19 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
     if width < 1:
         raise OptionError(f"a timeline needs at least one column (width: {width}); use width >= 1")
     ranks = _rank_ids(result)
-    origin, span = _window(result)
+    compute = _compute(result.events)
+    origin, span = _window(result, compute)
     scale = width / span if span > 0 else 0.0
     rows: dict[int, list[str]] = {r: ["."] * width for r in ranks}
-    for e in _compute(result.events):
-        lo = min(width, max(0, round((e.start - origin) * scale)))
-        hi = min(width, max(lo, round((e.end - origin) * scale)))
+    for e in compute:
+        # lo = min(width, max(0, start)), hi = min(width, max(lo, end)), in columns; an action under
+        # half a column draws nothing (most of them, in a long schedule)
+        lo = round((e.start - origin) * scale)
+        lo = 0 if lo < 0 else width if lo > width else lo
+        hi = round((e.end - origin) * scale)
+        hi = lo if hi < lo else width if hi > width else hi
+        if hi == lo:
+            continue
         cells = [LETTER[e.action.kind]] * (hi - lo)
         digits = str(e.action.mb)
         if hi - lo >= 1 + len(digits):
@@ -310,20 +318,25 @@ def write_svg(result: SimResult, path: str | Path, **kw: object) -> Path:
 
 
 def _compute(events: Iterable[Event]) -> list[Event]:
-    return [e for e in events if e.action.kind in COMPUTE]
+    # by identity: ``kind in COMPUTE`` would hash every member in Python
+    sf, rf, sb, rb = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+    return [e for e in events if (k := e.action.kind) is not sf and k is not rf and k is not sb and k is not rb]
 
 
 def _rank_ids(result: SimResult) -> list[int]:
-    return sorted({r.rank for r in result.ranks} | {e.rank for e in result.events})
+    return sorted({r.rank for r in result.ranks} | set(map(_RANK, result.events)))
 
 
-def _window(result: SimResult) -> tuple[float, float]:
+_RANK, _START, _END = operator.attrgetter("rank"), operator.attrgetter("start"), operator.attrgetter("end")
+
+
+def _window(result: SimResult, compute: Sequence[Event] | None = None) -> tuple[float, float]:
     """The drawn time range: from the first compute start, ``makespan`` long (or the events' own span)."""
-    compute = _compute(result.events)
+    compute = _compute(result.events) if compute is None else compute
     if not compute:
         return 0.0, 0.0
-    origin = min(e.start for e in compute)
-    return origin, max(result.makespan, max(e.end for e in compute) - origin)
+    origin = min(map(_START, compute))
+    return origin, max(result.makespan, max(map(_END, compute)) - origin)
 
 
 def _link(a: Action) -> tuple[str, int, int]:
