@@ -116,10 +116,17 @@ def simulate_cmd(
         from fxpipe.render import print_reports
 
         print_reports([*extra, table], plain=plain, console=out)
-        print(ascii_timeline(result))  # plain print: rich would wrap the long rows
+        print(ascii_timeline(result, width=_TIMELINE_WIDTH))  # plain print: rich would wrap the long rows
+        busiest = max(len(rank) for rank in sched.ranks)
+        if busiest > _TIMELINE_WIDTH:  # a long schedule: the rows sample it, they cannot draw every action
+            print(f"(the timeline summarizes {busiest:,} actions on the busiest rank in {_TIMELINE_WIDTH} columns: each "
+                  "column shows the kind that runs most of it, * where none does; the table above counts every action)")
         for path in (trace, svg):
             if path is not None:
                 say(f"wrote {path}")
+
+
+_TIMELINE_WIDTH = 100  # columns of the ASCII timeline
 
 
 def _floats(text: str, option: str, count: int) -> tuple[float, ...]:

@@ -482,7 +482,7 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
     """
     p, where, last = schedule.num_stages, schedule.rank_of_stage, schedule.num_stages - 1
     slots = p * schedule.num_microbatches
-    F, B, W, BW, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # noqa: N806  (kind indices, as _KIND_INDEX)
+    F, B, W, BW, SEND_F, RECV_F, SEND_B, RECV_B = range(8)  # kind indices (as _KIND_INDEX), local: fast to read
     from_prev = [s > 0 and where[s - 1] != where[s] for s in range(p)]  # F(s) receives its input from another rank
     from_next = [s < last and where[s + 1] != where[s] for s in range(p)]  # B(s) receives its gradient
     if costs is None:

@@ -40,6 +40,7 @@ _KIND_NAME: dict[Kind, str] = {Kind.F: "forward", Kind.B: "input gradient", Kind
 _LEGEND = ("  ".join(f"{LETTER[k]} {_KIND_NAME[k]}" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
            + " (BW)  . idle  digits: microbatch")
 ALLREDUCE_LETTER = "A"
+MIXED_LETTER = "*"  # a summarized column where no kind runs more than half the busy time
 ALLREDUCE_FILL = "#9c6ade"
 _COMM_TINY = 1e-3  # a zero-length send/receive is drawn this fraction of the makespan long, so viewers show it
 _SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
@@ -51,6 +52,8 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
     The microbatch number follows the letter when the action spans enough columns (``F3FF``);
     fused backward is ``X``, idle ``.``. Sends and receives take no time and are not drawn.
     Column edges are rounded from the action's start and end, so adjacent actions never overlap.
+    When a rank has more actions than columns, each column shows instead the kind that runs longest
+    in it (``*`` if none runs more than half, ``.`` if the rank idles for half of it), without digits.
     """
     if width < 1:
         raise OptionError(f"a timeline needs at least one column (width: {width}); use width >= 1")
@@ -59,6 +62,13 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
     origin, span = _window(result, compute)
     scale = width / span if span > 0 else 0.0
     rows: dict[int, list[str]] = {r: ["."] * width for r in ranks}
+    per_rank: dict[int, int] = {}
+    for e in compute:
+        per_rank[e.rank] = per_rank.get(e.rank, 0) + 1
+    summarized = max(per_rank.values(), default=0) > width
+    if summarized:  # more actions than columns: each column says what fills it
+        _draw_dominant(rows, compute, origin, scale, width)
+        compute = []
     for e in compute:
         # lo = min(width, max(0, start)), hi = min(width, max(lo, end)), in columns; an action under
         # half a column draws nothing (most of them, in a long schedule)
@@ -86,7 +96,8 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
     label = max((len(n) + (3 if lanes else 0) for n in names.values()), default=0)
     header = (f"{result.schedule}: {len(ranks)} ranks{f' x dp {result.dp}' if result.dp > 1 else ''}, "
               f"makespan {result.makespan:g}, 1 column = {span / width:g}")
-    legend = _LEGEND + (f"  {ALLREDUCE_LETTER} all-reduce (digit: stage)" if lanes else "")
+    legend = (_LEGEND if not summarized else _LEGEND.replace("digits: microbatch", f"{MIXED_LETTER} mixed")) + (
+        f"  {ALLREDUCE_LETTER} all-reduce (digit: stage)" if lanes else "")
     lines = [header, legend]
     for r in ranks:
         lines.append(names[r].ljust(label) + " |" + "".join(rows[r]) + "|")
@@ -315,6 +326,34 @@ def write_svg(result: SimResult, path: str | Path, **kw: object) -> Path:
     out = Path(path)
     out.write_text(svg_gantt(result, **kw), encoding="utf-8")  # type: ignore[arg-type]
     return out
+
+
+def _draw_dominant(rows: dict[int, list[str]], compute: Sequence[Event], origin: float, scale: float,
+                   width: int) -> None:
+    """A schedule too long to draw action by action: each column shows the kind that runs more than
+    half the busy time in it, ``*`` when none does (F, B and W alike in a steady zero-bubble
+    schedule), or ``.`` when the rank idles for half the column or more (no microbatch digits).
+
+    Drawing whichever action happens to cross a column edge would alias: a steady 1F1B (F, BW, F,
+    BW, ...) would come out as long stripes of F and of X that the schedule does not have.
+    """
+    busy: dict[int, list[dict[Kind, float]]] = {r: [{} for _ in range(width)] for r in rows}
+    for e in compute:
+        lo, hi = (e.start - origin) * scale, (e.end - origin) * scale
+        cols, kind = busy[e.rank], e.action.kind
+        c = int(lo)
+        while c < width and c < hi:
+            part = min(hi, c + 1) - max(lo, c)
+            if part > 0:
+                cols[c][kind] = cols[c].get(kind, 0.0) + part
+            c += 1
+    for r, cols in busy.items():
+        row = rows[r]
+        for c, kinds in enumerate(cols):
+            total = sum(kinds.values())
+            if total > 0.5:
+                kind = max(kinds, key=kinds.__getitem__)
+                row[c] = LETTER[kind] if kinds[kind] > total / 2 else MIXED_LETTER
 
 
 def _compute(events: Iterable[Event]) -> list[Event]:

@@ -413,3 +413,19 @@ def test_ten_times_the_microbatches_is_ten_times_the_work(name: str) -> None:
 
     small, large = _calls(path(100)), _calls(path(1000))
     assert large <= 11 * small, (small, large)
+
+
+def test_a_long_timeline_shows_what_fills_each_column_not_whichever_action_crosses_its_edge() -> None:
+    """A steady 1F1B (F = 1, BW = 2) is two thirds X in every column; a steady zb-h1 with F = B = W
+    runs no kind for more than half a column: ``*``. Drawing the action at each column edge made
+    stripes of F and X (aliasing) that the schedule does not have."""
+    one_f_one_b = ascii_timeline(simulate(generate("1f1b", 4, 3000), Costs.uniform(4, 1.0, 1.0, 1.0)), width=50)
+    rows = [line.split("|")[1] for line in one_f_one_b.splitlines()[2:]]
+    assert "* mixed" in one_f_one_b.splitlines()[1] and "digits" not in one_f_one_b
+    for row in rows:
+        assert len(row) == 50 and row[2:-2] == "X" * 46, row  # the ends fill and drain
+    zb = ascii_timeline(simulate(generate("zb-h1", 4, 3000), Costs.uniform(4, 1.0, 1.0, 1.0)), width=50)
+    for line in zb.splitlines()[2:]:
+        assert set(line.split("|")[1][2:-2]) == {"*"}, line
+    short = ascii_timeline(simulate(generate("1f1b", 2, 2), Costs.uniform(2, 1.0, 1.0, 1.0)), width=50)
+    assert "digits: microbatch" in short and "F0" in short  # few actions: drawn one by one, as before
