@@ -216,14 +216,18 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.planning.cost import held_peaks
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
+    from fxpipe.schedules.versions import held_peaks_stashed
 
     # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
     simulated = calibrate().apply(costs) if world > 1 else costs
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
-    held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
-                      simulated.held_bw)
+    if not sched.synchronous and args.weights == "stash":  # plus the weight versions in flight (F's, until W)
+        held = held_peaks_stashed(ran, simulated.held_fb, simulated.held_bw, simulated.grad_bytes)
+    else:
+        held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
+                          simulated.held_bw)
     params = None
     if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
         params = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,7 @@ def partition_stages(
     if counted:
         plan = plan_for_bounds([s.time for s in stats], bounds, cut_bytes=cut_bytes, bandwidth=bandwidth,
                                latency=latency, static_bytes=static,
-                               activation_bytes=[float(s.saved_bytes) for s in stats], in_flight=flights)
+                               activation_bytes=_held_per_microbatch(stats, schedule), in_flight=flights)
     else:
         plan = plan_stages(
             [s.time for s in stats],
@@ -111,7 +112,7 @@ def partition_stages(
             bandwidth=bandwidth,
             latency=latency,
             static_bytes=static,
-            activation_bytes=[float(s.saved_bytes) for s in stats],
+            activation_bytes=_held_per_microbatch(stats, schedule),
             in_flight=flights,
             memory_cap=memory_per_stage,
         )
@@ -135,7 +136,8 @@ def partition_stages(
     out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
     if choice is not None:
         out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
-    return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency)))
+    return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency,
+                                                          _held_per_microbatch(stats, schedule))))
 
 
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
@@ -154,7 +156,7 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
         raise OptionError(f"the stage budget must be at least 1 (max stages: {max_stages}); give --devices >= --dp")
     top = min(DEFAULT_MAX_STAGES if max_stages is None else max_stages, num_layers)
     times = [s.time for s in stats]
-    acts = [float(s.saved_bytes) for s in stats]
+    acts = _held_per_microbatch(stats, schedule)
     cut_s = [transfer_time(b, bandwidth=bandwidth, latency=latency) for b in cut_bytes]
     static_pre, acts_pre = [0.0], [0.0]
     for a, b in zip(static, acts):
@@ -271,6 +273,19 @@ def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  
 _TITLES = {"1f1b": "1F1B", "gpipe": "GPipe", "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "layerpipe": "LayerPipe"}
 
 
+def _held_per_microbatch(stats: Sequence[LayerStats], schedule: str) -> list[float]:
+    """Per layer, the bytes one microbatch in flight holds: F's saved activations, and under an
+    asynchronous schedule also a copy of the layer's parameters (``fxpipe run``'s default weight
+    policy, stash, keeps the version each microbatch's F read until its W; in a steady async-1f1b
+    every microbatch in flight read a different one)."""
+    if schedule in _ASYNC:
+        return [float(s.saved_bytes + s.param_bytes) for s in stats]
+    return [float(s.saved_bytes) for s in stats]
+
+
+_ASYNC = frozenset({"async-1f1b"})
+
+
 def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tuple[list[int], str]:
     """Per stage, the microbatches of activations to plan memory for, and how the report says why.
 
@@ -295,6 +310,8 @@ def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tupl
     why = _TITLES.get(schedule, schedule)
     if any(f.bw for f in flights):
         why += ": F->B and B->W together"
+    if schedule in _ASYNC:
+        why += ": each with its F's weight version (stash)"
     return [f.total for f in flights], why
 
 
@@ -376,7 +393,7 @@ def _param_state_bytes(val: object) -> int:
 
 
 def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], cuts: list[Cut],
-            flights: list[int], why: str, bandwidth: float, latency: float) -> Report:
+            flights: list[int], why: str, bandwidth: float, latency: float, held: Sequence[float]) -> Report:
     rows = []
     num_stages = len(plan.bounds) - 1
     for k in range(num_stages):
@@ -384,7 +401,7 @@ def _report(gm: torch.fx.GraphModule, plan: StagePlan, stats: list[LayerStats], 
         members = stats[lo:hi]
         params = sorted({p for s in members for p in s.params})
         numel = sum(get_path(gm, p).numel() for p in params if isinstance(get_path(gm, p), torch.nn.Parameter))
-        memory = sum(_param_state_bytes(get_path(gm, p)) for p in params) + flights[k] * sum(s.saved_bytes for s in members)
+        memory = sum(_param_state_bytes(get_path(gm, p)) for p in params) + flights[k] * sum(held[lo:hi])
         names = members[0].name if hi - lo == 1 else f"{members[0].name} .. {members[-1].name}"
         rows.append((
             k,

@@ -118,6 +118,9 @@ class ActionRunner:
             self.versions.remember_aliases(s, weights, self.saved[(s, m)])
         if self.held is not None and not g.fused:
             self.held.hold(s, ("F", m), self.saved[(s, m)])
+            if self.versions is not None and self.versions.policy == "stash" and weights:
+                # the snapshot of the version F read, kept for its B and W (shared storages count once)
+                self.held.hold(s, ("V", m), weights.values())
         self.values[m].update(zip(st.outputs, outputs))
         self.maybe_loss(m)
 
@@ -161,6 +164,8 @@ class ActionRunner:
                                             self.out_grads.pop((s, m))))
             return
         weights = self.versions.weights(s, m, "W")
+        if self.held is not None:
+            self.held.release(s, ("V", m))
         saved = self.versions.rebase_saved(s, self.saved.pop((s, m)), weights)
         grads = g.run_backward_weight(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)), weights)
         module = self.stages[s].module

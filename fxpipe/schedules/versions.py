@@ -128,6 +128,43 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
     return out
 
 
+def held_peaks_stashed(schedule: Schedule, held_fb: Sequence[float], held_bw: Sequence[float],
+                       weight_bytes: Sequence[float]) -> tuple[float, ...]:
+    """Per stage, the peak bytes held running ``schedule`` under ``stash``: the activations as
+    ``fxpipe.planning.cost.held_peaks`` counts them, plus ``weight_bytes[s]`` for each distinct
+    weight version the stage's microbatches in flight (F run, W or BW not yet) read in their F.
+
+    What the runtime's ``HeldBytes`` measures: F keeps the snapshot it read until the microbatch's
+    W, a snapshot shared by microbatches whose F met the same version counts once.
+
+    >>> from fxpipe.schedules.generators import generate
+    >>> held_peaks_stashed(generate("async-1f1b", 2, 4), [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
+    (220.0, 110.0)
+    """
+    times = timings(schedule)
+    level = [0.0] * schedule.num_stages
+    peak = [0.0] * schedule.num_stages
+    readers: list[dict[int, int]] = [{} for _ in range(schedule.num_stages)]  # stage -> version -> microbatches
+    for actions in schedule.ranks:
+        for a in actions:
+            s, kind = a.stage, a.kind
+            if kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                continue
+            version, mine = times[(s, a.mb)].f, readers[s]
+            if kind is Kind.F:
+                level[s] += held_fb[s]
+                mine[version] = mine.get(version, 0) + 1
+            elif kind is Kind.B:
+                level[s] += held_bw[s] - held_fb[s]
+            else:
+                level[s] -= held_bw[s] if kind is Kind.W else held_fb[s]
+                mine[version] -= 1
+                if not mine[version]:
+                    del mine[version]
+            peak[s] = max(peak[s], level[s] + len(mine) * weight_bytes[s])
+    return tuple(peak)
+
+
 def memory_report(schedule: Schedule, param_bytes: Sequence[float]) -> Report:
     """Per policy and stage: the weight versions kept besides the live weights, and their bytes
     (``param_bytes[s]``: stage s's parameter bytes)."""

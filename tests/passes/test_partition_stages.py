@@ -111,7 +111,7 @@ def test_the_schedule_sets_the_activations_each_stage_plans_for() -> None:
     act = [c["saved_bytes"] for c in default.gm.meta["fxpipe_stage_costs"]]
     base = default.gm.meta["fxpipe_stage_plan"]
     for schedule, flights in [("1f1b", [2, 1]), ("gpipe", [4, 4]), ("zb-h1", [2, 2]), ("zb-h2", [3, 3]),
-                              ("layerpipe", [2, 1]), ("async-1f1b", [2, 1])]:
+                              ("layerpipe", [2, 1])]:
         out = partition_stages(gm, num_stages=2, microbatches=4, schedule=schedule)
         plan = out.gm.meta["fxpipe_stage_plan"]
         assert plan.bounds == base.bounds  # no cap: memory does not move the cuts
@@ -121,6 +121,14 @@ def test_the_schedule_sets_the_activations_each_stage_plans_for() -> None:
             assert extra == pytest.approx((flights[k] - [2, 1][k]) * act[k]), schedule
     assert "(ZB-H1: F->B and B->W together)" in _memory_note(
         partition_stages(gm, num_stages=2, microbatches=4, schedule="zb-h1"))
+    # async-1f1b: 1F1B's microbatches in flight, each also keeping the weight version its F read (stash)
+    out = partition_stages(gm, num_stages=2, microbatches=4, schedule="async-1f1b")
+    plan, stats = out.gm.meta["fxpipe_stage_plan"], out.gm.meta["fxpipe_layer_stats"]
+    assert "[2, 1] microbatches in flight (async-1f1b: each with its F's weight version (stash))" in _memory_note(out)
+    for k in range(2):
+        params = sum(s.param_bytes for s in stats[plan.bounds[k]:plan.bounds[k + 1]])
+        assert params > 0
+        assert plan.stage_memory[k] - base.stage_memory[k] == pytest.approx([2, 1][k] * params)
 
 
 def test_a_cap_one_f_one_b_meets_can_be_too_small_for_gpipe() -> None:
