@@ -10,12 +10,13 @@ core's ``HeldBytes`` on. Per stage:
   until B, what W reads until W), each storage once, parameters not counted;
 - simulated: the same peak as the schedule's simulation holds the plan's ``held_fb`` / ``held_bw``
   (``fxpipe.planning.cost.held_peaks``, the simulator's accounting per stage); under ``stash`` also
-  one copy of the stage's parameters per distinct weight version its microbatches in flight read
-  (``fxpipe.schedules.versions.held_peaks_stashed``);
+  one copy of the stage's parameters per distinct weight version its microbatches in flight read,
+  under ``predict`` one per prediction kept (``fxpipe.schedules.versions.held_peaks_with_versions``);
 - closed form: ``fxpipe.planning.cost.activation_memory`` (what the partitioner uses).
 
 async-1f1b runs on the models without tied weights (mlp-deep), with ``stale`` weights (what the
-model counts) and ``stash`` (which also keeps the snapshot each microbatch's F read until its W).
+model counts), ``stash`` (which also keeps the snapshot each microbatch's F read until its W) and
+``predict`` (its F's prediction until B, B's until W), with momentum SGD.
 
     python benchmarks/memory_per_schedule.py [--models gpt-small mlp-deep] [--stages 2 4] [--microbatches 8]
 """
@@ -36,7 +37,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.cost import activation_memory, held_peaks
-from fxpipe.schedules.versions import held_peaks_stashed
+from fxpipe.schedules.versions import held_peaks_with_versions
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.simulate import Costs
@@ -61,10 +62,11 @@ def run_one(pipe: Any, zoo: Any, name: str, m: int, weights: str | None) -> dict
     if weights is None:
         ex.run_schedule(sched, microbatches(zoo, m))
     else:
-        ex.run_async(sched, microbatches(zoo, m), lambda ps: torch.optim.SGD(ps, lr=1e-3), weights=weights)
+        ex.run_async(sched, microbatches(zoo, m), lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+                     weights=weights)  # momentum: predict extrapolates along it
     seconds = time.perf_counter() - t0
-    if weights == "stash":  # the weight versions F read, kept until W, besides the activations
-        simulated = held_peaks_stashed(sched, costs.held_fb, costs.held_bw, costs.grad_bytes)
+    if weights is not None:  # besides the activations, the copies of the weights the policy keeps
+        simulated = held_peaks_with_versions(sched, weights, costs.held_fb, costs.held_bw, costs.grad_bytes)
     else:
         simulated = held_peaks(((a.stage, a.kind.value) for acts in sched.ranks for a in acts), costs.held_fb,
                                costs.held_bw)
@@ -93,7 +95,7 @@ def main() -> None:
             pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=p)
             names: list[tuple[str, str | None]] = [(n, None) for n in SYNCHRONOUS]
             if not pipe.shared_params:
-                names += [("async-1f1b", "stale"), ("async-1f1b", "stash")]
+                names += [("async-1f1b", "stale"), ("async-1f1b", "stash"), ("async-1f1b", "predict")]
             for name, weights in names:
                 r = run_one(pipe, zoo, name, args.microbatches, weights)
                 r.update(model=model_name, stages=p, microbatches=args.microbatches)

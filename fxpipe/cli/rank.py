@@ -216,15 +216,15 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.planning.cost import held_peaks
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
-    from fxpipe.schedules.versions import held_peaks_stashed
+    from fxpipe.schedules.versions import held_peaks_with_versions
 
     # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
     simulated = calibrate().apply(costs) if world > 1 else costs
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
-    if not sched.synchronous and args.weights == "stash":  # plus the weight versions in flight (F's, until W)
-        held = held_peaks_stashed(ran, simulated.held_fb, simulated.held_bw, simulated.grad_bytes)
+    if not sched.synchronous:  # plus the copies of the weights the policy keeps for microbatches in flight
+        held = held_peaks_with_versions(ran, args.weights, simulated.held_fb, simulated.held_bw, simulated.grad_bytes)
     else:
         held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
                           simulated.held_bw)

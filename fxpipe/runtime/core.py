@@ -118,8 +118,9 @@ class ActionRunner:
             self.versions.remember_aliases(s, weights, self.saved[(s, m)])
         if self.held is not None and not g.fused:
             self.held.hold(s, ("F", m), self.saved[(s, m)])
-            if self.versions is not None and self.versions.policy == "stash" and weights:
-                # the snapshot of the version F read, kept for its B and W (shared storages count once)
+            if self.versions is not None and weights:
+                # the copy of the weights F read: stash's snapshot (until W; shared storages count once) or
+                # predict's prediction (until B)
                 self.held.hold(s, ("V", m), weights.values())
         self.values[m].update(zip(st.outputs, outputs))
         self.maybe_loss(m)
@@ -144,6 +145,10 @@ class ActionRunner:
             weights = self.versions.weights(s, m, "B")
             saved = self.versions.rebase_saved(s, self.saved[(s, m)], weights)
             input_grads, self.handover[(s, m)] = g.run_backward_input(saved, grad_outs, weights)
+            if self.held is not None and self.versions.policy == "predict":
+                self.held.release(s, ("V", m))  # F's prediction; B's own (if it looks ahead) is kept until W
+                if weights:
+                    self.held.hold(s, ("V", m), weights.values())
         # Until W, keep only what W reads: B's own inputs would otherwise live as long as a deferred W.
         w_saved, w_grads = self.w_saved[s], self.w_grads[s]
         self.saved[(s, m)] = [x if i in w_saved else None for i, x in enumerate(self.saved[(s, m)])]

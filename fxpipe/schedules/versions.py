@@ -128,40 +128,63 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
     return out
 
 
-def held_peaks_stashed(schedule: Schedule, held_fb: Sequence[float], held_bw: Sequence[float],
-                       weight_bytes: Sequence[float]) -> tuple[float, ...]:
-    """Per stage, the peak bytes held running ``schedule`` under ``stash``: the activations as
-    ``fxpipe.planning.cost.held_peaks`` counts them, plus ``weight_bytes[s]`` for each distinct
-    weight version the stage's microbatches in flight (F run, W or BW not yet) read in their F.
+def held_peaks_with_versions(schedule: Schedule, policy: str, held_fb: Sequence[float], held_bw: Sequence[float],
+                             weight_bytes: Sequence[float]) -> tuple[float, ...]:
+    """Per stage, the peak bytes held running ``schedule`` under weight policy ``policy``: the
+    activations as ``fxpipe.planning.cost.held_peaks`` counts them, plus ``weight_bytes[s]`` per
+    copy of stage s's parameters the policy keeps for its microbatches in flight:
 
-    What the runtime's ``HeldBytes`` measures: F keeps the snapshot it read until the microbatch's
-    W, a snapshot shared by microbatches whose F met the same version counts once.
+    - ``stash``: each distinct version its microbatches in flight (F run, W or BW not yet) read in
+      their F; microbatches whose F met the same version share one snapshot;
+    - ``predict``: one predicted copy per microbatch from an F that looks ahead until its B, and
+      from a B that looks ahead until its W (each prediction is its own tensors);
+    - ``stale``: none.
+
+    What the runtime's ``HeldBytes`` measures (it holds the copies under the microbatch, shared
+    storages once).
 
     >>> from fxpipe.schedules.generators import generate
-    >>> held_peaks_stashed(generate("async-1f1b", 2, 4), [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
+    >>> sched = generate("async-1f1b", 2, 4)
+    >>> held_peaks_with_versions(sched, "stash", [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
     (220.0, 110.0)
+    >>> held_peaks_with_versions(sched, "stale", [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
+    (20.0, 10.0)
     """
+    if policy not in POLICIES:
+        raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
     times = timings(schedule)
-    level = [0.0] * schedule.num_stages
-    peak = [0.0] * schedule.num_stages
-    readers: list[dict[int, int]] = [{} for _ in range(schedule.num_stages)]  # stage -> version -> microbatches
+    n = schedule.num_stages
+    level, copies, peak = [0.0] * n, [0] * n, [0.0] * n
+    readers: list[dict[int, int]] = [{} for _ in range(n)]  # stash: stage -> version -> microbatches in flight
+    ahead: dict[tuple[int, int], int] = {}  # predict: (stage, mb) -> predicted copies it holds (0 or 1)
     for actions in schedule.ranks:
         for a in actions:
             s, kind = a.stage, a.kind
             if kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
                 continue
-            version, mine = times[(s, a.mb)].f, readers[s]
+            t = times[(s, a.mb)]
             if kind is Kind.F:
                 level[s] += held_fb[s]
-                mine[version] = mine.get(version, 0) + 1
             elif kind is Kind.B:
                 level[s] += held_bw[s] - held_fb[s]
             else:
                 level[s] -= held_bw[s] if kind is Kind.W else held_fb[s]
-                mine[version] -= 1
-                if not mine[version]:
-                    del mine[version]
-            peak[s] = max(peak[s], level[s] + len(mine) * weight_bytes[s])
+            if policy == "stash":
+                mine = readers[s]
+                if kind is Kind.F:
+                    mine[t.f] = mine.get(t.f, 0) + 1
+                elif kind is not Kind.B:
+                    mine[t.f] -= 1
+                    if not mine[t.f]:
+                        del mine[t.f]
+                copies[s] = len(mine)
+            elif policy == "predict":
+                had = ahead.pop((s, a.mb), 0)
+                now = int(t.b > t.f) if kind is Kind.F else int(t.w > t.b) if kind is Kind.B else 0
+                if now:
+                    ahead[(s, a.mb)] = now
+                copies[s] += now - had
+            peak[s] = max(peak[s], level[s] + copies[s] * weight_bytes[s])
     return tuple(peak)
 
 

@@ -21,7 +21,7 @@ from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.simulate import Costs, simulate
-from fxpipe.schedules.versions import held_peaks_stashed, versions_kept
+from fxpipe.schedules.versions import held_peaks_with_versions, versions_kept
 
 SYNCHRONOUS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "layerpipe")
 TOLERANCE = 0.15
@@ -75,28 +75,30 @@ def test_measured_peak_per_stage_is_the_simulated_one(gpt: tuple[fxpipe.Pipeline
             assert stats.peak_memory <= sum(simulated[s] for s in stages) + 1e-6
 
 
-@pytest.mark.parametrize("weights", ["stale", "stash"])
-def test_async_1f1b_activations_and_weight_versions(weights: str) -> None:
-    """async-1f1b: with ``stale`` weights (every phase the live ones) the activations alone, as the model counts
-    them; with ``stash`` also the snapshot each microbatch's F read, kept until its W (one copy of the stage's
-    parameters per distinct version in flight: ``held_peaks_stashed``). ``predict``'s copies are not modelled."""
+@pytest.mark.parametrize("weights", ["stale", "stash", "predict"])
+def test_async_1f1b_activations_and_weight_copies(weights: str) -> None:
+    """async-1f1b: with ``stale`` weights (every phase the live ones) the activations alone; with ``stash`` also the
+    snapshot each microbatch's F read, kept until its W (one copy of the stage's parameters per distinct version in
+    flight); with ``predict`` the prediction each F that looks ahead keeps until its backward."""
     zoo = models.build("mlp-tiny", dtype=torch.float64)  # async training needs untied weights
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
     m = 6
     sched = plan_schedule(pipe.plan, "async-1f1b", m)
     costs = Costs.from_plan(pipe.plan)
     ex = ReferenceExecutor(pipe, zoo.loss_fn, track_memory=True)
-    ex.run_async(sched, _microbatches(zoo, m), lambda ps: torch.optim.SGD(ps, lr=0.01), weights=weights)
+    ex.run_async(sched, _microbatches(zoo, m), lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), weights=weights)
     activations = _simulated(sched, costs)
+    simulated = held_peaks_with_versions(sched, weights, costs.held_fb, costs.held_bw, costs.grad_bytes)
+    kept = versions_kept(sched, weights)
     if weights == "stale":
-        _check("async-1f1b (stale)", ex.peak_held_bytes, activations)
-        return
-    simulated = held_peaks_stashed(sched, costs.held_fb, costs.held_bw, costs.grad_bytes)
-    kept = versions_kept(sched, "stash")
-    assert kept[0] == 2 and kept[1] == 1  # stage 0 has two microbatches in flight that read different versions
-    for s in (0, 1):  # at least the activations plus one snapshot, at most plus every version kept
-        assert activations[s] + costs.grad_bytes[s] <= simulated[s] <= activations[s] + kept[s] * costs.grad_bytes[s]
-    assert simulated[0] > activations[0] + costs.grad_bytes[0]
+        assert simulated == activations and kept == {0: 0, 1: 0}
+    else:  # stage 0 has two microbatches in flight, with two versions (stash) or two predictions (predict); the
+        # last stage runs each BW right after its F: one version, and nothing to predict
+        assert kept == {0: 2, 1: 1 if weights == "stash" else 0}
+        for s in (0, 1):
+            least = activations[s] + min(kept[s], 1) * costs.grad_bytes[s]
+            assert least <= simulated[s] <= activations[s] + kept[s] * costs.grad_bytes[s]
+        assert simulated[0] > activations[0] + costs.grad_bytes[0]
     assert ex.peak_held_bytes == [int(x) for x in simulated]  # to the byte
 
 
