@@ -32,7 +32,7 @@ from torch import fx, nn
 
 from fxpipe._compat import flop_counter_mode
 from fxpipe.errors import OptionError
-from fxpipe.plan import DEFAULTS
+from fxpipe.plan import DEFAULTS, ComputeRates
 from fxpipe.planning.strategies import LayerSpec
 
 __all__ = ["OpGraph", "strategy_graph"]
@@ -95,8 +95,15 @@ def _target_name(gm: fx.GraphModule, n: fx.Node) -> str:
 
 
 def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_flops: float | None = None,
-                   device_mem_bw: float | None = None, profile_runs: int = 0) -> OpGraph:
+                   device_mem_bw: float | None = None, profile_runs: int = 0,
+                   compute: ComputeRates | None = None) -> OpGraph:
     """The layer graph of ``model`` on ``example_inputs`` (the whole batch), one spec per fx node.
+
+    ``compute`` (``calibrate_compute``'s rates for this machine) replaces ``device_flops`` / ``device_mem_bw``:
+    a Linear's FLOPs at the GEMM rate, a convolution's at the convolution rate plus its per-call time
+    (``fixed_seconds``: it does not shrink with the split), every roofline's bytes (parameters included) at
+    the measured bandwidth. Its per-node host times are not used: the strategy runtime's own per-node cost
+    is ``planning.strategies.HostCosts``, measured on the ranks that run it.
 
     ``profile_runs > 0`` (real tensors): each node's forward is timed (the median of that many runs, in
     eval mode) and its F + B + W is that time x 3 for a matmul, x 2 for the rest, instead of the
@@ -108,6 +115,8 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
     """
     flops_rate = DEFAULTS.device_flops if device_flops is None else device_flops
     mem_bw = DEFAULTS.device_mem_bw if device_mem_bw is None else device_mem_bw
+    if compute is not None:
+        flops_rate, mem_bw = compute.gemm_flops, compute.mem_bw
     try:
         gm = fx.symbolic_trace(model)
     except Exception as err:  # symbolic tracing fails in many ways (control flow, proxies in len(), ...)
@@ -145,7 +154,7 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
         elif n.op == "placeholder":
             spec = LayerSpec(n.name, out_bytes=recorder.out[n.name], kind="input", shape=recorder.shape[n.name])
         else:
-            spec = _spec(gm, n, recorder, flops_rate, mem_bw)
+            spec = _spec(gm, n, recorder, flops_rate, mem_bw, compute)
             if n.name in recorder.seconds:
                 spec = dataclasses.replace(spec, seconds=recorder.seconds[n.name] * (3 if spec.kind == "matmul" else 2))
         index[n.name] = len(specs)
@@ -157,7 +166,8 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
     return OpGraph(gm, tuple(specs), tuple(edges), tuple(names))
 
 
-def _spec(gm: fx.GraphModule, n: fx.Node, rec: _Recorder, flops_rate: float, mem_bw: float) -> LayerSpec:
+def _spec(gm: fx.GraphModule, n: fx.Node, rec: _Recorder, flops_rate: float, mem_bw: float,
+          compute: ComputeRates | None = None) -> LayerSpec:
     out, inp, flops = rec.out[n.name], rec.inputs[n.name], rec.flops[n.name]
     spatial = rec.dims[n.name] >= 3
     shape = rec.shape[n.name]
@@ -167,9 +177,16 @@ def _spec(gm: fx.GraphModule, n: fx.Node, rec: _Recorder, flops_rate: float, mem
     param_bytes = float(sum(_nbytes(p) for p in params))
     if isinstance(module, nn.Linear) or (isinstance(module, _CONV) and module.groups == 1):
         bias = float(_nbytes(module.bias)) if module.bias is not None else 0.0
-        return LayerSpec(n.name, max(3 * flops / flops_rate, traffic), param_bytes, out, inp, "matmul",
-                         isinstance(module, _CONV), bias_bytes=bias, shape=shape,
-                         in_features=module.in_features if isinstance(module, nn.Linear) else module.in_channels)
+        conv = isinstance(module, _CONV)
+        rate, fixed = flops_rate, 0.0
+        if compute is not None:  # calibrated: a skinny GEMM reads its weight too; a conv has its own rate and call time
+            traffic += 2 * param_bytes / mem_bw
+            if conv:
+                rate, fixed = compute.conv_flops, compute.conv_fwd + compute.conv_bwd
+        return LayerSpec(n.name, max(3 * flops / rate, traffic), param_bytes, out, inp, "matmul",
+                         conv, bias_bytes=bias, shape=shape,
+                         in_features=module.in_features if isinstance(module, nn.Linear) else module.in_channels,
+                         fixed_seconds=fixed)
     if isinstance(module, _NORM):
         stats = 2.0 * module.num_features * (params[0].element_size() if params else 4)
         return LayerSpec(n.name, traffic, param_bytes, out, inp, "elementwise", spatial, stat_bytes=stats,

@@ -31,12 +31,15 @@ channels/features (column), r the input channels/features (row: each rank adds a
 the height (spatial; convolutions, pooling), with ``s*c*r*h == d`` (or dividing d with
 ``divisors=True``: the rest of the ranks compute the same thing). Per rank:
 
-    compute  = seconds / (s*c*r*h)                        seconds: the layer's F + B + W, whole batch
+    compute  = seconds / (s*c*r*h) + fixed + host         seconds: the layer's F + B + W, whole batch;
+                                                          fixed: per call whatever the split (a conv's);
+                                                          host: the runtime's per layer (``HostCosts``)
     sync     = allreduce_seconds(params / P, s*h, link)   P = c*r (matmul) or c (elementwise): the
                                                           parameters are split over P and replicated
                                                           over the s*h ranks that see other samples/pixels
                                                           (a matmul's bias over c only)
              + 2 x allreduce_seconds(stats / c, s*h)      BatchNorm's batch statistics, forward and backward
+             + host per collective                        (``HostCosts.sync`` / ``.collective``)
     memory   = static_memory(params / P, optimizer)       parameters, gradients, optimizer state
              + saved / (the degrees that split the input) a matmul saves its input (s*r*h); else s*c*h
 
@@ -86,10 +89,12 @@ from fxpipe.planning.cost import allreduce_buckets, allreduce_seconds, static_me
 __all__ = [
     "ENUMERATE_LIMIT",
     "KINDS",
+    "NO_HOST",
     "STRATEGY_COLUMNS",
     "Config",
     "Degrees",
     "Edge",
+    "HostCosts",
     "LayerMemory",
     "Layer",
     "LayerGraph",
@@ -755,7 +760,8 @@ class LayerSpec:
     ``bias_bytes``: the part of ``param_bytes`` a matmul adds to its output (split over its columns
     only: a row-split layer keeps the whole bias on each rank); ``stat_bytes``: statistics over the
     batch it all-reduces once forward and once backward when the batch is split (BatchNorm: the
-    sums of x and x² per channel, then of dy and dy·x̂).
+    sums of x and x² per channel, then of dy and dy·x̂); ``fixed_seconds``: compute a rank pays whatever the
+    configuration (a convolution's per-call time at any size), added to ``seconds / degrees``.
     """
 
     name: str
@@ -769,6 +775,7 @@ class LayerSpec:
     stat_bytes: float = 0.0
     shape: tuple[int, ...] = ()  # its output's shape (batch, channels, height, ...); () when unknown
     in_features: int = 0  # a matmul's input features or channels (what a row split divides); 0 when unknown
+    fixed_seconds: float = 0.0  # per step whatever the split (a convolution's per-call time): not divided by degrees
 
     def splits(self, degrees: Degrees) -> bool:
         """Whether ``degrees`` divide this layer's dims evenly: batch by sample, channels by column, height by
@@ -780,6 +787,41 @@ class LayerSpec:
         sizes = (*self.shape, 0, 0, 0)
         return all(size == 0 or size % degree == 0 for size, degree in ((sizes[0], degrees.sample),
                    (sizes[1], degrees.column), (sizes[2], degrees.spatial), (self.in_features, degrees.row)))
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What a strategy runtime costs the host per step beyond compute and the link, in seconds (measured on the
+    ranks that run it: ``benchmarks/strategy_measured.py``'s probe; all zero: the bare FLOP/byte model).
+
+    ``node``: each layer but the input and the loss, forward and backward, whatever its configuration (the
+    runtime's Python, ``to_local`` / ``from_local``, DTensor's autograd); ``params``: more for a layer with
+    parameters (DTensor parameters, their gradient placements, the optimizer's step per tensor);
+    ``collective``: each redistribute that moves data and each BatchNorm statistics all-reduce, beyond the
+    link's ``steps x latency + bytes / bandwidth`` (DTensor's redistribute, the ranks meeting mid-step);
+    ``sync``: each gradient all-reduce after backward, beyond the link's (issued together, waited together);
+    ``step``: once per step (the loss, its all-reduce, ``zero_grad``), charged to the ``loss`` layer.
+
+    >>> HostCosts(node=1e-4).layer(LayerSpec("fc", param_bytes=8.0)), HostCosts(node=1e-4).layer(LayerSpec("x", kind="input"))
+    (0.0001, 0.0)
+    """
+
+    node: float = 0.0
+    params: float = 0.0
+    collective: float = 0.0
+    sync: float = 0.0
+    step: float = 0.0
+
+    def layer(self, spec: LayerSpec) -> float:
+        """Seconds ``spec``'s layer costs the host per step in any configuration."""
+        if spec.kind == "input":
+            return 0.0
+        if spec.kind == "loss":
+            return self.step
+        return self.node + (self.params if spec.param_bytes > 0 else 0.0)
+
+
+NO_HOST = HostCosts()
 
 
 @dataclass(frozen=True)
@@ -923,8 +965,9 @@ def config_degrees(ranks: int, *, kind: str = "matmul", spatial: bool = False,
 
 
 def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: float, optimizer: str = "sgd",
-                  divisors: bool = False, spatial: bool = True) -> tuple[Config, ...]:
-    """The configurations of one layer on ``ranks`` ranks with their compute, sync and memory (module docstring).
+                  divisors: bool = False, spatial: bool = True, host: HostCosts = NO_HOST) -> tuple[Config, ...]:
+    """The configurations of one layer on ``ranks`` ranks with their compute, sync and memory (module docstring);
+    ``host``'s per-layer cost and ``spec.fixed_seconds`` join the compute, its per-collective costs the sync.
 
     >>> fc = LayerSpec("fc", seconds=1.0, param_bytes=100.0, saved_bytes=40.0)
     >>> [(c.name, c.compute, c.sync, c.memory) for c in layer_configs(fc, 2, bandwidth=10.0, latency=0.5)]
@@ -934,8 +977,9 @@ def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: flo
     for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial and spatial, divisors=divisors):
         if not spec.splits(d):  # DTensor would shard unevenly, and a rank could get no rows at all
             continue
-        sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency)
-        configs.append(Config(d.name, spec.seconds / d.product, sync, layer_memory(spec, d, optimizer).total, d))
+        sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency, host=host)
+        compute = spec.seconds / d.product + spec.fixed_seconds + host.layer(spec)
+        configs.append(Config(d.name, compute, sync, layer_memory(spec, d, optimizer).total, d))
     return tuple(configs)
 
 
@@ -1029,17 +1073,29 @@ def stage_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], lo
     return tuple(out), tuple(sub), tuple(index)
 
 
-def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency: float) -> float:
-    """Seconds of ``sync_collectives``, each a ring all-reduce (``allreduce_seconds``)."""
-    return math.fsum(allreduce_seconds(b, g, bandwidth, latency) for b, g in sync_collectives(spec, degrees))
+def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency: float,
+                 host: HostCosts = NO_HOST) -> float:
+    """Seconds of ``sync_collectives``, each a ring all-reduce (``allreduce_seconds``) plus ``host.sync`` per
+    gradient bucket and ``host.collective`` per statistics all-reduce (those wait mid-step).
+
+    >>> bn = LayerSpec("bn", param_bytes=16.0, stat_bytes=16.0, kind="elementwise")
+    >>> sync_seconds(bn, Degrees(sample=2), bandwidth=16.0, latency=0.0, host=HostCosts(collective=1.0, sync=10.0))
+    15.0
+    """
+    collectives = sync_collectives(spec, degrees)
+    stats = 2 if spec.stat_bytes and collectives else 0
+    extra = (len(collectives) - stats) * host.sync + stats * host.collective
+    return extra + math.fsum(allreduce_seconds(b, g, bandwidth, latency) for b, g in collectives)
 
 
 def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
                 latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True,
-                spatial: bool = True) -> LayerGraph:
+                spatial: bool = True, host: HostCosts = NO_HOST) -> LayerGraph:
     """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
     configurations and every edge's table of ``edge_seconds`` (``alltoall=False`` for a backend without
-    all-to-all, gloo; ``spatial=False``: no height splits, which the DTensor runtime does not run).
+    all-to-all, gloo; ``spatial=False``: no height splits, which the DTensor runtime does not run);
+    ``host``: the runtime's costs per layer and per collective (``HostCosts``; an edge pays
+    ``host.collective`` for each direction that moves data).
 
     >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
     >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
@@ -1047,7 +1103,7 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
     (['s2', 'c2', 'r2'], ((0.0, 32.0, 16.0),))
     """
     configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors,
-                             spatial=spatial) for s in specs]
+                             spatial=spatial, host=host) for s in specs]
     for spec, options in zip(specs, configs):
         if not options:
             dims = "x".join(map(str, spec.shape)) or "?"
@@ -1061,11 +1117,22 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
             raise OptionError(f"edge ({u}, {v}) must join two of the {len(specs)} layers")
         table = tuple(tuple(edge_seconds(specs[u], a.degrees or Degrees(), specs[v], b.degrees or Degrees(),
                                          bandwidth=bandwidth, latency=latency, alltoall=alltoall)
+                            + _edge_host(specs[u], a.degrees or Degrees(), specs[v], b.degrees or Degrees(), host,
+                                         alltoall)
                                for b in configs[v])
                       for a in configs[u])
         out.append(Edge(u, v, table))
     return LayerGraph(layers, tuple(out))
 
+
+
+def _edge_host(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degrees: Degrees, host: HostCosts,
+               alltoall: bool) -> float:
+    """``host.collective`` for each direction of an edge that moves data (one redistribute each)."""
+    if not host.collective:
+        return 0.0
+    moves = edge_transfers(src, src_degrees, dst, dst_degrees, alltoall=alltoall)
+    return host.collective * sum(1 for t in moves if t.steps > 0 or t.nbytes > 0)
 
 
 # --- preset strategies and the per-layer table ---------------------------------------------------

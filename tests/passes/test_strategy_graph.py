@@ -48,3 +48,23 @@ def test_profiled_costs_are_measured() -> None:
 def test_a_model_fx_cannot_trace_is_one_error() -> None:
     with pytest.raises(OptionError, match="symbolic_trace"):
         strategy_graph(gpt.make_model("tiny"), (torch.zeros(2, 8, dtype=torch.long),))
+
+
+def test_calibrated_rates_cost_each_kind_at_its_own() -> None:
+    """compute=: a Linear at the GEMM rate, a convolution at the conv rate plus its per-call time (fixed_seconds,
+    not divided by the split), other layers at the measured bandwidth."""
+    from fxpipe.plan import ComputeRates
+
+    rates = ComputeRates(gemm_flops=1e9, conv_flops=1e8, mem_bw=1e15, op_fwd=1.0, op_bwd=1.0, threads=1,
+                         conv_fwd=2e-5, conv_bwd=3e-5)
+    model = vgg.make_model("tiny")
+    x = torch.randn(4, 3, 32, 32)
+    fixed = {s.name: s for s in strategy_graph(model, (x,)).specs}
+    g = strategy_graph(model, (x,), compute=rates)
+    specs = {s.name: s for s in g.specs}
+    conv, fc = specs["features_0"], specs["classifier_0"]
+    flops = {n: fixed[n].seconds * 1e11 / 3 for n in ("features_0", "classifier_0")}  # defaults: 3 x FLOPs / 1e11
+    assert conv.seconds == pytest.approx(3 * flops["features_0"] / 1e8) and conv.fixed_seconds == pytest.approx(5e-5)
+    assert fc.seconds == pytest.approx(3 * flops["classifier_0"] / 1e9) and fc.fixed_seconds == 0.0
+    relu = specs["features_1"]
+    assert relu.seconds == pytest.approx(fixed["features_1"].seconds * 1e10 / 1e15)  # bytes at the measured bandwidth

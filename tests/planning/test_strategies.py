@@ -446,3 +446,31 @@ def test_strategy_rows_add_up_to_the_strategy() -> None:
         mem = [layer_memory(s, graph.layers[v].configs[c].degrees).total
                for v, (s, c) in enumerate(zip(specs, strategy.choice))]
         assert [r[5] for r in body] == pytest.approx(mem)
+
+
+# --- the runtime's host costs (HostCosts) -----------------------------------------------------------
+
+
+def test_host_costs_by_hand() -> None:
+    """x -> fc1 (params) -> relu -> fc2 -> loss on 2 ranks: host per layer, per layer with parameters, per
+    gradient all-reduce, per redistribute that moves (each direction) and per step, all by hand."""
+    from fxpipe.planning.strategies import HostCosts
+
+    specs = [LayerSpec("x", kind="input", out_bytes=40.0), LayerSpec("fc1", 1.0, 8.0, 20.0),
+             LayerSpec("relu", 0.5, 0.0, 20.0, kind="elementwise"), LayerSpec("fc2", 1.0, 8.0, 4.0, fixed_seconds=0.25),
+             LayerSpec("loss", kind="loss")]
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    host = HostCosts(node=1.0, params=10.0, collective=100.0, sync=1000.0, step=10000.0)
+    bare = build_graph(specs, edges, 2, bandwidth=10.0, latency=0.0)
+    costed = build_graph(specs, edges, 2, bandwidth=10.0, latency=0.0, host=host)
+    dp_bare, dp = data_parallel(bare), data_parallel(costed)
+    # 3 compute layers, 2 with parameters, 2 gradient all-reduces, no redistribute, one step; fc2's fixed time
+    assert close(dp.cost - dp_bare.cost, 3 * 1.0 + 2 * 10.0 + 2 * 1000.0 + 10000.0)
+    fc2 = {c.name: c for c in costed.layers[3].configs}
+    assert close(fc2["c2"].compute, 1.0 / 2 + 0.25 + 1.0 + 10.0) and fc2["c2"].sync == 0.0
+    # relu s2 -> fc2 c2: an all-gather forward, a reduce-scatter back: two redistributes
+    relu_fc2_bare, relu_fc2 = bare.edges[2].cost, costed.edges[2].cost
+    s2, c2 = 0, [c.name for c in costed.layers[3].configs].index("c2")
+    assert close(relu_fc2[s2][c2] - relu_fc2_bare[s2][c2], 2 * 100.0)
+    assert relu_fc2[s2][s2] == relu_fc2_bare[s2][s2] == 0.0  # nothing moves: no host cost
+    assert close(strategy_cost(costed, dp.choice), dp.cost)
