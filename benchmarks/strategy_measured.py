@@ -1,11 +1,20 @@
-"""Per-layer strategies measured on the DTensor runtime against the cost model, on 2 and 4 gloo ranks.
+"""Per-layer strategies measured on the DTensor runtime against the calibrated cost model, on 2 and 4 gloo ranks.
 
 For each model and rank count: pure data parallelism, the SplitBrain preset (group 2) and the searched
 strategy, each trained on the same float32 batch; the median step time (max over ranks) against the
-strategy's cost (compute + sync + transfers, in sequence) on a link calibrated over the ranks
-(``calibrate_allreduce``), compute from the FLOP/byte estimates ``strategy_graph`` makes with the plan
-defaults (``--profile``-free, "one busy core": issue 15 calibrates compute to the machine). With more
-ranks than cores the ranks share them: the predicted compute is scaled by ranks / cores.
+strategy's cost (compute + host + sync + transfers, in sequence), which the search also minimizes:
+
+- **compute** from ``strategy_graph(compute=calibrate_compute())``: this machine's GEMM rate for Linear
+  layers, its convolution rate and per-call time for convolutions, its memory bandwidth for the rest (one
+  thread, measured before the ranks start, cached); with more ranks than cores the ranks share them, so
+  compute is scaled by ranks / cores;
+- **link**: ``calibrate_allreduce`` over the same ranks (latency per ring step, bandwidth);
+- **host** (``planning.strategies.HostCosts``): what the runtime costs beyond both, per layer, per layer
+  with parameters, per redistribute, per gradient all-reduce and per step, fitted on the same ranks just
+  before (``measure_host``): chains of tiny layers (nothing to compute, a few bytes to move) of 4 and 36
+  layers in four forms (ReLU and Linear data-parallel, Linear alternating batch and column splits, BatchNorm),
+  each trained like the models; the cost model is linear in the five host costs, so they are the
+  non-negative least-squares fit (relative error) of its prediction to the eight measured steps.
 
     OMP_NUM_THREADS=1 python benchmarks/strategy_measured.py --out benchmarks/results/strategy_measured/measured.json
 """
@@ -13,33 +22,165 @@ ranks than cores the ranks share them: the predicted compute is scaled by ranks 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from fxpipe.models import resnet, vgg
+from fxpipe.passes.calibrate_compute import calibrate_compute, describe
 from fxpipe.passes.strategy_graph import strategy_graph
-from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, traffic_per_layer
+from fxpipe.plan import ComputeRates
+from fxpipe.planning.strategies import (
+    Degrees,
+    HostCosts,
+    LayerGraph,
+    LayerSpec,
+    build_graph,
+    data_parallel,
+    solve,
+    splitbrain,
+    strategy_cost,
+    strategy_rows,
+    traffic_per_layer,
+)
 from fxpipe.runtime.calibrate import calibrate_allreduce
 from fxpipe.runtime.strategy import StrategyRuntime
 
 MODELS = {"vgg-small": (vgg, "small"), "resnet-small": (resnet, "small")}
+PROBES = (("relu", "dp"), ("linear", "dp"), ("linear", "sc"), ("norm", "dp"))
+PROBE_LAYERS = (4, 36)
+HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostCosts))
 
 
-def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
+# --- the host-cost probe ---------------------------------------------------------------------------
+
+
+def probe_model(kind: str, layers: int) -> nn.Sequential:
+    """``layers`` tiny layers of ``kind`` between a first and a last Linear (16 features: nothing to compute)."""
+    make = {"relu": nn.ReLU, "linear": lambda: nn.Linear(16, 16), "norm": lambda: nn.BatchNorm1d(16)}[kind]
+    return nn.Sequential(nn.Linear(16, 16), *(make() for _ in range(layers)), nn.Linear(16, 10))
+
+
+def probe_degrees(specs: Sequence[LayerSpec], world: int, mode: str) -> list[Degrees]:
+    """``dp``: every layer batch-split; ``sc``: the compute layers alternate batch and column splits (every edge
+    moves: an all-gather or a reduce-scatter each way)."""
+    out = []
+    for i, spec in enumerate(specs):
+        column = mode == "sc" and spec.kind not in ("input", "loss") and i % 2 == 1
+        out.append(Degrees(column=world) if column else Degrees(sample=world))
+    return out
+
+
+def choice_of(graph: LayerGraph, degrees: Sequence[Degrees]) -> tuple[int, ...]:
+    return tuple(next(c for c, cfg in enumerate(layer.configs) if cfg.degrees == d)
+                 for layer, d in zip(graph.layers, degrees))
+
+
+def time_steps(rt: StrategyRuntime, x: torch.Tensor, t: torch.Tensor, iters: int, warmup: int) -> float:
+    """The median step of ``iters`` after ``warmup``, the slowest rank's (collective)."""
+    opt = torch.optim.SGD(rt.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for _ in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        rt.train_step(x, t, opt)
+        times.append(time.perf_counter() - start)
+    mine = torch.tensor(statistics.median(times[warmup:]), dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine)
+
+
+def shared(specs: Sequence[LayerSpec], share: float) -> tuple[LayerSpec, ...]:
+    """``specs`` with their compute stretched by ``share`` (ranks / cores: the ranks take turns on the cores)."""
+    return tuple(dataclasses.replace(s, seconds=s.seconds * share, fixed_seconds=s.fixed_seconds * share)
+                 for s in specs)
+
+
+def fit_host(rows: Sequence[tuple[float, Sequence[float], float]]) -> HostCosts:
+    """Non-negative least squares, relative: ``measured ≈ base + Σ_j a_j h_j`` over ``(base, a, measured)`` rows."""
+    active = list(range(len(HOST_FIELDS)))
+    while True:
+        a = torch.tensor([[r[1][j] / r[2] for j in active] for r in rows], dtype=torch.float64)
+        b = torch.tensor([(r[2] - r[0]) / r[2] for r in rows], dtype=torch.float64)
+        h = torch.linalg.lstsq(a, b.unsqueeze(1)).solution.squeeze(1).tolist()
+        if min(h) >= 0 or not active:
+            break
+        active.pop(min(range(len(h)), key=lambda i: h[i]))  # the most negative term is zero; fit the others
+        if not active:
+            h = []
+            break
+    values = dict.fromkeys(HOST_FIELDS, 0.0)
+    values.update({HOST_FIELDS[j]: v for j, v in zip(active, h)})
+    return HostCosts(**values)
+
+
+def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters: int,
+                 warmup: int) -> tuple[HostCosts, list[dict[str, Any]]]:
+    """Fit ``HostCosts`` on the probe chains (collective: every rank calls it)."""
+    rows, report = [], []
+    for kind, mode in PROBES:
+        for layers in PROBE_LAYERS:
+            torch.manual_seed(0)
+            net = probe_model(kind, layers)
+            x, t = torch.randn(4 * world, 16), torch.randint(0, 10, (4 * world,))
+            g = strategy_graph(net, (x,), compute=rates)
+            specs = shared(g.specs, share)
+            degrees = probe_degrees(specs, world, mode)
+
+            def cost(host: HostCosts) -> float:
+                graph = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency,
+                                    alltoall=False, host=host)
+                return strategy_cost(graph, choice_of(graph, degrees))
+
+            base = cost(HostCosts())
+            unit = [cost(HostCosts(**{f: 1.0})) - base for f in HOST_FIELDS]
+            measured = time_steps(StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t, iters, warmup)
+            rows.append((base, unit, measured))
+            report.append({"probe": f"{kind}-{mode}", "layers": layers, "measured_s": measured, "base_s": base,
+                           "per_unit": dict(zip(HOST_FIELDS, unit))})
+    host = fit_host(rows)
+    for r, (base, unit, _) in zip(report, rows):
+        r["fitted_s"] = base + sum(u * getattr(host, f) for u, f in zip(unit, HOST_FIELDS))
+    return host, report
+
+
+# --- the models ------------------------------------------------------------------------------------
+
+
+def eager_seconds(net: nn.Module, x: torch.Tensor, t: torch.Tensor, iters: int, warmup: int) -> float:
+    """The median forward + backward of a copy of ``net`` on one rank's share of the batch in plain PyTorch, the
+    slowest rank's (collective; every rank runs it at once, sharing the cores as the runtime does)."""
+    net = copy.deepcopy(net).train()
+    times = []
+    for _ in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        nn.functional.cross_entropy(net(x), t).backward()
+        times.append(time.perf_counter() - start)
+    mine = torch.tensor(statistics.median(times[warmup:]), dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine)
+
+
+def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: ComputeRates, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     link = calibrate_allreduce()
-    cores = os.cpu_count() or 1
+    share = max(1.0, world / (os.cpu_count() or 1))
+    host, probes = measure_host(world, link, rates, share, args.probe_iters, args.warmup)
     rows = []
     for model in args.models:
         family, size = MODELS[model]
@@ -48,30 +189,28 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, out: str)
         side = family.SIZES[size].image_size
         x = torch.randn(args.batch, 3, side, side)
         t = torch.randint(0, 10, (args.batch,))
-        g = strategy_graph(net, (x,), profile_runs=args.profile_runs)
-        graph = build_graph(g.specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
+        g = strategy_graph(net, (x,), compute=rates)
+        specs = shared(g.specs, share)
+        local = eager_seconds(net, x[: args.batch // world], t[: args.batch // world], args.iters, args.warmup)
+        bare_compute = sum(s.seconds / world + s.fixed_seconds for s in specs)
+        graph = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
+                            host=host)
+        bare = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
         for name, strategy in (("dp", data_parallel(graph)), ("splitbrain-2", splitbrain(graph, g.specs, 2)),
                                ("auto", solve(graph))):
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
-            compute = sum(graph.layers[v].configs[c].compute for v, c in enumerate(strategy.choice))
-            share = max(1.0, world / cores)
-            predicted = strategy.cost + compute * (share - 1.0)
-            rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees)
-            opt = torch.optim.SGD(rt.parameters(), lr=0.01, momentum=0.9)
-            times = []
-            for i in range(args.warmup + args.iters):
-                dist.barrier()
-                start = time.perf_counter()
-                rt.train_step(x, t, opt)
-                times.append(time.perf_counter() - start)
-            mine = torch.tensor(statistics.median(times[args.warmup:]))
-            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            total = strategy_rows(graph, specs, strategy).rows[-1]
+            measured = time_steps(StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t, args.iters,
+                                  args.warmup)
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
             rows.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
-                         "predicted_s": predicted, "measured_s": float(mine), "bytes_per_rank": moved})
+                         "predicted_s": strategy.cost, "measured_s": measured, "bytes_per_rank": moved,
+                         "compute_s": total[2], "sync_s": total[3], "transfer_s": total[4],
+                         "bare_model_s": strategy_cost(bare, strategy.choice),
+                         "eager_local_s": local, "dp_compute_s": bare_compute})
     if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "link": {"bandwidth": link.bandwidth,
-                                                                "latency": link.latency}}))
+        Path(out).write_text(json.dumps({"rows": rows, "link": {"bandwidth": link.bandwidth, "latency": link.latency},
+                                         "host": dataclasses.asdict(host), "probes": probes, "share": share}))
     dist.destroy_process_group()
 
 
@@ -82,29 +221,52 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--profile-runs", type=int, default=0, help="time each node's forward this many times "
-                        "(one thread) for the compute costs, instead of FLOP estimates")
+    parser.add_argument("--probe-iters", type=int, default=10, help="steps timed per host-cost probe")
+    parser.add_argument("--cached-compute", action="store_true", help="take calibrate_compute's cached rates "
+                        "instead of measuring them now (under the same conditions as the steps)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    rows: list[dict[str, Any]] = []
-    links = {}
+    rates, cached = calibrate_compute(threads=1, cache=args.cached_compute)  # measured now: the cache may be a loaded machine's
+    print(describe(rates, cached=cached))
+    load = [os.getloadavg()]
+    results: dict[int, dict[str, Any]] = {}
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{tmp}/pg", args, out), nprocs=world)
-            got = json.loads(Path(out).read_text())
-        rows += got["rows"]
-        links[world] = got["link"]
-    print(f"{'model':14} {'ranks':>5} {'strategy':13} {'predicted ms':>12} {'measured ms':>11} {'sim/meas':>8} "
-          f"{'MB/rank':>8}")
+            mp.spawn(worker, args=(world, f"file://{tmp}/pg", args, rates, out), nprocs=world)
+            results[world] = json.loads(Path(out).read_text())
+    load.append(os.getloadavg())
+    rows = [r for got in results.values() for r in got["rows"]]
+    print(f"{'model':14} {'ranks':>5} {'strategy':13} {'predicted ms':>12} {'measured ms':>11} {'pred/meas':>9} "
+          f"{'MB/rank':>8} {'bare model ms':>13}")
     for r in rows:
         print(f"{r['model']:14} {r['ranks']:>5} {r['strategy']:13} {1e3 * r['predicted_s']:12.1f} "
-              f"{1e3 * r['measured_s']:11.1f} {r['predicted_s'] / r['measured_s']:8.2f} {r['bytes_per_rank'] / 1e6:8.2f}")
-    for world, link in links.items():
-        print(f"link over {world} ranks: {link['bandwidth'] / 1e9:.2f} GB/s, {1e6 * link['latency']:.1f} us per step")
+              f"{1e3 * r['measured_s']:11.1f} {r['predicted_s'] / r['measured_s']:9.2f} "
+              f"{r['bytes_per_rank'] / 1e6:8.2f} {1e3 * r['bare_model_s']:13.1f}")
+    print("compute alone (dp): model's ms vs plain PyTorch forward + backward on a rank's share of the batch: "
+          + "; ".join(f"{r['model']} @ {r['ranks']}: {1e3 * r['dp_compute_s']:.1f} vs {1e3 * r['eager_local_s']:.1f}"
+                      for r in rows if r["strategy"] == "dp"))
+    for world, got in results.items():
+        link, host = got["link"], got["host"]
+        print(f"{world} ranks: link {link['bandwidth'] / 1e9:.2f} GB/s, {1e6 * link['latency']:.1f} us per step; host "
+              + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in host.items())
+              + f"; compute x{got['share']:g}")
+        for p in got["probes"]:
+            print(f"  probe {p['probe']:12} {p['layers']:>3} layers: measured {1e3 * p['measured_s']:7.2f} ms, "
+                  f"fitted {1e3 * p['fitted_s']:7.2f} ms")
+        for model in args.models:
+            mine = [r for r in got["rows"] if r["model"] == model]
+            pick = min(mine, key=lambda r: r["predicted_s"])
+            fastest = min(mine, key=lambda r: r["measured_s"])
+            print(f"  {model}: predicted fastest {pick['strategy']}, measured fastest {fastest['strategy']} "
+                  f"({pick['measured_s'] / fastest['measured_s'] - 1:+.1%} for the pick)")
+    print("load average (1, 5, 15 min) before and after: " + "; ".join(" ".join(f"{v:.2f}" for v in x) for x in load))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows, "links": links, "argv": sys.argv}, indent=1))
+        args.out.write_text(json.dumps({"rows": rows, "runs": {str(k): {kk: v for kk, v in got.items() if kk != "rows"}
+                                                                for k, got in results.items()},
+                                        "compute": dataclasses.asdict(rates), "load": load, "argv": sys.argv},
+                                       indent=1))
 
 
 if __name__ == "__main__":
