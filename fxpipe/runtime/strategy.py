@@ -23,6 +23,17 @@ exactly as ``planning.strategies.transfer`` counts. Then, after backward, each l
 gradients (partial sums over its sample ranks) are all-reduced as one flat buffer per layer (in
 ``BUCKET_BYTES`` buckets) over the ranks that hold the same shard: ``sync_collectives``.
 
+**Nesting orders.** DTensor splits a tensor dim over its mesh dims outermost first, so on a 2x2 mesh a dim
+split over both can nest its blocks two ways. Each layer runs on one *view* of the mesh (the same ranks,
+dims reordered; roles s, c, r in that order over it), and a value moves on a view where its blocks and
+the needed ones nest (``_route``): then it moves what ``planning.strategies.transfer`` counts. A Linear or
+convolution reads its input's channel blocks in any order, holding its weight's input dim in the same
+order (``_block_order``; ``full_parameters`` gives the model's order back), so it takes the base view
+even where its input nests the other way (c4 -> c2r2 -> c4 stays in the base order, and a residual
+add's inputs agree). An elementwise layer cannot reorder: after ``s2c2 -> c4`` its blocks nest the other
+way, and an add joining that with a base-ordered value moves one input, which the cost model does not
+price (docs/architecture.md, per-layer strategies).
+
 BatchNorm with a split batch computes the whole batch's statistics: one all-reduce of the per-channel
 sums of x and x² forward, one of dy and dy·x̂ backward (``stat_bytes``), so a replica's running
 statistics and gradients are one process's. Spatial (height) splits are not run: DTensor's
@@ -222,42 +233,58 @@ class _Move(torch.autograd.Function):
         return moved, None, None, None
 
 
-def _route(held: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...],
-           needed: Sequence[Any]) -> tuple[str | None, tuple[int, int]]:
-    """Where to move a value held on view ``src`` to what a layer on view ``dst`` needs: ``"dst"`` (seen on
-    ``dst`` as it is, then moved there), ``"src"`` (moved on ``src`` to what ``dst`` needs, then seen on
-    ``dst``) or None (neither view keeps its blocks nesting); and how well it then lines up (``_lined_up``)."""
-    seen, ok = _reinterpret(held, src, dst)
-    if ok:
-        return "dst", _lined_up(seen, needed)
-    there, ok = _reinterpret(needed, dst, src)
-    if ok:
-        return "src", _lined_up(held, there)
-    return None, (0, 0)
+def _route(held: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...], needed: Sequence[Any],
+           views: Sequence[tuple[int, ...]], reorder: bool) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None,
+                                                                     tuple[int, int]]:
+    """Where to move a value held on view ``src`` to what a layer on view ``dst`` needs: the view it is moved on
+    (seen there as it is, moved, then seen on ``dst``; None when no view keeps its blocks nesting), the block
+    order of its dim 1 seen there (``_block_order``; None unless ``reorder``, the layer reads its input's channels
+    in any order, and a view other than ``src`` lines up better that way), and how well it then lines up
+    (``_lined_up``). Candidates: ``dst``, ``src``, then the other views; the first best wins."""
+    best: tuple[tuple[int, ...] | None, tuple[int, ...] | None, tuple[int, int]] = (None, None, (-1, -1))
+    for via in dict.fromkeys((dst, src, *views)):
+        there, ok = _reinterpret(needed, dst, via)
+        if not ok:
+            continue
+        for permuted in (False, True) if reorder and via != src else (False,):
+            seen, ok = _reinterpret(held, src, via, reorder=permuted)
+            order = _block_order(held, src, via) if permuted else None
+            if not ok or (permuted and order == tuple(range(len(order or ())))):
+                continue  # not faithful, or the same order: the unpermuted candidate
+            score = _lined_up(seen, there)
+            if score > best[2]:
+                best = (via, order, score)
+    return best if best[0] is not None else (None, None, (0, 0))
 
 
 class _View(torch.autograd.Function):
     """The same local blocks as a DTensor on another view of the mesh (no data moves), and back for the gradient
     (pending sums included; a gradient whose blocks would not nest on the way back is first brought to the
-    placements the forward produced, Partial made whole, under the layer's label)."""
+    placements the forward produced, Partial made whole, under the layer's label). ``reorder``: dim 1's blocks
+    may nest in another order on the new view (the DTensor there is the tensor with its dim-1 blocks in
+    ``_block_order``; only a layer that reads its input's channels in that order takes it)."""
 
     @staticmethod
     def forward(ctx: Any, x: DTensor, src: tuple[int, ...], dst: tuple[int, ...], label: str,  # type: ignore[override]
-                rt: StrategyRuntime) -> DTensor:
-        placements, ok = _reinterpret(x.placements, src, dst)
+                rt: StrategyRuntime, reorder: bool = False) -> DTensor:
+        placements, ok = _reinterpret(x.placements, src, dst, reorder=reorder)
         assert ok, (x.placements, src, dst)
-        ctx.src, ctx.dst, ctx.label, ctx.rt = src, dst, label, rt
+        ctx.src, ctx.dst, ctx.label, ctx.rt, ctx.reorder = src, dst, label, rt, reorder
         ctx.want = tuple(_R if p.is_partial() else p for p in placements)
         return DTensor.from_local(x.to_local(), rt.view(dst), placements, run_check=False)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> Any:  # type: ignore[override]
-        placements, ok = _reinterpret(grad.placements, ctx.dst, ctx.src)  # a pending sum is seen as it is
+        if ctx.reorder:  # reordered blocks go back only as the forward split them
+            ok = grad.placements == ctx.want
+        else:
+            _, ok = _reinterpret(grad.placements, ctx.dst, ctx.src)  # a pending sum is seen as it is
         if not ok:
             with _at(ctx.rt.counter, ctx.label):
                 grad = grad.redistribute(grad.device_mesh, ctx.want)
-            placements, _ = _reinterpret(grad.placements, ctx.dst, ctx.src)
-        return DTensor.from_local(grad.to_local(), ctx.rt.view(ctx.src), placements, run_check=False), None, None, None, None
+        placements, _ = _reinterpret(grad.placements, ctx.dst, ctx.src, reorder=ctx.reorder)
+        return (DTensor.from_local(grad.to_local(), ctx.rt.view(ctx.src), placements, run_check=False),
+                None, None, None, None, None)
 
 
 class _BatchNormSync(torch.autograd.Function):
@@ -310,6 +337,7 @@ class _Layer:
     degrees: Degrees
     roles: tuple[str, ...]
     perm: tuple[int, ...]
+    order: tuple[int, ...] | None = None  # a matmul reading its input's dim-1 blocks in this order (_block_order)
 
     @property
     def sample_dims(self) -> tuple[int, ...]:
@@ -317,28 +345,73 @@ class _Layer:
         return tuple(sorted(self.perm[i] for i, r in enumerate(self.roles) if r == "s"))
 
 
-def _reinterpret(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[Any, ...], bool]:
+def _reinterpret(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...],
+                 reorder: bool = False) -> tuple[tuple[Any, ...], bool]:
     """The same local blocks seen on the view ``dst`` instead of ``src`` (both: view dim -> base dim), and whether
-    that is faithful: every tensor dim split over several mesh dims keeps the order they nest in.
+    that is faithful: every tensor dim split over several mesh dims keeps the order they nest in (dim 1 may
+    change its order under ``reorder``: ``_block_order`` says how).
 
     >>> _reinterpret((Shard(1), Partial()), (0, 1), (1, 0))
     ((Partial(sum), Shard(dim=1)), True)
-    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0))[1]
-    False
+    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0))[1], _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0), True)[1]
+    (False, True)
     """
     base: list[Any] = [None] * len(src)
     for j, p in enumerate(placements):
         base[src[j]] = p
     out = tuple(base[dst[j]] for j in range(len(dst)))
+    a, b = _nesting(placements, src), _nesting(out, dst)
+    if reorder:
+        a.pop(1, None)
+        b.pop(1, None)
+    return out, a == b
 
-    def orders(pl: Sequence[Any], view: tuple[int, ...]) -> dict[int, list[int]]:
-        found: dict[int, list[int]] = {}
-        for j, p in enumerate(pl):
-            if p.is_shard():
-                found.setdefault(p.dim, []).append(view[j])
-        return found
 
-    return out, orders(placements, src) == orders(out, dst)
+def _nesting(placements: Sequence[Any], view: tuple[int, ...]) -> dict[int, list[int]]:
+    """Each split tensor dim's base mesh dims, outermost first (DTensor splits over a view's dims in its order)."""
+    found: dict[int, list[int]] = {}
+    for j, p in enumerate(placements):
+        if p.is_shard():
+            found.setdefault(p.dim, []).append(view[j])
+    return found
+
+
+def _block_order(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, ...]:
+    """Dim 1 of a tensor ``x`` split over m mesh dims has 2^m blocks; seen on ``dst`` instead of ``src`` (the same
+    local blocks, ``_reinterpret(..., reorder=True)``) it is ``x'`` with ``x'``'s block i = ``x``'s block
+    ``order[i]``: a rank's block index is its coordinates over those mesh dims read outermost first, and the
+    two views read them in different orders. A matmul that reads ``x'`` holds its weight's dim 1 in the same
+    order, so ``W' x' = W x``.
+
+    >>> _block_order((Shard(1), Shard(1)), (0, 1), (1, 0))  # a 2x2 mesh: the middle blocks swap
+    (0, 2, 1, 3)
+    """
+    seen, _ = _reinterpret(placements, src, dst, reorder=True)
+    before, after = _nesting(placements, src).get(1, []), _nesting(seen, dst).get(1, [])
+    m = len(before)
+    order = [0] * (1 << m)
+    for coords in itertools.product((0, 1), repeat=m):  # coords[t]: the rank's coordinate on mesh dim before[t]
+        at = dict(zip(before, coords))
+        i_src = sum(at[d] << (m - 1 - t) for t, d in enumerate(before))
+        i_dst = sum(at[d] << (m - 1 - t) for t, d in enumerate(after))
+        order[i_dst] = i_src
+    return tuple(order)
+
+
+def _reordered(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """``t`` with its dim-1 blocks in ``order`` (block i of the result is block ``order[i]`` of ``t``)."""
+    if order is None:
+        return t
+    return t.unflatten(1, (len(order), -1))[:, list(order)].flatten(1, 2)
+
+
+def _inverse(order: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if order is None:
+        return None
+    out = [0] * len(order)
+    for i, o in enumerate(order):
+        out[o] = i
+    return tuple(out)
 
 
 class StrategyRuntime:
@@ -465,39 +538,69 @@ class StrategyRuntime:
 
     def _line_up(self, node: fx.Node) -> None:
         """Give ``node`` the view of the mesh (an order of its dims, roles in the order s, c, r over it) whose
-        placements its producers' outputs fit best as they are: seen on that view without moving (their
-        blocks keep nesting), then nested with what the node reads, then equal to it (the cost model
-        assumes split blocks line up: a split kept on the same ranks moves nothing). A stage's last node
-        keeps the base view: the next stage reads its slices in the base order."""
+        placements its producers' outputs fit best: moved on a view where their blocks keep nesting (the cost
+        model assumes split blocks line up: a split kept on the same ranks moves nothing), then nested with
+        what the node reads, then equal to it; the base view on a tie. A matmul reads its input's channels
+        in any order (``_reads_any_order``), so it can take the base view where its input nests the other way:
+        its output then nests in the base order too, and a residual add's two inputs agree. A stage's last
+        node keeps the base view: the next stage reads its slices in the base order."""
         layer = self.layers[node.name]
-        producers = [self.layers[a.name] for a in node.all_input_nodes if a.name in self.layers]
-        if not producers or self.mesh.ndim < 2 or node.name in self._cuts:
+        producers = [(self._held_by(a, node), self.layers[a.name].perm if self._same_stage(a, node) else
+                      self._identity) for a in node.all_input_nodes]
+        if not producers or self.mesh.ndim < 2:
             return
+        reorder = self._reads_any_order(node)
+        perms = [self._identity] if node.name in self._cuts else sorted(itertools.permutations(self._identity))
         best, best_score = layer.perm, (-1, -1, -1)
-        for perm in sorted(itertools.permutations(self._identity)):
+        order: tuple[int, ...] | None = None  # a producer's block order (only a one-input matmul reorders)
+        best_order = order
+        for perm in perms:
             trial = _Layer(layer.spec, layer.degrees, layer.roles, perm)
             needed = self._needed(trial)[0]
             score = [0, 0, 0]
-            for p in producers:
-                route, (nested, equal) = _route(self._held(p), p.perm, perm, needed)
-                score = [score[0] + (route is not None), score[1] + nested, score[2] + equal]
+            for held, src in producers:
+                via, order, (nested, equal) = _route(held, src, perm, needed, list(self._views), reorder)
+                score = [score[0] + (via is not None), score[1] + nested, score[2] + equal]
             if tuple(score) > best_score:
-                best, best_score = perm, tuple(score)
-        layer.perm = best
+                best, best_score, best_order = perm, tuple(score), order
+        layer.perm, layer.order = best, best_order
+
+    def _same_stage(self, a: fx.Node, node: fx.Node) -> bool:
+        return self.stage_of[a.name] == self.stage_of[node.name]
+
+    def _held_by(self, a: fx.Node, node: fx.Node) -> tuple[Any, ...]:
+        """The placements ``node`` finds its input ``a`` in: ``a``'s own, or, from the previous stage, its slices."""
+        return self._held(self.layers[a.name]) if self._same_stage(a, node) else self._sliced()
+
+    def _reads_any_order(self, node: fx.Node) -> bool:
+        """A Linear or convolution whose one input's dim 1 is its weight's input dim: it can hold its weight's dim 1
+        in the order its input's blocks arrive in (``_block_order``), so no block needs to move for the order."""
+        layer = self.layers[node.name]
+        inputs = node.all_input_nodes
+        if layer.spec.kind != "matmul" or node.op != "call_module" or len(inputs) != 1:
+            return False
+        shape, module = self.layers[inputs[0].name].spec.shape, self.module.get_submodule(str(node.target))
+        rank = 2 if isinstance(module, nn.Linear) else module.weight.dim() if isinstance(module, _CONV) else 0
+        return len(shape) == rank > 0 and shape[1] == layer.spec.in_features > 0
 
     def _to(self, value: DTensor, layer: _Layer, needed: tuple[Any, ...], label: str) -> DTensor:
-        """``value`` (a producer's output, on its view) as ``layer`` reads it: on the layer's view, in ``needed``."""
+        """``value`` (a producer's output, on its view) as ``layer`` reads it: on the layer's view, in ``needed``
+        (moved on the view ``_route`` picks: the one ``_line_up`` planned, weight order included)."""
         src, dst = self._perm_of[id(value.device_mesh)], layer.perm
-        if src != dst:
-            route, _ = _route(value.placements, src, dst, needed)
-            if route == "src":  # moved on the producer's view, then seen on the layer's
-                there, _ = _reinterpret(needed, dst, src)
-                if value.placements != there:
-                    value = _Move.apply(value, there, label, self)
-            elif route is None:  # blocks that nest on neither view: the split dims gathered on the producer's first
-                value = _Move.apply(value, tuple(_R if p.is_shard() else p for p in value.placements), label, self)
-            value = _View.apply(value, src, dst, label, self)
-        return _Move.apply(value, needed, label, self) if value.placements != needed else value
+        via, order, _ = _route(value.placements, src, dst, needed, list(self._views), layer.order is not None)
+        if order != layer.order:
+            raise RuntimeError(f"node {label!r}: its input arrives in block order {order}, its weight is held in "
+                               f"{layer.order} (the strategy runtime planned it from other placements)")
+        if via is None:  # blocks that nest on no view: the split dims gathered on the producer's first
+            value = _Move.apply(value, tuple(_R if p.is_shard() else p for p in value.placements), label, self)
+            value = _View.apply(value, src, dst, label, self) if src != dst else value
+            src = via = dst
+        if via != src:
+            value = _View.apply(value, src, via, label, self, order is not None)
+        there, _ = _reinterpret(needed, dst, via)
+        if value.placements != there:
+            value = _Move.apply(value, there, label, self)
+        return _View.apply(value, via, dst, label, self) if via != dst else value
 
     def _group(self, dims: tuple[int, ...]) -> Any:
         if len(dims) == 0:
@@ -532,7 +635,8 @@ class StrategyRuntime:
                               "runtime runs Linear, convolutions and BatchNorm")
         self._params[node.name] = []
         for name, p in params.items():
-            dt = distribute_tensor(p.detach(), self.view(layer.perm), _placements(what[name], roles))
+            whole = _reordered(p.detach(), layer.order) if name == "weight" else p.detach()
+            dt = distribute_tensor(whole, self.view(layer.perm), _placements(what[name], roles))
             setattr(module, name, nn.Parameter(dt, requires_grad=p.requires_grad))
             self._params[node.name].append((name, getattr(module, name), what[name]))
 
@@ -550,10 +654,18 @@ class StrategyRuntime:
                 yield f"{node.target}.{name}", p
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.full_tensor() for n, p in self.named_parameters()}
+        """This stage's parameters, whole, as the model holds them (``named_parameters`` holds the weight of a layer
+        that reads its input's blocks reordered with its dim 1 in that order: ``_block_order``)."""
+        return {n: self._unordered(n, p.full_tensor()) for n, p in self.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad.full_tensor() for n, p in self.named_parameters() if p.grad is not None}
+        return {n: self._unordered(n, p.grad.full_tensor()) for n, p in self.named_parameters() if p.grad is not None}
+
+    def _unordered(self, qualified: str, t: torch.Tensor) -> torch.Tensor:
+        """A whole parameter (or its gradient) named ``qualified`` in the model's order."""
+        target, name = qualified.rsplit(".", 1)
+        node = next(n for n in self._mine if n.op == "call_module" and n.target == target)
+        return _reordered(t, _inverse(self.layers[node.name].order)) if name == "weight" else t
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """This stage's buffers (BatchNorm's running statistics), whole."""

@@ -79,6 +79,7 @@ def run_case(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
         layers[node] = {"config": d.name, "predicted": p, "actual": actual.get(node, 0.0),
                         "predicted_count": len(sync_collectives(spec, d)) + m, "count": len(mine)}
     return {"name": name, "losses": losses, "configs": strategy.names(graph), "layers": layers,
+            "reordered": [n for n, layer in rt.layers.items() if layer.order is not None],
             "loss_value": actual.get("(loss value)", 0.0),
             "unlabelled": sum(r.nbytes for r in records if r.layer not in layers and r.layer != "(loss value)"),
             "counts": counter.counts()}

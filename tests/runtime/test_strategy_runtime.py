@@ -81,6 +81,8 @@ def test_trains_like_one_process(runs: tuple[int, Path, list[Any]], case: str) -
         assert set(result["configs"]) == {f"s{world}"}
     if case.endswith("-auto") and world == 4:
         assert any(c not in ("s4",) for c in result["configs"])  # the search splits more than the batch here
+    if case == "resnet-tiny-auto" and world == 4:  # its row-split convolutions hold their weights' blocks reordered
+        assert result["reordered"], result["configs"]
 
 
 def _mismatches(result: dict[str, Any]) -> list[tuple[str, str, float, float]]:
@@ -98,17 +100,6 @@ def test_each_layer_moves_what_the_cost_model_predicts(runs: tuple[int, Path, li
     assert result["unlabelled"] == 0
     assert sum(v["actual"] for v in result["layers"].values()) > 0
     bad = _mismatches(result)
-    if case == "resnet-tiny-auto" and world == 4:
-        # Known: each row-split convolution between column-split layers (c4 -> c2r2 -> c4) leaves its c4 consumer
-        # on the other view of the 2x2 mesh (its blocks nest the other way round; the runtime's per-layer views
-        # make every such edge exact). A residual add whose two branches crossed such layers an odd and an even
-        # number of times gets its inputs nested in different orders: one must be reshuffled, which the cost
-        # model (orders unseen) prices at 0. Only that add is off, and the model is a lower bound there.
-        assert [n for n, *_ in bad] == ["add_1"], bad
-        assert all(actual > predicted for _, _, predicted, actual in bad)
-        exact = {n for n in result["layers"]} - {n for n, *_ in bad}
-        assert all(result["layers"][n]["count"] == result["layers"][n]["predicted_count"] for n in exact)
-        return
     assert not bad, bad
     for n, v in result["layers"].items():
         assert v["count"] == v["predicted_count"], (n, v)
