@@ -326,6 +326,39 @@ def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+class InPlaceW:
+    """A stage's W writing ``.grad`` in place as the distributed runtime's does (``PipelineRuntime.backward_weight``),
+    for the reference executor: a parameter's first gradient through W_set into a new contiguous buffer, every later
+    one added inside the GEMMs by W_acc (:mod:`fxpipe.graphs.accumulate`). ``w_set`` and ``w_acc`` are attributes so
+    an executor can swap in compiled ones."""
+
+    def __init__(self, g: StageGraphs, params: Sequence[torch.nn.Parameter]) -> None:
+        from fxpipe.graphs.accumulate import accumulating_weight_graph
+
+        n = len(g.param_names)
+        self.params = list(params)
+        self.w_acc: Any = accumulating_weight_graph(g.backward_weight, n)[0]
+        self.w_set: Any = accumulating_weight_graph(g.backward_weight, n, overwrite=True)[0]
+        self.unique = len({id(p) for p in self.params}) == len(self.params)
+
+    def run(self, args: Sequence[Any]) -> bool:
+        """W on ``args`` into the parameters' ``.grad``; False (nothing run) where some parameter has a gradient and
+        another none yet, or a parameter W returns twice has none (the caller runs plain W then)."""
+        have = [p.grad is not None for p in self.params]
+        if not self.params:
+            return False
+        if all(have):
+            self.w_acc(*args, *(p.grad for p in self.params))
+            return True
+        if any(have) or not self.unique:
+            return False
+        grads = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in self.params]
+        self.w_set(*args, *grads)
+        for p, grad in zip(self.params, grads):
+            p.grad = grad
+        return True
+
+
 def output_vals(g: StageGraphs) -> list[Any]:
     """The traced values (shape, dtype) of a stage's outputs, from its F graph."""
     assert g.forward is not None  # split stages only

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+import warnings
 from typing import Any
 
 import torch
 
 from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
-from fxpipe.runtime.core import ActionRunner, HeldBytes
+from fxpipe.runtime.core import ActionRunner, HeldBytes, InPlaceW
 from fxpipe.schedules.ir import Action, Kind
 
 Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
@@ -29,7 +30,7 @@ class ReferenceExecutor:
     """Runs a Pipeline's stages action by action; see the module docstring."""
 
     def __init__(self, pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float | None = None,
-                 track_memory: bool = False) -> None:
+                 track_memory: bool = False, codegen: str = "eager", w_in_place: bool = False) -> None:
         graphs = getattr(pipe, "stage_graphs", None)
         if graphs is None:
             raise FxpipeError("this pipeline has no F/B/W graphs; compile it with split_backward=True")
@@ -38,9 +39,34 @@ class ReferenceExecutor:
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
         self.input_grads: list[dict[str, torch.Tensor]] = []
+        self.outputs: list[list[Any]] = []  # after a run: each microbatch's model outputs, in pipe.output_names order
         # track_memory: after a run, each stage's peak bytes kept between actions (fxpipe.runtime.core.HeldBytes).
         self.track_memory = track_memory
         self.peak_held_bytes: list[int] = []
+        # w_in_place: W writes .grad as the distributed runtime's does (InPlaceW); codegen: the graphs it runs.
+        self.w_in_place: dict[int, InPlaceW] = {}
+        if w_in_place:
+            stages = pipe.stage_list()
+            self.w_in_place = {s: InPlaceW(g, [stages[s].module.get_parameter(n) for n in g.param_names])
+                               for s, g in enumerate(self.graphs) if not g.fused}
+        self.codegen = self._compile(codegen)
+
+    def _compile(self, codegen: str) -> str:
+        """``codegen="inductor"``: every split stage's F, B, W (and W_set, W_acc with ``w_in_place``) through Inductor
+        (``fxpipe.runtime.codegen``), as ``PipelineRuntime(codegen=)`` compiles its own; without a C++ compiler one
+        warning and the eager graphs. Returns the codegen that runs."""
+        from fxpipe.runtime.codegen import check_codegen, compile_stage, compiled
+
+        fallback = check_codegen(codegen)
+        if codegen == "eager":
+            return codegen
+        if fallback is not None:
+            warnings.warn(fallback, stacklevel=3)
+            return "eager"
+        self.graphs = [compile_stage(g) for g in self.graphs]
+        for w in self.w_in_place.values():
+            w.w_set, w.w_acc = compiled(w.w_set), compiled(w.w_acc)
+        return codegen
 
     def default_order(self, num_microbatches: int) -> list[Order]:
         """Every microbatch's F through all stages, then B (and W right after) from the last stage back."""
@@ -97,6 +123,7 @@ class ReferenceExecutor:
 
     def _runner(self, loss_scale: float) -> "_Checked":
         run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale)
+        run.w_in_place = self.w_in_place
         if self.track_memory:
             run.held = HeldBytes([st.module for st in run.stages])
         return run
@@ -118,11 +145,21 @@ class ReferenceExecutor:
         self.peak_held_bytes = list(run.held.peak) if run.held is not None else []
         # Gradients of the model's own inputs, per microbatch (compiled with input_grads=True).
         self.input_grads = [{n: g[n] for n in self.pipe.input_names if n in g} for g in run.grads]
+        self.outputs = [[v.get(n, c) if n is not None else c for n, c in zip(self.pipe.output_names,
+                                                                             self.pipe.output_constants)]
+                        for v in run.values]
         return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
 
 
 class _Checked(ActionRunner):
     """The core, refusing any action that runs before what it depends on, twice, or never."""
+
+    w_in_place: dict[int, InPlaceW] = {}
+
+    def weight(self, s: int, m: int, args: list[Any]) -> None:
+        w = self.w_in_place.get(s)
+        if w is None or not w.run(args):
+            super().weight(s, m, args)
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
         super().begin(inputs, targets)
