@@ -16,6 +16,9 @@ strategy's cost (compute + host + sync + transfers, in sequence), which the sear
   each trained like the models; the cost model is linear in the five host costs, so they are the
   non-negative least-squares fit (relative error) of its prediction to the eight measured steps.
 
+The runs of one measurement (the eight probes; a model's three strategies) take turns, one step each,
+so a change in the machine's load reaches all of them alike.
+
     OMP_NUM_THREADS=1 python benchmarks/strategy_measured.py --out benchmarks/results/strategy_measured/measured.json
 """
 
@@ -89,18 +92,21 @@ def choice_of(graph: LayerGraph, degrees: Sequence[Degrees]) -> tuple[int, ...]:
                  for layer, d in zip(graph.layers, degrees))
 
 
-def time_steps(rt: StrategyRuntime, x: torch.Tensor, t: torch.Tensor, iters: int, warmup: int) -> float:
-    """The median step of ``iters`` after ``warmup``, the slowest rank's (collective)."""
-    opt = torch.optim.SGD(rt.parameters(), lr=0.01, momentum=0.9)
-    times = []
+def time_steps(runs: Sequence[tuple[StrategyRuntime, torch.Tensor, torch.Tensor]], iters: int,
+               warmup: int) -> list[float]:
+    """Each run's median step of ``iters`` after ``warmup``, the slowest rank's (collective). The runs take turns,
+    one step each, so a change in the machine's load reaches all of them alike."""
+    opts = [torch.optim.SGD(rt.parameters(), lr=0.01, momentum=0.9) for rt, _, _ in runs]
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(warmup + iters):
-        dist.barrier()
-        start = time.perf_counter()
-        rt.train_step(x, t, opt)
-        times.append(time.perf_counter() - start)
-    mine = torch.tensor(statistics.median(times[warmup:]), dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine)
+        for (rt, x, t), opt, mine in zip(runs, opts, times):
+            dist.barrier()
+            start = time.perf_counter()
+            rt.train_step(x, t, opt)
+            mine.append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(m[warmup:]) for m in times], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return medians.tolist()
 
 
 def shared(specs: Sequence[LayerSpec], share: float) -> tuple[LayerSpec, ...]:
@@ -130,7 +136,7 @@ def fit_host(rows: Sequence[tuple[float, Sequence[float], float]]) -> HostCosts:
 def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters: int,
                  warmup: int) -> tuple[HostCosts, list[dict[str, Any]]]:
     """Fit ``HostCosts`` on the probe chains (collective: every rank calls it)."""
-    rows, report = [], []
+    rows, report, runs = [], [], []
     for kind, mode in PROBES:
         for layers in PROBE_LAYERS:
             torch.manual_seed(0)
@@ -147,10 +153,12 @@ def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters
 
             base = cost(HostCosts())
             unit = [cost(HostCosts(**{f: 1.0})) - base for f in HOST_FIELDS]
-            measured = time_steps(StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t, iters, warmup)
-            rows.append((base, unit, measured))
-            report.append({"probe": f"{kind}-{mode}", "layers": layers, "measured_s": measured, "base_s": base,
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t))
+            report.append({"probe": f"{kind}-{mode}", "layers": layers, "base_s": base,
                            "per_unit": dict(zip(HOST_FIELDS, unit))})
+    for r, measured in zip(report, time_steps(runs, iters, warmup)):
+        r["measured_s"] = measured
+        rows.append((r["base_s"], [r["per_unit"][f] for f in HOST_FIELDS], measured))
     host = fit_host(rows)
     for r, (base, unit, _) in zip(report, rows):
         r["fitted_s"] = base + sum(u * getattr(host, f) for u, f in zip(unit, HOST_FIELDS))
@@ -196,18 +204,20 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         graph = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
                             host=host)
         bare = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
+        mine, runs = [], []
         for name, strategy in (("dp", data_parallel(graph)), ("splitbrain-2", splitbrain(graph, g.specs, 2)),
                                ("auto", solve(graph))):
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
             total = strategy_rows(graph, specs, strategy).rows[-1]
-            measured = time_steps(StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t, args.iters,
-                                  args.warmup)
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t))
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
-            rows.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
-                         "predicted_s": strategy.cost, "measured_s": measured, "bytes_per_rank": moved,
+            mine.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
+                         "predicted_s": strategy.cost, "bytes_per_rank": moved,
                          "compute_s": total[2], "sync_s": total[3], "transfer_s": total[4],
                          "bare_model_s": strategy_cost(bare, strategy.choice),
                          "eager_local_s": local, "dp_compute_s": bare_compute})
+        for row, measured in zip(mine, time_steps(runs, args.iters, args.warmup)):
+            rows.append({**row, "measured_s": measured})
     if rank == 0:
         Path(out).write_text(json.dumps({"rows": rows, "link": {"bandwidth": link.bandwidth, "latency": link.latency},
                                          "host": dataclasses.asdict(host), "probes": probes, "share": share}))
