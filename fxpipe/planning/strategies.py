@@ -909,12 +909,14 @@ def layouts(kind: str, d: Degrees) -> tuple[Layout, Layout, Layout, Layout]:
 
 def edge_transfers(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degrees: Degrees, *,
                    nbytes: float | None = None, alltoall: bool = True) -> tuple[Transfer, Transfer]:
-    """The forward (``src``'s output to ``dst``'s input) and backward (the gradient back) transfers of one edge."""
+    """The forward (``src``'s output to ``dst``'s input) and backward (the gradient back) transfers of one edge.
+    A model input needs no gradient; a stage's received input (``stage_graph``'s ``:recv`` layer) does: it goes
+    back to the previous stage split as it came."""
     size = src.out_bytes if nbytes is None else nbytes
     _, out_held, _, out_grad_needed = layouts(src.kind, src_degrees)
     in_needed, _, in_grad_held, _ = layouts(dst.kind, dst_degrees)
     forward = transfer(out_held, in_needed, size, alltoall=alltoall)
-    if src.kind == "input":  # a model input needs no gradient
+    if src.kind == "input" and not src.name.endswith(":recv"):
         return forward, Transfer(0.0, 0)
     return forward, transfer(in_grad_held, out_grad_needed, size, alltoall=alltoall)
 

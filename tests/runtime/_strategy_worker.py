@@ -9,6 +9,7 @@ counted, and writes (rank 0) the losses, the full gradients of every step, the f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from datetime import timedelta
@@ -85,32 +86,65 @@ def run_case(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
             "counts": counter.counts()}
 
 
+def stage_traffic(specs: Any, edges: Any, degrees: Any, microbatches: int) -> list[tuple[float, int]]:
+    """Per layer of a stage's graph, the bytes a rank receives per step and the collectives that move them, with
+    ``microbatches`` microbatches: every transfer and statistics all-reduce once per microbatch (a transfer
+    carries its share of the batch: the step's bytes are the whole batch's), the gradients once per step."""
+    out = []
+    for v, (spec, d) in enumerate(zip(specs, degrees)):
+        nbytes, count = 0.0, 0
+        for u, w in edges:
+            if w == v:
+                moves = edge_transfers(specs[u], degrees[u], spec, d, alltoall=False)
+                nbytes += sum(t.nbytes for t in moves)
+                count += microbatches * sum(t.nbytes > 0 for t in moves)
+        grads = sync_collectives(dataclasses.replace(spec, stat_bytes=0.0), d)
+        stats = sync_collectives(spec, d)[len(grads):]
+        nbytes += sum(2 * (g - 1) / g * b for b, g in grads) + microbatches * sum(2 * (g - 1) / g * b for b, g in stats)
+        out.append((nbytes, count + len(grads) + microbatches * len(stats)))
+    return out
+
+
 def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
     """Stages cut after ``case["cut"]`` on groups of world / 2 ranks, each stage's strategy searched on its own
-    graph (``stage_graph``), ``case["microbatches"]`` microbatches in GPipe order."""
+    graph (``stage_graph``), ``case["microbatches"]`` microbatches in GPipe order; each stage's first rank saves,
+    per layer, the bytes and collectives its collectives counter saw against ``stage_traffic``."""
     net, x, target = example(case["model"])
     g = strategy_graph(net, (x,))
     group = world // 2
     cut = g.nodes.index(case["cut"]) + 1
     degrees: list[Any] = [None] * len(g.specs)
-    configs = []
+    configs, stages = [], []
     for lo, hi in ((0, cut), (cut, len(g.specs))):
         specs, edges, index = stage_graph(g.specs, g.edges, lo, hi)
         graph = build_graph(specs, edges, group, bandwidth=1e9, latency=1e-4, alltoall=False)
         strategy = solve(graph)
         configs += [name for name, orig in zip(strategy.names(graph), index) if orig >= 0]
-        for i, c in enumerate(strategy.choice):
+        chosen = [graph.layers[i].configs[c].degrees for i, c in enumerate(strategy.choice)]
+        stages.append((specs, edges, index, chosen))
+        for i, d in enumerate(chosen):
             if index[i] >= 0:
-                degrees[index[i]] = graph.layers[i].configs[c].degrees
+                degrees[index[i]] = d
     rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, stages=[case["cut"]],
                          microbatches=case["microbatches"])
     opt = torch.optim.SGD(rt.parameters(), lr=0.05, momentum=0.9)
-    losses, grads = [], []
+    losses, grads, records = [], [], []
     for _ in range(STEPS):
-        losses.append(rt.train_step(x, target, opt))
+        with rt.count() as counter:
+            losses.append(rt.train_step(x, target, opt))
+        records = counter.records  # the last step's
         grads.append(rt.full_grads())
     name = f"{case['model']}-pipelined"
-    whole = {"grads": grads, "params": rt.full_parameters(), "buffers": rt.full_buffers()}  # collectives: all ranks
+    specs, edges, index, chosen = stages[rt.pp_rank]
+    labels = [g.nodes[o] if o >= 0 else "(send)" if s.kind == "loss" else s.name for s, o in zip(specs, index)]
+    layers = {}
+    for label, d, (nbytes, count) in zip(labels, chosen, stage_traffic(specs, edges, chosen, case["microbatches"])):
+        mine = [r for r in records if r.layer == label]
+        layers[label] = {"config": d.name, "predicted": nbytes, "actual": sum(r.nbytes for r in mine),
+                         "predicted_count": count, "count": len(mine)}
+    unlabelled = sum(r.nbytes for r in records if r.layer not in layers and r.layer != "(loss value)")
+    whole = {"grads": grads, "params": rt.full_parameters(), "buffers": rt.full_buffers(),  # collectives: all ranks
+             "layers": layers, "unlabelled": unlabelled}
     if rt.mesh.get_rank() == rt.mesh.mesh.flatten()[0].item():  # one rank per stage writes its stage
         torch.save(whole, out / f"{name}-stage{rt.pp_rank}.pt")
     return {"name": name, "losses": losses, "configs": configs, "layers": {}, "loss_value": 0.0, "unlabelled": 0.0,

@@ -106,6 +106,22 @@ def test_each_layer_moves_what_the_cost_model_predicts(runs: tuple[int, Path, li
 
 
 @pytest.mark.parametrize("case", PIPELINED, ids=[c["model"] for c in PIPELINED])
+def test_each_stage_moves_what_the_cost_model_predicts(runs: tuple[int, Path, list[Any]], case: dict[str, Any]) -> None:
+    """The pipelined cases, per stage and layer (its send included): the bytes and collectives of one step against
+    the stage's own graph's prediction, each transfer and statistics all-reduce once per microbatch."""
+    world, tmp, _ = runs
+    if world != 4:
+        pytest.skip("pipelined cases run in the 4-rank launch")
+    for stage in (0, 1):
+        saved = torch.load(tmp / f"{case['model']}-pipelined-stage{stage}.pt", weights_only=True)
+        assert saved["unlabelled"] == 0
+        assert sum(v["actual"] for v in saved["layers"].values()) > 0
+        assert not _mismatches(saved), _mismatches(saved)
+        for n, v in saved["layers"].items():
+            assert v["count"] == v["predicted_count"], (stage, n, v)
+
+
+@pytest.mark.parametrize("case", PIPELINED, ids=[c["model"] for c in PIPELINED])
 def test_two_stages_of_two_ranks_each_train_like_one_process(runs: tuple[int, Path, list[Any]],
                                                              case: dict[str, Any]) -> None:
     """The pipeline composed with per-layer strategies: 2 stages x 2 ranks, each stage's strategy searched on its
