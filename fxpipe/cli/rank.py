@@ -213,6 +213,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True)
+    from fxpipe.passes.calibrate_compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks
     from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
@@ -220,6 +221,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
     simulated = calibrate().apply(costs) if world > 1 else costs
+    cores = os.cpu_count() or 1
+    if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
+        simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
+    compute = pipe.plan.options.compute
+    if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
+        simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw)
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
@@ -248,6 +255,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
+
+
+def calibrate_contention_free(costs: Any, calibrated: Any) -> Any:
+    """``calibrated`` (``Calibration.apply``'d) with the plan's own F, B and W times back: ``Costs.cores`` scales
+    them instead of the contention factor."""
+    return dataclasses.replace(calibrated, f=costs.f, b=costs.b, w=costs.w)
 
 
 def _arrived(in_flight: list[tuple[int, Any, float]], args: argparse.Namespace, reports: bool, *,

@@ -59,8 +59,8 @@ CACHE_FORMAT = 3  # bump when what is measured changes: older entries are then m
 GEMM_SIZES = (128, 256, 512)
 STREAM_BYTES = 32 << 20
 
-__all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrated_options", "calibration_enabled",
-           "describe", "machine_key", "measure_compute"]
+__all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
+           "calibration_enabled", "describe", "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
 
 
 def calibration_enabled(setting: str | None = None) -> bool:
@@ -120,16 +120,87 @@ def calibrated_options(options: CompileOptions, setting: str | None = None, *,
     if not calibration_enabled(setting) or options.profile or explicit:
         return options, None, False
     rates, cached = calibrate_compute(threads=1)  # fxpipe run's ranks compute on one thread each
+    calibrate_overheads(rates, threads=1)  # the runtime's fixed costs, for every simulation of the plan (from_plan)
     return (dataclasses.replace(options, compute=rates, device_flops=rates.gemm_flops, device_mem_bw=rates.mem_bw),
             rates, cached)
+
+
+def overheads_cache_path() -> Path:
+    """``runtime.json`` beside :func:`cache_path`: the runtime's fixed costs per machine and thread count."""
+    return cache_path().with_name("runtime.json")
+
+
+def calibrate_overheads(rates: ComputeRates, *, threads: int = 1, cache: bool = True,
+                        measure: Callable[[ComputeRates, int], Any] | None = None) -> tuple[Any, bool]:
+    """The runtime's fixed costs on this machine (``fxpipe.runtime.calibrate.RuntimeOverheads``: per compute
+    action, per message, per rank's step) at ``threads`` threads, and whether they came from the cache.
+
+    Measured once (``measure_overheads``: two local ranks run a tiny pipeline, a few seconds) and cached in
+    :func:`overheads_cache_path` under :func:`machine_key`, like the compute rates. ``rates`` are this
+    machine's compute rates: the action overhead is measured against the times they estimate.
+    """
+    from fxpipe.runtime.calibrate import RuntimeOverheads
+
+    key = machine_key(threads)
+    path = overheads_cache_path()
+    entries = _read_cache(path) if cache else {}
+    found = _overheads_from(entries.get(key), key)
+    if found is not None:
+        return found, True
+    made = (measure or measure_overheads)(rates, threads)
+    if not isinstance(made, RuntimeOverheads):
+        raise TypeError(f"measure returned {type(made).__name__}, not RuntimeOverheads")
+    if cache:
+        entries[key] = dataclasses.asdict(made)
+        _write_cache(path, entries)
+    return made, False
+
+
+def measure_overheads(rates: ComputeRates, threads: int) -> Any:
+    """Measure the runtime's fixed costs now (``fxpipe.runtime.calibrate.measure_overheads``; two local ranks)."""
+    from fxpipe.runtime import calibrate
+
+    return calibrate.measure_overheads(rates, threads=threads, machine=machine_key(threads))
+
+
+def plan_overheads(plan: Any) -> Any:
+    """The runtime's fixed costs to simulate ``plan`` with: this machine's cached calibration when the plan's
+    costs were estimated with compute rates measured on this machine (``plan.options.compute``) and calibration
+    is on (``FXPIPE_CALIBRATION``); else None (a profiled plan, a fixed device model, another machine's plan,
+    or no calibration yet). Only reads the cache: ``fxpipe compile`` measures it."""
+    compute = getattr(plan.options, "compute", None)
+    if compute is None or not calibration_enabled():
+        return None
+    key = compute.machine.rsplit("|", 1)[0] if compute.machine.count("|") > 4 else compute.machine
+    if key != machine_key(compute.threads):
+        return None
+    return _overheads_from(_read_cache(overheads_cache_path()).get(key), key)
+
+
+def _overheads_from(entry: Any, key: str) -> Any:
+    """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
+    from fxpipe.runtime.calibrate import RuntimeOverheads
+
+    if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
+        return None
+    floats = ("action", "message", "step")
+    if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
+           or entry[k] < 0 for k in floats):
+        return None
+    if type(entry["threads"]) is not int or not isinstance(entry["machine"], str) or not entry["machine"].startswith(key):
+        return None
+    return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in floats}})
 
 
 def describe(rates: ComputeRates, *, cached: bool) -> str:
     """One line for the compile output."""
     threads = f"{rates.threads} thread{'s' if rates.threads != 1 else ''}"
+    found = _overheads_from(_read_cache(overheads_cache_path()).get(machine_key(rates.threads)),
+                            machine_key(rates.threads))
+    runtime = f", {found.summary()}" if found is not None else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
-            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W; {'cached' if cached else 'measured now'} "
+            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W{runtime}; {'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
 

@@ -303,3 +303,152 @@ def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = 
     measured = [float(t) for t in slowest]
     latency, bandwidth = fit_allreduce(sizes, measured, world)
     return AllReduceCalibration(latency, bandwidth, world, tuple(sizes), tuple(measured), time.perf_counter() - start)
+
+
+# -- the runtime's fixed costs ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOverheads:
+    """The runtime's fixed costs on this machine, as :func:`measure_overheads` measured them on two ranks
+    running a real pipeline of a model whose graphs cost next to nothing: what a step costs beyond the
+    graphs' estimated times and the link's latency (``Costs.with_overheads``)."""
+
+    action: float  # seconds per compute action beyond its graphs' estimated time (median over actions)
+    message: float  # seconds per message through the runtime's channel beyond the bare link's fitted latency
+    step: float  # seconds of each rank's step outside its actions and their waits (median over ranks and steps)
+    threads: int = 1  # torch threads per rank
+    machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
+
+    def summary(self) -> str:
+        return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message, "
+                f"{self.step * 1e6:.0f} us per step")
+
+
+class _Tiny(torch.nn.Module):
+    """Four 8-wide linear layers: a two-stage pipeline whose graphs take microseconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
+        return x
+
+
+def channel_one_way(rank: int, trips: int = 60, numel: int = 16) -> float:
+    """Rank 0's median one-way seconds of a small message through the runtime's :class:`Channel` (receives
+    posted ahead, ``isend``, ``wait``: the path a pipeline's activations and gradients take), ranks 0 and 1;
+    collective on those two. The median, not the fastest: a step waits for its typical message."""
+    from fxpipe.runtime.channel import Channel
+
+    ch = Channel(torch.device("cpu"))
+    buf = torch.zeros(numel)
+
+    def failed(exc: Exception, *_: object) -> BaseException:
+        return exc
+
+    trips_s: list[float] = []
+    for trip in range(trips + 2):
+        t0 = time.perf_counter()
+        item = ch.recv((numel,), torch.float32, 1 - rank, 7)
+        if rank == 0:
+            ch.send(buf, 1, 7)
+            ch.poll()
+            ch.wait(item, failed)
+        else:
+            ch.send(ch.wait(item, failed), 0, 7)
+            ch.poll()
+        if trip >= 2:
+            trips_s.append(time.perf_counter() - t0)
+    ch.flush(failed)
+    return statistics.median(trips_s) / 2
+
+
+def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, float]:
+    """(action, message, step) seconds measured on ranks 0 and 1 of a world of two; collective.
+
+    The bare link (:func:`calibrate`), a message through the runtime's channel (:func:`channel_one_way`),
+    then ``steps`` steps of a :class:`PipelineRuntime` on :class:`_Tiny` compiled at 2 stages with
+    ``rates`` (so its estimated graph times are the ones a user's plan gets): an action's overhead is its
+    measured time (graphs, sends, bookkeeping) less its estimated time; a step's is the step's time less
+    the span from its first action to its last and the wait before its first. Medians over every action
+    (or rank and step) after the first two steps.
+    """
+    import fxpipe
+    from fxpipe.runtime.executor import PipelineRuntime
+
+    rank = dist.get_rank()
+    link = calibrate()
+    one_way = channel_one_way(rank)
+    torch.manual_seed(0)
+    model = _Tiny()
+    x = torch.randn(2, 8)
+    pipe = fxpipe.compile(model, (x,), stages=2, tracer="fx", compute=rates, device_flops=rates.gemm_flops,
+                          device_mem_bw=rates.mem_bw, verify_each=False)
+    rt = PipelineRuntime(pipe, loss_fn=torch.nn.functional.mse_loss, example_inputs=(x,),
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    m = rt.schedule.num_microbatches
+    inputs, target = torch.randn(2 * m, 8), torch.randn(2 * m, 8)
+    costs = pipe.plan.stages
+    est = {"F": [c.f for c in costs], "B": [c.b for c in costs], "W": [c.w for c in costs],
+           "BW": [c.b + c.w for c in costs]}
+    actions: list[float] = []
+    fixed: list[float] = []
+    pending = None
+    for k in range(steps):
+        t0 = time.perf_counter()
+        now = rt.step_async((inputs,), target)
+        wall = time.perf_counter() - t0
+        if pending is not None:
+            pending.wait()
+        pending = now
+        if k < 2:
+            continue
+        events = rt.events
+        first_wait = rt.waits[0][2] - rt.waits[0][1] if rt.waits and rt.waits[0][0] == events[0][0] else 0.0
+        fixed.append(wall - (events[-1][2] - events[0][1]) - first_wait)
+        actions += [(end - start) - est[a.kind.value][a.stage] for a, start, end in events]
+    assert pending is not None
+    pending.wait()
+    mine = torch.tensor([statistics.median(actions), statistics.median(fixed), one_way], dtype=torch.float64)
+    both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(both, mine)
+    action = statistics.median(float(t[0]) for t in both)
+    step = statistics.median(float(t[1]) for t in both)
+    one_way = float(both[0][2])  # rank 0 timed the round trips
+    return max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step)
+
+
+def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        action, message, step = overheads_on_ranks(rates)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(f"{action!r} {message!r} {step!r}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> RuntimeOverheads:
+    """The runtime's fixed costs on this machine: two local ranks (processes, gloo), ``threads`` threads each,
+    run :func:`overheads_on_ranks` with the compute ``rates`` (``ComputeRates``); a few seconds, most of it
+    starting the two processes."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fxpipe-overheads-") as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
+                           start_method="spawn")
+        with open(out) as f:
+            action, message, step = (float(v) for v in f.read().split())
+    return RuntimeOverheads(action, message, step, threads, f"{machine}|{time.perf_counter() - start:.1f} s")

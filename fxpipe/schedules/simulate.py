@@ -79,6 +79,17 @@ class Costs:
     # Seconds of stage s's optimizer step, after its all-reduce and its last compute (``with_optimizer``). Empty:
     # the step ends at the last compute or all-reduce, as schedules are usually compared.
     optimizer_s: tuple[float, ...] = ()
+    # The runtime's fixed costs, as ``fxpipe.runtime.calibrate.RuntimeOverheads`` measures them on this machine
+    # (``with_overheads``; 0: none, as schedules are usually compared): seconds each compute action (F, B, W, BW)
+    # costs beyond its graphs' time, each message beyond the link's latency, and each rank's step beyond its
+    # actions (splitting the batch, posting receives, flushing sends, the loss's all-reduce).
+    action_s: float = 0.0
+    message_s: float = 0.0
+    step_s: float = 0.0
+
+    def with_overheads(self, action_s: float, message_s: float, step_s: float) -> "Costs":
+        """These costs with the runtime's fixed costs per compute action, per message and per rank's step."""
+        return dataclasses.replace(self, action_s=action_s, message_s=message_s, step_s=step_s)
 
     def with_optimizer(self, optimizer: str, mem_bw: float) -> "Costs":
         """These costs with each stage's optimizer step: a memory-bound pass over its parameters at ``mem_bw``."""
@@ -93,22 +104,29 @@ class Costs:
 
     @classmethod
     def from_plan(cls, plan: Plan) -> "Costs":
-        """The plan's per-stage costs and link, for one microbatch."""
+        """The plan's per-stage costs and link, for one microbatch; for a plan of estimated costs calibrated on
+        this machine (``plan.options.compute``), with the runtime's fixed costs this machine's calibration
+        measured (``fxpipe.passes.calibrate_compute.plan_overheads``; none with ``FXPIPE_CALIBRATION=off``)."""
+        from fxpipe.passes.calibrate_compute import plan_overheads
+
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
-        return cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
+        found = plan_overheads(plan)
+        costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,
-                   allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
+                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
+        return costs if found is None else costs.with_overheads(found.action, found.message, found.step)
 
     def time(self, action: Action) -> float:
         s = action.stage
-        return {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind, 0.0)
+        took = {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind)
+        return 0.0 if took is None else took + self.action_s
 
     def transfer(self, stage: int) -> float:
-        """Seconds to send stage ``stage``'s output (or the gradient for it) over one link."""
+        """Seconds to send stage ``stage``'s output (or the gradient for it) over one link (with ``message_s``)."""
         nbytes = self.send_bytes[stage] if self.send_bytes else 0.0
-        return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
+        return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency + self.message_s)
 
     def allreduce_buckets(self, stage: int) -> tuple[float, ...]:
         """Seconds of each of stage ``stage``'s all-reduce buckets, in order (one when ``allreduce_s`` is given)."""
@@ -164,6 +182,7 @@ class RankStats:
     exposed_s: float = 0.0  # all-reduce seconds past ``end``: what the rank waits for before its optimizer step
     exposed_step_s: float = 0.0  # all-reduce seconds past the last compute of any rank: what lengthens the step
     optimizer_s: float = 0.0  # its stages' optimizer steps, once compute and all-reduce are done
+    fixed_s: float = 0.0  # the runtime's fixed cost of the rank's step outside its actions (``Costs.step_s``)
 
     @property
     def span(self) -> float:
@@ -172,7 +191,7 @@ class RankStats:
     @property
     def step_end(self) -> float:
         """When the rank's step is done: compute and all-reduce both, then its optimizer step."""
-        return max(self.end, self.allreduce_end) + self.optimizer_s
+        return max(self.end, self.allreduce_end) + self.optimizer_s + self.fixed_s
 
     @property
     def hidden_fraction(self) -> float:
@@ -293,7 +312,7 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
     scale = costs.compute_scale(schedule.num_ranks)
     timed = costs if scale == 1.0 else dataclasses.replace(
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
-        w=tuple(t * scale for t in costs.w))
+        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale)
     full = with_communication(schedule)
     walk = _walk(full, timed)
     lanes = _allreduce_lanes(walk.events, timed, full.num_ranks)
@@ -316,6 +335,7 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
             sum(max(0.0, e.end - max(e.start, step_compute_end)) for e in lane),
             sum(timed.optimizer_s[s] for s in range(schedule.num_stages)
                 if timed.optimizer_s and schedule.rank_of_stage[s] == r),
+            timed.step_s,
         ))
     active = [r for r in ranks if r.end > r.start]
     makespan = (max(r.step_end for r in active) - min(r.start for r in active)) if active else 0.0
@@ -489,7 +509,9 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
         took: list[tuple[float, ...]] = [(1.0,) * p] * 4
         transfer = (0.0,) * p
     else:
-        took = [tuple(costs.f), tuple(costs.b), tuple(costs.w), tuple(b + w for b, w in zip(costs.b, costs.w))]
+        extra = costs.action_s  # the runtime's cost of running an action, whatever its graphs
+        took = [tuple(t + extra for t in costs.f), tuple(t + extra for t in costs.b), tuple(t + extra for t in costs.w),
+                tuple(b + w + extra for b, w in zip(costs.b, costs.w))]
         transfer = tuple(costs.transfer(s) for s in range(p))
     kind_index = _KIND_INDEX
     done: list[float | None] = [None] * (8 * slots)  # when each result is available (a send's: its arrival)

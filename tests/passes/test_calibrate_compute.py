@@ -39,6 +39,22 @@ def _fake_measure(calls: list[int]):  # type: ignore[no-untyped-def]
     return measure
 
 
+def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
+    from fxpipe.runtime.calibrate import RuntimeOverheads
+
+    def measure(rates: ComputeRates, threads: int) -> RuntimeOverheads:
+        calls.append(threads)
+        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads, cc.machine_key(threads) + "|0.0 s")
+    return measure
+
+
+@pytest.fixture(autouse=True)
+def no_real_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fxpipe compile's calibration would start two ranks to measure the runtime: tests that turn it on get a
+    fake (the real measurement is tested on two gloo ranks in tests/runtime/test_calibrate.py)."""
+    monkeypatch.setattr(cc, "measure_overheads", _fake_overheads([]))
+
+
 def test_measure_compute_gives_positive_finite_rates() -> None:
     rates = cc.measure_compute(1, gemm_sizes=(64, 128), stream_bytes=1 << 20, runs=2)
     for name in ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd"):
@@ -183,3 +199,27 @@ def test_fxpipe_compile_reports_the_calibration(cache_dir: Path, tmp_path: Path,
     assert "calibrated" not in result.output  # an explicit device model wins
     result = runner.invoke(app, [*args, str(tmp_path / "e"), "--calibration", "sometimes"])
     assert result.exit_code == 2 and "--calibration takes on or off" in result.output
+
+
+def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cache_dir: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.schedules.simulate import Costs
+
+    calls: list[int] = []
+    first, cached = cc.calibrate_overheads(RATES, threads=1, measure=_fake_overheads(calls))
+    again, cached_again = cc.calibrate_overheads(RATES, threads=1, measure=_fake_overheads(calls))
+    assert (cached, cached_again, calls, again) == (False, True, [1], first)
+    cc.overheads_cache_path().write_text('{"x": 1}')  # corrupt: ignored and measured again
+    assert cc.calibrate_overheads(RATES, threads=1, measure=_fake_overheads(calls))[1] is False and calls == [1, 1]
+    zoo = models.build("mlp-tiny")
+    rates = dataclasses.replace(RATES, machine=cc.machine_key(1) + "|0.0 s")
+    calibrated = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates)).pipeline
+    assert calibrated is not None
+    monkeypatch.setenv(cc.ENV, "on")
+    costs = Costs.from_plan(calibrated.plan)
+    assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
+    elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
+        calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
+    assert Costs.from_plan(elsewhere).action_s == 0.0  # another machine's plan: this machine's runtime is no guide
+    monkeypatch.setenv(cc.ENV, "off")
+    assert Costs.from_plan(calibrated.plan).step_s == 0.0  # the test suite's switch: no plan depends on the machine

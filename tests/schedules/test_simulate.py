@@ -117,3 +117,18 @@ def test_auto_respects_the_memory_cap_and_says_when_nothing_fits(plans: dict[str
     assert capped.result.makespan >= free.result.makespan
     with pytest.raises(PlanError, match="no schedule fits .* the least any candidate needs is"):
         auto(4, costs, microbatches=[8], memory_cap=1.0)
+
+
+def test_the_runtime_overheads_add_per_action_per_message_and_per_step() -> None:
+    """GPipe, 2 stages, 1 microbatch: F0 -> message -> F1 BW1 -> message -> BW0, then the step's fixed cost."""
+    f, b, w, lat, bw, nbytes = 1.0, 2.0, 3.0, 0.5, 100.0, 50.0
+    costs = Costs((f, f), (b, b), (w, w), (nbytes, nbytes), latency=lat, bandwidth=bw)
+    sched = generate("gpipe", 2, 1, costs)
+    plain = simulate(sched, costs).makespan
+    message = lat + nbytes / bw
+    assert plain == pytest.approx(2 * (f + b + w) + 2 * message)
+    a, m, s = 0.25, 0.125, 0.75
+    over = simulate(sched, costs.with_overheads(a, m, s))
+    assert over.makespan == pytest.approx(plain + 4 * a + 2 * m + s)  # 4 compute actions on the path, 2 messages
+    assert all(r.fixed_s == s for r in over.ranks)
+    assert costs.with_overheads(a, m, s).time(Action(0, Kind.BW, 0)) == b + w + a  # one action, one overhead
