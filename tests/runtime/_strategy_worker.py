@@ -4,7 +4,8 @@ Run by tests/runtime/test_strategy_runtime.py as ``python _strategy_worker.py RA
 case builds the zoo model in float64, traces it with ``strategy_graph``, picks the strategy (``auto``: the
 search, ``splitbrain``: the preset with group 2, ``dp``), trains 3 SGD-with-momentum steps with collectives
 counted, and writes (rank 0) the losses, the full gradients of every step, the final parameters and buffers
-(``torch.save``), and per layer the bytes and all-reduces the counter saw and the cost model predicted.
+(``torch.save``), and per layer the bytes and all-reduces the counter saw and the cost model predicted. Then
+the pipelined cases, and on 4 ranks the nesting gap that stays open (``run_nesting_gap``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from fxpipe.models import resnet, vgg
 from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import (
+    Degrees,
     build_graph,
     edge_transfers,
     data_parallel,
@@ -151,12 +153,45 @@ def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]
             "counts": {}}
 
 
+class TwoBranches(torch.nn.Module):
+    """``fc(flatten(relu(a(x)) + relu(b(x))))``: two convolutions joined by an add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.b = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(torch.relu(self.a(x)) + torch.relu(self.b(x)), 1))
+
+
+def run_nesting_gap() -> dict[str, Any]:
+    """The nesting gap that stays open (4 ranks, a hand-picked strategy): ``b`` is s2c2 into a c4 ReLU, whose blocks
+    must nest the other way round (an elementwise layer cannot reorder them), and the add joins it with the
+    base-ordered c4 branch of ``a``; one step's bytes and collectives per layer against the model."""
+    torch.manual_seed(0)
+    net, x, target = TwoBranches().double(), torch.randn(8, 4, 4, 4, dtype=torch.float64), torch.randint(0, 4, (8,))
+    g = strategy_graph(net, (x,))
+    degrees = [Degrees(sample=2, column=2) if n == "b" else Degrees(sample=4) if n in ("x", "fc", "output")
+               else Degrees(column=4) for n in g.nodes]
+    rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees)
+    opt = torch.optim.SGD(rt.parameters(), lr=0.05)
+    with rt.count() as counter:
+        rt.train_step(x, target, opt)
+    predicted = traffic_per_layer(g.specs, g.edges, degrees, alltoall=False)
+    layers = {n: {"config": d.name, "predicted": p, "actual": sum(r.nbytes for r in counter.records if r.layer == n)}
+              for n, d, p in zip(g.nodes, degrees, predicted)}
+    return {"name": "nesting-gap", "layers": layers, "views": {n: list(layer.perm) for n, layer in rt.layers.items()}}
+
+
 def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     out = Path(outdir)
     results = [run_case(world, case, out) for case in cfg["cases"]]
     results += [run_pipelined(world, case, out) for case in cfg.get("pipelined", [])]
+    results += [run_nesting_gap()] if cfg.get("nesting_gap") else []
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
