@@ -84,7 +84,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import OptionError
-from fxpipe.planning.cost import allreduce_buckets, allreduce_seconds, static_memory
+from fxpipe.planning.cost import BUCKET_BYTES, allreduce_buckets, allreduce_seconds, static_memory
 
 __all__ = [
     "ENUMERATE_LIMIT",
@@ -967,7 +967,8 @@ def config_degrees(ranks: int, *, kind: str = "matmul", spatial: bool = False,
 
 
 def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: float, optimizer: str = "sgd",
-                  divisors: bool = False, spatial: bool = True, host: HostCosts = NO_HOST) -> tuple[Config, ...]:
+                  divisors: bool = False, spatial: bool = True, host: HostCosts = NO_HOST,
+                  bucket_layers: bool = False) -> tuple[Config, ...]:
     """The configurations of one layer on ``ranks`` ranks with their compute, sync and memory (module docstring);
     ``host``'s per-layer cost and ``spec.fixed_seconds`` join the compute, its per-collective costs the sync.
 
@@ -979,7 +980,7 @@ def layer_configs(spec: LayerSpec, ranks: int, *, bandwidth: float, latency: flo
     for d in config_degrees(ranks, kind=spec.kind, spatial=spec.spatial and spatial, divisors=divisors):
         if not spec.splits(d):  # DTensor would shard unevenly, and a rank could get no rows at all
             continue
-        sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency, host=host)
+        sync = sync_seconds(spec, d, bandwidth=bandwidth, latency=latency, host=host, bucket_layers=bucket_layers)
         compute = spec.seconds / d.product + spec.fixed_seconds + host.layer(spec)
         configs.append(Config(d.name, compute, sync, layer_memory(spec, d, optimizer).total, d))
     return tuple(configs)
@@ -1076,9 +1077,15 @@ def stage_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], lo
 
 
 def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency: float,
-                 host: HostCosts = NO_HOST) -> float:
+                 host: HostCosts = NO_HOST, bucket_layers: bool = False) -> float:
     """Seconds of ``sync_collectives``, each a ring all-reduce (``allreduce_seconds``) plus ``host.sync`` per
     gradient bucket and ``host.collective`` per statistics all-reduce (those wait mid-step).
+
+    ``bucket_layers`` (the runtime's ``StrategyRuntime(bucket_layers=True)``: one buffer per sync group over all
+    its layers, in ``BUCKET_BYTES`` buckets): the gradients' bytes as before, and a bucket's latency and
+    ``host.sync`` shared by its bytes, ``b / BUCKET_BYTES`` of them to this layer. Summed over a group's
+    layers that is ``total / BUCKET_BYTES`` buckets where the runtime issues ``ceil(total / BUCKET_BYTES)``:
+    under by less than one bucket's latency per group and step (per layer, the search cannot see a ceiling).
 
     >>> bn = LayerSpec("bn", param_bytes=16.0, stat_bytes=16.0, kind="elementwise")
     >>> sync_seconds(bn, Degrees(sample=2), bandwidth=16.0, latency=0.0, host=HostCosts(collective=1.0, sync=10.0))
@@ -1086,18 +1093,24 @@ def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency
     """
     collectives = sync_collectives(spec, degrees)
     stats = 2 if spec.stat_bytes and collectives else 0
-    extra = (len(collectives) - stats) * host.sync + stats * host.collective
-    return extra + math.fsum(allreduce_seconds(b, g, bandwidth, latency) for b, g in collectives)
+    grads, rest = collectives[:len(collectives) - stats], collectives[len(collectives) - stats:]
+    total = stats * host.collective + math.fsum(allreduce_seconds(b, g, bandwidth, latency) for b, g in rest)
+    if not bucket_layers:
+        return total + len(grads) * host.sync + math.fsum(allreduce_seconds(b, g, bandwidth, latency)
+                                                          for b, g in grads)
+    return total + math.fsum(2 * (g - 1) / g * b / bandwidth + (2 * (g - 1) * latency + host.sync) * b / BUCKET_BYTES
+                             for b, g in grads)
 
 
 def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
                 latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True,
-                spatial: bool = True, host: HostCosts = NO_HOST) -> LayerGraph:
+                spatial: bool = True, host: HostCosts = NO_HOST, bucket_layers: bool = False) -> LayerGraph:
     """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
     configurations and every edge's table of ``edge_seconds`` (``alltoall=False`` for a backend without
     all-to-all, gloo; ``spatial=False``: no height splits, which the DTensor runtime does not run);
     ``host``: the runtime's costs per layer and per collective (``HostCosts``; an edge pays
-    ``host.collective`` for each direction that moves data).
+    ``host.collective`` for each direction that moves data); ``bucket_layers``: gradients synced in buckets over
+    layers (``sync_seconds``).
 
     >>> specs = [LayerSpec("x", kind="input", out_bytes=64.0), LayerSpec("fc", seconds=1.0, param_bytes=8.0)]
     >>> g = build_graph(specs, [(0, 1)], 2, bandwidth=1.0, latency=0.0)
@@ -1105,7 +1118,7 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
     (['s2', 'c2', 'r2'], ((0.0, 32.0, 16.0),))
     """
     configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors,
-                             spatial=spatial, host=host) for s in specs]
+                             spatial=spatial, host=host, bucket_layers=bucket_layers) for s in specs]
     for spec, options in zip(specs, configs):
         if not options:
             dims = "x".join(map(str, spec.shape)) or "?"

@@ -431,12 +431,16 @@ class StrategyRuntime:
     group), the next stage starts from it (``planning.strategies.stage_graph`` costs a stage this
     way); ``microbatches`` go through in GPipe order (every forward, then every backward), and each
     group syncs its gradients once per step.
+
+    ``bucket_layers``: the gradient sync all-reduces every layer of a sync group in one flat buffer cut into
+    ``BUCKET_BYTES`` buckets (DDP's), not one buffer per layer (``build_graph(bucket_layers=True)`` costs it).
     """
 
     def __init__(self, module: fx.GraphModule, nodes: Sequence[str], specs: Sequence[LayerSpec],
                  degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None, stages: Sequence[str] = (),
                  microbatches: int = 1,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                 bucket_layers: bool = False) -> None:
         if not (len(nodes) == len(specs) == len(degrees)):
             raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
                               f"configurations: {len(degrees)})")
@@ -445,6 +449,7 @@ class StrategyRuntime:
         self.module = copy.deepcopy(module)
         self.loss_fn = loss_fn
         self.microbatches = microbatches
+        self.bucket_layers = bucket_layers  # sync: one gradient buffer per group over all layers (DDP's buckets)
         self.counter: CollectiveCounter | None = None
         self.pp = len(stages) + 1
         self.pipeline = self._pipeline_mesh(mesh)
@@ -875,24 +880,31 @@ class StrategyRuntime:
 
     def sync(self) -> None:
         """All-reduce each layer's parameter gradients over the ranks holding the same shard (one flat buffer
-        per layer, ``BUCKET_BYTES`` buckets), leaving every gradient in its parameter's placements."""
-        pending = []
+        per layer, ``BUCKET_BYTES`` buckets; with ``bucket_layers``, one flat buffer per sync group and dtype
+        over all its layers, cut into ``BUCKET_BYTES`` buckets as DDP does), leaving every gradient in its
+        parameter's placements."""
+        units: dict[Any, tuple[str, Any, list[tuple[Any, Any]]]] = {}  # key -> (counter label, group, grads)
         for name, entries in self._params.items():
             layer = self.layers[name]
             group = self._group(layer.sample_dims)
             grads = [(p, p.grad) for _, p, _ in entries if p.grad is not None]
             if not grads:
                 continue
-            locals_ = [g.to_local() for _, g in grads]
-            flat = torch.cat([t.reshape(-1) for t in locals_]) if group is not None else None
-            if flat is not None:
-                per = max(1, int(BUCKET_BYTES // flat.element_size()))
-                with _at(self.counter, name):
-                    works = [dist.all_reduce(chunk, group=group, async_op=True) for chunk in flat.split(per)]
-                pending.append((grads, locals_, flat, works))
-            else:
+            if group is None:
                 for p, g in grads:
                     p.grad = DTensor.from_local(g.to_local(), p.device_mesh, p.placements, run_check=False)
+                continue
+            key = (layer.sample_dims, grads[0][1].dtype) if self.bucket_layers else name
+            label = f"(gradients over mesh dims {layer.sample_dims})" if self.bucket_layers else name
+            units.setdefault(key, (label, group, []))[2].extend(grads)
+        pending = []
+        for label, group, grads in units.values():  # the same order on every rank: the layers'
+            locals_ = [g.to_local() for _, g in grads]
+            flat = torch.cat([t.reshape(-1) for t in locals_])
+            per = max(1, int(BUCKET_BYTES // flat.element_size()))
+            with _at(self.counter, label):
+                works = [dist.all_reduce(chunk, group=group, async_op=True) for chunk in flat.split(per)]
+            pending.append((grads, locals_, flat, works))
         for grads, locals_, flat, works in pending:
             for w in works:
                 w.wait()
