@@ -26,8 +26,8 @@ from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, ComputeRates, La
                          ScheduleRecord, StageCost, StrategyRecord, TensorSpec, fxpipe_version)
 from fxpipe.report import Report
 
-__all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_strategy", "compile", "load",
-           "run_compile", "save", "set_schedule", "set_strategy"]
+__all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_pipelined_strategy",
+           "choose_strategy", "compile", "load", "run_compile", "save", "set_schedule", "set_strategy", "strategy_cuts"]
 
 
 @dataclass
@@ -275,16 +275,19 @@ class ChosenStrategy:
     reports: tuple[Report, ...]
 
 
-def check_strategy(name: str, stages: int, ranks: int, group: int) -> None:
-    """Refuse, in one line each, what ``--strategy`` cannot run: more than one stage, a rank group that is not
-    a power of two of at least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it."""
+def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: str | None = None) -> None:
+    """Refuse, in one line each, what ``--strategy`` cannot run: a rank group that is not a power of two of at
+    least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it, and with more than
+    one stage a schedule other than GPipe's (the pipelined runtime runs every forward, then every backward)."""
     from fxpipe.plan import STRATEGY_NAMES
 
     if name not in STRATEGY_NAMES:
         raise OptionError(f"--strategy must be one of {', '.join(STRATEGY_NAMES)} (given: {name!r})")
-    if stages != 1:
-        raise OptionError(f"--strategy splits layers over one stage's ranks, not over {stages} pipeline stages; "
-                          "use --stages 1 (and --dp for the ranks)")
+    if stages < 1:
+        raise OptionError(f"--strategy needs at least 1 stage (given: {stages})")
+    if stages > 1 and schedule is not None and schedule.strip().lower() != "gpipe":
+        raise OptionError(f"a pipelined --strategy runs its {stages} stages in GPipe order (every forward, then every "
+                          f"backward, one update per step), not --schedule {schedule}; drop --schedule or give gpipe")
     if ranks < 2 or ranks & (ranks - 1):
         raise OptionError(f"--strategy runs on --dp ranks, a power of two of at least 2 (the DTensor runtime's "
                           f"(2, ..., 2) mesh; given: --dp {ranks}); use --dp 2, 4, 8, ...")
@@ -305,22 +308,43 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     Both ``fxpipe compile --strategy`` and ``fxpipe strategy`` print its two tables.
     """
     from fxpipe.passes.strategy_graph import strategy_graph
-    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
-        traffic_per_layer
 
     check_strategy(name, 1, ranks, group)
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
     g = strategy_graph(model, example_inputs, device_flops=compute.gemm_flops if compute else None,
                        device_mem_bw=compute.mem_bw if compute else None)
-    graph = build_graph(g.specs, g.edges, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer,
+    batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
+    chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
+                                 latency=latency, alltoall=alltoall, heights=heights, memory_cap=memory_cap,
+                                 optimizer=optimizer, compute=compute, where=f"on {ranks} ranks, batch {batch}")
+    record = StrategyRecord(name=name, ranks=ranks, group=group, method=chosen.method, cost=float(chosen.cost),
+                            nodes=tuple(zip(g.nodes, chosen.configs)))
+    return ChosenStrategy(record, reports)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    method: str
+    cost: float
+    configs: tuple[str, ...]  # one configuration name per layer of the graph it was chosen on
+
+
+def _choose_on(specs: Sequence[Any], edges: Sequence[tuple[int, int]], name: str, *, ranks: int, group: int,
+               bandwidth: float, latency: float, alltoall: bool = False, heights: bool = False,
+               memory_cap: float | None = None, optimizer: str = "sgd", compute: ComputeRates | None = None,
+               where: str) -> tuple[_Choice, tuple[Report, Report]]:
+    """``name``'s strategy on one layer graph (a model's, or a pipeline stage's) and its two tables."""
+    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
+        traffic_per_layer
+
+    graph = build_graph(specs, edges, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer,
                         alltoall=alltoall, spatial=heights)
-    presets = {"dp": data_parallel(graph), "splitbrain": splitbrain(graph, g.specs, group),
+    presets = {"dp": data_parallel(graph), "splitbrain": splitbrain(graph, specs, group),
                "auto": solve(graph, memory_cap=memory_cap)}
     chosen = presets[name]
-    rows = strategy_rows(graph, g.specs, chosen).rows
-    batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
-    per_layer = Report(f"strategy {name} ({chosen.method}) on {ranks} ranks, batch {batch}: "
+    rows = strategy_rows(graph, specs, chosen).rows
+    per_layer = Report(f"strategy {name} ({chosen.method}) {where}: "
                        f"{_ms(chosen.cost)} ms per step",
                        ("layer", "config", "compute ms", "sync ms", "transfer in ms", "memory MB"),
                        tuple((r[0], r[1], _ms(r[2]), _ms(r[3]), _ms(r[4]), _mb(r[5])) for r in rows),
@@ -333,17 +357,113 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     totals = []
     for key, s in presets.items():
         degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(s.choice)]
-        total = strategy_rows(graph, g.specs, s).rows[-1]
+        total = strategy_rows(graph, specs, s).rows[-1]
         label = {"dp": "dp", "splitbrain": f"splitbrain-{group}", "auto": "auto (search)"}[key]
         totals.append((label + (" (chosen)" if key == name else ""), s.method, _ms(s.cost), _ms(total[2]),
                        _ms(total[3]), _ms(total[4]), _mb(total[5]),
-                       _mb(sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=alltoall)))))
-    summary = Report(f"totals per step and rank: {name} against dp and SplitBrain on {ranks} ranks",
+                       _mb(sum(traffic_per_layer(specs, edges, degrees, alltoall=alltoall)))))
+    summary = Report(f"totals per step and rank: {name} against dp and SplitBrain {where.split(', batch')[0]}",
                      ("strategy", "method", "step ms", "compute ms", "sync ms", "transfer ms", "memory MB",
                       "received MB"), tuple(totals))
-    record = StrategyRecord(name=name, ranks=ranks, group=group, method=chosen.method, cost=float(chosen.cost),
-                            nodes=tuple(zip(g.nodes, chosen.names(graph))))
-    return ChosenStrategy(record, (per_layer, summary))
+    return _Choice(chosen.method, float(chosen.cost), tuple(chosen.names(graph))), (per_layer, summary)
+
+
+def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name: str, plan: Plan, *,
+                              ranks: int, group: int = 2, microbatches: int, bandwidth: float | None = None,
+                              latency: float | None = None,
+                              compute: ComputeRates | None = None) -> ChosenStrategy:
+    """``name``'s strategy for each pipeline stage of ``plan`` (``plan.stages``, cut where the plan cuts), each
+    chosen on its own stage graph (``planning.strategies.stage_graph``: a ``recv`` input, a ``send`` sink) on
+    ``ranks`` ranks, run in GPipe order over ``microbatches``: the record (``stages``: each stage's nodes, method
+    and cost) and the per-layer table and totals of every stage. What the runtime runs (gloo): no all-to-all,
+    no height splits. The record's ``cost`` is the slowest stage's modelled step x (M + P - 1) / M (GPipe's fill
+    and drain; the sends between stages are in the stages' costs)."""
+    from fxpipe.passes.strategy_graph import strategy_graph
+    from fxpipe.plan import StrategyStage
+    from fxpipe.planning.strategies import stage_graph
+
+    count = len(plan.stages)
+    check_strategy(name, count, ranks, group)
+    batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else None
+    if batch is None or batch % (microbatches * ranks):
+        raise OptionError(f"a pipelined strategy cuts the batch into {microbatches} microbatches, each split over up "
+                          f"to {ranks} ranks (batch: {batch}); use a --batch-size that {microbatches * ranks} divides")
+    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
+    latency = DEFAULTS.latency if latency is None else latency
+    g = strategy_graph(model, example_inputs, device_flops=compute.gemm_flops if compute else None,
+                       device_mem_bw=compute.mem_bw if compute else None)
+    cuts = strategy_cuts(plan, g.module, g.edges)
+    bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]
+    configs: list[str] = [""] * len(g.nodes)
+    stages, reports = [], []
+    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        specs, edges, index = stage_graph(g.specs, g.edges, lo, hi)
+        choice, tables = _choose_on(specs, edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
+                                    latency=latency, compute=compute,
+                                    where=f"for stage {s} of {count} ({g.nodes[lo]}..{g.nodes[hi - 1]}) on {ranks} "
+                                          f"ranks, batch {batch}")
+        for i, config in zip(index, choice.configs):
+            if i >= 0:
+                configs[i] = config
+        stages.append(StrategyStage(first=g.nodes[lo], last=g.nodes[hi - 1], method=choice.method, cost=choice.cost))
+        reports += tables
+    cost = max(st.cost for st in stages) * (microbatches + count - 1) / microbatches
+    methods = sorted({st.method for st in stages})
+    record = StrategyRecord(name=name, ranks=ranks, group=group, method="+".join(methods), cost=cost,
+                            nodes=tuple(zip(g.nodes, configs)), stages=tuple(stages), microbatches=microbatches)
+    return ChosenStrategy(record, tuple(reports))
+
+
+def strategy_cuts(plan: Plan, module: torch.fx.GraphModule, edges: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """The fx node (of ``strategy_graph``'s trace ``module``) each of ``plan``'s stages but the last ends with.
+
+    A stage ends with its last layer (``LayerCost``: a module path, e.g. ``features.5``, or the modules its
+    parameters belong to); the cut is the last node calling that module or one inside it, moved on over the
+    function nodes after it (a residual ``add``, ``flatten``) to the first place only one tensor crosses.
+    OptionError (one line, naming the fix) where a stage's last layer is no module of the trace, or no such
+    place exists before the next stage's first module."""
+    nodes = list(module.graph.nodes)
+    owner: dict[str, int] = {}  # module path -> plan layer
+    for layer in plan.layers:
+        for path in {layer.name, *(p.rsplit(".", 1)[0] for p in layer.params)}:
+            owner.setdefault(path, layer.index)
+
+    def layer_of(node: torch.fx.Node) -> int | None:
+        if node.op != "call_module":
+            return None
+        path = str(node.target)
+        while path:
+            if path in owner:
+                return owner[path]
+            path = path.rpartition(".")[0]
+        return None
+
+    def crossing(i: int) -> set[int]:  # the nodes whose tensors cross a cut after node i
+        return {u for u, v in edges if u <= i < v}
+
+    layers = [layer_of(n) for n in nodes]
+    cuts: list[str] = []
+    for stage in plan.stages[:-1]:
+        last = stage.end_layer - 1
+        name = plan.layers[last].name
+        mapped = [i for i, k in enumerate(layers) if k is not None and k <= last]
+        if not any(k == last for k in layers) or not mapped:
+            raise OptionError(f"stage {stage.index}'s last layer {name!r} is no module of the strategy trace, so its "
+                              "cut cannot be placed there; compile with --granularity auto (module layers) or 1")
+        i = max(mapped)
+        later = [j for j, k in enumerate(layers) if k is not None and k > last]
+        if later and min(later) < i:
+            raise OptionError(f"the strategy trace runs a module of a later stage before stage {stage.index}'s last "
+                              f"layer {name!r}; compile with --granularity auto or 1 (whole blocks)")
+        end = min(later) if later else len(nodes) - 1
+        while i < end - 1 and crossing(i) != {i}:
+            i += 1
+        if crossing(i) != {i} or (cuts and nodes[i].name == cuts[-1]):
+            raise OptionError(f"after stage {stage.index}'s last layer {name!r} ({nodes[i].name}) "
+                              f"{len(crossing(i))} tensors cross to the next stage (a strategy stage sends one); compile "
+                              "with --granularity auto (whole blocks) or other --stages")
+        cuts.append(nodes[i].name)
+    return tuple(cuts)
 
 
 def _ms(seconds: float) -> float:
@@ -356,10 +476,11 @@ def _mb(nbytes: float) -> float:
 
 def set_strategy(pipe: Pipeline, chosen: ChosenStrategy) -> None:
     """Record ``chosen`` in ``pipe.plan``; its tables join ``pipe.report()`` and the plan directory."""
-    if pipe.num_stages != 1 or pipe.plan.mesh.dp != chosen.record.ranks:
-        raise OptionError(f"a strategy on {chosen.record.ranks} ranks needs a 1-stage plan on as many dp ranks "
-                          f"(this one: {pipe.num_stages} stages x {pipe.plan.mesh.dp}); compile with --stages 1 "
-                          f"--dp {chosen.record.ranks}")
+    stages = max(1, len(chosen.record.stages))
+    if pipe.num_stages != stages or pipe.plan.mesh.dp != chosen.record.ranks:
+        raise OptionError(f"a strategy of {stages} stage(s) on {chosen.record.ranks} ranks each needs a {stages}-stage "
+                          f"plan on as many dp ranks (this one: {pipe.num_stages} stages x {pipe.plan.mesh.dp}); "
+                          f"compile with --stages {stages} --dp {chosen.record.ranks}")
     pipe.plan = pipe.plan.with_strategy(chosen.record)
     pipe.extra_reports = [*pipe.extra_reports, *chosen.reports]
 

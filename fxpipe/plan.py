@@ -256,10 +256,26 @@ _CONFIG_NAME = re.compile(r"^(?:s[0-9]+)?(?:c[0-9]+)?(?:r[0-9]+)?(?:h[0-9]+)?$")
 
 
 @dataclass(frozen=True)
+class StrategyStage:
+    """One pipeline stage of a pipelined strategy: the first and last fx node it runs, and its own search's
+    result on its stage graph (``planning.strategies.stage_graph``) on the record's ``ranks``."""
+
+    first: str  # the stage's first fx node (the model's input, or the node after the previous stage's last)
+    last: str  # the node it ends with: the cut its output crosses (the model's output for the last stage)
+    method: str  # how its configurations were found (elimination, data-parallel, splitbrain-K, ...)
+    cost: float  # modelled seconds per step of this stage on its ranks (the whole batch)
+
+
+@dataclass(frozen=True)
 class StrategyRecord:
     """The per-layer strategy a plan runs (``fxpipe compile --strategy``): on which ranks, how it was found, and
     each fx node's configuration (``Degrees`` names: ``s4``, ``s2c2``, ``s2r2``; degrees over sample, column,
-    row, height) of ``fxpipe.passes.strategy_graph``'s trace."""
+    row, height) of ``fxpipe.passes.strategy_graph``'s trace.
+
+    Pipelined (``fxpipe compile --stages P --dp D --strategy ...``): ``stages`` holds each pipeline stage's
+    first and last node and its own search (on ``ranks`` = D ranks each, P x D in all), ``microbatches`` the
+    GPipe microbatches a step takes; ``nodes`` still names every node's configuration. A one-stage record
+    has neither (plan.json then has the keys it had before pipelined records existed)."""
 
     name: str  # auto, dp or splitbrain: what was asked
     ranks: int  # the stage's group of ranks (--dp)
@@ -267,11 +283,23 @@ class StrategyRecord:
     method: str  # how it was found: elimination, elimination+ilp, data-parallel, splitbrain-K, ...
     cost: float  # modelled seconds per step
     nodes: tuple[tuple[str, str], ...]  # (fx node name, configuration name), in graph order
+    stages: tuple[StrategyStage, ...] = ()  # pipelined: one entry per pipeline stage (at least 2); () for one stage
+    microbatches: int = 1  # pipelined: GPipe microbatches per step (the batch is cut into this many)
 
     @property
     def configs(self) -> dict[str, str]:
         """fx node name -> configuration name."""
         return dict(self.nodes)
+
+    @property
+    def cuts(self) -> tuple[str, ...]:
+        """The node each pipeline stage but the last ends with (``StrategyRuntime(stages=...)``); () for one stage."""
+        return tuple(s.last for s in self.stages[:-1])
+
+    @property
+    def world(self) -> int:
+        """Ranks the record runs on: its stages x ``ranks``."""
+        return max(1, len(self.stages)) * self.ranks
 
     def problems(self) -> list[str]:
         """What is wrong with this record (empty when it is sound)."""
@@ -293,6 +321,34 @@ class StrategyRecord:
             if not m or not degrees or math.prod(degrees) != self.ranks and config != "s1":
                 found.append(f"node {node!r} has configuration {config!r}, not degrees whose product is {self.ranks}")
                 break
+        return found + self._stage_problems(names)
+
+    def _stage_problems(self, names: list[str]) -> list[str]:
+        """What is wrong with the pipelined part: stages that do not cover ``nodes`` in order, one after another."""
+        if not self.stages:
+            return [] if self.microbatches == 1 else [f"microbatches {self.microbatches} without pipeline stages"]
+        found = []
+        if len(self.stages) < 2:
+            found.append(f"{len(self.stages)} pipeline stage(s): a pipelined record has at least 2")
+        if self.microbatches < 1:
+            found.append(f"microbatches {self.microbatches} is not at least 1")
+        at = {n: i for i, n in enumerate(names)}
+        expected = 0
+        for i, stage in enumerate(self.stages):
+            if stage.first not in at or stage.last not in at:
+                found.append(f"stage {i} names node {stage.first if stage.first not in at else stage.last!r}, "
+                             "which has no configuration")
+                break
+            if at[stage.first] != expected or at[stage.last] < at[stage.first]:
+                found.append(f"stage {i} runs {stage.first!r}..{stage.last!r}, not the nodes after the previous stage")
+                break
+            if not math.isfinite(stage.cost) or stage.cost < 0:
+                found.append(f"stage {i} cost {stage.cost!r} is not a finite number of seconds")
+                break
+            expected = at[stage.last] + 1
+        else:
+            if expected != len(names):
+                found.append(f"the stages end at node {names[expected - 1]!r}, not at the last node {names[-1]!r}")
         return found
 
 
@@ -337,6 +393,8 @@ class Plan:
         doc = _encode(self)
         if self.strategy is None:  # plans without a strategy are written exactly as before it existed
             del doc["strategy"]
+        elif not self.strategy.stages:  # and one-stage strategies as before pipelined ones existed
+            del doc["strategy"]["stages"], doc["strategy"]["microbatches"]
         if self.options.compute is None:  # nor uncalibrated ones before calibration existed
             del doc["options"]["compute"]
         return doc

@@ -74,11 +74,12 @@ def compile_cmd(
                                                     "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, async-1f1b "
                                                     "or auto.", rich_help_panel="Schedule")] = None,
     strategy: Annotated[Optional[StrategyChoice], typer.Option(
-        help="A per-layer parallel configuration (degrees over batch, output and input channels) for the one "
+        help="A per-layer parallel configuration (degrees over batch, output and input channels) for each "
              "stage's --dp ranks (a power of two), recorded in the plan: auto (the search), dp (every layer "
-             "splits the batch) or splitbrain (fully connected layers sharded in groups of --group). Needs "
-             "--stages 1 (its default with --strategy). Costed for gloo: no all-to-all; height splits stay in "
-             "the cost model only (fxpipe strategy --heights). [default: none]",
+             "splits the batch) or splitbrain (fully connected layers sharded in groups of --group). With "
+             "--stages P > 1 (default 1 with --strategy) each stage's --dp ranks get their own, searched on the "
+             "stage's graph where the plan cuts, run in GPipe order over --microbatches. Costed for gloo: no "
+             "all-to-all; height splits stay in the cost model only (fxpipe strategy --heights). [default: none]",
         rich_help_panel="Strategy")] = None,
     group: Annotated[Optional[int], typer.Option(min=1, help="SplitBrain's group of ranks (divides --dp) "
                                                  "[default: 2].", rich_help_panel="Strategy")] = None,
@@ -146,9 +147,10 @@ def compile_cmd(
                 from fxpipe.api import check_strategy
 
                 if objective_text is not None:
-                    raise OptionError("--strategy splits layers over one stage's ranks; it takes --stages 1, not auto")
+                    raise OptionError("--strategy splits each stage's layers over its --dp ranks; give --stages a "
+                                      "number (1, 2, ...), not auto")
                 count = 1 if count is None else count
-                check_strategy(strategy.value, count, dp, 2 if group is None else group)
+                check_strategy(strategy.value, count, dp, 2 if group is None else group, schedule=schedule)
             elif group is not None:
                 raise OptionError("--group is SplitBrain's group of ranks; give it with --strategy splitbrain")
             if schedule is not None and microbatches is not None:  # before the compile: generating it could take ages
@@ -177,7 +179,7 @@ def compile_cmd(
             options, rates, cached = calibrated_options(options, calibration,
                                                         explicit=device_flops is not None or device_mem_bw is not None)
             chosen = None
-            if strategy is not None:
+            if strategy is not None and count == 1:
                 from fxpipe.api import choose_strategy
 
                 step(f"choosing a per-layer strategy ({strategy.value}) on {dp} ranks", 0, 0)
@@ -190,6 +192,17 @@ def compile_cmd(
                                    stop_after=stop_after, print_after=tuple(print_after or ()),
                                    on_pass=lambda name, i, n: step(f"pass {name}", i, n),
                                    profile_threads=profile_threads)
+            if strategy is not None and count != 1 and compiled.pipeline is not None:  # cut where the plan cuts
+                from fxpipe.api import choose_pipelined_strategy
+                from fxpipe.plan import DEFAULTS
+
+                step(f"choosing a per-layer strategy ({strategy.value}) for each of {count} stages on {dp} ranks",
+                     0, 0)
+                chosen = choose_pipelined_strategy(
+                    resolved.model, resolved.example_inputs, strategy.value, compiled.pipeline.plan, ranks=dp,
+                    group=2 if group is None else group,
+                    microbatches=microbatches if microbatches is not None else DEFAULTS.microbatches(count),
+                    bandwidth=options.bandwidth, latency=options.latency, compute=options.compute)
         history, root = compiled.history, compiled.root
         finished = compiled.pipeline is not None
         if chosen is not None and compiled.pipeline is not None:
@@ -235,7 +248,10 @@ def compile_cmd(
         if not finished:
             say(f"stopped after {history.records[-1].name}: no plan written")
         elif written is not None:
-            using = f", strategy {chosen.record.name} on {chosen.record.ranks} ranks" if chosen is not None else ""
+            using = "" if chosen is None else (
+                f", strategy {chosen.record.name} on {chosen.record.ranks} ranks" + (
+                    f" per stage, cut after {', '.join(chosen.record.cuts)}, {chosen.record.microbatches} "
+                    "microbatches" if chosen.record.stages else ""))
             chosen_by = f", chosen by {options.stage_objective}" if options.stage_objective is not None else ""
             if options.plan_search:
                 p = compiled.pipeline.plan

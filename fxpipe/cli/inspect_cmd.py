@@ -80,6 +80,13 @@ def _strategy_note(doc: dict) -> tuple[str, ...]:
         return ()
     nodes = record.get("nodes") if isinstance(record.get("nodes"), list) else []
     split = sum(1 for n in nodes if isinstance(n, list) and len(n) == 2 and any(ch in str(n[1]) for ch in "crh"))
+    stages = record.get("stages") if isinstance(record.get("stages"), list) else []
+    if stages:  # pipelined: each stage's group of ranks, where it ends, its own search
+        parts = "; ".join(f"stage {i} {s.get('first')}..{s.get('last')} ({s.get('method')})" for i, s in
+                          enumerate(stages) if isinstance(s, dict))
+        return (f"strategy {record.get('name')} ({record.get('method')}) in {len(stages)} stages x "
+                f"{record.get('ranks')} ranks, {record.get('microbatches')} microbatches (gpipe): {len(nodes)} nodes, "
+                f"{split} split beyond the batch; {parts}",)
     return (f"strategy {record.get('name')} ({record.get('method')}) on {record.get('ranks')} ranks: "
             f"{len(nodes)} nodes, {split} split beyond the batch",)
 

@@ -7,6 +7,11 @@ compiled from (fxpipe's own code, as the pipeline path does), traces it again wi
 recorded configuration. A node the trace has and the record lacks (or the other way round) is a
 plan of another model or version: one ``PlanFileError``. It then trains ``StrategyRuntime`` (DTensor
 on the plan's D ranks) on the global batch, the compiled example's rows, each layer taking its share.
+
+A pipelined record (``fxpipe compile --stages P --dp D --strategy ...``) runs on P x D ranks:
+``StrategyRuntime(stages=record.cuts, microbatches=record.microbatches)``, each pipeline position's
+group of D ranks running its stage's nodes, GPipe order. Its stages must cut the trace where one
+tensor crosses, exactly at the recorded nodes (else ``PlanFileError``).
 """
 
 from __future__ import annotations
@@ -29,13 +34,17 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     from fxpipe.runtime.strategy import StrategyRuntime
 
     record = pipe.plan.strategy
-    if world != record.ranks:
-        raise OptionError(f"the plan's strategy runs on {record.ranks} ranks, and this run has {world}; run it with "
-                          f"--dp {record.ranks}")
+    pp = max(1, len(record.stages))
+    if world != record.world:
+        raise OptionError(f"the plan's strategy runs on {record.world} ranks" + (
+            f" ({pp} stages x {record.ranks})" if pp > 1 else "") + f", and this run has {world}; run it with "
+            + (f"--dp {record.ranks}" if pp == 1 else "the default --nproc"))
     for flag, given in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
                         ("--checkpoint-dir", args.checkpoint_dir)):
         if given is not None:
-            raise OptionError(f"{flag} is for pipeline plans; a per-layer strategy runs the whole batch as one step")
+            raise OptionError(f"{flag} is for pipeline plans; a per-layer strategy runs the whole batch as one step"
+                              + (f" (its {pp} stages in GPipe order over the {record.microbatches} microbatches it "
+                                 "was compiled with)" if pp > 1 else ""))
     inputs, target = batches(0)
     g = strategy_graph(zoo.model, tuple(inputs))
     configs = record.configs
@@ -45,8 +54,10 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         which = f"node {missing[0]!r} has no configuration" if missing else f"it names node {extra[0]!r}, not traced"
         raise PlanFileError(f"the plan's strategy does not fit this model's trace ({which}); compile the plan again "
                             "with this fxpipe")
+    if pp > 1:
+        _check_stages(record, g, int(inputs[0].shape[0]))
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
-                         loss_fn=zoo.loss_fn)
+                         stages=record.cuts, microbatches=record.microbatches, loss_fn=zoo.loss_fn)
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
     losses, step_ms = [], []
     for step in range(args.steps):
@@ -62,13 +73,36 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
             with open(out_progress(args), "a") as f:
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
     params = None
-    if args.data != "synthetic" and rank == 0:  # the launcher scores the held-out data with the whole model
-        params = {n: p.detach().clone() for n, p in rt.full_parameters().items()}
+    group_rank = rank % record.ranks  # ranks = pp x group, row-major: a stage's group is neighbouring ranks
+    if args.data != "synthetic":  # the launcher scores the held-out data with the whole model
+        whole = rt.full_parameters()  # a collective over the stage's group: every rank of it gathers
+        if group_rank == 0:
+            params = {n: p.detach().clone() for n, p in whole.items()}
+    schedule = f"strategy {record.name} ({record.method})" + (
+        f" in {pp} stages, gpipe" if pp > 1 else "")
     return {
-        "rank": rank, "world": world, "schedule": f"strategy {record.name} ({record.method})", "microbatches": 1,
-        "synchronous": True, "weights": args.weights, "dp": world, "pp": 1, "pp_rank": 0, "dp_rank": rank,
-        "stages": [0], "host": socket.gethostname(),
+        "rank": rank, "world": world, "schedule": schedule, "microbatches": record.microbatches,
+        "synchronous": True, "weights": args.weights, "dp": record.ranks, "pp": pp, "pp_rank": rt.pp_rank,
+        "dp_rank": group_rank, "stages": [rt.pp_rank], "host": socket.gethostname(),
         "batch": int(inputs[0].shape[0]), "losses": losses, "step_ms": step_ms, "first_step": 0,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": record.cost * 1e3, "profiled": False, "profile_threads": None, "events": [],
     }, params
+
+
+def _check_stages(record: Any, g: Any, batch: int) -> None:
+    """A pipelined record against the trace ``g``: its stages are the trace's nodes cut where one tensor crosses,
+    and its microbatches split evenly over the ranks; else one ``PlanFileError`` (the ranks would deadlock)."""
+    from fxpipe.errors import OptionError, PlanFileError
+    from fxpipe.planning.strategies import stage_graph
+
+    bounds = [0, *(g.nodes.index(c) + 1 for c in record.cuts), len(g.nodes)]
+    try:
+        for lo, hi in zip(bounds, bounds[1:]):
+            stage_graph(g.specs, g.edges, lo, hi)
+    except OptionError as exc:
+        raise PlanFileError(f"the plan's strategy stages do not cut this model's trace where one tensor crosses "
+                            f"({exc}); compile the plan again with this fxpipe") from None
+    if batch % (record.microbatches * record.ranks):
+        raise PlanFileError(f"the plan's strategy cuts a {batch}-row batch into {record.microbatches} microbatches "
+                            f"over {record.ranks} ranks, unevenly; compile the plan again")
