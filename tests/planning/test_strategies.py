@@ -474,3 +474,23 @@ def test_host_costs_by_hand() -> None:
     assert close(relu_fc2[s2][c2] - relu_fc2_bare[s2][c2], 2 * 100.0)
     assert relu_fc2[s2][s2] == relu_fc2_bare[s2][s2] == 0.0  # nothing moves: no host cost
     assert close(strategy_cost(costed, dp.choice), dp.cost)
+
+
+def test_bucketed_sync_shares_a_bucket_latency_by_bytes() -> None:
+    """bucket_layers: each layer pays its gradients' bytes and its bytes' share of a 25 MiB bucket's latency (and
+    host.sync); BatchNorm statistics are still all-reduced on their own."""
+    from fxpipe.planning.cost import BUCKET_BYTES
+    from fxpipe.planning.strategies import HostCosts, sync_seconds
+
+    fc, bn = LayerSpec("fc", param_bytes=BUCKET_BYTES / 4), LayerSpec("bn", param_bytes=64.0, stat_bytes=32.0,
+                                                                       kind="elementwise")
+    host = HostCosts(collective=1.0, sync=10.0)
+    s4 = Degrees(sample=4)
+    share = (2 * 3 * 0.5 + 10.0) / 4  # a quarter of a bucket: of its 6 ring steps' latency and its host.sync
+    assert close(sync_seconds(fc, s4, bandwidth=1e6, latency=0.5, host=host, bucket_layers=True),
+                 1.5 * BUCKET_BYTES / 4 / 1e6 + share)
+    assert close(sync_seconds(fc, s4, bandwidth=1e6, latency=0.5, host=host),
+                 allreduce_seconds(BUCKET_BYTES / 4, 4, 1e6, 0.5) + 10.0)  # per layer: a whole bucket's
+    stats = 2 * (allreduce_seconds(32.0, 4, 1e6, 0.5) + 1.0)
+    assert close(sync_seconds(bn, s4, bandwidth=1e6, latency=0.5, host=host, bucket_layers=True),
+                 1.5 * 64.0 / 1e6 + (6 * 0.5 + 10.0) * 64.0 / BUCKET_BYTES + stats)
