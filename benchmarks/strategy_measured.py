@@ -20,6 +20,10 @@ The runs of one measurement (the eight probes; a model's three strategies) take 
 so a change in the machine's load reaches all of them alike.
 
     OMP_NUM_THREADS=1 python benchmarks/strategy_measured.py --out benchmarks/results/strategy_measured/measured.json
+
+``--bucket-layers``: the models' runtimes all-reduce each sync group's gradients in 25 MiB buckets over its
+layers (``StrategyRuntime(bucket_layers=True)``) and the model costs them so (the probes are unchanged: they
+fit the cost of one gradient all-reduce).
 """
 
 from __future__ import annotations
@@ -201,15 +205,17 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         specs = shared(g.specs, share)
         local = eager_seconds(net, x[: args.batch // world], t[: args.batch // world], args.iters, args.warmup)
         bare_compute = sum(s.seconds / world + s.fixed_seconds for s in specs)
+        bucket = args.bucket_layers
         graph = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
-                            host=host)
-        bare = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
+                            host=host, bucket_layers=bucket)
+        bare = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
+                           bucket_layers=bucket)
         mine, runs = [], []
         for name, strategy in (("dp", data_parallel(graph)), ("splitbrain-2", splitbrain(graph, g.specs, 2)),
                                ("auto", solve(graph))):
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
             total = strategy_rows(graph, specs, strategy).rows[-1]
-            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t))
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=bucket), x, t))
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
             mine.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,
@@ -232,6 +238,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--probe-iters", type=int, default=10, help="steps timed per host-cost probe")
+    parser.add_argument("--bucket-layers", action="store_true", help="the models' runtimes sync gradients in "
+                        "buckets over layers (StrategyRuntime(bucket_layers=True)), and the model costs them so")
     parser.add_argument("--cached-compute", action="store_true", help="take calibrate_compute's cached rates "
                         "instead of measuring them now (under the same conditions as the steps)")
     parser.add_argument("--out", type=Path, default=None)
