@@ -460,8 +460,8 @@ def strategy_cuts(plan: Plan, module: torch.fx.GraphModule, edges: Sequence[tupl
             i += 1
         if crossing(i) != {i} or (cuts and nodes[i].name == cuts[-1]):
             raise OptionError(f"after stage {stage.index}'s last layer {name!r} ({nodes[i].name}) "
-                              f"{len(crossing(i))} tensors cross to the next stage (a strategy stage sends one); compile "
-                              "with --granularity auto (whole blocks) or other --stages")
+                              f"{len(crossing(i))} tensors cross to the next stage (a strategy stage sends one); "
+                              "compile with --granularity auto (whole blocks) or other --stages")
         cuts.append(nodes[i].name)
     return tuple(cuts)
 

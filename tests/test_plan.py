@@ -573,3 +573,42 @@ def test_meta_model_compiles_saves_and_loads_on_meta(tmp_path: Path) -> None:
     out_meta = loaded(*zoo.example_inputs)
     assert out_meta.device.type == "meta"
     assert out_meta.shape == pipe(*zoo.example_inputs).shape
+
+
+def test_a_pipelined_strategy_record_round_trips_and_is_checked_as_data() -> None:
+    """StrategyRecord.stages / microbatches (fxpipe compile --stages P --strategy): exact through JSON, each stage's
+    nodes after the previous one's, covering the record; a one-stage record encodes without them, and an old
+    record without them loads as one stage."""
+    from fxpipe.plan import Plan, StrategyRecord, StrategyStage
+
+    nodes = (("x", "s2"), ("a", "c2"), ("b", "s2"), ("c", "r2"), ("output", "s2"))
+    stages = (StrategyStage("x", "a", "elimination", 1e-3), StrategyStage("b", "output", "elimination", 2e-3))
+    record = StrategyRecord("auto", 2, 2, "elimination", 3e-3, nodes, stages=stages, microbatches=2)
+    assert record.problems() == [] and record.cuts == ("a",) and record.world == 4
+    plan = dataclasses.replace(_plan_of_two_stages(), strategy=record)
+    doc = plan.to_json()
+    assert doc["strategy"]["stages"][1] == {"first": "b", "last": "output", "method": "elimination", "cost": 2e-3}
+    assert Plan.from_json(json.loads(json.dumps(doc))) == plan
+    one = dataclasses.replace(record, stages=(), microbatches=1)
+    assert set(dataclasses.replace(plan, strategy=one).to_json()["strategy"]) == {
+        "name", "ranks", "group", "method", "cost", "nodes"}  # as written before pipelined records existed
+    assert Plan.from_json(dataclasses.replace(plan, strategy=one).to_json()).strategy == one
+    for bad, words in [((stages[0],), "at least 2"),
+                       ((stages[0], StrategyStage("c", "output", "e", 0.0)), "not the nodes after the previous"),
+                       ((stages[0], StrategyStage("b", "c", "e", 0.0)), "not at the last node 'output'"),
+                       ((stages[0], StrategyStage("b", "zz", "e", 0.0)), "'zz', which has no configuration"),
+                       ((stages[0], StrategyStage("b", "output", "e", -1.0)), "cost -1.0")]:
+        broken = dataclasses.replace(plan, strategy=dataclasses.replace(record, stages=bad)).to_json()
+        with pytest.raises(PlanFileError, match="strategy is corrupt") as info:
+            Plan.from_json(broken)
+        assert words in str(info.value) and "\n" not in str(info.value)
+    assert "microbatches 2 without pipeline stages" in dataclasses.replace(record, stages=()).problems()[0]
+
+
+def _plan_of_two_stages() -> Any:
+    from fxpipe.plan import CompileOptions, Link, Mesh, Plan, Provenance, StageCost
+
+    return Plan(Provenance(None, "export", "2.13.0", "0.1.0"), CompileOptions(stages=2, dp=2), (), (),
+                (StageCost(0, 0, 1, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0),
+                 StageCost(1, 1, 2, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0)), Link(1e9, 1e-4),
+                Mesh.from_rank_of_stage((0, 1), 2), 3.0, 3.0)

@@ -147,8 +147,8 @@ def compile_cmd(
                 from fxpipe.api import check_strategy
 
                 if objective_text is not None:
-                    raise OptionError("--strategy splits each stage's layers over its --dp ranks; give --stages a "
-                                      "number (1, 2, ...), not auto")
+                    raise OptionError("--strategy splits each stage's layers over its --dp ranks; it takes --stages 1, "
+                                      "not auto, or another count of stages (--stages 2, 3, ...)")
                 count = 1 if count is None else count
                 check_strategy(strategy.value, count, dp, 2 if group is None else group, schedule=schedule)
             elif group is not None:

@@ -11,17 +11,23 @@ import torch
 
 from fxpipe import models
 from fxpipe.cli.rank import synthetic_batch
+from fxpipe.errors import PlanFileError
+from fxpipe.plan import StrategyRecord, StrategyStage
+from fxpipe.plan_dir import read_plan
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
 
 
-def _one_process_losses(name: str, batch: int, steps: int, lr: float) -> list[float]:
+def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatches: int = 1) -> list[float]:
+    """One process on the whole batch, taken ``microbatches`` at a time (BatchNorm's statistics are each
+    microbatch's), the loss their mean over the batch."""
     zoo = models.build(name, dtype=torch.float64, batch_size=batch, seed=0)
     (x,), target = synthetic_batch(zoo, 1)
     opt = torch.optim.SGD(zoo.model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = zoo.loss_fn(zoo.model(x), target)
+        loss = sum(zoo.loss_fn(zoo.model(xi), ti) * (xi.shape[0] / batch)
+                   for xi, ti in zip(x.tensor_split(microbatches), target.tensor_split(microbatches)))
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -54,3 +60,53 @@ def test_a_record_that_does_not_fit_the_trace_is_refused(tmp_path: Path) -> None
     (plan / "plan.json").write_text(json.dumps(doc))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "1"))
     assert "the plan's strategy does not fit this model's trace (node" in line, line
+
+
+def test_a_pipelined_strategy_plan_trains_like_one_process(tmp_path: Path) -> None:
+    """``fxpipe compile --stages 2 --dp 2 --strategy auto``: cut where the plan cuts, each stage searched on its own
+    graph; ``fxpipe run`` trains it on 2 x 2 gloo ranks (GPipe, 2 microbatches) like one process taking the same
+    microbatches of the whole batch (float64; losses of 3 steps: the later ones follow from every parameter)."""
+    plan = tmp_path / "plan"
+    text = ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "2", "--dp", "2", "--strategy", "auto", "--microbatches",
+                         "2", "--dtype", "float64", "--batch-size", "8", "--out", plan, "--plain")).stdout
+    assert "strategy auto (elimination) for stage 0 of 2 (x..features_5) on 2 ranks, batch 8" in text
+    assert "strategy auto (elimination) for stage 1 of 2 (features_6..output) on 2 ranks, batch 8" in text
+    record = read_plan(plan).strategy
+    assert record is not None and record.cuts == ("features_5",)  # the plan's stage 0 ends with layer features.5
+    assert record.ranks == 2 and record.microbatches == 2 and record.world == 4
+    assert any(c != "s2" for _, c in record.nodes)  # the search split beyond the batch somewhere
+    inspected = ok(fxpipe_cli("inspect", plan, "--plain")).stdout
+    assert "strategy auto (elimination) in 2 stages x 2 ranks, 2 microbatches (gpipe)" in inspected
+    assert "for stage 1 of 2 (features_6..output)" in inspected  # the per-stage tables are kept in the plan
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--steps", "3", "--lr", "0.05", "--json")).stdout)
+    assert doc["ranks"] == 4 and doc["mesh"]["ranks"] == [[0, 1], [2, 3]] and doc["microbatches"] == 2
+    assert doc["schedule"] == "strategy auto (elimination) in 2 stages, gpipe"
+    torch.testing.assert_close(doc["losses"], _one_process_losses("vgg-tiny", 8, 3, 0.05, microbatches=2),
+                               rtol=1e-9, atol=1e-12)
+    assert doc["losses"][-1] < doc["losses"][0]
+
+
+def test_a_pipelined_record_that_does_not_cut_the_trace_is_refused() -> None:
+    """What each rank checks before building the runtime (no launch): a cut inside a residual block (two tensors
+    cross it) and microbatches the ranks cannot split evenly are one PlanFileError each."""
+    from fxpipe.cli.rank_strategy import _check_stages
+    from fxpipe.passes.strategy_graph import strategy_graph
+
+    zoo = models.build("resnet-tiny", batch_size=8, seed=0)
+    g = strategy_graph(zoo.model, zoo.example_inputs)
+    inside = "layer1_0_conv1"  # a block's first convolution: the block's skip (downsample) crosses the cut too
+    at = g.nodes.index(inside)
+    record = StrategyRecord("dp", 2, 2, "data-parallel", 1.0, tuple((n, "s2") for n in g.nodes),
+                            stages=(StrategyStage(g.nodes[0], inside, "data-parallel", 1.0),
+                                    StrategyStage(g.nodes[at + 1], g.nodes[-1], "data-parallel", 1.0)),
+                            microbatches=2)
+    assert record.problems() == []
+    with pytest.raises(PlanFileError, match="do not cut this model's trace where one tensor crosses"):
+        _check_stages(record, g, 8)
+    cut = g.nodes.index("layer1_0_relu_2")  # the block's output: one tensor crosses
+    fine = StrategyRecord("dp", 2, 2, "data-parallel", 1.0, record.nodes, microbatches=4, stages=(
+        StrategyStage(g.nodes[0], g.nodes[cut], "data-parallel", 1.0),
+        StrategyStage(g.nodes[cut + 1], g.nodes[-1], "data-parallel", 1.0)))
+    _check_stages(fine, g, 8)
+    with pytest.raises(PlanFileError, match="unevenly"):
+        _check_stages(fine, g, 12)

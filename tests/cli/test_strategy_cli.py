@@ -1,5 +1,6 @@
 """``fxpipe compile MODEL --stages 1 --dp D --strategy auto|dp|splitbrain [--group K]``: the per-layer table, the
-totals, the StrategyRecord in plan.json (loaded back equal), and the one-line refusals."""
+totals, the StrategyRecord in plan.json (loaded back equal), and the one-line refusals (the pipelined form,
+``--stages P``, is compiled and run in tests/cli/test_run_strategy.py)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,12 @@ def test_resnet_auto(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (("--stages", "2", "--dp", "2", "--strategy", "auto"), "--stages 1"),
+    (("--stages", "auto", "--dp", "2", "--strategy", "auto"), "not auto"),
+    (("--stages", "2", "--dp", "3", "--strategy", "auto"), "power of two"),
+    (("--stages", "2", "--dp", "2", "--strategy", "auto", "--schedule", "async-1f1b"),
+     "runs its 2 stages in GPipe order"),
+    (("--stages", "2", "--dp", "2", "--strategy", "dp", "--batch-size", "8", "--granularity", "node"),
+     "is no module of the strategy trace, so its cut cannot be placed there; compile with --granularity auto"),
     (("--stages", "1", "--dp", "3", "--strategy", "auto"), "power of two"),
     (("--stages", "1", "--dp", "1", "--strategy", "dp"), "power of two"),
     (("--stages", "1", "--dp", "4", "--strategy", "splitbrain", "--group", "3"), "--group 3 must divide --dp 4"),
