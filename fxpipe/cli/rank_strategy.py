@@ -38,7 +38,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     if world != record.world:
         raise OptionError(f"the plan's strategy runs on {record.world} ranks" + (
             f" ({pp} stages x {record.ranks})" if pp > 1 else "") + f", and this run has {world}; run it with "
-            + (f"--dp {record.ranks}" if pp == 1 else "the default --nproc"))
+            + (f"--dp {record.ranks}" if pp == 1 else f"no --dp or --nproc (it starts {record.world})"))
     for flag, given in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
                         ("--checkpoint-dir", args.checkpoint_dir)):
         if given is not None:
