@@ -211,11 +211,16 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         bare = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
                            bucket_layers=bucket)
         mine, runs = [], []
-        for name, strategy in (("dp", data_parallel(graph)), ("splitbrain-2", splitbrain(graph, g.specs, 2)),
-                               ("auto", solve(graph))):
+        cases = [("dp", data_parallel(graph), graph, bucket), ("splitbrain-2", splitbrain(graph, g.specs, 2), graph, bucket),
+                 ("auto", solve(graph), graph, bucket)]
+        if args.also_bucketed_dp and not bucket:
+            other = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
+                                host=host, bucket_layers=True)
+            cases.append(("dp, buckets", data_parallel(other), other, True))
+        for name, strategy, graph, buckets in cases:
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
             total = strategy_rows(graph, specs, strategy).rows[-1]
-            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=bucket), x, t))
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=buckets), x, t))
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
             mine.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,
@@ -240,6 +245,8 @@ def main() -> None:
     parser.add_argument("--probe-iters", type=int, default=10, help="steps timed per host-cost probe")
     parser.add_argument("--bucket-layers", action="store_true", help="the models' runtimes sync gradients in "
                         "buckets over layers (StrategyRuntime(bucket_layers=True)), and the model costs them so")
+    parser.add_argument("--also-bucketed-dp", action="store_true", help="also run dp with gradients bucketed over "
+                        "layers, in turn with the others (the row 'dp, buckets')")
     parser.add_argument("--cached-compute", action="store_true", help="take calibrate_compute's cached rates "
                         "instead of measuring them now (under the same conditions as the steps)")
     parser.add_argument("--out", type=Path, default=None)
