@@ -73,12 +73,15 @@ def run_case(model: str, calibration: str, steps: int, timeout: float) -> dict[s
 
 
 def table(cases: list[dict[str, object]]) -> str:
-    lines = ["| model | calibration | schedule, m | simulated ms | measured ms (median) | sim / measured | within 25% | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | calibration | schedule, m | simulated ms | measured ms (median) | sim / measured | within 25% | load "
+             "| fastest step ms | sim / fastest | measured at |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in cases:
+        steps = [float(x) for x in c["step_ms"]][1:] or [float(c["measured_step_ms"])]  # type: ignore[union-attr]
         lines.append(f"| {c['model']} | {c['calibration']} | {c['schedule']}, {c['microbatches']} | "
                      f"{c['simulated_step_ms']:.2f} | {c['measured_step_ms']:.2f} | {c['ratio']:.3f} | "
-                     f"{'yes' if c['within_goal'] else 'no'} | {c['load_before']}-{c['load_after']} |")
+                     f"{'yes' if c['within_goal'] else 'no'} | {c['load_before']}-{c['load_after']} | "
+                     f"{min(steps):.2f} | {float(c['simulated_step_ms']) / min(steps):.3f} | {c['when']} |")
     return "\n".join(lines)
 
 
