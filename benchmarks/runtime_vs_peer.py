@@ -115,8 +115,16 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
             opt.zero_grad()
 
         runners[peer_name] = peer_step
-    # The bound: this rank's F, B, W for all microbatches, no communication, both ranks at once.
+    # The bound: this rank's F, B, W for all microbatches, no communication, both ranks at once; W as the
+    # runtime runs it, W_acc adding into gradient buffers kept across calls (plain W made fresh gradient buffers
+    # every microbatch, which the allocator may hand back to the kernel and fault in again: a bound that moved
+    # with the allocator's state, 83 ms on one run, 133 ms on another, for mlp-deep's same rank).
+    from fxpipe.graphs.accumulate import accumulating_weight_graph
+
     g = pipe.stage_graphs[rank]  # the same graphs the runtime runs
+    stage_mod = pipe.stage_list()[rank].module
+    w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]
+    accs = [torch.zeros_like(stage_mod.get_parameter(n)) for n in g.param_names]
 
     args = [torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
             for v in (n.meta["val"] for n in g.forward.graph.nodes if n.op == "placeholder")]
@@ -128,8 +136,8 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
                 saved = list(res[g.num_outputs:])
                 grads = [torch.ones_like(res[j]) for j in g.grad_outputs]
                 b = g.backward_input(*(saved[k] if kind == "saved" else grads[k] for kind, k in g.b_slots))
-                g.backward_weight(*b[len(g.grad_inputs):],
-                                  *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots))
+                w_acc(*b[len(g.grad_inputs):], *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots),
+                      *accs)
 
     def bound_alone() -> float:
         """The bound's work with the other rank waiting: this rank's own time, no contention."""
@@ -146,11 +154,14 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
 
     runners["bound"] = bound
     times: dict[str, list[float]] = {k: [] for k in [*runners, "bound alone"]}
+    faults: dict[str, list[int]] = {k: [] for k in runners}  # this rank's minor page faults per call
     for it in range(warmup + iters):
         for key, fn in runners.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = _timed(fn)
             if it >= warmup:
                 times[key].append(t)
+                faults[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         t = bound_alone()
         if it >= warmup:
             times["bound alone"].append(t)
@@ -162,17 +173,27 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         compute = sum(t1 - t0 for _, t0, t1 in rt.events) * 1e3
         waits = sum(t1 - t0 for _, t0, t1 in rt.waits) * 1e3
         span = rt.events[-1][2] * 1e3
-        breakdown[key] = {"step": t, "compute": compute, "waiting": waits, "between_actions": span - compute - waits,
-                          "after_last_action": t - span}
+        # The optimizer steps: inside the last W's event where a stage steps as soon as its last W ran, else after
+        # the last action (tied weights across ranks: after their gradients are summed).
+        inside = sum(t1 - t0 for t0, t1 in rt.optimizer_steps if t1 <= rt.events[-1][2]) * 1e3
+        optimizer = sum(t1 - t0 for t0, t1 in rt.optimizer_steps) * 1e3
+        by_kind: dict[str, float] = {}
+        for action, t0, t1 in rt.events:
+            by_kind[action.kind.value] = by_kind.get(action.kind.value, 0.0) + (t1 - t0) * 1e3
+        breakdown[key] = {"step": t, "compute": compute - inside, "optimizer": optimizer, "by_kind": by_kind,
+                          "waiting": waits, "between_actions": span - compute - waits,
+                          "after_last_action": t - span - (optimizer - inside)}
     every = [None, None]
     dist.all_gather_object(every, breakdown)
+    every_faults = [None, None]
+    dist.all_gather_object(every_faults, {k: statistics.median(v) for k, v in faults.items()})
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"model": name, "microbatches": m, "batch": int(inputs[0].shape[0]), "cut_before": cut,
                        "half_the_layers_before": half,
                        "median_ms": {k: statistics.median(v) for k, v in times.items()}, "simulated_ms": simulated,
                        "simulated_uncalibrated_ms": simulated_default, "calibration": cal.to_json(),
-                       "breakdown_ms_per_rank": every,
+                       "breakdown_ms_per_rank": every, "minor_faults_per_call_per_rank": every_faults,
                        "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
     dist.destroy_process_group()
 

@@ -176,6 +176,8 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self.events: list[tuple[Action, float, float]] = []
+        self.optimizer_steps: list[tuple[float, float]] = []
+        self.started = 0.0
 
     def _compile_stages(self, codegen: str) -> str:
         """``codegen="inductor"``: this rank's F, B, W, W_acc and W_set graphs compiled (``runtime.codegen``); the
@@ -262,9 +264,11 @@ class PipelineRuntime:
             if p.grad is not None:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
                                  f"the tied weight's gradient (ranks {ranks})")
+        t0 = time.perf_counter() - self.started
         for s, opt in self.optimizers.items():
             if s not in self._stepped:
                 opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        self.optimizer_steps.append((t0, time.perf_counter() - self.started))
         if self.sync is not None:
             group = self.sync.group
             replicas.average_buffers([self.stages[s].module for s in self.mine], self.dp, lambda t: self._collective(
@@ -351,8 +355,9 @@ class PipelineRuntime:
 
         self._written = set()
         self.events = []  # this step's compute actions (start, end), seconds from its start
+        self.optimizer_steps: list[tuple[float, float]] = []  # its optimizer steps (start, end), seconds from its start
+        self.started = start = time.perf_counter()
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
-        start = time.perf_counter()
         if self.sync is not None:
             self.sync.begin(start)
         with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
@@ -376,7 +381,9 @@ class PipelineRuntime:
                 if self.sync is not None:
                     self.sync.after(op.action)
                 for s in self._early.get(j, ()) if program is self.program else ():
+                    t1 = time.perf_counter() - start
                     self.optimizers[s].step()  # its last W has run: nothing else writes these gradients
+                    self.optimizer_steps.append((t1, time.perf_counter() - start))
                     self._stepped.add(s)
                 self._drop_dead(op.action)
                 self.channel.poll()
