@@ -90,6 +90,38 @@ class ComputeRates:
     conv_fwd: float = 0.0  # seconds a convolution costs beyond a node whatever its size (the fit's intercept)
     conv_bwd: float = 0.0  # the same for its backward (input and weight gradients together)
     machine: str = ""  # what it was measured on: host, CPU, torch version, threads
+    # Skinny GEMMs run slower: (smallest dimension, FLOP/s) of an (m x 1024) x (1024 x 1024) torch.mm (F and B) and
+    # of the weight gradient's (1024 x m) x (m x 1024), m = 8..128; above the last m, gemm_flops. Empty (plans and
+    # caches from before): gemm_flops for every GEMM.
+    gemm_curve: tuple[tuple[float, float], ...] = ()
+    gemm_w_curve: tuple[tuple[float, float], ...] = ()
+    # (FLOPs per call, FLOP/s) of 3x3 convolutions, forward and backward together, at a few sizes: a convolution's
+    # rate interpolated in log FLOPs (clamped at the ends). Empty: conv_flops for every convolution.
+    conv_curve: tuple[tuple[float, float], ...] = ()
+
+    def gemm_rate(self, smallest: float, *, weight: bool = False) -> float:
+        """FLOP/s of a GEMM whose smallest dimension is ``smallest`` (``weight``: a weight gradient, contracting it)."""
+        curve = self.gemm_w_curve if weight else self.gemm_curve
+        if not curve or smallest >= 2 * curve[-1][0]:
+            return self.gemm_flops
+        if smallest > curve[-1][0]:  # towards the large GEMMs' rate by twice the curve's last point
+            return _log_interpolate((*curve, (2 * curve[-1][0], self.gemm_flops)), smallest)
+        return _log_interpolate(curve, smallest)
+
+    def conv_rate(self, flops: float) -> float:
+        """FLOP/s of a convolution of ``flops`` FLOPs per call (forward; its backward does twice as many)."""
+        return _log_interpolate(self.conv_curve, flops) if self.conv_curve else self.conv_flops
+
+
+def _log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:
+    """y at ``x`` on the (x, y) points ``curve`` (x increasing), linear in log x, the end points' y beyond them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + t * (y1 - y0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from fxpipe.report import Report
 # --profile replaces the estimates with measured times.
 
 _CONVOLUTIONS = {"convolution", "conv1d", "conv2d", "conv3d", "_convolution"}
+_GEMMS = {"linear", "mm", "addmm", "matmul"}
 
 
 def annotate_costs(
@@ -45,7 +46,8 @@ def annotate_costs(
     an activation input needs a gradient, its W costs its forward FLOPs when it reads a
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
     With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
-    its conv rate), the bytes count the parameters a node reads (F, B and W alike), and every node
+    its conv rate by its FLOPs per call, a linear/mm's at the rate for its smallest dimension, W's at the
+    weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``), the bytes count the parameters a node reads (F, B and W alike), and every node
     but ``getitem`` adds its host time: ``op_fwd`` to F, and
     ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
     convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
@@ -101,15 +103,20 @@ def annotate_costs(
         flops_b = flops if grad_to_act else 0
         flops_w = flops if grad_to_param else 0
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
-        rate = device_flops
+        rate = rate_w = device_flops
         host_f = host_b = host_w = 0.0
         if compute is not None:  # the node also reads its parameters (a skinny GEMM is bound by its weight's bytes)
             traffic += param_bytes
-            conv = _op_name(node).split(".")[0] in _CONVOLUTIONS
+            kind = _op_name(node).split(".")[0]
+            conv = kind in _CONVOLUTIONS
+            smallest = _gemm_smallest(node, kind, val, interp.values) if kind in _GEMMS else None
+            if smallest is not None:  # a skinny GEMM runs slower (calibrated by its smallest dimension)
+                rate, rate_w = compute.gemm_rate(smallest), compute.gemm_rate(smallest, weight=True)
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
                 if conv:
-                    rate, host_f, host_bw = compute.conv_flops, host_f + compute.conv_fwd, host_bw + compute.conv_bwd
+                    rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
+                    rate_w = rate
                 host_b = host_bw * (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0
                 host_w = host_bw * (0.5 if grad_to_act else 1.0) if grad_to_param else 0.0
         update_meta(
@@ -124,7 +131,7 @@ def annotate_costs(
             flops_bwd_weight=flops_w,
             time_fwd=host_f + max(flops / rate, traffic / device_mem_bw),
             time_bwd_input=host_b + max(flops_b / rate, traffic / device_mem_bw) if grad_to_act else 0.0,
-            time_bwd_weight=host_w + max(flops_w / rate, (traffic if compute is not None else param_bytes)
+            time_bwd_weight=host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
                                          / device_mem_bw) if grad_to_param else 0.0,
         )
         name = _op_name(node)
@@ -221,6 +228,19 @@ def _data_dependent(node: torch.fx.Node | None, exc: Exception) -> TraceError:
     return TraceError(f"{what}{where} reads a tensor's value as a Python number ({op}), so the stages' shapes and "
                       "costs would depend on the data; keep it a tensor (e.g. y * y.sum() instead of "
                       "y * y.sum().item()), or move the conversion out of forward")
+
+
+def _gemm_smallest(node: torch.fx.Node, kind: str, out: Any, values: dict[torch.fx.Node, Any]) -> int | None:
+    """The smallest of a GEMM node's M, K and N (rows, contracted, columns), or None when its shapes are not known."""
+    args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    first = args[1] if kind == "addmm" and len(args) > 1 else (args[0] if args else None)
+    x = values.get(first) if first is not None else None
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() < 1 or out.dim() < 1:
+        return None
+    n, k = int(out.shape[-1]), int(x.shape[-1])
+    if min(n, k) < 1:
+        return None
+    return min(out.numel() // n, k, n)
 
 
 def _shallow(val: Any) -> Any:

@@ -6,10 +6,15 @@ fast this machine turns them into time. Four measurements give them a clock, eac
 several runs (another job on the machine only ever adds time):
 
 - **GEMM.** ``torch.mm`` of square float32 matrices (128, 256, 512): FLOP/s, the median size's.
+- **Skinny GEMMs.** ``torch.mm`` of (m x 1024) x (1024 x 1024) and the weight gradient's (1024 x m) x
+  (m x 1024) for m = 8 to 128: FLOP/s by the GEMM's smallest dimension (8 rows run at half the square
+  GEMMs' rate on one core), interpolated in log m by ``ComputeRates.gemm_rate``.
 - **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
   images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
   backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
-  small convolutions cost tens of microseconds whatever their FLOPs).
+  small convolutions cost tens of microseconds whatever their FLOPs). Then FLOP/s at a few sizes from
+  29 MFLOP to 0.9 GFLOP per call (``CONV_SIZES``; 128 channels run ~1.4x faster than 64 here),
+  interpolated in log FLOPs by ``ComputeRates.conv_rate``.
 - **Memory.** ``torch.add(a, b, out=c)`` over 32 MiB tensors (larger than the caches): 3 x bytes / s.
 - **Per node.** A small model made of one of each kind of node the zoo's graphs hold (linear,
   conv, batch and layer norm, attention, views, element-wise ops) is traced and split into F, B
@@ -55,8 +60,12 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 3  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 4  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
+SKINNY_ROWS = (8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
+SKINNY_WIDTH = 1024
+# 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
+CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 STREAM_BYTES = 32 << 20
 
 __all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
@@ -198,8 +207,11 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     found = _overheads_from(_read_cache(overheads_cache_path()).get(machine_key(rates.threads)),
                             machine_key(rates.threads))
     runtime = f", {found.summary()}" if found is not None else ""
-    return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s, conv "
-            f"{rates.conv_flops / 1e9:.0f} GFLOP/s, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
+    skinny = (f" ({rates.gemm_curve[0][1] / 1e9:.0f} at {rates.gemm_curve[0][0]:.0f} rows)"
+              if rates.gemm_curve else "")
+    big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
+    return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
+            f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
             f"{rates.op_bwd * 1e6:.1f} us per node F / B+W{runtime}; {'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
@@ -215,10 +227,15 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         torch.manual_seed(0)
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         conv, conv_fwd, conv_bwd = _conv_rate(runs)
+        gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
+        gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
+        conv_curve = _conv_curve(max(3, runs // 2))
         mem_bw = _stream_rate(stream_bytes, runs)
         op_fwd, op_bwd = _node_times(runs)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
-                        conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads, machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s")
+                        conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
+                        machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
+                        gemm_w_curve=gemm_w_curve, conv_curve=conv_curve)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -243,6 +260,33 @@ def _gemm_rate(n: int, runs: int) -> float:
             torch.mm(a, b, out=out)
 
     return 2 * n**3 * reps / _fastest(mm, runs)
+
+
+def _skinny_rate(m: int, runs: int, *, weight: bool) -> float:
+    """FLOP/s of (m x 1024) x (1024 x 1024), or with ``weight`` of the weight gradient (1024 x m) x (m x 1024)."""
+    x, w, g = torch.randn(m, SKINNY_WIDTH), torch.randn(SKINNY_WIDTH, SKINNY_WIDTH), torch.randn(m, SKINNY_WIDTH)
+    out = torch.empty(SKINNY_WIDTH if weight else m, SKINNY_WIDTH)
+    if weight:
+        seconds = _fastest(lambda: torch.mm(g.t(), x, out=out), runs)
+    else:
+        seconds = _fastest(lambda: torch.mm(x, w, out=out), runs)
+    return 2 * m * SKINNY_WIDTH * SKINNY_WIDTH / seconds
+
+
+def _conv_curve(runs: int) -> tuple[tuple[float, float], ...]:
+    """(FLOPs per call, FLOP/s forward and backward together) of 3x3 convolutions at ``CONV_SIZES``."""
+    points = []
+    for batch, channels, side in CONV_SIZES:
+        x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
+        grad = torch.randn(batch, channels, side, side)
+        flops = 2 * batch * channels * channels * side * side * 9
+        with torch.no_grad():
+            fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                                      [0, 0], 1), runs)
+            bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
+                grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
+        points.append((float(flops), 3 * flops / (fwd + bwd)))
+    return tuple(sorted(points))
 
 
 def _conv_rate(runs: int) -> tuple[float, float, float]:
@@ -365,7 +409,17 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
         return None
     if not entry["machine"].startswith(key):
         return None
-    return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}})
+    curves = {}
+    for k in ("gemm_curve", "gemm_w_curve", "conv_curve"):
+        points = entry[k]
+        if not isinstance(points, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                            and math.isfinite(v) and v > 0 for v in p) for p in points):
+            return None
+        curves[k] = tuple((float(a), float(b)) for a, b in points)
+        if any(a >= b for (a, _), (b, _) in zip(curves[k], curves[k][1:])):
+            return None
+    return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}, **curves})
 
 
 def _write_cache(path: Path, entries: dict[str, Any]) -> None:

@@ -223,3 +223,45 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     assert Costs.from_plan(elsewhere).action_s == 0.0  # another machine's plan: this machine's runtime is no guide
     monkeypatch.setenv(cc.ENV, "off")
     assert Costs.from_plan(calibrated.plan).step_s == 0.0  # the test suite's switch: no plan depends on the machine
+
+
+def test_skinny_gemms_and_large_convolutions_run_at_their_calibrated_rates(cache_dir: Path) -> None:
+    curves = dict(gemm_curve=((8.0, 1e10), (64.0, 1e11)), gemm_w_curve=((8.0, 5e9), (64.0, 1e11)),
+                  conv_curve=((1e6, 1e10), (1e8, 1e11)))
+    rates = dataclasses.replace(RATES, mem_bw=1e30, **curves)
+    assert (rates.gemm_rate(4), rates.gemm_rate(8), rates.gemm_rate(64)) == (1e10, 1e10, 1e11)
+    assert rates.gemm_rate(math.sqrt(8 * 64)) == pytest.approx(5.5e10)  # linear in log m
+    assert 1e11 < rates.gemm_rate(96) < rates.gemm_rate(128) == rates.gemm_flops == rates.gemm_rate(4096)
+    assert rates.gemm_rate(8, weight=True) == 5e9 and RATES.gemm_rate(8) == RATES.gemm_flops  # no curve: one rate
+    assert (rates.conv_rate(1e4), rates.conv_rate(1e7), rates.conv_rate(1e9)) == (1e10, pytest.approx(5.5e10), 1e11)
+    zoo = models.build("mlp-tiny")
+    out = annotate_costs(trace(zoo.model, zoo.example_inputs).gm, zoo.example_inputs, compute=rates).gm
+    linears = [n for n in out.graph.nodes if "linear" in str(n.target)]
+    assert len(linears) >= 3
+    for node in linears:
+        m = get_meta(node)
+        rows, n = math.prod(m.shape[0][:-1]), m.shape[0][-1]
+        smallest = min(rows, m.flops_fwd // (2 * rows * n), n)  # M, K and N of 2 M K N FLOPs
+        assert m.time_fwd == pytest.approx(RATES.op_fwd + m.flops_fwd / rates.gemm_rate(smallest))
+        if m.flops_bwd_weight:
+            host = RATES.op_bwd / (2 if m.flops_bwd_input else 1)
+            assert m.time_bwd_weight == pytest.approx(host + m.flops_bwd_weight / rates.gemm_rate(smallest, weight=True))
+    zoo = models.build("vgg-tiny")
+    out = annotate_costs(trace(zoo.model, zoo.example_inputs).gm, zoo.example_inputs, compute=rates).gm
+    for node in (n for n in out.graph.nodes if "conv" in str(n.target)):
+        m = get_meta(node)
+        assert m.time_fwd == pytest.approx(RATES.op_fwd + RATES.conv_fwd + m.flops_fwd / rates.conv_rate(m.flops_fwd))
+    # A cache entry from before the curves is measured again; a plan from before them still loads (no curves).
+    cache_dir.mkdir(parents=True)
+    old = {k: v for k, v in dataclasses.asdict(RATES).items() if k not in curves}
+    (cache_dir / "compute.json").write_text(json.dumps({cc.machine_key(1): {**old, "machine": cc.machine_key(1)}}))
+    calls: list[int] = []
+    assert not cc.calibrate_compute(threads=1, measure=_fake_measure(calls))[1] and calls == [1]
+    pipe = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates)).pipeline
+    assert pipe is not None
+    plan_doc = json.loads(json.dumps(pipe.plan.to_json()))
+    assert plan_doc["options"]["compute"]["gemm_curve"] == [[8.0, 1e10], [64.0, 1e11]]
+    for k in curves:
+        del plan_doc["options"]["compute"][k]
+    assert Plan.from_json(plan_doc).options.compute == dataclasses.replace(rates, gemm_curve=(), gemm_w_curve=(),
+                                                                           conv_curve=())
