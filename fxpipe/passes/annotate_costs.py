@@ -153,6 +153,10 @@ def annotate_costs(
             "B/W FLOPs are estimates (forward FLOPs of ops on the gradient path); split_backward will count the real graphs",
         ),
     )
+    if compute is not None:  # the planners (partition_stages) look up the runtime's fixed costs for these rates
+        out.meta["fxpipe_compute"] = compute
+    else:
+        out.meta.pop("fxpipe_compute", None)
     return PassResult(out, True, (report,))
 
 

@@ -69,7 +69,7 @@ CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 STREAM_BYTES = 32 << 20
 
 __all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
-           "calibration_enabled", "describe", "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
+           "calibration_enabled", "compute_overheads", "describe", "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
 
 
 def calibration_enabled(setting: str | None = None) -> bool:
@@ -177,7 +177,13 @@ def plan_overheads(plan: Any) -> Any:
     costs were estimated with compute rates measured on this machine (``plan.options.compute``) and calibration
     is on (``FXPIPE_CALIBRATION``); else None (a profiled plan, a fixed device model, another machine's plan,
     or no calibration yet). Only reads the cache: ``fxpipe compile`` measures it."""
-    compute = getattr(plan.options, "compute", None)
+    return compute_overheads(getattr(plan.options, "compute", None))
+
+
+def compute_overheads(compute: ComputeRates | None) -> Any:
+    """The runtime's fixed costs cached for the machine ``compute`` was measured on, when it is this machine and
+    calibration is on; else None (see :func:`plan_overheads`). The planners (``--stages auto``, ``--plan auto``)
+    read them through the graph's ``meta["fxpipe_compute"]`` (``annotate_costs``)."""
     if compute is None or not calibration_enabled():
         return None
     key = compute.machine.rsplit("|", 1)[0] if compute.machine.count("|") > 4 else compute.machine

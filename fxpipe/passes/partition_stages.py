@@ -88,15 +88,17 @@ def partition_stages(
     static = [_static_bytes(out, s) for s in stats]
     counted: tuple[Report, ...] = ()
     choice: dict[str, object] | None = None
+    overheads = _planner_overheads(out)
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
-                                        latency=latency, memory_cap=memory_per_stage)
+                                        latency=latency, memory_cap=memory_per_stage, overheads=overheads)
         num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
         schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
     elif num_stages == "auto":
         num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
                                                     memory_cap=memory_per_stage, microbatches=microbatches,
-                                                    schedule=schedule, objective=objective, max_stages=max_stages)
+                                                    schedule=schedule, objective=objective, max_stages=max_stages,
+                                                    overheads=overheads)
     elif not isinstance(num_stages, int) or num_stages < 1:
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
@@ -142,7 +144,8 @@ def partition_stages(
 
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
                   latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
-                  objective: str | None, max_stages: int | None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
+                  objective: str | None, max_stages: int | None,
+                  overheads: tuple[float, float, float] | None = None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
     """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks."""
     from fxpipe.planning.cost import transfer_time
     from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES, DEFAULT_OBJECTIVE, StageCount, best_partition, \
@@ -182,6 +185,8 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans),
                       sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
                       latency, bandwidth)
+        if overheads is not None:
+            costs = costs.with_overheads(*overheads)
         simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
         rows.append(StageCount(p, tuple(bounds), tuple(sum(times[i:j]) for i, j in spans), sends[:-1], m, model,
                                simulated, sum(times)))
@@ -193,13 +198,24 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule),)
 
 
+def _planner_overheads(gm: torch.fx.GraphModule) -> tuple[float, float, float] | None:
+    """The runtime's fixed costs (per action, message, step) the planners simulate with: this machine's calibration
+    when ``annotate_costs`` estimated with its compute rates (``gm.meta["fxpipe_compute"]``), as ``Costs.from_plan``
+    adds them to the plan's simulations; None otherwise (profiled, fixed model, ``FXPIPE_CALIBRATION=off``)."""
+    from fxpipe.passes.calibrate_compute import compute_overheads
+
+    found = compute_overheads(gm.meta.get("fxpipe_compute"))
+    return None if found is None else (found.action, found.message, found.step)
+
+
 SIMULATED_CANDIDATES = 16
 """How many of the model's best candidates ``--plan auto`` simulates."""
 
 
 def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, devices: int | None,
                   bandwidth: float, latency: float,
-                  memory_cap: float | None) -> tuple[dict[str, object], tuple[Report, ...]]:
+                  memory_cap: float | None,
+                  overheads: tuple[float, float, float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
     simulated; the fastest simulated is the plan."""
     from fxpipe.planning.plan_search import Layers, plan_candidates
@@ -222,6 +238,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans), sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
                       allreduce_latency=latency, allreduce_bandwidth=bandwidth)
+        if overheads is not None:
+            costs = costs.with_overheads(*overheads)
         simulated.append((c, simulate(generate(c.schedule, c.stages, c.microbatches, costs), costs).makespan))
     top = max(c.throughput(step) for c, step in simulated)
     # Ties (within 1e-9) go to the least memory per device, then the fewest devices.

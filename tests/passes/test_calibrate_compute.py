@@ -221,8 +221,18 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
         calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
     assert Costs.from_plan(elsewhere).action_s == 0.0  # another machine's plan: this machine's runtime is no guide
+    # The planners simulate with them too: --stages auto's every count's step grows by at least the per-step cost.
+    def steps() -> list[float]:
+        result = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates, stage_objective="fastest",
+                                                                           max_stages=3))
+        table = next(r for r in result.reports if r.title.startswith("partition-stages: stage count"))
+        return [row[5] for row in table.rows]
+    with_costs = steps()
     monkeypatch.setenv(cc.ENV, "off")
     assert Costs.from_plan(calibrated.plan).step_s == 0.0  # the test suite's switch: no plan depends on the machine
+    without = steps()
+    assert len(with_costs) == len(without) == 3
+    assert all(a >= b + 0.3 for a, b in zip(with_costs, without))  # ms: 3e-4 s per step at least
 
 
 def test_skinny_gemms_and_large_convolutions_run_at_their_calibrated_rates(cache_dir: Path) -> None:
