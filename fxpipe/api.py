@@ -312,8 +312,7 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     check_strategy(name, 1, ranks, group)
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
-    g = strategy_graph(model, example_inputs, device_flops=compute.gemm_flops if compute else None,
-                       device_mem_bw=compute.mem_bw if compute else None)
+    g = strategy_graph(model, example_inputs, compute=compute)
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
     chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
                                  latency=latency, alltoall=alltoall, heights=heights, memory_cap=memory_cap,
@@ -390,8 +389,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                           f"to {ranks} ranks (batch: {batch}); use a --batch-size that {microbatches * ranks} divides")
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
-    g = strategy_graph(model, example_inputs, device_flops=compute.gemm_flops if compute else None,
-                       device_mem_bw=compute.mem_bw if compute else None)
+    g = strategy_graph(model, example_inputs, compute=compute)
     cuts = strategy_cuts(plan, g.module, g.edges)
     bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]
     configs: list[str] = [""] * len(g.nodes)
