@@ -221,8 +221,11 @@ def run_cmd(
                                  round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results),
                           (f"mesh (pp, dp) = ({mesh['shape'][0]}, {mesh['shape'][1]}): rank = pp x {mesh['shape'][1]} "
-                           "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
-                           "stage's replicas",) if mesh["shape"][1] > 1 else ())
+                           + ("+ dp, so a stage's ranks are neighbours; each layer's parameters and gradients are "
+                              "split or replicated over them as the plan's per-layer strategy says"
+                              if doc["schedule"].startswith("strategy ") else
+                              "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
+                              "stage's replicas"),) if mesh["shape"][1] > 1 else ())
         reports = [per_step, per_rank]
         if doc.get("peak_held_bytes_per_stage"):
             reports.append(_held_report(doc, results))
