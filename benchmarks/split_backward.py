@@ -1,6 +1,8 @@
 """B+W time of fxpipe's compiled split against torch.distributed.pipelining's run-time split and a fused backward.
 
-Per stage, in one process, interleaved A/B/C each iteration so machine drift cancels:
+Per stage, in one process, interleaved A/B/C each iteration so machine drift cancels (the order rotates
+from one iteration to the next, so none always follows the same one: a 51 MB gradient freed by one
+method is memory the next one faults in again):
 
   fused : eager forward of the stage module, then one autograd backward to inputs and weights
   peer  : eager forward, then pipelining._backward.stage_backward_input + stage_backward_weight
@@ -8,7 +10,12 @@ Per stage, in one process, interleaved A/B/C each iteration so machine drift can
 
 Only the backward part is timed (median over --runs after --warmup). One thread.
 
-    python benchmarks/split_backward.py [--models mlp-large gpt-medium] [--stages 2] [--runs 30]
+    python benchmarks/split_backward.py [--models mlp-large gpt-medium hf-gpt2] [--stages 2] [--runs 30] [--profile]
+
+``hf-gpt2`` is Hugging Face transformers' GPT2LMHeadModel as issue 16 names it (4 layers, d = 256,
+4 heads, sequence 128, batch 4; built from a config, no download). ``--profile`` also runs each
+stage's fused backward and fxpipe's B+W under torch.profiler and prints, per aten op, the self CPU
+time per backward of each and their difference: where the split's cost is.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 import fxpipe
 from fxpipe import models
+from fxpipe._compat import boxed
 
 
 def _inputs(stage: Any, env: dict[str, Any], needs_grad: set[str]) -> list[Any]:
@@ -63,6 +71,10 @@ def bench_stage(stage: Any, graphs: Any, env: dict[str, Any], needs_grad: set[st
             p.grad = None
         return t1 - t0
 
+    # As the runtime calls them (fxpipe.runtime.core): B and W take one list of their inputs that they empty, so
+    # each saved tensor is freed after its last use, as autograd frees a node's saved tensors once it ran.
+    box_b, box_w = boxed(graphs.backward_input), boxed(graphs.backward_weight)
+
     def ours() -> float:
         args = _inputs(stage, env, set())
         with torch.no_grad():
@@ -72,18 +84,17 @@ def bench_stage(stage: Any, graphs: Any, env: dict[str, Any], needs_grad: set[st
             t0 = time.perf_counter()
             b_args = [saved[i] if k == "saved" else grads_out[i] for k, i in graphs.b_slots]
             w_args = [saved[i] if k == "saved" else grads_out[i] for k, i in graphs.w_slots]
-            b = graphs.backward_input(*b_args)
-            del b_args
+            saved.clear()  # B and W hold the only references now
+            b = box_b(b_args)
             w_args[:0] = b[len(graphs.grad_inputs):]
             del b
-            saved.clear()  # what autograd.grad frees at its end (retain_graph=False), freed here too
-            graphs.backward_weight(*w_args)
-            del w_args
+            box_w(w_args)
             return time.perf_counter() - t0
 
     times: dict[str, list[float]] = {"fused": [], "peer": [], "fxpipe": []}
+    methods = (("fused", fused), ("peer", peer), ("fxpipe", ours))
     for it in range(warmup + runs):
-        for name, fn in (("fused", fused), ("peer", peer), ("fxpipe", ours)):
+        for name, fn in methods[it % 3:] + methods[:it % 3]:  # rotated: none always runs after the same one
             t = fn()
             if it >= warmup:
                 times[name].append(t)
@@ -98,6 +109,59 @@ def bench_stage(stage: Any, graphs: Any, env: dict[str, Any], needs_grad: set[st
     }
 
 
+def profile_stage(stage: Any, graphs: Any, env: dict[str, Any], needs_grad: set[str], runs: int) -> list[dict]:
+    """Per aten op: self CPU ms per backward in the fused backward and in fxpipe's B+W (``runs`` of each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for p in stage.module.parameters() if p.requires_grad]
+    with torch.no_grad():
+        outs0 = stage.module(*_inputs(stage, env, set()))
+    grads_out = [torch.randn_like(outs0[i]) for i in graphs.grad_outputs]
+    fused_inputs, ours_inputs = [], []
+    for _ in range(runs):  # forwards outside the profiled region
+        args = _inputs(stage, env, needs_grad)
+        outs = stage.module(*args)
+        fused_inputs.append(([outs[i] for i in graphs.grad_outputs],
+                             [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + params))
+        with torch.no_grad():
+            result = graphs.forward(*_inputs(stage, env, set()))
+        ours_inputs.append(list(result[graphs.num_outputs:]))
+
+    def per_op(prof: Any) -> dict[str, float]:
+        return {e.key: e.self_cpu_time_total / 1e3 / runs for e in prof.key_averages()}
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for diff, wrt in fused_inputs:
+            torch.autograd.grad(diff, wrt, grad_outputs=grads_out, allow_unused=True)
+    fused = per_op(prof)
+    box_b, box_w = boxed(graphs.backward_input), boxed(graphs.backward_weight)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+        while ours_inputs:
+            saved = ours_inputs.pop()
+            b_args = [saved[i] if k == "saved" else grads_out[i] for k, i in graphs.b_slots]
+            w_args = [saved[i] if k == "saved" else grads_out[i] for k, i in graphs.w_slots]
+            del saved
+            b = box_b(b_args)
+            w_args[:0] = b[len(graphs.grad_inputs):]
+            del b
+            box_w(w_args)
+    ours = per_op(prof)
+    rows = [{"op": op, "fused_ms": round(fused.get(op, 0.0), 4), "fxpipe_ms": round(ours.get(op, 0.0), 4),
+             "diff_ms": round(ours.get(op, 0.0) - fused.get(op, 0.0), 4)}
+            for op in set(fused) | set(ours) if op.startswith("aten::")]
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))
+
+
+def hf_gpt2(batch_size: int | None) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Issue 16's Hugging Face GPT-2: 4 layers, d = 256, 4 heads, sequence 128, batch 4 (no dropout, no cache)."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=50257,
+                                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    return model, (torch.randint(0, config.vocab_size, (batch_size or 4, 128)),)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="*", default=["mlp-large", "gpt-medium"])
@@ -105,18 +169,25 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--profile", action="store_true", help="per-op self CPU time, fused vs B+W, per stage")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = []
     for name in args.models:
-        zoo = models.build(name, batch_size=args.batch_size)
-        pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=args.stages)
-        env = dict(zip(pipe.input_names, zoo.example_inputs))
+        if name == "hf-gpt2":
+            model, example = hf_gpt2(args.batch_size)
+        else:
+            zoo = models.build(name, batch_size=args.batch_size)
+            model, example = zoo.model, zoo.example_inputs
+        pipe = fxpipe.compile(model, example, stages=args.stages)
+        env = dict(zip(pipe.input_names, example))
         needs_grad: set[str] = set()
         for stage, graphs in zip(pipe.stage_list(), pipe.stage_graphs):  # type: ignore[arg-type]
             row = {"model": name, "stage": stage.index, "first_stage": stage.index == 0}
             row.update(bench_stage(stage, graphs, env, needs_grad, args.runs, args.warmup))
+            if args.profile:
+                row["ops"] = profile_stage(stage, graphs, env, needs_grad, args.runs)
             rows.append(row)
             with torch.no_grad():
                 env.update(zip(stage.outputs, stage.module(*_inputs(stage, env, set()))))

@@ -151,6 +151,17 @@ def data_dependent_output_error() -> type[Exception]:
     return DataDependentOutputException
 
 
+def boxed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` taking its inputs as one list, which it empties on entry: each input is then freed right after its
+    last use (the generated code ``del``s it) unless the caller keeps another reference, as AOTAutograd's boxed
+    calling convention does (``torch.fx.graph._BoxedCodeGen``, private in torch 2.13). Shares ``gm``'s
+    parameters and submodules."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    return torch.fx.GraphModule(gm, graph, class_name=f"Boxed{type(gm).__name__}")
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """A 1-D DeviceMesh over all the ranks of ``mesh`` (a sub-mesh): ``DeviceMesh._flatten`` (torch 2.13), the
     group a collective over several mesh dimensions at once runs on."""

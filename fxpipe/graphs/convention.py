@@ -82,13 +82,17 @@ class StageGraphs:
 
         ``grad_outs[j]`` is the gradient of stage output ``grad_outputs[j]`` (a ``("grad", j)`` slot).
         """
-        result = call_with(self.backward_input, weights, _slot_args(self.b_slots, saved, grad_outs))
+        result = call_with(self.backward_input, weights, self.input_args(saved, grad_outs))
         n = len(self.grad_inputs)
         return result[:n], tuple(result[n:])
 
-    def weight_args(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> tuple[Any, ...]:
-        """W's arguments, ``(*handover, *w_slots)``: for ``backward_weight`` or its accumulating variants."""
-        return (*handover, *_slot_args(self.w_slots, saved, grad_outs))
+    def input_args(self, saved: Sequence[Any], grad_outs: Sequence[Any]) -> list[Any]:
+        """B's arguments, its slots' values: for ``backward_input``."""
+        return _slot_args(self.b_slots, saved, grad_outs)
+
+    def weight_args(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any]) -> list[Any]:
+        """W's arguments, ``[*handover, *w_slots]``: for ``backward_weight`` or its accumulating variants."""
+        return [*handover, *_slot_args(self.w_slots, saved, grad_outs)]
 
     def run_backward_weight(self, handover: Sequence[Any], saved: Sequence[Any], grad_outs: Sequence[Any],
                             weights: Mapping[str, torch.Tensor] | None = None) -> Sequence[Any]:

@@ -498,21 +498,25 @@ class PipelineRuntime:
 
     # -- W into .grad ---------------------------------------------------------------------
 
-    def backward_weight(self, s: int, args: tuple[Any, ...]) -> None:
-        """Run W; the first microbatch's gradients become ``.grad``, later ones are added in place
-        (inside the weight-gradient GEMMs, with W_acc: see ``fxpipe.graphs.accumulate``)."""
+    def backward_weight(self, s: int, args: list[Any]) -> None:
+        """Run W on ``args`` (a list W owns: each is freed after its last use); the first microbatch's gradients
+        become ``.grad``, later ones are added in place (inside the weight-gradient GEMMs, with W_acc: see
+        ``fxpipe.graphs.accumulate``)."""
         g = self.graphs[s]
         params = self.stage_params[s]
         ids = [id(p) for p in params]
         if params and all(p.grad is not None for p in params):
             if all(k in self._written for k in ids):  # later microbatches: add inside the GEMMs
-                self.w_acc[s](*args, *(p.grad for p in params))
+                args.extend(p.grad for p in params)  # in place: the callers' list is the one W empties
+                self._run_boxed(s, "w_acc", self.w_acc[s], args)
                 return
             if not any(k in self._written for k in ids) and len(set(ids)) == len(ids):
-                self.w_set[s](*args, *(p.grad for p in params))  # a step's first: over last step's buffers
+                # a step's first: over last step's buffers
+                args.extend(p.grad for p in params)
+                self._run_boxed(s, "w_set", self.w_set[s], args)
                 self._written.update(ids)
                 return
-        result = g.backward_weight(*args)  # type: ignore[misc]
+        result = self._run_boxed(s, "backward_weight", g.backward_weight, args)
         for p, grad, fresh in zip(params, result, self.w_fresh[s]):
             if id(p) not in self._written:
                 # Contiguous: W_set and W_acc then write plain row-major buffers (a transposed view
@@ -521,6 +525,12 @@ class PipelineRuntime:
                 self._written.add(id(p))
             else:
                 p.grad.add_(grad)  # type: ignore[union-attr]
+
+    def _run_boxed(self, s: int, which: str, graph: Any, args: list[Any]) -> Any:
+        box = self.core.boxed(s, which, graph)
+        if box is None:
+            return graph(*args)
+        return box(args)
 
     # -- failures -------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import torch
 from fxpipe.errors import CheckpointError, FxpipeError
 from fxpipe.runtime import checkpoint
 from tests.runtime._dist_worker import payload
-from tests.runtime.test_distributed import _launch, _reference
+from tests.runtime.test_distributed import _launch, _reference, assert_ranks_ok
 
 
 class _OneRank:
@@ -199,8 +199,7 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
     keeping 2; rank 0 damages the files case after case and both ranks load: both get the same answer,
     the errors are one line, and no file's payload runs."""
     results = _launch(tmp_path, 2, {"checkpoint_cases": True})
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert_ranks_ok(results)
     ranks = [json.loads((tmp_path / f"cases-rank{r}.json").read_text()) for r in range(2)]
     cases = ranks[0]
     assert cases["listing"] == ["step_000002", "step_000003"]
@@ -234,13 +233,12 @@ def test_a_two_stage_checkpoint_resumes_under_three_stages(tmp_path: Path) -> No
     two, three, ck = tmp_path / "two", tmp_path / "three", tmp_path / "ck"
     two.mkdir(), three.mkdir()
     base = {"model": "gpt-tiny", "schedules": ["1f1b"], "microbatches": 4}
-    for r in _launch(two, 2, {**base, "steps": 2, "checkpoint": str(ck), "checkpoint_after": 2}):
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert_ranks_ok(_launch(two, 2, {**base, "steps": 2, "checkpoint": str(ck), "checkpoint_after": 2}))
     info = json.loads((ck / "step_000002" / checkpoint.MARKER).read_text())
     assert info["world"] == 2 and info["stages"] == 2
     states = [str(two / f"1f1b-rank{r}.pt") for r in range(2)]
-    for r in _launch(three, 3, {**base, "steps": 4, "resume": str(ck), "load_state": states, "load_state_step": 2}):
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert_ranks_ok(_launch(three, 3, {**base, "steps": 4, "resume": str(ck), "load_state": states,
+                                       "load_state_step": 2}))
     reference, _ = _reference("gpt-tiny", 4, 4)
     for rank in range(3):
         resumed = torch.load(three / f"1f1b-rank{rank}.pt", weights_only=True)

@@ -33,6 +33,21 @@ def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> list[subprocess.
     return results
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def assert_ranks_ok(results: list[subprocess.CompletedProcess[str]]) -> None:
+    """Every rank exited 0; else each failed rank's last lines, the rank that failed on its own first (the others
+    mostly report only that their peer's connection closed)."""
+    failed = [(r, res) for r, res in enumerate(results) if res.returncode != 0]
+    if not failed:
+        return
+    failed.sort(key=lambda item: any(gone in item[1].stderr for gone in _PEER_GONE))
+    report = "\n".join(f"--- rank {r} (exit {res.returncode}):\n" + "\n".join(res.stderr.splitlines()[-25:])
+                       for r, res in failed)
+    raise AssertionError(f"{len(failed)} of {len(results)} ranks failed:\n{report}")
+
+
 def _reference(model: str, m: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training with the same microbatching: the mean loss over microbatches, SGD with momentum."""
     net, inputs, target, loss_fn = build(model, m)
@@ -54,9 +69,7 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any],
            expected: tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> None:
     """Every rank of every schedule ended with one process's losses and parameters (``expected``: losses,
     parameters and buffers to check; default: :func:`_reference`'s, buffers unchecked)."""
-    results = _launch(tmp_path, world, cfg)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert_ranks_ok(_launch(tmp_path, world, cfg))
     losses, params, buffers = expected or (*_reference(cfg["model"], cfg["microbatches"], cfg["steps"]), {})
     for name in cfg["schedules"]:
         seen = set()
