@@ -255,10 +255,12 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
 
     Returns the simulation result; its tables join ``pipe.report()`` and the plan directory.
     """
+    from fxpipe.passes.calibrate_compute import plan_overheads
     from fxpipe.schedules.auto import choose
     from fxpipe.schedules.simulate import Costs, report
 
-    sched, result, extra = choose(name, pipe.num_stages, microbatches, Costs.from_plan(pipe.plan), memory_cap)
+    costs = Costs.from_plan(pipe.plan, plan_overheads(pipe.plan))
+    sched, result, extra = choose(name, pipe.num_stages, microbatches, costs, memory_cap)
     record = ScheduleRecord(name=sched.name, requested=name, microbatches=sched.num_microbatches, csv=sched.to_csv(),
                             synchronous=sched.synchronous, makespan_s=result.makespan,
                             max_stage_span_s=result.max_stage_span)

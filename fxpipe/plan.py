@@ -77,6 +77,24 @@ def _default(name: str) -> Any:
 
 
 @dataclass(frozen=True)
+class RuntimeOverheads:
+    """The runtime's fixed costs on this machine, as ``fxpipe.runtime.calibrate.measure_overheads`` measured
+    them on two ranks running a real pipeline of a model whose graphs cost next to nothing: what a step costs
+    beyond the graphs' estimated times and the link's latency (``Costs.with_overheads``). Plain data, here so
+    that the passes read the cache without importing the runtime."""
+
+    action: float  # seconds per compute action beyond its graphs' estimated time (median over actions)
+    message: float  # seconds per message through the runtime's channel beyond the bare link's fitted latency
+    step: float  # seconds of each rank's step outside its actions and their waits (median over ranks and steps)
+    threads: int = 1  # torch threads per rank
+    machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
+
+    def summary(self) -> str:
+        return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message, "
+                f"{self.step * 1e6:.0f} us per step")
+
+
+@dataclass(frozen=True)
 class ComputeRates:
     """This machine's compute as ``fxpipe.passes.calibrate_compute`` measured it: what estimated times are made of
     (``annotate_costs``: per-node host time + max(FLOPs / rate, bytes / mem_bw))."""

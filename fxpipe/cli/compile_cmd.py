@@ -173,11 +173,13 @@ def compile_cmd(
                 max_stages=None if devices is None or objective_text is None else devices // dp,
                 plan_search=searching, devices=devices if searching else None,
             )
-            from fxpipe.passes.calibrate_compute import calibrated_options, describe
+            from fxpipe.passes.calibrate_compute import calibrate_overheads, calibrated_options, describe
 
             step("calibrating compute", 0, 0)
             options, rates, cached = calibrated_options(options, calibration,
                                                         explicit=device_flops is not None or device_mem_bw is not None)
+            if rates is not None:  # the runtime's fixed costs, for every simulation of the plan (plan_overheads)
+                calibrate_overheads(rates, measure_runtime_overheads, threads=1)
             chosen = None
             if strategy is not None and count == 1:
                 from fxpipe.api import choose_strategy
@@ -260,6 +262,15 @@ def compile_cmd(
             say(f"wrote {written} ({compiled.pipeline.num_stages} stages{chosen_by}{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def measure_runtime_overheads(rates: Any, threads: int) -> Any:
+    """The runtime's fixed costs measured now on two local ranks (``fxpipe.runtime.calibrate.measure_overheads``),
+    for ``calibrate_overheads`` to cache: the passes cannot import the runtime, the CLI can."""
+    from fxpipe.passes.calibrate_compute import machine_key
+    from fxpipe.runtime.calibrate import measure_overheads
+
+    return measure_overheads(rates, threads=threads, machine=machine_key(threads))
 
 
 def _check_plan(plan: str | None, stages: str | None, objective: str | None, devices: int | None, dp: int,

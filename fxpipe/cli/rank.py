@@ -151,6 +151,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     import fxpipe
     from fxpipe.errors import PlanFileError
+    from fxpipe.passes.calibrate_compute import plan_overheads
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.schedules.simulate import Costs
 
@@ -171,7 +172,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
     sched, m = rt.schedule, rt.schedule.num_microbatches
-    costs = dataclasses.replace(Costs.from_plan(pipe.plan), dp=rt.dp)
+    costs = dataclasses.replace(Costs.from_plan(pipe.plan, plan_overheads(pipe.plan)), dp=rt.dp)
     # The global batch: every replica's microbatches, the same on every rank (the runtime slices it).
     batch_of = training_batches(args.data, zoo, pipe.plan, m * rt.dp, args.seed)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.errors import OptionError
-from fxpipe.plan import CompileOptions, ComputeRates
+from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
 CACHE_FORMAT = 4  # bump when what is measured changes: older entries are then measured again
@@ -129,7 +129,6 @@ def calibrated_options(options: CompileOptions, setting: str | None = None, *,
     if not calibration_enabled(setting) or options.profile or explicit:
         return options, None, False
     rates, cached = calibrate_compute(threads=1)  # fxpipe run's ranks compute on one thread each
-    calibrate_overheads(rates, threads=1)  # the runtime's fixed costs, for every simulation of the plan (from_plan)
     return (dataclasses.replace(options, compute=rates, device_flops=rates.gemm_flops, device_mem_bw=rates.mem_bw),
             rates, cached)
 
@@ -139,37 +138,30 @@ def overheads_cache_path() -> Path:
     return cache_path().with_name("runtime.json")
 
 
-def calibrate_overheads(rates: ComputeRates, *, threads: int = 1, cache: bool = True,
-                        measure: Callable[[ComputeRates, int], Any] | None = None) -> tuple[Any, bool]:
-    """The runtime's fixed costs on this machine (``fxpipe.runtime.calibrate.RuntimeOverheads``: per compute
-    action, per message, per rank's step) at ``threads`` threads, and whether they came from the cache.
+def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, int], RuntimeOverheads], *,
+                        threads: int = 1, cache: bool = True) -> tuple[RuntimeOverheads, bool]:
+    """The runtime's fixed costs on this machine (:class:`~fxpipe.plan.RuntimeOverheads`: per compute action, per
+    message, per rank's step) at ``threads`` threads, and whether they came from the cache.
 
-    Measured once (``measure_overheads``: two local ranks run a tiny pipeline, a few seconds) and cached in
-    :func:`overheads_cache_path` under :func:`machine_key`, like the compute rates. ``rates`` are this
-    machine's compute rates: the action overhead is measured against the times they estimate.
+    Measured once by ``measure(rates, threads)`` (``fxpipe compile`` passes the runtime's
+    ``fxpipe.runtime.calibrate.measure_overheads``: two local ranks run a tiny pipeline, a few seconds; the passes
+    do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
+    compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
+    they estimate.
     """
-    from fxpipe.runtime.calibrate import RuntimeOverheads
-
     key = machine_key(threads)
     path = overheads_cache_path()
     entries = _read_cache(path) if cache else {}
     found = _overheads_from(entries.get(key), key)
     if found is not None:
         return found, True
-    made = (measure or measure_overheads)(rates, threads)
+    made = measure(rates, threads)
     if not isinstance(made, RuntimeOverheads):
         raise TypeError(f"measure returned {type(made).__name__}, not RuntimeOverheads")
     if cache:
         entries[key] = dataclasses.asdict(made)
         _write_cache(path, entries)
     return made, False
-
-
-def measure_overheads(rates: ComputeRates, threads: int) -> Any:
-    """Measure the runtime's fixed costs now (``fxpipe.runtime.calibrate.measure_overheads``; two local ranks)."""
-    from fxpipe.runtime import calibrate
-
-    return calibrate.measure_overheads(rates, threads=threads, machine=machine_key(threads))
 
 
 def plan_overheads(plan: Any) -> Any:
@@ -194,8 +186,6 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
 
 def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
-    from fxpipe.runtime.calibrate import RuntimeOverheads
-
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
     floats = ("action", "message", "step")

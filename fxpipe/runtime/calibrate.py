@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import OptionError
+from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
 
@@ -306,23 +307,6 @@ def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = 
 
 
 # -- the runtime's fixed costs ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RuntimeOverheads:
-    """The runtime's fixed costs on this machine, as :func:`measure_overheads` measured them on two ranks
-    running a real pipeline of a model whose graphs cost next to nothing: what a step costs beyond the
-    graphs' estimated times and the link's latency (``Costs.with_overheads``)."""
-
-    action: float  # seconds per compute action beyond its graphs' estimated time (median over actions)
-    message: float  # seconds per message through the runtime's channel beyond the bare link's fitted latency
-    step: float  # seconds of each rank's step outside its actions and their waits (median over ranks and steps)
-    threads: int = 1  # torch threads per rank
-    machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
-
-    def summary(self) -> str:
-        return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message, "
-                f"{self.step * 1e6:.0f} us per step")
 
 
 class _Tiny(torch.nn.Module):

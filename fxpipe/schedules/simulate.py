@@ -45,6 +45,7 @@ import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
@@ -103,15 +104,14 @@ class Costs:
         return cls((f,) * n, (b,) * n, (w,) * n, (0.0,) * n, (1.0,) * n, (1.0,) * n)
 
     @classmethod
-    def from_plan(cls, plan: Plan) -> "Costs":
-        """The plan's per-stage costs and link, for one microbatch; for a plan of estimated costs calibrated on
-        this machine (``plan.options.compute``), with the runtime's fixed costs this machine's calibration
-        measured (``fxpipe.passes.calibrate_compute.plan_overheads``; none with ``FXPIPE_CALIBRATION=off``)."""
-        from fxpipe.passes.calibrate_compute import plan_overheads
-
+    def from_plan(cls, plan: Plan, overheads: Any = None) -> "Costs":
+        """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
+        ``message`` and ``step`` seconds: the runtime's fixed costs, ``fxpipe.passes.calibrate_compute.
+        plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
+        :meth:`with_overheads` does. The callers above the passes look them up; this layer reads no cache."""
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
-        found = plan_overheads(plan)
+        found = overheads
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,

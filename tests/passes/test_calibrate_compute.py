@@ -52,7 +52,9 @@ def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
 def no_real_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """fxpipe compile's calibration would start two ranks to measure the runtime: tests that turn it on get a
     fake (the real measurement is tested on two gloo ranks in tests/runtime/test_calibrate.py)."""
-    monkeypatch.setattr(cc, "measure_overheads", _fake_overheads([]))
+    from fxpipe.cli import compile_cmd
+
+    monkeypatch.setattr(compile_cmd, "measure_runtime_overheads", _fake_overheads([]))
 
 
 def test_measure_compute_gives_positive_finite_rates() -> None:
@@ -216,11 +218,13 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     calibrated = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates)).pipeline
     assert calibrated is not None
     monkeypatch.setenv(cc.ENV, "on")
-    costs = Costs.from_plan(calibrated.plan)
+    costs = Costs.from_plan(calibrated.plan, cc.plan_overheads(calibrated.plan))
     assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
     elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
         calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
-    assert Costs.from_plan(elsewhere).action_s == 0.0  # another machine's plan: this machine's runtime is no guide
+    assert cc.plan_overheads(elsewhere) is None
+    # another machine's plan: this machine's runtime is no guide
+    assert Costs.from_plan(elsewhere, cc.plan_overheads(elsewhere)).action_s == 0.0
     # The planners simulate with them too: --stages auto's every count's step grows by at least the per-step cost.
     def steps() -> list[float]:
         result = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates, stage_objective="fastest",
@@ -229,7 +233,7 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
         return [row[5] for row in table.rows]
     with_costs = steps()
     monkeypatch.setenv(cc.ENV, "off")
-    assert Costs.from_plan(calibrated.plan).step_s == 0.0  # the test suite's switch: no plan depends on the machine
+    assert cc.plan_overheads(calibrated.plan) is None  # the test suite's switch: no plan depends on the machine
     without = steps()
     assert len(with_costs) == len(without) == 3
     assert all(a >= b + 0.3 for a, b in zip(with_costs, without))  # ms: 3e-4 s per step at least
