@@ -114,7 +114,8 @@ class ComputeRates:
     gemm_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_curve: tuple[tuple[float, float], ...] = ()
     # (FLOPs per call, FLOP/s) of 3x3 convolutions, forward and backward together, at a few sizes: a convolution's
-    # rate interpolated in log FLOPs (clamped at the ends). Empty: conv_flops for every convolution.
+    # rate interpolated in log FLOPs (clamped at the ends), at least the best point at or below its FLOPs (another
+    # job only ever slows a point). Empty: conv_flops for every convolution.
     conv_curve: tuple[tuple[float, float], ...] = ()
 
     def gemm_rate(self, smallest: float, *, weight: bool = False) -> float:
@@ -128,7 +129,10 @@ class ComputeRates:
 
     def conv_rate(self, flops: float) -> float:
         """FLOP/s of a convolution of ``flops`` FLOPs per call (forward; its backward does twice as many)."""
-        return _log_interpolate(self.conv_curve, flops) if self.conv_curve else self.conv_flops
+        if not self.conv_curve:
+            return self.conv_flops
+        below = [rate for x, rate in self.conv_curve if x <= flops]
+        return max([_log_interpolate(self.conv_curve, flops), *below])
 
 
 def _log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:

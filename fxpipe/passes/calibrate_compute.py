@@ -225,7 +225,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         conv, conv_fwd, conv_bwd = _conv_rate(runs)
         gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
         gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
-        conv_curve = _conv_curve(max(3, runs // 2))
+        conv_curve = _conv_curve(runs)
         mem_bw = _stream_rate(stream_bytes, runs)
         op_fwd, op_bwd = _node_times(runs)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,

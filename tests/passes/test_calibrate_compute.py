@@ -248,6 +248,8 @@ def test_skinny_gemms_and_large_convolutions_run_at_their_calibrated_rates(cache
     assert 1e11 < rates.gemm_rate(96) < rates.gemm_rate(128) == rates.gemm_flops == rates.gemm_rate(4096)
     assert rates.gemm_rate(8, weight=True) == 5e9 and RATES.gemm_rate(8) == RATES.gemm_flops  # no curve: one rate
     assert (rates.conv_rate(1e4), rates.conv_rate(1e7), rates.conv_rate(1e9)) == (1e10, pytest.approx(5.5e10), 1e11)
+    dip = dataclasses.replace(rates, conv_curve=((1e6, 1e10), (1e8, 1e11), (1e9, 5e10)))  # a disturbed last point
+    assert dip.conv_rate(1e10) == dip.conv_rate(1e9) == 1e11 and dip.conv_rate(1e7) == pytest.approx(5.5e10)
     zoo = models.build("mlp-tiny")
     out = annotate_costs(trace(zoo.model, zoo.example_inputs).gm, zoo.example_inputs, compute=rates).gm
     linears = [n for n in out.graph.nodes if "linear" in str(n.target)]
