@@ -273,32 +273,28 @@ def _conv_curve(runs: int) -> tuple[tuple[float, float], ...]:
     """(FLOPs per call, FLOP/s forward and backward together) of 3x3 convolutions at ``CONV_SIZES``."""
     points = []
     for batch, channels, side in CONV_SIZES:
-        x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
-        grad = torch.randn(batch, channels, side, side)
-        flops = 2 * batch * channels * channels * side * side * 9
-        with torch.no_grad():
-            fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
-                                                                      [0, 0], 1), runs)
-            bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
-                grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
+        flops, fwd, bwd = _conv_seconds(batch, channels, side, runs)
         points.append((float(flops), 3 * flops / (fwd + bwd)))
     return tuple(sorted(points))
 
 
+def _conv_seconds(batch: int, channels: int, side: int, runs: int) -> tuple[int, float, float]:
+    """A 3x3, stride-1, same-padding convolution's forward FLOPs and its fastest forward and backward seconds."""
+    x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
+    grad = torch.randn(batch, channels, side, side)
+    flops = 2 * batch * channels * channels * side * side * 9
+    with torch.no_grad():
+        fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
+                                                                  [0, 0], 1), runs)
+        bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
+            grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
+    return flops, fwd, bwd
+
+
 def _conv_rate(runs: int) -> tuple[float, float, float]:
     """FLOP/s of a 3x3 convolution, and its seconds per call forward and backward at no FLOPs (the intercepts)."""
-    points = []
-    for batch, channels, side in ((2, 8, 16), (2, 64, 56)):
-        x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, 3, 3)
-        grad = torch.randn(batch, channels, side, side)
-        flops = 2 * batch * channels * channels * side * side * 9
-        with torch.no_grad():
-            fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
-                                                                      [0, 0], 1), runs)
-            bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
-                grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
-        points.append((flops, fwd, bwd))
-    (f0, a0, b0), (f1, a1, b1) = points
+    (f0, a0, b0), (f1, a1, b1) = (_conv_seconds(batch, channels, side, runs)
+                                  for batch, channels, side in ((2, 8, 16), (2, 64, 56)))
     rate = 3 * (f1 - f0) / max(a1 + b1 - a0 - b0, 1e-9)  # F does f FLOPs, its backward 2f
     # The backward does twice the forward's FLOPs (input and weight gradients): its intercept at that rate.
     return rate, max(0.0, a0 - f0 / rate), max(0.0, b0 - 2 * f0 / rate)
