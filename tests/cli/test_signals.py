@@ -27,10 +27,13 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_run(plan: Path, tmp: Path, *args: str) -> subprocess.Popen[str]:
-    """``fxpipe run PLAN --steps 100000`` in a session of its own, its temporary files under ``tmp``."""
+    """``fxpipe run PLAN --steps 100000`` in a session of its own, its temporary files under ``tmp``, with SIGINT's
+    default action: a suite started in the background (``cmd &`` in a script) runs with SIGINT ignored, which
+    children inherit, and a Python started that way keeps ignoring it (as it should: nohup and shells rely on it)."""
     return subprocess.Popen([sys.executable, "-m", "fxpipe.cli.main", "run", str(plan), "--steps", "100000",
                              "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True)
+                            env={**os.environ, "TMPDIR": str(tmp)}, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def first_step(proc: subprocess.Popen[str], tmp: Path, timeout: float = 120.0) -> Path:
