@@ -105,17 +105,23 @@ def calibrate_compute(*, threads: int = 1, cache: bool = True,
     """
     if threads < 1:
         raise OptionError(f"a calibration needs at least 1 thread (threads: {threads})")
-    key = machine_key(threads)
-    path = cache_path()
+    return _cached(cache_path(), machine_key(threads), _rates_from, lambda: (measure or measure_compute)(threads),
+                   cache)
+
+
+def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callable[[], Any],
+            cache: bool) -> tuple[Any, bool]:
+    """The entry ``key`` of the JSON cache at ``path`` when ``sound`` makes a record of it, else ``make()``
+    written back (when ``cache``); and whether it came from the cache."""
     entries = _read_cache(path) if cache else {}
-    found = _rates_from(entries.get(key), key)
+    found = sound(entries.get(key), key)
     if found is not None:
         return found, True
-    rates = (measure or measure_compute)(threads)
+    made = make()
     if cache:
-        entries[key] = dataclasses.asdict(rates)
+        entries[key] = dataclasses.asdict(made)
         _write_cache(path, entries)
-    return rates, False
+    return made, False
 
 
 def calibrated_options(options: CompileOptions, setting: str | None = None, *,
@@ -149,19 +155,13 @@ def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, in
     compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
     they estimate.
     """
-    key = machine_key(threads)
-    path = overheads_cache_path()
-    entries = _read_cache(path) if cache else {}
-    found = _overheads_from(entries.get(key), key)
-    if found is not None:
-        return found, True
-    made = measure(rates, threads)
-    if not isinstance(made, RuntimeOverheads):
-        raise TypeError(f"measure returned {type(made).__name__}, not RuntimeOverheads")
-    if cache:
-        entries[key] = dataclasses.asdict(made)
-        _write_cache(path, entries)
-    return made, False
+    def make() -> RuntimeOverheads:
+        made = measure(rates, threads)
+        if not isinstance(made, RuntimeOverheads):
+            raise TypeError(f"measure returned {type(made).__name__}, not RuntimeOverheads")
+        return made
+
+    return _cached(overheads_cache_path(), machine_key(threads), _overheads_from, make, cache)
 
 
 def plan_overheads(plan: Any) -> Any:
