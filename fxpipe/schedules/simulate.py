@@ -111,12 +111,13 @@ class Costs:
         :meth:`with_overheads` does. The callers above the passes look them up; this layer reads no cache."""
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
-        found = overheads
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,
-                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
-        return costs if found is None else costs.with_overheads(found.action, found.message, found.step)
+                   allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
+        if overheads is None:
+            return costs
+        return costs.with_overheads(overheads.action, overheads.message, overheads.step)
 
     def time(self, action: Action) -> float:
         s = action.stage
