@@ -322,10 +322,12 @@ class _Tiny(torch.nn.Module):
         return x
 
 
-def channel_one_way(rank: int, trips: int = 60, numel: int = 16) -> float:
-    """Rank 0's median one-way seconds of a small message through the runtime's :class:`Channel` (receives
+def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10) -> float:
+    """Rank 0's one-way seconds of a small message through the runtime's :class:`Channel` (receives
     posted ahead, ``isend``, ``wait``: the path a pipeline's activations and gradients take), ranks 0 and 1;
-    collective on those two. The median, not the fastest: a step waits for its typical message."""
+    collective on those two. The median of a window of ``window`` round trips, not the fastest trip: a step
+    waits for its typical message; the least disturbed window, not all of them: another job on the machine
+    only ever adds time (:func:`least_disturbed`)."""
     from fxpipe.runtime.channel import Channel
 
     ch = Channel(torch.device("cpu"))
@@ -348,7 +350,14 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16) -> float:
         if trip >= 2:
             trips_s.append(time.perf_counter() - t0)
     ch.flush(failed)
-    return statistics.median(trips_s) / 2
+    return least_disturbed([trips_s[i:i + window] for i in range(0, len(trips_s), window)]) / 2
+
+
+def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
+    """The smallest of the runs' medians: each run's typical value (a median, robust to its own outliers),
+    from the run another job on the machine disturbed least (another job only ever adds time, and under
+    load every run's median rises: a median over all runs measures the load, not the runtime)."""
+    return min(statistics.median(run) for run in runs if run)
 
 
 def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, float]:
@@ -358,8 +367,9 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
     then ``steps`` steps of a :class:`PipelineRuntime` on :class:`_Tiny` compiled at 2 stages with
     ``rates`` (so its estimated graph times are the ones a user's plan gets): an action's overhead is its
     measured time (graphs, sends, bookkeeping) less its estimated time; a step's is the step's time less
-    the span from its first action to its last and the wait before its first. Medians over every action
-    (or rank and step) after the first two steps.
+    the span from its first action to its last and the wait before its first. Each is the median over a
+    step's actions (or the step), from the least disturbed step after the first two
+    (:func:`least_disturbed`); the median over the two ranks.
     """
     import fxpipe
     from fxpipe.runtime.executor import PipelineRuntime
@@ -379,8 +389,8 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
     costs = pipe.plan.stages
     est = {"F": [c.f for c in costs], "B": [c.b for c in costs], "W": [c.w for c in costs],
            "BW": [c.b + c.w for c in costs]}
-    actions: list[float] = []
-    fixed: list[float] = []
+    actions: list[list[float]] = []
+    fixed: list[list[float]] = []
     pending = None
     for k in range(steps):
         t0 = time.perf_counter()
@@ -393,11 +403,11 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
             continue
         events = rt.events
         first_wait = rt.waits[0][2] - rt.waits[0][1] if rt.waits and rt.waits[0][0] == events[0][0] else 0.0
-        fixed.append(wall - (events[-1][2] - events[0][1]) - first_wait)
-        actions += [(end - start) - est[a.kind.value][a.stage] for a, start, end in events]
+        fixed.append([wall - (events[-1][2] - events[0][1]) - first_wait])
+        actions.append([(end - start) - est[a.kind.value][a.stage] for a, start, end in events])
     assert pending is not None
     pending.wait()
-    mine = torch.tensor([statistics.median(actions), statistics.median(fixed), one_way], dtype=torch.float64)
+    mine = torch.tensor([least_disturbed(actions), least_disturbed(fixed), one_way], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
     action = statistics.median(float(t[0]) for t in both)

@@ -174,3 +174,11 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+
+
+def test_least_disturbed_takes_the_quietest_runs_median():
+    from fxpipe.runtime.calibrate import least_disturbed
+
+    quiet, loaded = [1.0, 1.1, 9.0], [3.0, 3.2, 3.1]  # an outlier in the quiet run; every value of the loaded one high
+    assert least_disturbed([loaded, quiet]) == 1.1
+    assert least_disturbed([[2.0], [], [0.5]]) == 0.5
