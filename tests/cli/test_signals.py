@@ -83,16 +83,15 @@ def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, t
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=15)
         took = time.monotonic() - sent
+        assert proc.returncode == 128 + sig, stderr
+        assert "Traceback" not in stderr
+        assert took < 8, f"{sig.name} took {took:.1f} s"
+        print(f"{sig.name}: every rank stopped and fxpipe exited {took:.2f} s after the signal")
+        assert processes_naming(str(out_dir)) == {}  # not a rank, not torchrun
+        assert not any(_alive(pid) for pid in ranks)
+        assert list(tmp_path.iterdir()) == []  # the report directory, torchrun's logs and all
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + sig, stderr
-    assert "Traceback" not in stderr
-    assert took < 8, f"{sig.name} took {took:.1f} s"
-    print(f"{sig.name}: every rank stopped and fxpipe exited {took:.2f} s after the signal")
-    assert processes_naming(str(out_dir)) == {}  # not a rank, not torchrun
-    assert not any(_alive(pid) for pid in ranks)
-    assert list(tmp_path.iterdir()) == []  # the report directory, torchrun's logs and all
+        kill_run(proc, tmp_path)
 
 
 def test_a_stopped_rank_is_named_unresponsive(plan: Path, tmp_path: Path) -> None:
@@ -103,16 +102,15 @@ def test_a_stopped_rank_is_named_unresponsive(plan: Path, tmp_path: Path) -> Non
         stopped = time.monotonic()
         _, stderr = proc.communicate(timeout=60)
         took = time.monotonic() - stopped
+        assert proc.returncode == 2, stderr
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: rank 1 was unresponsive"), stderr
+        assert "out-of-memory" not in stderr
+        assert took < 20, f"took {took:.1f} s"  # the 2 s timeout, not torchrun's 30 s wait for a stopped rank
+        assert processes_naming(str(out_dir)) == {}
+        assert list(tmp_path.iterdir()) == []
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 2, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: rank 1 was unresponsive"), stderr
-    assert "out-of-memory" not in stderr
-    assert took < 20, f"took {took:.1f} s"  # the 2 s timeout, not torchrun's 30 s wait for a stopped rank
-    assert processes_naming(str(out_dir)) == {}
-    assert list(tmp_path.iterdir()) == []
+        kill_run(proc, tmp_path)
 
 
 def _alive(pid: int) -> bool:
@@ -121,3 +119,67 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of a process from ``/proc``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1])
+
+
+def run_processes(root: int, tmp: Path) -> set[int]:
+    """Every live process of the run started by :func:`start_run`: ``root``'s descendants (by parent pid), and any
+    process whose ``TMPDIR`` lies in ``tmp`` (fxpipe run, torchrun and the ranks all inherit one there; a rank whose
+    parents died is no longer ``root``'s descendant, but keeps its environment)."""
+    children: dict[int, list[int]] = {}
+    found: set[int] = set()
+    prefix = str(tmp).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        stat = _stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            continue
+        children.setdefault(stat[1], []).append(pid)
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(b"TMPDIR=" + prefix) for v in env):
+            found.add(pid)
+    todo, seen = [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen and _stat(pid) is not None:
+            seen.add(pid)
+            todo.extend(children.get(pid, []))
+    return found | seen
+
+
+def kill_run(proc: subprocess.Popen[str], tmp: Path) -> None:
+    """SIGKILL whatever is left of the run, whether or not the test passed: fxpipe run's session (``proc`` leads
+    it), and each process of :func:`run_processes` with its process group (torchrun and every rank lead their own
+    session), never this test's own group. Repeated until none is left (a process may start one meanwhile)."""
+    own = os.getpgrp()
+    for _ in range(10):
+        pids = run_processes(proc.pid, tmp) if proc.poll() is None else run_processes(-1, tmp)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != own:
+                    os.killpg(pgid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.poll()  # reap fxpipe run itself
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
