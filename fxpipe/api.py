@@ -131,6 +131,10 @@ def _check_options(options: CompileOptions) -> None:
                           "--devices >= --dp")
     if options.microbatches is not None and options.microbatches < 1:
         raise OptionError(f"--microbatches must be at least 1 (microbatches: {options.microbatches})")
+    if options.cores is not None and (isinstance(options.cores, bool) or not isinstance(options.cores, int)
+                                      or options.cores < 1):
+        raise OptionError(f"--cores must be a whole number of at least 1 (cores: {options.cores!r}); leave it out to "
+                          "model no time-sharing")
     if options.balance_backward and not options.split_backward:
         raise OptionError("--balance-backward moves work between the split backward graphs; drop --no-split-backward")
 
@@ -169,7 +173,7 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
             else options.stages, devices=options.devices,
             bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
             microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
-            max_stages=options.max_stages), verify_stages),
+            max_stages=options.max_stages, dp=options.dp, cores=options.cores), verify_stages),
         Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
     ]
     if options.split_backward:
@@ -260,6 +264,8 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
     from fxpipe.schedules.simulate import Costs, report
 
     costs = Costs.from_plan(pipe.plan, plan_overheads(pipe.plan))
+    if pipe.plan.options.cores is not None:  # the planners' time-sharing (--cores), so the recorded step is theirs
+        costs = dataclasses.replace(costs, cores=pipe.plan.options.cores)
     sched, result, extra = choose(name, pipe.num_stages, microbatches, costs, memory_cap)
     record = ScheduleRecord(name=sched.name, requested=name, microbatches=sched.num_microbatches, csv=sched.to_csv(),
                             synchronous=sched.synchronous, makespan_s=result.makespan,

@@ -176,6 +176,9 @@ class CompileOptions:
     # --plan auto: stages, dp, schedule and microbatches searched on this many devices (recorded as chosen).
     plan_search: bool = False
     devices: int | None = None
+    # --cores N: the planners (--plan auto, --stages auto) model the plan's ranks time-sharing N cores (F, B and W
+    # max(1, ranks / N) times slower). None: every rank has a core of its own. Absent from plan.json when None.
+    cores: int | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -451,6 +454,8 @@ class Plan:
             del doc["strategy"]["stages"], doc["strategy"]["microbatches"]
         if self.options.compute is None:  # nor uncalibrated ones before calibration existed
             del doc["options"]["compute"]
+        if self.options.cores is None:  # nor plans that model no time-sharing before --cores existed
+            del doc["options"]["cores"]
         return doc
 
     @classmethod
@@ -461,6 +466,10 @@ class Plan:
             raise PlanFileError(f"{where} has plan version {found!r}, this fxpipe reads {PLAN_VERSION}; "
                                 "re-run fxpipe compile")
         plan = _decode(cls, data, where)
+        cores = plan.options.cores
+        if cores is not None and cores < 1:
+            raise PlanFileError(f"{where}.options.cores must be at least 1 (cores: {cores}); leave it out to model no "
+                                "time-sharing, or re-run fxpipe compile")
         if plan.strategy is not None:
             bad = plan.strategy.problems()
             if bad:

@@ -53,6 +53,14 @@ def compile_cmd(
                                                 "microbatches on --devices (under --memory-per-device), simulate "
                                                 "the best, and record the fastest.",
                                                 rich_help_panel="Partitioning")] = None,
+    cores: Annotated[Optional[str], typer.Option("--cores", help="With --plan auto or --stages auto: the cores the "
+                                                 "plan's ranks will share, N or auto (this machine's). Ranks beyond "
+                                                 "them time-share: F, B and W run ranks / cores times slower in the "
+                                                 "planner's model and simulator, so fewer ranks can win. Give it when "
+                                                 "the plan will run as CPU ranks on that many cores (auto: fxpipe "
+                                                 "run here); the plan records it. [default: none: a core, or device, "
+                                                 "per rank, as for a plan compiled here for other machines]",
+                                                 rich_help_panel="Partitioning")] = None,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Replicas of every stage (data parallel): the plan's mesh "
                                     "is stages x dp ranks, each replica taking its share of every batch.")] = 1,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
@@ -143,6 +151,7 @@ def compile_cmd(
             searching = _check_plan(plan, stages, objective, devices, dp, schedule, microbatches, strategy)
             count, objective_text = _stage_count(None if searching else stages, objective,
                                                  None if searching else devices, dp)
+            core_count = _cores(cores, planning=searching or objective_text is not None)
             if strategy is not None:
                 from fxpipe.api import check_strategy
 
@@ -171,7 +180,7 @@ def compile_cmd(
                 split_backward=split_backward, input_grads=input_grads, balance_backward=balance_backward,
                 dp=dp, stage_objective=objective_text,
                 max_stages=None if devices is None or objective_text is None else devices // dp,
-                plan_search=searching, devices=devices if searching else None,
+                plan_search=searching, devices=devices if searching else None, cores=core_count,
             )
             from fxpipe.passes.calibrate_compute import calibrate_overheads, calibrated_options, describe
 
@@ -221,6 +230,7 @@ def compile_cmd(
             written = save(compiled.pipeline, out_dir)
         seconds = time.perf_counter() - started
         if as_json:
+            hint = _cores_hint(options, rates is not None)
             doc = {
                 "schema": "fxpipe.compile/v1",
                 "model": resolved.name,
@@ -236,6 +246,8 @@ def compile_cmd(
                 doc["strategy"] = dataclasses.asdict(chosen.record)
             if rates is not None:
                 doc["calibration"] = describe(rates, cached=cached)
+            if hint is not None:
+                doc["hint"] = hint
             print(json.dumps(doc, default=str))
             return
         from fxpipe.render import print_reports
@@ -243,6 +255,9 @@ def compile_cmd(
         print_reports(reports, plain=plain, console=out)
         if rates is not None:
             say(describe(rates, cached=cached), console=out)
+        hint = _cores_hint(options, rates is not None)
+        if hint is not None:
+            say(hint, console=out)
         for rec in history.records:
             if rec.printed is not None:
                 say(f"graph after {rec.name}", console=out, style="bold")
@@ -310,6 +325,43 @@ def _stage_count(stages: str | None, objective: str | None, devices: int | None,
     if count < 1:
         raise OptionError(f"--stages must be at least 1 or auto (got {count}); e.g. --stages 2")
     return count, None
+
+
+def _cores(text: str | None, *, planning: bool) -> int | None:
+    """``--cores N`` or ``auto`` (this machine's ``os.cpu_count()``), given only with a planner; None when absent."""
+    if text is None:
+        return None
+    if not planning:
+        raise OptionError("--cores models the ranks time-sharing cores for the planners; give it with --plan auto or "
+                          "--stages auto")
+    if text.strip().lower() == "auto":
+        import os
+
+        return os.cpu_count() or 1
+    try:
+        count = int(text)
+    except ValueError:
+        raise OptionError(f"--cores takes a number of cores or auto (got {text!r}); e.g. --cores 2") from None
+    if count < 1:
+        raise OptionError(f"--cores must be at least 1 (got {count}); leave it out to model no time-sharing, or give "
+                          "--cores auto for this machine's")
+    return count
+
+
+def _cores_hint(options: Any, calibrated: bool) -> str | None:
+    """When a planner, estimating with this machine's calibrated compute (so for CPU ranks like its own), was given
+    more devices than this machine has cores and no --cores: a line saying what --cores would change."""
+    import os
+
+    from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES
+
+    here = os.cpu_count() or 1
+    devices = options.devices if options.plan_search else (
+        (options.max_stages or DEFAULT_MAX_STAGES) * options.dp if options.stage_objective is not None else None)
+    if options.cores is not None or not calibrated or devices is None or devices <= here:
+        return None
+    return (f"note: {devices} devices but this machine has {here} cores, and time-sharing was not modelled; if the "
+            f"plan will run here (fxpipe run), --cores auto plans for {devices} ranks sharing {here} cores")
 
 
 def _ratio(root: Any) -> float | None:

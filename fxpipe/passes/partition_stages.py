@@ -45,6 +45,8 @@ def partition_stages(
     objective: str | None = None,
     max_stages: int | None = None,
     devices: int | None = None,
+    dp: int = 1,
+    cores: int | None = None,
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -72,6 +74,11 @@ def partition_stages(
     candidate, the best 16 are simulated, and the fastest simulated (microbatches per second over
     all replicas) is the plan; ``out.meta["fxpipe_plan_choice"]`` holds its stages, dp, schedule and
     microbatches for the Plan.
+
+    ``cores`` (``num_stages`` ``"plan"`` or ``"auto"`` only): the ranks time-share that many cores, so each
+    candidate's compute counts ``max(1, ranks / cores)`` times in its modelled and its simulated step
+    (``Costs.cores``; ranks = stages x dp, ``dp`` the replicas ``"auto"`` plans for); None: a core per
+    rank. A fixed stage count ignores both.
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
     smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
@@ -79,6 +86,10 @@ def partition_stages(
     """
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
+    if cores is not None and cores < 1:
+        raise OptionError(f"--cores must be at least 1 (cores: {cores}); leave it out to model no time-sharing")
+    if dp < 1:
+        raise OptionError(f"--dp must be at least 1 (dp: {dp})")
     out = clone(gm)
     stats = layer_stats(out)
     num_layers = len(stats)
@@ -91,14 +102,15 @@ def partition_stages(
     overheads = _planner_overheads(out)
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
-                                        latency=latency, memory_cap=memory_per_stage, overheads=overheads)
+                                        latency=latency, memory_cap=memory_per_stage, overheads=overheads,
+                                        cores=cores)
         num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
         schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
     elif num_stages == "auto":
         num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
                                                     memory_cap=memory_per_stage, microbatches=microbatches,
                                                     schedule=schedule, objective=objective, max_stages=max_stages,
-                                                    overheads=overheads)
+                                                    overheads=overheads, dp=dp, cores=cores)
     elif not isinstance(num_stages, int) or num_stages < 1:
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
@@ -145,9 +157,12 @@ def partition_stages(
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
                   latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
                   objective: str | None, max_stages: int | None,
-                  overheads: tuple[float, float, float] | None = None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
-    """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks."""
+                  overheads: tuple[float, float, float] | None = None, dp: int = 1,
+                  cores: int | None = None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
+    """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks.
+    With ``cores``, P stages on ``dp`` replicas compute ``max(1, P x dp / cores)`` times slower in both."""
     from fxpipe.planning.cost import transfer_time
+    from fxpipe.planning.plan_search import time_sharing
     from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES, DEFAULT_OBJECTIVE, StageCount, best_partition, \
         choose_count, merges, parse_objective
     from fxpipe.schedules.generators import generate
@@ -174,7 +189,11 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
         def fits(_p: int, k: int, i: int, j: int, flights: list[int] = flights, cap: float | None = cap) -> bool:
             return cap is None or static_pre[j] - static_pre[i] + flights[k] * (acts_pre[j] - acts_pre[i]) <= cap
 
-        found = best_partition(times, cut_s, p, m, feasible=None if memory_cap is None else fits)
+        # Time-sharing slows compute, not transfers: the model's partition and step see the slowed layers, as the
+        # simulator (Costs.cores) does; stage_times and the speedup's one device stay unshared.
+        scale = time_sharing(p * dp, cores)
+        found = best_partition([t * scale for t in times] if scale != 1.0 else times, cut_s, p, m,
+                               feasible=None if memory_cap is None else fits)
         if found is None:
             continue
         bounds, model = found
@@ -184,7 +203,9 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
                       tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans),
                       sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
-                      latency, bandwidth)
+                      latency, bandwidth,
+                      # every replica time-shares too; --stages auto models no all-reduce (a zero one per stage)
+                      **({"cores": cores, "dp": dp, "allreduce_s": (0.0,) * p} if cores is not None else {}))
         if overheads is not None:
             costs = costs.with_overheads(*overheads)
         simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
@@ -195,7 +216,8 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
         raise PlanError(f"no stage count up to {top} fits --memory-per-stage {memory_cap:.0f} bytes; the smallest "
                         f"cap that works at {top} stages is {need:.0f} bytes; raise --memory-per-stage or --devices")
     chosen = choose_count(rows, goal)
-    return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule),)
+    return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule,
+                                                        dp=dp, cores=cores),)
 
 
 def _planner_overheads(gm: torch.fx.GraphModule) -> tuple[float, float, float] | None:
@@ -215,10 +237,11 @@ SIMULATED_CANDIDATES = 16
 def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, devices: int | None,
                   bandwidth: float, latency: float,
                   memory_cap: float | None,
-                  overheads: tuple[float, float, float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
+                  overheads: tuple[float, float, float] | None = None,
+                  cores: int | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
-    simulated; the fastest simulated is the plan."""
-    from fxpipe.planning.plan_search import Layers, plan_candidates
+    simulated; the fastest simulated is the plan. With ``cores`` both the model and the simulator time-share them."""
+    from fxpipe.planning.plan_search import Layers, plan_candidates, time_sharing
     from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate
@@ -226,7 +249,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
     budget = DEFAULT_MAX_STAGES if devices is None else devices
     layers = Layers(tuple(s.time for s in stats), tuple(float(s.saved_bytes) for s in stats), tuple(static),
                     tuple(float(s.param_bytes) for s in stats), tuple(cut_bytes))
-    candidates = plan_candidates(layers, budget, bandwidth=bandwidth, latency=latency, memory_cap=memory_cap)
+    candidates = plan_candidates(layers, budget, bandwidth=bandwidth, latency=latency, memory_cap=memory_cap,
+                                 cores=cores)
     compute = sum(layers.times)
     simulated = []
     for c in candidates[:SIMULATED_CANDIDATES]:
@@ -237,7 +261,7 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
                       tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans), sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
-                      allreduce_latency=latency, allreduce_bandwidth=bandwidth)
+                      allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores)
         if overheads is not None:
             costs = costs.with_overheads(*overheads)
         simulated.append((c, simulate(generate(c.schedule, c.stages, c.microbatches, costs), costs).makespan))
@@ -247,9 +271,11 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                           key=lambda t: (t[0].memory_bytes, t[0].devices))
     ordered = [(best, best_step), *sorted(((c, s) for c, s in simulated if c is not best),
                                           key=lambda t: (-t[0].throughput(t[1]), t[0].memory_bytes))]
-    rows = tuple((rank + 1, c.stages, c.dp, c.devices, c.schedule, c.microbatches, round(c.model_s * 1e3, 3),
-                  round(step * 1e3, 3), round(c.throughput(step) * compute, 3), round(c.memory_bytes / 2**20, 2),
-                  "chosen" if c is best else "")
+    # With --cores, a column says how much slower each candidate's ranks compute (only then: older tables unchanged).
+    shared = (lambda c: (round(time_sharing(c.devices, cores), 3),)) if cores is not None else (lambda c: ())
+    rows = tuple((rank + 1, c.stages, c.dp, c.devices, c.schedule, c.microbatches, *shared(c),
+                  round(c.model_s * 1e3, 3), round(step * 1e3, 3), round(c.throughput(step) * compute, 3),
+                  round(c.memory_bytes / 2**20, 2), "chosen" if c is best else "")
                  for rank, (c, step) in enumerate(ordered))
     notes = (f"{len(candidates)} candidates on {budget} devices (stages x dp <= devices; gpipe, 1f1b, zb-h1, zb-h2; "
              f"P, 2P, 4P microbatches{'; memory per device <= ' + format(memory_cap, '.0f') + ' bytes' if memory_cap else ''}"
@@ -257,17 +283,29 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
              f"chosen: {best.stages} stages x {best.dp} replicas, {best.schedule}, {best.microbatches} microbatches: "
              f"{best.throughput(best_step) * compute:.2f}x one device's throughput on {best.devices} devices",
              "speedup = microbatches per step over all replicas x one device's microbatch / simulated step; per-layer "
-             "strategies are not searched (fxpipe compile --strategy plans them for one stage)")
+             "strategies are not searched (fxpipe compile --strategy plans them for one stage)",
+             *((_time_sharing_note(cores, "each candidate's stages x dp ranks"),) if cores is not None else ()))
     report = Report(title="plan auto: candidates, fastest simulated first",
-                    columns=("rank", "stages", "dp", "devices", "schedule", "microbatches", "model step ms",
+                    columns=("rank", "stages", "dp", "devices", "schedule", "microbatches",
+                             *(("compute x",) if cores is not None else ()), "model step ms",
                              "simulated step ms", "speedup", "memory MiB", ""),
                     rows=rows, notes=notes)
     return ({"stages": best.stages, "dp": best.dp, "schedule": best.schedule, "microbatches": best.microbatches,
              "bounds": best.bounds}, (report,))
 
 
-def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  # type: ignore[no-untyped-def]
-    table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches,
+def _time_sharing_note(cores: int, ranks: str) -> str:
+    return (f"time-sharing modelled (--cores {cores}): {ranks} on {cores} cores compute max(1, ranks / {cores}) "
+            "times slower (compute x), in the model and in the simulator; an approximation that charges every rank "
+            "as always computing, and the speedup is against one device with a core of its own")
+
+
+def _count_report(rows, chosen, goal, stats, merged, schedule: str, *, dp: int = 1,  # type: ignore[no-untyped-def]
+                  cores: int | None = None) -> Report:
+    from fxpipe.planning.plan_search import time_sharing
+
+    shared = (lambda r: (round(time_sharing(r.stages * dp, cores), 3),)) if cores is not None else (lambda r: ())
+    table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches, *shared(r),
                    round(max(r.stage_times) * 1e3, 3), round(r.model_s * 1e3, 3), round(r.step_s * 1e3, 3),
                    round(r.speedup, 3), round(r.efficiency, 3), round(sum(r.cut_bytes) / 2**20, 4),
                    "chosen" if r is chosen else "") for r in rows)
@@ -281,8 +319,11 @@ def _count_report(rows, chosen, goal, stats, merged, schedule: str) -> Report:  
         notes.append(f"merge {mg.stages + 1} -> {mg.stages} stages: cut(s) {names} removed{moved}; "
                      f"{mg.bytes_saved / 2**20:.4f} MiB less sent per microbatch; "
                      f"{mg.per_microbatch_change_s * 1e3:+.3f} ms per microbatch")
+    if cores is not None:
+        notes.append(_time_sharing_note(cores, f"each count's P x {dp} ranks" if dp > 1 else "each count's P ranks"))
     return Report(title="partition-stages: stage count (--stages auto)",
-                  columns=("stages", "cuts", "microbatches", "max stage ms", "model step ms", "simulated step ms",
+                  columns=("stages", "cuts", "microbatches", *(("compute x",) if cores is not None else ()),
+                           "max stage ms", "model step ms", "simulated step ms",
                            "speedup", "efficiency", "cut MiB", ""),
                   rows=table, notes=tuple(notes))
 

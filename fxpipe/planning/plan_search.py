@@ -9,6 +9,11 @@ the slowest stage's gradient all-reduce over its dp replicas, fully exposed; its
 ``dp x m`` microbatches per step. The model ranks them; the caller simulates the best few and
 picks by the simulated throughput (``passes.partition_stages``), so the model only screens.
 
+With ``cores`` (``--cores``), the ``stages x dp`` ranks time-share that many cores: every layer's
+compute counts ``max(1, stages x dp / cores)`` times (``time_sharing``, the simulator's
+``Costs.compute_scale``), in the partition's search and in the step, so the screen and the
+simulator agree on which candidates time-share; transfers and the all-reduce do not slow down.
+
 Memory per device: the stage's parameters, gradients and optimizer state
 (``static_bytes``, 4 x the trainable bytes, as the partitioner counts them) plus the activations
 the schedule keeps in flight on that stage (``cost.in_flight``), the same on every dp replica.
@@ -29,7 +34,7 @@ from fxpipe.errors import PlanError
 from fxpipe.planning.cost import allreduce_seconds, in_flight, transfer_time
 from fxpipe.planning.stage_count import best_partition, pipeline_step
 
-__all__ = ["PLAN_SCHEDULES", "Layers", "PlanCandidate", "plan_candidates"]
+__all__ = ["PLAN_SCHEDULES", "Layers", "PlanCandidate", "plan_candidates", "time_sharing"]
 
 PLAN_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 """The synchronous schedules with one stage per rank that the runtime runs from a plan."""
@@ -71,6 +76,16 @@ class PlanCandidate:
         return self.per_step / step_s if step_s > 0 else math.inf
 
 
+def time_sharing(ranks: int, cores: int | None) -> float:
+    """How much slower each rank computes when ``ranks`` ranks share ``cores`` cores (1 when ``cores`` is None):
+    ``fxpipe.schedules.simulate.Costs.compute_scale``'s rule.
+
+    >>> time_sharing(4, 2), time_sharing(2, 2), time_sharing(4, None)
+    (2.0, 1.0, 1.0)
+    """
+    return 1.0 if cores is None else max(1.0, ranks / cores)
+
+
 def _prefix(values: Sequence[float]) -> list[float]:
     out = [0.0]
     for v in values:
@@ -80,13 +95,17 @@ def _prefix(values: Sequence[float]) -> list[float]:
 
 def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: float,
                     memory_cap: float | None = None, schedules: Sequence[str] = PLAN_SCHEDULES,
-                    microbatches_per_stage: Sequence[int] = (1, 2, 4)) -> list[PlanCandidate]:
+                    microbatches_per_stage: Sequence[int] = (1, 2, 4),
+                    cores: int | None = None) -> list[PlanCandidate]:
     """Every candidate that fits, best modelled throughput first (ties: fewer devices, then fewer stages).
+    ``cores``: the cores the ranks time-share (None: a core each; see the module docstring).
 
     Raises PlanError when none fits the cap (naming the least memory any needs) or the budget is below 1.
     """
     if devices < 1:
         raise PlanError(f"--devices must be at least 1 (devices: {devices})")
+    if cores is not None and cores < 1:
+        raise PlanError(f"--cores must be at least 1 (cores: {cores}); leave it out to model no time-sharing")
     n = len(layers.times)
     cut_s = [transfer_time(b, bandwidth=bandwidth, latency=latency) for b in layers.cut_bytes]
     static, acts, grads = _prefix(layers.static_bytes), _prefix(layers.activation_bytes), _prefix(layers.param_bytes)
@@ -103,27 +122,34 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
                 def fits(_p: int, k: int, i: int, j: int, flights: list[int] = flights) -> bool:
                     return memory_cap is None or static[j] - static[i] + flights[k] * (acts[j] - acts[i]) <= memory_cap
 
-                key = (p, m, tuple(flights) if memory_cap is not None else ())
-                if key not in cache:  # without a cap the partition does not depend on the schedule
-                    cache[key] = best_partition(layers.times, cut_s, p, m,
-                                                feasible=fits if memory_cap is not None else None)
-                found = cache[key]
-                if found is None:
-                    if memory_cap is not None:  # the least memory this (P, m, schedule) needs: its unconstrained plan
-                        free = best_partition(layers.times, cut_s, p, m)
-                        assert free is not None
-                        spans = list(zip(free[0], free[0][1:]))
-                        least = min(least, max(static[j] - static[i] + flights[k] * (acts[j] - acts[i])
-                                               for k, (i, j) in enumerate(spans)))
-                    continue
-                bounds, _ = found
-                spans = list(zip(bounds, bounds[1:]))
-                stage_t = [sum(layers.times[i:j]) for i, j in spans]
-                step = pipeline_step(stage_t, [cut_s[b - 1] for b in bounds[1:-1]], m)
-                memory = max(static[j] - static[i] + flights[k] * (acts[j] - acts[i]) for k, (i, j) in enumerate(spans))
-                for dp in replicas:
-                    sync = max(allreduce_seconds(grads[j] - grads[i], dp, bandwidth, latency) for i, j in spans)
-                    out.append(PlanCandidate(p, dp, schedule, m, tuple(bounds), step + sync, memory))
+                # Time-sharing slows compute and not transfers, so the best cuts depend on the slowdown: one
+                # partition per slowdown (one in all without --cores, or with as many cores as devices).
+                for scale in sorted({time_sharing(p * dp, cores) for dp in replicas}):
+                    key = (p, m, tuple(flights) if memory_cap is not None else (), scale)
+                    if key not in cache:  # without a cap the partition does not depend on the schedule
+                        times = [t * scale for t in layers.times] if scale != 1.0 else layers.times
+                        cache[key] = best_partition(times, cut_s, p, m,
+                                                    feasible=fits if memory_cap is not None else None)
+                    found = cache[key]
+                    if found is None:
+                        if memory_cap is not None:  # the least memory this (P, m, schedule) needs: its unconstrained plan
+                            free = best_partition(layers.times, cut_s, p, m)
+                            assert free is not None
+                            spans = list(zip(free[0], free[0][1:]))
+                            least = min(least, max(static[j] - static[i] + flights[k] * (acts[j] - acts[i])
+                                                   for k, (i, j) in enumerate(spans)))
+                        continue
+                    bounds, _ = found
+                    spans = list(zip(bounds, bounds[1:]))
+                    stage_t = [scale * sum(layers.times[i:j]) for i, j in spans]
+                    step = pipeline_step(stage_t, [cut_s[b - 1] for b in bounds[1:-1]], m)
+                    memory = max(static[j] - static[i] + flights[k] * (acts[j] - acts[i])
+                                 for k, (i, j) in enumerate(spans))
+                    for dp in replicas:
+                        if time_sharing(p * dp, cores) != scale:
+                            continue
+                        sync = max(allreduce_seconds(grads[j] - grads[i], dp, bandwidth, latency) for i, j in spans)
+                        out.append(PlanCandidate(p, dp, schedule, m, tuple(bounds), step + sync, memory))
     if not out:
         raise PlanError(f"no plan on {devices} devices fits --memory-per-device {memory_cap:.0f} bytes; the least any "
                         f"needs is {least:.0f} bytes; raise --memory-per-device or --devices")
