@@ -30,7 +30,8 @@ def plans(draw: st.DrawFn) -> Plan:
     options = CompileOptions(stages=num_stages, tracer=draw(st.sampled_from(["export", "fx"])),
                              memory_per_stage=draw(st.none() | sizes), microbatches=draw(st.none() | st.integers(1, 64)),
                              schedule=draw(st.none() | st.sampled_from(["1f1b", "zb-h1", "async-1f1b", "auto"])),
-                             bandwidth=draw(floats), latency=draw(sizes), profile=draw(st.booleans()))
+                             bandwidth=draw(floats), latency=draw(sizes), profile=draw(st.booleans()),
+                             cores=draw(st.none() | st.integers(1, 256)))
     schedule = draw(st.none() | st.builds(ScheduleRecord, names, names, st.integers(1, 64), names, st.booleans(),
                                           st.none() | st.sampled_from(["stale", "stash", "predict"]), sizes, sizes))
     return Plan(
@@ -78,6 +79,35 @@ def test_a_plan_of_another_version_or_with_a_wrong_field_is_refused_naming_the_f
     bad["options"]["stages"] = True  # a bool is not a count
     with pytest.raises(PlanFileError, match=r"options\.stages should be int"):
         Plan.from_json(bad)
+
+
+def _tiny_plan(**options: object) -> Plan:
+    return Plan(Provenance(None, "export", "2.13.0", "0.1.0"), CompileOptions(**options), (), (),  # type: ignore[arg-type]
+                (StageCost(0, 0, 1, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 3.0),), Link(1e9, 1e-4),
+                Mesh.from_rank_of_stage((0,)), 3.0, 3.0)
+
+
+def test_cores_is_absent_from_plans_that_model_no_time_sharing_so_older_plans_load() -> None:
+    doc = _tiny_plan().to_json()
+    assert "cores" not in doc["options"]  # written exactly as before --cores existed
+    assert Plan.from_json(json.loads(json.dumps(doc))).options.cores is None
+    shared = _tiny_plan(cores=2).to_json()
+    assert shared["options"]["cores"] == 2 and Plan.from_json(shared).options.cores == 2
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    (0, r"the plan\.options\.cores must be at least 1 \(cores: 0\)"),
+    (-3, r"options\.cores must be at least 1 \(cores: -3\)"),
+    (2.5, r"options\.cores should be int, found float"),
+    ("2", r"options\.cores should be int, found str"),
+    (True, r"options\.cores should be int, found bool"),
+])
+def test_a_bad_cores_in_plan_json_is_one_plan_file_error(value: object, words: str) -> None:
+    doc = _tiny_plan(cores=2).to_json()
+    doc["options"]["cores"] = value
+    with pytest.raises(PlanFileError, match=words) as info:
+        Plan.from_json(json.loads(json.dumps(doc)))
+    assert "\n" not in str(info.value)
 
 
 def test_the_mesh_says_which_ranks_hold_each_stage() -> None:

@@ -4,10 +4,11 @@ Every combination with ``stages x dp <= devices`` is a candidate: for each stage
 microbatch count m (P, 2P, 4P) the partition minimising the pipeline step model
 (``stage_count.best_partition``, under each schedule's memory in flight and the per-device cap),
 for each schedule whose memory fits, for each replica count dp (every power of two, and the most
-that fit the budget). Its modelled step is the pipeline's (``stage_count.pipeline_step``) plus
-the slowest stage's gradient all-reduce over its dp replicas, fully exposed; its throughput is
-``dp x m`` microbatches per step. The model ranks them; the caller simulates the best few and
-picks by the simulated throughput (``passes.partition_stages``), so the model only screens.
+that fit the budget; every count with ``cores`` below the budget). Its modelled step is the
+pipeline's (``stage_count.pipeline_step``) plus the slowest stage's gradient all-reduce over its dp
+replicas, fully exposed; its throughput is ``dp x m`` microbatches per step. The model ranks
+them; the caller simulates the best few and picks by the simulated throughput
+(``passes.partition_stages``), so the model only screens.
 
 With ``cores`` (``--cores``), the ``stages x dp`` ranks time-share that many cores: every layer's
 compute counts ``max(1, stages x dp / cores)`` times (``time_sharing``, the simulator's
@@ -113,8 +114,11 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
     least = math.inf
     cache: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], float] | None] = {}
     for p in range(1, min(n, devices) + 1):
-        replicas = sorted({d for d in (2 ** k for k in range(devices.bit_length())) if p * d <= devices}
-                          | {devices // p})
+        if cores is None or cores >= devices:
+            replicas = sorted({d for d in (2 ** k for k in range(devices.bit_length())) if p * d <= devices}
+                              | {devices // p})
+        else:  # time-sharing: the modelled throughput no longer grows with dp past the cores, so try every count
+            replicas = list(range(1, devices // p + 1))
         for m in sorted({k * p for k in microbatches_per_stage}):
             for schedule in schedules:
                 flights = [f.total for f in in_flight(schedule, p, m)]

@@ -78,6 +78,9 @@ def test_ties_go_to_fewer_stages() -> None:
     (("--stages", "0"), "--stages must be at least 1 or auto"),
     (("--stages", "auto", "--dp", "2", "--strategy", "dp"), "it takes --stages 1, not auto"),
     (("--stages", "auto", "--memory-per-stage", "1KiB"), "no stage count up to 8 fits --memory-per-stage"),
+    (("--stages", "auto", "--cores", "0"), "--cores must be at least 1 (got 0)"),
+    (("--stages", "auto", "--cores", "two"), "--cores takes a number of cores or auto (got 'two')"),
+    (("--stages", "2", "--cores", "2"), "give it with --plan auto or --stages auto"),
 ])
 def test_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
     line = one_line_error(fxpipe_cli("compile", "mlp-tiny", *args))
@@ -129,7 +132,21 @@ def test_the_screen_keeps_the_candidate_simulating_everything_picks(monkeypatch:
     (("--plan", "auto", "--devices", "4", "--schedule", "1f1b", "--dp", "2"), "chooses --schedule, --dp itself"),
     (("--plan", "best", "--devices", "4"), "--plan takes auto"),
     (("--plan", "auto", "--devices", "4", "--memory-per-device", "1KiB"), "no plan on 4 devices fits"),
+    (("--plan", "auto", "--devices", "4", "--cores", "0"), "--cores must be at least 1 (got 0)"),
 ])
 def test_plan_auto_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
     line = one_line_error(fxpipe_cli("compile", "mlp-tiny", *args))
     assert words in line, line
+
+
+def test_plan_auto_with_cores_records_them_and_says_time_sharing_was_modelled(tmp_path: Path) -> None:
+    out = tmp_path / "plan"
+    doc = json.loads(ok(fxpipe_cli("compile", "mlp-tiny", "--plan", "auto", "--devices", "4", "--cores", "2",
+                                   "--json", "--out", out)).stdout)
+    report = next(r for r in doc["reports"] if r["title"] == "plan auto: candidates, fastest simulated first")
+    assert "compute x" in report["columns"]
+    assert any(n.startswith("time-sharing modelled (--cores 2)") for n in report["notes"])
+    assert "hint" not in doc
+    plan = read_plan(out)
+    assert plan.options.cores == 2 and plan.mesh.world_size <= 4
+    assert fxpipe.load(out).plan == plan

@@ -162,3 +162,75 @@ def test_unknown_schedule_and_counts_the_schedule_cannot_take() -> None:
         partition_stages(gm, num_stages=3, schedule="interleaved-1f1b")
     out = partition_stages(gm, num_stages=4, schedule="interleaved-1f1b")  # 2 ranks, 4 microbatches
     assert "activations of [4, 3, 2, 1] microbatches in flight (interleaved-1f1b)" in _memory_note(out)
+
+
+def _rows(result: PassResult, title: str) -> list[dict]:
+    report = next(r for r in result.reports if r.title.startswith(title))
+    return [dict(zip(report.columns, row)) for row in report.rows]
+
+
+@pytest.fixture(scope="module")
+def mlp_deep() -> torch.fx.GraphModule:
+    zoo = models.build("mlp-deep")  # 16 equal linear layers: compute dominates at the default link
+    return _grouped(zoo.model, zoo.example_inputs)
+
+
+def test_plan_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_deep: torch.fx.GraphModule) -> None:
+    from fxpipe.planning.plan_search import time_sharing
+
+    free = _rows(partition_stages(mlp_deep, num_stages="plan", devices=4), "plan auto")
+    assert next(r for r in free if r[""] == "chosen")["devices"] == 4  # a core per rank: 4 ranks are fastest
+    out = partition_stages(mlp_deep, num_stages="plan", devices=4, cores=2)
+    rows = _rows(out, "plan auto")
+    chosen = [r for r in rows if r[""] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["devices"] <= 2
+    # Never slower in simulation than any candidate it considered, every one time-shared alike.
+    assert all(chosen[0]["speedup"] >= r["speedup"] for r in rows)
+    assert all(r["compute x"] == time_sharing(r["devices"], 2) for r in rows)
+    assert any(r["devices"] > 2 for r in rows)  # 4-rank candidates were considered, and lost
+    # A candidate on at most 2 ranks does not time-share: the same simulated step as with a core per rank.
+    unshared = {(r["stages"], r["dp"], r["schedule"], r["microbatches"]): r["simulated step ms"] for r in free}
+    key = (chosen[0]["stages"], chosen[0]["dp"], chosen[0]["schedule"], chosen[0]["microbatches"])
+    if key in unshared:
+        assert chosen[0]["simulated step ms"] == unshared[key]
+    assert out.gm.meta["fxpipe_plan_choice"]["stages"] * out.gm.meta["fxpipe_plan_choice"]["dp"] <= 2
+    report = next(r for r in out.reports if r.title.startswith("plan auto"))
+    assert any(n.startswith("time-sharing modelled (--cores 2)") for n in report.notes)
+
+
+def test_the_screen_keeps_the_time_shared_pick_simulating_everything_makes(
+        mlp_deep: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    pass_module = importlib.import_module("fxpipe.passes.partition_stages")
+    picks = []
+    for everything in (False, True):
+        if everything:
+            monkeypatch.setattr(pass_module, "SIMULATED_CANDIDATES", 10**6)
+        rows = _rows(partition_stages(mlp_deep, num_stages="plan", devices=4, cores=2), "plan auto")
+        row = next(r for r in rows if r[""] == "chosen")
+        picks.append((row["stages"], row["dp"], row["schedule"], row["microbatches"], len(rows)))
+    assert picks[0][:4] == picks[1][:4] and picks[1][4] > picks[0][4]
+
+
+def test_stages_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_deep: torch.fx.GraphModule) -> None:
+    title = "partition-stages: stage count"
+    free = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=4), title)
+    assert next(r for r in free if r[""] == "chosen")["stages"] == 4
+    rows = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=4, cores=2), title)
+    chosen = [r for r in rows if r[""] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["stages"] <= 2
+    assert all(chosen[0]["speedup"] >= r["speedup"] for r in rows)
+    assert [r["compute x"] for r in rows] == [1.0, 1.0, 1.5, 2.0]
+    by = {r["stages"]: r for r in free}
+    for r in rows:  # up to 2 ranks nothing changes; beyond, every step is slower
+        assert (r["simulated step ms"] == by[r["stages"]]["simulated step ms"]) if r["stages"] <= 2 else (
+            r["simulated step ms"] > by[r["stages"]]["simulated step ms"])
+    # dp replicas time-share too: 2 stages x 2 replicas on 2 cores compute twice as slowly.
+    shared = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=2, dp=2, cores=2), title)
+    assert [r["compute x"] for r in shared] == [1.0, 2.0]
+
+
+def test_cores_below_one_are_refused(mlp_deep: torch.fx.GraphModule) -> None:
+    with pytest.raises(OptionError, match=r"--cores must be at least 1 \(cores: 0\)"):
+        partition_stages(mlp_deep, num_stages="plan", devices=4, cores=0)

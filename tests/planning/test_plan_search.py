@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from fxpipe.errors import PlanError
 from fxpipe.planning.cost import allreduce_seconds, in_flight, transfer_time
-from fxpipe.planning.plan_search import PLAN_SCHEDULES, Layers, plan_candidates
+from fxpipe.planning.plan_search import PLAN_SCHEDULES, Layers, plan_candidates, time_sharing
 
 
 def _partitions(n: int, p: int):
@@ -19,8 +19,10 @@ def _partitions(n: int, p: int):
         yield (0, *cuts, n)
 
 
+@pytest.mark.parametrize("cores", [None, 1, 2, 3])
 @pytest.mark.parametrize("seed", range(12))
-def test_the_best_candidate_equals_brute_force_over_every_partition(seed: int) -> None:
+def test_the_best_candidate_equals_brute_force_over_every_partition(seed: int, cores: int | None) -> None:
+    """With ``cores``, P x dp ranks on them compute max(1, P x dp / cores) times slower (transfers do not)."""
     rng = random.Random(seed)
     n = rng.randint(1, 7)
     layers = Layers(tuple(rng.uniform(0.5, 2.0) for _ in range(n)), tuple(rng.uniform(0, 3) for _ in range(n)),
@@ -42,26 +44,48 @@ def test_the_best_candidate_equals_brute_force_over_every_partition(seed: int) -
                     if cap is not None and memory > cap:
                         continue
                     fits_any = True
-                    t = [sum(layers.times[i:j]) for i, j in spans]
                     c = [cut_s[b - 1] for b in bounds[1:-1]]
-                    step = sum(t) + 2 * sum(c) + (m - 1) * max(t + c)
                     for dp in range(1, devices // p + 1):
+                        scale = 1.0 if cores is None else max(1.0, p * dp / cores)
+                        t = [scale * sum(layers.times[i:j]) for i, j in spans]
+                        step = sum(t) + 2 * sum(c) + (m - 1) * max(t + c)
                         sync = max(allreduce_seconds(sum(layers.param_bytes[i:j]), dp, bw, lat) for i, j in spans)
                         best = max(best, dp * m / (step + sync))
     if not fits_any:
         with pytest.raises(PlanError, match="no plan on .* fits --memory-per-device"):
-            plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap)
+            plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap, cores=cores)
         return
-    got = plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap)
-    # The search tries dp at powers of two and the budget's most, brute force every count: the model's throughput
-    # dp x m / (step + a + b x dp) (a ring's cost grows at most linearly in dp) grows with dp, so the most wins.
+    got = plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap, cores=cores)
+    # Without time-sharing the search tries dp at powers of two and the budget's most, brute force every count: the
+    # model's throughput dp x m / (step + a + b x dp) (a ring's cost grows at most linearly in dp) grows with dp, so
+    # the most wins. With fewer cores than devices it no longer does, and the search tries every dp.
     assert_close(got[0].throughput(got[0].model_s), best, rtol=1e-9, atol=0.0)
     assert all(c.devices <= devices and (cap is None or c.memory_bytes <= cap) for c in got)
     ranked = [c.throughput(c.model_s) for c in got]
     assert ranked == sorted(ranked, reverse=True)
 
 
+def test_time_sharing_prefers_as_many_ranks_as_cores_when_compute_dominates() -> None:
+    # 8 equal layers, free links: on 4 devices every rank a core of its own, 4 ranks are fastest; on 2 cores
+    # the 4-rank candidates compute twice as slowly and the best uses no more ranks than cores.
+    layers = Layers((1.0,) * 8, (0.0,) * 8, (0.0,) * 8, (0.0,) * 8, (0.0,) * 7)
+    free = plan_candidates(layers, 4, bandwidth=float("inf"), latency=0.0)
+    assert free[0].devices == 4
+    shared = plan_candidates(layers, 4, bandwidth=float("inf"), latency=0.0, cores=2)
+    assert shared[0].devices <= 2  # ties (4 ranks at half speed) go to fewer devices
+    assert shared[0].throughput(shared[0].model_s) == pytest.approx(free[0].throughput(free[0].model_s) / 2)
+    unshared = {(c.stages, c.dp, c.schedule, c.microbatches): c for c in free}
+    for c in shared:  # free links: a candidate's step is its unshared step, max(1, ranks / 2) times over
+        if (c.stages, c.dp, c.schedule, c.microbatches) in unshared:  # free tries dp 1, 2, 4; shared every dp
+            assert c.model_s == pytest.approx(time_sharing(c.devices, 2)
+                                              * unshared[c.stages, c.dp, c.schedule, c.microbatches].model_s)
+    # As many cores as devices is no time-sharing at all.
+    assert plan_candidates(layers, 4, bandwidth=float("inf"), latency=0.0, cores=4) == free
+
+
 def test_a_budget_below_one_device_is_refused() -> None:
     layers = Layers((1.0,), (1.0,), (1.0,), (1.0,), ())
     with pytest.raises(PlanError, match="--devices must be at least 1"):
         plan_candidates(layers, 0, bandwidth=1.0, latency=0.0)
+    with pytest.raises(PlanError, match="--cores must be at least 1"):
+        plan_candidates(layers, 1, bandwidth=1.0, latency=0.0, cores=0)
