@@ -82,76 +82,100 @@ def merged_state(files: list[str]) -> dict[str, Any]:
     return merged
 
 
+def granularity_of(cfg: dict[str, Any], stages: int, positions: int) -> str:
+    """The granularity a case compiles ``stages`` stages with: two stages per rank can need more layers than the
+    blocks give (cut between nodes), else the case's own (default auto)."""
+    return "node" if stages > positions else cfg.get("granularity", "auto")
+
+
 def train(rank: int, world: int, init: str, out: str, cfg: dict[str, Any]) -> None:
+    """Train one case (``cfg``), or with ``cfg["cases"]`` ({name: case}) each case in turn on the same ranks, case
+    ``name`` writing its files into ``OUT/name`` (one launch, many cases: the ranks start and join once)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.get("pg_timeout", 20)))
     try:
-        import fxpipe
-        from fxpipe.runtime.executor import PipelineRuntime
-        from fxpipe.schedules.generators import generate
-        from fxpipe.schedules.simulate import Costs
-
-        m, dp = cfg["microbatches"], cfg.get("dp", 1)
-        positions = world // dp  # pipeline ranks; each stage on dp replicas (the batch is dp times bigger)
-        compiled: dict[int, Any] = {}
-        for name in cfg["schedules"]:
-            # interleaved-1f1b puts two stages on each rank; the others one.
-            stages = 2 * positions if name == "interleaved-1f1b" else positions
-            if stages not in compiled:
-                model, inputs, target, loss_fn = build(cfg["model"], m * dp)
-                # Two stages per rank can need more layers than the blocks give: cut between nodes.
-                granularity = "node" if stages > positions else cfg.get("granularity", "auto")
-                pipe = fxpipe.compile(model, tuple(x.tensor_split(m * dp)[0] for x in inputs), stages=stages,
-                                      granularity=granularity)
-                state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-                compiled[stages] = (model, inputs, target, loss_fn, pipe, state)
-            model, inputs, target, loss_fn, pipe, state = compiled[stages]
-            with torch.no_grad():  # every schedule starts from the same weights and statistics
-                for k, v in model.state_dict(keep_vars=True).items():
-                    v.copy_(state[k])
-            if name == "auto":
-                from fxpipe.schedules.auto import auto
-
-                sched = auto(stages, Costs.from_plan(pipe.plan), microbatches=[m]).schedule
-            else:
-                sched = generate(name, stages, m, Costs.from_plan(pipe.plan))
-            # Resumed from a checkpoint, and (``load_state``) again from the merged states an earlier
-            # launch's ranks ended with: the same plan, two ways in.
-            for start in ("resume", "load_state") if cfg.get("resume") and cfg.get("load_state") else ("",):
-                mesh = None
-                if cfg.get("mesh"):  # the user's own DeviceMesh (else the runtime lays out pp x dp itself)
-                    from torch.distributed.device_mesh import init_device_mesh
-
-                    mesh = init_device_mesh("cpu", (positions, dp), mesh_dim_names=("pp", "dp"))
-                try:
-                    rt = PipelineRuntime(pipe, sched, loss_fn,
-                                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                         timeout=timedelta(seconds=cfg.get("timeout", 10)), mesh=mesh)
-                except Exception as exc:  # a refusal the test expects: its line, then the next schedule
-                    if not cfg.get("refused"):
-                        raise
-                    (Path(out) / f"{name}-refused-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
-                    continue
-                starting = die_mid_step(rt, rank, cfg, out)
-                first = 0
-                if cfg.get("resume") and start != "load_state":
-                    first = rt.load_checkpoint(cfg["resume"])
-                elif cfg.get("load_state"):
-                    rt.load_state_dict(merged_state(cfg["load_state"]))
-                    first = cfg["load_state_step"]
-                losses = []
-                for step in range(first, cfg["steps"]):
-                    if rank == cfg.get("fail_rank", -1) and step == 1:
-                        raise ValueError(f"boom on rank {rank}")
-                    starting(step)
-                    losses.append(float(rt.step(inputs, target)))
-                    if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
-                        rt.save_checkpoint(cfg["checkpoint"], step + 1)
-                tag = f"-{start}" if start == "load_state" else ""
-                torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}{tag}-rank{rank}.pt")
+        cases = cfg["cases"].items() if "cases" in cfg else [("", cfg)]
+        for case, one in cases:
+            (Path(out) / case).mkdir(exist_ok=True)
+            train_case(rank, world, str(Path(out) / case), one)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def train_case(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
+    """One case: every schedule of ``cfg["schedules"]`` trains the model from the same start and saves each rank's
+    losses and state. The pipeline is compiled here (every rank compiles the whole model, as a user's script does),
+    or with ``cfg["plans"]`` ({stages: plan directory}, compiled once by the test) loaded from a saved plan, as
+    ``fxpipe run``'s ranks do."""
+    import fxpipe
+    from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs
+
+    m, dp = cfg["microbatches"], cfg.get("dp", 1)
+    positions = world // dp  # pipeline ranks; each stage on dp replicas (the batch is dp times bigger)
+    compiled: dict[int, Any] = {}
+    for name in cfg["schedules"]:
+        # interleaved-1f1b puts two stages on each rank; the others one.
+        stages = 2 * positions if name == "interleaved-1f1b" else positions
+        if stages not in compiled:
+            model, inputs, target, loss_fn = build(cfg["model"], m * dp)
+            example_inputs = tuple(x.tensor_split(m * dp)[0] for x in inputs)
+            if cfg.get("plans"):
+                pipe = fxpipe.load(cfg["plans"][str(stages)])
+                pipe.build_backward(example_inputs)
+            else:
+                pipe = fxpipe.compile(model, example_inputs, stages=stages,
+                                      granularity=granularity_of(cfg, stages, positions))
+            # the pipeline's own parameters and buffers (a compiled pipeline's are the model's)
+            state = {k: v.detach().clone() for k, v in pipe.state_dict(keep_vars=True).items()}
+            compiled[stages] = (inputs, target, loss_fn, pipe, state)
+        inputs, target, loss_fn, pipe, state = compiled[stages]
+        with torch.no_grad():  # every schedule starts from the same weights and statistics
+            for k, v in pipe.state_dict(keep_vars=True).items():
+                v.copy_(state[k])
+        if name == "auto":
+            from fxpipe.schedules.auto import auto
+
+            sched = auto(stages, Costs.from_plan(pipe.plan), microbatches=[m]).schedule
+        else:
+            sched = generate(name, stages, m, Costs.from_plan(pipe.plan))
+        # Resumed from a checkpoint, and (``load_state``) again from the merged states an earlier
+        # launch's ranks ended with: the same plan, two ways in.
+        for start in ("resume", "load_state") if cfg.get("resume") and cfg.get("load_state") else ("",):
+            mesh = None
+            if cfg.get("mesh"):  # the user's own DeviceMesh (else the runtime lays out pp x dp itself)
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh("cpu", (positions, dp), mesh_dim_names=("pp", "dp"))
+            try:
+                rt = PipelineRuntime(pipe, sched, loss_fn,
+                                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                                     timeout=timedelta(seconds=cfg.get("timeout", 10)), mesh=mesh)
+            except Exception as exc:  # a refusal the test expects: its line, then the next schedule
+                if not cfg.get("refused"):
+                    raise
+                (Path(out) / f"{name}-refused-rank{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+                continue
+            starting = die_mid_step(rt, rank, cfg, out)
+            first = 0
+            if cfg.get("resume") and start != "load_state":
+                first = rt.load_checkpoint(cfg["resume"])
+            elif cfg.get("load_state"):
+                rt.load_state_dict(merged_state(cfg["load_state"]))
+                first = cfg["load_state_step"]
+            losses = []
+            for step in range(first, cfg["steps"]):
+                if rank == cfg.get("fail_rank", -1) and step == 1:
+                    raise ValueError(f"boom on rank {rank}")
+                starting(step)
+                losses.append(float(rt.step(inputs, target)))
+                if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
+                    rt.save_checkpoint(cfg["checkpoint"], step + 1)
+            tag = f"-{start}" if start == "load_state" else ""
+            torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}{tag}-rank{rank}.pt")
 
 
 def payload(marker: Path) -> bytes:

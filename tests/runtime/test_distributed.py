@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.runtime._dist_worker import build
+from tests.runtime._cache import once
+from tests.runtime._dist_worker import build, granularity_of
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -70,6 +74,12 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any],
     """Every rank of every schedule ended with one process's losses and parameters (``expected``: losses,
     parameters and buffers to check; default: :func:`_reference`'s, buffers unchecked)."""
     assert_ranks_ok(_launch(tmp_path, world, cfg))
+    _check_saved(tmp_path, world, cfg, expected)
+
+
+def _check_saved(tmp_path: Path, world: int, cfg: dict[str, Any],
+                 expected: tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None) -> None:
+    """:func:`_check` on the files a launch already wrote into ``tmp_path``."""
     losses, params, buffers = expected or (*_reference(cfg["model"], cfg["microbatches"], cfg["steps"]), {})
     for name in cfg["schedules"]:
         seen = set()
@@ -85,23 +95,112 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any],
         assert {id(params[n]) for n in seen} == {id(p) for p in params.values()}, name
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])
-def test_every_schedule_trains_like_one_process(model: str, ranks: int, tmp_path: Path) -> None:
-    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: the embedding's output skips
-    stages to the head, which is tied to it across ranks."""
+# -- one launch per world size, many cases ------------------------------------------------------------------------
+# Starting ranks and compiling the whole model on each of them costs seconds per rank, so the training cases of a
+# world size share one launch (each case in turn on the same ranks, its files in a directory of its own; each test
+# checks its own case), and their pipelines are compiled once here and loaded by the ranks, as fxpipe run's ranks do.
+# The cases that compile on the ranks themselves (a user's script): the failing rank and resume below,
+# tests/runtime/test_checkpoint.py, test_faults.py and test_replicas.py's checkpoint case.
+
+MODELS = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"]
+
+
+def schedule_case(model: str, ranks: int) -> dict[str, Any]:
+    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: every schedule on ``ranks`` ranks."""
     cfg = {"model": model, "schedules": SCHEDULES if ranks == 2 else ONE_STAGE_PER_RANK, "microbatches": 4,
            "steps": 3}
     if model == "skip-tied":
         cfg["granularity"] = "1"  # layers: emb, 4 blocks, head
-    _check(tmp_path, ranks, cfg)
+    return cfg
+
+
+def interleaved_case(model: str) -> dict[str, Any]:
+    return {"model": model, "schedules": ["interleaved-1f1b"], "microbatches": 4, "steps": 3}
+
+
+def replica_case(model: str) -> dict[str, Any]:
+    """tests/runtime/test_replicas.py's: 2 stages on 2 replicas, every synchronous schedule."""
+    cfg = {"model": model, "schedules": SCHEDULES, "microbatches": 4, "steps": 3, "dp": 2}
+    if model == "mlp-tiny":
+        cfg["mesh"] = True  # PipelineRuntime(..., mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    if model == "skip-tied":
+        cfg["granularity"] = "1"
+    return cfg
+
+
+# tests/runtime/test_replicas.py's refusal: asynchronous training on 2 replicas, refused on both ranks
+ASYNC_ON_REPLICAS = {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbatches": 2, "steps": 1, "dp": 2,
+                     "refused": True}
+
+
+def shared_cases(world: int) -> dict[str, dict[str, Any]]:
+    """Every case of the launch of ``world`` ranks, by name."""
+    cases = {f"schedules-{model}": schedule_case(model, world) for model in MODELS}
+    if world == 2:
+        cases["replicas-async-refused"] = ASYNC_ON_REPLICAS
+    if world == 4:
+        cases.update({f"interleaved-{model}": interleaved_case(model) for model in ["gpt-tiny", "resnet-tiny"]})
+        cases.update({f"replicas-{model}": replica_case(model) for model in MODELS})
+    return cases
+
+
+def _plan(model: str, stages: int, granularity: str) -> str:
+    """``model`` compiled into ``stages`` stages on a microbatch of 2 rows (what every rank would compile), saved;
+    once per session."""
+    def make() -> str:
+        import fxpipe
+
+        net, inputs, _, _ = build(model, 1)
+        out = Path(tempfile.mkdtemp(prefix="fxpipe-test-dist-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        return str(fxpipe.save(fxpipe.compile(net, inputs, stages=stages, granularity=granularity), out / "plan"))
+
+    return once(("dist-plan", model, stages, granularity), make)
+
+
+def with_plans(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the saved plan of each stage count its schedules run."""
+    positions = world // cfg.get("dp", 1)
+    counts = {2 * positions if name == "interleaved-1f1b" else positions for name in cfg["schedules"]}
+    return {**cfg, "plans": {str(n): _plan(cfg["model"], n, granularity_of(cfg, n, positions)) for n in counts}}
+
+
+def shared_launch(world: int) -> Path:
+    """The one launch of ``world`` ranks running :func:`shared_cases` (once per session, whichever test module asks
+    first: tests/runtime/_cache.py); case ``name``'s files are in ``DIR/name``. A failed launch fails every test of its
+    cases, each with the failed ranks' report."""
+    def make() -> Path:
+        out = Path(tempfile.mkdtemp(prefix=f"fxpipe-test-dist{world}-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        cases = {name: with_plans(world, cfg) for name, cfg in shared_cases(world).items()}
+        results = _launch(out, world, {"cases": cases, "pg_timeout": 60})
+        (out / "results.json").write_text(json.dumps([[r.returncode, r.stderr] for r in results]))
+        return out
+
+    return once(("dist-launch", world), make)
+
+
+def shared_case(world: int, name: str) -> Path:
+    """Case ``name`` of the launch of ``world`` ranks: its directory, once every rank of the launch exited 0."""
+    out = shared_launch(world)
+    codes = json.loads((out / "results.json").read_text())
+    assert_ranks_ok([subprocess.CompletedProcess([], code, "", err) for code, err in codes])
+    return out / name
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("model", MODELS)
+def test_every_schedule_trains_like_one_process(model: str, ranks: int) -> None:
+    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: the embedding's output skips
+    stages to the head, which is tied to it across ranks."""
+    _check_saved(shared_case(ranks, f"schedules-{model}"), ranks, schedule_case(model, ranks))
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "resnet-tiny"])
-def test_interleaved_on_four_ranks(model: str, tmp_path: Path) -> None:
+def test_interleaved_on_four_ranks(model: str) -> None:
     """8 stages cut between nodes: some stages only transpose, view or flatten their input, and
     their gradients must still reach the stages before them (split_backward once dropped them)."""
-    _check(tmp_path, 4, {"model": model, "schedules": ["interleaved-1f1b"], "microbatches": 4, "steps": 3})
+    _check_saved(shared_case(4, f"interleaved-{model}"), 4, interleaved_case(model))
 
 
 def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:

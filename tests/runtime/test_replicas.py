@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.runtime._dist_worker import build
-from tests.runtime.test_distributed import _check, _launch, SCHEDULES, assert_ranks_ok
+from tests.runtime.test_distributed import (ASYNC_ON_REPLICAS, SCHEDULES, _check_saved, _launch, assert_ranks_ok,
+                                            replica_case, shared_case)
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
 
@@ -51,15 +52,14 @@ def reference(model: str, m: int, dp: int, steps: int) -> tuple[list[float], dic
 
 
 @pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])
-def test_two_stages_on_two_replicas_train_like_one_process(model: str, tmp_path: Path) -> None:
-    """mlp; gpt (the tied embedding/head is summed over each replica's pipeline ranks, then over the replicas);
-    resnet (BatchNorm: running statistics per replica, their mean at each step's end); skip-tied."""
-    cfg = {"model": model, "schedules": SYNCHRONOUS, "microbatches": 4, "steps": 3, "dp": 2}
-    if model == "mlp-tiny":
-        cfg["mesh"] = True  # PipelineRuntime(..., mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
-    if model == "skip-tied":
-        cfg["granularity"] = "1"
-    _check(tmp_path, 4, cfg, reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"]))
+def test_two_stages_on_two_replicas_train_like_one_process(model: str) -> None:
+    """mlp (on the user's own DeviceMesh); gpt (the tied embedding/head is summed over each replica's pipeline ranks,
+    then over the replicas); resnet (BatchNorm: running statistics per replica, their mean at each step's end);
+    skip-tied. Every synchronous schedule; a case of the shared 4-rank launch (tests/runtime/test_distributed.py)."""
+    cfg = replica_case(model)
+    assert cfg["schedules"] == SYNCHRONOUS and cfg["dp"] == 2
+    _check_saved(shared_case(4, f"replicas-{model}"), 4, cfg,
+                 reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"]))
 
 
 def test_a_checkpoint_is_written_once_per_stage_and_resumes_onto_another_replica_count(tmp_path: Path) -> None:
@@ -102,10 +102,12 @@ def test_the_layout_is_refused_when_the_world_does_not_divide() -> None:
     assert replicas.layout(None, 2, 1, 2, "cpu") == replicas.Layout(None, 1, 1, 0, (0, 1))
 
 
-def test_asynchronous_training_on_replicas_is_refused_on_every_rank(tmp_path: Path) -> None:
-    assert_ranks_ok(_launch(tmp_path, 2, {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbatches": 2,
-                                          "steps": 1, "dp": 2, "refused": True}))
+def test_asynchronous_training_on_replicas_is_refused_on_every_rank() -> None:
+    """A case of the shared 2-rank launch (tests/runtime/test_distributed.py)."""
+    assert ASYNC_ON_REPLICAS == {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbatches": 2, "steps": 1,
+                                 "dp": 2, "refused": True}
+    out = shared_case(2, "replicas-async-refused")
     for rank in range(2):
-        assert (tmp_path / f"async-1f1b-refused-rank{rank}.txt").read_text() == (
+        assert (out / f"async-1f1b-refused-rank{rank}.txt").read_text() == (
             "OptionError: async-1f1b is asynchronous, and asynchronous training runs one replica per stage (here 2); "
             "start 1 rank, or pick a synchronous schedule")
