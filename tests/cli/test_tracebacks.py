@@ -79,7 +79,9 @@ def test_uniform_costs_that_are_not_finite_non_negative_and_small_enough(costs: 
     started = time.monotonic()
     line = one_line_error(fxpipe_cli("simulate", "--uniform-costs", costs, "--stages", "2", "--schedule", "zb-h2"))
     assert "--uniform-costs" in line
-    assert time.monotonic() - started < 10  # 1e7 used to hang the zero-bubble generator
+    # a hang guard, not a speed check: 1e7 used to hang the zero-bubble generator; the refusal takes well under
+    # a second quiet, but 12.7 s was seen at load 4-7, so the bound is far above any load
+    assert time.monotonic() - started < 120
 
 
 @pytest.mark.parametrize("option", ["--trace", "--svg"])
@@ -124,4 +126,4 @@ def test_a_schedule_too_big_to_generate_is_refused_at_once(command: list[str], p
     args = [str(plan) if a == "PLAN" else a for a in command]
     line = one_line_error(fxpipe_cli(*args, "--microbatches", "99999999"))
     assert "is too big to generate and simulate" in line
-    assert time.monotonic() - started < 10  # it used to hang generating 1e8 microbatches
+    assert time.monotonic() - started < 120  # a hang guard (see above): 1e8 microbatches used to hang
