@@ -3,9 +3,13 @@
 A step is forward, the zoo loss, backward and an SGD step (lr 0.01, no momentum). Every method
 trains its own copy of the same zoo model on the same batch:
 
-  eager   : the model as written
-  fxpipe  : torch.compile(model, backend="fxpipe", options={"stages": S, "microbatches": M})
-  inductor: torch.compile(model) (the default backend); --no-inductor leaves it out
+  eager          : the model as written
+  fxpipe         : torch.compile(model, backend="fxpipe", options={"stages": S, "microbatches": M}) (on one
+                   GPU the step runs as two CUDA graphs from its second call)
+  fxpipe-nograph : the same with options cuda_graphs=False (every op launched from Python, as before)
+  inductor       : torch.compile(model) (the default backend, mode "default": no CUDA graphs)
+  inductor-cg    : torch.compile(model, mode="reduce-overhead") (Inductor with its own CUDA graphs)
+  --methods picks some; --no-inductor drops both inductor methods.
 
 After --warmup steps each (the first step of a compiled method is its compile time, reported on
 its own), the methods run interleaved, one step each per iteration in a rotating order, for
@@ -69,15 +73,22 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
     runs: dict[str, dict[str, Any]] = {}
     for method in methods:
         model = copy.deepcopy(zoo.model)
+        options = {"stages": stages, "microbatches": microbatches}
         if method == "fxpipe":
-            fn: Any = torch.compile(model, backend="fxpipe", options={"stages": stages, "microbatches": microbatches})
+            fn: Any = torch.compile(model, backend="fxpipe", options=options)
+        elif method == "fxpipe-nograph":
+            fn = torch.compile(model, backend="fxpipe", options={**options, "cuda_graphs": False})
         elif method == "inductor":
             fn = torch.compile(model)
+        elif method == "inductor-cg":
+            fn = torch.compile(model, mode="reduce-overhead")
         else:
             fn = model
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-        def step(fn: Any = fn, opt: Any = opt) -> torch.Tensor:
+        def step(fn: Any = fn, opt: Any = opt, method: str = method) -> torch.Tensor:
+            if method == "inductor-cg":
+                torch.compiler.cudagraph_mark_step_begin()  # its graphs' outputs are reused each step
             loss = zoo.loss_fn(fn(*inputs), target)
             loss.backward()
             opt.step()
@@ -108,6 +119,7 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
             runs[method]["times"].append(time.perf_counter() - t0)
     rows = []
     eager_ms = None
+    medians = {m: statistics.median(runs[m]["times"]) * 1e3 for m in methods}
     for method in methods:
         r = runs[method]
         peak = None
@@ -128,6 +140,7 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
             "model": name, "batch": inputs[0].shape[0], "method": method, "median_ms": round(median, 3),
             "p10_ms": round(q[0] * 1e3, 3), "p90_ms": round(q[-1] * 1e3, 3),
             "vs_eager": round(median / eager_ms, 3) if eager_ms else None,
+            "vs_inductor": round(median / medians["inductor"], 3) if "inductor" in medians else None,
             "first_step_s": round(r["first_step_s"], 2), "first_loss": round(r["first_loss"], 6),
             "step_peak_mib": None if peak is None else round(peak / 2**20, 1),
             "kernel_ms": None if kernel_ms is None else round(kernel_ms, 3),
@@ -145,6 +158,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-inductor", action="store_true")
+    parser.add_argument("--methods", nargs="+", default=["eager", "fxpipe", "fxpipe-nograph", "inductor",
+                                                          "inductor-cg"])
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -152,7 +167,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("error: CUDA is not available here; run on a GPU machine or pass --device cpu")
         device = torch.device("cuda", torch.cuda.current_device())
-    methods = ["eager", "fxpipe"] + ([] if args.no_inductor else ["inductor"])
+    methods = [m for m in args.methods if not (args.no_inductor and m.startswith("inductor"))]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
           f"fxpipe stages={args.stages} microbatches={args.microbatches}; warmup {args.warmup}, iters {args.iters}",
           flush=True)
@@ -163,7 +178,7 @@ def main() -> None:
             for r in new:
                 print(json.dumps(r), flush=True)
             rows += new
-    cols = ["model", "batch", "method", "median_ms", "p10_ms", "p90_ms", "vs_eager", "kernel_ms", "step_peak_mib",
+    cols = ["model", "batch", "method", "median_ms", "p10_ms", "p90_ms", "vs_eager", "vs_inductor", "kernel_ms", "step_peak_mib",
             "first_step_s", "first_loss"]
     print("\n| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
     for r in rows:

@@ -36,10 +36,11 @@ from fxpipe.schedules.generators import one_rank
 from fxpipe.schedules.ir import Kind
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
+_LAST_RUNNER: list[Any] = []  # and its _Runner (tests read whether its step ran as CUDA graphs)
 # devices: where stage k runs (devices[k % len]); a stage away from its parameters runs on copies of
 # them there (the model's parameters stay put: see _place). Unset: each stage runs where its
 # parameters are (the whole model's device, unless the user placed layers).
-OPTIONS = ("stages", "devices", "microbatches", "schedule", "verbose")
+OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose")
 
 
 def last_report() -> list[Report]:
@@ -74,6 +75,9 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
                           f"(W right after B), not {schedule!r}")
+    cuda_graphs = opts.get("cuda_graphs", True)
+    if not isinstance(cuda_graphs, bool):
+        raise OptionError(f"options 'cuda_graphs' must be True or False (cuda_graphs: {cuda_graphs!r})")
     first = _microbatches(flat_args, microbatches)[0]
     m_args, m_kwargs = pytree.tree_unflatten(first, spec)
     input_grads = any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter)
@@ -87,13 +91,6 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         if pipe.stage_graphs is None:
             raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
         placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
-    pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices)]
-    _LAST[:] = [pipe]
-    if opts.get("verbose"):
-        from fxpipe.render import render_text
-
-        print("\n\n".join(render_text(r) for r in pipe.report()), file=sys.stderr)
-
     # Which of Dynamo's inputs are the call's tensors (by identity), and which are parameters.
     placeholders = list(example_inputs)
     arg_pos = {id(a): i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)}
@@ -105,6 +102,14 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     out_devices = [getattr(getattr(v, "meta", {}).get("example_value"), "device", None) for v in out_values]
     runner = _Runner(pipe, microbatches, spec, len(flat_args), [placeholders[k] for k in param_slots],
                      schedule == "zb-gpipe", placement, out_devices)
+    runner.step_graphs = _step_graphs(runner, flat_args) if cuda_graphs else None
+    _LAST_RUNNER[:] = [runner]
+    pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices, runner.step_graphs is not None)]
+    _LAST[:] = [pipe]
+    if opts.get("verbose"):
+        from fxpipe.render import render_text
+
+        print("\n\n".join(render_text(r) for r in pipe.report()), file=sys.stderr)
 
     def compiled(*inputs: Any) -> Any:
         flat = list(flat_args)
@@ -305,7 +310,7 @@ def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
     return [[p[i] for p in parts] for i in range(m)]
 
 
-def _memory_report(pipe: Any, m: int, devices: list[torch.device]) -> Report:
+def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool) -> Report:
     rows = []
     for stage, g, placed in zip(pipe.stage_list(), pipe.stage_graphs, devices):
         params = sum(p.numel() * p.element_size() for p in stage.module.parameters())
@@ -320,7 +325,10 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device]) -> Report:
     return Report("backend memory per stage (estimated; measured on CUDA)",
                   ("stage", "device", "param MiB", "F->B MiB (all microbatches)", "peak MiB", "measured MiB"),
                   tuple(rows), (f"{m} microbatches; peak = parameters + gradients + activations held by the "
-                                "all-forward-first step",))
+                                "all-forward-first step",
+                                "the step runs as two CUDA graphs (F; B and W) from its second call, their memory pool "
+                                "held between steps (options cuda_graphs=False: op by op)" if graphs else
+                                "the step runs op by op (CUDA graphs need every stage and input on one CUDA device)"))
 
 
 class _Runner:
@@ -348,12 +356,23 @@ class _Runner:
         self.out_devices = list(out_devices)
         self.transfers = Transfers(self.devices)
         self.schedule = one_rank(len(self.stages), m, defer_w=defer_w)
+        self.step_graphs: _StepGraphs | None = None  # set when the step runs as CUDA graphs (see _step_graphs)
         actions = self.schedule.ranks[0]
         first_backward = next(i for i, a in enumerate(actions) if a.kind is not Kind.F)
         self.forward_actions, self.backward_actions = actions[:first_backward], actions[first_backward:]
 
     def forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         self.placement.refresh()
+        graphs = self.step_graphs
+        if graphs is not None and graphs.can_replay(flat):
+            outs, state = graphs.forward(flat, self.run_forward)
+        else:
+            outs, state = self.run_forward(flat)
+        self.placement.write_back_buffers()
+        return outs, state
+
+    def run_forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], _BackendCore]:
+        """F of every stage for every microbatch: the outputs, and the core holding what B and W read."""
         inputs = []
         for part in _microbatches(flat, self.m):
             args, kwargs = pytree.tree_unflatten(part, self.spec)
@@ -362,7 +381,6 @@ class _Runner:
         core.begin(inputs, [None] * self.m)
         for action in self.forward_actions:
             core.run(action)
-        self.placement.write_back_buffers()
         per_mb = [[env[n] if n is not None else c for n, c in zip(self.pipe.output_names, self.pipe.output_constants)]
                   for env in core.values]
         outs = tuple(self.transfers.move(torch.cat([mb[j] for mb in per_mb]),
@@ -371,7 +389,16 @@ class _Runner:
         core.input_devices = [a.device if isinstance(a, torch.Tensor) else None for a in flat]
         return outs, core
 
-    def backward(self, core: _BackendCore, grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
+    def backward(self, state: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
+        if isinstance(state, _StepToken):
+            return state.graphs.backward(state, grads, self.run_backward)
+        result = self.run_backward(state, grads)
+        if self.step_graphs is not None:
+            self.step_graphs.eager_steps += 1
+        return result
+
+    def run_backward(self, core: _BackendCore, grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
+        """B of every stage for every microbatch, last stage first, and every W: input and parameter gradients."""
         # A value's gradient stays where it was made until a stage reads it; shares from several
         # readers (skip connections) are summed on the device of the first.
         for name, g in zip(self.pipe.output_names, grads):
@@ -434,7 +461,109 @@ class _Pipelined(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        if ctx.state is None:
+            raise FxpipeError("backward ran twice through one backend='fxpipe' forward, whose saved tensors the first "
+                              "backward freed; run the forward again (retain_graph=True is not supported)")
         with torch.no_grad():
             input_grads, param_grads = ctx.runner.backward(ctx.state, grads)
         ctx.state = None
         return (None, None, *input_grads, *param_grads)
+
+
+def _step_graphs(runner: _Runner, flat: Sequence[Any]) -> _StepGraphs | None:
+    """CUDA graphs for the step when every stage and every input is on one CUDA device (else None: eager)."""
+    devices = set(runner.devices) | {a.device for a in flat if isinstance(a, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda" or runner.placement.mirrors:
+        return None
+    watched = [t for stage in runner.stages for t in (*stage.module.parameters(), *stage.module.buffers())]
+    return _StepGraphs(watched)
+
+
+class _StepToken:
+    """What autograd keeps between a replayed forward and its backward: which graphs, and whether backward ran."""
+
+    def __init__(self, graphs: _StepGraphs) -> None:
+        self.graphs = graphs
+
+
+class _StepGraphs:
+    """The step as two CUDA graphs, F of every microbatch and B/W of every microbatch, replayed on static buffers.
+
+    On a GPU these small models are bound by the host: every ATen op of every microbatch's F, B and
+    W is one Python call and one kernel launch (gpt-medium, 4 microbatches: 58 ms a step for 5 ms of
+    kernels on an H100). Captured once, a step is two graph launches and the copies in and out.
+
+        step 1:            eager (warm-up: cuBLAS handles, lazy init; nothing captured)
+        step 2 forward:    capture F of all microbatches (inputs copied into static buffers), replay
+        step 2 backward:   capture B and W into the forward's memory pool, replay
+        later steps:       copy inputs in, replay, clone outputs out; copy output grads in, replay,
+                           clone input and parameter gradients out
+
+    The graphs read the parameters and buffers where they were at capture (an optimizer steps them
+    in place); if one moved (``load_state_dict`` with ``assign``, ``.to()``), both are captured again.
+    The forward's saved tensors live in the pool until the backward replays: a second forward while
+    one is waiting for its backward (two forwards, then one backward) runs eagerly, and so does a
+    forward whose inputs differ in shape from the captured ones.
+    """
+
+    def __init__(self, watched: Sequence[torch.Tensor]) -> None:
+        self.watched = list(watched)
+        self.eager_steps = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ptrs = [t.data_ptr() for t in self.watched]
+        self.fwd: Any = None
+        self.bwd: Any = None
+        self.static_in: list[Any] = []
+        self.fwd_out: tuple[torch.Tensor, ...] = ()
+        self.core: Any = None
+        self.static_grads: list[Any] = []
+        self.bwd_out: tuple[list[Any], list[Any]] = ([], [])
+        self.owner: Any = None  # weakref to the token of the forward whose backward has not run yet
+
+    def can_replay(self, flat: Sequence[Any]) -> bool:
+        if self.eager_steps < 1 or (self.owner is not None and self.owner() is not None):
+            return False
+        if self.fwd is not None and [t.data_ptr() for t in self.watched] != self.ptrs:
+            self._reset()
+        if self.fwd is None:
+            return True
+        return len(flat) == len(self.static_in) and all(
+            (a.shape, a.dtype, a.device) == (s.shape, s.dtype, s.device) if isinstance(a, torch.Tensor)
+            else not isinstance(s, torch.Tensor) and (a is s or a == s) for a, s in zip(flat, self.static_in))
+
+    def forward(self, flat: Sequence[Any], body: Any) -> tuple[tuple[torch.Tensor, ...], _StepToken]:
+        import weakref
+
+        if self.fwd is None:
+            self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat]
+            self.fwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.fwd):
+                self.fwd_out, self.core = body(self.static_in)
+        else:
+            for s, a in zip(self.static_in, flat):
+                if isinstance(a, torch.Tensor):
+                    s.copy_(a)
+        self.fwd.replay()
+        token = _StepToken(self)
+        self.owner = weakref.ref(token)
+        return tuple(o.clone() for o in self.fwd_out), token
+
+    def backward(self, token: _StepToken, grads: Sequence[Any], body: Any) -> tuple[list[Any], list[Any]]:
+        if self.bwd is None:
+            self.static_grads = [g.detach().clone() if isinstance(g, torch.Tensor) else None for g in grads]
+            self.bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+                self.bwd_out = body(self.core, self.static_grads)
+            self.core = None  # what it held now lives in the pool, at the addresses the graphs use
+        else:
+            for s, g in zip(self.static_grads, grads):
+                if s is not None:
+                    s.copy_(g) if g is not None else s.zero_()
+        self.bwd.replay()
+        self.owner = None
+        input_grads, param_grads = self.bwd_out
+        # Copies out: the next replay overwrites the graphs' own outputs.
+        return ([g.clone() if isinstance(g, torch.Tensor) else g for g in input_grads],
+                [g.clone() if isinstance(g, torch.Tensor) else g for g in param_grads])

@@ -37,7 +37,8 @@ def _train_side_by_side(model: torch.nn.Module, inputs: tuple[Any, ...], target:
     for step in range(steps):
         out, out_ref = compiled(*inputs), eager(*inputs)
         torch.testing.assert_close(out[0] if isinstance(out, tuple) else getattr(out, "logits", out),
-                                   out_ref[0] if isinstance(out_ref, tuple) else getattr(out_ref, "logits", out_ref), **tol)
+                                   out_ref[0] if isinstance(out_ref, tuple) else getattr(out_ref, "logits", out_ref),
+                                   msg=lambda m: f"step {step} outputs: {m}", **tol)
         loss, loss_ref = loss_fn(out, target), loss_fn(out_ref, target)
         loss.backward()
         loss_ref.backward()
@@ -193,3 +194,88 @@ def test_a_second_instance_of_a_model_class_is_a_clear_error_not_the_first_ones_
         torch.compile(b.model, backend="fxpipe", options={"stages": 2})(x)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(b.model, backend="fxpipe", options={"stages": 2})(x), b.model(x))
+
+
+def test_cuda_graphs_option_is_checked_and_off_the_gpu_the_step_runs_op_by_op() -> None:
+    zoo = models.build("mlp-tiny", batch_size=4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options 'cuda_graphs' must be True or False"):
+        torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "cuda_graphs": "yes"})(*zoo.example_inputs)
+    torch._dynamo.reset()
+    torch.compile(zoo.model, backend="fxpipe", options={"stages": 2})(*zoo.example_inputs)
+    from fxpipe.backend import _LAST_RUNNER
+
+    assert _LAST_RUNNER[0].step_graphs is None  # CPU: no CUDA graphs
+    memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
+    assert any("op by op" in note for note in memory.notes)
+
+
+def _graphs() -> Any:
+    from fxpipe.backend import _LAST_RUNNER
+
+    return _LAST_RUNNER[0].step_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "resnet-tiny"])
+def test_cuda_graphs_train_like_eager(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Step 1 runs eagerly, step 2 captures F and B/W, steps 3-5 replay them: every step's outputs,
+    # loss, gradients, BatchNorm buffers and the parameters after SGD-momentum equal eager's.
+    # cuDNN convolutions run in TF32 by default (differing from eager's by 1e-4): off, as matmuls are.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    zoo = models.build(name, batch_size=4, device="cuda")
+    _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
+                        {"stages": 2, "microbatches": 2}, steps=5, ref_microbatches=2 if name == "resnet-tiny" else 1)
+    graphs = _graphs()
+    assert graphs is not None and graphs.fwd is not None and graphs.bwd is not None
+    memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
+    assert any("CUDA graphs" in note for note in memory.notes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_two_forwards_before_one_backward_and_moved_parameters() -> None:
+    # Gradient accumulation over two calls: the second forward finds the graphs' saved tensors
+    # waiting for the first one's backward and runs eagerly; both gradients still add up as eager's.
+    # Then a parameter moved to new memory (p.data = ...) makes the graphs be captured again.
+    torch._dynamo.reset()
+    zoo = models.build("gpt-tiny", batch_size=4, device="cuda")
+    ref = copy.deepcopy(zoo.model)
+    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2})
+    x, y = zoo.example_inputs[0], zoo.example_target
+    x2 = torch.roll(x, 1, dims=0)
+    captured = []
+    for step in range(5):
+        if step == 3:
+            for p, q in zip(zoo.model.parameters(), ref.parameters()):
+                p.data = p.data.clone() * 0.5
+                q.data = q.data * 0.5
+        loss = zoo.loss_fn(compiled(x), y) + zoo.loss_fn(compiled(x2), y)
+        loss.backward()
+        loss_ref = zoo.loss_fn(ref(x), y) + zoo.loss_fn(ref(x2), y)
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref)
+        for (name, p), q in zip(zoo.model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"step {step} {name}: {m}")
+            p.grad, q.grad = None, None
+        captured.append(_graphs().fwd)
+    # step 0 eager, step 1 captured, step 2 replayed, step 3 captured again (moved parameters), step 4 replayed
+    assert captured[0] is None and captured[1] is not None and captured[2] is captured[1]
+    assert captured[3] is not None and captured[3] is not captured[2] and captured[4] is captured[3]
+    # Inference (no grad: Dynamo compiles the model again for that grad mode) equals eager too.
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_a_second_backward_is_a_clear_error() -> None:
+    torch._dynamo.reset()
+    zoo = models.build("mlp-tiny", batch_size=4, device="cuda")
+    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2})
+    for _ in range(3):
+        loss = zoo.loss_fn(compiled(*zoo.example_inputs), zoo.example_target)
+        loss.backward(retain_graph=True)
+    with pytest.raises(Exception, match="backward ran twice"):
+        loss.backward()

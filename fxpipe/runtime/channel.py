@@ -58,6 +58,10 @@ class Channel:
 
     def wait(self, item: Received, on_error: Callable[[Exception], BaseException]) -> torch.Tensor:
         """The received tensor on this rank's device, ready for the compute stream."""
+        # Staged sends still copying to the host go out first: a rank that blocks on a receive while holding
+        # a message back can wait for a peer that waits for that message (1f1b, gpt-medium on one GPU: rank 0
+        # held F3's activation waiting for B2's gradient, which rank 1 sends only after F3).
+        self.issue_staged()
         try:
             item.work.wait() if self.timeout is None else item.work.wait(self.timeout)
         except Exception as exc:
@@ -96,12 +100,16 @@ class Channel:
             _, host, dst, tag = self.copying.pop(0)
             self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
 
-    def flush(self, on_error: Callable[[Exception, int], BaseException]) -> None:
-        """Complete every send (the end of a step)."""
+    def issue_staged(self) -> None:
+        """Issue every staged send, waiting for the device-to-host copies still running (in order)."""
         for copied, host, dst, tag in self.copying:
             copied.synchronize()
             self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
         self.copying.clear()
+
+    def flush(self, on_error: Callable[[Exception, int], BaseException]) -> None:
+        """Complete every send (the end of a step)."""
+        self.issue_staged()
         try:
             for work, _, dst in self.in_flight:
                 try:

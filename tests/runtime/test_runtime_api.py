@@ -80,10 +80,13 @@ def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
-def test_two_ranks_on_one_gpu_train_like_one_process(tmp_path: Path, name: str) -> None:
-    """CUDA through gloo: pinned staging buffers on a communication stream, events against the compute stream."""
-    ranks = _run(tmp_path, tmp_path / "unused", 2, {"model": name, "device": "cuda", "schedule": "zb-h1",
+@pytest.mark.parametrize(("name", "schedule"), [("mlp-tiny", "zb-h1"), ("gpt-tiny", "zb-h1"), ("gpt-medium", "1f1b")])
+def test_two_ranks_on_one_gpu_train_like_one_process(tmp_path: Path, name: str, schedule: str) -> None:
+    """CUDA through gloo: pinned staging buffers on a communication stream, events against the compute stream.
+
+    gpt-medium under 1f1b: messages large enough that a device-to-host copy is still running when the
+    sender blocks on its next receive; a send held back there deadlocked both ranks (fixed in Channel.wait)."""
+    ranks = _run(tmp_path, tmp_path / "unused", 2, {"model": name, "device": "cuda", "schedule": schedule,
                                                      "microbatches": 4})
     losses, expected = _one_process(name)
     _compare(ranks, losses, expected)
