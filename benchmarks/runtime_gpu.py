@@ -11,6 +11,7 @@ rank 0's process, on the same batch: the whole model eager, and ``backend="fxpip
 the same microbatches, one process, CUDA graphs) so the three can be read as one table.
 
     python benchmarks/runtime_gpu.py [--models gpt-medium mlp-large] [--schedules 1f1b zb-h1] [--microbatches 4]
+                                     [--codegens eager inductor]
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _single_process(name: str, m: int, warmup: int, iters: int) -> dict[str, Any
 
 def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=900))
     import fxpipe
     from fxpipe import models
     from fxpipe.cli.rank import synthetic_batch
@@ -87,16 +88,21 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
         zoo = models.build(name, device="cuda")
         pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, verify_each=False)
         inputs, target = synthetic_batch(zoo, args.microbatches)
-        for schedule in args.schedules:
+        for schedule, codegen in [(s, c) for s in args.schedules for c in args.codegens]:
+            t_start = time.perf_counter()
             rt = PipelineRuntime(pipe, schedule=schedule, loss_fn=zoo.loss_fn, microbatches=args.microbatches,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), device="cuda")
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), device="cuda", codegen=codegen,
+                                 timeout=timedelta(seconds=900))
 
             def step(rt: Any = rt) -> None:
                 rt.step(inputs, target)
                 torch.cuda.synchronize()
 
             times = []
+            first_s = 0.0
             for i in range(args.warmup + args.iters):
+                if i == 1:
+                    first_s = time.perf_counter() - t_start  # runtime built and one step run (compiles, if any)
                 torch.cuda.synchronize()
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -119,10 +125,10 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
             mine = {"step_ms": round(t, 3), "actions_ms": {k: round(v, 3) for k, v in by_kind.items()},
                     "waiting_ms": round(waits, 3), "between_actions_ms": round(span - compute - waits, 3),
                     "after_last_action_ms": round(t - span, 3), "kernel_ms": round(kernel, 3),
-                    "median_step_ms": round(statistics.median(times), 3)}
+                    "median_step_ms": round(statistics.median(times), 3), "first_step_s": round(first_s, 1)}
             every: list[Any] = [None, None]
             dist.all_gather_object(every, mine)
-            rows.append({"model": name, "schedule": schedule, "microbatches": args.microbatches,
+            rows.append({"model": name, "schedule": schedule, "codegen": codegen, "microbatches": args.microbatches,
                          "batch": int(inputs[0].shape[0]), "per_rank": every,
                          "median_step_ms": max(r["median_step_ms"] for r in every)})
             del rt
@@ -144,6 +150,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt-medium", "mlp-large"])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"])
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--codegens", nargs="+", default=["eager"], help="eager and/or inductor (fxpipe run --codegen)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="also write the rows here")
@@ -156,16 +163,16 @@ def main() -> None:
         with open(out) as f:
             rows = json.load(f)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; 2 ranks on one GPU over gloo")
-    print("| model | batch | schedule | m | step ms (max of ranks' medians) | eager ms | backend ms | "
+    print("| model | batch | schedule | codegen | m | step ms (max of ranks' medians) | eager ms | backend ms | "
           "rank: actions F/B/W/BW ms, waiting, between, after, kernel ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         single = r.get("single_process", {})
         ranks = "; ".join(
             f"r{i}: " + "/".join(str(p["actions_ms"].get(k, 0)) for k in ("F", "B", "W", "BW"))
             + f", {p['waiting_ms']}, {p['between_actions_ms']}, {p['after_last_action_ms']}, {p['kernel_ms']}"
             for i, p in enumerate(r["per_rank"]))
-        print(f"| {r['model']} | {r['batch']} | {r['schedule']} | {r['microbatches']} | {r['median_step_ms']} | "
+        print(f"| {r['model']} | {r['batch']} | {r['schedule']} | {r['codegen']} | {r['microbatches']} | {r['median_step_ms']} | "
               f"{round(single.get('eager', {}).get('median_ms', float('nan')), 3)} | "
               f"{round(single.get('backend', {}).get('median_ms', float('nan')), 3)} | {ranks} |")
     if args.json:
