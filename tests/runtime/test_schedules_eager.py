@@ -26,6 +26,7 @@ from fxpipe._compat import pytree
 from fxpipe.runtime import codegen
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.generators import GENERATORS, generate
+from tests.schedules._gradients import every_generator_gives_eagers_gradients
 
 SCHEDULES = [name for name in sorted(GENERATORS) if generate(name, 2, 2).synchronous]
 MODELS = ["mlp-tiny", "gpt-tiny", "vgg-tiny", "resnet-tiny", "hf-gpt2"]
@@ -134,25 +135,7 @@ def test_every_generator_and_microbatch_count_gives_eagers_gradients(name: str, 
     run as its own graph (not in place), gives eager's gradients of the mean loss. On the pipeline the test above
     compiled for this model and stage count; 3 stages: tests/schedules/test_generators.py."""
     mine, pipe, _, _, _, _, _ = _pipeline(name, stages)
-    zoo = models.build(name, dtype=torch.float64)
-    executor = ReferenceExecutor(pipe, zoo.loss_fn)
-    gen = torch.Generator().manual_seed(3)
-    x = zoo.example_inputs[0]
-    for m in sorted({1, stages, 2 * stages + 1}):
-        mbs = [((torch.randn(x.shape, generator=gen, dtype=x.dtype) if x.is_floating_point()
-                 else torch.randint(0, int(x.max()) + 1, x.shape, generator=gen),),
-                torch.randint(0, int(zoo.example_target.max()) + 1, zoo.example_target.shape, generator=gen))
-               for _ in range(m)]
-        ref = copy.deepcopy(zoo.model)
-        (sum(zoo.loss_fn(ref(*xs), t) for xs, t in mbs) / m).backward()
-        expected = {n: p.grad for n, p in ref.named_parameters()}
-        for sched in sorted(GENERATORS):
-            if sched == "interleaved-1f1b" and (stages % 2 or m % (stages // 2)):
-                continue  # needs two stages per rank and whole rounds of microbatches
-            mine.zero_grad(set_to_none=True)
-            executor.run_schedule(generate(sched, stages, m), mbs)
-            for pname, p in mine.named_parameters():
-                torch.testing.assert_close(p.grad, expected[pname], msg=lambda msg: f"{sched} m={m} {pname}: {msg}")
+    every_generator_gives_eagers_gradients(mine, pipe, models.build(name, dtype=torch.float64), stages)
 
 
 def test_without_a_cpp_compiler_the_reference_runs_eagerly_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:

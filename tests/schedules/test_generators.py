@@ -10,9 +10,9 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.errors import OptionError
-from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.generators import GENERATORS, generate
 from fxpipe.schedules.simulate import Costs, simulate, validate
+from tests.schedules._gradients import every_generator_gives_eagers_gradients
 
 COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0)]
 
@@ -96,24 +96,7 @@ def test_every_schedule_gives_eagers_gradients_through_the_reference_executor(mo
     zoo = models.build(model, dtype=torch.float64)
     mine = copy.deepcopy(zoo.model)
     pipe = fxpipe.compile(mine, zoo.example_inputs, stages=stages)
-    executor = ReferenceExecutor(pipe, zoo.loss_fn)
-    gen = torch.Generator().manual_seed(3)
-    x = zoo.example_inputs[0]
-    for m in sorted({1, stages, 2 * stages + 1}):
-        mbs = [((torch.randn(x.shape, generator=gen, dtype=x.dtype) if x.is_floating_point()
-                 else torch.randint(0, int(x.max()) + 1, x.shape, generator=gen),),
-                torch.randint(0, int(zoo.example_target.max()) + 1, zoo.example_target.shape, generator=gen))
-               for _ in range(m)]
-        ref = copy.deepcopy(zoo.model)
-        (sum(zoo.loss_fn(ref(*xs), t) for xs, t in mbs) / m).backward()
-        expected = {n: p.grad for n, p in ref.named_parameters()}
-        for name in sorted(GENERATORS):
-            if name == "interleaved-1f1b" and (stages % 2 or m % (stages // 2)):
-                continue  # needs two stages per rank and whole rounds of microbatches
-            mine.zero_grad(set_to_none=True)
-            executor.run_schedule(generate(name, stages, m), mbs)
-            for pname, p in mine.named_parameters():
-                torch.testing.assert_close(p.grad, expected[pname], msg=lambda msg: f"{name} m={m} {pname}: {msg}")
+    every_generator_gives_eagers_gradients(mine, pipe, zoo, stages)
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 2), (3, 5), (4, 8)])
