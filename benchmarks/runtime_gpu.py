@@ -11,7 +11,7 @@ rank 0's process, on the same batch: the whole model eager, and ``backend="fxpip
 the same microbatches, one process, CUDA graphs) so the three can be read as one table.
 
     python benchmarks/runtime_gpu.py [--models gpt-medium mlp-large] [--schedules 1f1b zb-h1] [--microbatches 4]
-                                     [--codegens eager inductor]
+                                     [--codegens eager inductor] [--cuda-graphs off on]
 """
 
 from __future__ import annotations
@@ -88,11 +88,12 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
         zoo = models.build(name, device="cuda")
         pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, verify_each=False)
         inputs, target = synthetic_batch(zoo, args.microbatches)
-        for schedule, codegen in [(s, c) for s in args.schedules for c in args.codegens]:
+        for schedule, codegen, graphs in [(s, c, g) for s in args.schedules for c in args.codegens
+                                          for g in args.cuda_graphs]:
             t_start = time.perf_counter()
             rt = PipelineRuntime(pipe, schedule=schedule, loss_fn=zoo.loss_fn, microbatches=args.microbatches,
                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), device="cuda", codegen=codegen,
-                                 timeout=timedelta(seconds=900))
+                                 timeout=timedelta(seconds=900), cuda_graphs=graphs == "on")
 
             def step(rt: Any = rt) -> None:
                 rt.step(inputs, target)
@@ -128,7 +129,9 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
                     "median_step_ms": round(statistics.median(times), 3), "first_step_s": round(first_s, 1)}
             every: list[Any] = [None, None]
             dist.all_gather_object(every, mine)
-            rows.append({"model": name, "schedule": schedule, "codegen": codegen, "microbatches": args.microbatches,
+            rows.append({"model": name, "schedule": schedule, "codegen": codegen, "cuda_graphs": graphs,
+                         "fallbacks": None if rt.graph_set is None else rt.graph_set.fallbacks,
+                         "microbatches": args.microbatches,
                          "batch": int(inputs[0].shape[0]), "per_rank": every,
                          "median_step_ms": max(r["median_step_ms"] for r in every)})
             del rt
@@ -151,6 +154,8 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zb-h1"])
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--codegens", nargs="+", default=["eager"], help="eager and/or inductor (fxpipe run --codegen)")
+    parser.add_argument("--cuda-graphs", nargs="+", default=["off", "on"], choices=["off", "on"],
+                        help="PipelineRuntime(cuda_graphs=...): the stage graphs captured per call slot")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="also write the rows here")
@@ -163,16 +168,16 @@ def main() -> None:
         with open(out) as f:
             rows = json.load(f)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; 2 ranks on one GPU over gloo")
-    print("| model | batch | schedule | codegen | m | step ms (max of ranks' medians) | eager ms | backend ms | "
+    print("| model | batch | schedule | codegen | graphs | m | step ms (max of ranks' medians) | eager ms | backend ms | "
           "rank: actions F/B/W/BW ms, waiting, between, after, kernel ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         single = r.get("single_process", {})
         ranks = "; ".join(
             f"r{i}: " + "/".join(str(p["actions_ms"].get(k, 0)) for k in ("F", "B", "W", "BW"))
             + f", {p['waiting_ms']}, {p['between_actions_ms']}, {p['after_last_action_ms']}, {p['kernel_ms']}"
             for i, p in enumerate(r["per_rank"]))
-        print(f"| {r['model']} | {r['batch']} | {r['schedule']} | {r['codegen']} | {r['microbatches']} | {r['median_step_ms']} | "
+        print(f"| {r['model']} | {r['batch']} | {r['schedule']} | {r['codegen']} | {r['cuda_graphs']} | {r['microbatches']} | {r['median_step_ms']} | "
               f"{round(single.get('eager', {}).get('median_ms', float('nan')), 3)} | "
               f"{round(single.get('backend', {}).get('median_ms', float('nan')), 3)} | {ranks} |")
     if args.json:

@@ -14,6 +14,7 @@ others stop at the timeout with an error naming the peer and the message they wa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -71,7 +72,7 @@ class PipelineRuntime:
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
-                 track_memory: bool = False, codegen: str = "eager") -> None:
+                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool = False) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan, example_inputs)
@@ -166,6 +167,7 @@ class PipelineRuntime:
             self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
             replicas.attach(self.sync)
         self.codegen = self._compile_stages(codegen)
+        self.graph_set = self._graph_stages() if cuda_graphs else None
         self._early = self._early_steps()
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
         self.channel = Channel(self.device, timeout)
@@ -197,6 +199,37 @@ class PipelineRuntime:
             self.graphs[s] = self.core.graphs[s] = compile_stage(self.graphs[s])
             self.w_acc[s], self.w_set[s] = compiled(self.w_acc[s]), compiled(self.w_set[s])
         return codegen
+
+    def _graph_stages(self) -> Any:
+        """``cuda_graphs=True``: this rank's F, B, W, W_acc and W_set as CUDA graphs per call slot
+        (:mod:`fxpipe.runtime.cuda_graphs`), captured in the second step and replayed after it."""
+        from fxpipe.runtime.cuda_graphs import GraphSet
+
+        if self.device.type != "cuda":
+            raise OptionError(f"cuda_graphs=True needs the rank on a CUDA device (device: {self.device}); "
+                              "leave cuda_graphs off on the CPU")
+        if not self.schedule.synchronous:
+            raise OptionError(f"cuda_graphs=True replays synchronous schedules' stages; {self.schedule.name} reads "
+                              "weight versions that change between calls: leave cuda_graphs off")
+
+        def persistent() -> list[Any]:
+            out: list[Any] = []
+            for s in self.mine:
+                module = self.stages[s].module
+                out += [t for p in module.parameters() for t in (p, p.grad)]
+                out += list(module.buffers())
+            return out
+
+        graphs = GraphSet(persistent)
+        for s in self.mine:
+            g = self.graphs[s]
+            if g.fused:
+                continue
+            self.graphs[s] = self.core.graphs[s] = dataclasses.replace(
+                g, forward=graphs.wrap(g.forward), backward_input=graphs.wrap(g.backward_input),
+                backward_weight=graphs.wrap(g.backward_weight))
+            self.w_acc[s], self.w_set[s] = graphs.wrap(self.w_acc[s]), graphs.wrap(self.w_set[s])
+        return graphs
 
     def _early_steps(self) -> dict[int, list[int]]:
         """Program index -> the stages whose optimizer steps right after it: after the last W (or BW) of every
@@ -337,6 +370,8 @@ class PipelineRuntime:
         """
         core = self.core
         core.begin(micro, targets)
+        if self.graph_set is not None:
+            self.graph_set.new_step()
         self._left = [dict(self.readers) for _ in range(len(micro))]  # local reads still to come, per microbatch
         ops = program.ops
         posted: list[list[Any] | None] = [None] * len(ops)

@@ -30,14 +30,17 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         loss_fn = zoo.loss_fn  # the runtime imports no model zoo: the script says its loss
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss_fn=loss_fn,
                              schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"),
-                             prefetch=cfg.get("prefetch"))
+                             prefetch=cfg.get("prefetch"), cuda_graphs=cfg.get("cuda_graphs", False))
         zoo = models.build(cfg["model"], dtype=torch.float64)
         if cfg.get("device"):
             assert rt.device.type == "cuda" and rt.channel.staged and rt.channel.stream is not None
         inputs, target = synthetic_batch(zoo, rt.schedule.num_microbatches)
-        losses = [float(rt.step(inputs, target)) for _ in range(3)]
+        losses = [float(rt.step(inputs, target)) for _ in range(cfg.get("steps", 3))]
+        graphs = rt.graph_set
         torch.save({"losses": losses, "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
-                    "schedule": rt.schedule.name}, Path(out) / f"rank{rank}.pt")
+                    "schedule": rt.schedule.name,
+                    "graphs": None if graphs is None else {"captured": graphs.captured, "fallbacks": graphs.fallbacks}},
+                   Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 

@@ -90,3 +90,37 @@ def test_two_ranks_on_one_gpu_train_like_one_process(tmp_path: Path, name: str, 
                                                      "microbatches": 4})
     losses, expected = _one_process(name)
     _compare(ranks, losses, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("name", "schedule"), [("mlp-tiny", "zb-h1"), ("gpt-tiny", "1f1b"), ("gpt-tiny", "zb-h2")])
+def test_cuda_graphs_on_two_ranks_train_like_one_process(tmp_path: Path, name: str, schedule: str) -> None:
+    """cuda_graphs=True: step 1 eager, step 2 captures every F, B, W, W_acc and W_set call slot, steps 3-5 replay;
+    the losses and the parameters after Adam equal one process's (float64), and no call fell back to eager."""
+    ranks = _run(tmp_path, tmp_path / "unused", 2, {"model": name, "device": "cuda", "schedule": schedule,
+                                                     "microbatches": 4, "cuda_graphs": True, "steps": 5})
+    losses, expected = _one_process(name, steps=5)
+    _compare(ranks, losses, expected)
+    for r in ranks:
+        assert r["graphs"]["captured"] > 0 and r["graphs"]["fallbacks"] == 0, r["graphs"]
+
+
+def test_cuda_graphs_need_a_cuda_rank(tmp_path: Path) -> None:
+    plan = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "1", "--out", str(plan)])
+    assert result.exit_code == 0, result.output
+    script = (
+        "import torch.distributed as dist\n"
+        "from fxpipe.errors import OptionError\n"
+        "from fxpipe.runtime import PipelineRuntime\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
+        "try:\n"
+        f"    PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True)\n"
+        "except OptionError as exc:\n"
+        "    print('refused:', exc)\n"
+        "finally:\n"
+        "    dist.destroy_process_group()\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: cuda_graphs=True needs the rank on a CUDA device (device: cpu)" in proc.stdout
