@@ -163,7 +163,10 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
         # directory, which the caller removes, instead of staying behind in /tmp.
         proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent)})
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
+                                     # `python -m` puts the working directory first on sys.path, where a folder
+                                     # named fxpipe would shadow an editable install (Python 3.11+ honours this)
+                                     "PYTHONSAFEPATH": "1"})
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
         local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: torchrun's own processes)
         stopped: set[int] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +142,15 @@ def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Pa
     started = time.perf_counter()
     assert expected in one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1"))
     assert time.perf_counter() - started < 20  # no torchrun: refused up front
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_package(
+        plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun starts each rank with `python -m`, which puts the working directory first on sys.path; a folder
+    # named fxpipe there (no __init__.py) was imported as a namespace package instead of an editable install's
+    # fxpipe, and every rank failed. The ranks run with PYTHONSAFEPATH=1 (Python 3.11+: no working directory).
+    (tmp_path / "fxpipe").mkdir()
+    monkeypatch.chdir(tmp_path)
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json")).stdout)
+    assert len(doc["losses"]) == 1
