@@ -205,6 +205,11 @@ class PipelineRuntime:
         (:mod:`fxpipe.runtime.cuda_graphs`), captured in the second step and replayed after it."""
         from fxpipe.runtime.cuda_graphs import GraphSet
 
+        if self.codegen != "eager":
+            # Measured on an H100: Inductor's compiled B recompiled inside the capture (its guards saw the slot's
+            # static copies) and the capture failed.
+            raise OptionError(f"cuda_graphs=True replays the eager stage graphs; with codegen={self.codegen!r} "
+                              "Inductor recompiles inside the capture and it fails: use one of the two")
         if self.device.type != "cuda":
             raise OptionError(f"cuda_graphs=True needs the rank on a CUDA device (device: {self.device}); "
                               "leave cuda_graphs off on the CPU")

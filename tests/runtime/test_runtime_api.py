@@ -116,11 +116,18 @@ def test_cuda_graphs_need_a_cuda_rank(tmp_path: Path) -> None:
         "from fxpipe.runtime import PipelineRuntime\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
         "try:\n"
-        f"    PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True)\n"
-        "except OptionError as exc:\n"
-        "    print('refused:', exc)\n"
+        "    for codegen in ('eager', 'inductor'):\n"
+        "        try:\n"
+        f"            PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True, "
+        "codegen=codegen)\n"
+        "        except OptionError as exc:\n"
+        "            print('refused:', exc)\n"
         "finally:\n"
         "    dist.destroy_process_group()\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "refused: cuda_graphs=True needs the rank on a CUDA device (device: cpu)" in proc.stdout
+    from fxpipe._compat import cpp_compiler
+
+    if cpp_compiler() is not None:  # without one, codegen='inductor' runs eagerly (one warning) and is not refused
+        assert "refused: cuda_graphs=True replays the eager stage graphs; with codegen='inductor'" in proc.stdout
