@@ -3,8 +3,6 @@ synchronous one: ``PipelineRuntime.step`` points to ``train``, which streams wit
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -12,8 +10,7 @@ from typer.testing import CliRunner
 import fxpipe
 from fxpipe.cli.main import app
 from fxpipe.schedules.auto import plan_schedule
-
-ROOT = Path(__file__).parents[2]
+from tests.runtime._one_rank import run_one_rank
 
 
 def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
@@ -34,19 +31,12 @@ def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "1", "--schedule", "async-1f1b",
                                       "--out", str(one)])
     assert result.exit_code == 0, result.output
-    script = (
-        "import datetime, torch, torch.distributed as dist\n"
-        "from fxpipe.errors import OptionError\n"
-        "from fxpipe.runtime import PipelineRuntime\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
-        "try:\n"
-        f"    rt = PipelineRuntime({str(one)!r}, loss_fn=lambda out, t: out.sum())\n"
-        "    rt.step((torch.zeros(8, 16),), None)\n"
-        "except OptionError as exc:\n"
-        "    print('refused:', exc)\n"
-        "finally:\n"
-        "    dist.destroy_process_group()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: async-1f1b is asynchronous: there is no step boundary" in proc.stdout
-    assert "rt.train(batches)" in proc.stdout
+    stdout = run_one_rank(tmp_path, f"""
+        try:
+            rt = PipelineRuntime({str(one)!r}, loss_fn=lambda out, t: out.sum())
+            rt.step((torch.zeros(8, 16),), None)
+        except OptionError as exc:
+            print('refused:', exc)
+        """)
+    assert "refused: async-1f1b is asynchronous: there is no step boundary" in stdout
+    assert "rt.train(batches)" in stdout

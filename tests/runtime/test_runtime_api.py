@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from fxpipe import models
 from fxpipe.cli.main import app
 from fxpipe.cli.rank import synthetic_batch
+from tests.runtime._one_rank import run_one_rank
 
 WORKER = Path(__file__).with_name("_api_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -110,24 +111,15 @@ def test_cuda_graphs_need_a_cuda_rank(tmp_path: Path) -> None:
     plan = tmp_path / "plan"
     result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "1", "--out", str(plan)])
     assert result.exit_code == 0, result.output
-    script = (
-        "import torch.distributed as dist\n"
-        "from fxpipe.errors import OptionError\n"
-        "from fxpipe.runtime import PipelineRuntime\n"
-        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'pg'}', rank=0, world_size=1)\n"
-        "try:\n"
-        "    for codegen in ('eager', 'inductor'):\n"
-        "        try:\n"
-        f"            PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True, "
-        "codegen=codegen)\n"
-        "        except OptionError as exc:\n"
-        "            print('refused:', exc)\n"
-        "finally:\n"
-        "    dist.destroy_process_group()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "refused: cuda_graphs=True needs the rank on a CUDA device (device: cpu)" in proc.stdout
+    stdout = run_one_rank(tmp_path, f"""
+        for codegen in ('eager', 'inductor'):
+            try:
+                PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True, codegen=codegen)
+            except OptionError as exc:
+                print('refused:', exc)
+        """)
+    assert "refused: cuda_graphs=True needs the rank on a CUDA device (device: cpu)" in stdout
     from fxpipe._compat import cpp_compiler
 
     if cpp_compiler() is not None:  # without one, codegen='inductor' runs eagerly (one warning) and is not refused
-        assert "refused: cuda_graphs=True replays the eager stage graphs; with codegen='inductor'" in proc.stdout
+        assert "refused: cuda_graphs=True replays the eager stage graphs; with codegen='inductor'" in stdout
