@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -480,7 +481,8 @@ def _step_graphs(runner: _Runner, flat: Sequence[Any]) -> _StepGraphs | None:
 
 
 class _StepToken:
-    """What autograd keeps between a replayed forward and its backward: which graphs, and whether backward ran."""
+    """What autograd keeps between a replayed forward and its backward: which graphs replay it. While it lives,
+    the graphs' pool holds that forward's saved tensors (``_StepGraphs.owner`` is a weak reference to it)."""
 
     def __init__(self, graphs: _StepGraphs) -> None:
         self.graphs = graphs
@@ -534,8 +536,6 @@ class _StepGraphs:
             else not isinstance(s, torch.Tensor) and (a is s or a == s) for a, s in zip(flat, self.static_in))
 
     def forward(self, flat: Sequence[Any], body: Any) -> tuple[tuple[torch.Tensor, ...], _StepToken]:
-        import weakref
-
         if self.fwd is None:
             self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat]
             self.fwd = torch.cuda.CUDAGraph()
@@ -559,8 +559,12 @@ class _StepGraphs:
             self.core = None  # what it held now lives in the pool, at the addresses the graphs use
         else:
             for s, g in zip(self.static_grads, grads):
-                if s is not None:
-                    s.copy_(g) if g is not None else s.zero_()
+                if s is None:
+                    continue
+                if g is None:
+                    s.zero_()
+                else:
+                    s.copy_(g)
         self.bwd.replay()
         self.owner = None
         input_grads, param_grads = self.bwd_out

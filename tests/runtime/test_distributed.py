@@ -107,11 +107,13 @@ MODELS = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"]
 # every one: 1f1b (fused BW) and zb-h2 (B and W apart, W deferred). What they add, BatchNorm's buffers and a value
 # skipping stages to a weight tied across ranks, does not depend on the order; every order runs on mlp and gpt.
 TWO_SCHEDULES = ["1f1b", "zb-h2"]
+EVERY_ORDER = ("mlp-tiny", "gpt-tiny")  # the models that run every schedule on 4 ranks too
 
 
 def schedule_case(model: str, ranks: int) -> dict[str, Any]:
-    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: every schedule on ``ranks`` ranks."""
-    schedules = SCHEDULES if ranks == 2 else ONE_STAGE_PER_RANK if model in ("mlp-tiny", "gpt-tiny") else TWO_SCHEDULES
+    """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: every schedule on 2 ranks; on 4, every one with a
+    stage per rank for mlp and gpt, TWO_SCHEDULES for the others."""
+    schedules = SCHEDULES if ranks == 2 else ONE_STAGE_PER_RANK if model in EVERY_ORDER else TWO_SCHEDULES
     cfg = {"model": model, "schedules": schedules, "microbatches": 4, "steps": 3}
     if model == "skip-tied":
         cfg["granularity"] = "1"  # layers: emb, 4 blocks, head
@@ -123,8 +125,9 @@ def interleaved_case(model: str) -> dict[str, Any]:
 
 
 def replica_case(model: str) -> dict[str, Any]:
-    """tests/runtime/test_replicas.py's: 2 stages on 2 replicas, every synchronous schedule."""
-    schedules = SCHEDULES if model in ("mlp-tiny", "gpt-tiny") else TWO_SCHEDULES
+    """tests/runtime/test_replicas.py's: 2 stages on 2 replicas, every synchronous schedule (TWO_SCHEDULES for the
+    models not in EVERY_ORDER)."""
+    schedules = SCHEDULES if model in EVERY_ORDER else TWO_SCHEDULES
     cfg = {"model": model, "schedules": schedules, "microbatches": 4, "steps": 3, "dp": 2}
     if model == "mlp-tiny":
         cfg["mesh"] = True  # PipelineRuntime(..., mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))

@@ -12,7 +12,7 @@ import torch
 
 from tests.runtime._dist_worker import build
 from tests.runtime.test_distributed import (ASYNC_ON_REPLICAS, SCHEDULES, _check_saved, _launch, assert_ranks_ok,
-                                            TWO_SCHEDULES, replica_case, shared_case)
+                                            EVERY_ORDER, TWO_SCHEDULES, replica_case, shared_case)
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
 
@@ -58,7 +58,7 @@ def test_two_stages_on_two_replicas_train_like_one_process(model: str) -> None:
     skip-tied. Every synchronous schedule on mlp and gpt, 1f1b and zb-h2 on the others (TWO_SCHEDULES); a case of the
     shared 4-rank launch (tests/runtime/test_distributed.py)."""
     cfg = replica_case(model)
-    assert cfg["schedules"] == (SYNCHRONOUS if model in ("mlp-tiny", "gpt-tiny") else TWO_SCHEDULES) and cfg["dp"] == 2
+    assert cfg["schedules"] == (SYNCHRONOUS if model in EVERY_ORDER else TWO_SCHEDULES) and cfg["dp"] == 2
     _check_saved(shared_case(4, f"replicas-{model}"), 4, cfg,
                  reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"]))
 
