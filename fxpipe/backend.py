@@ -76,7 +76,9 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
                           f"(W right after B), not {schedule!r}")
-    cuda_graphs = opts.get("cuda_graphs", True)
+    # Opt-in: on an H100, resnet-tiny (conv + BatchNorm) replayed with SGD steps between calls got conv1.weight's
+    # gradient off by up to 3.6e-4 in 2 of ~8 runs (unexplained; mlp and gpt matched in every run).
+    cuda_graphs = opts.get("cuda_graphs", False)
     if not isinstance(cuda_graphs, bool):
         raise OptionError(f"options 'cuda_graphs' must be True or False (cuda_graphs: {cuda_graphs!r})")
     first = _microbatches(flat_args, microbatches)[0]
@@ -329,7 +331,8 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool)
                                 "all-forward-first step",
                                 "the step runs as two CUDA graphs (F; B and W) from its second call, their memory pool "
                                 "held between steps (options cuda_graphs=False: op by op)" if graphs else
-                                "the step runs op by op (CUDA graphs need every stage and input on one CUDA device)"))
+                                "the step runs op by op (options cuda_graphs=True: two CUDA graphs, when every stage "
+                                "and input is on one CUDA device)"))
 
 
 class _Runner:

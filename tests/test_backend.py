@@ -202,10 +202,10 @@ def test_cuda_graphs_option_is_checked_and_off_the_gpu_the_step_runs_op_by_op() 
     with pytest.raises(Exception, match=r"options 'cuda_graphs' must be True or False"):
         torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "cuda_graphs": "yes"})(*zoo.example_inputs)
     torch._dynamo.reset()
-    torch.compile(zoo.model, backend="fxpipe", options={"stages": 2})(*zoo.example_inputs)
+    torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "cuda_graphs": True})(*zoo.example_inputs)
     from fxpipe.backend import _LAST_RUNNER
 
-    assert _LAST_RUNNER[0].step_graphs is None  # CPU: no CUDA graphs
+    assert _LAST_RUNNER[0].step_graphs is None  # CPU: no CUDA graphs, even when asked for
     memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
     assert any("op by op" in note for note in memory.notes)
 
@@ -226,7 +226,8 @@ def test_cuda_graphs_train_like_eager(name: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     zoo = models.build(name, batch_size=4, device="cuda")
     _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
-                        {"stages": 2, "microbatches": 2}, steps=5, ref_microbatches=2 if name == "resnet-tiny" else 1)
+                        {"stages": 2, "microbatches": 2, "cuda_graphs": True}, steps=5,
+                        ref_microbatches=2 if name == "resnet-tiny" else 1)
     graphs = _graphs()
     assert graphs is not None and graphs.fwd is not None and graphs.bwd is not None
     memory = next(t for t in fxpipe.last_report() if t.title.startswith("backend memory"))
@@ -242,7 +243,7 @@ def test_cuda_graphs_two_forwards_before_one_backward_and_moved_parameters() -> 
     torch._dynamo.reset()
     zoo = models.build("gpt-tiny", batch_size=4, device="cuda")
     ref = copy.deepcopy(zoo.model)
-    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2})
+    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2, "cuda_graphs": True})
     x, y = zoo.example_inputs[0], zoo.example_target
     x2 = torch.roll(x, 1, dims=0)
     captured = []
@@ -273,7 +274,7 @@ def test_cuda_graphs_two_forwards_before_one_backward_and_moved_parameters() -> 
 def test_cuda_graphs_a_second_backward_is_a_clear_error() -> None:
     torch._dynamo.reset()
     zoo = models.build("mlp-tiny", batch_size=4, device="cuda")
-    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2})
+    compiled = torch.compile(zoo.model, backend="fxpipe", options={"stages": 2, "microbatches": 2, "cuda_graphs": True})
     for _ in range(3):
         loss = zoo.loss_fn(compiled(*zoo.example_inputs), zoo.example_target)
         loss.backward(retain_graph=True)
