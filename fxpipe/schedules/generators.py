@@ -132,6 +132,7 @@ def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name:
     pending_w: list[list[int]] = [[] for _ in range(p)]
     in_flight = [0] * p
     heap = [(0.0, s) for s in range(p)]
+    waiting = [math.inf] * p  # when an idle stage's next input arrives (inf: not known yet, or not idle)
     remaining = 3 * p * m
 
     def arrival(a: Action) -> float | None:
@@ -168,10 +169,13 @@ def zero_bubble(p: int, m: int, costs: Costs | None, *, limits: list[int], name:
         if choice is None and pending_w[s]:
             choice = Action(s, Kind.W, pending_w[s].pop(0))
         if choice is None:
-            later = [x for x in wake if x > t] + [u for u, _ in heap if u > t]
+            # the next time anything can change: an action ending, or an input arriving on any idle stage
+            waiting[s] = min((x for x in wake if x > t), default=math.inf)
+            later = [u for u, _ in heap if u > t] + [x for x in waiting if t < x < math.inf]
             # after every other stage at t; nextafter where t + 1e-9 rounds back to t (t >= ~1e7)
             heapq.heappush(heap, (min(later) if later else max(t + 1e-9, math.nextafter(t, math.inf)), s))
             continue
+        waiting[s] = math.inf
         end = t + costs.time(choice)
         done[choice] = end
         order[s].append(choice)

@@ -123,3 +123,22 @@ def test_zero_bubble_orders_do_not_depend_on_the_time_unit(name: str) -> None:
 
     big = GENERATORS[name](4, 8, Costs.uniform(4, 1e7, 1e7, 1e7))
     assert big.ranks == GENERATORS[name](4, 8, Costs.uniform(4, 1.0, 1.0, 1.0)).ranks
+
+
+def test_zero_bubble_jumps_to_the_next_arrival_when_transfers_dwarf_compute() -> None:
+    """Microsecond stages over a 100 ms link (the zoo's tiny models on the default link): an idle stage used to
+    re-check every 1e-9 s until the message arrived, 1e8 steps per wait (minutes for 4 stages x 8 microbatches;
+    the schedule test of `auto` on mlp took 80 s). Each wait is now one step to the next arrival, and the order is
+    the one the same costs give at a unit where the old 1e-9 step was fine."""
+    import dataclasses
+
+    from fxpipe.schedules.generators import zb_h2
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    fast = dataclasses.replace(Costs.uniform(4, 1e-6, 1e-6, 1e-6), send_bytes=(1.0,) * 4, bandwidth=1e12, latency=0.1)
+    sched = zb_h2(4, 8, fast)
+    validate(sched)
+    scaled = dataclasses.replace(Costs.uniform(4, 1e3, 1e3, 1e3), send_bytes=(1.0,) * 4, bandwidth=1e3, latency=1e8)
+    assert sched.ranks == zb_h2(4, 8, scaled).ranks
+    # every microbatch crosses 3 links forward and 3 back, one after another
+    assert simulate(sched, fast).makespan >= 6 * 0.1
