@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -76,10 +77,12 @@ def test_a_killed_rank_is_named(plan: Path) -> None:
 def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     """Resume is bit-exact, falls back past a truncated newest step (saying so), and --overwrite replaces
     only the checkpoints."""
-    straight = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--json")).stdout)["losses"]
     ckpt = tmp_path / "ckpt"
-    ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "2", "--checkpoint-dir", ckpt, "--json"))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000001", "step_000002"]
+    straight = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt,
+                                        "--keep-checkpoints", "4", "--json")).stdout)["losses"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"step_00000{k}" for k in range(1, 5)]
+    for late in ("step_000003", "step_000004"):  # as if the run had stopped after step 2
+        shutil.rmtree(ckpt / late)
     resumed = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--checkpoint-dir", ckpt,
                                        "--resume", "--json")).stdout)["losses"]
     assert resumed == [straight[2]]  # bit for bit: the same float
