@@ -99,8 +99,8 @@ def _check_saved(tmp_path: Path, world: int, cfg: dict[str, Any],
 # Starting ranks and compiling the whole model on each of them costs seconds per rank, so the training cases of a
 # world size share one launch (each case in turn on the same ranks, its files in a directory of its own; each test
 # checks its own case), and their pipelines are compiled once here and loaded by the ranks, as fxpipe run's ranks do.
-# The cases that compile on the ranks themselves (a user's script): the failing rank and resume below,
-# tests/runtime/test_checkpoint.py, test_faults.py and test_replicas.py's checkpoint case.
+# The cases that compile on the ranks themselves (a user's script): the failing rank below,
+# tests/runtime/test_checkpoint.py and test_faults.py; resume and test_replicas.py's checkpoint case load the plans.
 
 MODELS = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"]
 # On 4 ranks (2 cores: the launch that sets the suite's length), resnet-tiny and skip-tied run two schedules, not
@@ -222,7 +222,7 @@ def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> N
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
     straight, resumed, ckpt = tmp_path / "a", tmp_path / "b", tmp_path / "ckpt"
     straight.mkdir(), resumed.mkdir()
-    base = {"model": "gpt-tiny", "schedules": ["zb-h1"], "microbatches": 4}
+    base = with_plans(2, {"model": "gpt-tiny", "schedules": ["zb-h1"], "microbatches": 4})
     assert all(r.returncode == 0 for r in _launch(straight, 2, {**base, "steps": 3}))
     assert all(r.returncode == 0 for r in _launch(resumed, 2, {**base, "steps": 2, "checkpoint": str(ckpt),
                                                                  "checkpoint_after": 2}))

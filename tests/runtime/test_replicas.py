@@ -12,7 +12,8 @@ import torch
 
 from tests.runtime._dist_worker import build
 from tests.runtime.test_distributed import (ASYNC_ON_REPLICAS, SCHEDULES, _check_saved, _launch, assert_ranks_ok,
-                                            EVERY_ORDER, TWO_SCHEDULES, replica_case, shared_case)
+                                            EVERY_ORDER, TWO_SCHEDULES, replica_case, shared_case,
+                                            with_plans)
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
 
@@ -76,8 +77,8 @@ def test_a_checkpoint_is_written_once_per_stage_and_resumes_onto_another_replica
     for i, (world, cfg) in enumerate(runs):
         out = tmp_path / f"run{i}"
         out.mkdir()
-        assert_ranks_ok(_launch(out, world, {"model": "gpt-tiny", "schedules": ["zb-h1"], "checkpoint": str(ck),
-                                             **cfg}))
+        assert_ranks_ok(_launch(out, world, with_plans(world, {"model": "gpt-tiny", "schedules": ["zb-h1"],
+                                                               "checkpoint": str(ck), **cfg})))
         first = 0 if "resume" not in cfg else runs[i - 1][1]["steps"]
         for rank in range(world):
             saved = torch.load(out / f"zb-h1-rank{rank}.pt", weights_only=True)
