@@ -6,7 +6,8 @@ the planner's simulated step and the run's against the measured one (issue 15: w
 
 Each case: ``fxpipe compile MODEL --plan auto --devices N --out DIR --json`` (calibrated compute, no --profile),
 then ``fxpipe run DIR --steps S --json`` on the plan's stages x replicas ranks (gloo, 1 thread each). "planner" is
-the chosen candidate's simulated step in the compile's table; "run" is the run's ``simulated_step_ms`` (the plan's
+the chosen candidate's simulated step in the compile's table (``--cores auto`` by default: the plan's ranks share
+this machine's cores, as they do in the run; ``--cores none`` plans as if each rank had a core of its own); "run" is the run's ``simulated_step_ms`` (the plan's
 costs with the runtime's calibrated fixed costs, the link and contention measured on the ranks, the dp all-reduce,
 the optimizer step, and ``Costs.cores`` when ranks outnumber cores); measured is ``step_ms_median``. Results are
 appended per case to ``benchmarks/results/plan_auto_vs_measured/results.json`` with the load average.
@@ -31,12 +32,13 @@ STEPS = {"mlp-deep": 8, "gpt-base": 5}
 GOAL = 0.15
 
 
-def run_case(model: str, devices: int, steps: int, timeout: float) -> dict[str, object]:
+def run_case(model: str, devices: int, steps: int, timeout: float, cores: str | None) -> dict[str, object]:
     env = {**os.environ, "FXPIPE_CALIBRATION": "on"}
     with tempfile.TemporaryDirectory() as tmp:
         plan_dir = Path(tmp) / "plan"
-        compiled = fxpipe(["compile", model, "--plan", "auto", "--devices", str(devices), "--out", str(plan_dir),
-                           "--json"], env, timeout)
+        shared = ["--cores", cores] if cores else []
+        compiled = fxpipe(["compile", model, "--plan", "auto", "--devices", str(devices), *shared, "--out",
+                           str(plan_dir), "--json"], env, timeout)
         table = next(r for r in compiled["reports"] if str(r["title"]).startswith("plan auto"))  # type: ignore[index]
         cols = table["columns"]
         chosen = next(row for row in table["rows"] if row[-1] == "chosen")
@@ -46,7 +48,9 @@ def run_case(model: str, devices: int, steps: int, timeout: float) -> dict[str, 
     simulated, measured = float(ran["simulated_step_ms"]), float(ran["step_ms_median"])  # type: ignore[arg-type]
     return {
         "model": model, "devices": devices, "steps": steps,
-        "compile": f"FXPIPE_CALIBRATION=on fxpipe compile {model} --plan auto --devices {devices} --out DIR --json",
+        "compile": f"FXPIPE_CALIBRATION=on fxpipe compile {model} --plan auto --devices {devices} "
+                   + (f"--cores {cores} " if cores else "") + "--out DIR --json",
+        "cores": cores,
         "run": f"fxpipe run DIR --steps {steps} --json", "calibration_line": compiled.get("calibration"),
         "stages": chosen[cols.index("stages")], "dp": chosen[cols.index("dp")],
         "schedule": chosen[cols.index("schedule")], "microbatches": chosen[cols.index("microbatches")],
@@ -63,6 +67,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(STEPS))
     parser.add_argument("--devices", nargs="*", type=int, default=[2, 4])
+    parser.add_argument("--cores", default="auto",
+                        help="compile --cores: the runs share this machine's cores (auto); 'none' plans without it")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=OUT / "results.json")
     args = parser.parse_args()
@@ -70,7 +76,8 @@ def main() -> int:
     cases: list[dict[str, object]] = json.loads(args.out.read_text()) if args.out.exists() else []
     for model in args.models:
         for devices in args.devices:
-            case = run_case(model, devices, STEPS.get(model, 6), args.timeout)
+            case = run_case(model, devices, STEPS.get(model, 6), args.timeout,
+                            None if args.cores == "none" else args.cores)
             cases = [c for c in cases if (c["model"], c["devices"]) != (model, devices)] + [case]
             args.out.write_text(json.dumps(cases, indent=1))
             print(json.dumps(case), flush=True)

@@ -117,10 +117,25 @@ class ComputeRates:
     # rate interpolated in log FLOPs (clamped at the ends), at least the best point at or below its FLOPs (another
     # job only ever slows a point). Empty: conv_flops for every convolution.
     conv_curve: tuple[tuple[float, float], ...] = ()
+    # The same two GEMM curves with the weight (F, B) or the gradient it accumulates into (W) not in the caches: each
+    # GEMM of a pool of distinct 1024 x 1024 matrices larger than the last-level cache in turn, as a stage's layers
+    # run when the model's parameters do not fit there (1-2 rows: half the cached rate here). Empty: the cached
+    # curves. ``cache_bytes``: that cache's size (0: unknown; then the cached curves are used).
+    gemm_cold_curve: tuple[tuple[float, float], ...] = ()
+    gemm_w_cold_curve: tuple[tuple[float, float], ...] = ()
+    cache_bytes: float = 0.0
 
-    def gemm_rate(self, smallest: float, *, weight: bool = False) -> float:
-        """FLOP/s of a GEMM whose smallest dimension is ``smallest`` (``weight``: a weight gradient, contracting it)."""
+    def cold(self, param_bytes: float) -> bool:
+        """Whether a model of ``param_bytes`` of parameters runs its GEMMs on weights out of the cache: more than the
+        last-level cache holds (the ranks on one machine share it, so the whole model counts, not one stage)."""
+        return bool(self.gemm_cold_curve) and 0 < self.cache_bytes < param_bytes
+
+    def gemm_rate(self, smallest: float, *, weight: bool = False, cold: bool = False) -> float:
+        """FLOP/s of a GEMM whose smallest dimension is ``smallest`` (``weight``: a weight gradient, contracting it;
+        ``cold``: its weight, or gradient, read from memory: :meth:`cold`)."""
         curve = self.gemm_w_curve if weight else self.gemm_curve
+        if cold and self.gemm_cold_curve:
+            curve = self.gemm_w_cold_curve if weight else self.gemm_cold_curve
         if not curve or smallest >= 2 * curve[-1][0]:
             return self.gemm_flops
         if smallest > curve[-1][0]:  # towards the large GEMMs' rate by twice the curve's last point

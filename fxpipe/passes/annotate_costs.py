@@ -47,7 +47,8 @@ def annotate_costs(
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
     With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
     its conv rate by its FLOPs per call, a linear/mm's at the rate for its smallest dimension, W's at the
-    weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``), the bytes count the parameters a node reads (F, B and W alike), and every node
+    weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``; on weights out of the cache when the model's
+    parameters outgrow it: ``ComputeRates.cold``), the bytes count the parameters a node reads (F, B and W alike), and every node
     but ``getitem`` adds its host time: ``op_fwd`` to F, and
     ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
     convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
@@ -71,6 +72,8 @@ def annotate_costs(
     except data_dependent_output_error() as exc:
         raise _data_dependent(interp.current, exc) from None
 
+    # A model whose parameters outgrow the last-level cache reads each GEMM's weight (W: its gradient) from memory
+    cold = compute is not None and compute.cold(sum(value_bytes(p) for p in out.parameters()))
     needs_grad: set[torch.fx.Node] = set()
     by_op: Counter[str] = Counter()
     flops_by_op: Counter[str] = Counter()
@@ -111,7 +114,7 @@ def annotate_costs(
             conv = kind in _CONVOLUTIONS
             smallest = _gemm_smallest(node, kind, val, interp.values) if kind in _GEMMS else None
             if smallest is not None:  # a skinny GEMM runs slower (calibrated by its smallest dimension)
-                rate, rate_w = compute.gemm_rate(smallest), compute.gemm_rate(smallest, weight=True)
+                rate, rate_w = compute.gemm_rate(smallest, cold=cold), compute.gemm_rate(smallest, weight=True, cold=cold)
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
                 if conv:

@@ -7,8 +7,11 @@ several runs (another job on the machine only ever adds time):
 
 - **GEMM.** ``torch.mm`` of square float32 matrices (128, 256, 512): FLOP/s, the median size's.
 - **Skinny GEMMs.** ``torch.mm`` of (m x 1024) x (1024 x 1024) and the weight gradient's (1024 x m) x
-  (m x 1024) for m = 8 to 128: FLOP/s by the GEMM's smallest dimension (8 rows run at half the square
-  GEMMs' rate on one core), interpolated in log m by ``ComputeRates.gemm_rate``.
+  (m x 1024) accumulated (``addmm_``, as W_acc runs it) for m = 1 to 128: FLOP/s by the GEMM's smallest
+  dimension (8 rows run at half the square GEMMs' rate on one core, 1-2 rows at a quarter), interpolated in
+  log m by ``ComputeRates.gemm_rate``. Then both again over a pool of distinct matrices twice the size of the
+  last-level cache (sysfs; 32 MiB assumed when it does not say), each read from memory: the rates of a
+  model whose parameters outgrow the cache (at 1-2 rows half the cached ones here).
 - **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
   images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
   backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
@@ -60,16 +63,19 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 5  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 6  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
-SKINNY_ROWS = (8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
+SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
+DEFAULT_CACHE_BYTES = 32 << 20  # the last-level cache when the system does not say (the cold pool is twice it)
+COLD_POOL_MAX = 24  # at most this many distinct 4 MiB matrices in the cold pool (96 MiB)
 # 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 STREAM_BYTES = 32 << 20
 
 __all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
-           "calibration_enabled", "compute_overheads", "describe", "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
+           "calibration_enabled", "compute_overheads", "describe", "last_level_cache_bytes", "machine_key", "measure_compute",
+           "overheads_cache_path", "plan_overheads"]
 
 
 def calibration_enabled(setting: str | None = None) -> bool:
@@ -203,8 +209,10 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     found = _overheads_from(_read_cache(overheads_cache_path()).get(machine_key(rates.threads)),
                             machine_key(rates.threads))
     runtime = f", {found.summary()}" if found is not None else ""
-    skinny = (f" ({rates.gemm_curve[0][1] / 1e9:.0f} at {rates.gemm_curve[0][0]:.0f} rows)"
-              if rates.gemm_curve else "")
+    eight = [(m, r) for m, r in rates.gemm_curve if m >= 8][:1] or rates.gemm_curve[:1]
+    cold = [r for m, r in rates.gemm_cold_curve if eight and m == eight[0][0]]
+    skinny = (f" ({eight[0][1] / 1e9:.0f} at {eight[0][0]:.0f} rows" + (f", {cold[0] / 1e9:.0f} uncached" if cold else "")
+              + ")" if eight else "")
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
@@ -223,15 +231,22 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         torch.manual_seed(0)
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         conv, conv_fwd, conv_bwd = _conv_rate(runs)
+        cache_bytes = last_level_cache_bytes()
+        size = max(2, min(COLD_POOL_MAX, math.ceil(2 * (cache_bytes or DEFAULT_CACHE_BYTES) / (4 * SKINNY_WIDTH**2))))
+        pool = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(size)]
         gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
         gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
+        few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
+        gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in SKINNY_ROWS)
+        gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in SKINNY_ROWS)
         conv_curve = _conv_curve(runs)
         mem_bw = _stream_rate(stream_bytes, runs)
         op_fwd, op_bwd = _node_times(runs)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
-                        gemm_w_curve=gemm_w_curve, conv_curve=conv_curve)
+                        gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
+                        gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes))
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -258,15 +273,39 @@ def _gemm_rate(n: int, runs: int) -> float:
     return 2 * n**3 * reps / _fastest(mm, runs)
 
 
-def _skinny_rate(m: int, runs: int, *, weight: bool) -> float:
-    """FLOP/s of (m x 1024) x (1024 x 1024), or with ``weight`` of the weight gradient (1024 x m) x (m x 1024)."""
-    x, w, g = torch.randn(m, SKINNY_WIDTH), torch.randn(SKINNY_WIDTH, SKINNY_WIDTH), torch.randn(m, SKINNY_WIDTH)
-    out = torch.empty(SKINNY_WIDTH if weight else m, SKINNY_WIDTH)
-    if weight:
-        seconds = _fastest(lambda: torch.mm(g.t(), x, out=out), runs)
-    else:
-        seconds = _fastest(lambda: torch.mm(x, w, out=out), runs)
+def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | None = None) -> float:
+    """FLOP/s of (m x 1024) x (1024 x 1024), or with ``weight`` of the weight gradient (1024 x m) x (m x 1024)
+    accumulated into the gradient (``addmm_``, as W_acc runs); with a ``pool`` of distinct 1024 x 1024 weights
+    (gradients), each in turn, so that each is read from memory, not the cache."""
+    x, g = torch.randn(m, SKINNY_WIDTH), torch.randn(m, SKINNY_WIDTH)
+    mats = pool or [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH)]
+    out = torch.empty(m, SKINNY_WIDTH)
+
+    def weights() -> None:
+        for w in mats:
+            torch.mm(x, w, out=out)
+
+    def grads() -> None:
+        for acc in mats:
+            acc.addmm_(g.t(), x)
+
+    seconds = _fastest(grads if weight else weights, runs) / len(mats)
     return 2 * m * SKINNY_WIDTH * SKINNY_WIDTH / seconds
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this machine's largest CPU cache in bytes (Linux sysfs), or 0 when the system does not say."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale != 1 else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
 
 
 def _conv_curve(runs: int) -> tuple[tuple[float, float], ...]:
@@ -391,7 +430,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     names = {f.name for f in dataclasses.fields(ComputeRates)}
     if set(entry) != names:
         return None
-    floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd")
+    floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None
@@ -402,7 +441,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     if not entry["machine"].startswith(key):
         return None
     curves = {}
-    for k in ("gemm_curve", "gemm_w_curve", "conv_curve"):
+    for k in ("gemm_curve", "gemm_w_curve", "conv_curve", "gemm_cold_curve", "gemm_w_cold_curve"):
         points = entry[k]
         if not isinstance(points, list) or not all(
                 isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)

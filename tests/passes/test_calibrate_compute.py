@@ -66,6 +66,31 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert 1e8 < rates.gemm_flops < 1e14 and 1e7 < rates.mem_bw < 1e13
     assert 1e-8 < rates.op_fwd < 1e-2  # a node's host time: microseconds, not nothing and not seconds
     assert rates.threads == 1 and rates.machine.startswith(cc.machine_key(1))
+    for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve):
+        assert [m for m, _ in curve] == [float(m) for m in cc.SKINNY_ROWS] and all(r > 0 for _, r in curve)
+    assert rates.cache_bytes == cc.last_level_cache_bytes() >= 0
+
+
+def test_a_model_that_outgrows_the_cache_runs_its_gemms_at_the_uncached_rates() -> None:
+    """The curves a calibration measured with weights out of the cache apply when the model's parameters exceed the
+    last-level cache, and only then: mlp-deep (64 MiB) against a 32 MiB cache and against a 1 GiB one."""
+    hot, cold = ((1.0, 4e10), (128.0, 8e10)), ((1.0, 1e10), (128.0, 8e10))
+    rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=hot, gemm_w_curve=hot, gemm_cold_curve=cold,
+                                gemm_w_cold_curve=cold, cache_bytes=float(32 << 20))
+    assert rates.gemm_rate(1, cold=True) == 1e10 and rates.gemm_rate(1) == 4e10
+    assert rates.cold(64 << 20) and not rates.cold(16 << 20)
+    assert not dataclasses.replace(rates, cache_bytes=0.0).cold(64 << 20)  # a cache the system does not report
+    zoo = models.build("mlp-deep")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+
+    def first_linear_fwd(r: ComputeRates) -> float:
+        out = annotate_costs(gm, zoo.example_inputs, compute=r).gm
+        return get_meta(next(n for n in out.graph.nodes if "linear" in str(n.target))).time_fwd
+
+    flops = 2 * 8 * 1024 * 1024  # (8 x 1024) x (1024 x 1024)
+    in_cache = first_linear_fwd(dataclasses.replace(rates, cache_bytes=float(1 << 30))) - RATES.op_fwd
+    assert in_cache == pytest.approx(flops / rates.gemm_rate(8)) and rates.gemm_rate(8) == pytest.approx(4e10 / 7 * 10)
+    assert first_linear_fwd(rates) - RATES.op_fwd == pytest.approx(flops / 4e10)  # 1e10 + 3/7 of 7e10, at 8 rows
 
 
 def test_cache_round_trip(cache_dir: Path) -> None:
