@@ -209,10 +209,11 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     found = _overheads_from(_read_cache(overheads_cache_path()).get(machine_key(rates.threads)),
                             machine_key(rates.threads))
     runtime = f", {found.summary()}" if found is not None else ""
-    eight = [(m, r) for m, r in rates.gemm_curve if m >= 8][:1] or rates.gemm_curve[:1]
-    cold = [r for m, r in rates.gemm_cold_curve if eight and m == eight[0][0]]
-    skinny = (f" ({eight[0][1] / 1e9:.0f} at {eight[0][0]:.0f} rows" + (f", {cold[0] / 1e9:.0f} uncached" if cold else "")
-              + ")" if eight else "")
+    skinny = ""
+    if rates.gemm_curve:  # the curve's point at 8 rows (its first at or above 8)
+        rows, rate = next((p for p in rates.gemm_curve if p[0] >= 8), rates.gemm_curve[0])
+        uncached = dict(rates.gemm_cold_curve).get(rows)
+        skinny = f" ({rate / 1e9:.0f} at {rows:.0f} rows" + (f", {uncached / 1e9:.0f} uncached" if uncached else "") + ")"
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
