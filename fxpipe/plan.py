@@ -120,15 +120,21 @@ class ComputeRates:
     # The same two GEMM curves with the weight (F, B) or the gradient it accumulates into (W) not in the caches: each
     # GEMM of a pool of distinct 1024 x 1024 matrices larger than the last-level cache in turn, as a stage's layers
     # run when the model's parameters do not fit there (1-2 rows: half the cached rate here). Empty: the cached
-    # curves. ``cache_bytes``: that cache's size (0: unknown; then the cached curves are used).
+    # curves. ``cache_bytes``: that cache's size as measured (0: unknown; then the cached curves are used).
     gemm_cold_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_cold_curve: tuple[tuple[float, float], ...] = ()
     cache_bytes: float = 0.0
+    # The machine's typical speed against its fastest: a mixed GEMM and element-wise loop run for a second in
+    # ~5 ms pieces, the median piece over the fastest (>= 1). The rates above are each the fastest of a few runs
+    # (another job only ever adds time), and a virtual machine's neighbours and clocks make a step's median slower
+    # than that (1.3x here); estimated times are multiplied by it. 1.0: plans and caches from before.
+    sustained: float = 1.0
 
     def cold(self, param_bytes: float) -> bool:
-        """Whether a model of ``param_bytes`` of parameters runs its GEMMs on weights out of the cache: more than the
-        last-level cache holds (the ranks on one machine share it, so the whole model counts, not one stage)."""
-        return bool(self.gemm_cold_curve) and 0 < self.cache_bytes < param_bytes
+        """Whether a model of ``param_bytes`` of parameters runs its GEMMs on weights out of the cache: its parameters
+        and their gradients (each W reads and writes its layer's) hold more than the cache (the ranks on one machine
+        share it, so the whole model counts, not one stage)."""
+        return bool(self.gemm_cold_curve) and 0 < self.cache_bytes < 2 * param_bytes
 
     def gemm_rate(self, smallest: float, *, weight: bool = False, cold: bool = False) -> float:
         """FLOP/s of a GEMM whose smallest dimension is ``smallest`` (``weight``: a weight gradient, contracting it;

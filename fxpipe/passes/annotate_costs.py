@@ -74,6 +74,7 @@ def annotate_costs(
 
     # A model whose parameters outgrow the last-level cache reads each GEMM's weight (W: its gradient) from memory
     cold = compute is not None and compute.cold(sum(value_bytes(p) for p in out.parameters()))
+    typical = compute.sustained if compute is not None else 1.0  # the machine as a step finds it, not at its best
     needs_grad: set[torch.fx.Node] = set()
     by_op: Counter[str] = Counter()
     flops_by_op: Counter[str] = Counter()
@@ -132,10 +133,10 @@ def annotate_costs(
             flops_fwd=flops,
             flops_bwd_input=flops_b,
             flops_bwd_weight=flops_w,
-            time_fwd=host_f + max(flops / rate, traffic / device_mem_bw),
-            time_bwd_input=host_b + max(flops_b / rate, traffic / device_mem_bw) if grad_to_act else 0.0,
-            time_bwd_weight=host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
-                                         / device_mem_bw) if grad_to_param else 0.0,
+            time_fwd=typical * (host_f + max(flops / rate, traffic / device_mem_bw)),
+            time_bwd_input=typical * (host_b + max(flops_b / rate, traffic / device_mem_bw)) if grad_to_act else 0.0,
+            time_bwd_weight=typical * (host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
+                                                    / device_mem_bw)) if grad_to_param else 0.0,
         )
         name = _op_name(node)
         by_op[name] += 1

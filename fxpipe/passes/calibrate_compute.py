@@ -10,8 +10,9 @@ several runs (another job on the machine only ever adds time):
   (m x 1024) accumulated (``addmm_``, as W_acc runs it) for m = 1 to 128: FLOP/s by the GEMM's smallest
   dimension (8 rows run at half the square GEMMs' rate on one core, 1-2 rows at a quarter), interpolated in
   log m by ``ComputeRates.gemm_rate``. Then both again over a pool of distinct matrices twice the size of the
-  last-level cache (sysfs; 32 MiB assumed when it does not say), each read from memory: the rates of a
-  model whose parameters outgrow the cache (at 1-2 rows half the cached ones here).
+  cache, each read from memory: the rates of a model whose parameters outgrow the cache (at 1-2 rows half the
+  cached ones here). The cache's size is measured (:func:`effective_cache_bytes`): sysfs gives the socket's,
+  which a virtual machine shares with its neighbours.
 - **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
   images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
   backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
@@ -25,6 +26,10 @@ several runs (another job on the machine only ever adds time):
   nodes is what a node costs the host whatever its size (Python, dispatch, allocation, and the
   ATen ops a node decomposes into), B + W's over the nodes on the gradient path the same for the
   backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating).
+- **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
+  machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
+  a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
+  machine, whose neighbours share its host), and ``annotate_costs`` multiplies every estimated time by it.
 
 The result is cached as JSON in ``$XDG_CACHE_HOME/fxpipe/compute.json`` (else
 ``~/.cache/fxpipe``), keyed by host, CPU model, torch version and thread count; a file that cannot
@@ -63,18 +68,20 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 6  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 7  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
-DEFAULT_CACHE_BYTES = 32 << 20  # the last-level cache when the system does not say (the cold pool is twice it)
 COLD_POOL_MAX = 24  # at most this many distinct 4 MiB matrices in the cold pool (96 MiB)
+CACHE_PROBE = (1, 2, 4, 8, 12, 16, 24)  # pools of distinct 4 MiB weights (4 to 96 MiB) the cache probe reads
+CACHE_DROP = 0.6  # a pool read below this fraction of one weight's rate is out of the cache
 # 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 STREAM_BYTES = 32 << 20
+SUSTAINED_SECONDS = 1.0  # how long the sustained-speed loop runs
 
 __all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
-           "calibration_enabled", "compute_overheads", "describe", "last_level_cache_bytes", "machine_key", "measure_compute",
+           "calibration_enabled", "compute_overheads", "describe", "effective_cache_bytes", "last_level_cache_bytes", "machine_key", "measure_compute",
            "overheads_cache_path", "plan_overheads"]
 
 
@@ -217,7 +224,7 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
-            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W{runtime}; {'cached' if cached else 'measured now'} "
+            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W, typically {rates.sustained:.2f}x its fastest{runtime}; {'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
 
@@ -232,9 +239,10 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         torch.manual_seed(0)
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         conv, conv_fwd, conv_bwd = _conv_rate(runs)
-        cache_bytes = last_level_cache_bytes()
-        size = max(2, min(COLD_POOL_MAX, math.ceil(2 * (cache_bytes or DEFAULT_CACHE_BYTES) / (4 * SKINNY_WIDTH**2))))
-        pool = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(size)]
+        probe = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(COLD_POOL_MAX)]
+        cache_bytes = effective_cache_bytes(probe, max(3, runs // 2))
+        size = max(2, min(COLD_POOL_MAX, math.ceil(2 * cache_bytes / (4 * SKINNY_WIDTH**2))))
+        pool = probe[:size]
         gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
         gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
         few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
@@ -243,11 +251,12 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         conv_curve = _conv_curve(runs)
         mem_bw = _stream_rate(stream_bytes, runs)
         op_fwd, op_bwd = _node_times(runs)
+        sustained = _sustained(SUSTAINED_SECONDS)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
-                        gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes))
+                        gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -292,6 +301,43 @@ def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | 
 
     seconds = _fastest(grads if weight else weights, runs) / len(mats)
     return 2 * m * SKINNY_WIDTH * SKINNY_WIDTH / seconds
+
+
+def effective_cache_bytes(probe: list[torch.Tensor], runs: int) -> float:
+    """The bytes of weights this process's GEMMs still find in the cache: 8-row GEMMs over the first n distinct
+    1024 x 1024 weights of ``probe`` in turn, n in ``CACHE_PROBE``; the largest pool before the rate falls below
+    ``CACHE_DROP`` of one weight's and stays there. Measured, because the cache sysfs reports is the socket's: in a
+    virtual machine (this one says 260 MiB) the share a process gets is smaller (here the rate fell between 64
+    and 96 MiB). When no pool falls, the cache holds at least the largest: the system's figure if it is larger."""
+    sizes = [n for n in CACHE_PROBE if n <= len(probe)]
+    rates = [_skinny_rate(8, runs, weight=False, pool=probe[:n]) for n in sizes]
+    fits = len(sizes)
+    while fits > 1 and rates[fits - 1] < CACHE_DROP * rates[0]:
+        fits -= 1
+    matrix = 4 * SKINNY_WIDTH**2
+    if fits == len(sizes):  # nothing fell
+        return float(max(sizes[-1] * matrix, last_level_cache_bytes()))
+    return float(sizes[fits - 1] * matrix)
+
+
+def _sustained(seconds: float) -> float:
+    """The median over the fastest time of a fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to
+    back for ``seconds``: how much slower than its fastest the machine typically runs (>= 1)."""
+    a, b, out = torch.randn(256, 256), torch.randn(256, 1024), torch.empty(256, 1024)
+
+    def piece() -> None:
+        for _ in range(4):
+            torch.mm(a, b, out=out)
+        F.gelu(out)
+
+    piece()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        piece()
+        times.append(time.perf_counter() - t0)
+    return max(1.0, statistics.median(times) / min(times))
 
 
 def last_level_cache_bytes() -> int:
@@ -431,11 +477,12 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     names = {f.name for f in dataclasses.fields(ComputeRates)}
     if set(entry) != names:
         return None
-    floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes")
+    floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes",
+              "sustained")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None
-    if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")):
+    if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")) or entry["sustained"] < 1:
         return None
     if type(entry["threads"]) is not int or not isinstance(entry["machine"], str):
         return None

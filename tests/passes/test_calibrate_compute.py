@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import fxpipe
@@ -68,17 +69,36 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert rates.threads == 1 and rates.machine.startswith(cc.machine_key(1))
     for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve):
         assert [m for m, _ in curve] == [float(m) for m in cc.SKINNY_ROWS] and all(r > 0 for _, r in curve)
-    assert rates.cache_bytes == cc.last_level_cache_bytes() >= 0
+    assert 4 << 20 <= rates.cache_bytes <= max(cc.COLD_POOL_MAX * (4 << 20), cc.last_level_cache_bytes())
+
+
+@pytest.mark.parametrize(("rates", "expected_mib"), [
+    ((60, 61, 58, 60, 57, 30, 28), 48),  # falls at 64 MiB and stays down
+    ((60, 30, 58, 60, 57, 30, 28), 48),  # a one-off dip (another job) before the fall is not the cache
+    ((60, 61, 58, 60, 57, 59, 50), None),  # nothing falls: at least the largest pool, or what the system says
+    ((60, 20, 20, 20, 20, 20, 20), 4),  # only one weight fits
+])
+def test_the_cache_is_the_largest_pool_before_the_rate_falls_for_good(monkeypatch: pytest.MonkeyPatch,
+                                                                       rates: tuple[int, ...],
+                                                                       expected_mib: int | None) -> None:
+    by_size = dict(zip(cc.CACHE_PROBE, rates, strict=True))
+    monkeypatch.setattr(cc, "_skinny_rate", lambda m, runs, *, weight, pool: by_size[len(pool)] * 1e9)
+    monkeypatch.setattr(cc, "last_level_cache_bytes", lambda: 260 << 20)
+    probe = [torch.empty(0)] * cc.COLD_POOL_MAX
+    expected = (260 << 20) if expected_mib is None else expected_mib << 20
+    assert cc.effective_cache_bytes(probe, 1) == expected
+    monkeypatch.setattr(cc, "last_level_cache_bytes", lambda: 0)  # the system does not say
+    assert cc.effective_cache_bytes(probe, 1) == (96 << 20 if expected_mib is None else expected)
 
 
 def test_a_model_that_outgrows_the_cache_runs_its_gemms_at_the_uncached_rates() -> None:
-    """The curves a calibration measured with weights out of the cache apply when the model's parameters exceed the
-    last-level cache, and only then: mlp-deep (64 MiB) against a 32 MiB cache and against a 1 GiB one."""
+    """The curves a calibration measured with weights out of the cache apply when the model's parameters and their
+    gradients exceed the cache, and only then: mlp-deep (64 MiB) against a 32 MiB cache and against a 1 GiB one."""
     hot, cold = ((1.0, 4e10), (128.0, 8e10)), ((1.0, 1e10), (128.0, 8e10))
     rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=hot, gemm_w_curve=hot, gemm_cold_curve=cold,
                                 gemm_w_cold_curve=cold, cache_bytes=float(32 << 20))
     assert rates.gemm_rate(1, cold=True) == 1e10 and rates.gemm_rate(1) == 4e10
-    assert rates.cold(64 << 20) and not rates.cold(16 << 20)
+    assert rates.cold(64 << 20) and rates.cold(24 << 20) and not rates.cold(16 << 20)  # 24 MiB + its gradients: 48
     assert not dataclasses.replace(rates, cache_bytes=0.0).cold(64 << 20)  # a cache the system does not report
     zoo = models.build("mlp-deep")
     gm = trace(zoo.model, zoo.example_inputs).gm
@@ -108,9 +128,13 @@ def test_cache_round_trip(cache_dir: Path) -> None:
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '"x"', "", "\x00\xff",
                                   '{"KEY": {"gemm_flops": "__import__(\'os\')"}}',
                                   '{"KEY": {"gemm_flops": -1, "conv_flops": 1, "mem_bw": 1, "op_fwd": 0, "op_bwd": 0, '
-                                  '"conv_fwd": 0, "conv_bwd": 0, "threads": 1, "machine": "KEY"}}'])
+                                  '"conv_fwd": 0, "conv_bwd": 0, "threads": 1, "machine": "KEY"}}',
+                                  "SUSTAINED_BELOW_ONE"])
 def test_a_corrupt_cache_is_ignored_and_rewritten(cache_dir: Path, text: str) -> None:
     cache_dir.mkdir(parents=True)
+    if text == "SUSTAINED_BELOW_ONE":  # a sound entry but for a machine faster than its fastest
+        entry = dataclasses.asdict(dataclasses.replace(RATES, machine=cc.machine_key(1), sustained=0.5))
+        text = json.dumps({cc.machine_key(1): entry})
     (cache_dir / "compute.json").write_text(text.replace("KEY", cc.machine_key(1)))
     calls: list[int] = []
     rates, cached = cc.calibrate_compute(threads=1, measure=_fake_measure(calls))
@@ -175,6 +199,45 @@ def test_the_estimate_uses_the_calibrated_rates() -> None:
             assert fa.time_bwd_weight == pytest.approx(RATES.op_bwd / 2 + fa.flops_bwd_weight / RATES.gemm_flops)
             checked += 1
     assert checked >= 3
+
+
+def test_every_estimated_time_is_scaled_by_the_machines_sustained_speed() -> None:
+    """A machine that typically runs 1.3x slower than its fastest runs: every node's F, B and W time 1.3x, on a
+    convolutional and a transformer model; FLOPs and bytes unchanged."""
+    for name in ("vgg-tiny", "gpt-tiny"):
+        zoo = models.build(name)
+        gm = trace(zoo.model, zoo.example_inputs).gm
+        best = annotate_costs(gm, zoo.example_inputs, compute=RATES).gm
+        typical = annotate_costs(gm, zoo.example_inputs, compute=dataclasses.replace(RATES, sustained=1.3)).gm
+        scaled = 0
+        for a, b in zip(best.graph.nodes, typical.graph.nodes):
+            if a.op not in ("call_function", "call_module"):
+                continue
+            ma, mb = get_meta(a), get_meta(b)
+            for field in ("time_fwd", "time_bwd_input", "time_bwd_weight"):
+                assert getattr(mb, field) == pytest.approx(1.3 * getattr(ma, field), rel=1e-12, abs=1e-18)
+            assert (mb.flops_fwd, mb.out_bytes, mb.param_bytes) == (ma.flops_fwd, ma.out_bytes, ma.param_bytes)
+            scaled += ma.time_fwd > 0
+        assert scaled >= 10
+
+
+def test_the_sustained_speed_is_the_median_piece_over_the_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    pieces = [0.001, 0.002, 0.0015, 0.001, 0.003, 0.0012, 0.0013]  # seconds: median 1.3 ms, fastest 1 ms
+    calls = iter(range(10**6))
+
+    def clock() -> float:  # the deadline's start, then per piece: the deadline check, its start, its end
+        n = next(calls)
+        if n == 0:
+            return 0.0
+        piece, step = divmod(n - 1, 3)
+        if piece >= len(pieces):
+            return 5.0  # past the deadline
+        return [0.0, 1.0, 1.0 + pieces[piece]][step]
+
+    monkeypatch.setattr(cc.time, "perf_counter", clock)
+    assert cc._sustained(1.0) == pytest.approx(1.3)
+    monkeypatch.undo()
+    assert cc._sustained(0.0) >= 1.0  # never faster than its fastest; at least 5 pieces even with no time
 
 
 def test_a_convolution_costs_its_call_and_its_conv_rate() -> None:
