@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import Result
 
 from fxpipe.runtime import codegen
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
@@ -20,21 +21,33 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _run_args(plan: Path) -> tuple[str | Path, ...]:
+    """3 steps of SGD with momentum, so every gradient shows in the later losses."""
+    return ("run", plan, "--steps", "3", "--momentum", "0.9", "--lr", "0.05", "--json")
+
+
+@pytest.fixture(scope="module")
+def eager_fallback(plan: Path) -> Result:
+    """``--codegen inductor`` with no C++ compiler found: the launcher says so in one line and starts the ranks with
+    ``--codegen eager``, the command line of a plain eager run. One launch for two tests: the fallback test reads its
+    warning, the compiled test its losses as the eager ones (a second eager launch cost ~7 s on 2 cores)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(codegen, "cpp_compiler", lambda: None)
+        return ok(fxpipe_cli(*_run_args(plan), "--codegen", "inductor"))
+
+
 @pytest.mark.skipif(codegen.cpp_compiler() is None, reason="needs a C++ compiler for Inductor's CPU code")
-def test_compiled_stages_train_like_the_eager_ones(plan: Path) -> None:
+def test_compiled_stages_train_like_the_eager_ones(plan: Path, eager_fallback: Result) -> None:
     """zb-h1 runs F, B, W, W_set and W_acc: all five compiled graphs; 3 steps of SGD with momentum, so every
     gradient shows in the later losses."""
-    args = ("run", plan, "--steps", "3", "--momentum", "0.9", "--lr", "0.05", "--json")
-    eager = json.loads(ok(fxpipe_cli(*args)).stdout)["losses"]
-    compiled = json.loads(ok(fxpipe_cli(*args, "--codegen", "inductor")).stdout)["losses"]
+    eager = json.loads(eager_fallback.stdout)["losses"]
+    compiled = json.loads(ok(fxpipe_cli(*_run_args(plan), "--codegen", "inductor")).stdout)["losses"]
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=1e-6)
     assert eager[2] != eager[0]  # the steps changed the weights: the later losses check the gradients
 
 
-def test_without_a_cpp_compiler_the_stages_run_eagerly_with_one_line(plan: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codegen, "cpp_compiler", lambda: None)
-    result = ok(fxpipe_cli("run", plan, "--steps", "1", "--codegen", "inductor", "--json"))
+def test_without_a_cpp_compiler_the_stages_run_eagerly_with_one_line(eager_fallback: Result) -> None:
+    result = eager_fallback
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == ["warning: --codegen inductor needs a C++ compiler (g++ or clang on PATH) for CPU code; none "
                         "found, so the stages run eagerly"]
