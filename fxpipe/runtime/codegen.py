@@ -27,6 +27,8 @@ def check_codegen(codegen: str) -> str | None:
     """Refuse an unknown name; for ``inductor`` without a C++ compiler, the one line to show (then run eagerly)."""
     if codegen not in CODEGENS:
         raise OptionError(f"unknown codegen {codegen!r}; use {' or '.join(CODEGENS)}")
+    if codegen == "inductor":  # before Inductor's config is imported: that sets its own default (the temp folder),
+        use_cache_dir()        # which fxpipe run's ranks would inherit
     if codegen == "inductor" and cpp_compiler() is None:
         return ("--codegen inductor needs a C++ compiler (g++ or clang on PATH) for CPU code; none found, so the "
                 "stages run eagerly")
@@ -38,11 +40,16 @@ def cache_dir() -> Path:
     return root / "fxpipe" / "inductor"
 
 
+def use_cache_dir() -> None:
+    """Point Inductor's cache at :func:`cache_dir`, unless this process already set ``TORCHINDUCTOR_CACHE_DIR``."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+
+
 def compiled(gm: Any) -> Any:
     """``gm`` through Inductor: static shapes, one graph (the graphs have no Python control flow to break on)."""
     import torch
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+    use_cache_dir()
     return torch.compile(gm, backend="inductor", dynamic=False, fullgraph=True)
 
 

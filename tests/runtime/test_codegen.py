@@ -63,3 +63,20 @@ def test_refusals_are_one_line(plan: Path, args: tuple[str, ...], words: str) ->
         pytest.skip("without a compiler --codegen inductor falls back before the schedule is checked")
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "1", *args))
     assert words in line, line
+
+
+def test_compiled_code_is_cached_where_the_docs_say(tmp_path: Path) -> None:
+    """Checking for a C++ compiler imports Inductor's config, which sets ``TORCHINDUCTOR_CACHE_DIR`` to the temp folder
+    (fxpipe run's ranks run in a temp folder deleted after the run): the check names fxpipe's cache first, in a fresh
+    process as the launcher is, and Inductor's own ``cache_dir()`` then agrees."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    script = ("import os; from fxpipe.runtime.codegen import check_codegen; check_codegen('inductor'); "
+              "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+              "print(os.environ['TORCHINDUCTOR_CACHE_DIR']); print(cache_dir())")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(tmp_path / "fxpipe" / "inductor")] * 2
