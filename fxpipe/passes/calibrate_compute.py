@@ -188,13 +188,20 @@ def plan_overheads(plan: Any) -> Any:
 def compute_overheads(compute: ComputeRates | None) -> Any:
     """The runtime's fixed costs cached for the machine ``compute`` was measured on, when it is this machine and
     calibration is on; else None (see :func:`plan_overheads`). The planners (``--stages auto``, ``--plan auto``)
-    read them through the graph's ``meta["fxpipe_compute"]`` (``annotate_costs``)."""
+    read them through the graph's ``meta["fxpipe_compute"]`` (``annotate_costs``).
+
+    Each was measured on the least disturbed step, so like the estimated times they are scaled to the machine's
+    typical speed (``compute.sustained``)."""
     if compute is None or not calibration_enabled():
         return None
     key = compute.machine.rsplit("|", 1)[0] if compute.machine.count("|") > 4 else compute.machine
     if key != machine_key(compute.threads):
         return None
-    return _overheads_from(_read_cache(overheads_cache_path()).get(key), key)
+    found = _overheads_from(_read_cache(overheads_cache_path()).get(key), key)
+    if found is None or compute.sustained == 1.0:
+        return found
+    k = compute.sustained
+    return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k)
 
 
 def _overheads_from(entry: Any, key: str) -> Any:

@@ -308,6 +308,10 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     monkeypatch.setenv(cc.ENV, "on")
     costs = Costs.from_plan(calibrated.plan, cc.plan_overheads(calibrated.plan))
     assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
+    typical = dataclasses.replace(calibrated.plan, options=dataclasses.replace(  # measured at its fastest, like F/B/W
+        calibrated.plan.options, compute=dataclasses.replace(rates, sustained=1.5)))
+    costs = Costs.from_plan(typical, cc.plan_overheads(typical))
+    assert (costs.action_s, costs.message_s, costs.step_s) == pytest.approx((1.5e-4, 3e-5, 4.5e-4), rel=1e-12)
     elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
         calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
     assert cc.plan_overheads(elsewhere) is None
