@@ -88,10 +88,13 @@ class RuntimeOverheads:
     step: float  # seconds of each rank's step outside its actions and their waits (median over ranks and steps)
     threads: int = 1  # torch threads per rank
     machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
+    # seconds the last stage's F costs beyond another action, per microbatch: the loss and its gradient, on the
+    # host inside a step (``Costs.from_plan`` adds it to the last stage's F). 0: caches from before.
+    loss: float = 0.0
 
     def summary(self) -> str:
         return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message, "
-                f"{self.step * 1e6:.0f} us per step")
+                f"{self.step * 1e6:.0f} us per step, {self.loss * 1e6:.0f} us per loss")
 
 
 @dataclass(frozen=True)

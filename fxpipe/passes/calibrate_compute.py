@@ -201,14 +201,15 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
     if found is None or compute.sustained == 1.0:
         return found
     k = compute.sustained
-    return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k)
+    return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k,
+                               loss=found.loss * k)
 
 
 def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    floats = ("action", "message", "step")
+    floats = ("action", "message", "step", "loss")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None

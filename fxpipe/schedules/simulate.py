@@ -106,9 +106,9 @@ class Costs:
     @classmethod
     def from_plan(cls, plan: Plan, overheads: Any = None) -> "Costs":
         """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
-        ``message`` and ``step`` seconds: the runtime's fixed costs, ``fxpipe.passes.calibrate_compute.
-        plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
-        :meth:`with_overheads` does. The callers above the passes look them up; this layer reads no cache."""
+        ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.passes.
+        calibrate_compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
+        :meth:`with_overheads` does, and ``loss`` to the last stage's F. The callers above the passes look them up; this layer reads no cache."""
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
@@ -117,6 +117,9 @@ class Costs:
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
         if overheads is None:
             return costs
+        loss = getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
+        if loss:
+            costs = dataclasses.replace(costs, f=(*costs.f[:-1], costs.f[-1] + loss))
         return costs.with_overheads(overheads.action, overheads.message, overheads.step)
 
     def time(self, action: Action) -> float:

@@ -45,7 +45,7 @@ def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
 
     def measure(rates: ComputeRates, threads: int) -> RuntimeOverheads:
         calls.append(threads)
-        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads, cc.machine_key(threads) + "|0.0 s")
+        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads, cc.machine_key(threads) + "|0.0 s", loss=4e-5)
     return measure
 
 
@@ -308,10 +308,17 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     monkeypatch.setenv(cc.ENV, "on")
     costs = Costs.from_plan(calibrated.plan, cc.plan_overheads(calibrated.plan))
     assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
+    # the loss: on the last stage's F only, scaled like the rest
+    from fxpipe.runtime.calibrate import RuntimeOverheads
+    with_loss = Costs.from_plan(calibrated.plan, RuntimeOverheads(1e-4, 2e-5, 3e-4, loss=5e-5))
+    plain = Costs.from_plan(calibrated.plan)
+    assert with_loss.f[:-1] == plain.f[:-1] and with_loss.f[-1] == pytest.approx(plain.f[-1] + 5e-5, rel=1e-12)
+    assert (with_loss.b, with_loss.w) == (plain.b, plain.w)
     typical = dataclasses.replace(calibrated.plan, options=dataclasses.replace(  # measured at its fastest, like F/B/W
         calibrated.plan.options, compute=dataclasses.replace(rates, sustained=1.5)))
     costs = Costs.from_plan(typical, cc.plan_overheads(typical))
     assert (costs.action_s, costs.message_s, costs.step_s) == pytest.approx((1.5e-4, 3e-5, 4.5e-4), rel=1e-12)
+    assert cc.plan_overheads(typical).loss == pytest.approx(6e-5, rel=1e-12)
     elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
         calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
     assert cc.plan_overheads(elsewhere) is None
