@@ -81,8 +81,8 @@ STREAM_BYTES = 32 << 20
 SUSTAINED_SECONDS = 1.0  # how long the sustained-speed loop runs
 
 __all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
-           "calibration_enabled", "compute_overheads", "describe", "effective_cache_bytes", "last_level_cache_bytes", "machine_key", "measure_compute",
-           "overheads_cache_path", "plan_overheads"]
+           "calibration_enabled", "compute_overheads", "describe", "effective_cache_bytes", "last_level_cache_bytes",
+           "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
 
 
 def calibration_enabled(setting: str | None = None) -> bool:
@@ -198,8 +198,8 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
     if key != machine_key(compute.threads):
         return None
     found = _overheads_from(_read_cache(overheads_cache_path()).get(key), key)
-    if found is None or compute.sustained == 1.0:
-        return found
+    if found is None:
+        return None
     k = compute.sustained
     return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k,
                                loss=found.loss * k)
@@ -232,7 +232,8 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
-            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W, typically {rates.sustained:.2f}x its fastest{runtime}; {'cached' if cached else 'measured now'} "
+            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W, typically {rates.sustained:.2f}x its fastest{runtime}; "
+            f"{'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
 

@@ -27,9 +27,10 @@ def check_codegen(codegen: str) -> str | None:
     """Refuse an unknown name; for ``inductor`` without a C++ compiler, the one line to show (then run eagerly)."""
     if codegen not in CODEGENS:
         raise OptionError(f"unknown codegen {codegen!r}; use {' or '.join(CODEGENS)}")
-    if codegen == "inductor":  # before Inductor's config is imported: that sets its own default (the temp folder),
-        use_cache_dir()        # which fxpipe run's ranks would inherit
-    if codegen == "inductor" and cpp_compiler() is None:
+    if codegen != "inductor":
+        return None
+    use_cache_dir()  # before the probe imports Inductor's config, which sets its own default that the ranks inherit
+    if cpp_compiler() is None:
         return ("--codegen inductor needs a C++ compiler (g++ or clang on PATH) for CPU code; none found, so the "
                 "stages run eagerly")
     return None

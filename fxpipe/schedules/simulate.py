@@ -108,7 +108,8 @@ class Costs:
         """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
         ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.passes.
         calibrate_compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
-        :meth:`with_overheads` does, and ``loss`` to the last stage's F. The callers above the passes look them up; this layer reads no cache."""
+        :meth:`with_overheads` does, and ``loss`` to the last stage's F. The callers above the passes look them up;
+        this layer reads no cache."""
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
