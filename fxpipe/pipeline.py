@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -11,7 +11,7 @@ import torch.fx
 from fxpipe._compat import pytree
 
 from fxpipe.errors import OptionError
-from fxpipe.graphs.convention import StageGraphs, flatten_inputs
+from fxpipe.graphs.convention import StageGraphs, StageInterface, flatten_inputs
 from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.plan import Plan
 from fxpipe.report import Report
@@ -21,13 +21,16 @@ class Stage(torch.nn.Module):
     """One pipeline stage: a GraphModule that owns its parameters, and the names of its values."""
 
     def __init__(self, index: int, module: torch.fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str],
-                 graphs: StageGraphs | None = None) -> None:
+                 graphs: StageGraphs | None = None, interface: StageInterface | None = None) -> None:
         super().__init__()
         self.index = index
         self.module = module
         self.inputs = tuple(inputs)
         self.outputs = tuple(outputs)
         self.graphs = graphs
+        # A loaded plan's record of the stage's gradients in and out (plan.json), so that a rank can
+        # build the F, B and W of its own stages only; None when the plan has none.
+        self.interface = interface
         if graphs is not None and graphs.forward is not None:
             # ``stage.forward`` is the F graph itself (stage inputs -> outputs + saved tensors), as
             # split_backward documents; it is kept out of _modules so its shared parameters are
@@ -109,16 +112,27 @@ class Pipeline(torch.nn.Module):
         graphs = [s.graphs for s in self.stage_list()]
         return None if any(g is None for g in graphs) else graphs  # type: ignore[return-value]
 
-    def build_backward(self, example_inputs: Sequence[Any]) -> None:
-        """Build each stage's F, B and W graphs (split_backward) on a pipeline that has none, e.g. one loaded from disk."""
+    def build_backward(self, example_inputs: Sequence[Any], *, only: Collection[int] | None = None,
+                       ) -> list[StageGraphs]:
+        """Build each stage's F, B and W graphs (split_backward) on a pipeline that has none, e.g. one loaded from disk.
+
+        ``only``: the stages one rank runs. Of the others, where the plan records their interface
+        (``Stage.interface``), only that is built (``StageGraphs.remote``) and they keep no graphs;
+        this rank skips tracing them. Returns every stage's graphs, interface-only ones included.
+        """
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),
                   "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
         flat = flatten_inputs(self.in_spec, tuple(example_inputs), {})
-        for stage, g in zip(stages, build_stage_graphs([s.module for s in stages], wiring, flat)):
+        graphs = build_stage_graphs([s.module for s in stages], wiring, flat, only=only,
+                                    interfaces=[s.interface for s in stages])
+        for stage, g in zip(stages, graphs):
+            if g.remote:
+                continue
             stage.graphs = g
             if g.forward is not None:
                 object.__setattr__(stage, "forward", g.forward)
+        return graphs
 
     def stage_list(self) -> list[Stage]:
         """The stages, typed (iterating the ModuleList gives plain Modules)."""

@@ -22,7 +22,7 @@ from fxpipe._compat import pytree, serialized_type_names
 from fxpipe.errors import PlanFileError
 from fxpipe.graphs import serialize
 from fxpipe.graphs.fx import set_path
-from fxpipe.graphs.convention import RECORD_TYPE
+from fxpipe.graphs.convention import RECORD_TYPE, StageInterface
 from fxpipe.pipeline import Pipeline, Stage
 from fxpipe.plan import Plan, fxpipe_version
 from fxpipe.report import Report
@@ -76,6 +76,9 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
                 "buffers": [_tensor_info(n, b) for n, b in stage.module.named_buffers(remove_duplicate=False)],
                 "modules": _leaf_modules(stage.module, k),
             })
+            interface = _interface(pipe, stage)
+            if interface is not None:
+                stages[-1]["interface"] = interface.to_json()
         doc = {
             "schema": SCHEMA,
             "fxpipe_version": fxpipe_version(),
@@ -159,8 +162,8 @@ def load(path: str | Path) -> Pipeline:
     doc = read_plan_json(path)
     plan = read_plan(path, doc)
     try:
-        stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"]), s["inputs"], s["outputs"])
-                  for s in doc["stages"]]
+        stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"]), s["inputs"], s["outputs"],
+                        interface=_read_interface(s, path)) for s in doc["stages"]]
         # Tied parameters: each stage file holds a copy; make them one Parameter again.
         for name, ks in doc.get("shared_params", {}).items():
             first = stages[ks[0]].module.get_parameter(name)
@@ -181,6 +184,26 @@ def load(path: str | Path) -> Pipeline:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise PlanFileError(f"{path / PLAN_FILE} is corrupt ({type(exc).__name__}: {exc}); re-run fxpipe compile") from exc
+
+
+def _interface(pipe: Any, stage: Any) -> StageInterface | None:
+    """The stage's gradients in and out, as a loaded plan's ranks will split it (``Pipeline.build_backward``
+    splits without ``input_grads``): None when the pipeline has no split graphs or was compiled with
+    ``input_grads``, and its ranks then split every stage as before."""
+    graphs = stage.graphs
+    if graphs is None or graphs.remote or pipe.plan.options.input_grads:
+        return None
+    return StageInterface.of(graphs)
+
+
+def _read_interface(spec: dict[str, Any], path: Path) -> StageInterface | None:
+    if "interface" not in spec:  # plans written before it was recorded: every rank splits every stage
+        return None
+    try:
+        return StageInterface.from_json(spec["interface"])
+    except ValueError as exc:
+        raise PlanFileError(f"{Path(path) / PLAN_FILE} stage {spec['index']} has a malformed interface ({exc}); "
+                            "re-run fxpipe compile") from exc
 
 
 def read_plan_json(path: Path) -> dict[str, Any]:

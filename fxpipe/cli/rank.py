@@ -131,7 +131,7 @@ def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object
     return inputs, draw(zoo.example_target)  # type: ignore[attr-defined]
 
 
-def _die_after_first_compute(pipe: object) -> None:
+def _die_after_first_compute(graphs: list[Any]) -> None:
     """``--kill-rank``: this process SIGKILLs itself right after its next F, B or W graph call: mid-step,
     with the value it just made not yet sent, leaving no error file and no traceback."""
     import os
@@ -140,7 +140,7 @@ def _die_after_first_compute(pipe: object) -> None:
     def die(*_: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    for g in pipe.stage_graphs:  # type: ignore[attr-defined]
+    for g in graphs:
         for gm in (g.forward, g.backward_input, g.backward_weight):
             if gm is not None:
                 gm.register_forward_hook(die)
@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if rank == args.fail_rank and start == (first + 1 if sched.synchronous else first):
             raise RuntimeError(f"injected failure on rank {rank} at step {start}")
         if rank == args.kill_rank and start == (first + 1 if sched.synchronous else first):
-            _die_after_first_compute(pipe)
+            _die_after_first_compute(rt.graphs)
         t0 = time.perf_counter()
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)

@@ -58,10 +58,19 @@ class StageGraphs:
     bytes_b_to_w: int = 0  # what is still held once B ran, until W runs
     split_ops: tuple[str, ...] = ()  # multi-output backward ops split in two by output_mask
     fused_reason: str | None = None
+    # A stage another rank runs (``build_stage_graphs(only=...)``): F, B and W are not built; this holds
+    # its (inputs, outputs) as meta tensors (shape, dtype, strides), with grad_inputs and grad_outputs,
+    # what a rank needs to talk to it.
+    interface: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
     @property
     def fused(self) -> bool:
         return self.fused_reason is not None
+
+    @property
+    def remote(self) -> bool:
+        """Only the stage's interface was built (another rank runs it)."""
+        return self.interface is not None
 
     # Plain calls: no autograd mode is set here (executors run them under ``torch.no_grad()``),
     # and nothing is kept. The loss on the pipeline's outputs is ``loss_and_output_grads``.
@@ -98,6 +107,39 @@ class StageGraphs:
                             weights: Mapping[str, torch.Tensor] | None = None) -> Sequence[Any]:
         """W: the parameter gradients, in ``param_names`` order (a tied parameter may come twice)."""
         return call_with(self.backward_weight, weights, self.weight_args(handover, saved, grad_outs))
+
+
+@dataclass(frozen=True)
+class StageInterface:
+    """What the other ranks need to know of a stage besides its values' shapes: which of its inputs B
+    gives a gradient for, which outputs take one, and whether it could be split at all. A plan directory
+    records it per stage, so a rank builds the F, B and W of its own stages only."""
+
+    grad_inputs: tuple[int, ...]
+    grad_outputs: tuple[int, ...]
+    fused_reason: str | None = None
+
+    @classmethod
+    def of(cls, graphs: StageGraphs) -> "StageInterface":
+        return cls(tuple(graphs.grad_inputs), tuple(graphs.grad_outputs), graphs.fused_reason)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"grad_inputs": list(self.grad_inputs), "grad_outputs": list(self.grad_outputs),
+                "fused_reason": self.fused_reason}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "StageInterface":
+        """The record ``to_json`` wrote; ValueError for anything else."""
+        def positions(v: Any) -> tuple[int, ...]:
+            if not (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):
+                raise ValueError(f"positions must be a list of non-negative integers, not {v!r:.60}")
+            return tuple(v)
+
+        if not isinstance(doc, dict) or set(doc) != {"grad_inputs", "grad_outputs", "fused_reason"}:
+            raise ValueError("an interface has exactly grad_inputs, grad_outputs and fused_reason")
+        if doc["fused_reason"] is not None and not isinstance(doc["fused_reason"], str):
+            raise ValueError("fused_reason must be a string or null")
+        return cls(positions(doc["grad_inputs"]), positions(doc["grad_outputs"]), doc["fused_reason"])
 
 
 def call_with(gm: Any, weights: Mapping[str, torch.Tensor] | None, args: Sequence[Any]) -> Any:

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from fxpipe.graphs.convention import StageGraphs
+from fxpipe.errors import PlanFileError
+from fxpipe.graphs.convention import StageGraphs, StageInterface
 from fxpipe.graphs.fx import copy_graph, get_path, preserved_buffers
 from fxpipe.graphs.split import FlopCounter, example_input, split_stage
 
 
 def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping[str, Any],
                        flat_example_inputs: Sequence[Any], *, input_grads: bool = False,
-                       count_flops: FlopCounter | None = None) -> list[StageGraphs]:
+                       count_flops: FlopCounter | None = None, only: Container[int] | None = None,
+                       interfaces: Sequence[StageInterface | None] | None = None) -> list[StageGraphs]:
     """F, B and W of every stage, split on the values the stages compute from ``flat_example_inputs``.
 
     ``wiring`` names the values (split-stages' ``fxpipe_wiring``): ``{"inputs": [name, ...],
@@ -41,17 +43,35 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
         args = [env[name] for name in w["inputs"]]
         with torch.no_grad(), preserved_buffers(module):
             outs = tuple(module(*args))
-        example = [example_input(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
-        key = graph_signature(module, example)
-        if key in first_of:  # the same blocks as an earlier stage: reuse its graphs on these parameters
-            result = rebind(graphs[first_of[key]], stage_modules[first_of[key]], module)
+        recorded = interfaces[k] if interfaces is not None else None
+        if only is not None and k not in only and recorded is not None:
+            result = StageGraphs(None, None, None, num_outputs=len(outs), grad_inputs=recorded.grad_inputs,
+                                 grad_outputs=recorded.grad_outputs, fused_reason=recorded.fused_reason,
+                                 interface=(tuple(map(_meta, args)), tuple(map(_meta, outs))))
         else:
-            result = split_stage(module, example, count_flops=count_flops)
-            first_of[key] = k
+            example = [example_input(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
+            key = graph_signature(module, example)
+            if key in first_of:  # the same blocks as an earlier stage: reuse its graphs on these parameters
+                result = rebind(graphs[first_of[key]], stage_modules[first_of[key]], module)
+            else:
+                result = split_stage(module, example, count_flops=count_flops)
+                first_of[key] = k
+            if recorded is not None and StageInterface.of(result) != recorded:
+                raise PlanFileError(f"stage {k} splits into a backward with gradients for inputs "
+                                    f"{list(result.grad_inputs)} and outputs {list(result.grad_outputs)}, where the plan "
+                                    f"records {list(recorded.grad_inputs)} and {list(recorded.grad_outputs)}: the plan "
+                                    "was written by another fxpipe or torch, or damaged; re-run fxpipe compile")
         graphs.append(result)
         env.update(zip(w["outputs"], outs))
         needs_grad.update(w["outputs"][i] for i in _differentiable_outputs(result, outs))
     return graphs
+
+
+def _meta(value: Any) -> Any:
+    """A stage value as the other ranks see it: a meta tensor of its shape, dtype and strides (None if no tensor)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
 
 
 def _differentiable_outputs(graphs: StageGraphs, outputs: Sequence[Any]) -> list[int]:

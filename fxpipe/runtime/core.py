@@ -385,7 +385,9 @@ class InPlaceW:
 
 
 def output_vals(g: StageGraphs) -> list[Any]:
-    """The traced values (shape, dtype) of a stage's outputs, from its F graph."""
+    """The traced values (shape, dtype) of a stage's outputs, from its F graph (another rank's stage: its interface)."""
+    if g.interface is not None:
+        return list(g.interface[1])
     assert g.forward is not None  # split stages only
     out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")
     return [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in out.args[0][: g.num_outputs]]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fxpipe._compat import pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
-from fxpipe.graphs.convention import flatten_inputs, split_batch
+from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
@@ -75,7 +75,7 @@ class PipelineRuntime:
                  track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool = False) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        pipe = _resolve_plan(plan, example_inputs)
+        pipe = _resolve_plan(plan)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
         if loss_fn is None:
             raise OptionError("no loss function: pass loss_fn=(outputs, target) -> loss")
@@ -95,8 +95,8 @@ class PipelineRuntime:
             ranks = f"{schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}"
             raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
                               f"stage (here {self.dp}); start {ranks}, or pick a synchronous schedule")
-        graphs = pipe.stage_graphs
-        if graphs is None or any(g.fused for g in graphs):
+        graphs = _stage_graphs(pipe, example_inputs, schedule.rank_of_stage, self.pp_rank)
+        if any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
         if not schedule.synchronous:
             check_async(pipe, graphs)
@@ -104,7 +104,7 @@ class PipelineRuntime:
         self.timeout = timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
-        self.program = replicas.on_ranks(lower(pipe, schedule, self.pp_rank), self.layout)
+        self.program = replicas.on_ranks(lower(pipe, schedule, self.pp_rank, graphs), self.layout)
         self.mine = self.program.stages
         last_rank = self.where[-1]
         producer = {n: s for s, st in enumerate(self.stages) for n in st.outputs}
@@ -335,7 +335,7 @@ class PipelineRuntime:
             micro += more
             targets += more_targets
         stream = _resolve_schedule(self.pipe, self.schedule.name, len(micro))
-        program = replicas.on_ranks(lower(self.pipe, stream, self.pp_rank), self.layout)
+        program = replicas.on_ranks(lower(self.pipe, stream, self.pp_rank, self.graphs), self.layout)
         self.stream = stream
         core = self.core
         core.loss_divisor = 1  # each microbatch's gradient is an update of its own
@@ -663,20 +663,29 @@ def _init_process_group(timeout: timedelta | None) -> None:
     dist.init_process_group(**({"timeout": timeout} if timeout is not None else {}))
 
 
-def _resolve_plan(plan: Any, example_inputs: Sequence[Any] | None) -> Pipeline:
-    """The Pipeline of a Pipeline or a plan directory, with its F/B/W graphs built.
-
-    A plan directory holds no F/B/W graphs yet: they are rebuilt from ``example_inputs``, or from
-    zeros shaped like the inputs the plan was compiled with (``Plan.inputs``: the graphs depend on
-    shapes and dtypes only).
-    """
+def _resolve_plan(plan: Any) -> Pipeline:
+    """The Pipeline of a Pipeline or a plan directory."""
     if isinstance(plan, (str, os.PathLike)):
         plan = load(os.fspath(plan))
     if not isinstance(plan, Pipeline):
         raise OptionError(f"plan is a {type(plan).__name__}; pass a Pipeline (fxpipe.compile) or a plan directory")
-    if plan.stage_graphs is None:
-        plan.build_backward(example_inputs if example_inputs is not None else _example_inputs(plan))
     return plan
+
+
+def _stage_graphs(pipe: Pipeline, example_inputs: Sequence[Any] | None, rank_of_stage: Sequence[int],
+                  rank: int) -> list[StageGraphs]:
+    """Every stage's F/B/W graphs as this rank needs them: the pipeline's own, or built now.
+
+    A plan directory holds no F/B/W graphs yet: they are rebuilt from ``example_inputs``, or from
+    zeros shaped like the inputs the plan was compiled with (``Plan.inputs``: the graphs depend on
+    shapes and dtypes only). Where plan.json records each stage's interface, this rank splits only
+    the stages it runs; of the others it builds the interface (``StageGraphs.remote``).
+    """
+    graphs = pipe.stage_graphs
+    if graphs is not None:
+        return list(graphs)
+    mine = {s for s, r in enumerate(rank_of_stage) if r == rank}
+    return pipe.build_backward(example_inputs if example_inputs is not None else _example_inputs(pipe), only=mine)
 
 
 def _example_inputs(pipe: Pipeline) -> tuple[Any, ...]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,9 +80,13 @@ class RankProgram:
         return [msg for op in self.ops for msg in op.sends]
 
 
-def lower(pipe: Any, schedule: Schedule, rank: int) -> RankProgram:
-    """Rank ``rank``'s program for ``schedule`` over ``pipe``'s stages (which need their F/B/W graphs)."""
-    stages, graphs, where = pipe.stage_list(), pipe.stage_graphs, schedule.rank_of_stage
+def lower(pipe: Any, schedule: Schedule, rank: int, graphs: Sequence[Any] | None = None) -> RankProgram:
+    """Rank ``rank``'s program for ``schedule`` over ``pipe``'s stages (which need their F/B/W graphs).
+
+    ``graphs``: the stages' graphs, if not the pipeline's own (the runtime's: another rank's stage
+    may be its interface only)."""
+    stages, where = pipe.stage_list(), schedule.rank_of_stage
+    graphs = pipe.stage_graphs if graphs is None else graphs
     producer: dict[str, int] = {n: -1 for n in pipe.input_names}
     for s, st in enumerate(stages):
         for n in st.outputs:
@@ -182,4 +187,6 @@ def _dense_strides(val: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def _input_vals(g: Any) -> list[Any]:
+    if g.interface is not None:
+        return list(g.interface[0])
     return [n.meta.get("val") for n in g.forward.graph.nodes if n.op == "placeholder"]
