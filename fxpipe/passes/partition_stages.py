@@ -16,7 +16,7 @@ from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
 from fxpipe.planning.stage_dp import StagePlan, min_memory_cap, plan_for_bounds, plan_stages
 from fxpipe.report import Report
-from fxpipe.plan import DEFAULTS
+from fxpipe.plan import DEFAULTS, RuntimeOverheads
 from fxpipe.schedules.auto import FIXED, greedy_limits
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
@@ -157,7 +157,7 @@ def partition_stages(
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
                   latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
                   objective: str | None, max_stages: int | None,
-                  overheads: tuple[float, float, float] | None = None, dp: int = 1,
+                  overheads: RuntimeOverheads | None = None, dp: int = 1,
                   cores: int | None = None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
     """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks.
     With ``cores``, P stages on ``dp`` replicas compute ``max(1, P x dp / cores)`` times slower in both."""
@@ -206,8 +206,7 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       latency, bandwidth,
                       # every replica time-shares too; --stages auto models no all-reduce (a zero one per stage)
                       **({"cores": cores, "dp": dp, "allreduce_s": (0.0,) * p} if cores is not None else {}))
-        if overheads is not None:
-            costs = costs.with_overheads(*overheads)
+        costs = costs.with_runtime(overheads)
         simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
         rows.append(StageCount(p, tuple(bounds), tuple(sum(times[i:j]) for i, j in spans), sends[:-1], m, model,
                                simulated, sum(times)))
@@ -220,14 +219,14 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                                                         dp=dp, cores=cores),)
 
 
-def _planner_overheads(gm: torch.fx.GraphModule) -> tuple[float, float, float] | None:
-    """The runtime's fixed costs (per action, message, step) the planners simulate with: this machine's calibration
-    when ``annotate_costs`` estimated with its compute rates (``gm.meta["fxpipe_compute"]``), as ``Costs.from_plan``
-    adds them to the plan's simulations; None otherwise (profiled, fixed model, ``FXPIPE_CALIBRATION=off``)."""
+def _planner_overheads(gm: torch.fx.GraphModule) -> RuntimeOverheads | None:
+    """The runtime's fixed costs (per action, message, step, and the loss) the planners simulate with
+    (``Costs.with_runtime``): this machine's calibration when ``annotate_costs`` estimated with its compute rates
+    (``gm.meta["fxpipe_compute"]``), as ``Costs.from_plan`` adds them to the plan's simulations; None otherwise
+    (profiled, fixed model, ``FXPIPE_CALIBRATION=off``)."""
     from fxpipe.passes.calibrate_compute import compute_overheads
 
-    found = compute_overheads(gm.meta.get("fxpipe_compute"))
-    return None if found is None else (found.action, found.message, found.step)
+    return compute_overheads(gm.meta.get("fxpipe_compute"))
 
 
 SIMULATED_CANDIDATES = 16
@@ -237,7 +236,7 @@ SIMULATED_CANDIDATES = 16
 def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, devices: int | None,
                   bandwidth: float, latency: float,
                   memory_cap: float | None,
-                  overheads: tuple[float, float, float] | None = None,
+                  overheads: RuntimeOverheads | None = None,
                   cores: int | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
     simulated; the fastest simulated is the plan. With ``cores`` both the model and the simulator time-share them."""
@@ -262,8 +261,7 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans), sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
                       allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores)
-        if overheads is not None:
-            costs = costs.with_overheads(*overheads)
+        costs = costs.with_runtime(overheads)
         simulated.append((c, simulate(generate(c.schedule, c.stages, c.microbatches, costs), costs).makespan))
     top = max(c.throughput(step) for c, step in simulated)
     # Ties (within 1e-9) go to the least memory per device, then the fewest devices.

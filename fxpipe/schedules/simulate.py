@@ -116,9 +116,15 @@ class Costs:
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
+        return costs.with_runtime(overheads)
+
+    def with_runtime(self, overheads: Any) -> "Costs":
+        """These costs with the runtime's fixed costs ``overheads`` (``action``, ``message``, ``step`` and optionally
+        ``loss`` seconds; None: none), as :meth:`from_plan` and the planners add them: ``loss`` to the last stage's
+        F, the rest as :meth:`with_overheads`."""
         if overheads is None:
-            return costs
-        loss = getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
+            return self
+        costs, loss = self, getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
         if loss:
             costs = dataclasses.replace(costs, f=(*costs.f[:-1], costs.f[-1] + loss))
         return costs.with_overheads(overheads.action, overheads.message, overheads.step)

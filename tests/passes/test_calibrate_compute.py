@@ -331,6 +331,11 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
         table = next(r for r in result.reports if r.title.startswith("partition-stages: stage count"))
         return [row[5] for row in table.rows]
     with_costs = steps()
+    # and the loss, on the last stage's F as Costs.from_plan adds it: every count's step is longer with it
+    cc.overheads_cache_path().unlink()
+    cc.calibrate_overheads(RATES, threads=1, measure=lambda r, t: RuntimeOverheads(
+        1e-4, 2e-5, 3e-4, t, cc.machine_key(t) + "|0.0 s", loss=0.0))
+    assert all(a > b for a, b in zip(with_costs, steps()))
     monkeypatch.setenv(cc.ENV, "off")
     assert cc.plan_overheads(calibrated.plan) is None  # the test suite's switch: no plan depends on the machine
     without = steps()
