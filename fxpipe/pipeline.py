@@ -118,14 +118,16 @@ class Pipeline(torch.nn.Module):
 
         ``only``: the stages one rank runs. Of the others, where the plan records their interface
         (``Stage.interface``), only that is built (``StageGraphs.remote``) and they keep no graphs;
-        this rank skips tracing them. Returns every stage's graphs, interface-only ones included.
+        this rank skips tracing them. A stage that already has graphs keeps them (a second runtime on
+        the same pipeline, with another placement, splits only what it lacks). Returns every
+        stage's graphs, interface-only ones included.
         """
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),
                   "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
         flat = flatten_inputs(self.in_spec, tuple(example_inputs), {})
         graphs = build_stage_graphs([s.module for s in stages], wiring, flat, only=only,
-                                    interfaces=[s.interface for s in stages])
+                                    interfaces=[s.interface for s in stages], built=[s.graphs for s in stages])
         for stage, g in zip(stages, graphs):
             if g.remote:
                 continue

@@ -24,7 +24,8 @@ from fxpipe.graphs.split import FlopCounter, example_input, split_stage
 def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping[str, Any],
                        flat_example_inputs: Sequence[Any], *, input_grads: bool = False,
                        count_flops: FlopCounter | None = None, only: Container[int] | None = None,
-                       interfaces: Sequence[StageInterface | None] | None = None) -> list[StageGraphs]:
+                       interfaces: Sequence[StageInterface | None] | None = None,
+                       built: Sequence[StageGraphs | None] | None = None) -> list[StageGraphs]:
     """F, B and W of every stage, split on the values the stages compute from ``flat_example_inputs``.
 
     ``wiring`` names the values (split-stages' ``fxpipe_wiring``): ``{"inputs": [name, ...],
@@ -33,6 +34,12 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
     gradient when an earlier stage's B gives one (``input_grads`` also differentiates the
     model's floating-point inputs, so the first stage's B computes their gradient). Inputs on
     the meta device give meta example values. ``count_flops`` fills the FLOP fields.
+
+    ``only`` (with ``interfaces``, a plan directory's record of each stage): split these stages only;
+    a stage outside it whose interface is recorded gets an interface-only StageGraphs
+    (``StageGraphs.remote``), which is all a rank needs of the stages other ranks run. A split stage
+    whose interface differs from its record is a stale or damaged plan (PlanFileError). ``built``:
+    graphs a stage already has (split for an earlier placement), kept as they are.
     """
     env: dict[str, Any] = dict(zip(wiring["inputs"], flat_example_inputs))
     needs_grad = {name for name, v in env.items()
@@ -44,7 +51,10 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
         with torch.no_grad(), preserved_buffers(module):
             outs = tuple(module(*args))
         recorded = interfaces[k] if interfaces is not None else None
-        if only is not None and k not in only and recorded is not None:
+        have = built[k] if built is not None else None
+        if have is not None and not have.remote:
+            result = have
+        elif only is not None and k not in only and recorded is not None:
             result = StageGraphs(None, None, None, num_outputs=len(outs), grad_inputs=recorded.grad_inputs,
                                  grad_outputs=recorded.grad_outputs, fused_reason=recorded.fused_reason,
                                  interface=(tuple(map(_meta, args)), tuple(map(_meta, outs))))

@@ -77,3 +77,13 @@ def test_a_plan_without_interfaces_splits_every_stage(tmp_path: Path) -> None:
     loaded = fxpipe.load(tmp_path / "plan")
     graphs = loaded.build_backward(_example_inputs(loaded), only={0})
     assert not any(g.remote for g in graphs) and loaded.stage_graphs is not None
+
+
+def test_a_second_placement_splits_only_the_stages_still_without_graphs(tmp_path: Path) -> None:
+    fxpipe.save(_pipe("gpt-tiny", 4), tmp_path / "plan")
+    loaded = fxpipe.load(tmp_path / "plan")
+    first = loaded.build_backward(_example_inputs(loaded), only={0, 3})  # e.g. zb-v's rank 0
+    second = loaded.build_backward(_example_inputs(loaded), only={1})  # then 1f1b's rank 1
+    assert second[0] is first[0] and second[3] is first[3]  # kept, not split again
+    assert [g.remote for g in second] == [False, False, True, False]
+    assert [st.graphs is not None for st in loaded.stage_list()] == [True, True, False, True]
