@@ -106,7 +106,11 @@ def graph_signature(layer: torch.fx.GraphModule, example: Sequence[Any]) -> str:
         if n.op == "placeholder":
             parts.append("placeholder")
             continue
-        target = n.target if n.op != "call_module" else type(get_path(layer, str(n.target))).__name__
+        if n.op == "call_module":  # a leaf module: its class and configuration (a stride is not in its shapes)
+            mod = get_path(layer, str(n.target))
+            target = f"{type(mod).__module__}.{type(mod).__qualname__}({mod.extra_repr()})"
+        else:
+            target = n.target
         parts.append(f"{n.op} {target} {args}")
     for a in example:
         parts.append(f"in {tuple(a.shape)}:{a.dtype}:{a.requires_grad}" if isinstance(a, torch.Tensor) else f"in {a!r}")

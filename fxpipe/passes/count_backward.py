@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,15 +42,18 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         members[get_meta(node).layer_idx].append(node)
 
     needs_grad: set[str] = set()
-    cache: dict[str, StageGraphs] = {}
+    seen: set[str] = set()
     rows = []
     notes = []
     for k, layer, w, args, outs in run_stages(split_by_layer(gm), example_inputs):
         example = [example_input(a, n in needs_grad) for a, n in zip(args, w["inputs"])]
         key = graph_signature(layer, example)
-        graphs = cache.get(key)
+        seen.add(key)
+        graphs = _COUNTED.get(key)
         if graphs is None:
-            graphs = cache[key] = split_stage(layer, example, count_flops=count_flops)
+            if len(_COUNTED) >= _COUNTED_MAX:
+                _COUNTED.clear()
+            graphs = _COUNTED[key] = _Counted.of(split_stage(layer, example, count_flops=count_flops))
         nodes = members[k]
         metas = [get_meta(n) for n in nodes]
         est_b = sum(m.flops_bwd_input for m in metas)
@@ -69,9 +73,35 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         title="count-backward: B and W FLOPs per layer, counted on the split graphs",
         columns=("layer", "name", "B est", "B counted", "W est", "W counted", "source"),
         rows=tuple(rows),
-        notes=(f"{len(cache)} distinct layer graphs traced for {len(rows)} layers", *notes),
+        notes=(f"{len(seen)} distinct layer graphs for {len(rows)} layers", *notes),
     )
     return PassResult(out, True, (report,))
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """What count_backward reads of a layer's split: its B and W FLOPs and which outputs take a gradient."""
+
+    flops_backward_input: int
+    flops_backward_weight: int
+    grad_outputs: tuple[int, ...]
+    fused_reason: str | None
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_reason is not None
+
+    @classmethod
+    def of(cls, graphs: StageGraphs) -> "_Counted":
+        return cls(graphs.flops_backward_input, graphs.flops_backward_weight, tuple(graphs.grad_outputs),
+                   graphs.fused_reason)
+
+
+# Counts by layer signature (ops, wiring, shapes, dtypes, which inputs need a gradient: everything the counts
+# depend on), shared by every compile in the process: a model compiled again, at another stage count or
+# granularity, traces none of its layers again. Numbers only; cleared when it grows past _COUNTED_MAX.
+_COUNTED: dict[str, _Counted] = {}
+_COUNTED_MAX = 4096
 
 
 def _rescale(nodes: list[torch.fx.Node], flops_field: str, time_field: str, total: int, device_flops: float) -> None:

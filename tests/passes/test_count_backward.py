@@ -49,7 +49,36 @@ def test_identical_blocks_are_traced_once() -> None:
     zoo = models.build("gpt-small")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
     counted = next(r for r in pipe.report() if r.title.startswith("count-backward"))
-    assert counted.notes[0] == f"6 distinct layer graphs traced for {len(counted.rows)} layers"
+    assert counted.notes[0] == f"6 distinct layer graphs for {len(counted.rows)} layers"
+
+
+def test_a_model_compiled_again_traces_none_of_its_layers_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.passes import count_backward as cb
+
+    zoo = models.build("resnet-tiny")
+    first = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    calls: list[int] = []
+    real = cb.split_stage
+    monkeypatch.setattr(cb, "split_stage", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)  # another stage count: the same layers
+    table = [next(r for r in p.report() if r.title.startswith("count-backward")).rows for p in (first, again)]
+    assert calls == [] and table[0] == table[1]
+    other = models.build("resnet-tiny", batch_size=4)  # other shapes: counted anew
+    fxpipe.compile(other.model, other.example_inputs, stages=2)
+    assert calls
+
+
+def test_leaf_modules_that_differ_only_in_configuration_have_different_signatures() -> None:
+    import torch
+
+    from fxpipe.graphs.stages import graph_signature
+
+    def layer(stride: int) -> torch.fx.GraphModule:
+        return torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=stride)))
+
+    x = [torch.randn(1, 3, 8, 8)]
+    assert graph_signature(layer(1), x) == graph_signature(layer(1), x)
+    assert graph_signature(layer(1), x) != graph_signature(layer(2), x)  # same weight and input shapes
 
 
 def test_profile_times_f_b_and_w_of_every_stage() -> None:
