@@ -72,6 +72,25 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert 4 << 20 <= rates.cache_bytes <= max(cc.COLD_POOL_MAX * (4 << 20), cc.last_level_cache_bytes())
 
 
+def test_node_times_are_the_cold_median_over_sustained_never_below_the_warm_fastest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    evictions: list[int] = []
+
+    def cold(graphs, x, evict, runs):  # type: ignore[no-untyped-def]
+        real = real_cold(graphs, x, evict, runs)  # the real loop: one eviction before each run
+        assert len(real) == runs and all(f > 0 and bw > 0 for f, bw in real)
+        return [(0.1, 0.2), (0.3, 0.4), (0.5, 0.6)]  # then fixed times: median F 0.3 s, B+W 0.4 s
+
+    real_cold = cc._cold_times
+    monkeypatch.setattr(cc, "_cold_times", cold)
+    f, bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
+    assert len(evictions) == 6  # 2 x runs cold runs, each after evicting
+    nodes = round(0.15 / f)  # per node: (median / sustained) / nodes, the same node count for F and B+W
+    assert nodes > 10 and f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
+    f_big, bw_big = cc._node_times(3, evict=lambda: None, sustained=1e9)
+    assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
+
+
 @pytest.mark.parametrize(("rates", "expected_mib"), [
     ((60, 61, 58, 60, 57, 30, 28), 48),  # falls at 64 MiB and stays down
     ((60, 30, 58, 60, 57, 30, 28), 48),  # a one-off dip (another job) before the fall is not the cache
