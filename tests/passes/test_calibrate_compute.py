@@ -91,6 +91,18 @@ def test_node_times_are_the_cold_median_over_sustained_never_below_the_warm_fast
     assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
 
 
+def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    evictions: list[int] = []
+    f, b = cc._cold_conv_seconds(2, 8, 16, lambda: evictions.append(1), 3)
+    assert len(evictions) == 2 * (3 + 1) and f > 0 and b > 0  # each chain (F, then B) after evicting
+    monkeypatch.setattr(cc, "_cold_conv_seconds", lambda *a: (1.0, 2.0))  # per convolution, cold median
+    rate, conv_fwd, conv_bwd = cc._conv_rate(2, evict=lambda: None, sustained=2.0)
+    # the intercepts: (cold median / sustained) less the small convolution's FLOPs at the rate (microseconds)
+    assert conv_fwd == pytest.approx(0.5, abs=1e-3) and conv_bwd == pytest.approx(1.0, abs=1e-3) and rate > 0
+    monkeypatch.setattr(cc, "_cold_conv_seconds", lambda *a: (0.0, 0.0))  # never below the warm fastest
+    assert cc._conv_rate(2, evict=lambda: None, sustained=2.0)[1] > 0
+
+
 @pytest.mark.parametrize(("rates", "expected_mib"), [
     ((60, 61, 58, 60, 57, 30, 28), 48),  # falls at 64 MiB and stays down
     ((60, 30, 58, 60, 57, 30, 28), 48),  # a one-off dip (another job) before the fall is not the cache
