@@ -58,8 +58,10 @@ def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: i
         run_s = time.perf_counter() - t0
     # With --repeat, the same plan run again: each run calibrates the link anew and the machine's speed moves by
     # tens of percent between runs here, so the case's ratio is the median of the runs' ratios, with their range.
-    ratios = sorted(float(r["simulated_step_ms"]) / float(r["step_ms_median"]) for r in runs)  # type: ignore[arg-type]
-    ran = sorted(runs, key=lambda r: float(r["simulated_step_ms"]) / float(r["step_ms_median"]))[len(runs) // 2]  # type: ignore[arg-type]
+    by_ratio = sorted((float(r["simulated_step_ms"]) / float(r["step_ms_median"]), k)  # type: ignore[arg-type]
+                      for k, r in enumerate(runs))
+    ratios = [ratio for ratio, _ in by_ratio]
+    ran = runs[by_ratio[len(runs) // 2][1]]
     simulated, measured = float(ran["simulated_step_ms"]), float(ran["step_ms_median"])  # type: ignore[arg-type]
     return {
         "model": model, "calibration": calibration, "steps": steps,

@@ -387,11 +387,20 @@ def _conv_seconds(batch: int, channels: int, side: int, runs: int) -> tuple[int,
     grad = torch.randn(batch, channels, side, side)
     flops = 2 * batch * channels * channels * side * side * 9
     with torch.no_grad():
-        fwd = _fastest(lambda: torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False,
-                                                                  [0, 0], 1), runs)
-        bwd = _fastest(lambda: torch.ops.aten.convolution_backward.default(
-            grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]), runs)
+        fwd = _fastest(lambda: _conv(x, w), runs)
+        bwd = _fastest(lambda: _conv_backward(grad, x, w), runs)
     return flops, fwd, bwd
+
+
+def _conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The calibration's convolution: 3x3, stride 1, same padding, no bias (as the graphs call it)."""
+    return torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+
+def _conv_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Any:
+    """Its backward: the input's and the weight's gradients."""
+    return torch.ops.aten.convolution_backward.default(grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                       [True, True, False])
 
 
 def _conv_rate(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
@@ -430,13 +439,12 @@ def _cold_conv_seconds(batch: int, channels: int, side: int, evict: Callable[[],
             evict()
             t0 = time.perf_counter()
             for w in ws:
-                torch.ops.aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+                _conv(x, w)
             fwd.append(time.perf_counter() - t0)
             evict()
             t0 = time.perf_counter()
             for w in ws:
-                torch.ops.aten.convolution_backward.default(grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                            [True, True, False])
+                _conv_backward(grad, x, w)
             bwd.append(time.perf_counter() - t0)
     return (statistics.median(fwd[1:]) / CONV_CHAIN, statistics.median(bwd[1:]) / CONV_CHAIN)
 
@@ -508,28 +516,11 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
 
 
 def _cold_times(graphs: Any, x: torch.Tensor, evict: Callable[[], object], runs: int) -> list[tuple[float, float]]:
-    """(F, B + W) seconds of ``runs`` runs of the split graphs, each after ``evict``; W as executors run it (W_acc
-    into gradient buffers that persist, as :func:`fxpipe.passes.time_graphs.time_graphs` times it)."""
-    from fxpipe.graphs.accumulate import accumulating_weight_graph
+    """(F, B + W) seconds of ``runs`` runs of the split graphs, each after ``evict``; timed as
+    :func:`fxpipe.passes.time_graphs.time_graphs` times them (W as W_acc into gradient buffers that persist)."""
+    from fxpipe.passes.time_graphs import graph_samples
 
-    w_acc = accumulating_weight_graph(graphs.backward_weight, len(graphs.param_names))[0]
-    times = []
-    with torch.no_grad():
-        outputs, saved = graphs.run_forward([x])
-        grads = [torch.ones_like(outputs[i]) for i in graphs.grad_outputs]
-        handover = graphs.run_backward_input(saved, grads)[1]
-        accs = [t.contiguous() for t in graphs.backward_weight(*graphs.weight_args(handover, saved, grads))]
-        for _ in range(runs):
-            evict()
-            t0 = time.perf_counter()
-            outputs, saved = graphs.run_forward([x])
-            t1 = time.perf_counter()
-            grads = [torch.ones_like(outputs[i]) for i in graphs.grad_outputs]
-            t2 = time.perf_counter()
-            handover = graphs.run_backward_input(saved, grads)[1]
-            w_acc(*graphs.weight_args(handover, saved, grads), *accs)
-            times.append((t1 - t0, time.perf_counter() - t2))
-    return times
+    return [(f, b + w) for f, b, w in graph_samples(graphs, [x], runs, before=evict)]
 
 
 def _autograd_node_times(gm: torch.fx.GraphModule, x: torch.Tensor, nodes: int, runs: int) -> tuple[float, float]:

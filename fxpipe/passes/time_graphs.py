@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +35,21 @@ def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> Timing:
     gradient buffers that persist (``fxpipe.graphs.accumulate``), not returning fresh ones,
     whose first touch of new pages can double a thin weight-gradient GEMM's time.
     """
+    samples = graph_samples(g, args, runs)
+    return tuple(statistics.median(s[j] for s in samples) for j in range(3))  # type: ignore[return-value]
+
+
+def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int,
+                  before: Callable[[], object] | None = None) -> list[Timing]:
+    """Seconds of F, B and W of each of ``runs`` runs after one warm-up run (as :func:`time_graphs` times them);
+    ``before`` is called before each of those runs (the calibration's cold runs evict the cache there)."""
     w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]  # type: ignore[arg-type]
     accs: list[torch.Tensor] | None = None
     samples: list[Timing] = []
     with torch.no_grad():
-        for _ in range(runs + 1):
+        for k in range(runs + 1):
+            if k and before is not None:
+                before()
             t0 = time.perf_counter()
             outputs, saved = g.run_forward(args)
             t1 = time.perf_counter()
@@ -55,4 +65,4 @@ def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> Timing:
                 w_acc(*w_args, *accs)
             t4 = time.perf_counter()
             samples.append((t1 - t0, t3 - t2, t4 - t3))
-    return tuple(statistics.median(s[j] for s in samples[1:]) for j in range(3))  # type: ignore[return-value]
+    return samples[1:]
