@@ -407,7 +407,9 @@ def _diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
                            after_results=True)
     first = sorted(errors.items(), key=lambda kv: ("waited for" in kv[1], kv[0]))
     alone = [kv for kv in first if "waited for" not in kv[1]]
-    if died and (not died[0].terminated or not alone):
+    # A rank torchrun stopped (SIGTERM) is blamed only when no rank said anything: a report, even one that
+    # waited, names the cause better (on another node, torchrun stops the ranks that were waiting for it).
+    if died and (not died[0].terminated or not errors):
         return RankFailure(died[0].rank, f"rank {died[0].rank} died ({died[0].how}) without an error report; the "
                                          "other ranks stopped"
                            + (f" ({len(errors)} reported waiting for it)" if errors else ""))

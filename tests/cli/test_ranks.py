@@ -167,3 +167,14 @@ def test_a_rank_that_fails_while_closing_after_its_result_keeps_the_results() ->
     # A rank that wrote no result is still a failure, whatever the others did.
     failure = diagnose(1, _summary((1, 1)), {}, {0})
     assert failure is not None and not failure.after_results and failure.rank == 1
+
+
+def test_a_rank_torchrun_stopped_is_not_blamed_over_the_rank_a_wait_names() -> None:
+    """Node 0 of two, rank 3 killed on node 1: rank 1 timed out waiting for it and exited, so torchrun SIGTERMed
+    rank 0 before rank 0 wrote its own wait. The cause is rank 3, on the other node, not the rank torchrun stopped."""
+    errors = {1: "RankFailedError: rank 3 stopped responding while rank 1 waited for B1 of microbatch 2"}
+    failure = diagnose(1, _summary((1, 1), (0, -15)), errors, set(), rendezvous=Rendezvous(2, 0, "127.0.0.1", 29611),
+                       local={0, 1})
+    assert failure is not None and failure.rank == 3
+    assert failure.message.startswith("rank 3 failed without an error report; rank 1 reported: RankFailedError")
+    assert failure.message.endswith("(rank 3 ran on another node: its fxpipe run says more)")
