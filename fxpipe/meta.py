@@ -31,6 +31,10 @@ class NodeMeta:
     time_fwd: float = 0.0
     time_bwd_input: float = 0.0
     time_bwd_weight: float = 0.0
+    # annotate_costs (calibrated) or count_backward: the seconds of host work inside each time_* above
+    host_fwd: float = 0.0
+    host_bwd_input: float = 0.0
+    host_bwd_weight: float = 0.0
     # group_layers
     layer_idx: int = -1
     layer: str = ""

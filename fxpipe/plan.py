@@ -91,10 +91,14 @@ class RuntimeOverheads:
     # seconds the last stage's F costs beyond another action, per microbatch: the loss and its gradient, on the
     # host inside a step (``Costs.from_plan`` adds it to the last stage's F). 0: caches from before.
     loss: float = 0.0
+    # seconds each message costs its sender's host (``isend``: the sender's next action starts that much later),
+    # inside a step. 0: caches from before.
+    send: float = 0.0
 
     def summary(self) -> str:
-        return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message, "
-                f"{self.step * 1e6:.0f} us per step, {self.loss * 1e6:.0f} us per loss")
+        return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message "
+                f"(+{self.send * 1e6:.0f} us to send it), {self.step * 1e6:.0f} us per step, "
+                f"{self.loss * 1e6:.0f} us per loss")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,12 @@ class ComputeRates:
     # (another job only ever adds time), and a virtual machine's neighbours and clocks make a step's median slower
     # than that (1.3x here); estimated times are multiplied by it. 1.0: plans and caches from before.
     sustained: float = 1.0
+    # Seconds of host work per ATen op of a layer's real F graph, and per op of its B and W graphs (``count_backward``
+    # counts them on each layer's split and puts them in place of op_fwd / op_bwd per node, which a layer of linears
+    # decomposes into more ops than the average node, and whose halves misplace W's work): the same runs as op_fwd
+    # and op_bwd over the ops of those graphs. 0: plans and caches from before (per node only).
+    graph_op_fwd: float = 0.0
+    graph_op_bwd: float = 0.0
 
     def cold(self, param_bytes: float) -> bool:
         """Whether a model of ``param_bytes`` of parameters runs its GEMMs on weights out of the cache: its parameters

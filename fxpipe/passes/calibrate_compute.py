@@ -68,7 +68,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 9  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 10  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
@@ -202,14 +202,14 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
         return None
     k = compute.sustained
     return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k,
-                               loss=found.loss * k)
+                               loss=found.loss * k, send=found.send * k)
 
 
 def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    floats = ("action", "message", "step", "loss")
+    floats = ("action", "message", "step", "loss", "send")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None
@@ -232,7 +232,8 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
-            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W, typically {rates.sustained:.2f}x its fastest{runtime}; "
+            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W ({rates.graph_op_fwd * 1e6:.1f} + {rates.graph_op_bwd * 1e6:.1f} per "
+            f"graph op), typically {rates.sustained:.2f}x its fastest{runtime}; "
             f"{'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
@@ -268,8 +269,9 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
             sweep.fill_(1.0)
 
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
-        op_fwd, op_bwd = _node_times(runs, evict=evict, sustained=sustained)
+        op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
+                        graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
@@ -483,8 +485,9 @@ class _Mix(nn.Module):
 
 
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
-                ) -> tuple[float, float]:
-    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` run as fxpipe runs it.
+                ) -> tuple[float, float, float, float]:
+    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` run as fxpipe runs it;
+    then the same two times per ATen op of its F graph, and per op of its B and W graphs (:func:`graph_ops`).
 
     With ``evict`` (reading more than the cache holds), each run starts as an action inside a pipeline step
     does, after other work took the cache: the median of ``2 * runs`` such runs, over ``sustained`` (so that
@@ -503,8 +506,8 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.target is not _getitem()]
     arg = x.clone().requires_grad_(True)
     graphs = split_stage(gm, [arg])
-    if graphs.fused:  # cannot happen on this model unless torch changes; then time it under autograd
-        return _autograd_node_times(gm, x, len(nodes), runs)
+    if graphs.fused:  # cannot happen on this model unless torch changes; then time it under autograd (per node only)
+        return (*_autograd_node_times(gm, x, len(nodes), runs), 0.0, 0.0)
     times = [time_graphs(graphs, [x], 1) for _ in range(runs)]
     f = min(t[0] for t in times)
     bw = min(t[1] + t[2] for t in times)
@@ -512,7 +515,16 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
         cold = _cold_times(graphs, x, evict, 2 * runs)
         f = max(f, statistics.median(t[0] for t in cold) / sustained)
         bw = max(bw, statistics.median(t[1] for t in cold) / sustained)
-    return f / len(nodes), bw / len(nodes)
+    ops_f, ops_b, ops_w = graph_ops(graphs)
+    return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w)
+
+
+def graph_ops(graphs: Any) -> tuple[int, int, int]:
+    """The ATen ops (every call but ``getitem``) of split graphs' F, B and W: what each costs the host to run."""
+    import operator
+
+    return tuple(sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+                 for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))  # type: ignore[return-value]
 
 
 def _cold_times(graphs: Any, x: torch.Tensor, evict: Callable[[], object], runs: int) -> list[tuple[float, float]]:
@@ -561,7 +573,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     if set(entry) != names:
         return None
     floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes",
-              "sustained")
+              "sustained", "graph_op_fwd", "graph_op_bwd")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None

@@ -29,13 +29,19 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     Reads: NodeMeta.layer_idx (group_layers) and the cost estimates (annotate_costs).
     Writes: NodeMeta.flops_bwd_input / flops_bwd_weight, scaled per layer so the layer's sums
     equal the counts on its real B and W graphs, and time_bwd_* scaled by the same ratios (a
-    layer whose estimate was 0 gets ``FLOPs / device_flops``). Layers with the same structure
-    and shapes (the repeating blocks) are traced once.
+    layer whose estimate was 0 gets ``FLOPs / device_flops``). With calibrated rates that time
+    the graphs' ops (``ComputeRates.graph_op_fwd`` / ``graph_op_bwd``, from annotate_costs), the
+    host part of each layer's F, B and W (NodeMeta.host_*) is its real graph's ATen ops at those
+    rates instead of per node, spread evenly over the layer's nodes: a linear layer's F is two
+    ops, its B two, its W four, where per node B and W took half each. Layers with the same
+    structure and shapes (the repeating blocks) are traced once.
     A layer AOTAutograd cannot split keeps its estimates; the report says so.
 
         blocks.3: B 1.64 MFLOP (est 1.64), W 1.57 MFLOP (est 1.64)
     """
     device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
+    compute = gm.meta.get("fxpipe_compute")
+    per_op = compute if compute is not None and compute.graph_op_fwd > 0 and compute.graph_op_bwd > 0 else None
     out = clone(gm)
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):
@@ -63,8 +69,14 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
             rows.append((k, metas[0].layer, est_b, est_b, est_w, est_w, "estimate"))
         else:
+            if per_op is not None:  # the host part goes now, and comes back below from the graphs' ops
+                _strip_host(nodes)
             _rescale(nodes, "flops_bwd_input", "time_bwd_input", graphs.flops_backward_input, device_flops)
             _rescale(nodes, "flops_bwd_weight", "time_bwd_weight", graphs.flops_backward_weight, device_flops)
+            if per_op is not None:
+                ops_f, ops_b, ops_w = graphs.ops
+                _add_host(nodes, per_op.sustained * ops_f * per_op.graph_op_fwd,
+                          per_op.sustained * ops_b * per_op.graph_op_bwd, per_op.sustained * ops_w * per_op.graph_op_bwd)
             diff = list(graphs.grad_outputs)
             rows.append((k, metas[0].layer, est_b, graphs.flops_backward_input, est_w, graphs.flops_backward_weight,
                          "counted"))
@@ -86,6 +98,7 @@ class _Counted:
     flops_backward_weight: int
     grad_outputs: tuple[int, ...]
     fused_reason: str | None
+    ops: tuple[int, int, int] = (0, 0, 0)  # ATen ops of F, B and W (calibrate_compute.graph_ops)
 
     @property
     def fused(self) -> bool:
@@ -93,8 +106,10 @@ class _Counted:
 
     @classmethod
     def of(cls, graphs: StageGraphs) -> "_Counted":
+        from fxpipe.passes.calibrate_compute import graph_ops
+
         return cls(graphs.flops_backward_input, graphs.flops_backward_weight, tuple(graphs.grad_outputs),
-                   graphs.fused_reason)
+                   graphs.fused_reason, (0, 0, 0) if graphs.fused else graph_ops(graphs))
 
 
 # Counts by layer signature (ops, wiring, shapes, dtypes, which inputs need a gradient: everything the counts
@@ -117,3 +132,23 @@ def _rescale(nodes: list[torch.fx.Node], flops_field: str, time_field: str, tota
         meta = get_meta(n)
         update_meta(n, **{flops_field: total // len(nodes),
                           time_field: getattr(meta, time_field) + total / len(nodes) / device_flops})
+
+
+_HOST = (("time_fwd", "host_fwd"), ("time_bwd_input", "host_bwd_input"), ("time_bwd_weight", "host_bwd_weight"))
+
+
+def _strip_host(nodes: list[torch.fx.Node]) -> None:
+    """Take annotate_costs' per-node host time out of each node's times (what is left: arithmetic and bytes)."""
+    for n in nodes:
+        meta = get_meta(n)
+        update_meta(n, **{t: max(0.0, getattr(meta, t) - getattr(meta, h)) for t, h in _HOST}, host_fwd=0.0,
+                    host_bwd_input=0.0, host_bwd_weight=0.0)
+
+
+def _add_host(nodes: list[torch.fx.Node], *seconds: float) -> None:
+    """Add a layer's host seconds of F, B and W, an equal share on each of its nodes."""
+    share = [s / len(nodes) for s in seconds]
+    for n in nodes:
+        meta = get_meta(n)
+        update_meta(n, **{t: getattr(meta, t) + x for (t, _), x in zip(_HOST, share)},
+                    **{h: getattr(meta, h) + x for (_, h), x in zip(_HOST, share)})

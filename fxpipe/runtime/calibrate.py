@@ -360,18 +360,19 @@ def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
     return min(statistics.median(run) for run in runs if run)
 
 
-def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, float, float]:
-    """(action, message, step, loss) seconds measured on ranks 0 and 1 of a world of two; collective.
+def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, float, float, float]:
+    """(action, message, step, loss, send) seconds measured on ranks 0 and 1 of a world of two; collective.
 
     The bare link (:func:`calibrate`), a message through the runtime's channel (:func:`channel_one_way`),
     then ``steps`` steps of a :class:`PipelineRuntime` on :class:`_Tiny` compiled at 2 stages with
-    ``rates`` (so its estimated graph times are the ones a user's plan gets): an action's overhead is its
-    measured time (graphs, sends, bookkeeping) less its estimated time; a step's is the step's time less
-    the span from its first action to its last and the wait before its first. Each is the median over a
-    step's actions (or the step), from the least disturbed step after the first two
-    (:func:`least_disturbed`); the median over the two ranks. The loss's is the last stage's F overhead (its
-    rank's least disturbed median) less that rank's action overhead: the last stage's F also computes the loss
-    and its gradient (on this machine 190 us per microbatch inside a step, 49 us between steps).
+    ``rates`` (so its estimated graph times are the ones a user's plan gets). Inside each action the loss
+    and its gradient (the last stage's F) and each ``isend`` are timed where they run; an action's overhead
+    is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
+    step's time less the span from its first action to its last and the wait before its first. Each is
+    the median over a step's actions, losses, sends (or the step), from the least disturbed step after
+    the first two (:func:`least_disturbed`); the median over the two ranks (the loss: its rank's).
+    Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
+    what the last stage's F costs beyond the median action, the loss had come out at 36 us.
     """
     import fxpipe
     from fxpipe.runtime.executor import PipelineRuntime
@@ -393,10 +394,25 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
            "BW": [c.b + c.w for c in costs]}
     actions: list[list[float]] = []
     fixed: list[list[float]] = []
-    losses: list[list[float]] = []  # the last stage's F overheads (on its rank)
-    last = len(costs) - 1
+    losses: list[list[float]] = []
+    sends: list[list[float]] = []
+    inside: dict[str, list[tuple[int, float]]] = {"loss": [], "send": []}  # (action index in the step, seconds)
+
+    def timed(label: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*args)
+            if label != "loss" or out is not None:  # maybe_loss computes the loss once its outputs exist
+                inside[label].append((len(rt.events), time.perf_counter() - t))
+            return out
+        return run
+
+    rt.core.maybe_loss = timed("loss", rt.core.maybe_loss)  # type: ignore[method-assign]
+    rt.channel.send = timed("send", rt.channel.send)  # type: ignore[method-assign]
     pending = None
     for k in range(steps):
+        for spent in inside.values():
+            spent.clear()
         t0 = time.perf_counter()
         now = rt.step_async((inputs,), target)
         wall = time.perf_counter() - t0
@@ -408,31 +424,36 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
         events = rt.events
         first_wait = rt.waits[0][2] - rt.waits[0][1] if rt.waits and rt.waits[0][0] == events[0][0] else 0.0
         fixed.append([wall - (events[-1][2] - events[0][1]) - first_wait])
-        actions.append([(end - start) - est[a.kind.value][a.stage] for a, start, end in events])
-        losses.append([(end - start) - est["F"][last] for a, start, end in events
-                       if a.kind.value == "F" and a.stage == last])
+        apart = [0.0] * len(events)  # each action's loss and sends, timed apart
+        for spent in inside.values():
+            for j, seconds in spent:
+                apart[j] += seconds
+        actions.append([(end - start) - est[a.kind.value][a.stage] - apart[j]
+                        for j, (a, start, end) in enumerate(events)])
+        losses.append([seconds for _, seconds in inside["loss"]])
+        sends.append([seconds for _, seconds in inside["send"]])
     assert pending is not None
     pending.wait()
-    action_here = least_disturbed(actions)
-    loss_here = least_disturbed(losses) - action_here if any(losses) else 0.0
-    mine = torch.tensor([action_here, least_disturbed(fixed), one_way, loss_here], dtype=torch.float64)
+    mine = torch.tensor([least_disturbed(actions), least_disturbed(fixed), one_way,
+                         least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends)], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
     action = statistics.median(float(t[0]) for t in both)
     step = statistics.median(float(t[1]) for t in both)
     one_way = float(both[0][2])  # rank 0 timed the round trips
     loss = max(float(t[3]) for t in both)  # the last stage's rank measured it (the others: 0)
-    return max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss)
+    send = statistics.median(float(t[4]) for t in both)
+    return max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss), max(0.0, send)
 
 
 def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        action, message, step, loss = overheads_on_ranks(rates)
+        measured = overheads_on_ranks(rates)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(f"{action!r} {message!r} {step!r} {loss!r}")
+                f.write(" ".join(repr(v) for v in measured))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -453,5 +474,6 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> Run
         mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
                            start_method="spawn")
         with open(out) as f:
-            action, message, step, loss = (float(v) for v in f.read().split())
-    return RuntimeOverheads(action, message, step, threads, f"{machine}|{time.perf_counter() - start:.1f} s", loss)
+            action, message, step, loss, send = (float(v) for v in f.read().split())
+    return RuntimeOverheads(action, message, step, threads, f"{machine}|{time.perf_counter() - start:.1f} s", loss,
+                            send)

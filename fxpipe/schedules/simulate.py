@@ -7,7 +7,8 @@ rank can move, the schedule deadlocks, and the error shows the grid with each ra
 action marked.
 
 In simulated time a message takes ``latency + bytes / bandwidth`` and uses no compute time on
-either rank. Each ordered pair of ranks is one link that carries one message at a time, in the
+either rank, but for ``Costs.send_s`` of its sender's host (the runtime's ``isend``; 0 unless the
+runtime's calibrated costs are added). Each ordered pair of ranks is one link that carries one message at a time, in the
 order they were sent (as gloo queues a pair's sends), so a message sent while the one before it
 is still crossing waits for it; the two directions are separate links.
 
@@ -87,6 +88,10 @@ class Costs:
     action_s: float = 0.0
     message_s: float = 0.0
     step_s: float = 0.0
+    # Seconds a message costs its sender's host (``isend``), after the action that produced it: the rank's next
+    # action starts that much later and the message leaves then. 0: sends take no time, as schedules are usually
+    # compared.
+    send_s: float = 0.0
 
     def with_overheads(self, action_s: float, message_s: float, step_s: float) -> "Costs":
         """These costs with the runtime's fixed costs per compute action, per message and per rank's step."""
@@ -127,6 +132,7 @@ class Costs:
         costs, loss = self, getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
         if loss:
             costs = dataclasses.replace(costs, f=(*costs.f[:-1], costs.f[-1] + loss))
+        costs = dataclasses.replace(costs, send_s=getattr(overheads, "send", 0.0))
         return costs.with_overheads(overheads.action, overheads.message, overheads.step)
 
     def time(self, action: Action) -> float:
@@ -323,7 +329,8 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
     scale = costs.compute_scale(schedule.num_ranks)
     timed = costs if scale == 1.0 else dataclasses.replace(
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
-        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale)
+        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
+        send_s=costs.send_s * scale)
     full = with_communication(schedule)
     walk = _walk(full, timed)
     lanes = _allreduce_lanes(walk.events, timed, full.num_ranks)
@@ -519,11 +526,13 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
     if costs is None:
         took: list[tuple[float, ...]] = [(1.0,) * p] * 4
         transfer = (0.0,) * p
+        send_cost = 0.0
     else:
         extra = costs.action_s  # the runtime's cost of running an action, whatever its graphs
         took = [tuple(t + extra for t in costs.f), tuple(t + extra for t in costs.b), tuple(t + extra for t in costs.w),
                 tuple(b + w + extra for b, w in zip(costs.b, costs.w))]
         transfer = tuple(costs.transfer(s) for s in range(p))
+        send_cost = costs.send_s  # the sender's host time per message (isend); the message leaves after it
     kind_index = _KIND_INDEX
     done: list[float | None] = [None] * (8 * slots)  # when each result is available (a send's: its arrival)
     link_free: dict[tuple[int, int], float] = {}  # (from rank, to rank) -> when its last message has arrived
@@ -565,11 +574,12 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                         done[at + B] = end  # the backward of (s, m), whichever kind ran
                     e = Event(r, a, start, end)
                     computed(e)
-                elif k == SEND_F or k == SEND_B:  # sends never wait (isend); they take no time
+                elif k == SEND_F or k == SEND_B:  # sends never wait (isend); they take send_cost of the sender's time
                     if done[at + F if k == SEND_F else at + B] is None:
                         waited += 1
                         break
-                    start = end = now
+                    start = now
+                    now = end = start + send_cost
                     # One link per ordered pair of ranks carries one message at a time, in the order
                     # they were sent (gloo queues a pair's sends): a message starts when it is sent and
                     # the one before it on the link has arrived, and takes latency + bytes / bandwidth.

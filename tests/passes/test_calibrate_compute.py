@@ -45,7 +45,8 @@ def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
 
     def measure(rates: ComputeRates, threads: int) -> RuntimeOverheads:
         calls.append(threads)
-        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads, cc.machine_key(threads) + "|0.0 s", loss=4e-5)
+        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads, cc.machine_key(threads) + "|0.0 s", loss=4e-5,
+                                send=8e-5)
     return measure
 
 
@@ -83,11 +84,19 @@ def test_node_times_are_the_cold_median_over_sustained_never_below_the_warm_fast
 
     real_cold = cc._cold_times
     monkeypatch.setattr(cc, "_cold_times", cold)
-    f, bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
+    f, bw, op_f, op_bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
     assert len(evictions) == 6  # 2 x runs cold runs, each after evicting
     nodes = round(0.15 / f)  # per node: (median / sustained) / nodes, the same node count for F and B+W
     assert nodes > 10 and f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
-    f_big, bw_big = cc._node_times(3, evict=lambda: None, sustained=1e9)
+    # per graph op: the same times over the ATen ops of _Mix's F graph, and of its B and W graphs together
+    from fxpipe.graphs.split import split_stage
+    from fxpipe.passes.trace import trace
+
+    x = torch.randn(2, 2, 4, 4)
+    ops_f, ops_b, ops_w = cc.graph_ops(split_stage(trace(cc._Mix(), (x,)).gm, [x.requires_grad_(True)]))
+    assert ops_f > nodes and ops_b + ops_w > nodes  # nodes decompose into more ATen ops, views included
+    assert op_f == pytest.approx(0.15 / ops_f) and op_bw == pytest.approx(0.2 / (ops_b + ops_w))
+    f_big, bw_big, _, _ = cc._node_times(3, evict=lambda: None, sustained=1e9)
     assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
 
 
@@ -232,6 +241,26 @@ def test_the_estimate_uses_the_calibrated_rates() -> None:
     assert checked >= 3
 
 
+def test_a_layers_host_time_is_its_real_graphs_ops_at_the_calibrated_rate_per_op() -> None:
+    """With per-op rates, count_backward times each layer's host work by the ATen ops of its real F, B and W
+    graphs: a linear is t + addmm forward, t + mm for its input's gradient, t + mm + sum + view for its weight's;
+    a ReLU is relu + detach forward, threshold_backward for B, nothing for W. Per node, B and W had half each."""
+    zoo = models.build("mlp-tiny")
+    per_op = dataclasses.replace(RATES, graph_op_fwd=1.0, graph_op_bwd=2.0, sustained=1.5)  # seconds: ops dominate
+    plan = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=per_op, granularity="node")).pipeline.plan
+    layers = {layer.name: layer for layer in plan.layers}
+    ops = {name: (round(layers[name].f / 1.5), round(layers[name].b / 3.0), round(layers[name].w / 3.0))
+           for name in layers}
+    assert ops["linear"] == (2, 0, 4)  # the first layer: its input is data, no B
+    assert ops["linear_1"] == ops["linear_2"] == ops["linear_3"] == ops["linear_4"] == (2, 2, 4)
+    assert ops["relu"] == ops["relu_1"] == ops["relu_3"] == (2, 1, 0)
+    # the arithmetic stays: only the host part is replaced (per node: a linear's W had half of op_bwd)
+    per_node = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=RATES, granularity="node")).pipeline
+    fc1 = per_node.plan.layers[2]
+    arithmetic = (layers["linear_1"].w - 4 * 3.0) / 1.5  # at the machine's typical speed, like the rest
+    assert fc1.name == "linear_1" and fc1.w - RATES.op_bwd / 2 == pytest.approx(arithmetic, rel=1e-6)
+
+
 def test_every_estimated_time_is_scaled_by_the_machines_sustained_speed() -> None:
     """A machine that typically runs 1.3x slower than its fastest runs: every node's F, B and W time 1.3x, on a
     convolutional and a transformer model; FLOPs and bytes unchanged."""
@@ -341,8 +370,9 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
     # the loss: on the last stage's F only, scaled like the rest
     from fxpipe.runtime.calibrate import RuntimeOverheads
-    with_loss = Costs.from_plan(calibrated.plan, RuntimeOverheads(1e-4, 2e-5, 3e-4, loss=5e-5))
+    with_loss = Costs.from_plan(calibrated.plan, RuntimeOverheads(1e-4, 2e-5, 3e-4, loss=5e-5, send=7e-5))
     plain = Costs.from_plan(calibrated.plan)
+    assert with_loss.send_s == 7e-5 and plain.send_s == 0.0  # each message's host time on its sender
     assert with_loss.f[:-1] == plain.f[:-1] and with_loss.f[-1] == pytest.approx(plain.f[-1] + 5e-5, rel=1e-12)
     assert (with_loss.b, with_loss.w) == (plain.b, plain.w)
     typical = dataclasses.replace(calibrated.plan, options=dataclasses.replace(  # measured at its fastest, like F/B/W
@@ -350,6 +380,7 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     costs = Costs.from_plan(typical, cc.plan_overheads(typical))
     assert (costs.action_s, costs.message_s, costs.step_s) == pytest.approx((1.5e-4, 3e-5, 4.5e-4), rel=1e-12)
     assert cc.plan_overheads(typical).loss == pytest.approx(6e-5, rel=1e-12)
+    assert costs.send_s == pytest.approx(1.2e-4, rel=1e-12)
     elsewhere = dataclasses.replace(calibrated.plan, options=dataclasses.replace(
         calibrated.plan.options, compute=dataclasses.replace(rates, machine="another|host|torch|1 thread(s)|v3|1 s")))
     assert cc.plan_overheads(elsewhere) is None

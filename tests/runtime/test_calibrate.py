@@ -49,12 +49,13 @@ def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> N
 
 
 def test_the_runtime_overheads_measured_on_two_gloo_ranks(tmp_path: Path) -> None:
-    """A real PipelineRuntime on two ranks: every rank gets the same four costs, each a time a step can hold."""
+    """A real PipelineRuntime on two ranks: every rank gets the same five costs, each a time a step can hold."""
     docs = _launch(tmp_path, 2, "overheads")
     assert docs[0] == docs[1]
-    for name in ("action", "message", "step", "loss"):
+    for name in ("action", "message", "step", "loss", "send"):
         assert 0 <= docs[0][name] < 0.1 and math.isfinite(docs[0][name]), docs[0]
-    assert docs[0]["action"] > 0 and docs[0]["step"] > 0  # a Python runtime never runs an action or a step in 0 s
+    # Timed where they run: a Python runtime never runs a step, a loss and its gradient, or an isend in 0 s.
+    assert docs[0]["step"] > 0 and docs[0]["loss"] > 0 and docs[0]["send"] > 0, docs[0]
 
 
 def test_calibration_scales_compute_and_sets_the_link() -> None:
@@ -161,9 +162,9 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
             from fxpipe.runtime.calibrate import overheads_on_ranks
 
             rates = ComputeRates(gemm_flops=1e11, conv_flops=5e10, mem_bw=1e10, op_fwd=1e-5, op_bwd=1.5e-5, threads=1)
-            action, message, step, loss = overheads_on_ranks(rates, steps=6)
-            (Path(out) / f"rank{rank}.json").write_text(json.dumps({"action": action, "message": message,
-                                                                     "step": step, "loss": loss}))
+            names = ("action", "message", "step", "loss", "send")
+            (Path(out) / f"rank{rank}.json").write_text(json.dumps(dict(zip(names, overheads_on_ranks(rates, steps=6),
+                                                                            strict=True))))
             return
         cal = calibrate() if what == "link" else calibrate_allreduce()
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(cal.to_json()))

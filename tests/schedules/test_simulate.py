@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import fxpipe
@@ -132,3 +134,13 @@ def test_the_runtime_overheads_add_per_action_per_message_and_per_step() -> None
     assert over.makespan == pytest.approx(plain + 4 * a + 2 * m + s)  # 4 compute actions on the path, 2 messages
     assert all(r.fixed_s == s for r in over.ranks)
     assert costs.with_overheads(a, m, s).time(Action(0, Kind.BW, 0)) == b + w + a  # one action, one overhead
+    # A send's host time: the message leaves after it, and its sender's next action starts after it.
+    sent = simulate(sched, dataclasses.replace(costs, send_s=0.375))
+    assert sent.makespan == pytest.approx(plain + 2 * 0.375)  # both messages are on the path
+    f1 = next(e for e in sent.events if e.action == Action(1, Kind.F, 0))
+    assert f1.start == pytest.approx(f + 0.375 + message)
+    # 1f1b, 2 microbatches: rank 0's F1 follows F0's send, so it starts after the send's host time
+    two = generate("1f1b", 2, 2, costs)
+    second = next(e for e in simulate(two, dataclasses.replace(costs, send_s=0.375)).events
+                  if e.action == Action(0, Kind.F, 1))
+    assert second.start == pytest.approx(f + 0.375)
