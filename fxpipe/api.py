@@ -199,9 +199,14 @@ def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenan
                              w=float(s.time_bwd_weight), flops=int(s.flops), saved_bytes=int(s.saved_bytes),
                              param_bytes=int(s.param_bytes), params=tuple(s.params))
                    for s in root.meta.get("fxpipe_layer_stats", ()))
+    moves = tuple(root.meta.get("fxpipe_backward_moves", ()))
+    costs = _stage_costs(root)
+    for move in moves:  # --balance-backward: B moved from the stage before the cut to the one after it
+        costs[move.cut]["b"] = max(0.0, costs[move.cut]["b"] - move.seconds)
+        costs[move.cut + 1]["b"] += move.seconds
     stages = tuple(StageCost(index=k, first_layer=stage_plan.bounds[k], end_layer=stage_plan.bounds[k + 1],
                              time=float(stage_plan.stage_times[k]), **c)
-                   for k, c in enumerate(_stage_costs(root)))
+                   for k, c in enumerate(costs))
     link = root.meta["fxpipe_link"]
     inputs = tuple(TensorSpec(name, tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
                    if isinstance(v, torch.Tensor) else TensorSpec(name, (), type(v).__name__)
@@ -215,7 +220,8 @@ def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenan
     return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
                 link=Link(float(link["bandwidth"]), float(link["latency"])),
                 mesh=Mesh.from_rank_of_stage(tuple(range(len(stages))), options.dp),
-                bottleneck_s=float(stage_plan.bottleneck), lower_bound_s=float(stage_plan.lower_bound))
+                bottleneck_s=float(stage_plan.bottleneck), lower_bound_s=float(stage_plan.lower_bound),
+                backward_moves=moves)
 
 
 def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:

@@ -12,6 +12,7 @@ from fxpipe._compat import pytree
 
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs, StageInterface, flatten_inputs
+from fxpipe.graphs.moves import apply_recorded
 from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.plan import Plan
 from fxpipe.report import Report
@@ -119,15 +120,30 @@ class Pipeline(torch.nn.Module):
         ``only``: the stages one rank runs. Of the others, where the plan records their interface
         (``Stage.interface``), only that is built (``StageGraphs.remote``) and they keep no graphs;
         this rank skips tracing them. A stage that already has graphs keeps them (a second runtime on
-        the same pipeline, with another placement, splits only what it lacks). Returns every
-        stage's graphs, interface-only ones included.
+        the same pipeline, with another placement, splits only what it lacks). The plan's
+        ``--balance-backward`` moves (``Plan.backward_moves``) are made again on the graphs split here:
+        a move changes the stages on both sides of its cut, so a rank splits its neighbours across
+        moved cuts too. Returns every stage's graphs,
+        interface-only ones included.
         """
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),
                   "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
         flat = flatten_inputs(self.in_spec, tuple(example_inputs), {})
-        graphs = build_stage_graphs([s.module for s in stages], wiring, flat, only=only,
-                                    interfaces=[s.interface for s in stages], built=[s.graphs for s in stages])
+        moves = [(m.cut, m.value) for m in (self.plan.backward_moves if self.plan is not None else ())
+                 if stages[m.cut].graphs is None or stages[m.cut + 1].graphs is None]  # made already where both are
+        mine = set(range(len(stages))) if only is None else set(only)
+        needed = set(mine)  # and, through moved cuts, the stages whose moves change them (as compile made them)
+        while grown := {k + d for k, _ in moves for d in (0, 1) if {k, k + 1} & needed} - needed:
+            needed |= grown
+        built = [s.graphs for s in stages]
+        for k, _ in moves:  # both sides of a cut still to move are split afresh, then moved together
+            built[k] = built[k + 1] = None
+        graphs = build_stage_graphs([s.module for s in stages], wiring, flat, only=needed,
+                                    interfaces=[s.interface for s in stages], built=built)
+        if moves:
+            made = [(k, v) for k, v in moves if not (graphs[k].remote or graphs[k + 1].remote)]
+            graphs = apply_recorded(graphs, wiring, made)
         for stage, g in zip(stages, graphs):
             if g.remote:
                 continue

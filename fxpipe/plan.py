@@ -285,6 +285,17 @@ class StageCost:
 
 
 @dataclass(frozen=True)
+class BackwardMove:
+    """``--balance-backward`` moved the derivative of ``value`` (an activation stage ``cut`` sends to stage
+    ``cut + 1``) from stage ``cut``'s B to the end of stage ``cut + 1``'s: ``seconds`` of B moved with it (the
+    pass's estimate, already in the stages' ``b``). A loaded plan's ranks make the same moves."""
+
+    cut: int
+    value: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Link:
     bandwidth: float
     latency: float
@@ -457,6 +468,8 @@ class Plan:
     schedule: ScheduleRecord | None = None
     version: int = PLAN_VERSION
     strategy: StrategyRecord | None = None  # a per-layer strategy (--strategy); absent from plan.json when None
+    # --balance-backward's moves, in the order made; absent from plan.json when there are none
+    backward_moves: tuple[BackwardMove, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -486,6 +499,8 @@ class Plan:
             del doc["strategy"]
         elif not self.strategy.stages:  # and one-stage strategies as before pipelined ones existed
             del doc["strategy"]["stages"], doc["strategy"]["microbatches"]
+        if not self.backward_moves:  # nor plans that moved no derivative before moves were recorded
+            del doc["backward_moves"]
         if self.options.compute is None:  # nor uncalibrated ones before calibration existed
             del doc["options"]["compute"]
         if self.options.cores is None:  # nor plans that model no time-sharing before --cores existed
@@ -504,6 +519,10 @@ class Plan:
         if cores is not None and cores < 1:
             raise PlanFileError(f"{where}.options.cores must be at least 1 (cores: {cores}); leave it out to model no "
                                 "time-sharing, or re-run fxpipe compile")
+        for move in plan.backward_moves:
+            if not 0 <= move.cut < len(plan.stages) - 1 or not math.isfinite(move.seconds) or move.seconds < 0:
+                raise PlanFileError(f"{where}.backward_moves has a move across cut {move.cut} of {move.seconds!r} s, "
+                                    f"which {len(plan.stages)} stages cannot have; re-run fxpipe compile")
         if plan.strategy is not None:
             bad = plan.strategy.problems()
             if bad:

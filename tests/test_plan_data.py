@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import PlanFileError
-from fxpipe.plan import (DEFAULTS, PLAN_VERSION, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan, Provenance,
-                         ScheduleRecord, StageCost, TensorSpec)
+from fxpipe.plan import (DEFAULTS, PLAN_VERSION, BackwardMove, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan,
+                         Provenance, ScheduleRecord, StageCost, TensorSpec)
 
 floats = st.floats(allow_nan=False)  # inf is allowed: an infinite bandwidth is a free link
 sizes = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
@@ -44,7 +44,8 @@ def plans(draw: st.DrawFn) -> Plan:
                      for _ in range(draw(st.integers(0, 3)))),
         layers=layers, stages=stages, link=Link(draw(floats), draw(sizes)),
         mesh=Mesh.from_rank_of_stage(tuple(range(num_stages))), bottleneck_s=draw(sizes), lower_bound_s=draw(sizes),
-        schedule=schedule)
+        schedule=schedule,
+        backward_moves=tuple(BackwardMove(k, draw(names), draw(sizes)) for k in range(num_stages - 1) if draw(st.booleans())))
 
 
 @settings(max_examples=60, deadline=None)

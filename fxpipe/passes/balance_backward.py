@@ -12,25 +12,14 @@ times drops.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
-import torch
 import torch.fx
 
 from fxpipe.graphs.convention import StageGraphs
-from fxpipe.graphs.fx import clone, copy_graph, value_bytes
+from fxpipe.graphs.fx import clone
+from fxpipe.graphs.moves import apply_move, find_move
 from fxpipe.passes.driver import PassResult
-from fxpipe.plan import DEFAULTS
+from fxpipe.plan import DEFAULTS, BackwardMove
 from fxpipe.report import Report
-
-# Derivatives of element-wise activations that read the activation's *output* (which the next
-# stage holds as its input), with the position of that output among the op's arguments.
-MOVABLE = {
-    torch.ops.aten.threshold_backward.default: 1,
-    torch.ops.aten.tanh_backward.default: 1,
-    torch.ops.aten.sigmoid_backward.default: 1,
-}
 
 
 def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None = None) -> PassResult:
@@ -38,7 +27,9 @@ def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None 
 
     Reads: the stage graphs (split_backward), the wiring (split_stages) and the stage times of
     the plan (partition_stages). A move's cost is its memory traffic, 3 x bytes / device_mem_bw.
-    Writes: new StageGraphs for the stages it changes, and the plan's stage times in the report.
+    Writes: new StageGraphs for the stages it changes, the plan's stage times in the report, and
+    ``root.meta["fxpipe_backward_moves"]`` (``plan.BackwardMove`` each): the plan records them, and a
+    loaded plan's ranks make the same moves on the graphs they split (``Pipeline.build_backward``).
     Only values read by the next stage alone (not the model output, not a skip connection) move.
     """
     device_mem_bw = DEFAULTS.device_mem_bw if device_mem_bw is None else device_mem_bw
@@ -53,11 +44,12 @@ def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None 
         for name in w["inputs"]:
             readers.setdefault(name, []).append(k)
     rows = []
+    moves: list[BackwardMove] = []
     for k in range(len(graphs) - 1):
         for i, name in enumerate(wiring["stages"][k]["outputs"]):
             if readers.get(name) != [k + 1] or name in wiring["outputs"]:
                 continue
-            move = _find_move(graphs[k], graphs[k + 1], i, wiring["stages"][k + 1]["inputs"].index(name))
+            move = find_move(graphs[k], graphs[k + 1], i, wiring["stages"][k + 1]["inputs"].index(name))
             if move is None:
                 continue
             cost = 3 * move.nbytes / device_mem_bw
@@ -65,13 +57,14 @@ def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None 
                 rows.append((k, name, str(move.op).replace("aten.", "").replace(".default", ""),
                              round(cost * 1e3, 5), "kept: would not lower the slower of the two stages"))
                 continue
-            graphs[k], graphs[k + 1] = _apply(move, graphs[k], graphs[k + 1])
+            graphs[k], graphs[k + 1] = apply_move(move, graphs[k], graphs[k + 1])
             times[k] -= cost
             times[k + 1] += cost
+            moves.append(BackwardMove(k, name, cost))
             rows.append((k, name, str(move.op).replace("aten.", "").replace(".default", ""), round(cost * 1e3, 5),
                          f"moved to stage {k + 1}'s B"))
     out.meta["fxpipe_stage_graphs"] = graphs
-    out.meta["fxpipe_balanced_stage_times"] = times
+    out.meta["fxpipe_backward_moves"] = moves
     notes = (f"bottleneck before {before * 1e3:.4f} ms, after {max(times) * 1e3:.4f} ms",
              *(() if rows else ("no stage sends an activation whose derivative could move (relu, tanh, sigmoid)",)))
     report = Report(title="balance-backward: activation derivatives moved across cuts",
@@ -79,105 +72,3 @@ def balance_backward(root: torch.fx.GraphModule, *, device_mem_bw: float | None 
     return PassResult(out, bool(rows), (report,))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Move:
-    op: Any
-    grad_slot: int  # position j in graphs[k].grad_outputs of the value's gradient
-    out_pos: int  # the value's position among stage k's outputs
-    in_pos: int  # its position among stage k+1's inputs
-    nbytes: int
-    tail: tuple[Any, ...]  # the derivative's constant arguments after its two tensors (relu's threshold)
-
-
-def _find_move(gk: StageGraphs, gk1: StageGraphs, out_pos: int, in_pos: int) -> _Move | None:
-    if gk.fused or gk1.fused or out_pos not in gk.grad_outputs or in_pos not in gk1.grad_inputs:
-        return None
-    j = gk.grad_outputs.index(out_pos)
-    if ("grad", j) not in gk.b_slots or ("grad", j) in gk.w_slots:
-        return None
-    ph = _placeholders(gk.backward_input)[gk.b_slots.index(("grad", j))]
-    users = list(ph.users)
-    if len(users) != 1 or users[0].target not in MOVABLE or users[0].args[0] is not ph:
-        return None
-    deriv = users[0]
-    other = deriv.args[MOVABLE[deriv.target]]  # type: ignore[index]
-    if not isinstance(other, torch.fx.Node) or other.op != "placeholder":
-        return None
-    slot = gk.b_slots[_placeholders(gk.backward_input).index(other)]
-    if slot[0] != "saved" or not _saved_is_output(gk, slot[1], out_pos):
-        return None
-    return _Move(deriv.target, j, out_pos, in_pos, value_bytes(ph.meta.get("val")), tuple(deriv.args[2:]))
-
-
-def _apply(move: _Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGraphs, StageGraphs]:
-    # Stage k: its B takes du where it took dv.
-    b = copy_graph(gk.backward_input.graph)  # type: ignore[union-attr]
-    phs = [n for n in b.nodes if n.op == "placeholder"]
-    ph = phs[gk.b_slots.index(("grad", move.grad_slot))]
-    deriv = next(iter(ph.users))
-    extra = deriv.args[MOVABLE[deriv.target]]
-    deriv.replace_all_uses_with(ph)
-    b.erase_node(deriv)
-    b_slots = list(gk.b_slots)
-    if isinstance(extra, torch.fx.Node) and not extra.users:
-        b_slots.pop(phs.index(extra))
-        b.erase_node(extra)
-    new_k = dataclasses.replace(gk, backward_input=torch.fx.GraphModule(gk.backward_input or {}, b, class_name="StageBackwardInput"),
-                                b_slots=tuple(b_slots))
-
-    # Stage k+1: F saves its input v (if it did not already), B applies the derivative to dv.
-    f = copy_graph(gk1.forward.graph)  # type: ignore[union-attr]
-    f_out = next(n for n in f.nodes if n.op == "output")
-    f_inputs = [n for n in f.nodes if n.op == "placeholder"]
-    results = list(f_out.args[0])
-    saved = results[gk1.num_outputs:]
-    if f_inputs[move.in_pos] in saved:
-        s = saved.index(f_inputs[move.in_pos])
-        num_saved = gk1.num_saved
-    else:
-        results.append(f_inputs[move.in_pos])
-        f_out.args = (tuple(results),)
-        s, num_saved = gk1.num_saved, gk1.num_saved + 1
-    b1 = copy_graph(gk1.backward_input.graph)  # type: ignore[union-attr]
-    b1_slots = list(gk1.b_slots)
-    phs1 = [n for n in b1.nodes if n.op == "placeholder"]
-    if ("saved", s) in b1_slots:
-        v = phs1[b1_slots.index(("saved", s))]
-    else:
-        with b1.inserting_after(phs1[-1] if phs1 else None):
-            v = b1.placeholder(f"saved_{s}")
-        v.meta = dict(f_inputs[move.in_pos].meta)
-        b1_slots.append(("saved", s))
-    b1_out = next(n for n in b1.nodes if n.op == "output")
-    results1 = list(b1_out.args[0])
-    pos = gk1.grad_inputs.index(move.in_pos)
-    args = [results1[pos], v] if MOVABLE[move.op] == 1 else [v, results1[pos]]
-    with b1.inserting_before(b1_out):
-        results1[pos] = b1.call_function(move.op, (*args, *move.tail))
-    b1_out.args = (tuple(results1),)
-    added = 0 if num_saved == gk1.num_saved else value_bytes(f_inputs[move.in_pos].meta.get("val"))
-    new_k1 = dataclasses.replace(
-        gk1,
-        forward=torch.fx.GraphModule(gk1.forward or {}, f, class_name="StageForward"),
-        backward_input=torch.fx.GraphModule(gk1.backward_input or {}, b1, class_name="StageBackwardInput"),
-        num_saved=num_saved,
-        b_slots=tuple(b1_slots),
-        bytes_f_to_b=gk1.bytes_f_to_b + added,
-    )
-    return new_k, new_k1
-
-
-def _placeholders(gm: torch.fx.GraphModule | None) -> list[torch.fx.Node]:
-    return [] if gm is None else [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _saved_is_output(g: StageGraphs, saved_idx: int, out_pos: int) -> bool:
-    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")  # type: ignore[union-attr]
-    results = out.args[0]
-
-    def base(node: Any) -> Any:
-        while isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.detach.default:
-            node = node.args[0]
-        return node
-
-    return base(results[g.num_outputs + saved_idx]) is base(results[out_pos])

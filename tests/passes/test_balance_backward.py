@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -73,3 +76,74 @@ def test_balance_needs_the_split_backward() -> None:
     zoo = models.build("mlp-tiny")
     with pytest.raises(OptionError, match="drop --no-split-backward"):
         fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, balance_backward=True, split_backward=False)
+
+
+class Middle(nn.Module):
+    """At 3 stages stage 1 (the wide block) is the slowest and sends a ReLU's output: its derivative moves across
+    cut 1, where stage 1 has a B of its own (its input takes a gradient) without input_grads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(16, 16, nn.ReLU), Block(16, 1024, nn.ReLU), Block(1024, 16, nn.ReLU),
+                                     Block(16, 16, nn.ReLU)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _derivatives(graphs: list) -> list[int]:  # type: ignore[type-arg]
+    return [sum("threshold_backward" in str(n.target) for n in g.backward_input.graph.nodes) for g in graphs]
+
+
+def _grads(pipe: fxpipe.Pipeline, mbs: list) -> dict[tuple[int, str], torch.Tensor]:  # type: ignore[type-arg]
+    from fxpipe.runtime.reference import ReferenceExecutor
+
+    ReferenceExecutor(pipe, _ce).run(mbs)
+    return {(s.index, n): p.grad for s in pipe.stage_list() for n, p in s.module.named_parameters()}
+
+
+def test_a_plan_directory_keeps_its_moves(tmp_path: Path) -> None:
+    """The plan records the moves and its stages' B times after them; a loaded plan makes the same moves, on
+    every stage or on one rank's (with the neighbours a move changes), and trains like the compiled pipeline."""
+    from fxpipe.errors import PlanFileError
+
+    torch.manual_seed(0)
+    example = (torch.randn(8, 16),)
+    mbs = [((torch.randn(8, 16),), torch.randint(0, 4, (8,))) for _ in range(2)]
+    pipe = fxpipe.compile(Middle(), example, stages=3, balance_backward=True, latency=0.0)
+    (move,) = pipe.plan.backward_moves
+    assert (move.cut, move.value) == (1, "relu_2") and move.seconds > 0
+    plain = fxpipe.compile(Middle(), example, stages=3, latency=0.0)
+    assert plain.plan.backward_moves == () and plain.plan.bounds == pipe.plan.bounds
+    assert pipe.plan.stages[1].b == pytest.approx(plain.plan.stages[1].b - move.seconds, rel=1e-9)
+    assert pipe.plan.stages[2].b == pytest.approx(plain.plan.stages[2].b + move.seconds, rel=1e-9)
+    compiled = _derivatives(pipe.stage_graphs)  # type: ignore[arg-type]
+    assert compiled[1] == _derivatives(plain.stage_graphs)[1] - 1  # type: ignore[arg-type]
+    fxpipe.save(pipe, tmp_path / "plan")
+
+    loaded = fxpipe.load(tmp_path / "plan")
+    assert loaded.plan.backward_moves == pipe.plan.backward_moves
+    assert _derivatives(loaded.build_backward(example)) == compiled
+    reference = _grads(pipe, mbs)
+    for key, grad in _grads(loaded, mbs).items():
+        torch.testing.assert_close(grad, reference[key], msg=lambda m: f"{key}: {m}")
+
+    rank = fxpipe.load(tmp_path / "plan")  # the last stage's rank: it splits stage 1 too, the move's other side
+    graphs = rank.build_backward(example, only={2})
+    assert _derivatives(graphs[1:]) == compiled[1:] and graphs[0].remote
+    assert [s.graphs is not None for s in rank.stage_list()] == [False, True, True]
+    first = fxpipe.load(tmp_path / "plan")  # stage 0's: no moved cut touches it, nothing else is split
+    assert [g.remote for g in first.build_backward(example, only={0})] == [False, True, True]
+
+    doc = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    doc["plan"]["backward_moves"][0]["value"] = "relu_1"  # not what stage 1 sends
+    (tmp_path / "plan" / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanFileError, match="moves the derivative of 'relu_1' across cut 1, which the stages do not"):
+        fxpipe.load(tmp_path / "plan").build_backward(example)
+    doc["plan"]["backward_moves"][0].update(value="relu_2", cut=2)  # past the last cut
+    (tmp_path / "plan" / "plan.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanFileError, match="backward_moves has a move across cut 2"):
+        fxpipe.load(tmp_path / "plan")
