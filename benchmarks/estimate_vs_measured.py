@@ -5,6 +5,7 @@ the simulated step against the measured one.
     python benchmarks/estimate_vs_measured.py                       # every case, both ways
     python benchmarks/estimate_vs_measured.py --models gpt-tiny --calibration on --steps 6
     python benchmarks/estimate_vs_measured.py --calibration on --repeat 3   # each plan run 3 times: the median run
+    python benchmarks/estimate_vs_measured.py --calibration on --repeat 3 --fresh-calibration  # calibrated per case
 
 Each case: ``fxpipe compile MODEL --stages 2 --out DIR --json`` with ``FXPIPE_CALIBRATION`` off or on, then
 ``fxpipe run DIR --steps N --json`` (2 ranks, gloo, 1 thread each). ``simulated_step_ms`` is the run's own: the
@@ -13,6 +14,12 @@ is ``step_ms_median`` (every step but the first, which faults in the buffers). T
 the issue's goal is every case within 25% without --profile. Results are appended per case to
 ``benchmarks/results/estimate_vs_measured/results.json`` (the load average before and after each run is kept: the
 machine is shared), and the table is printed from every case there.
+
+``--fresh-calibration`` calibrates anew for each case (its own ``XDG_CACHE_HOME``, so compile measures the compute
+rates and the runtime's costs, and the run reads those): this machine's speed drifts by tens of percent over
+minutes (five calibrations in a row: typical GEMM 128-167 GFLOP/s, per-op host time 14.5-20.0 us), so one cached
+calibration taken in a fast or slow minute moves every case's ratio together. Without it, the user's cache is used
+as a user's compile would use it.
 """
 
 from __future__ import annotations
@@ -44,9 +51,12 @@ def fxpipe(args: list[str], env: dict[str, str], timeout: float) -> dict[str, ob
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: int = 1) -> dict[str, object]:
+def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: int = 1,
+             fresh: bool = False) -> dict[str, object]:
     env = {**os.environ, "FXPIPE_CALIBRATION": calibration}
     with tempfile.TemporaryDirectory() as tmp:
+        if fresh:  # compile calibrates now, into a cache of its own, and the run reads the same one
+            env["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")
         plan_dir = Path(tmp) / "plan"
         t0 = time.perf_counter()
         compiled = fxpipe(["compile", model, "--stages", "2", "--out", str(plan_dir), "--json"], env, timeout)
@@ -65,7 +75,9 @@ def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: i
     simulated, measured = float(ran["simulated_step_ms"]), float(ran["step_ms_median"])  # type: ignore[arg-type]
     return {
         "model": model, "calibration": calibration, "steps": steps,
-        "compile": f"FXPIPE_CALIBRATION={calibration} fxpipe compile {model} --stages 2 --out DIR --json",
+        "compile": f"FXPIPE_CALIBRATION={calibration} fxpipe compile {model} --stages 2 --out DIR --json"
+                   + (" (calibrated for this case)" if fresh else ""),
+        "fresh_calibration": fresh,
         "run": f"fxpipe run DIR --steps {steps} --json" + (f" ({repeat} runs)" if repeat > 1 else ""),
         "ratios": [round(r, 3) for r in ratios],
         "calibration_line": compiled.get("calibration"),
@@ -103,6 +115,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps for the tiny and small sizes")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each compiled plan; the median run's ratio counts")
+    parser.add_argument("--fresh-calibration", action="store_true",
+                        help="calibrate anew for each case (its own cache) instead of using the user's cached one")
     parser.add_argument("--out", type=Path, default=OUT / "results.json")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +125,8 @@ def main() -> int:
     for model in args.models:
         for mode in modes:
             try:
-                case = run_case(model, mode, BIG.get(model, args.steps), args.timeout, args.repeat)
+                case = run_case(model, mode, BIG.get(model, args.steps), args.timeout, args.repeat,
+                                args.fresh_calibration)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 print(f"{model} {mode}: failed: {exc}", flush=True)
                 continue
