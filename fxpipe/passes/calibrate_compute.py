@@ -25,7 +25,9 @@ several runs (another job on the machine only ever adds time):
   and W as ``fxpipe compile`` does, at sizes where its arithmetic is negligible; F's time over its
   nodes is what a node costs the host whatever its size (Python, dispatch, allocation, and the
   ATen ops a node decomposes into), B + W's over the nodes on the gradient path the same for the
-  backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating).
+  backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating). The same
+  times over the ATen ops of those F graphs, and of the B and W graphs together, are the per-op rates
+  (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs.
 - **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
   machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
   a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
