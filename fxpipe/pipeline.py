@@ -123,8 +123,7 @@ class Pipeline(torch.nn.Module):
         the same pipeline, with another placement, splits only what it lacks). The plan's
         ``--balance-backward`` moves (``Plan.backward_moves``) are made again on the graphs split here:
         a move changes the stages on both sides of its cut, so a rank splits its neighbours across
-        moved cuts too. Returns every stage's graphs,
-        interface-only ones included.
+        moved cuts too. Returns every stage's graphs, interface-only ones included.
         """
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),

@@ -19,7 +19,7 @@ import torch.fx
 
 from fxpipe.errors import PlanFileError
 from fxpipe.graphs.convention import StageGraphs
-from fxpipe.graphs.fx import copy_graph, value_bytes
+from fxpipe.graphs.fx import copy_graph, output_node, value_bytes
 
 # Derivatives of element-wise activations that read the activation's *output* (which the next
 # stage holds as its input), with the position of that output among the op's arguments.
@@ -78,7 +78,7 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
 
     # Stage k+1: F saves its input v (if it did not already), B applies the derivative to dv.
     f = copy_graph(gk1.forward.graph)  # type: ignore[union-attr]
-    f_out = next(n for n in f.nodes if n.op == "output")
+    f_out = output_node(f)
     f_inputs = [n for n in f.nodes if n.op == "placeholder"]
     results = list(f_out.args[0])
     saved = results[gk1.num_outputs:]
@@ -99,7 +99,7 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
             v = b1.placeholder(f"saved_{s}")
         v.meta = dict(f_inputs[move.in_pos].meta)
         b1_slots.append(("saved", s))
-    b1_out = next(n for n in b1.nodes if n.op == "output")
+    b1_out = output_node(b1)
     results1 = list(b1_out.args[0])
     pos = gk1.grad_inputs.index(move.in_pos)
     args = [results1[pos], v] if MOVABLE[move.op] == 1 else [v, results1[pos]]
@@ -123,7 +123,7 @@ def _placeholders(gm: torch.fx.GraphModule | None) -> list[torch.fx.Node]:
 
 
 def _saved_is_output(g: StageGraphs, saved_idx: int, out_pos: int) -> bool:
-    out = next(n for n in reversed(g.forward.graph.nodes) if n.op == "output")  # type: ignore[union-attr]
+    out = output_node(g.forward.graph)  # type: ignore[union-attr]
     results = out.args[0]
 
     def base(node: Any) -> Any:

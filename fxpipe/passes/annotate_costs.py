@@ -110,6 +110,8 @@ def annotate_costs(
         rate = rate_w = device_flops
         host_f = host_b = host_w = 0.0
         per_node = (0.0, 0.0, 0.0)  # the part of host_* that is per node (not a convolution's per-call time)
+        share_b = (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0  # of the backward's host time, B's
+        share_w = (0.5 if grad_to_act else 1.0) if grad_to_param else 0.0
         if compute is not None:  # the node also reads its parameters (a skinny GEMM is bound by its weight's bytes)
             traffic += param_bytes
             kind = _op_name(node).split(".")[0]
@@ -122,10 +124,8 @@ def annotate_costs(
                 if conv:
                     rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
                     rate_w = rate
-                host_b = host_bw * (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0
-                host_w = host_bw * (0.5 if grad_to_act else 1.0) if grad_to_param else 0.0
-                per_node = (compute.op_fwd, compute.op_bwd * host_b / host_bw if host_bw else 0.0,
-                            compute.op_bwd * host_w / host_bw if host_bw else 0.0)
+                host_b, host_w = host_bw * share_b, host_bw * share_w
+                per_node = (compute.op_fwd, compute.op_bwd * share_b, compute.op_bwd * share_w)
         update_meta(
             node,
             shape=tuple(tuple(int(s) for s in t.shape) for t in tensors),
@@ -138,8 +138,8 @@ def annotate_costs(
             flops_bwd_weight=flops_w,
             time_fwd=typical * (host_f + max(flops / rate, traffic / device_mem_bw)),
             host_fwd=typical * per_node[0],
-            host_bwd_input=typical * per_node[1] if grad_to_act else 0.0,
-            host_bwd_weight=typical * per_node[2] if grad_to_param else 0.0,
+            host_bwd_input=typical * per_node[1],
+            host_bwd_weight=typical * per_node[2],
             time_bwd_input=typical * (host_b + max(flops_b / rate, traffic / device_mem_bw)) if grad_to_act else 0.0,
             time_bwd_weight=typical * (host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
                                                     / device_mem_bw)) if grad_to_param else 0.0,

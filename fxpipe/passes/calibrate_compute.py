@@ -523,9 +523,9 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
 
 def graph_ops(graphs: Any) -> tuple[int, int, int]:
     """The ATen ops (every call but ``getitem``) of split graphs' F, B and W: what each costs the host to run."""
-    import operator
+    from fxpipe.graphs.fx import compute_nodes
 
-    return tuple(sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+    return tuple(sum(1 for n in compute_nodes(gm.graph) if n.target is not _getitem())
                  for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))  # type: ignore[return-value]
 
 

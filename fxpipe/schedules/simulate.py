@@ -93,9 +93,10 @@ class Costs:
     # compared.
     send_s: float = 0.0
 
-    def with_overheads(self, action_s: float, message_s: float, step_s: float) -> "Costs":
-        """These costs with the runtime's fixed costs per compute action, per message and per rank's step."""
-        return dataclasses.replace(self, action_s=action_s, message_s=message_s, step_s=step_s)
+    def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
+        """These costs with the runtime's fixed costs per compute action, per message (its latency, and its
+        sender's host time) and per rank's step."""
+        return dataclasses.replace(self, action_s=action_s, message_s=message_s, step_s=step_s, send_s=send_s)
 
     def with_optimizer(self, optimizer: str, mem_bw: float) -> "Costs":
         """These costs with each stage's optimizer step: a memory-bound pass over its parameters at ``mem_bw``."""
@@ -132,8 +133,7 @@ class Costs:
         costs, loss = self, getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
         if loss:
             costs = dataclasses.replace(costs, f=(*costs.f[:-1], costs.f[-1] + loss))
-        costs = dataclasses.replace(costs, send_s=getattr(overheads, "send", 0.0))
-        return costs.with_overheads(overheads.action, overheads.message, overheads.step)
+        return costs.with_overheads(overheads.action, overheads.message, overheads.step, getattr(overheads, "send", 0.0))
 
     def time(self, action: Action) -> float:
         s = action.stage
