@@ -4,9 +4,9 @@ A step is forward, the zoo loss, backward and an SGD step (lr 0.01, no momentum)
 trains its own copy of the same zoo model on the same batch:
 
   eager          : the model as written
-  fxpipe         : torch.compile(model, backend="fxpipe", options={"stages": S, "microbatches": M,
-                   "cuda_graphs": True}) (the step as two CUDA graphs from its second call)
-  fxpipe-nograph : the same with options cuda_graphs=False, the default (every op launched from Python)
+  fxpipe         : torch.compile(model, backend="fxpipe", options={"stages": S, "microbatches": M}) (the
+                   default on one GPU: the step as two CUDA graphs from its second call)
+  fxpipe-nograph : the same with options cuda_graphs=False (every op launched from Python)
   inductor       : torch.compile(model) (the default backend, mode "default": no CUDA graphs)
   inductor-cg    : torch.compile(model, mode="reduce-overhead") (Inductor with its own CUDA graphs)
   --methods picks some; --no-inductor drops both inductor methods.
@@ -75,7 +75,7 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
         model = copy.deepcopy(zoo.model)
         options = {"stages": stages, "microbatches": microbatches}
         if method == "fxpipe":
-            fn: Any = torch.compile(model, backend="fxpipe", options={**options, "cuda_graphs": True})
+            fn: Any = torch.compile(model, backend="fxpipe", options=options)
         elif method == "fxpipe-nograph":
             fn = torch.compile(model, backend="fxpipe", options={**options, "cuda_graphs": False})
         elif method == "inductor":

@@ -76,9 +76,11 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
                           f"(W right after B), not {schedule!r}")
-    # Opt-in: on an H100, resnet-tiny (conv + BatchNorm) replayed with SGD steps between calls got conv1.weight's
-    # gradient off by up to 3.6e-4 in 2 of ~8 runs (unexplained; mlp and gpt matched in every run).
-    cuda_graphs = opts.get("cuda_graphs", False)
+    # On by default (used where every stage and input is on one CUDA device). In float64 the replayed step's
+    # gradients equal eager's to 1.2e-15 over 10 x 5 SGD steps of resnet-tiny on an H200; in float32 resnet-tiny
+    # differs from eager by up to 7e-2 with or without the graphs, as two eager runs do with cuDNN's
+    # nondeterministic algorithms (benchmarks/gpu_repeatability.py).
+    cuda_graphs = opts.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise OptionError(f"options 'cuda_graphs' must be True or False (cuda_graphs: {cuda_graphs!r})")
     first = _microbatches(flat_args, microbatches)[0]
@@ -330,9 +332,10 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool)
                   tuple(rows), (f"{m} microbatches; peak = parameters + gradients + activations held by the "
                                 "all-forward-first step",
                                 "the step runs as two CUDA graphs (F; B and W) from its second call, their memory pool "
-                                "held between steps (options cuda_graphs=False: op by op)" if graphs else
-                                "the step runs op by op (options cuda_graphs=True: two CUDA graphs, when every stage "
-                                "and input is on one CUDA device)"))
+                                "held between steps, or op by op where a capture fails (options cuda_graphs=False: "
+                                "always op by op)" if graphs else
+                                "the step runs op by op (CUDA graphs need every stage and input on one CUDA device, "
+                                "and options cuda_graphs=True, the default)"))
 
 
 class _Runner:
@@ -369,11 +372,23 @@ class _Runner:
         self.placement.refresh()
         graphs = self.step_graphs
         if graphs is not None and graphs.can_replay(flat):
-            outs, state = graphs.forward(flat, self.run_forward)
+            try:
+                outs, state = graphs.forward(flat, self.run_forward)
+            except _CaptureFailed as exc:
+                self._op_by_op(exc)
+                outs, state = self.run_forward(flat)
         else:
             outs, state = self.run_forward(flat)
         self.placement.write_back_buffers()
         return outs, state
+
+    def _op_by_op(self, exc: _CaptureFailed) -> None:
+        """A step that cannot be captured (a host sync, a copy from pageable CPU memory) runs op by op from now on."""
+        import warnings
+
+        self.step_graphs = None
+        warnings.warn(f"backend='fxpipe': the step could not be captured as a CUDA graph ({exc}); it runs op by op "
+                      "from now on (options cuda_graphs=False skips the attempt)", stacklevel=2)
 
     def run_forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], _BackendCore]:
         """F of every stage for every microbatch: the outputs, and the core holding what B and W read."""
@@ -395,7 +410,11 @@ class _Runner:
 
     def backward(self, state: Any, grads: Sequence[torch.Tensor | None]) -> tuple[list[Any], list[Any]]:
         if isinstance(state, _StepToken):
-            return state.graphs.backward(state, grads, self.run_backward)
+            try:
+                return state.graphs.backward(state, grads, self.run_backward)
+            except _CaptureFailed as exc:  # the forward replayed: its values are in the core, as before the capture
+                self._op_by_op(exc)
+                return self.run_backward(exc.core, grads)
         result = self.run_backward(state, grads)
         if self.step_graphs is not None:
             self.step_graphs.eager_steps += 1
@@ -483,6 +502,25 @@ def _step_graphs(runner: _Runner, flat: Sequence[Any]) -> _StepGraphs | None:
     return _StepGraphs(watched)
 
 
+class _CaptureFailed(Exception):
+    """A CUDA graph capture failed; ``core`` holds the replayed forward's values when it was the backward's."""
+
+    def __init__(self, cause: BaseException, core: Any) -> None:
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        super().__init__(f"{type(cause).__name__}: {first}")
+        self.core = core
+
+
+def _containers(obj: Any) -> dict[str, Any]:
+    """Copies of ``obj``'s list and dict attributes, two levels deep (the tensors they hold are not copied)."""
+    def copied(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: list(x) if isinstance(x, list) else dict(x) if isinstance(x, dict) else x for k, x in v.items()}
+        return [list(x) if isinstance(x, list) else dict(x) if isinstance(x, dict) else x for x in v]
+
+    return {k: copied(v) for k, v in vars(obj).items() if isinstance(v, (list, dict))}
+
+
 class _StepToken:
     """What autograd keeps between a replayed forward and its backward: which graphs replay it. While it lives,
     the graphs' pool holds that forward's saved tensors (``_StepGraphs.owner`` is a weak reference to it)."""
@@ -542,8 +580,11 @@ class _StepGraphs:
         if self.fwd is None:
             self.static_in = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in flat]
             self.fwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.fwd):
-                self.fwd_out, self.core = body(self.static_in)
+            try:
+                with torch.cuda.graph(self.fwd):
+                    self.fwd_out, self.core = body(self.static_in)
+            except Exception as exc:  # nothing ran: a capture records kernels without running them
+                raise _CaptureFailed(exc, None) from exc
         else:
             for s, a in zip(self.static_in, flat):
                 if isinstance(a, torch.Tensor):
@@ -557,8 +598,13 @@ class _StepGraphs:
         if self.bwd is None:
             self.static_grads = [g.detach().clone() if isinstance(g, torch.Tensor) else None for g in grads]
             self.bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
-                self.bwd_out = body(self.core, self.static_grads)
+            kept = _containers(self.core)  # the core's step state, which a failed capture leaves half consumed
+            try:
+                with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+                    self.bwd_out = body(self.core, self.static_grads)
+            except Exception as exc:
+                vars(self.core).update(kept)
+                raise _CaptureFailed(exc, self.core) from exc
             self.core = None  # what it held now lives in the pool, at the addresses the graphs use
         else:
             for s, g in zip(self.static_grads, grads):
