@@ -16,7 +16,10 @@ in place, and B reads F's saved tensors from F's own static outputs. Anything el
 activation, a gradient the loss made) is copied into a buffer of the slot's own. Outputs are the
 graph's static tensors, rewritten when the same slot replays next step: the runtime is done with
 a step's values before the next step starts. Where a call's arguments are not where its graph
-reads them (a parameter moved, say), the call runs eagerly, and ``fallbacks`` counts it.
+reads them (a parameter moved, say), the call runs eagerly, and ``fallbacks`` counts it. A call that
+cannot be captured (an op that syncs with the host, a copy from pageable memory) runs eagerly, then
+and at every later step, with one warning per rank: a failed capture ran nothing, and the graph
+callables are pure functions of their arguments, so running the call again is the same call.
 All graphs of a rank share one memory pool: a graph's temporaries are free again when it ends,
 and what outlives it (its outputs) stays referenced here, so the pool never hands it out twice.
 """
@@ -40,6 +43,7 @@ class GraphSet:
         self.steps = 0
         self.fallbacks = 0
         self.captured = 0
+        self.failed: list[str] = []  # why each slot that could not be captured failed
 
     def wrap(self, fn: Any) -> SlotGraphs:
         graphs = SlotGraphs(fn, self)
@@ -50,6 +54,17 @@ class GraphSet:
         self.steps += 1
         for m in self.members:
             m.calls = 0
+
+    def give_up(self, exc: BaseException) -> None:
+        """A slot that could not be captured: counted, and said once per rank."""
+        import warnings
+
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        self.fallbacks += 1
+        self.failed.append(f"{type(exc).__name__}: {first}")
+        if len(self.failed) == 1:
+            warnings.warn(f"cuda_graphs: a call could not be captured as a CUDA graph ({self.failed[0]}); it runs op "
+                          "by op (cuda_graphs=False skips the attempt)", stacklevel=3)
 
     def in_place(self) -> set[int]:
         return self.outputs | {t.data_ptr() for t in self.persistent() if isinstance(t, torch.Tensor)}
@@ -62,13 +77,16 @@ class _Slot:
         self.graph, self.inputs, self.borrowed, self.out = graph, inputs, borrowed, out
 
 
+_EAGER = object()  # a slot whose capture failed: its call runs eagerly
+
+
 class SlotGraphs:
     """``fn`` captured once per call slot and replayed (see the module docstring)."""
 
     def __init__(self, fn: Any, owner: GraphSet) -> None:
         self.fn = fn
         self.owner = owner
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, Any] = {}  # call slot -> _Slot, or _EAGER
         self.calls = 0
 
     def __call__(self, *args: Any) -> Any:
@@ -78,8 +96,16 @@ class SlotGraphs:
             return self.fn(*args)
         slot = self.slots.get(n)
         if slot is None:
-            slot = self.slots[n] = self._capture(args)
-        elif not self._load(slot, args):
+            try:
+                slot = self.slots[n] = self._capture(args)
+            except Exception as exc:  # noqa: BLE001  (whatever the op, the call runs eagerly from now on)
+                self.slots[n] = _EAGER
+                self.owner.give_up(exc)
+                return self.fn(*args)
+        if slot is _EAGER:
+            self.owner.fallbacks += 1
+            return self.fn(*args)
+        if not self._load(slot, args):
             self.owner.fallbacks += 1
             return self.fn(*args)
         slot.graph.replay()

@@ -72,7 +72,7 @@ class PipelineRuntime:
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
-                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool = False) -> None:
+                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan)
@@ -167,6 +167,8 @@ class PipelineRuntime:
             self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
             replicas.attach(self.sync)
         self.codegen = self._compile_stages(codegen)
+        if cuda_graphs is None:  # the default: on where it can be, a CUDA rank running a synchronous schedule's eager graphs
+            cuda_graphs = self.device.type == "cuda" and schedule.synchronous and self.codegen == "eager"
         self.graph_set = self._graph_stages() if cuda_graphs else None
         self._early = self._early_steps()
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
@@ -201,8 +203,8 @@ class PipelineRuntime:
         return codegen
 
     def _graph_stages(self) -> Any:
-        """``cuda_graphs=True``: this rank's F, B, W, W_acc and W_set as CUDA graphs per call slot
-        (:mod:`fxpipe.runtime.cuda_graphs`), captured in the second step and replayed after it."""
+        """``cuda_graphs`` (the default on a CUDA rank): this rank's F, B, W, W_acc and W_set as CUDA graphs per
+        call slot (:mod:`fxpipe.runtime.cuda_graphs`), captured in the second step and replayed after it."""
         from fxpipe.runtime.cuda_graphs import GraphSet
 
         if self.codegen != "eager":

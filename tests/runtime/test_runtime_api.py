@@ -117,9 +117,55 @@ def test_cuda_graphs_need_a_cuda_rank(tmp_path: Path) -> None:
                 PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum(), cuda_graphs=True, codegen=codegen)
             except OptionError as exc:
                 print('refused:', exc)
+        print('default on the CPU:', PipelineRuntime({str(plan)!r}, loss_fn=lambda out, t: out.sum()).graph_set)
         """)
     assert "refused: cuda_graphs=True needs the rank on a CUDA device (device: cpu)" in stdout
+    assert "default on the CPU: None" in stdout  # CUDA graphs are the default on CUDA ranks only
     from fxpipe._compat import cpp_compiler
 
     if cpp_compiler() is not None:  # without one, codegen='inductor' runs eagerly (one warning) and is not refused
         assert "refused: cuda_graphs=True replays the eager stage graphs; with codegen='inductor'" in stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_call_that_cannot_be_captured_runs_eagerly(tmp_path: Path) -> None:
+    """CUDA graphs are the default on a CUDA rank; a call whose capture fails (as one that syncs with the host
+    does) runs eagerly at every step, with one warning, and training equals cuda_graphs=False's (float64)."""
+    stdout = run_one_rank(tmp_path, """
+        import json, warnings
+        import fxpipe
+        from fxpipe import models
+        from fxpipe.cli.rank import synthetic_batch
+
+        def train(cuda_graphs, fail):
+            zoo = models.build('mlp-tiny', dtype=torch.float64, device='cuda')
+            pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=1)
+            rt = PipelineRuntime(pipe, loss_fn=zoo.loss_fn, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                                 microbatches=4, cuda_graphs=cuda_graphs)
+            if fail:  # stage 0's F: its capture raises, as an op that syncs with the host makes it
+                member = rt.graph_set.members[0]
+                real = member.fn
+
+                def forward(*args):
+                    if torch.cuda.is_current_stream_capturing():
+                        raise RuntimeError('operation not permitted when stream is capturing')
+                    return real(*args)
+                member.fn = forward
+            inputs, target = synthetic_batch(models.build('mlp-tiny', dtype=torch.float64), 4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                losses = [float(rt.step(inputs, target)) for _ in range(5)]
+            gs = rt.graph_set
+            return {'losses': losses, 'graphs': None if gs is None else [gs.captured, gs.fallbacks, len(gs.failed)],
+                    'warned': sum('could not be captured' in str(w.message) for w in caught)}
+        print(json.dumps([train(False, False), train(None, True), train(None, False)]))
+        """)
+    eager, failing, graphed = json.loads(stdout.strip().splitlines()[-1])
+    assert eager["graphs"] is None
+    torch.testing.assert_close(failing["losses"], eager["losses"])
+    torch.testing.assert_close(graphed["losses"], eager["losses"])
+    # 4 F slots fail at step 2's capture and run eagerly then and at steps 3-5: 16 eager calls, one warning
+    captured, fallbacks, failed = failing["graphs"]
+    assert (failed, fallbacks, failing["warned"]) == (4, 16, 1) and captured > 0
+    assert graphed["graphs"][0] > 0 and graphed["graphs"][1:] == [0, 0] and graphed["warned"] == 0
