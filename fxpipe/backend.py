@@ -276,7 +276,7 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
     """``module`` with its parameters, buffers and constants copied to ``device`` and ``home`` renamed ``device``."""
     import copy
 
-    from fxpipe.graphs.fx import copy_graph, get_path
+    from fxpipe.graphs.fx import copy_graph, device_copy, get_path, rename_device
 
     buffers = {id(b) for b in module.buffers()}
     made: dict[int, Any] = {}
@@ -287,18 +287,14 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
             t = get_path(module, str(node.target))
             if isinstance(t, torch.Tensor):
                 if id(t) not in made:
-                    if isinstance(t, torch.nn.Parameter):
-                        made[id(t)] = torch.nn.Parameter(t.detach().to(device, copy=True), requires_grad=t.requires_grad)
-                    else:
-                        made[id(t)] = t.detach().to(device, copy=True)
+                    made[id(t)] = device_copy(t, device)
                     mirrors.append((t, made[id(t)], id(t) in buffers))
                 attrs[str(node.target)] = made[id(t)]
             else:
                 attrs[str(node.target)] = t
         elif node.op == "call_module":
             attrs[str(node.target)] = copy.deepcopy(get_path(module, str(node.target))).to(device)
-        node.args, node.kwargs = torch.fx.node.map_aggregate(  # type: ignore[assignment]
-            (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) and a == home else a)
+    rename_device(graph, home, device)
     return torch.fx.GraphModule(attrs, graph, class_name=type(module).__name__)
 
 

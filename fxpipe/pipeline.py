@@ -151,6 +151,39 @@ class Pipeline(torch.nn.Module):
                 object.__setattr__(stage, "forward", g.forward)
         return graphs
 
+    def to_device(self, device: torch.device | str) -> Pipeline:
+        """Move the pipeline to ``device`` in place, e.g. a plan loaded on the CPU to a rank's GPU; returns it.
+
+        Every stage module's parameters, buffers and the tensor constants its get_attr nodes read
+        (which ``Module.to`` leaves behind) become copies on ``device``; a parameter several stages
+        share (``shared_params``: tied weights) stays one Parameter that they all hold. The
+        ``torch.device`` literals the graphs recorded where the pipeline was (``device=cpu`` of
+        factory ops such as arange or full, traced at compile time) name ``device``, and the
+        modules are recompiled. F, B and W graphs already built are moved the same way; move
+        before a runtime is built on the pipeline (its optimizers hold the parameters). Gradients
+        are not kept.
+        """
+        from fxpipe.graphs.fx import move_module
+
+        stages = self.stage_list()
+        modules = [s.module for s in stages]
+        for s in stages:
+            if s.graphs is not None and not s.graphs.remote:
+                modules += [m for m in (s.graphs.forward, s.graphs.backward_input, s.graphs.backward_weight)
+                            if m is not None]
+        homes = {t.device for m in modules for t in (*m.parameters(), *m.buffers())}
+        if len(homes) > 1:
+            raise OptionError(f"the pipeline's tensors are on {', '.join(sorted(map(str, homes)))}; to_device moves a "
+                              "pipeline that is on one device (fxpipe.load and fxpipe.compile make one)")
+        home = homes.pop() if homes else torch.device("cpu")
+        target = torch.empty(0, device=device).device  # "cuda" -> cuda:N, as tensors report it
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for m in modules:
+            move_module(m, home, target, made)
+        self.output_constants = tuple(c.to(target) if isinstance(c, torch.Tensor) else c
+                                      for c in self.output_constants)
+        return self
+
     def stage_list(self) -> list[Stage]:
         """The stages, typed (iterating the ModuleList gives plain Modules)."""
         return [cast(Stage, s) for s in self.stages]

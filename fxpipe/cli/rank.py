@@ -1,5 +1,11 @@
 """One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on synthetic data, write results.
 
+``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees), several ranks sharing a GPU where there
+are more ranks than GPUs (gloo stages every message through pinned host memory): the plan, loaded on the
+CPU, is moved there first (``Pipeline.to_device``: parameters, constants and the graphs' device literals);
+``--cuda-graphs auto|on|off`` is ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: CUDA graphs on a CUDA
+rank running a synchronous schedule's eager graphs).
+
 Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
 ``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
 ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
@@ -51,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
     parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
+    parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")  # PipelineRuntime(cuda_graphs=)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     args = parser.parse_args(argv)
@@ -155,19 +163,27 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.schedules.simulate import Costs
 
-    pipe = fxpipe.load(args.plan)
+    device = rank_device(args.device)
+    pipe = fxpipe.load(args.plan)  # on the CPU; moved to the rank's device below
     zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed)
     if zoo is None:
         raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.plan.provenance.model!r}); "
                             "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
     if pipe.plan.strategy is not None:  # a per-layer strategy: DTensor on the plan's ranks, not a pipeline
         from fxpipe.cli.rank_strategy import run_strategy
+        from fxpipe.errors import OptionError
 
+        if device.type != "cpu":  # fxpipe run refuses it before starting the ranks
+            raise OptionError(f"--device {args.device} runs pipeline plans; a per-layer strategy trains on the CPU: "
+                              "use --device cpu")
         return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed))
+    pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
-                         example_inputs=zoo.example_inputs,
+                         example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x
+                                              for x in zoo.example_inputs),
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
-                         timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen)
+                         timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
+                         device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
@@ -238,11 +254,15 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                           simulated.held_bw)
     params = None
     if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
-        params = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
+        params = {n: p.detach().to("cpu", copy=True)  # gathered as objects and saved: CPU tensors
+                  for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
     return {
         "rank": rank, "world": world, "schedule": sched.name, "microbatches": m, "synchronous": sched.synchronous,
         "weights": args.weights, "dp": rt.dp, "pp": sched.num_ranks, "pp_rank": rt.pp_rank, "dp_rank": rt.dp_rank,
-        "stages": sorted(rt.mine), "host": socket.gethostname(),
+        "stages": sorted(rt.mine), "host": socket.gethostname(), "device": str(rt.device),
+        # CUDA graphs: the call slots captured, and the calls that ran eagerly after all (fxpipe.runtime.cuda_graphs)
+        "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
+                                                          "fallbacks": rt.graph_set.fallbacks},
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
         "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -256,6 +276,25 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
+
+
+def rank_device(name: str) -> Any:
+    """``--device``: the CPU, or this rank's GPU, cuda:(LOCAL_RANK mod the GPUs torch sees), made the current one.
+    Several ranks may share a GPU: gloo stages every message through host memory."""
+    import torch
+
+    from fxpipe.errors import OptionError
+
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise OptionError(f"--device {name!r} is not a device fxpipe run trains on; use cpu or cuda")
+    if not torch.cuda.is_available():  # fxpipe run checks it on its own machine; a rank may be on another node
+        raise OptionError(f"this machine ({socket.gethostname()}) has no CUDA device torch can use (torch "
+                          f"{torch.__version__}); use --device cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def calibrate_contention_free(costs: Any, calibrated: Any) -> Any:

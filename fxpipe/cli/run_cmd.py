@@ -59,6 +59,14 @@ def run_cmd(
                                          "(torch.compile, Inductor; a C++ compiler for CPU, else eager with one "
                                          "line; compiled code cached in ~/.cache/fxpipe/inductor, never in the "
                                          "plan). Synchronous schedules.")] = "eager",
+    device: Annotated[str, typer.Option(help="Where each rank trains: cpu, or cuda (rank r on GPU r mod the GPUs "
+                                        "torch sees; ranks may share one; messages go through gloo, staged in "
+                                        "pinned host memory). Pipeline plans.")] = "cpu",
+    cuda_graphs: Annotated[Optional[bool], typer.Option(help="With --device cuda: replay each stage's F, B and W "
+                                                        "as CUDA graphs, captured in the second step (default: on "
+                                                        "for synchronous schedules with --codegen eager; a call "
+                                                        "that cannot be captured runs op by op).",
+                                                        show_default=False)] = None,
     weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
                                               "(SpecTrain: extrapolated; needs --momentum).")] = "stash",
@@ -104,6 +112,7 @@ def run_cmd(
         from fxpipe.runtime.codegen import check_codegen
 
         fallback = check_codegen(codegen)
+        _check_device(device, cuda_graphs, plan, sched, codegen)  # before the fallback's warning: a refusal is one line
         if fallback is not None:
             say(f"warning: {fallback}")
             codegen = "eager"
@@ -136,7 +145,8 @@ def run_cmd(
         if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
             cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
         cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
-                "--codegen", codegen]
+                "--codegen", codegen, "--device", device,
+                "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs]]
         try:
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
@@ -176,6 +186,7 @@ def run_cmd(
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+            "device": device, "cuda_graphs": _graph_calls(results) is not None, "cuda_graph_calls": _graph_calls(results),
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
             **_held_per_stage(results),
@@ -205,6 +216,8 @@ def run_cmd(
                            + (f"per-layer {doc['schedule']} on {world} ranks (each layer takes its share of the "
                               f"{batch}-row batch)" if doc["schedule"].startswith("strategy ") else
                               f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
+                              + (f" on CUDA ({_gpus(results)})" if device == "cuda" else "")
+                              + (", stages replayed as CUDA graphs" if doc["cuda_graphs"] else "")
                               + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
                                  f"{doc['microbatches']} microbatches of the {batch}-row batch)"
                                  if mesh["shape"][1] > 1 else ""))
@@ -236,6 +249,44 @@ def run_cmd(
         write_trace()
         if trace is not None:
             say(f"wrote {trace}")
+
+
+def _check_device(device: str, cuda_graphs: bool | None, plan: Any, sched: Any, codegen: str) -> None:
+    """--device and --cuda-graphs against the plan, the schedule and --codegen, before any rank starts."""
+    if device not in ("cpu", "cuda"):
+        raise OptionError(f"--device {device!r} is not a device fxpipe run trains on; use cpu or cuda")
+    if cuda_graphs and device != "cuda":
+        raise OptionError("--cuda-graphs replays the stages as CUDA graphs, and the ranks train on the CPU; pass "
+                          "--device cuda with it, or leave --cuda-graphs off")
+    if device == "cuda" and plan.strategy is not None:
+        raise OptionError(f"--device cuda runs pipeline plans; this plan's per-layer strategy ({plan.strategy.name}) "
+                          "trains on the CPU (DTensor over gloo): use --device cpu")
+    if cuda_graphs and not sched.synchronous:
+        raise OptionError(f"--cuda-graphs replays synchronous schedules' stages; {sched.name} reads weight versions "
+                          "that change between calls: use a synchronous schedule (e.g. --schedule 1f1b) or leave "
+                          "--cuda-graphs off")
+    if cuda_graphs and codegen != "eager":
+        raise OptionError(f"--cuda-graphs replays the eager stage graphs; with --codegen {codegen} Inductor recompiles "
+                          "inside the capture and it fails: use --codegen eager, or leave --cuda-graphs off")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OptionError(f"this machine has no CUDA device torch can use (torch {torch.__version__}); use "
+                              "--device cpu")
+
+
+def _gpus(results: list[dict[str, Any]]) -> str:
+    """The devices the ranks trained on (each rank reports its own), e.g. 'cuda:0' or 'cuda:0, cuda:1'."""
+    return ", ".join(sorted({str(r.get("device", "cuda")) for r in results}))
+
+
+def _graph_calls(results: list[dict[str, Any]]) -> dict[str, int] | None:
+    """CUDA graphs: the call slots every rank captured, and the calls that ran eagerly after all; else None."""
+    calls = [r["graph_calls"] for r in results if r.get("graph_calls")]
+    if not calls:
+        return None
+    return {"captured": sum(c["captured"] for c in calls), "fallbacks": sum(c["fallbacks"] for c in calls)}
 
 
 def _held_per_stage(results: list[dict[str, Any]]) -> dict[str, list[int]]:

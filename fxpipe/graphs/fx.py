@@ -1,4 +1,5 @@
-"""Small helpers on fx graphs that the passes and the stage graphs share: cloning, node kinds, attribute paths, byte counts."""
+"""Small helpers on fx graphs that the passes and the stage graphs share: cloning, node kinds, attribute paths,
+moving a module to a device, byte counts."""
 
 from __future__ import annotations
 
@@ -90,6 +91,53 @@ def set_path(root: torch.nn.Module, target: str, value: Any) -> None:
         mod.register_buffer(leaf, value)
     else:
         setattr(mod, leaf, value)
+
+
+def device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A detached copy of ``t`` on ``device``; a Parameter stays a Parameter (with its ``requires_grad``)."""
+    copied = t.detach().to(device, copy=True)
+    return torch.nn.Parameter(copied, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copied
+
+
+def rename_device(graph: torch.fx.Graph, home: torch.device, device: torch.device) -> None:
+    """Every ``torch.device`` literal equal to ``home`` in the nodes' arguments becomes ``device``: the
+    ``device=`` of factory ops (arange, ones, full, zeros) that tracing recorded where the model was."""
+    for node in graph.nodes:
+        node.args, node.kwargs = torch.fx.node.map_aggregate(  # type: ignore[assignment]
+            (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) and a == home else a)
+
+
+def move_module(module: torch.fx.GraphModule, home: torch.device, device: torch.device,
+                made: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """In place: ``module``'s parameters, buffers and the plain tensor attributes its get_attr nodes read
+    (constants ``Module.to`` leaves behind) replaced by copies on ``device``, its ``home`` device literals
+    renamed ``device`` (:func:`rename_device`), and its code regenerated.
+
+    ``made`` maps ``id(original)`` to ``(original, copy)`` across calls: a tensor several modules hold (a
+    parameter tied between stages) becomes one copy that they all hold. A tensor already on ``device``
+    stays as it is.
+    """
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        if id(t) not in made:
+            made[id(t)] = (t, device_copy(t, device))  # the original kept alive: its id is not reused meanwhile
+        return made[id(t)][1]
+
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    store[name] = moved(t)  # type: ignore[assignment]
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            path, _, leaf = str(node.target).rpartition(".")
+            owner = get_path(module, path) if path else module
+            t = getattr(owner, leaf)
+            if isinstance(t, torch.Tensor) and leaf not in owner._parameters and leaf not in owner._buffers:
+                object.__setattr__(owner, leaf, moved(t))  # stays a plain attribute, as it was
+    rename_device(module.graph, home, device)
+    module.recompile()
 
 
 def value_bytes(val: Any) -> int:

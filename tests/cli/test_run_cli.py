@@ -157,3 +157,26 @@ def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_pack
     monkeypatch.chdir(tmp_path)
     doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json")).stdout)
     assert len(doc["losses"]) == 1
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--device", "tpu"], "error: --device 'tpu' is not a device fxpipe run trains on; use cpu or cuda"),
+    (["--cuda-graphs"], "error: --cuda-graphs replays the stages as CUDA graphs, and the ranks train on the CPU; pass "
+                        "--device cuda with it, or leave --cuda-graphs off"),
+    (["--device", "cpu", "--cuda-graphs"], "error: --cuda-graphs replays the stages as CUDA graphs, and the ranks "
+                                           "train on the CPU; pass --device cuda with it, or leave --cuda-graphs off"),
+    (["--device", "cuda", "--cuda-graphs", "--schedule", "async-1f1b"],
+     "error: --cuda-graphs replays synchronous schedules' stages; async-1f1b reads weight versions that change "
+     "between calls: use a synchronous schedule (e.g. --schedule 1f1b) or leave --cuda-graphs off"),
+    (["--device", "cuda", "--cuda-graphs", "--codegen", "inductor"],
+     "error: --cuda-graphs replays the eager stage graphs; with --codegen inductor Inductor recompiles inside the "
+     "capture and it fails: use --codegen eager, or leave --cuda-graphs off"),
+    (["--device", "cuda"], f"error: this machine has no CUDA device torch can use (torch {torch.__version__}); use "
+                           "--device cpu"),
+])
+def test_device_options_are_refused_before_any_rank_starts(plan: Path, args: list[str], expected: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusals on a machine with a GPU
+    started = time.perf_counter()
+    assert one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1")) == expected
+    assert time.perf_counter() - started < 20  # no torchrun: refused up front

@@ -50,6 +50,9 @@ def test_pipeline_options_are_refused_for_a_strategy_plan(tmp_path: Path) -> Non
     ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "dp", "--out", plan))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--microbatches", "2"))
     assert "--microbatches is for pipeline plans; a per-layer strategy runs the whole batch as one step" in line
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--device", "cuda"))
+    assert line == ("error: --device cuda runs pipeline plans; this plan's per-layer strategy (dp) trains on the CPU "
+                    "(DTensor over gloo): use --device cpu")
 
 
 def test_a_record_that_does_not_fit_the_trace_is_refused(tmp_path: Path) -> None:
