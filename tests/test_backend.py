@@ -235,6 +235,31 @@ def test_cuda_graphs_train_like_eager(name: str) -> None:
     assert any("CUDA graphs" in note for note in memory.notes)
 
 
+class _HostConstant(torch.nn.Module):
+    """A forward that copies a CPU constant to the GPU: a copy from pageable memory, which no capture allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * torch.arange(8.0, dtype=x.dtype).to(x.device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_op_no_capture_allows_runs_op_by_op() -> None:
+    # Ran as a script on an H200: step 2's capture failed ("Cannot copy between CPU and CUDA tensors during CUDA
+    # graph capture unless the CPU tensor is pinned"), and every step's gradients equalled eager's.
+    torch.manual_seed(0)
+    model = _HostConstant().double().cuda()
+    x = torch.randn(4, 8, dtype=torch.float64, device="cuda")
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+        _train_side_by_side(model, (x,), torch.zeros(4, 8, dtype=torch.float64, device="cuda"),
+                            torch.nn.functional.mse_loss, {"stages": 2, "microbatches": 2}, steps=4)
+    assert _graphs() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("where", ["forward", "backward"])
