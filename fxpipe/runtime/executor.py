@@ -14,8 +14,10 @@ others stop at the timeout with an error naming the peer and the message they wa
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -663,6 +665,18 @@ def _init_process_group(timeout: timedelta | None) -> None:
         raise RankFailedError("PipelineRuntime needs torch.distributed: launch the script with torchrun (the runtime "
                               "then starts the process group), or call dist.init_process_group first")
     dist.init_process_group(**({"timeout": timeout} if timeout is not None else {}))
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """At the exit of a script whose process group the runtime started (the README's recipe calls no
+    ``destroy_process_group``): destroy it while the interpreter is still whole. Left to the interpreter's
+    finalization, gloo's threads free work objects that hold tensors after Python is gone, and the process
+    can abort ("terminate called without an active exception", SIGABRT: pytorch/pytorch#179291; seen here
+    at the end of a 2-rank run of the recipe). Not after an unhandled exception: a collective a dead peer
+    never answers would make the exit wait for its timeout, where ending now lets torchrun stop the others."""
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
 
 
 def _resolve_plan(plan: Any) -> Pipeline:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,34 @@ def test_a_call_that_cannot_be_captured_runs_eagerly(tmp_path: Path) -> None:
     captured, fallbacks, failed = failing["graphs"]
     assert (failed, fallbacks, failing["warned"]) == (4, 16, 1) and captured > 0
     assert graphed["graphs"][0] > 0 and graphed["graphs"][1:] == [0, 0] and graphed["warned"] == 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_process_group_the_runtime_started_is_destroyed_at_exit(tmp_path: Path, fails: bool) -> None:
+    """A script like the README's recipe, which never calls destroy_process_group: the runtime started the group,
+    and destroys it at exit while the interpreter is whole (gloo's threads freeing work objects during
+    finalization can abort the process). After an unhandled exception it is left alone: destroying it could
+    wait on a dead peer, where exiting lets torchrun stop the others."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))  # runs last\n"
+        "import fxpipe\n"
+        "from fxpipe import models\n"
+        "from fxpipe.runtime import PipelineRuntime\n"
+        "zoo = models.build('mlp-tiny')\n"
+        "rt = PipelineRuntime(fxpipe.compile(zoo.model, zoo.example_inputs, stages=1), loss_fn=zoo.loss_fn)\n"
+        "print('initialized:', dist.is_initialized(), flush=True)\n"
+        + ("raise RuntimeError('the script failed')\n" if fails else ""))
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == (1 if fails else 0), proc.stderr[-2000:]
+    assert "initialized: True" in proc.stdout
+    assert f"initialized at exit: {fails}" in proc.stdout, proc.stdout
