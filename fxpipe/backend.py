@@ -33,6 +33,7 @@ from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
 from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.faults import first_line
 from fxpipe.schedules.generators import one_rank
 from fxpipe.schedules.ir import Kind
 
@@ -501,9 +502,8 @@ def _step_graphs(runner: _Runner, flat: Sequence[Any]) -> _StepGraphs | None:
 class _CaptureFailed(Exception):
     """A CUDA graph capture failed; ``core`` holds the replayed forward's values when it was the backward's."""
 
-    def __init__(self, cause: BaseException, core: Any) -> None:
-        first = str(cause).splitlines()[0] if str(cause) else ""
-        super().__init__(f"{type(cause).__name__}: {first}")
+    def __init__(self, cause: Exception, core: Any) -> None:
+        super().__init__(first_line(cause))
         self.core = core
 
 

@@ -179,6 +179,7 @@ def run_cmd(
         step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
         batch = results[0]["batch"]
         measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
+        graph_calls = _graph_calls(results)
         doc = {
             "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
             "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": nnodes, "batch": batch,
@@ -186,7 +187,7 @@ def run_cmd(
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
-            "device": device, "cuda_graphs": _graph_calls(results) is not None, "cuda_graph_calls": _graph_calls(results),
+            "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
             **_held_per_stage(results),

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from fxpipe.runtime.faults import first_line
+
 
 class GraphSet:
     """The slot graphs of one rank: their shared pool, the addresses read in place, and the step count."""
@@ -55,13 +57,12 @@ class GraphSet:
         for m in self.members:
             m.calls = 0
 
-    def give_up(self, exc: BaseException) -> None:
+    def give_up(self, exc: Exception) -> None:
         """A slot that could not be captured: counted, and said once per rank."""
         import warnings
 
-        first = str(exc).splitlines()[0] if str(exc) else ""
         self.fallbacks += 1
-        self.failed.append(f"{type(exc).__name__}: {first}")
+        self.failed.append(first_line(exc))
         if len(self.failed) == 1:
             warnings.warn(f"cuda_graphs: a call could not be captured as a CUDA graph ({self.failed[0]}); it runs op "
                           "by op (cuda_graphs=False skips the attempt)", stacklevel=3)
