@@ -196,6 +196,11 @@ def _layerpipe(p: int, m: int) -> list[InFlight]:
     return [InFlight(min(p - s, m), 1, min(p - s, m)) for s in range(p)]
 
 
+def _batched_w(p: int, m: int) -> list[InFlight]:
+    # 1F1B's F/B order with every W at the end: p - s from F to B, and all m from B to W once the last B ran.
+    return [InFlight(min(p - s, m), m, m) for s in range(p)]
+
+
 def _zb_h1(p: int, m: int) -> list[InFlight]:
     # 1F1B's F/B order; stage s keeps s Ws pending, s + 1 right after a B. Whatever the stage,
     # F->B and B->W together reach p: 1F1B's stage-0 peak on every stage.
@@ -234,6 +239,7 @@ _FORMS: dict[str, Callable[[int, int], list[InFlight]]] = {
     "zb-h1": _zb_h1,
     "zb-h2": _zb_h2,
     "layerpipe": _layerpipe,
+    "batched-w": _batched_w,
     "async-1f1b": _one_f_one_b,  # 1F1B's order; only when weights update differs
 }
 
@@ -248,6 +254,7 @@ def in_flight(schedule: str, num_stages: int, microbatches: int) -> tuple[InFlig
         gpipe             m                   0                               m
         1f1b, async-1f1b  k                   0                               k
         layerpipe         k                   1                               k
+        batched-w         k                   m                               m
         zb-h1             k                   min(s + 1, m)                   min(p, m)
         zb-h2             min(m, 2(p-s)-1)    max(1, min(m-2(p-s)+2, p+s))    min(m, 2p - 1)
         interleaved-1f1b  stage s = c * (p/2) + r on rank r, with q = p/2 ranks:

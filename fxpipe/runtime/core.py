@@ -20,6 +20,7 @@ W (or BW) the stage steps its optimizer (``step``, overridable).
                                                                               every output exists)
     B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
     W(s, m):  handover, saved, output grads ──▶ weight(s, m, W's arguments)
+              (a run of adjacent Ws a schedule batches: run_weights ──▶ weights(s, mbs, their arguments))
     BW(s, m): B then W (a stage without split graphs: one autograd backward)
 
 Once B ran, only what W reads stays: F's saved tensors in W's slots, the handover, and the output
@@ -189,6 +190,20 @@ class ActionRunner:
             accumulate(module.get_parameter(name), grad)
         self.step(s)
 
+    def run_weights(self, s: int, mbs: Sequence[int]) -> None:
+        """W of stage s for microbatches ``mbs`` (a run of adjacent W actions the schedule batches:
+        ``Schedule.batch_w``), handed to the ``weights`` policy together. Synchronous schedules only."""
+        assert self.versions is None, "batched W runs synchronous schedules only"
+        g = self.graphs[s]
+        args = []
+        for m in mbs:
+            if self.held is not None:
+                self.held.release(s, ("B", m))
+            args.append(g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)), self.out_grads.pop((s, m))))
+        self.weights(s, mbs, args)
+        if self.held is not None:
+            self.held.settle(s)
+
     def step(self, s: int) -> None:
         """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh."""
         opt = self.optimizers.get(s)
@@ -248,6 +263,11 @@ class ActionRunner:
         grads = box(args) if box is not None else g.backward_weight(*args)  # type: ignore[misc]
         for name, grad in zip(g.param_names, grads):
             accumulate(module.get_parameter(name), grad)
+
+    def weights(self, s: int, mbs: Sequence[int], args: list[list[Any]]) -> None:
+        """W for several microbatches of stage s (:meth:`run_weights`); default: one after another."""
+        for m, a in zip(mbs, args):
+            self.weight(s, m, a)
 
     def boxed(self, s: int, which: str, graph: Any = None) -> Any:
         """Stage s's graph ``which`` (``graph`` if given) taking one list of its inputs that it empties, so each

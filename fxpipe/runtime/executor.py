@@ -37,6 +37,7 @@ from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
+from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
@@ -173,6 +174,12 @@ class PipelineRuntime:
             cuda_graphs = self.device.type == "cuda" and schedule.synchronous and self.codegen == "eager"
         self.graph_set = self._graph_stages() if cuda_graphs else None
         self._early = self._early_steps()
+        # Batched W (Schedule.batch_w): program index -> end of the run of one stage's adjacent W ops starting there
+        self._w_runs = _w_runs(self.program.ops) if schedule.batch_w else {}
+        self.batched_w: dict[int, str] = {}  # per stage of this rank: how its W runs (batched, or why not)
+        self._batches: dict[tuple[int, int], BatchedW] = {}
+        if self._w_runs:
+            self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
         self.channel = Channel(self.device, timeout)
         if prefetch is not None and prefetch < 0:
@@ -400,6 +407,8 @@ class PipelineRuntime:
         self._written = set()
         self.events = []  # this step's compute actions (start, end), seconds from its start
         self.optimizer_steps: list[tuple[float, float]] = []  # its optimizer steps (start, end), seconds from its start
+        runs = self._w_runs if program is self.program else {}
+        ran_until = 0  # ops before this index already ran (the rest of a batched run of W's)
         self.started = start = time.perf_counter()
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
         if self.sync is not None:
@@ -418,7 +427,12 @@ class PipelineRuntime:
                     self.waits.append((op.action, waited, t0))
                 self._receive(op.action, received)
                 core.shares = {}
-                core.run(op.action)
+                end = runs.get(j)
+                if end is not None:  # a batched run of W's: all of them now
+                    core.run_weights(op.action.stage, [ops[i].action.mb for i in range(j, end)])
+                    ran_until = end
+                elif j >= ran_until:
+                    core.run(op.action)
                 for msg in op.sends:
                     value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
                     self.channel.send(value, msg.dst, msg.tag)
@@ -542,26 +556,34 @@ class PipelineRuntime:
 
     # -- W into .grad ---------------------------------------------------------------------
 
-    def backward_weight(self, s: int, args: list[Any]) -> None:
+    def backward_weight(self, s: int, args: list[Any], batch: BatchedW | None = None) -> None:
         """Run W on ``args`` (a list W owns: each is freed after its last use); the first microbatch's gradients
         become ``.grad``, later ones are added in place (inside the weight-gradient GEMMs, with W_acc: see
-        ``fxpipe.graphs.accumulate``)."""
-        g = self.graphs[s]
+        ``fxpipe.graphs.accumulate``). ``batch``: the stage's W over several microbatches, on their combined
+        arguments (``BatchedW.combine``)."""
+        plain, w_acc, w_set, fresh_grads = (self.graphs[s].backward_weight, self.w_acc[s], self.w_set[s],
+                                            self.w_fresh[s]) if batch is None else \
+            (batch.plain, batch.w_acc, batch.w_set, batch.fresh)
+        tag = "" if batch is None else f"@{batch.k}"
         params = self.stage_params[s]
         ids = [id(p) for p in params]
         if params and all(p.grad is not None for p in params):
             if all(k in self._written for k in ids):  # later microbatches: add inside the GEMMs
                 args.extend(p.grad for p in params)  # in place: the callers' list is the one W empties
-                self._run_boxed(s, "w_acc", self.w_acc[s], args)
+                self._run_boxed(s, "w_acc" + tag, w_acc, args)
                 return
             if not any(k in self._written for k in ids) and len(set(ids)) == len(ids):
                 # a step's first: over last step's buffers
                 args.extend(p.grad for p in params)
-                self._run_boxed(s, "w_set", self.w_set[s], args)
+                self._run_boxed(s, "w_set" + tag, w_set, args)
                 self._written.update(ids)
                 return
-        result = self._run_boxed(s, "backward_weight", g.backward_weight, args)
-        for p, grad, fresh in zip(params, result, self.w_fresh[s]):
+        self._add_grads(s, self._run_boxed(s, "backward_weight" + tag, plain, args), fresh_grads)
+
+    def _add_grads(self, s: int, result: Sequence[Any], fresh_grads: Sequence[bool]) -> None:
+        """W's gradients (in ``param_names`` order) into ``.grad``: the step's first become it, later ones are added."""
+        params = self.stage_params[s]
+        for p, grad, fresh in zip(params, result, fresh_grads):
             if id(p) not in self._written:
                 # Contiguous: W_set and W_acc then write plain row-major buffers (a transposed view
                 # would make every GEMM into it strided).
@@ -569,6 +591,59 @@ class PipelineRuntime:
                 self._written.add(id(p))
             else:
                 p.grad.add_(grad)  # type: ignore[union-attr]
+
+    def backward_weights(self, s: int, args: list[list[Any]]) -> None:
+        """W of stage s for a batched run of microbatches (their argument lists, in order): one call over all of
+        them where the stage's W batches (:mod:`fxpipe.runtime.batched_w`), else one per microbatch."""
+        batch = self._batches.get((s, len(args)))
+        combined = batch.combine(args) if batch is not None else None
+        if batch is not None and combined is None:
+            self._refuse(s, "an input its W keeps the shape of differs between microbatches (as a per-microbatch "
+                            "statistic does)")
+        if combined is None or batch is None:
+            for a in args:
+                self.backward_weight(s, a)
+            return
+        if not batch.checked:  # the first call: the per-microbatch W's too, and the sums compared
+            batch.checked = True
+            plain = self.graphs[s].backward_weight
+            each = [plain(*a) for a in args]
+            summed = [None if g[0] is None else sum(g[1:], g[0].clone()) for g in zip(*each)]
+            if not agree(batch.plain(*combined), summed):
+                self._refuse(s, f"its W over {batch.k} microbatches is not the sum of the per-microbatch W's (an op "
+                                "mixes the batch's samples)")
+            self._add_grads(s, summed, [True] * len(summed))
+            return
+        self.backward_weight(s, combined, batch)
+
+    def _build_batches(self, example_inputs: Sequence[Any] | None) -> None:
+        """This rank's stages' W over each run length the schedule batches (``_w_runs``), traced now."""
+        wanted = sorted({(self.program.ops[j].action.stage, end - j) for j, end in self._w_runs.items()})
+        if self.codegen != "eager" or self.graph_set is not None:
+            for s in sorted({s for s, _ in wanted}):
+                self._refuse(s, "batched W runs the eager graphs (not --codegen inductor or CUDA graphs)")
+            self._w_runs = {}
+            return
+        example = [x.to(self.device) if isinstance(x, torch.Tensor) else x
+                   for x in (example_inputs if example_inputs is not None else _example_inputs(self.pipe))]
+        for s, k in wanted:
+            if s in self.batched_w:  # refused already
+                continue
+            built = batched_weight_graphs(self.pipe, s, self.graphs[s], k, example)
+            if isinstance(built, str):
+                self._refuse(s, built)
+            else:
+                self._batches[(s, k)] = built
+                self.batched_w.setdefault(s, f"batched over {k} microbatches")
+
+    def _refuse(self, s: int, why: str) -> None:
+        """Stage s runs its W per microbatch from now on, and says why (once)."""
+        for key in [key for key in self._batches if key[0] == s]:
+            del self._batches[key]
+        if not self.batched_w.get(s, "").startswith("per microbatch"):
+            self.batched_w[s] = f"per microbatch: {why}"
+            warnings.warn(f"{self.schedule.name}: stage {s} runs its W per microbatch: {why}", RuntimeWarning,
+                          stacklevel=3)
 
     def _run_boxed(self, s: int, which: str, graph: Any, args: list[Any]) -> Any:
         box = self.core.boxed(s, which, graph)
@@ -654,6 +729,25 @@ class _RankRunner(ActionRunner):
 
     def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
         self.rt.backward_weight(s, args)
+
+    def weights(self, s: int, mbs: Sequence[int], args: list[list[Any]]) -> None:
+        self.rt.backward_weights(s, args)
+
+
+def _w_runs(ops: Sequence[Any]) -> dict[int, int]:
+    """Each run of two or more adjacent W ops of one stage with no messages: its first index -> the index after it."""
+    out: dict[int, int] = {}
+    j = 0
+    while j < len(ops):
+        end = j
+        a = ops[j].action
+        while (end < len(ops) and ops[end].action.kind is Kind.W and ops[end].action.stage == a.stage
+               and not ops[end].recvs and not ops[end].sends):
+            end += 1
+        if end - j >= 2:
+            out[j] = end
+        j = max(end, j + 1)
+    return out
 
 
 def _init_process_group(timeout: timedelta | None) -> None:

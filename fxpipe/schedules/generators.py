@@ -9,6 +9,8 @@
                       holding at most 2p-1 microbatches (ZB-H2's bubble, (p-1)(F+B-2W))
     layerpipe         1F1B with B/W split, each W right after its B (LayerPipe's intra-layer split,
                       at exactly 1F1B's per-stage memory)
+    batched-w         1F1B's F/B order, every W at the step's end, run as one W over all microbatches
+                      (fxpipe.runtime.batched_w); holds every microbatch's B->W bytes at the end
     async-1f1b        1F1B order, no flush: weights update after every microbatch (PipeDream)
     zb-gpipe          every stage on one rank (backend="fxpipe"): all F, then B back with each W
                       deferred by one microbatch (see one_rank)
@@ -50,6 +52,17 @@ def layerpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None
     the ``--balance-backward`` pass on the graphs."""
     p, m = _check(num_stages, num_microbatches)
     return Schedule("layerpipe", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, 0) for s in range(p)))
+
+
+def batched_w(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    """1F1B's F/B order with every W at the step's end, where the runtime runs a stage's m W's as one call over
+    the m microbatches (``Schedule.batch_w``; :mod:`fxpipe.runtime.batched_w`): one pass over each gradient
+    buffer and weight-gradient GEMMs m times as deep, for stages whose W is thin (few rows a microbatch). Stage s
+    holds 1F1B's p - s microbatches from F to B and, at the end, all m from B to W. The simulator costs each W
+    as one microbatch's, so for this schedule it is an upper bound."""
+    p, m = _check(num_stages, num_microbatches)
+    return Schedule("batched-w", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, m) for s in range(p)),
+                    batch_w=True)
 
 
 def _deferred_w(s: int, p: int, m: int, delay: int) -> tuple[Action, ...]:
@@ -224,6 +237,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "layerpipe": layerpipe,
+    "batched-w": batched_w,
     "async-1f1b": async_1f1b,
 }
 

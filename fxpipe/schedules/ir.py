@@ -70,6 +70,9 @@ class Schedule:
     ranks: tuple[tuple[Action, ...], ...]
     synchronous: bool = True  # False: weights update after every microbatch (no flush), as in PipeDream
     notes: tuple[str, ...] = field(default=())
+    # True: the runtime runs each run of one stage's adjacent W actions as one call over those microbatches
+    # (fxpipe.runtime.batched_w); the order, and what each action computes, are the same
+    batch_w: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -83,7 +86,7 @@ class Schedule:
         """The same schedule without its send and receive actions."""
         ranks = tuple(tuple(a for a in r if a.kind in COMPUTE) for r in self.ranks)
         return Schedule(self.name, self.num_stages, self.num_microbatches, self.rank_of_stage, ranks,
-                        self.synchronous, self.notes)
+                        self.synchronous, self.notes, self.batch_w)
 
     def to_csv(self) -> str:
         """One line per rank: its actions separated by commas."""
@@ -192,4 +195,4 @@ def with_communication(schedule: Schedule) -> Schedule:
                 return schedule
         ranks.append(tuple(out))
     return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.rank_of_stage,
-                    tuple(ranks), schedule.synchronous, schedule.notes)
+                    tuple(ranks), schedule.synchronous, schedule.notes, schedule.batch_w)

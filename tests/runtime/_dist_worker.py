@@ -19,7 +19,15 @@ sys.path.insert(0, str(Path(__file__).parents[2]))  # run as a script: make `tes
 
 
 def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor, Any]:
-    """A model in float64 with a batch of 2 per microbatch: a zoo name, or ``skip-tied``."""
+    """A model in float64 with a batch of 2 per microbatch: a zoo name, ``skip-tied`` or ``batch-mix``."""
+    if model == "batch-mix":
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), BatchCentre(), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                  torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(2 * m, 8, generator=gen, dtype=torch.float64), torch.randn(2 * m, 4, generator=gen,
+                                                                                       dtype=torch.float64)
+        return net, (x,), y, torch.nn.functional.mse_loss
     if model == "skip-tied":
         from tests.passes.test_split_stages import SkipTied, _ce
 
@@ -31,6 +39,14 @@ def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]
 
     zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)
     return zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn
+
+
+class BatchCentre(torch.nn.Module):
+    """``x - x.mean(0)``: mixes a batch's samples, so a gradient over k microbatches at once is not the sum of the
+    per-microbatch ones (batched W must notice and run per microbatch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(0)
 
 
 def die_mid_step(rt: Any, rank: int, cfg: dict[str, Any], out: str) -> Callable[[int], None]:
@@ -174,7 +190,8 @@ def train_case(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
                 if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
                     rt.save_checkpoint(cfg["checkpoint"], step + 1)
             tag = f"-{start}" if start == "load_state" else ""
-            torch.save({"losses": losses, "state": rt.state_dict()}, Path(out) / f"{name}{tag}-rank{rank}.pt")
+            torch.save({"losses": losses, "state": rt.state_dict(), "batched_w": rt.batched_w},
+                       Path(out) / f"{name}{tag}-rank{rank}.pt")
 
 
 def payload(marker: Path) -> bytes:

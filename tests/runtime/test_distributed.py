@@ -20,7 +20,7 @@ from tests.runtime._dist_worker import build, granularity_of
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "layerpipe", "auto"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "layerpipe", "batched-w", "auto"]
 ONE_STAGE_PER_RANK = [s for s in SCHEDULES if s != "interleaved-1f1b"]
 
 
@@ -141,11 +141,16 @@ ASYNC_ON_REPLICAS = {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbat
                      "refused": True}
 
 
+# batched W on a model whose first stage's W mixes the batch's samples (x - x.mean(0)): that stage must run per microbatch
+BATCH_MIX = {"model": "batch-mix", "schedules": ["batched-w"], "microbatches": 4, "steps": 3}
+
+
 def shared_cases(world: int) -> dict[str, dict[str, Any]]:
     """Every case of the launch of ``world`` ranks, by name."""
     cases = {f"schedules-{model}": schedule_case(model, world) for model in MODELS}
     if world == 2:
         cases["replicas-async-refused"] = ASYNC_ON_REPLICAS
+        cases["batched-w-batch-mix"] = BATCH_MIX
     if world == 4:
         cases.update({f"interleaved-{model}": interleaved_case(model) for model in ["gpt-tiny", "resnet-tiny"]})
         cases.update({f"replicas-{model}": replica_case(model) for model in MODELS})
@@ -202,6 +207,37 @@ def test_every_schedule_trains_like_one_process(model: str, ranks: int) -> None:
     """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: the embedding's output skips
     stages to the head, which is tied to it across ranks."""
     _check_saved(shared_case(ranks, f"schedules-{model}"), ranks, schedule_case(model, ranks))
+
+
+# How each stage of the 2-stage plans runs batched-w's W: over its 4 microbatches at once, or per microbatch and why.
+BATCHED_W = {
+    "mlp-tiny": ["batched over 4 microbatches"] * 2,
+    "skip-tied": ["batched over 4 microbatches"] * 2,
+    # a traced attention's views hold the microbatch's size: the stage cannot be traced for 4 at once
+    "gpt-tiny": ["per microbatch: the stage does not run on 4 microbatches at once"] * 2,
+    # BatchNorm's W reads each microbatch's own mean and variance, which no concatenation combines
+    "resnet-tiny": ["per microbatch: an input its W keeps the shape of differs between microbatches"] * 2,
+    # stage 0's W backpropagates through x - x.mean(0): the first batched call's check catches it
+    "batch-mix": ["per microbatch: its W over 4 microbatches is not the sum of the per-microbatch W's",
+                  "batched over 4 microbatches"],
+}
+
+
+@pytest.mark.parametrize("model", sorted(BATCHED_W))
+def test_batched_w_runs_one_w_per_stage_where_that_is_the_sum(model: str) -> None:
+    """batched-w on 2 ranks trains like one process (``_check_saved``), and each stage's W ran as expected: one call
+    over the 4 microbatches where the stage traces at 4 microbatches and its W is a sum over them, else per
+    microbatch, with the reason."""
+    case = "batched-w-batch-mix" if model == "batch-mix" else f"schedules-{model}"
+    out = shared_case(2, case)
+    cfg = BATCH_MIX if model == "batch-mix" else schedule_case(model, 2)
+    _check_saved(out, 2, {**cfg, "schedules": ["batched-w"]})
+    how: dict[int, str] = {}
+    for rank in range(2):
+        how.update(torch.load(out / f"batched-w-rank{rank}.pt", weights_only=False)["batched_w"])
+    assert sorted(how) == [0, 1]
+    for s, expected in enumerate(BATCHED_W[model]):
+        assert how[s].startswith(expected), (s, how[s])
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "resnet-tiny"])
