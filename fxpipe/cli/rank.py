@@ -244,6 +244,14 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     compute = pipe.plan.options.compute
     if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
         simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw)
+    if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
+        import torch.distributed as dist
+
+        ratios: list[Any] = [None] * world
+        dist.all_gather_object(ratios, rt.batched_w_ratio)
+        merged = {s: r for d in ratios for s, r in d.items()}
+        simulated = dataclasses.replace(simulated, w_batched=tuple(merged.get(s, 1.0)
+                                                                   for s in range(sched.num_stages)))
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
@@ -260,6 +268,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "rank": rank, "world": world, "schedule": sched.name, "microbatches": m, "synchronous": sched.synchronous,
         "weights": args.weights, "dp": rt.dp, "pp": sched.num_ranks, "pp_rank": rt.pp_rank, "dp_rank": rt.dp_rank,
         "stages": sorted(rt.mine), "host": socket.gethostname(), "device": str(rt.device),
+        "batched_w": {str(s): how for s, how in sorted(rt.batched_w.items())},  # batched-w: how each stage's W ran
         # CUDA graphs: the call slots captured, and the calls that ran eagerly after all (fxpipe.runtime.cuda_graphs)
         "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
                                                           "fallbacks": rt.graph_set.fallbacks},

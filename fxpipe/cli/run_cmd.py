@@ -191,6 +191,8 @@ def run_cmd(
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
             **_held_per_stage(results),
+            # batched-w: how each stage's W ran (one call over the microbatches, or per microbatch and why)
+            "batched_w": {s: how for r in results for s, how in r.get("batched_w", {}).items()} or None,
         }
 
         def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
@@ -228,7 +230,9 @@ def run_cmd(
                               " from estimated costs (compile with --profile to simulate with measured ones)")
                            + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
                               "compile with --profile-threads 1 to match)"
-                              if (results[0].get("profile_threads") or 1) != 1 else ""),))
+                              if (results[0].get("profile_threads") or 1) != 1 else ""),)
+                          + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
+                                                                               key=lambda kv: int(kv[0]))))
         per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),
                           tuple((r["rank"], r.get("pp_rank", r["rank"]), r.get("dp_rank", 0),
                                  ",".join(map(str, r.get("stages", []))), r.get("host", ""),

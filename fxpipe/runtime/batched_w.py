@@ -49,6 +49,7 @@ class BatchedW:
     dims: tuple[Any, ...]  # per W input: the dimension to concatenate along; None: one tensor for all (a tuple
     # of these for an input that is a tuple of tensors)
     checked: bool = False  # the first call compared against the per-microbatch W's
+    ratio: float = 1.0  # its time over the k per-microbatch W's (measure_ratio): what the simulator charges a W in a run
 
     def combine(self, args: Sequence[Sequence[Any]]) -> list[Any] | None:
         """One argument list for the batched W from ``k`` per-microbatch ones; None where an input that keeps
@@ -109,6 +110,52 @@ def batched_weight_graphs(pipe: Any, stage: int, base: StageGraphs, k: int,
     n = len(graphs.param_names)
     return BatchedW(stage, k, w, accumulating_weight_graph(w, n)[0], accumulating_weight_graph(w, n, overwrite=True)[0],
                     grads_are_fresh(w, n), tuple(dims))
+
+
+def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs: int = 3) -> float:
+    """The batched W's time over its k per-microbatch W's, each the fastest of ``runs`` on random inputs of W's shapes
+    (the inputs that keep their shape shared, as at run time), both adding into the same gradient buffers as the
+    runtime's W_acc does (a fresh multi-megabyte gradient per call would time the allocator): how much of W a batched
+    run costs, for the simulator. ``plain``: the stage's W at one microbatch, ``w_acc`` its accumulating form."""
+    import time
+
+    def make(val: Any) -> Any:
+        if isinstance(val, (tuple, list)):
+            return type(val)(make(v) for v in val)
+        if not isinstance(val, torch.Tensor):
+            return val
+        if val.is_floating_point():
+            return torch.randn(val.shape, dtype=val.dtype, device=val.device)
+        return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+
+    vals = [n.meta.get("val") for n in plain.graph.nodes if n.op == "placeholder"]
+    shared = [make(v) for v in vals]
+    args = [[x if _keeps(d) else make(v) for x, v, d in zip(shared, vals, batch.dims)] for _ in range(batch.k)]
+    combined = batch.combine(args)
+    if combined is None:
+        return 1.0
+
+    def fastest(fn: Any) -> float:
+        fn()  # warm up
+        best = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    out = next(n for n in reversed(plain.graph.nodes) if n.op == "output")
+    accs = [torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype, device=a.meta["val"].device)
+            for a in out.args[0]]
+    with torch.no_grad():
+        each = fastest(lambda: [w_acc(*a, *accs) for a in args])
+        once = fastest(lambda: batch.w_acc(*combined, *accs))
+    return once / each if each > 0 else 1.0
+
+
+def _keeps(dim: Any) -> bool:
+    """An input that keeps its shape (one value for every microbatch), wholly."""
+    return dim is None or (isinstance(dim, tuple) and all(_keeps(d) for d in dim))
 
 
 def agree(batched: Sequence[Any], summed: Sequence[Any]) -> bool:

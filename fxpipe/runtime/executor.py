@@ -37,7 +37,7 @@ from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
-from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs
+from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, measure_ratio
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
@@ -633,8 +633,16 @@ class PipelineRuntime:
             if isinstance(built, str):
                 self._refuse(s, built)
             else:
+                built.ratio = measure_ratio(self.graphs[s].backward_weight, self.w_acc[s], built)
                 self._batches[(s, k)] = built
-                self.batched_w.setdefault(s, f"batched over {k} microbatches")
+                self.batched_w.setdefault(s, f"batched over {k} microbatches ({built.ratio:.2f}x their time one by "
+                                             "one)")
+
+    @property
+    def batched_w_ratio(self) -> dict[int, float]:
+        """Per stage of this rank whose W runs batched: the batched W's time over its microbatches' W's one by one
+        (measured when it was built); what the simulator charges each W of a batched run (``Costs.w_batched``)."""
+        return {s: b.ratio for (s, _), b in sorted(self._batches.items())}
 
     def _refuse(self, s: int, why: str) -> None:
         """Stage s runs its W per microbatch from now on, and says why (once)."""

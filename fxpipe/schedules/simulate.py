@@ -92,6 +92,9 @@ class Costs:
     # action starts that much later and the message leaves then. 0: sends take no time, as schedules are usually
     # compared.
     send_s: float = 0.0
+    # Per stage, what a W costs inside a run of adjacent Ws the schedule batches (``Schedule.batch_w``), as a fraction
+    # of its time alone: the runtime measures it (``PipelineRuntime.batched_w_ratio``). Empty: 1, no gain assumed.
+    w_batched: tuple[float, ...] = ()
 
     def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
         """These costs with the runtime's fixed costs per compute action, per message (its latency, and its
@@ -326,6 +329,9 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         raise ScheduleError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
                             "give one cost per stage")
     costs = _with(costs, schedule, dp, allreduce, cores)
+    if schedule.batch_w and costs.w_batched and schedule.num_microbatches > 1:
+        # batched-w runs each stage's Ws as one run at its end: every W is in a run, charged at the measured fraction
+        costs = dataclasses.replace(costs, w=tuple(w * k for w, k in zip(costs.w, costs.w_batched)))
     scale = costs.compute_scale(schedule.num_ranks)
     timed = costs if scale == 1.0 else dataclasses.replace(
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),

@@ -144,3 +144,14 @@ def test_the_runtime_overheads_add_per_action_per_message_and_per_step() -> None
     second = next(e for e in simulate(two, dataclasses.replace(costs, send_s=0.375)).events
                   if e.action == Action(0, Kind.F, 1))
     assert second.start == pytest.approx(f + 0.375)
+
+
+def test_a_batched_run_of_ws_costs_the_measured_fraction() -> None:
+    """batched-w's Ws are charged ``Costs.w_batched`` of their time alone (what the runtime measured); a schedule
+    that does not batch its Ws ignores it."""
+    costs = Costs.uniform(2, 1.0, 1.0, 1.0)
+    halved = dataclasses.replace(costs, w_batched=(0.5, 0.25))
+    scaled = dataclasses.replace(costs, w=(0.5, 0.25))
+    batched = generate("batched-w", 2, 4)
+    assert simulate(batched, halved).makespan == simulate(batched, scaled).makespan < simulate(batched, costs).makespan
+    assert simulate(generate("zb-h1", 2, 4), halved).makespan == simulate(generate("zb-h1", 2, 4), costs).makespan
