@@ -22,6 +22,7 @@ from __future__ import annotations
 from fxpipe.schedules.simulate import Costs
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -141,6 +142,16 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
                 w_acc(*b[len(g.grad_inputs):], *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots),
                       *accs)
 
+    # batched-w simulated as fxpipe run does: each batched W at the fraction its rank measured (Costs.w_batched)
+    every_ratio = [None, None]
+    dist.all_gather_object(every_ratio, runtimes["fxpipe batched-w"].batched_w_ratio)
+    ratios = {s: r for d in every_ratio for s, r in d.items()}
+    if ratios:
+        bw = runtimes["fxpipe batched-w"].schedule
+        costs = Costs.from_plan(pipe.plan)
+        with_ratio = dataclasses.replace(costs, w_batched=tuple(ratios.get(s, 1.0) for s in range(2)))
+        simulated["fxpipe batched-w"] = simulate(bw, cal.apply(with_ratio)).makespan * 1e3
+        simulated_default["fxpipe batched-w"] = simulate(bw, with_ratio).makespan * 1e3
     # The bound with batched W: F and B per microbatch, then one W over all m (where this rank's stage batches, as
     # batched-w's runtime found: fxpipe.runtime.batched_w), else the bound above.
     batch = runtimes["fxpipe batched-w"]._batches.get((rank, m))

@@ -197,8 +197,9 @@ def _layerpipe(p: int, m: int) -> list[InFlight]:
 
 
 def _batched_w(p: int, m: int) -> list[InFlight]:
-    # 1F1B's F/B order with every W at the end: p - s from F to B, and all m from B to W once the last B ran.
-    return [InFlight(min(p - s, m), m, m) for s in range(p)]
+    # GPipe's order: all m from F to B before the first B; the first half's Ws run once its Bs have, so at most
+    # ceil(m/2) from B to W.
+    return [InFlight(m, (m + 1) // 2, m) for _ in range(p)]
 
 
 def _zb_h1(p: int, m: int) -> list[InFlight]:
@@ -254,7 +255,7 @@ def in_flight(schedule: str, num_stages: int, microbatches: int) -> tuple[InFlig
         gpipe             m                   0                               m
         1f1b, async-1f1b  k                   0                               k
         layerpipe         k                   1                               k
-        batched-w         k                   m                               m
+        batched-w         m                   ceil(m/2)                       m
         zb-h1             k                   min(s + 1, m)                   min(p, m)
         zb-h2             min(m, 2(p-s)-1)    max(1, min(m-2(p-s)+2, p+s))    min(m, 2p - 1)
         interleaved-1f1b  stage s = c * (p/2) + r on rank r, with q = p/2 ranks:

@@ -9,8 +9,8 @@
                       holding at most 2p-1 microbatches (ZB-H2's bubble, (p-1)(F+B-2W))
     layerpipe         1F1B with B/W split, each W right after its B (LayerPipe's intra-layer split,
                       at exactly 1F1B's per-stage memory)
-    batched-w         1F1B's F/B order, every W at the step's end, run as one W over all microbatches
-                      (fxpipe.runtime.batched_w); holds every microbatch's B->W bytes at the end
+    batched-w         GPipe's order, B/W split, each stage's Ws in two batches (after the first half's Bs,
+                      and at the end), each run as one W over its microbatches (fxpipe.runtime.batched_w)
     async-1f1b        1F1B order, no flush: weights update after every microbatch (PipeDream)
     zb-gpipe          every stage on one rank (backend="fxpipe"): all F, then B back with each W
                       deferred by one microbatch (see one_rank)
@@ -55,14 +55,26 @@ def layerpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None
 
 
 def batched_w(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
-    """1F1B's F/B order with every W at the step's end, where the runtime runs a stage's m W's as one call over
-    the m microbatches (``Schedule.batch_w``; :mod:`fxpipe.runtime.batched_w`): one pass over each gradient
-    buffer and weight-gradient GEMMs m times as deep, for stages whose W is thin (few rows a microbatch). Stage s
-    holds 1F1B's p - s microbatches from F to B and, at the end, all m from B to W. The simulator costs each W
-    as one microbatch's, so for this schedule it is an upper bound."""
+    """GPipe's order with B and W split and each stage's Ws run in two batches: the first half's right after the
+    B that ends it, the rest at the end. The runtime runs each batch as one W over its microbatches
+    (``Schedule.batch_w``; :mod:`fxpipe.runtime.batched_w`): one pass over each gradient buffer and weight-gradient
+    GEMMs as deep as the batch, for stages whose W is thin (few rows a microbatch). All Fs first let the first
+    stages, whose B is empty or small, run the first half's W while the later stages still send gradients; the
+    second half is the step's tail. Measured on mlp-deep (2 ranks, 8 microbatches, three runs): 93-103 ms against
+    105-106 with 1F1B's order and every W at the end, and 108-130 for zb-h2 (benchmarks/RESULTS.md). Memory: GPipe's
+    m microbatches from F to B, and up to half of them from B to W."""
     p, m = _check(num_stages, num_microbatches)
-    return Schedule("batched-w", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, m) for s in range(p)),
-                    batch_w=True)
+    first = (m + 1) // 2
+    ranks = []
+    for s in range(p):
+        out = [Action(s, Kind.F, i) for i in range(m)]
+        for i in range(m):
+            out.append(Action(s, Kind.B, i))
+            if i == first - 1:
+                out += [Action(s, Kind.W, j) for j in range(first)]
+        out += [Action(s, Kind.W, j) for j in range(first, m)]
+        ranks.append(tuple(out))
+    return Schedule("batched-w", p, m, tuple(range(p)), tuple(ranks), batch_w=True)
 
 
 def _deferred_w(s: int, p: int, m: int, delay: int) -> tuple[Action, ...]:

@@ -329,9 +329,12 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         raise ScheduleError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
                             "give one cost per stage")
     costs = _with(costs, schedule, dp, allreduce, cores)
-    if schedule.batch_w and costs.w_batched and schedule.num_microbatches > 1:
-        # batched-w runs each stage's Ws as one run at its end: every W is in a run, charged at the measured fraction
-        costs = dataclasses.replace(costs, w=tuple(w * k for w, k in zip(costs.w, costs.w_batched)))
+    if schedule.batch_w and costs.w_batched:
+        # a stage's Ws in runs of two or more run batched, at the measured fraction of their time: charged as each
+        # stage's mean over its Ws (exact in total; the Ws of a batched run all end when it does)
+        share = _batched_share(schedule)
+        costs = dataclasses.replace(costs, w=tuple(w * (1.0 + share[s] * (k - 1.0))
+                                                   for s, (w, k) in enumerate(zip(costs.w, costs.w_batched))))
     scale = costs.compute_scale(schedule.num_ranks)
     timed = costs if scale == 1.0 else dataclasses.replace(
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
@@ -369,6 +372,23 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         worst[s] = max(worst.get(s, 0), n)
     return SimResult(schedule.name, makespan, max((r.step_end - r.start for r in active), default=0.0), tuple(ranks),
                      tuple(walk.events), worst, per_mb, timed.dp, tuple(lanes))
+
+
+def _batched_share(schedule: Schedule) -> list[float]:
+    """Per stage, the fraction of its W actions that are in a run of two or more adjacent Ws of that stage on its
+    rank: the ones a schedule with ``batch_w`` runs batched."""
+    inside, total = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for acts in schedule.ranks:
+        run: list[Action] = []
+        for a in [*acts, None]:
+            if a is not None and a.kind is Kind.W and run and run[-1].stage == a.stage:
+                run.append(a)
+                continue
+            if run:
+                total[run[0].stage] += len(run)
+                inside[run[0].stage] += len(run) if len(run) > 1 else 0
+            run = [a] if a is not None and a.kind is Kind.W else []
+    return [i / t if t else 0.0 for i, t in zip(inside, total)]
 
 
 def _with(costs: Costs, schedule: Schedule, dp: int | None, allreduce: Sequence[float] | None,

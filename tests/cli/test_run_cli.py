@@ -183,14 +183,15 @@ def test_device_options_are_refused_before_any_rank_starts(plan: Path, args: lis
 
 
 def test_batched_w_runs_each_stage_s_w_once_and_says_so(tmp_path: Path) -> None:
-    """``--schedule batched-w`` on mlp-tiny: trains like one process, and each stage's W ran as one call over the
-    4 microbatches, with its measured time against the 4 one by one (what the simulated step charges)."""
+    """``--schedule batched-w`` on mlp-tiny: trains like one process, and each stage's Ws ran as one call per batch
+    of 4 microbatches (8 microbatches: two batches), with its measured time against the 4 one by one (what the
+    simulated step charges)."""
     out = tmp_path / "plan"
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--microbatches", "4"))
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out))
     doc = json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--schedule", "batched-w",
-                                   "--json")).stdout)
-    assert doc["schedule"] == "batched-w"
-    assert doc["losses"] == pytest.approx(_reference_losses(3, model="mlp-tiny"), rel=1e-5)
+                                   "--microbatches", "8", "--json")).stdout)
+    assert doc["schedule"] == "batched-w" and doc["microbatches"] == 8
+    assert doc["losses"] == pytest.approx(_reference_losses(3, m=8, model="mlp-tiny"), rel=1e-5)
     assert sorted(doc["batched_w"]) == ["0", "1"]
     for how in doc["batched_w"].values():
         assert how.startswith("batched over 4 microbatches ("), how

@@ -209,24 +209,25 @@ def test_every_schedule_trains_like_one_process(model: str, ranks: int) -> None:
     _check_saved(shared_case(ranks, f"schedules-{model}"), ranks, schedule_case(model, ranks))
 
 
-# How each stage of the 2-stage plans runs batched-w's W: over its 4 microbatches at once, or per microbatch and why.
+# How each stage of the 2-stage plans runs batched-w's Ws (4 microbatches: two batches of 2): 2 microbatches at once,
+# or per microbatch and why.
 BATCHED_W = {
-    "mlp-tiny": ["batched over 4 microbatches"] * 2,
-    "skip-tied": ["batched over 4 microbatches"] * 2,
-    # a traced attention's views hold the microbatch's size: the stage cannot be traced for 4 at once
-    "gpt-tiny": ["per microbatch: the stage does not run on 4 microbatches at once"] * 2,
+    "mlp-tiny": ["batched over 2 microbatches"] * 2,
+    "skip-tied": ["batched over 2 microbatches"] * 2,
+    # a traced attention's views hold the microbatch's size: the stage cannot be traced for 2 at once
+    "gpt-tiny": ["per microbatch: the stage does not run on 2 microbatches at once"] * 2,
     # BatchNorm's W reads each microbatch's own mean and variance, which no concatenation combines
     "resnet-tiny": ["per microbatch: an input its W keeps the shape of differs between microbatches"] * 2,
     # stage 0's W backpropagates through x - x.mean(0): the first batched call's check catches it
-    "batch-mix": ["per microbatch: its W over 4 microbatches is not the sum of the per-microbatch W's",
-                  "batched over 4 microbatches"],
+    "batch-mix": ["per microbatch: its W over 2 microbatches is not the sum of the per-microbatch W's",
+                  "batched over 2 microbatches"],
 }
 
 
 @pytest.mark.parametrize("model", sorted(BATCHED_W))
 def test_batched_w_runs_one_w_per_stage_where_that_is_the_sum(model: str) -> None:
     """batched-w on 2 ranks trains like one process (``_check_saved``), and each stage's W ran as expected: one call
-    over the 4 microbatches where the stage traces at 4 microbatches and its W is a sum over them, else per
+    per batch of 2 microbatches where the stage traces at 2 microbatches and its W is a sum over them, else per
     microbatch, with the reason."""
     case = "batched-w-batch-mix" if model == "batch-mix" else f"schedules-{model}"
     out = shared_case(2, case)
