@@ -152,9 +152,12 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         with_ratio = dataclasses.replace(costs, w_batched=tuple(ratios.get(s, 1.0) for s in range(2)))
         simulated["fxpipe batched-w"] = simulate(bw, cal.apply(with_ratio)).makespan * 1e3
         simulated_default["fxpipe batched-w"] = simulate(bw, with_ratio).makespan * 1e3
-    # The bound with batched W: F and B per microbatch, then one W over all m (where this rank's stage batches, as
-    # batched-w's runtime found: fxpipe.runtime.batched_w), else the bound above.
-    batch = runtimes["fxpipe batched-w"]._batches.get((rank, m))
+    # The bound with batched W: F and B per microbatch, then one W over all m (where this rank's stage batches:
+    # fxpipe.runtime.batched_w; batched-w itself runs two batches of m/2), else the bound above.
+    from fxpipe.runtime.batched_w import batched_weight_graphs
+
+    batch = batched_weight_graphs(pipe, rank, g, m, mb) if rank in runtimes["fxpipe batched-w"].batched_w_ratio else None
+    batch = None if isinstance(batch, str) else batch
 
     def bound_batched_w() -> None:
         if batch is None:
