@@ -88,7 +88,7 @@ def simulate_cmd(
         if not math.isfinite(result.makespan):
             raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "
                               "the costs are too large: use smaller --uniform-costs, or recompile the plan")
-        table = report(result, sched, unit=unit)
+        table = report(result, sched, unit=unit, w_batched=costs.w_batched)
         if costs.dp > 1 or costs.cores is not None:
             extra = [*extra, dp_report(result, sched, costs, unit=unit, optimizer=optimizer,
                                        param_bytes=None if uniform_costs is not None else costs.grad_bytes)]

@@ -708,8 +708,9 @@ def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) 
     raise ScheduleError(f"invalid schedule {schedule.name!r}: {message}\n{grid}")
 
 
-def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:
-    """The per-rank table of a simulation (times in ms when ``unit`` is seconds, else in the costs' unit)."""
+def report(result: SimResult, schedule: Schedule, *, unit: str = "s", w_batched: Sequence[float] = ()) -> Report:
+    """The per-rank table of a simulation (times in ms when ``unit`` is seconds, else in the costs' unit);
+    ``w_batched``: the costs' ``Costs.w_batched``, for a schedule that batches its Ws."""
     scale, tu = (1e3, "ms") if unit == "s" else (1.0, unit)
     mem, mu = (1 / 2**20, "MiB") if unit == "s" else (1.0, "units")
     rows = tuple(
@@ -721,6 +722,12 @@ def report(result: SimResult, schedule: Schedule, *, unit: str = "s") -> Report:
     notes = [f"{schedule.name}, {schedule.num_stages} stages on {schedule.num_ranks} ranks, "
              f"{schedule.num_microbatches} microbatches: makespan {result.makespan * scale:.4f} {tu}, "
              f"max stage span {result.max_stage_span * scale:.4f} {tu}"]
+    if schedule.batch_w:
+        notes.append("batched W: each W in a run of two or more of its stage's is charged "
+                     + (", ".join(f"stage {s}: {k:.2f}" for s, k in enumerate(w_batched)) + " of its time alone "
+                        "(what the runtime measured)" if w_batched else
+                        "its whole time alone, an upper bound: the costs do not know how much faster the runtime "
+                        "runs them batched (fxpipe run measures it and simulates with it)"))
     if result.staleness:
         notes.append("asynchronous: weight updates between a microbatch's F and its backward, per stage: "
                      + ", ".join(f"stage {s}: {n}" for s, n in sorted(result.staleness.items())))
