@@ -234,7 +234,9 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
     graphs = root.meta.get("fxpipe_stage_graphs")
     raw = root.meta["fxpipe_stage_costs"]
     timings = root.meta.get("fxpipe_stage_timings") or [None] * len(raw)
-    for c, g, timed in zip(raw, graphs or [None] * len(raw), timings):
+    # batched W (profiled): the runtime does not batch a plan whose ops moved across cuts (--balance-backward)
+    batched = root.meta.get("fxpipe_stage_w_batched") if not root.meta.get("fxpipe_backward_moves") else None
+    for c, g, timed, w_batched in zip(raw, graphs or [None] * len(raw), timings, batched or [1.0] * len(raw)):
         f, b, w = float(c["f"]), float(c["b"]), float(c["w"])
         held_fb = held_bw = float(c["saved_bytes"])
         if g is not None and not g.fused:
@@ -244,7 +246,8 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
         if timed is not None:  # profiled: the stage's own F, B and W graphs, timed whole (split-backward)
             f, b, w = (float(t) for t in timed)
         costs.append({"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]),
-                      "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw})
+                      "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw,
+                      "w_batched": float(w_batched)})
     return costs
 
 
@@ -274,10 +277,10 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
         costs = dataclasses.replace(costs, cores=pipe.plan.options.cores)
     sched, result, extra = choose(name, pipe.num_stages, microbatches, costs, memory_cap)
     record = ScheduleRecord(name=sched.name, requested=name, microbatches=sched.num_microbatches, csv=sched.to_csv(),
-                            synchronous=sched.synchronous, makespan_s=result.makespan,
+                            synchronous=sched.synchronous, batch_w=sched.batch_w, makespan_s=result.makespan,
                             max_stage_span_s=result.max_stage_span)
     pipe.plan = pipe.plan.with_schedule(record, sched.rank_of_stage)
-    pipe.extra_reports = [*extra, report(result, sched)]
+    pipe.extra_reports = [*extra, report(result, sched, w_batched=costs.w_batched)]
     return result
 
 

@@ -282,6 +282,9 @@ class StageCost:
     held_fb: float  # kept from F until B (or BW)
     held_bw: float  # kept from B until W
     time: float  # F + B + W plus its transfers (what the partitioner balanced)
+    # Profiled plans: its W over 4 microbatches at once against the 4 one by one (batched W,
+    # fxpipe.graphs.batched); 1.0: not measured, or the stage cannot batch
+    w_batched: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -351,6 +354,7 @@ class ScheduleRecord:
     weights: str | None = None  # weight policy of an asynchronous schedule (stale, stash, predict)
     makespan_s: float = 0.0
     max_stage_span_s: float = 0.0
+    batch_w: bool = False  # the runtime runs a stage's adjacent Ws as one batched W (batched-w)
 
 
 STRATEGY_NAMES = ("auto", "dp", "splitbrain")

@@ -26,14 +26,15 @@ def plans(draw: st.DrawFn) -> Plan:
     layers = tuple(LayerCost(i, draw(names), draw(sizes), draw(sizes), draw(sizes), draw(counts), draw(counts),
                              draw(counts), tuple(draw(st.lists(names, max_size=3))))
                    for i in range(draw(st.integers(num_stages, 8))))
-    stages = tuple(StageCost(k, k, k + 1, *(draw(sizes) for _ in range(8))) for k in range(num_stages))
+    stages = tuple(StageCost(k, k, k + 1, *(draw(sizes) for _ in range(9))) for k in range(num_stages))
     options = CompileOptions(stages=num_stages, tracer=draw(st.sampled_from(["export", "fx"])),
                              memory_per_stage=draw(st.none() | sizes), microbatches=draw(st.none() | st.integers(1, 64)),
                              schedule=draw(st.none() | st.sampled_from(["1f1b", "zb-h1", "async-1f1b", "auto"])),
                              bandwidth=draw(floats), latency=draw(sizes), profile=draw(st.booleans()),
                              cores=draw(st.none() | st.integers(1, 256)))
     schedule = draw(st.none() | st.builds(ScheduleRecord, names, names, st.integers(1, 64), names, st.booleans(),
-                                          st.none() | st.sampled_from(["stale", "stash", "predict"]), sizes, sizes))
+                                          st.none() | st.sampled_from(["stale", "stash", "predict"]), sizes, sizes,
+                                          st.booleans()))
     return Plan(
         provenance=Provenance(draw(st.none() | names), "export", "2.13.0", "0.1.0",
                               draw(st.none() | st.builds(BuildRecipe, st.sampled_from(["float32", "float64"]),

@@ -17,7 +17,9 @@ import torch
 import torch.fx
 
 from fxpipe._compat import fake_tensor_mode
-from fxpipe.graphs.convention import StageGraphs
+from fxpipe.graphs.accumulate import accumulating_weight_graph
+from fxpipe.graphs.batched import build_batched, measure_ratio
+from fxpipe.graphs.convention import StageGraphs, StageInterface
 from fxpipe.graphs.fx import clone
 from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.passes.annotate_costs import _CostInterpreter
@@ -50,7 +52,29 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     out.meta["fxpipe_stage_graphs"] = graphs
     if timings:  # measured whole-stage F/B/W: what schedules are simulated with (see fxpipe.api)
         out.meta["fxpipe_stage_timings"] = timings
+        out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, profile_runs)
     return PassResult(out, True, (_report(graphs, timings),))
+
+
+BATCH_K = 4  # the microbatches a profiled stage's batched W is timed over (batched-w runs batches of m/2)
+
+
+def batched_ratios(stages: Sequence[torch.fx.GraphModule], wiring: Any, example_inputs: Sequence[Any],
+                   graphs: Sequence[StageGraphs], runs: int) -> list[float]:
+    """Per stage, its W over ``BATCH_K`` microbatches at once against the ``BATCH_K`` one by one (the fastest of
+    ``runs``; :func:`fxpipe.graphs.batched.measure_ratio`): what batched-w's batched Ws cost the simulator. 1.0 for a
+    stage that cannot batch (the runtime would run its Ws one by one)."""
+    interfaces = [StageInterface.of(g) for g in graphs]  # the other stages are run, not split again
+    out = []
+    for k, g in enumerate(graphs):
+        built = None if g.fused or g.backward_weight is None else \
+            build_batched(stages, wiring, example_inputs, k, g, BATCH_K, interfaces=interfaces)
+        if built is None or isinstance(built, str):
+            out.append(1.0)
+            continue
+        w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]
+        out.append(min(1.0, measure_ratio(g.backward_weight, w_acc, built, max(3, runs))))
+    return out
 
 
 def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:

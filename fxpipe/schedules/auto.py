@@ -36,7 +36,8 @@ def greedy_limits(num_stages: int) -> list[int]:
 def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_cap: float | None = None) -> Choice:
     """The fastest candidate per microbatch (makespan / m) whose peak memory on every rank fits the cap.
 
-    Candidates, for each m: the fixed schedules (gpipe, 1f1b, zb-h1, zb-h2, layerpipe) and the
+    Candidates, for each m: the fixed schedules (gpipe, 1f1b, zb-h1, zb-h2, layerpipe; and batched-w where
+    ``costs.w_batched`` says some stage's Ws run faster batched) and the
     zero-bubble list scheduler with every memory limit from p to 2p microbatches (where the Ws
     go depends on the real F/B/W costs, unlike zb-h1/zb-h2's fixed shapes). interleaved-1f1b is
     not a candidate: it puts two stages on a rank, so it needs a plan with twice the stages.
@@ -45,7 +46,9 @@ def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_c
     p = num_stages
     tried: list[tuple[Schedule, SimResult, float, bool]] = []
     for m in sorted(set(microbatches)):
-        candidates = [generate(name, p, m, costs) for name in FIXED]
+        # batched-w where the costs know its Ws run faster batched (a profiled plan's StageCost.w_batched)
+        batched = ("batched-w",) if costs.w_batched and min(costs.w_batched) < 1.0 else ()
+        candidates = [generate(name, p, m, costs) for name in (*FIXED, *batched)]
         candidates += [zero_bubble(p, m, costs, limits=[limit] * p, name=f"zb-greedy(limit={limit})")
                        for limit in greedy_limits(p)]
         for sched in candidates:
@@ -100,5 +103,6 @@ def plan_schedule(plan: Plan, schedule: str | None, microbatches: int | None) ->
     synchronous. Raises OptionError for an unknown name or counts the schedule cannot take."""
     recorded = plan.schedule
     if schedule is None and recorded is not None and microbatches in (None, recorded.microbatches):
-        return Schedule.from_csv(recorded.csv, recorded.name, synchronous=recorded.synchronous)
+        return Schedule.from_csv(recorded.csv, recorded.name, synchronous=recorded.synchronous,
+                                 batch_w=recorded.batch_w)
     return choose(schedule or DEFAULTS.schedule, plan.num_stages, microbatches, Costs.from_plan(plan))[0]

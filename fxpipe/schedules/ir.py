@@ -93,7 +93,7 @@ class Schedule:
         return "".join(",".join(str(a) for a in r) + "\n" for r in self.ranks)
 
     @classmethod
-    def from_csv(cls, text: str, name: str = "csv", *, synchronous: bool = True) -> "Schedule":
+    def from_csv(cls, text: str, name: str = "csv", *, synchronous: bool = True, batch_w: bool = False) -> "Schedule":
         """Parse :meth:`to_csv` output; stages, microbatches and placement are read off the actions."""
         ranks = tuple(tuple(Action.parse(cell) for cell in line.split(",") if cell.strip())
                       for line in text.strip("\n").split("\n"))
@@ -112,7 +112,7 @@ class Schedule:
         if missing:
             raise ScheduleError(f"stages {missing} have no compute action; every stage needs its F")
         return cls(name, num_stages, 1 + max(a.mb for a in actions), tuple(rank_of[s] for s in range(num_stages)),
-                   ranks, synchronous)
+                   ranks, synchronous, batch_w=batch_w)
 
     def grid(self, mark: dict[int, int] | None = None, *, context: int | None = None) -> str:
         """The step x rank table; ``mark[rank] = step`` flags a cell with ``<<``.

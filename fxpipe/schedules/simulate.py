@@ -93,7 +93,8 @@ class Costs:
     # compared.
     send_s: float = 0.0
     # Per stage, what a W costs inside a run of adjacent Ws the schedule batches (``Schedule.batch_w``), as a fraction
-    # of its time alone: the runtime measures it (``PipelineRuntime.batched_w_ratio``). Empty: 1, no gain assumed.
+    # of its time alone: the runtime measures it (``PipelineRuntime.batched_w_ratio``), and a profiled plan records
+    # it (``StageCost.w_batched``). Empty: 1, no gain assumed.
     w_batched: tuple[float, ...] = ()
 
     def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
@@ -124,7 +125,8 @@ class Costs:
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads,
-                   allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth)
+                   allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth,
+                   w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else ())
         return costs.with_runtime(overheads)
 
     def with_runtime(self, overheads: Any) -> "Costs":

@@ -183,13 +183,14 @@ def test_device_options_are_refused_before_any_rank_starts(plan: Path, args: lis
 
 
 def test_batched_w_runs_each_stage_s_w_once_and_says_so(tmp_path: Path) -> None:
-    """``--schedule batched-w`` on mlp-tiny: trains like one process, and each stage's Ws ran as one call per batch
+    """``compile --schedule batched-w`` on mlp-tiny, then run: trains like one process, and each stage's Ws ran as one
+    call per batch
     of 4 microbatches (8 microbatches: two batches), with its measured time against the 4 one by one (what the
     simulated step charges)."""
     out = tmp_path / "plan"
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out))
-    doc = json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--schedule", "batched-w",
-                                   "--microbatches", "8", "--json")).stdout)
+    # the schedule as the plan records it (compile --schedule), which run takes when given none
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches", "8"))
+    doc = json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--json")).stdout)
     assert doc["schedule"] == "batched-w" and doc["microbatches"] == 8
     assert doc["losses"] == pytest.approx(_reference_losses(3, m=8, model="mlp-tiny"), rel=1e-5)
     assert sorted(doc["batched_w"]) == ["0", "1"]

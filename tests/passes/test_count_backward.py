@@ -87,3 +87,8 @@ def test_profile_times_f_b_and_w_of_every_stage() -> None:
     table = next(r for r in pipe.report() if r.title.startswith("split-backward"))
     assert all(t > 0 for t in table.column("F ms") + table.column("W ms"))
     assert table.column("B ms")[1] > 0  # the second stage's input needs a gradient
+    # each stage's W over 4 microbatches against the 4 one by one, timed too (batched-w's cost): a fraction, at most 1
+    assert all(0.0 < s.w_batched <= 1.0 for s in pipe.plan.stages)
+    gpt = models.build("gpt-tiny")
+    plan = fxpipe.compile(gpt.model, gpt.example_inputs, stages=2, profile=True, profile_runs=2).plan
+    assert [s.w_batched for s in plan.stages] == [1.0, 1.0]  # traced views hold the microbatch's size: no batching

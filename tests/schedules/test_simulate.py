@@ -155,3 +155,16 @@ def test_a_batched_run_of_ws_costs_the_measured_fraction() -> None:
     batched = generate("batched-w", 2, 4)
     assert simulate(batched, halved).makespan == simulate(batched, scaled).makespan < simulate(batched, costs).makespan
     assert simulate(generate("zb-h1", 2, 4), halved).makespan == simulate(generate("zb-h1", 2, 4), costs).makespan
+
+
+def test_auto_considers_batched_w_only_where_the_costs_say_ws_batch_faster() -> None:
+    """A profiled plan's ``StageCost.w_batched`` below 1 makes batched-w a candidate of ``auto``; without it batched-w
+    would be simulated at its Ws' whole time, GPipe's order with nothing gained, and is not tried."""
+    import dataclasses
+
+    costs = Costs.uniform(2, 1.0, 1.0, 3.0)
+    names = lambda c: [row[0] for row in auto(2, c, microbatches=[8]).report.rows]  # noqa: E731
+    assert "batched-w" not in names(costs)
+    batched = dataclasses.replace(costs, w_batched=(0.3, 0.3))
+    assert "batched-w" in names(batched)
+    assert auto(2, batched, microbatches=[8]).schedule.name == "batched-w"  # Ws 3x F, batched to 0.9x F: fastest
