@@ -181,7 +181,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
 
         steps.append(Step("split-backward", lambda gm: split_backward(
             need(gm), flat(gm), input_grads=options.input_grads,
-            profile_runs=options.profile_runs if options.profile else 0), verify_split_backward))
+            profile_runs=options.profile_runs if options.profile else 0, compute=options.compute),
+            verify_split_backward))
         if options.balance_backward:
             from fxpipe.passes.balance_backward import balance_backward
 

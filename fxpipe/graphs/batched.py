@@ -64,15 +64,29 @@ def build_batched(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping
     """
     if base.backward_weight is None:
         return "it has no W graph"
+    traced = trace_batched(stage_modules, wiring, flat_example_inputs, k, only={stage}, interfaces=interfaces)
+    return traced if isinstance(traced, str) else batched_from(base, traced[stage], stage, k)
+
+
+def trace_batched(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping[str, Any],
+                  flat_example_inputs: Sequence[Any], k: int, *, only: Any = None,
+                  interfaces: Sequence[StageInterface | None] | None = None) -> list[StageGraphs] | str:
+    """Every stage's graphs (``only``: those stages'; see ``build_stage_graphs``) split at ``k`` microbatches: the
+    example inputs stacked ``k`` times along their first dimension. Or why the stages do not run on that (one line)."""
     stacked = [torch.cat([x] * k) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in flat_example_inputs]
     try:
-        graphs = build_stage_graphs(stage_modules, wiring, stacked, only={stage}, interfaces=interfaces)[stage]
+        return build_stage_graphs(stage_modules, wiring, stacked, only=only, interfaces=interfaces)
     except Exception as exc:  # e.g. a view traced with the microbatch's size  # noqa: BLE001
         text = str(exc).strip().splitlines()
         return f"the stage does not run on {k} microbatches at once ({type(exc).__name__}: {text[0] if text else ''})"
+
+
+def batched_from(base: StageGraphs, graphs: StageGraphs, stage: int, k: int) -> BatchedW | str:
+    """A stage's batched W from its graphs at one microbatch (``base``) and at ``k`` (``graphs``), or why their Ws do
+    not correspond input by input (each input grown k-fold along one dimension, or the same shape)."""
     w = graphs.backward_weight
-    if w is None or graphs.param_names != base.param_names or len(graphs.w_slots) != len(base.w_slots) \
-            or graphs.num_handover != base.num_handover:
+    if base.backward_weight is None or w is None or graphs.param_names != base.param_names \
+            or len(graphs.w_slots) != len(base.w_slots) or graphs.num_handover != base.num_handover:
         return f"its W at {k} microbatches takes other inputs than at one"
     one, many = _placeholders(base.backward_weight), _placeholders(w)
     if len(one) != len(many):

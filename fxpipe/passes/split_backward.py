@@ -10,7 +10,8 @@ builds them for every stage of a split-stages root, counts their FLOPs, and repo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,18 +19,21 @@ import torch.fx
 
 from fxpipe._compat import fake_tensor_mode
 from fxpipe.graphs.accumulate import accumulating_weight_graph
-from fxpipe.graphs.batched import build_batched, measure_ratio
-from fxpipe.graphs.convention import StageGraphs, StageInterface
+from fxpipe.graphs.batched import batched_from, measure_ratio, trace_batched
+from fxpipe.graphs.convention import StageGraphs
 from fxpipe.graphs.fx import clone
 from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.passes.annotate_costs import _CostInterpreter
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.time_graphs import time_stages
+from fxpipe.plan import ComputeRates
 from fxpipe.report import Report
+
+aten = torch.ops.aten
 
 
 def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *, input_grads: bool = False,
-                   profile_runs: int = 0) -> PassResult:
+                   profile_runs: int = 0, compute: ComputeRates | None = None) -> PassResult:
     """Build F, B and W graphs for every stage of a split-stages root graph.
 
     Reads: the root's stages and wiring (split_stages), the model's flattened example inputs
@@ -40,7 +44,9 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     inputs (so the first stage's B computes their gradient); by default they are data and need
     none. A stage that cannot be split keeps a fused backward, and the report says why.
     ``profile_runs`` > 0 also times F, B and W of every stage on the example inputs (median of
-    that many runs) into ``root.meta["fxpipe_stage_timings"]``.
+    that many runs) into ``root.meta["fxpipe_stage_timings"]``, and each stage's W over ``BATCH_K``
+    microbatches at once against them one by one (``root.meta["fxpipe_stage_w_batched"]``); without
+    profiling, ``compute`` (this machine's calibrated rates) estimates that fraction instead.
 
         stage_1: 24 nodes  ──▶  F 31 ops (saves 18 tensors) | B 27 ops | W 22 ops (handover 6)
     """
@@ -53,6 +59,10 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     if timings:  # measured whole-stage F/B/W: what schedules are simulated with (see fxpipe.api)
         out.meta["fxpipe_stage_timings"] = timings
         out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, profile_runs)
+    elif compute is not None:
+        cold = compute.cold(sum(p.numel() * p.element_size() for p in root.parameters()))
+        out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, 0,
+                                                            estimate=lambda w: estimate_w_seconds(w, compute, cold))
     return PassResult(out, True, (_report(graphs, timings),))
 
 
@@ -60,21 +70,57 @@ BATCH_K = 4  # the microbatches a profiled stage's batched W is timed over (batc
 
 
 def batched_ratios(stages: Sequence[torch.fx.GraphModule], wiring: Any, example_inputs: Sequence[Any],
-                   graphs: Sequence[StageGraphs], runs: int) -> list[float]:
+                   graphs: Sequence[StageGraphs], runs: int,
+                   estimate: Callable[[torch.fx.GraphModule], float | None] | None = None) -> list[float]:
     """Per stage, its W over ``BATCH_K`` microbatches at once against the ``BATCH_K`` one by one (the fastest of
-    ``runs``; :func:`fxpipe.graphs.batched.measure_ratio`): what batched-w's batched Ws cost the simulator. 1.0 for a
-    stage that cannot batch (the runtime would run its Ws one by one)."""
-    interfaces = [StageInterface.of(g) for g in graphs]  # the other stages are run, not split again
+    ``runs``; :func:`fxpipe.graphs.batched.measure_ratio`), or with ``estimate`` (a W graph's estimated seconds)
+    their estimated times: what batched-w's batched Ws cost the simulator. 1.0 for a stage that cannot batch (the
+    runtime would run its Ws one by one) or whose W the estimate cannot cost."""
+    traced = trace_batched(stages, wiring, example_inputs, BATCH_K)  # every stage at once: one pass
     out = []
     for k, g in enumerate(graphs):
-        built = None if g.fused or g.backward_weight is None else \
-            build_batched(stages, wiring, example_inputs, k, g, BATCH_K, interfaces=interfaces)
+        built = None if g.fused or isinstance(traced, str) else batched_from(g, traced[k], k, BATCH_K)
         if built is None or isinstance(built, str):
             out.append(1.0)
-            continue
-        w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]
-        out.append(min(1.0, measure_ratio(g.backward_weight, w_acc, built, max(3, runs))))
+        elif estimate is not None:
+            one, many = estimate(g.backward_weight), estimate(built.plain)  # type: ignore[arg-type]
+            out.append(1.0 if one is None or many is None or one <= 0 else min(1.0, many / (BATCH_K * one)))
+        else:
+            w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]
+            out.append(min(1.0, measure_ratio(g.backward_weight, w_acc, built, max(3, runs))))
     return out
+
+
+_GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
+_VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.expand.default, aten.alias.default, aten.squeeze.dim, aten.unsqueeze.default}
+
+
+def estimate_w_seconds(w: torch.fx.GraphModule, compute: ComputeRates, cold: bool) -> float | None:
+    """A W graph's seconds at this machine's calibrated rates, for the batched-W fraction: per ATen op its host time
+    (``graph_op_bwd``), a GEMM its FLOPs at the skinny-GEMM curve of its smallest dimension (the weight gradient's
+    curve where that is the contracted one), anything else its bytes at ``mem_bw``. None for a graph with an op it
+    cannot cost so (a convolution's backward)."""
+    total = 0.0
+    for node in w.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        total += compute.graph_op_bwd or compute.op_bwd
+        if node.target in _VIEWS:
+            continue
+        if node.target in _GEMMS:
+            a, b = (node.args[i].meta["val"].shape for i in _GEMMS[node.target])
+            batch = a[0] if len(a) == 3 else 1
+            m, k, n = a[-2], a[-1], b[-1]
+            smallest = min(m, k, n)
+            flops = 2.0 * batch * m * k * n
+            total += flops / compute.gemm_rate(smallest, weight=smallest == k, cold=cold)
+            continue
+        if "convolution" in str(node.target):
+            return None
+        values = [node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes)]
+        total += sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor)) / compute.mem_bw
+    return total
 
 
 def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:

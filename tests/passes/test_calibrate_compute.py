@@ -447,3 +447,21 @@ def test_skinny_gemms_and_large_convolutions_run_at_their_calibrated_rates(cache
         del plan_doc["options"]["compute"][k]
     assert Plan.from_json(plan_doc).options.compute == dataclasses.replace(rates, gemm_curve=(), gemm_w_curve=(),
                                                                            conv_curve=())
+
+
+def test_calibrated_plans_estimate_each_stage_s_batched_w_fraction() -> None:
+    """With this machine's rates (no --profile), split-backward estimates each stage's W over 4 microbatches against
+    the 4 one by one (``StageCost.w_batched``), from the same rates: a skinny GEMM 4x as deep runs at a faster point
+    of the curve, and each op's host time is paid once, so the fraction is below 1; with a flat curve and no host
+    time, 4x the rows are 4x the time, nothing saved. A stage that cannot batch (gpt-tiny: traced views) keeps 1.0."""
+    curve = ((1.0, 1e9), (4.0, 4e9), (16.0, 1.6e10), (64.0, 6.4e10))  # the rate grows with the rows
+    rates = dataclasses.replace(RATES, gemm_curve=curve, gemm_w_curve=curve, graph_op_fwd=1e-5, graph_op_bwd=1e-5)
+    zoo = models.build("mlp-tiny")
+    plan = run_compile(zoo.model, zoo.example_inputs, CompileOptions(stages=2, compute=rates)).pipeline.plan
+    assert all(0.0 < s.w_batched < 0.6 for s in plan.stages), [s.w_batched for s in plan.stages]
+    flat = dataclasses.replace(RATES, gemm_curve=(), gemm_w_curve=(), graph_op_fwd=1e-12, graph_op_bwd=1e-12)
+    plan = run_compile(zoo.model, zoo.example_inputs, CompileOptions(stages=2, compute=flat)).pipeline.plan
+    assert all(0.95 < s.w_batched <= 1.0 for s in plan.stages), [s.w_batched for s in plan.stages]
+    gpt = models.build("gpt-tiny")
+    plan = run_compile(gpt.model, gpt.example_inputs, CompileOptions(stages=2, compute=rates)).pipeline.plan
+    assert [s.w_batched for s in plan.stages] == [1.0, 1.0]

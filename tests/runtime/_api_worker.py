@@ -47,3 +47,6 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], json.loads(sys.argv[6]))
+    from _leave import leave  # this script's own directory is on sys.path
+
+    leave()

@@ -199,3 +199,6 @@ def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> 
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
+    from _leave import leave  # this script's own directory is on sys.path
+
+    leave()
