@@ -47,7 +47,9 @@ def run_cmd(
                                                 rich_help_panel="Across machines")] = 300.0,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
     schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
-    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step.")] = None,
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step [default: the plan's: "
+                                                         "its recorded schedule's, or compile --microbatches; else "
+                                                         "2 x stages].")] = None,
     data: Annotated[str, typer.Option(help="Training data: synthetic (one random batch shaped like the example), "
                                            "digits (scikit-learn's handwritten digits; mlp-small), text:PATH or "
                                            "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "

@@ -99,10 +99,15 @@ def choose(name: str, num_stages: int, microbatches: int | None, costs: Costs,
 def plan_schedule(plan: Plan, schedule: str | None, microbatches: int | None) -> Schedule:
     """The schedule a plan runs: the one recorded in it (``compile --schedule``) when no other is
     asked for, else ``schedule`` (default ``DEFAULTS.schedule``) generated for the plan's costs with
-    ``microbatches`` (default ``DEFAULTS.microbatches``). A recorded schedule keeps whether it is
-    synchronous. Raises OptionError for an unknown name or counts the schedule cannot take."""
+    ``microbatches``: by default the plan's own count (its recorded schedule's, else ``compile
+    --microbatches``), else ``DEFAULTS.microbatches``; ``auto`` without one searches the counts. A
+    recorded schedule keeps whether it is synchronous. Raises OptionError for an unknown name or
+    counts the schedule cannot take."""
     recorded = plan.schedule
     if schedule is None and recorded is not None and microbatches in (None, recorded.microbatches):
         return Schedule.from_csv(recorded.csv, recorded.name, synchronous=recorded.synchronous,
                                  batch_w=recorded.batch_w)
-    return choose(schedule or DEFAULTS.schedule, plan.num_stages, microbatches, Costs.from_plan(plan))[0]
+    name = schedule or DEFAULTS.schedule
+    if microbatches is None and name != "auto":  # the batch the plan was compiled for, not a default one
+        microbatches = recorded.microbatches if recorded is not None else plan.options.microbatches
+    return choose(name, plan.num_stages, microbatches, Costs.from_plan(plan))[0]

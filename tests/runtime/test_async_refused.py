@@ -8,6 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 import fxpipe
+from fxpipe import models
 from fxpipe.cli.main import app
 from fxpipe.schedules.auto import plan_schedule
 from tests.runtime._one_rank import run_one_rank
@@ -40,3 +41,16 @@ def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
         """)
     assert "refused: async-1f1b is asynchronous: there is no step boundary" in stdout
     assert "rt.train(batches)" in stdout
+
+
+def test_a_schedule_named_at_run_time_keeps_the_plan_s_microbatches(tmp_path: Path) -> None:
+    """``fxpipe run PLAN --schedule S`` without ``--microbatches`` runs the plan's own count (compile --microbatches,
+    or its recorded schedule's), so the batch is the one the plan was compiled for; with neither, the default."""
+    zoo = models.build("mlp-tiny")
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, microbatches=6)
+    assert plan_schedule(pipe.plan, "zb-h2", None).num_microbatches == 6
+    assert plan_schedule(pipe.plan, "zb-h2", 3).num_microbatches == 3
+    recorded = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, schedule="1f1b", microbatches=5)
+    assert plan_schedule(recorded.plan, "zb-h1", None).num_microbatches == 5
+    plain = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    assert plan_schedule(plain.plan, "zb-h2", None).num_microbatches == 4  # 2 per stage
