@@ -132,24 +132,24 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     args = [torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
             for v in (n.meta["val"] for n in g.forward.graph.nodes if n.op == "placeholder")]
 
+    def forward_backward() -> list[Any]:
+        """One microbatch's F and B on this rank's stage: W's arguments."""
+        res = g.forward(*args)
+        saved = list(res[g.num_outputs:])
+        grads = [torch.ones_like(res[j]) for j in g.grad_outputs]
+        b = g.backward_input(*(saved[k] if kind == "saved" else grads[k] for kind, k in g.b_slots))
+        return [*b[len(g.grad_inputs):], *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots)]
+
     def bound() -> None:
         with torch.no_grad():
             for _ in range(m):
-                res = g.forward(*args)
-                saved = list(res[g.num_outputs:])
-                grads = [torch.ones_like(res[j]) for j in g.grad_outputs]
-                b = g.backward_input(*(saved[k] if kind == "saved" else grads[k] for kind, k in g.b_slots))
-                w_acc(*b[len(g.grad_inputs):], *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots),
-                      *accs)
+                w_acc(*forward_backward(), *accs)
 
     # batched-w simulated as fxpipe run does: each batched W at the fraction its rank measured (Costs.w_batched)
-    every_ratio = [None, None]
-    dist.all_gather_object(every_ratio, runtimes["fxpipe batched-w"].batched_w_ratio)
-    ratios = {s: r for d in every_ratio for s, r in d.items()}
-    if ratios:
+    fractions = runtimes["fxpipe batched-w"].batched_w_fractions()
+    if any(f != 1.0 for f in fractions):
         bw = runtimes["fxpipe batched-w"].schedule
-        costs = Costs.from_plan(pipe.plan)
-        with_ratio = dataclasses.replace(costs, w_batched=tuple(ratios.get(s, 1.0) for s in range(2)))
+        with_ratio = dataclasses.replace(Costs.from_plan(pipe.plan), w_batched=fractions)
         simulated["fxpipe batched-w"] = simulate(bw, cal.apply(with_ratio)).makespan * 1e3
         simulated_default["fxpipe batched-w"] = simulate(bw, with_ratio).makespan * 1e3
     # The bound with batched W: F and B per microbatch, then one W over all m (where this rank's stage batches:
@@ -163,15 +163,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         if batch is None:
             return bound()
         with torch.no_grad():
-            w_args = []
-            for _ in range(m):
-                res = g.forward(*args)
-                saved = list(res[g.num_outputs:])
-                grads = [torch.ones_like(res[j]) for j in g.grad_outputs]
-                b = g.backward_input(*(saved[k] if kind == "saved" else grads[k] for kind, k in g.b_slots))
-                w_args.append([*b[len(g.grad_inputs):],
-                               *(saved[k] if kind == "saved" else grads[k] for kind, k in g.w_slots)])
-            batch.w_acc(*batch.combine(w_args), *accs)
+            batch.w_acc(*batch.combine([forward_backward() for _ in range(m)]), *accs)
 
     def bound_alone() -> float:
         """The bound's work with the other rank waiting: this rank's own time, no contention."""

@@ -28,12 +28,11 @@ import torch
 
 from fxpipe import api
 from fxpipe._compat import dynamo_frame, outside_dynamo_tracing, pytree
-from fxpipe.errors import FxpipeError, OptionError, TraceError
+from fxpipe.errors import FxpipeError, OptionError, TraceError, first_line
 from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.plan import DEFAULTS
 from fxpipe.report import Report
 from fxpipe.runtime.core import ActionRunner
-from fxpipe.runtime.faults import first_line
 from fxpipe.schedules.generators import one_rank
 from fxpipe.schedules.ir import Kind
 

@@ -49,3 +49,9 @@ class RankFailedError(FxpipeError, RuntimeError):
 
 class CheckpointError(FxpipeError, ValueError):
     """A checkpoint cannot be saved or resumed: none complete, tampered, mixed steps, or of another model."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message`` (at most 160 characters): an error inside another's one line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"

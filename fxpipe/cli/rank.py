@@ -245,13 +245,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
         simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw)
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
-        import torch.distributed as dist
-
-        ratios: list[Any] = [None] * world
-        dist.all_gather_object(ratios, rt.batched_w_ratio)
-        merged = {s: r for d in ratios for s, r in d.items()}
-        simulated = dataclasses.replace(simulated, w_batched=tuple(merged.get(s, 1.0)
-                                                                   for s in range(sched.num_stages)))
+        simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran

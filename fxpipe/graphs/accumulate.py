@@ -92,17 +92,20 @@ def accumulating_weight_graph(w: torch.fx.GraphModule, num_grads: int, *,
     return torch.fx.GraphModule(w, graph, class_name=name), len(fused)
 
 
+# The ATen ops of W graphs that return a view of their input (no new memory, no work beyond the call).
+VIEW_OPS = frozenset({aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                      aten.permute.default, aten.transpose.int, aten.expand.default, aten.alias.default})
+
+
 def grads_are_fresh(w: torch.fx.GraphModule, num_grads: int) -> list[bool]:
     """Whether each gradient W returns is a new tensor (not an input of W or a view of one),
     so it can become ``param.grad`` without a copy and be accumulated into in place."""
-    views = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-             aten.permute.default, aten.transpose.int, aten.expand.default, aten.alias.default}
     out = next(n for n in reversed(w.graph.nodes) if n.op == "output")
     fresh = []
     grads = list(out.args[0])[:num_grads]
     for k, g in enumerate(grads):
         base = g
-        while isinstance(base, torch.fx.Node) and base.target in views:
+        while isinstance(base, torch.fx.Node) and base.target in VIEW_OPS:
             base = base.args[0]
         shared = any(other is g for other in grads[:k])  # the same tensor returned twice
         fresh.append(isinstance(base, torch.fx.Node) and base.op == "call_function" and not shared)

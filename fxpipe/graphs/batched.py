@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.errors import first_line
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, StageInterface
 from fxpipe.graphs.stages import build_stage_graphs
@@ -77,8 +78,7 @@ def trace_batched(stage_modules: Sequence[torch.fx.GraphModule], wiring: Mapping
     try:
         return build_stage_graphs(stage_modules, wiring, stacked, only=only, interfaces=interfaces)
     except Exception as exc:  # e.g. a view traced with the microbatch's size  # noqa: BLE001
-        text = str(exc).strip().splitlines()
-        return f"the stage does not run on {k} microbatches at once ({type(exc).__name__}: {text[0] if text else ''})"
+        return f"the stage does not run on {k} microbatches at once ({first_line(exc)})"
 
 
 def batched_from(base: StageGraphs, graphs: StageGraphs, stage: int, k: int) -> BatchedW | str:

@@ -18,10 +18,10 @@ import torch
 import torch.fx
 
 from fxpipe._compat import fake_tensor_mode
-from fxpipe.graphs.accumulate import accumulating_weight_graph
+from fxpipe.graphs.accumulate import VIEW_OPS, accumulating_weight_graph
 from fxpipe.graphs.batched import batched_from, measure_ratio, trace_batched
 from fxpipe.graphs.convention import StageGraphs
-from fxpipe.graphs.fx import clone
+from fxpipe.graphs.fx import clone, value_bytes
 from fxpipe.graphs.stages import build_stage_graphs
 from fxpipe.passes.annotate_costs import _CostInterpreter
 from fxpipe.passes.driver import PassResult
@@ -60,7 +60,7 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         out.meta["fxpipe_stage_timings"] = timings
         out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, profile_runs)
     elif compute is not None:
-        cold = compute.cold(sum(p.numel() * p.element_size() for p in root.parameters()))
+        cold = compute.cold(sum(value_bytes(p) for p in root.parameters()))  # as annotate_costs decides it
         out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, 0,
                                                             estimate=lambda w: estimate_w_seconds(w, compute, cold))
     return PassResult(out, True, (_report(graphs, timings),))
@@ -92,8 +92,7 @@ def batched_ratios(stages: Sequence[torch.fx.GraphModule], wiring: Any, example_
 
 
 _GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
-_VIEWS = {aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-          aten.transpose.int, aten.expand.default, aten.alias.default, aten.squeeze.dim, aten.unsqueeze.default}
+_VIEWS = VIEW_OPS | {aten.squeeze.dim, aten.unsqueeze.default}
 
 
 def estimate_w_seconds(w: torch.fx.GraphModule, compute: ComputeRates, cold: bool) -> float | None:

@@ -173,13 +173,12 @@ class ActionRunner:
             self.deliver(s, m, st.inputs[pos], grad)
 
     def backward_weight(self, s: int, m: int) -> None:
+        if self.versions is None:
+            self.weight(s, m, self._weight_args(s, m))
+            return
         g = self.graphs[s]
         if self.held is not None:
             self.held.release(s, ("B", m))
-        if self.versions is None:
-            self.weight(s, m, g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)),
-                                            self.out_grads.pop((s, m))))
-            return
         weights = self.versions.weights(s, m, "W")
         if self.held is not None:
             self.held.release(s, ("V", m))
@@ -194,15 +193,15 @@ class ActionRunner:
         """W of stage s for microbatches ``mbs`` (a run of adjacent W actions the schedule batches:
         ``Schedule.batch_w``), handed to the ``weights`` policy together. Synchronous schedules only."""
         assert self.versions is None, "batched W runs synchronous schedules only"
-        g = self.graphs[s]
-        args = []
-        for m in mbs:
-            if self.held is not None:
-                self.held.release(s, ("B", m))
-            args.append(g.weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)), self.out_grads.pop((s, m))))
-        self.weights(s, mbs, args)
+        self.weights(s, mbs, [self._weight_args(s, m) for m in mbs])
         if self.held is not None:
             self.held.settle(s)
+
+    def _weight_args(self, s: int, m: int) -> list[Any]:
+        """Microbatch m's W arguments for stage s, taken from what B left (and no longer counted as held)."""
+        if self.held is not None:
+            self.held.release(s, ("B", m))
+        return self.graphs[s].weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)), self.out_grads.pop((s, m)))
 
     def step(self, s: int) -> None:
         """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh."""

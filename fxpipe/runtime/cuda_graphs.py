@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.runtime.faults import first_line
+from fxpipe.errors import first_line
 
 
 class GraphSet:

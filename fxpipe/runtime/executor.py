@@ -644,6 +644,14 @@ class PipelineRuntime:
         (measured when it was built); what the simulator charges each W of a batched run (``Costs.w_batched``)."""
         return {s: b.ratio for (s, _), b in sorted(self._batches.items())}
 
+    def batched_w_fractions(self) -> tuple[float, ...]:
+        """Every stage's :attr:`batched_w_ratio` (1.0 where its Ws run one by one), gathered from every rank, for
+        ``Costs.w_batched``. Collective: every rank calls it."""
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, self.batched_w_ratio)
+        merged = {s: r for d in every for s, r in d.items()}
+        return tuple(merged.get(s, 1.0) for s in range(self.schedule.num_stages))
+
     def _refuse(self, s: int, why: str) -> None:
         """Stage s runs its W per microbatch from now on, and says why (once)."""
         for key in [key for key in self._batches if key[0] == s]:

@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from fxpipe._compat import default_store
-from fxpipe.errors import RankFailedError
+from fxpipe.errors import RankFailedError, first_line
 
 
 def peer_down(exc: Exception, peers: Sequence[int], waited: str, *, rank: int,
@@ -70,8 +70,3 @@ def _await_culprit(store: Any, peers: Sequence[int], rank: int, why: str, timeou
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
-
-
-def first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160] if text else ''}"
