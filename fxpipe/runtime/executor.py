@@ -41,6 +41,7 @@ from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, mea
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
+from fxpipe.runtime.threads import lower_gloo_loops
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.schedules.auto import plan_schedule
@@ -188,6 +189,9 @@ class PipelineRuntime:
         # None: every receive posted at the step's start into buffers kept across steps (fastest);
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
+        # gloo's socket threads at the lowest priority, so they cannot preempt this rank's thread while it holds
+        # a pair's lock (fxpipe.runtime.threads); after every group above is made, each with its own thread.
+        self.gloo_loops = lower_gloo_loops()
         self.events: list[tuple[Action, float, float]] = []
         self.optimizer_steps: list[tuple[float, float]] = []
         self.started = 0.0

@@ -28,6 +28,10 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         else:
             zoo = models.build(cfg["model"], dtype=torch.float64)
         loss_fn = zoo.loss_fn  # the runtime imports no model zoo: the script says its loss
+        if "gloo_loop_nice" in cfg:
+            import os
+
+            os.environ["FXPIPE_GLOO_LOOP_NICE"] = cfg["gloo_loop_nice"]
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss_fn=loss_fn,
                              schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"),
                              prefetch=cfg.get("prefetch"), cuda_graphs=cfg.get("cuda_graphs", False))
@@ -37,7 +41,9 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         inputs, target = synthetic_batch(zoo, rt.schedule.num_microbatches)
         losses = [float(rt.step(inputs, target)) for _ in range(cfg.get("steps", 3))]
         graphs = rt.graph_set
-        torch.save({"losses": losses, "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
+        from fxpipe.runtime.threads import loop_priorities
+
+        torch.save({"losses": losses, "gloo_loops": rt.gloo_loops, "loop_priorities": loop_priorities(), "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
                     "schedule": rt.schedule.name,
                     "graphs": None if graphs is None else {"captured": graphs.captured, "fallbacks": graphs.fallbacks}},
                    Path(out) / f"rank{rank}.pt")

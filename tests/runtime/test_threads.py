@@ -1,0 +1,34 @@
+"""gloo's socket threads at a lower priority (fxpipe.runtime.threads): the setting and its refusal. That the
+runtime sets a real process group's threads is checked on two ranks in test_runtime_api."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.errors import OptionError
+from fxpipe.runtime.threads import loop_nice, loop_priorities, lower_gloo_loops
+
+
+@pytest.mark.parametrize(("value", "nice"), [(None, 19), ("", 19), ("0", 0), ("7", 7), (" 19 ", 19)])
+def test_the_niceness_is_the_variable_s_else_19(monkeypatch: pytest.MonkeyPatch, value: str | None, nice: int) -> None:
+    if value is None:
+        monkeypatch.delenv("FXPIPE_GLOO_LOOP_NICE", raising=False)
+    else:
+        monkeypatch.setenv("FXPIPE_GLOO_LOOP_NICE", value)
+    assert loop_nice() == nice
+
+
+@pytest.mark.parametrize("value", ["-1", "20", "low", "1.5"])
+def test_a_niceness_out_of_range_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("FXPIPE_GLOO_LOOP_NICE", value)
+    with pytest.raises(OptionError, match=r"FXPIPE_GLOO_LOOP_NICE must be a whole number from 0 to 19") as info:
+        loop_nice()
+    assert "\n" not in str(info.value)
+
+
+def test_a_process_without_gloo_threads_sets_none() -> None:
+    # pytest's own process has made no process group in this test module's run (or, if another test did and
+    # destroyed it, its threads are gone): whatever is there is set, and what it returns is what it found.
+    found = loop_priorities()
+    assert lower_gloo_loops(19) == len(found)
+    assert lower_gloo_loops(0) == 0
