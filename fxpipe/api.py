@@ -106,7 +106,44 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     options = pipe.plan.options  # --stages auto and --plan auto record their choices there
     if options.schedule is not None:
         set_schedule(pipe, options.schedule, options.microbatches)
+        if options.plan_search:
+            batch_plan_ws(pipe)
     return Compiled(pipe, history, root)
+
+
+def batch_plan_ws(pipe: Pipeline) -> bool:
+    """``--plan auto`` after split-backward: its chosen stages, replicas and microbatches under ``batched-w`` too,
+    where split-backward found some stage's Ws faster batched (``StageCost.w_batched``, profiled or estimated: the
+    search itself ranks partitions before any stage is traced, so it cannot know). The faster simulated one is
+    recorded, with a table of both. Not under ``--memory-per-device``: batched-w keeps all m microbatches from F
+    to B, more than any schedule the search fits to the cap. Returns whether batched-w was chosen."""
+    from fxpipe.passes.calibrate_compute import plan_overheads
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    plan, record = pipe.plan, pipe.plan.schedule
+    fractions = [st.w_batched for st in plan.stages]
+    if record is None or record.batch_w or plan.options.memory_per_stage is not None or min(fractions) >= 1.0:
+        return False
+    costs = Costs.from_plan(plan, plan_overheads(plan))
+    if plan.options.cores is not None:
+        costs = dataclasses.replace(costs, cores=plan.options.cores)
+    batched = simulate(generate("batched-w", pipe.num_stages, record.microbatches, costs), costs).makespan
+    chosen = batched < record.makespan_s
+    rows = ((record.name, record.microbatches, round(record.makespan_s * 1e3, 3), "" if chosen else "chosen"),
+            ("batched-w", record.microbatches, round(batched * 1e3, 3), "chosen" if chosen else ""))
+    table = Report(title="plan auto: batched W, once the stages are split",
+                   columns=("schedule", "microbatches", "simulated step ms", ""), rows=rows,
+                   notes=("each stage's W over its batch costs " + ", ".join(f"stage {s}: {k:.2f}" for s, k in
+                                                                            enumerate(fractions))
+                          + " of its microbatches' Ws one by one (split-backward), which the search's step model "
+                          "cannot see before the stages are traced",))
+    if chosen:
+        set_schedule(pipe, "batched-w", record.microbatches)
+        pipe.plan = dataclasses.replace(pipe.plan, options=dataclasses.replace(pipe.plan.options,
+                                                                                schedule="batched-w"))
+    pipe.extra_reports = [table, *pipe.extra_reports]
+    return chosen
 
 
 def _check_options(options: CompileOptions) -> None:

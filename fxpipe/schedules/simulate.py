@@ -727,7 +727,7 @@ def report(result: SimResult, schedule: Schedule, *, unit: str = "s", w_batched:
     if schedule.batch_w:
         notes.append("batched W: each W in a run of two or more of its stage's is charged "
                      + (", ".join(f"stage {s}: {k:.2f}" for s, k in enumerate(w_batched)) + " of its time alone "
-                        "(what the runtime measured)" if w_batched else
+                        "(timed or estimated at compile, measured by fxpipe run)" if w_batched else
                         "its whole time alone, an upper bound: the costs do not know how much faster the runtime "
                         "runs them batched (fxpipe run measures it and simulates with it)"))
     if result.staleness:

@@ -150,3 +150,61 @@ def test_plan_auto_with_cores_records_them_and_says_time_sharing_was_modelled(tm
     plan = read_plan(out)
     assert plan.options.cores == 2 and plan.mesh.world_size <= 4
     assert fxpipe.load(out).plan == plan
+
+
+def _auto_plan(**options: object) -> fxpipe.Pipeline:
+    zoo = models.build("mlp-small")
+    return fxpipe.compile(zoo.model, zoo.example_inputs, plan_search=True, devices=2, **options)
+
+
+def _with_fractions(pipe: fxpipe.Pipeline, fraction: float) -> fxpipe.Pipeline:
+    import dataclasses
+
+    pipe.plan = dataclasses.replace(pipe.plan, stages=tuple(dataclasses.replace(st, w_batched=fraction)
+                                                            for st in pipe.plan.stages))
+    return pipe
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.999])
+def test_plan_auto_takes_batched_w_where_its_simulation_is_faster(tmp_path: Path, fraction: float) -> None:
+    """--plan auto searches before any stage is traced; once split-backward knows a stage's Ws run faster batched
+    (StageCost.w_batched: the fixed-model compile of the tests has none, so it is set here), the chosen plan is
+    simulated under batched-w too and the faster one is recorded, with both in a table."""
+    from fxpipe.api import batch_plan_ws
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    pipe = _with_fractions(_auto_plan(bandwidth=1e13, latency=0.0), fraction)  # compute, not the link, sets the step
+    before = pipe.plan.schedule
+    assert before is not None and not before.batch_w
+    costs = Costs.from_plan(pipe.plan)
+    batched = simulate(generate("batched-w", pipe.num_stages, before.microbatches, costs), costs).makespan
+    chosen = batch_plan_ws(pipe)
+    assert chosen == (batched < before.makespan_s)
+    after = pipe.plan.schedule
+    assert after is not None
+    if chosen:
+        assert (after.name, after.batch_w, after.microbatches) == ("batched-w", True, before.microbatches)
+        assert pipe.plan.options.schedule == "batched-w" and after.makespan_s < before.makespan_s
+    else:
+        assert after == before and pipe.plan.options.schedule == before.name
+    table = next(r for r in pipe.extra_reports if r.title == "plan auto: batched W, once the stages are split")
+    rows = {row[0]: row for row in table.rows}
+    assert rows["batched-w"][2] == round(batched * 1e3, 3) and rows[before.name][2] == round(before.makespan_s * 1e3, 3)
+    assert [row[0] for row in table.rows if row[3] == "chosen"] == [after.name]
+    assert chosen or fraction > 0.5  # Ws at 5% of their time win when compute sets the step; at 99.9%, the simulation says
+    from fxpipe.plan_dir import save_pipeline
+
+    save_pipeline(pipe, tmp_path / "plan")
+    again = read_plan(tmp_path / "plan")
+    assert again.schedule is not None and (again.schedule.name, again.schedule.batch_w) == (after.name, after.batch_w)
+
+
+def test_plan_auto_keeps_its_schedule_under_a_memory_cap_or_without_batched_ws() -> None:
+    from fxpipe.api import batch_plan_ws
+
+    plain = _auto_plan()  # the fixed model: no stage's Ws are known to batch faster
+    assert all(st.w_batched == 1.0 for st in plain.plan.stages) and not batch_plan_ws(plain)
+    capped = _with_fractions(_auto_plan(memory_per_stage=2**30), 0.05)
+    record = capped.plan.schedule
+    assert not batch_plan_ws(capped) and capped.plan.schedule == record
