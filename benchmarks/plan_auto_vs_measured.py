@@ -39,10 +39,18 @@ def run_case(model: str, devices: int, steps: int, timeout: float, cores: str | 
         shared = ["--cores", cores] if cores else []
         compiled = fxpipe(["compile", model, "--plan", "auto", "--devices", str(devices), *shared, "--out",
                            str(plan_dir), "--json"], env, timeout)
-        table = next(r for r in compiled["reports"] if str(r["title"]).startswith("plan auto"))  # type: ignore[index]
+        reports = compiled["reports"]
+        table = next(r for r in reports if str(r["title"]).startswith("plan auto: candidates"))  # type: ignore[index]
         cols = table["columns"]
         chosen = next(row for row in table["rows"] if row[-1] == "chosen")
         planner = float(chosen[cols.index("simulated step ms")])
+        schedule = chosen[cols.index("schedule")]
+        # Once split-backward knows each stage's batched-W fraction, the chosen plan may be batched-w instead
+        # (api.batch_plan_ws): its own table then has the recorded schedule and its simulated step.
+        batched = next((r for r in reports if str(r["title"]).startswith("plan auto: batched W")), None)  # type: ignore[union-attr]
+        if batched is not None:
+            row = next(row for row in batched["rows"] if row[-1] == "chosen")
+            schedule, planner = row[0], float(row[2])
         load_before = os.getloadavg()[0]
         ran = fxpipe(["run", str(plan_dir), "--steps", str(steps), "--json"], env, timeout)
     simulated, measured = float(ran["simulated_step_ms"]), float(ran["step_ms_median"])  # type: ignore[arg-type]
@@ -53,7 +61,7 @@ def run_case(model: str, devices: int, steps: int, timeout: float, cores: str | 
         "cores": cores,
         "run": f"fxpipe run DIR --steps {steps} --json", "calibration_line": compiled.get("calibration"),
         "stages": chosen[cols.index("stages")], "dp": chosen[cols.index("dp")],
-        "schedule": chosen[cols.index("schedule")], "microbatches": chosen[cols.index("microbatches")],
+        "schedule": schedule, "microbatches": chosen[cols.index("microbatches")],
         "ranks": ran["ranks"], "planner_step_ms": planner, "simulated_step_ms": round(simulated, 3),
         "measured_step_ms": round(measured, 3), "step_ms": [round(float(x), 3) for x in ran["step_ms"]],  # type: ignore[union-attr]
         "ratio": round(simulated / measured, 3), "planner_ratio": round(planner / measured, 3),

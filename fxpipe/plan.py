@@ -131,6 +131,12 @@ class ComputeRates:
     gemm_cold_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_cold_curve: tuple[tuple[float, float], ...] = ()
     cache_bytes: float = 0.0
+    # The (m x 1024) x (1024 x 1024) GEMM with its weight transposed, as a linear layer's forward reads it (x @ W.T;
+    # its backward reads W as stored): cached and over the cold pool. Skinny, it runs at well under the plain curve
+    # on one core here (8 rows: 35-40 GFLOP/s against 70-100), and barely faster when the weight is cached. Empty
+    # (plans and caches from before): the plain curves.
+    gemm_t_curve: tuple[tuple[float, float], ...] = ()
+    gemm_t_cold_curve: tuple[tuple[float, float], ...] = ()
     # The machine's typical speed against its fastest: a mixed GEMM and element-wise loop run for a second in
     # ~5 ms pieces, the median piece over the fastest (>= 1). The rates above are each the fastest of a few runs
     # (another job only ever adds time), and a virtual machine's neighbours and clocks make a step's median slower
@@ -149,12 +155,15 @@ class ComputeRates:
         share it, so the whole model counts, not one stage)."""
         return bool(self.gemm_cold_curve) and 0 < self.cache_bytes < 2 * param_bytes
 
-    def gemm_rate(self, smallest: float, *, weight: bool = False, cold: bool = False) -> float:
+    def gemm_rate(self, smallest: float, *, weight: bool = False, cold: bool = False, transposed: bool = False) -> float:
         """FLOP/s of a GEMM whose smallest dimension is ``smallest`` (``weight``: a weight gradient, contracting it;
-        ``cold``: its weight, or gradient, read from memory: :meth:`cold`)."""
+        ``cold``: its weight, or gradient, read from memory: :meth:`cold`; ``transposed``: its second operand a
+        transposed view, as a linear layer's forward reads its weight)."""
         curve = self.gemm_w_curve if weight else self.gemm_curve
         if cold and self.gemm_cold_curve:
             curve = self.gemm_w_cold_curve if weight else self.gemm_cold_curve
+        if transposed and not weight and self.gemm_t_curve:
+            curve = self.gemm_t_cold_curve if cold and self.gemm_t_cold_curve else self.gemm_t_curve
         if not curve or smallest >= 2 * curve[-1][0]:
             return self.gemm_flops
         if smallest > curve[-1][0]:  # towards the large GEMMs' rate by twice the curve's last point

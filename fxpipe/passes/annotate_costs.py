@@ -107,7 +107,7 @@ def annotate_costs(
         flops_b = flops if grad_to_act else 0
         flops_w = flops if grad_to_param else 0
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
-        rate = rate_w = device_flops
+        rate = rate_b = rate_w = device_flops
         host_f = host_b = host_w = 0.0
         per_node = (0.0, 0.0, 0.0)  # the part of host_* that is per node (not a convolution's per-call time)
         share_b = (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0  # of the backward's host time, B's
@@ -118,12 +118,16 @@ def annotate_costs(
             conv = kind in _CONVOLUTIONS
             smallest = _gemm_smallest(node, kind, val, interp.values) if kind in _GEMMS else None
             if smallest is not None:  # a skinny GEMM runs slower (calibrated by its smallest dimension)
-                rate, rate_w = compute.gemm_rate(smallest, cold=cold), compute.gemm_rate(smallest, weight=True, cold=cold)
+                # F reads the weight transposed (a linear's x @ W.T) exactly where B (grad @ W) reads it as stored
+                t = _reads_transposed(node, kind)
+                rate, rate_w = compute.gemm_rate(smallest, cold=cold, transposed=t), \
+                    compute.gemm_rate(smallest, weight=True, cold=cold)
+                rate_b = compute.gemm_rate(smallest, cold=cold, transposed=not t)
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
                 if conv:
                     rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
-                    rate_w = rate
+                    rate_b = rate_w = rate
                 host_b, host_w = host_bw * share_b, host_bw * share_w
                 per_node = (compute.op_fwd, compute.op_bwd * share_b, compute.op_bwd * share_w)
         update_meta(
@@ -140,7 +144,7 @@ def annotate_costs(
             host_fwd=typical * per_node[0],
             host_bwd_input=typical * per_node[1],
             host_bwd_weight=typical * per_node[2],
-            time_bwd_input=typical * (host_b + max(flops_b / rate, traffic / device_mem_bw)) if grad_to_act else 0.0,
+            time_bwd_input=typical * (host_b + max(flops_b / rate_b, traffic / device_mem_bw)) if grad_to_act else 0.0,
             time_bwd_weight=typical * (host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
                                                     / device_mem_bw)) if grad_to_param else 0.0,
         )
@@ -255,6 +259,19 @@ def _gemm_smallest(node: torch.fx.Node, kind: str, out: Any, values: dict[torch.
     if min(n, k) < 1:
         return None
     return min(out.numel() // n, k, n)
+
+
+_TRANSPOSES = {"t", "transpose", "permute", "numpy_T"}
+
+
+def _reads_transposed(node: torch.fx.Node, kind: str) -> bool:
+    """Whether a GEMM node's forward reads its second operand transposed: ``linear`` always (x @ W.T); ``mm``,
+    ``addmm`` and ``matmul`` where that operand is a transpose of another node."""
+    if kind == "linear":
+        return True
+    args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    second = args[2] if kind == "addmm" and len(args) > 2 else (args[1] if len(args) > 1 else None)
+    return second is not None and second.op == "call_function" and _op_name(second).split(".")[0] in _TRANSPOSES
 
 
 def _shallow(val: Any) -> Any:

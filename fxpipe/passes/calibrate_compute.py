@@ -9,7 +9,8 @@ several runs (another job on the machine only ever adds time):
 - **Skinny GEMMs.** ``torch.mm`` of (m x 1024) x (1024 x 1024) and the weight gradient's (1024 x m) x
   (m x 1024) accumulated (``addmm_``, as W_acc runs it) for m = 1 to 128: FLOP/s by the GEMM's smallest
   dimension (8 rows run at half the square GEMMs' rate on one core, 1-2 rows at a quarter), interpolated in
-  log m by ``ComputeRates.gemm_rate``. Then both again over a pool of distinct matrices twice the size of the
+  log m by ``ComputeRates.gemm_rate``; and the first with the weight read transposed (``x @ w.T``, a linear
+  layer's forward, whose skinny GEMMs run at well under the plain curve here). Then all three again over a pool of distinct matrices twice the size of the
   cache, each read from memory: the rates of a model whose parameters outgrow the cache (at 1-2 rows half the
   cached ones here). The cache's size is measured (:func:`effective_cache_bytes`): sysfs gives the socket's,
   which a virtual machine shares with its neighbours.
@@ -70,7 +71,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 10  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 11  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
@@ -259,6 +260,9 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
         gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in SKINNY_ROWS)
         gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in SKINNY_ROWS)
+        gemm_t_curve = tuple((float(m), _skinny_rate(m, runs, weight=False, transposed=True)) for m in SKINNY_ROWS)
+        gemm_t_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool, transposed=True))
+                                  for m in SKINNY_ROWS)
         conv_curve = _conv_curve(runs)
         mem_bw = _stream_rate(stream_bytes, runs)
         sustained = _sustained(SUSTAINED_SECONDS)
@@ -277,7 +281,8 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
-                        gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained)
+                        gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
+                        gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -304,17 +309,19 @@ def _gemm_rate(n: int, runs: int) -> float:
     return 2 * n**3 * reps / _fastest(mm, runs)
 
 
-def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | None = None) -> float:
+def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | None = None,
+                 transposed: bool = False) -> float:
     """FLOP/s of (m x 1024) x (1024 x 1024), or with ``weight`` of the weight gradient (1024 x m) x (m x 1024)
     accumulated into the gradient (``addmm_``, as W_acc runs); with a ``pool`` of distinct 1024 x 1024 weights
-    (gradients), each in turn, so that each is read from memory, not the cache."""
+    (gradients), each in turn, so that each is read from memory, not the cache; ``transposed``: the weight read
+    transposed (x @ w.T, a linear layer's forward)."""
     x, g = torch.randn(m, SKINNY_WIDTH), torch.randn(m, SKINNY_WIDTH)
     mats = pool or [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH)]
     out = torch.empty(m, SKINNY_WIDTH)
 
     def weights() -> None:
         for w in mats:
-            torch.mm(x, w, out=out)
+            torch.mm(x, w.t() if transposed else w, out=out)
 
     def grads() -> None:
         for acc in mats:
@@ -586,7 +593,8 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     if not entry["machine"].startswith(key):
         return None
     curves = {}
-    for k in ("gemm_curve", "gemm_w_curve", "conv_curve", "gemm_cold_curve", "gemm_w_cold_curve"):
+    for k in ("gemm_curve", "gemm_w_curve", "conv_curve", "gemm_cold_curve", "gemm_w_cold_curve", "gemm_t_curve",
+              "gemm_t_cold_curve"):
         points = entry[k]
         if not isinstance(points, list) or not all(
                 isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -68,7 +68,8 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert 1e8 < rates.gemm_flops < 1e14 and 1e7 < rates.mem_bw < 1e13
     assert 1e-8 < rates.op_fwd < 1e-2  # a node's host time: microseconds, not nothing and not seconds
     assert rates.threads == 1 and rates.machine.startswith(cc.machine_key(1))
-    for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve):
+    for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve,
+                  rates.gemm_t_curve, rates.gemm_t_cold_curve):
         assert [m for m, _ in curve] == [float(m) for m in cc.SKINNY_ROWS] and all(r > 0 for _, r in curve)
     assert 4 << 20 <= rates.cache_bytes <= max(cc.COLD_POOL_MAX * (4 << 20), cc.last_level_cache_bytes())
 
@@ -151,6 +152,36 @@ def test_a_model_that_outgrows_the_cache_runs_its_gemms_at_the_uncached_rates() 
     in_cache = first_linear_fwd(dataclasses.replace(rates, cache_bytes=float(1 << 30))) - RATES.op_fwd
     assert in_cache == pytest.approx(flops / rates.gemm_rate(8)) and rates.gemm_rate(8) == pytest.approx(4e10 / 7 * 10)
     assert first_linear_fwd(rates) - RATES.op_fwd == pytest.approx(flops / 4e10)  # 1e10 + 3/7 of 7e10, at 8 rows
+
+
+def test_a_linear_s_forward_runs_at_the_transposed_curve_and_its_backward_at_the_plain_one() -> None:
+    """A linear layer's F is x @ W.T (the weight read transposed), its B grad @ W (as stored): on one core here the
+    skinny transposed GEMM runs at well under the plain one (8 rows: 35-40 against 70-100 GFLOP/s), so each takes
+    its own curve; W keeps the weight gradient's. Plans and caches without the transposed curve use the plain."""
+    plain, transposed, w = ((1.0, 8e10), (128.0, 8e10)), ((1.0, 2e10), (128.0, 2e10)), ((1.0, 4e10), (128.0, 4e10))
+    rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=plain, gemm_t_curve=transposed, gemm_w_curve=w)
+    zoo = models.build("mlp-deep")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+    flops = 2 * 8 * 1024 * 1024  # (8 x 1024) x (1024 x 1024)
+
+    def second_linear(r: ComputeRates) -> tuple[float, float, float]:
+        out = annotate_costs(gm, zoo.example_inputs, compute=r).gm
+        meta = get_meta([n for n in out.graph.nodes if "linear" in str(n.target)][1])  # its input needs a gradient
+        return (meta.time_fwd - meta.host_fwd, meta.time_bwd_input - meta.host_bwd_input,
+                meta.time_bwd_weight - meta.host_bwd_weight)
+
+    f, b, w_time = second_linear(rates)
+    assert f == pytest.approx(flops / 2e10) and b == pytest.approx(flops / 8e10) and w_time == pytest.approx(flops / 4e10)
+    f_old, b_old, _ = second_linear(dataclasses.replace(rates, gemm_t_curve=()))
+    assert f_old == pytest.approx(flops / 8e10) and b_old == b
+    # In an aten graph, mm(x, t(W)) reads the weight transposed as linear does; mm(x, W) does not
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxpipe.passes.annotate_costs import _reads_transposed
+
+    graph = make_fx(lambda x, w: (torch.mm(x, w.t()), torch.mm(x, w)))(torch.randn(8, 16), torch.randn(16, 16))
+    mms = [n for n in graph.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert [_reads_transposed(n, "mm") for n in mms] == [True, False]
 
 
 def test_cache_round_trip(cache_dir: Path) -> None:
