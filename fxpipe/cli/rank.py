@@ -31,9 +31,11 @@ import json
 import os
 import resource
 import socket
+import statistics
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -200,6 +202,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
+    action_steps: list[dict[tuple[int, str], float]] = []
     in_flight: list[tuple[int, Any, float]] = []  # synchronous steps whose loss is still being summed over the ranks
     # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
     # one schedule (all of them, or --checkpoint-every with --checkpoint-dir): its pipeline drains only at
@@ -217,6 +220,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             pending = rt.step_async(inputs, target)
             rt.track_memory = False
             step_ms.append((time.perf_counter() - t0) * 1e3)
+            if start > first:  # each action's time, every step after the first (which faults its buffers in)
+                action_steps.append(action_seconds(rt.events, rt.optimizer_steps))
             in_flight.append((start, pending, step_ms[-1]))
             losses += _arrived(in_flight, args, reports, last=False)
         else:
@@ -273,12 +278,46 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
+        # Per stage and kind of action of this rank: seconds per microbatch, measured (the median over the steps
+        # after the first) and as the run's simulation charges it
+        "action_ms": _action_table(action_steps, sched, simulated) if sched.synchronous else [],
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
+
+
+def action_seconds(events: Sequence[tuple[Any, float, float]],
+                   optimizer_steps: Sequence[tuple[float, float]]) -> dict[tuple[int, str], float]:
+    """One step's seconds per microbatch of each (stage, kind) of action: the actions' time (less any optimizer
+    step run inside one: a stage steps right after its last W) over how many there were. A batched run of Ws is
+    timed on its first W (the rest take none), so a W's share is the batch's time over its microbatches."""
+    total: dict[tuple[int, str], float] = {}
+    count: dict[tuple[int, str], int] = {}
+    for action, t0, t1 in events:
+        inside = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in optimizer_steps)
+        key = (action.stage, action.kind.value)
+        total[key] = total.get(key, 0.0) + (t1 - t0 - inside)
+        count[key] = count.get(key, 0) + 1
+    return {key: total[key] / count[key] for key in total}
+
+
+def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: Any) -> list[list[Any]]:
+    """[stage, kind, measured ms, simulated ms] per (stage, kind) this rank ran: the median over ``steps``, and
+    what ``costs`` charges one such action (a batched W: its fraction of the W)."""
+    from fxpipe.schedules.ir import Action, Kind
+
+    rows = []
+    for key in sorted({k for step in steps for k in step}):
+        stage, kind = key
+        charged = costs.time(Action(stage, Kind(kind), 0))
+        if kind == Kind.W.value and sched.batch_w and costs.w_batched:
+            charged -= costs.w[stage] * (1.0 - costs.w_batched[stage])
+        rows.append([stage, kind, statistics.median(step[key] for step in steps if key in step) * 1e3,
+                     charged * 1e3])
+    return rows
 
 
 def rank_device(name: str) -> Any:

@@ -195,6 +195,9 @@ def run_cmd(
             **_held_per_stage(results),
             # batched-w: how each stage's W ran (one call over the microbatches, or per microbatch and why)
             "batched_w": {s: how for r in results for s, how in r.get("batched_w", {}).items()} or None,
+            # per stage and kind of action, ms per microbatch: measured (median over the steps after the first,
+            # the slowest replica's) and as the simulation charged it
+            "actions": _actions(results),
         }
 
         def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
@@ -247,6 +250,8 @@ def run_cmd(
                               "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
                               "stage's replicas"),) if mesh["shape"][1] > 1 else ())
         reports = [per_step, per_rank]
+        if doc["actions"]:
+            reports.append(_actions_report(doc))
         if doc.get("peak_held_bytes_per_stage"):
             reports.append(_held_report(doc, results))
         if heldout is not None:
@@ -294,6 +299,32 @@ def _graph_calls(results: list[dict[str, Any]]) -> dict[str, int] | None:
     if not calls:
         return None
     return {"captured": sum(c["captured"] for c in calls), "fallbacks": sum(c["fallbacks"] for c in calls)}
+
+
+def _actions(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each stage's kinds of action, ms per microbatch, measured and simulated (of a stage's replicas, the slowest
+    measured); [] when the ranks did not time them (an asynchronous or per-layer run)."""
+    best: dict[tuple[int, str], tuple[float, float]] = {}
+    for r in results:
+        for stage, kind, measured, simulated in r.get("action_ms", []):
+            key = (int(stage), str(kind))
+            if key not in best or measured > best[key][0]:
+                best[key] = (float(measured), float(simulated))
+    return [{"stage": s, "action": k, "measured_ms": m, "simulated_ms": sim} for (s, k), (m, sim) in sorted(best.items())]
+
+
+def _actions_report(doc: dict[str, Any]) -> Any:
+    from fxpipe.report import Report
+
+    rows = tuple((a["stage"], a["action"], round(a["measured_ms"], 3), round(a["simulated_ms"], 3),
+                  round(a["measured_ms"] / a["simulated_ms"], 2) if a["simulated_ms"] > 0 else "")
+                 for a in doc["actions"])
+    return Report("run: each stage's actions, measured and simulated", ("stage", "action", "measured ms",
+                                                                       "simulated ms", "measured / simulated"), rows,
+                  ("ms per microbatch: measured, the median over the steps after the first of each step's mean (a "
+                   "batched run of Ws shared over its microbatches; a stage's optimizer step left out); simulated, what "
+                   "the run's simulation charged it (the plan's costs with this run's calibrated contention and fixed "
+                   "costs); where they differ is where the plan's estimate is off",))
 
 
 def _held_per_stage(results: list[dict[str, Any]]) -> dict[str, list[int]]:

@@ -55,6 +55,11 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert all(abs(got / sim - 1) <= 0.15 for got, sim in zip(measured, simulated)), (measured, simulated)
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W")) == 2 * 4 * 3
+    # Each stage's kinds of action, per microbatch, measured (steps 2 and 3) beside what the simulation charged
+    actions = {(a["stage"], a["action"]): a for a in doc["actions"]}
+    assert set(actions) == {(s, k) for s in (0, 1) for k in ("F", "B", "W")}
+    assert all(a["measured_ms"] > 0 and a["simulated_ms"] >= 0 for a in actions.values())
+    assert all(actions[s, "F"]["simulated_ms"] > 0 for s in (0, 1))
 
 
 def test_a_failed_rank_is_named(plan: Path) -> None:
