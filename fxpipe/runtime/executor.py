@@ -369,13 +369,21 @@ class PipelineRuntime:
         """One batch cut into m microbatches: each one's model inputs by name, and its target."""
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
-        flat, spec = pytree.tree_flatten(tuple(inputs))
+        # The batch's structure is checked once, on the whole batch: its leaves in the graph's placeholder order are
+        # each cut along dim 0, so microbatch i's inputs are the i-th piece of each (splitting is leafwise). A plan
+        # with no recorded structure takes its inputs as given.
+        spec = None
+        if self.pipe.in_spec is None:
+            flat, spec = pytree.tree_flatten(tuple(inputs))
+        else:
+            flat = flatten_inputs(self.pipe.in_spec, tuple(inputs), {})
         n, d = m * self.dp, self.dp_rank  # with replicas, this replica's m of the batch's dp x m microbatches
         fix = f"pick a batch that is a multiple of {n}" + (f" ({self.dp} replicas x {m} microbatches)" if self.dp > 1 else "")
         parts = [split_batch(self._here(x), n, fix=fix)[d * m:(d + 1) * m] for x in flat]
         targets = split_batch(self._here(target), n, fix=fix)[d * m:(d + 1) * m]
-        micro = [dict(zip(self.pipe.input_names, flatten_inputs(
-            self.pipe.in_spec, tuple(pytree.tree_unflatten([p[i] for p in parts], spec)), {}))) for i in range(m)]
+        pieces = [[p[i] for p in parts] for i in range(m)]
+        micro = [dict(zip(self.pipe.input_names, pytree.tree_unflatten(piece, spec) if spec is not None else piece))
+                 for piece in pieces]
         self._check_shapes(micro[0], n)
         return micro, list(targets)
 
