@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None, help="where the results go as JSON (default: benchmarks/results/"
+                        "runtime_vs_peer/<date-time>-<models>.json); they are printed too")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     rows = []
@@ -258,7 +260,14 @@ def main() -> None:
         res["bound_contention"] = med["bound"] / med["bound alone"]  # measured slowdown of the real stage work
         res["samples_per_s"] = {k: res["batch"] / (v / 1e3) for k, v in med.items() if not k.startswith("bound")}
         rows.append(res)
-    print(json.dumps(rows, indent=2))
+    text = json.dumps(rows, indent=2)
+    out_path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "runtime_vs_peer",
+                                        time.strftime("%Y-%m-%d-%H%M-") + "-".join(args.models) + ".json")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    print(f"wrote {out_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
