@@ -7,7 +7,11 @@ iteration runs each (system, schedule) once in turn (A B A B ...) so machine dri
 stage's F, B and W for all microbatches at the same time with no communication and no waiting
 (and, to check the calibration's contention factor, the same work one rank at a time); and that bound with each
 rank's W run once over all microbatches ("bound, batched W", where the stage batches: fxpipe.runtime.batched_w), the
-work fxpipe's batched-w schedule does. ``fxpipe_over_best_bound`` compares with the smaller of the two.
+work fxpipe's batched-w schedule does. ``fxpipe_over_best_bound`` compares with the smaller of the two. And that
+batched bound with what every schedule also does ("bound, batched W, fill and optimizer"): each rank's optimizer step
+(SGD, on a copy of its stage's parameters) and the pipeline's fill (a rank starts no earlier than the stages before
+it ran one microbatch's F), the max over ranks; ``fxpipe_over_bound_with_fill`` compares with it. It is still a
+lower bound: no drain (stage 0's last W after the last gradient), no message.
 
 The "simulated" step time is the event simulator's, with rank 0's profiled costs calibrated to
 this machine in the same run (``fxpipe.runtime.calibrate``: measured link latency and bandwidth,
@@ -46,6 +50,13 @@ def _timed(fn: Any) -> float:
     elapsed = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed) * 1e3
+
+
+def _own(fn: Any) -> float:
+    """Seconds of ``fn`` on this rank alone (no barrier)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out: str) -> None:
@@ -178,9 +189,36 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed) * 1e3
 
+    # The batched bound with two things every schedule also does: the optimizer step (SGD, as the runtimes; on a
+    # copy of this stage's parameters, so the runtimes' weights stay theirs) and the pipeline's fill (a rank
+    # cannot start before the stages before it ran one microbatch's F: their F times, from each rank's own).
+    shadow = [p.detach().clone().requires_grad_() for p in stage_mod.parameters()]
+    for p in shadow:
+        p.grad = torch.zeros_like(p)
+    shadow_opt = torch.optim.SGD(shadow, lr=1e-4)
+
+    def bound_batched_w_and_optimizer() -> None:
+        bound_batched_w()
+        shadow_opt.step()
+
+    with torch.no_grad():
+        one_f = statistics.median(_own(lambda: g.forward(*args)) for _ in range(5))
+    firsts = [0.0, 0.0]
+    dist.all_gather_object(firsts, one_f)
+    fill = sum(firsts[:rank]) * 1e3  # ms before this rank's first action can start
+
+    def bound_with_fill() -> float:
+        """max over ranks of (the fill before it + its batched-bound work and optimizer step, both ranks at once)."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        bound_batched_w_and_optimizer()
+        elapsed = torch.tensor([fill + (time.perf_counter() - t0) * 1e3])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
     runners["bound"] = bound
     runners["bound, batched W"] = bound_batched_w
-    times: dict[str, list[float]] = {k: [] for k in [*runners, "bound alone"]}
+    times: dict[str, list[float]] = {k: [] for k in [*runners, "bound alone", "bound, batched W, fill and optimizer"]}
     faults: dict[str, list[int]] = {k: [] for k in runners}  # this rank's minor page faults per call
     for it in range(warmup + iters):
         for key, fn in runners.items():
@@ -192,6 +230,9 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
         t = bound_alone()
         if it >= warmup:
             times["bound alone"].append(t)
+        t = bound_with_fill()
+        if it >= warmup:
+            times["bound, batched W, fill and optimizer"].append(t)
     # Where each fxpipe step went, per rank, from the runtime's own events of one more step:
     # compute (its actions), waiting for messages, and after the last action (optimizer, loss sum).
     breakdown: dict[str, dict[str, float]] = {}
@@ -257,6 +298,8 @@ def main() -> None:
         res["simulated_over_measured_per_schedule"] = {k: res["simulated_ms"][k] / med[k] for k in res["simulated_ms"]}
         res["uncalibrated_over_measured_per_schedule"] = {k: res["simulated_uncalibrated_ms"][k] / med[k]
                                                           for k in res["simulated_uncalibrated_ms"]}
+        # against the batched bound plus the fill and the optimizer step, which every schedule also runs
+        res["fxpipe_over_bound_with_fill"] = med[best_ours_key] / med["bound, batched W, fill and optimizer"]
         res["bound_contention"] = med["bound"] / med["bound alone"]  # measured slowdown of the real stage work
         res["samples_per_s"] = {k: res["batch"] / (v / 1e3) for k, v in med.items() if not k.startswith("bound")}
         rows.append(res)
