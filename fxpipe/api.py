@@ -117,17 +117,14 @@ def batch_plan_ws(pipe: Pipeline) -> bool:
     search itself ranks partitions before any stage is traced, so it cannot know). The faster simulated one is
     recorded, with a table of both. Not under ``--memory-per-device``: batched-w keeps all m microbatches from F
     to B, more than any schedule the search fits to the cap. Returns whether batched-w was chosen."""
-    from fxpipe.passes.calibrate_compute import plan_overheads
     from fxpipe.schedules.generators import generate
-    from fxpipe.schedules.simulate import Costs, simulate
+    from fxpipe.schedules.simulate import simulate
 
     plan, record = pipe.plan, pipe.plan.schedule
     fractions = [st.w_batched for st in plan.stages]
     if record is None or record.batch_w or plan.options.memory_per_stage is not None or min(fractions) >= 1.0:
         return False
-    costs = Costs.from_plan(plan, plan_overheads(plan))
-    if plan.options.cores is not None:
-        costs = dataclasses.replace(costs, cores=plan.options.cores)
+    costs = _schedule_costs(plan)  # as set_schedule simulated the recorded one
     batched = simulate(generate("batched-w", pipe.num_stages, record.microbatches, costs), costs).makespan
     chosen = batched < record.makespan_s
     rows = ((record.name, record.microbatches, round(record.makespan_s * 1e3, 3), "" if chosen else "chosen"),
@@ -306,13 +303,10 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
 
     Returns the simulation result; its tables join ``pipe.report()`` and the plan directory.
     """
-    from fxpipe.passes.calibrate_compute import plan_overheads
     from fxpipe.schedules.auto import choose
-    from fxpipe.schedules.simulate import Costs, report
+    from fxpipe.schedules.simulate import report
 
-    costs = Costs.from_plan(pipe.plan, plan_overheads(pipe.plan))
-    if pipe.plan.options.cores is not None:  # the planners' time-sharing (--cores), so the recorded step is theirs
-        costs = dataclasses.replace(costs, cores=pipe.plan.options.cores)
+    costs = _schedule_costs(pipe.plan)
     sched, result, extra = choose(name, pipe.num_stages, microbatches, costs, memory_cap)
     record = ScheduleRecord(name=sched.name, requested=name, microbatches=sched.num_microbatches, csv=sched.to_csv(),
                             synchronous=sched.synchronous, batch_w=sched.batch_w, makespan_s=result.makespan,
@@ -320,6 +314,16 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
     pipe.plan = pipe.plan.with_schedule(record, sched.rank_of_stage)
     pipe.extra_reports = [*extra, report(result, sched, w_batched=costs.w_batched)]
     return result
+
+
+def _schedule_costs(plan: Plan) -> Any:
+    """The Costs a plan's schedule is simulated on at compile time: the plan's, with the runtime's fixed costs where
+    it is calibrated, and the planners' time-sharing (--cores), so the recorded step is theirs."""
+    from fxpipe.passes.calibrate_compute import plan_overheads
+    from fxpipe.schedules.simulate import Costs
+
+    costs = Costs.from_plan(plan, plan_overheads(plan))
+    return costs if plan.options.cores is None else dataclasses.replace(costs, cores=plan.options.cores)
 
 
 @dataclass(frozen=True)

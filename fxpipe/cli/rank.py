@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
     losses, step_ms = [], []
-    action_steps: list[dict[tuple[int, str], float]] = []
+    timed_steps: list[tuple[Any, Any]] = []  # (events, optimizer steps) of each step after the first
     in_flight: list[tuple[int, Any, float]] = []  # synchronous steps whose loss is still being summed over the ranks
     # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
     # one schedule (all of them, or --checkpoint-every with --checkpoint-dir): its pipeline drains only at
@@ -220,8 +220,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             pending = rt.step_async(inputs, target)
             rt.track_memory = False
             step_ms.append((time.perf_counter() - t0) * 1e3)
-            if start > first:  # each action's time, every step after the first (which faults its buffers in)
-                action_steps.append(action_seconds(rt.events, rt.optimizer_steps))
+            if start > first:  # its actions' times (summed after the run), every step after the first (which faults
+                timed_steps.append((rt.events, rt.optimizer_steps))  # its buffers in); each step makes new lists
             in_flight.append((start, pending, step_ms[-1]))
             losses += _arrived(in_flight, args, reports, last=False)
         else:
@@ -280,7 +280,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
         # Per stage and kind of action of this rank: seconds per microbatch, measured (the median over the steps
         # after the first) and as the run's simulation charges it
-        "action_ms": _action_table(action_steps, sched, simulated) if sched.synchronous else [],
+        "action_ms": _action_table([action_seconds(*t) for t in timed_steps], sched, simulated)
+        if sched.synchronous else [],
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.
@@ -306,18 +307,14 @@ def action_seconds(events: Sequence[tuple[Any, float, float]],
 
 def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: Any) -> list[list[Any]]:
     """[stage, kind, measured ms, simulated ms] per (stage, kind) this rank ran: the median over ``steps``, and
-    what ``costs`` charges one such action (a batched W: its fraction of the W)."""
+    what simulating ``sched`` on ``costs`` charges one such action (``schedules.simulate.charged``)."""
     from fxpipe.schedules.ir import Action, Kind
+    from fxpipe.schedules.simulate import charged
 
-    rows = []
-    for key in sorted({k for step in steps for k in step}):
-        stage, kind = key
-        charged = costs.time(Action(stage, Kind(kind), 0))
-        if kind == Kind.W.value and sched.batch_w and costs.w_batched:
-            charged -= costs.w[stage] * (1.0 - costs.w_batched[stage])
-        rows.append([stage, kind, statistics.median(step[key] for step in steps if key in step) * 1e3,
-                     charged * 1e3])
-    return rows
+    timed = charged(sched, costs)
+    return [[stage, kind, statistics.median(step[(stage, kind)] for step in steps if (stage, kind) in step) * 1e3,
+             timed.time(Action(stage, Kind(kind), 0)) * 1e3]
+            for stage, kind in sorted({k for step in steps for k in step})]
 
 
 def rank_device(name: str) -> Any:

@@ -330,18 +330,7 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
     if len(costs.f) != schedule.num_stages:
         raise ScheduleError(f"costs give {len(costs.f)} stages, the schedule has {schedule.num_stages}; "
                             "give one cost per stage")
-    costs = _with(costs, schedule, dp, allreduce, cores)
-    if schedule.batch_w and costs.w_batched:
-        # a stage's Ws in runs of two or more run batched, at the measured fraction of their time: charged as each
-        # stage's mean over its Ws (exact in total; the Ws of a batched run all end when it does)
-        share = _batched_share(schedule)
-        costs = dataclasses.replace(costs, w=tuple(w * (1.0 + share[s] * (k - 1.0))
-                                                   for s, (w, k) in enumerate(zip(costs.w, costs.w_batched))))
-    scale = costs.compute_scale(schedule.num_ranks)
-    timed = costs if scale == 1.0 else dataclasses.replace(
-        costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
-        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
-        send_s=costs.send_s * scale)
+    timed = charged(schedule, _with(costs, schedule, dp, allreduce, cores))
     full = with_communication(schedule)
     walk = _walk(full, timed)
     lanes = _allreduce_lanes(walk.events, timed, full.num_ranks)
@@ -374,6 +363,23 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         worst[s] = max(worst.get(s, 0), n)
     return SimResult(schedule.name, makespan, max((r.step_end - r.start for r in active), default=0.0), tuple(ranks),
                      tuple(walk.events), worst, per_mb, timed.dp, tuple(lanes))
+
+
+def charged(schedule: Schedule, costs: Costs) -> Costs:
+    """The costs each action of ``schedule`` is charged at when it is simulated (``Costs.time`` of an action): a
+    ``batch_w`` schedule's Ws at their batched fraction, and every compute cost slowed by time-sharing
+    (``Costs.compute_scale``)."""
+    if schedule.batch_w and costs.w_batched:
+        # a stage's Ws in runs of two or more run batched, at the measured fraction of their time: charged as each
+        # stage's mean over its Ws (exact in total; the Ws of a batched run all end when it does)
+        share = _batched_share(schedule)
+        costs = dataclasses.replace(costs, w=tuple(w * (1.0 + share[s] * (k - 1.0))
+                                                   for s, (w, k) in enumerate(zip(costs.w, costs.w_batched))))
+    scale = costs.compute_scale(schedule.num_ranks)
+    return costs if scale == 1.0 else dataclasses.replace(
+        costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
+        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
+        send_s=costs.send_s * scale)
 
 
 def _batched_share(schedule: Schedule) -> list[float]:
