@@ -322,23 +322,17 @@ class _Tiny(torch.nn.Module):
         return x
 
 
-def channel_one_way(rank: int, trips: int = 80, numel: int = 16, window: int = 10, gap: float = 1e-3,
-                    warmup: int = 5) -> float:
+def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10, gap: float = 1e-3) -> float:
     """Seconds from a send's return to its receiver's wake, a small message through the runtime's :class:`Channel`
-    (``isend``, the receive posted ahead), as a pipeline's receiver sees it: ranks 0 and 1 in turn, collective on
-    those two, on one host (they read one monotonic clock); every rank gets the same value.
+    (``isend``, receives posted ahead), as a pipeline's receiver sees it: ranks 0 and 1, collective on those two,
+    on one host (the two ranks read one monotonic clock); every rank gets the same value.
 
-    The ranks take turns, as a two-stage pipeline's do: one computes for ``gap`` seconds (small matmuls, as an
-    action does), stamps the time into the message and sends it, then waits for the other's; the other has been
-    waiting all that time, as a stage waits for its input, and takes the time the message woke it. A receiver
-    that has waited wakes later than one that ping-pongs (here a 64 B message took 165-175 us from stamp to wake
-    after 0.5-2 ms of waiting, against 81 us in a ping-pong and 57 us one way for the bare link). The sender's
-    own ``isend`` (``Costs.send_s``, charged apart) is timed and taken off. Each is the median of a window of
-    ``window`` messages, the least disturbed window (:func:`least_disturbed`), the median over the two ranks.
-
-    (A sender that goes on computing instead of waiting can hold its message back for milliseconds: gloo sends
-    a message at once only when the sender has already read the receiver's notice that its receive is posted,
-    and that notice is read by gloo's socket thread, which a computing rank starves.)"""
+    Rank 0 computes for ``gap`` seconds (small matmuls, as an action does), stamps the time into the message,
+    sends it and goes on computing; rank 1 has been waiting all that time, as a stage waits for its input, and
+    takes the time the message woke it. A receiver that waits wakes later than one that ping-pongs: here a 64 B
+    message took 120 us after 0.2 ms of waiting, 165-175 us after 0.5-2 ms, against 57 us one way in a
+    ping-pong. The sender's own ``isend`` (``Costs.send_s``, charged apart) is timed and taken off. Each is
+    the median of a window of ``window`` messages, the least disturbed window (:func:`least_disturbed`)."""
     from fxpipe.runtime.channel import Channel
     from fxpipe.runtime.threads import lower_gloo_loops
 
@@ -354,35 +348,29 @@ def channel_one_way(rank: int, trips: int = 80, numel: int = 16, window: int = 1
         while time.perf_counter() < end:
             torch.mm(a, a)
 
-    total = trips + 4
-    mine = [trip for trip in range(total) if trip % 2 != rank]  # the trips this rank receives
-    waiting = ch.recv((numel,), torch.float64, 1 - rank, 7)
-    woke: list[float] = []  # stamp to wake, each message this rank received
-    sent: list[float] = []  # each isend this rank made
-    for trip in range(total):
-        if trip % 2 == rank:
+    measured: list[float] = []  # rank 0: each isend's seconds; rank 1: each message's stamp to wake
+    for trip in range(trips + 2):
+        if rank == 0:
             compute(gap)
             buf = torch.zeros(numel, dtype=torch.float64)
             t0 = time.perf_counter()
             buf[0] = t0
-            ch.send(buf, 1 - rank, 7)
+            ch.send(buf, 1, 7)
             ch.poll()
-            sent.append(time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
         else:
-            got = ch.wait(waiting, failed)
-            woke.append(time.perf_counter() - float(got[0]))
-            if trip != mine[-1]:
-                waiting = ch.recv((numel,), torch.float64, 1 - rank, 7)
+            got = ch.wait(ch.recv((numel,), torch.float64, 0, 7), failed)
+            spent = time.perf_counter() - float(got[0])
+        if trip >= 2:
+            measured.append(spent)
+    if rank == 0:
+        compute(gap)
     ch.flush(failed)
-
-    def typical(times: list[float]) -> float:
-        times = times[warmup:]
-        return least_disturbed([times[i:i + window] for i in range(0, len(times), window)])
-
-    here = torch.tensor([typical(woke), typical(sent)], dtype=torch.float64)
-    both = [torch.zeros_like(here) for _ in range(2)]
-    dist.all_gather(both, here)
-    return max(0.0, statistics.median(float(t[0]) for t in both) - statistics.median(float(t[1]) for t in both))
+    mine = torch.tensor([least_disturbed([measured[i:i + window] for i in range(0, len(measured), window)])],
+                        dtype=torch.float64)
+    both = [torch.zeros_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    return max(0.0, float(both[1]) - float(both[0]))
 
 
 def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
