@@ -71,7 +71,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 12  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 11  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024

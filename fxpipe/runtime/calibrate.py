@@ -322,55 +322,35 @@ class _Tiny(torch.nn.Module):
         return x
 
 
-def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10, gap: float = 1e-3) -> float:
-    """Seconds from a send's return to its receiver's wake, a small message through the runtime's :class:`Channel`
-    (``isend``, receives posted ahead), as a pipeline's receiver sees it: ranks 0 and 1, collective on those two,
-    on one host (the two ranks read one monotonic clock); every rank gets the same value.
-
-    Rank 0 computes for ``gap`` seconds (small matmuls, as an action does), stamps the time into the message,
-    sends it and goes on computing; rank 1 has been waiting all that time, as a stage waits for its input, and
-    takes the time the message woke it. A receiver that waits wakes later than one that ping-pongs: here a 64 B
-    message took 120 us after 0.2 ms of waiting, 165-175 us after 0.5-2 ms, against 57 us one way in a
-    ping-pong. The sender's own ``isend`` (``Costs.send_s``, charged apart) is timed and taken off. Each is
-    the median of a window of ``window`` messages, the least disturbed window (:func:`least_disturbed`)."""
+def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10) -> float:
+    """Rank 0's one-way seconds of a small message through the runtime's :class:`Channel` (receives
+    posted ahead, ``isend``, ``wait``: the path a pipeline's activations and gradients take), ranks 0 and 1;
+    collective on those two. The median of a window of ``window`` round trips, not the fastest trip: a step
+    waits for its typical message; the least disturbed window, not all of them: another job on the machine
+    only ever adds time (:func:`least_disturbed`)."""
     from fxpipe.runtime.channel import Channel
-    from fxpipe.runtime.threads import lower_gloo_loops
 
-    lower_gloo_loops()  # gloo's socket threads at the priority a PipelineRuntime gives them
     ch = Channel(torch.device("cpu"))
-    a = torch.randn(128, 128)
+    buf = torch.zeros(numel)
 
     def failed(exc: Exception, *_: object) -> BaseException:
         return exc
 
-    def compute(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            torch.mm(a, a)
-
-    measured: list[float] = []  # rank 0: each isend's seconds; rank 1: each message's stamp to wake
+    trips_s: list[float] = []
     for trip in range(trips + 2):
+        t0 = time.perf_counter()
+        item = ch.recv((numel,), torch.float32, 1 - rank, 7)
         if rank == 0:
-            compute(gap)
-            buf = torch.zeros(numel, dtype=torch.float64)
-            t0 = time.perf_counter()
-            buf[0] = t0
             ch.send(buf, 1, 7)
             ch.poll()
-            spent = time.perf_counter() - t0
+            ch.wait(item, failed)
         else:
-            got = ch.wait(ch.recv((numel,), torch.float64, 0, 7), failed)
-            spent = time.perf_counter() - float(got[0])
+            ch.send(ch.wait(item, failed), 0, 7)
+            ch.poll()
         if trip >= 2:
-            measured.append(spent)
-    if rank == 0:
-        compute(gap)
+            trips_s.append(time.perf_counter() - t0)
     ch.flush(failed)
-    mine = torch.tensor([least_disturbed([measured[i:i + window] for i in range(0, len(measured), window)])],
-                        dtype=torch.float64)
-    both = [torch.zeros_like(mine) for _ in range(2)]
-    dist.all_gather(both, mine)
-    return max(0.0, float(both[1]) - float(both[0]))
+    return least_disturbed([trips_s[i:i + window] for i in range(0, len(trips_s), window)]) / 2
 
 
 def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
@@ -460,7 +440,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
     dist.all_gather(both, mine)
     action = statistics.median(float(t[0]) for t in both)
     step = statistics.median(float(t[1]) for t in both)
-    one_way = float(both[0][2])  # the same on both ranks
+    one_way = float(both[0][2])  # rank 0 timed the round trips
     loss = max(float(t[3]) for t in both)  # the last stage's rank measured it (the others: 0)
     send = statistics.median(float(t[4]) for t in both)
     return max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss), max(0.0, send)
