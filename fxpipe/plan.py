@@ -94,11 +94,18 @@ class RuntimeOverheads:
     # seconds each message costs its sender's host (``isend``: the sender's next action starts that much later),
     # inside a step. 0: caches from before.
     send: float = 0.0
+    # seconds of a stage's optimizer step (``torch.optim.SGD``, as ``fxpipe run`` builds it) beyond its memory
+    # traffic, inside a step: per step whatever its size, and per parameter tensor (without and with momentum).
+    # ``Costs.with_optimizer`` adds them. 0: caches from before.
+    optimizer: float = 0.0
+    optimizer_tensor: float = 0.0
+    optimizer_tensor_momentum: float = 0.0
 
     def summary(self) -> str:
         return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message "
                 f"(+{self.send * 1e6:.0f} us to send it), {self.step * 1e6:.0f} us per step, "
-                f"{self.loss * 1e6:.0f} us per loss")
+                f"{self.loss * 1e6:.0f} us per loss, {self.optimizer * 1e6:.0f} us per optimizer step "
+                f"+ {self.optimizer_tensor * 1e6:.1f} per tensor")
 
 
 @dataclass(frozen=True)

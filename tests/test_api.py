@@ -64,6 +64,17 @@ def test_tied_parameter_is_one_object_in_both_gpt_stages(gpt: tuple[models.ZooMo
     assert first is last is zoo.model.lm_head.weight
 
 
+def test_the_simulator_sums_the_tied_weight_only_across_ranks(gpt: tuple[models.ZooModel, fxpipe.Pipeline]) -> None:
+    """``fxpipe run`` tells the simulator which weights its ranks sum at the step's end (``Costs.tied``): gpt-tiny's
+    tied LM head, with its bytes, when its two stages are on two ranks; nothing when one rank holds both."""
+    from fxpipe.cli.rank import tied_costs
+
+    zoo, pipe = gpt
+    weight = zoo.model.lm_head.weight
+    assert tied_costs(pipe, (0, 1)) == (((0, 1), float(weight.numel() * 4)),)
+    assert tied_costs(pipe, (0, 0)) == ()
+
+
 @pytest.mark.parametrize("fixture", ["gpt", "mlp3", "mlp_fx"])
 def test_pipeline_output_equals_the_models(request: pytest.FixtureRequest, fixture: str) -> None:
     zoo, pipe = request.getfixturevalue(fixture)

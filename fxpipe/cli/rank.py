@@ -248,11 +248,17 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
     compute = pipe.plan.options.compute
     if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
-        simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw)
+        simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw,
+                                             plan_overheads(pipe.plan))
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
         simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
+    tied = tied_costs(pipe, rt.where)
+    if tied:  # each weight tied across ranks is summed at the step's end (GPT's wte and lm_head)
+        if rt.dp == 1:  # collective: the all-reduce's link, over every rank, measured now (< 1 s)
+            simulated = calibrate_allreduce().apply(simulated)
+        simulated = dataclasses.replace(simulated, tied=tied)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
     if not sched.synchronous:  # plus the copies of the weights the policy keeps for microbatches in flight
         held = held_peaks_with_versions(ran, args.weights, simulated.held_fb, simulated.held_bw, simulated.grad_bytes)
@@ -288,6 +294,18 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params
+
+
+def tied_costs(pipe: Any, where: Sequence[int]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``Costs.tied`` for ``pipe``: each parameter its stages share (``Pipeline.shared_params``) that sits on two or
+    more pipeline positions (``where``: stage -> position), with its bytes, in the order the runtime sums them."""
+    out = []
+    for name, holders in sorted(pipe.shared_params.items()):
+        if len({where[k] for k in holders}) < 2:
+            continue
+        p = pipe.stage_list()[holders[0]].module.get_parameter(name)
+        out.append((tuple(holders), float(p.numel() * p.element_size())))
+    return tuple(out)
 
 
 def action_seconds(events: Sequence[tuple[Any, float, float]],

@@ -71,7 +71,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 11  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 12  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
@@ -205,14 +205,16 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
         return None
     k = compute.sustained
     return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k,
-                               loss=found.loss * k, send=found.send * k)
+                               loss=found.loss * k, send=found.send * k, optimizer=found.optimizer * k,
+                               optimizer_tensor=found.optimizer_tensor * k,
+                               optimizer_tensor_momentum=found.optimizer_tensor_momentum * k)
 
 
 def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    floats = ("action", "message", "step", "loss", "send")
+    floats = ("action", "message", "step", "loss", "send", "optimizer", "optimizer_tensor", "optimizer_tensor_momentum")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
            or entry[k] < 0 for k in floats):
         return None

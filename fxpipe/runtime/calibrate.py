@@ -360,8 +360,39 @@ def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
     return min(statistics.median(run) for run in runs if run)
 
 
-def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, float, float, float]:
-    """(action, message, step, loss, send) seconds measured on ranks 0 and 1 of a world of two; collective.
+def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16), numel: int = 64, reps: int = 20,
+                    window: int = 10) -> tuple[float, float]:
+    """(seconds per step, seconds per parameter tensor) of ``torch.optim.SGD`` (``lr``, ``momentum``, as ``fxpipe run``
+    builds it), as a pipeline runs it: cold, after other work. The line through the step times over ``counts`` small
+    tensors (``numel`` floats each, so that the arithmetic is nothing); before each step, a 256 x 256 matmul and an
+    in-place pass over 4 MiB (what an action leaves behind); each count's time the least disturbed window's median.
+
+    Back to back the same steps take 12 us + 2.0 us per tensor here (15 + 6.3 with momentum); after other work,
+    ~100-120 us + 3.6-3.8 per tensor (110-150 + 11-12 with momentum), and inside ``fxpipe run``'s steps mlp-tiny's
+    stages (6 and 4 tensors) took 141 and 101 us, gpt-tiny's (14 and 15) 208 and 188 us."""
+    a, evict = torch.randn(256, 256), torch.randn(1 << 20)
+    times = []
+    for n in counts:
+        params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
+        for p in params:
+            p.grad = torch.randn(numel)
+        opt = torch.optim.SGD(params, lr=1e-3, momentum=momentum)
+        runs = []
+        for k in range(reps + 2):
+            torch.mm(a, a)
+            evict.mul_(1.0)
+            t0 = time.perf_counter()
+            opt.step()
+            if k >= 2:
+                runs.append(time.perf_counter() - t0)
+        times.append(least_disturbed([runs[i:i + window] for i in range(0, len(runs), window)]))
+    slope = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
+    return max(0.0, times[0] - counts[0] * slope), slope
+
+
+def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
+    """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
+    ranks 0 and 1 of a world of two; collective.
 
     The bare link (:func:`calibrate`), a message through the runtime's channel (:func:`channel_one_way`),
     then ``steps`` steps of a :class:`PipelineRuntime` on :class:`_Tiny` compiled at 2 stages with
@@ -370,7 +401,9 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
     is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
     step's time less the span from its first action to its last and the wait before its first. Each is
     the median over a step's actions, losses, sends (or the step), from the least disturbed step after
-    the first two (:func:`least_disturbed`); the median over the two ranks (the loss: its rank's).
+    the first two (:func:`least_disturbed`); the median over the two ranks (the loss: its rank's). The optimizer
+    step's costs per step and per tensor are :func:`optimizer_costs`' (not the tiny pipeline's own steps, whose
+    caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
     what the last stage's F costs beyond the median action, the loss had come out at 36 us.
     """
@@ -434,8 +467,10 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
         sends.append([seconds for _, seconds in inside["send"]])
     assert pending is not None
     pending.wait()
+    opt_step, per_tensor = optimizer_costs()
     mine = torch.tensor([least_disturbed(actions), least_disturbed(fixed), one_way,
-                         least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends)], dtype=torch.float64)
+                         least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
+                         per_tensor, optimizer_costs(momentum=0.9)[1]], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
     action = statistics.median(float(t[0]) for t in both)
@@ -443,7 +478,9 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, float, fl
     one_way = float(both[0][2])  # rank 0 timed the round trips
     loss = max(float(t[3]) for t in both)  # the last stage's rank measured it (the others: 0)
     send = statistics.median(float(t[4]) for t in both)
-    return max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss), max(0.0, send)
+    optimizer = [statistics.median(float(t[k]) for t in both) for k in (5, 6, 7)]
+    return (max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss), max(0.0, send),
+            *optimizer)
 
 
 def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
@@ -474,6 +511,7 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> Run
         mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
                            start_method="spawn")
         with open(out) as f:
-            action, message, step, loss, send = (float(v) for v in f.read().split())
+            action, message, step, loss, send, optimizer, per_tensor, per_tensor_momentum = (
+                float(v) for v in f.read().split())
     return RuntimeOverheads(action, message, step, threads, f"{machine}|{time.perf_counter() - start:.1f} s", loss,
-                            send)
+                            send, optimizer, per_tensor, per_tensor_momentum)

@@ -202,3 +202,39 @@ def test_the_optimizer_step_ends_each_rank_after_its_all_reduce() -> None:
     # A memory-bound pass: momentum SGD reads parameter, gradient and buffer and writes two (5 bytes per byte).
     with_opt = dataclasses.replace(costs, grad_bytes=(1e9, 2e9)).with_optimizer("momentum", 1e10)
     assert with_opt.optimizer_s == (0.5, 1.0)
+
+
+def test_the_optimizer_step_adds_the_runtimes_host_time_per_step_and_per_tensor() -> None:
+    """With the runtime's calibrated costs, a stage's optimizer step is its memory traffic plus a cost per step and
+    one per parameter tensor (momentum's per-tensor cost for momentum); a stage without parameters steps nothing."""
+    from fxpipe.plan import RuntimeOverheads
+
+    over = RuntimeOverheads(0.0, 0.0, 0.0, optimizer=1e-4, optimizer_tensor=2e-6, optimizer_tensor_momentum=6e-6)
+    costs = dataclasses.replace(Costs.uniform(3, 1.0, 1.0, 1.0), grad_bytes=(1e9, 2e9, 0.0), grad_tensors=(6, 4, 0))
+    sgd = costs.with_optimizer("sgd", 1e10, over)
+    assert sgd.optimizer_s == pytest.approx((0.3 + 1e-4 + 12e-6, 0.6 + 1e-4 + 8e-6, 0.0))
+    momentum = costs.with_optimizer("momentum", 1e10, over)
+    assert momentum.optimizer_s == pytest.approx((0.5 + 1e-4 + 36e-6, 1.0 + 1e-4 + 24e-6, 0.0))
+    assert costs.with_optimizer("sgd", 1e10).optimizer_s == pytest.approx((0.3, 0.6, 0.0))  # no runtime: traffic only
+
+
+def test_a_weight_tied_across_ranks_is_summed_after_the_last_of_its_ranks_then_each_steps() -> None:
+    """gpipe, 3 stages on 3 ranks, 1 microbatch, unit F/B/W: the ranks end their compute at 9 (rank 0), 7 (rank 1) and
+    5 (rank 2). A weight tied between stages 0 and 2 (10 bytes, all-reduce 1 s latency per ring step, 10 B/s: 2 x 1
+    + 10 / 10 = 3 s) is summed from 9 to 12 on ranks 0 and 2, whose optimizer steps (0.5 s) then end them at 12.5;
+    rank 1 holds none of it and ends at 7.5. A weight on one rank only, or tied within a rank, costs nothing."""
+    from fxpipe.schedules.generators import generate
+
+    costs = dataclasses.replace(Costs.uniform(3, 1.0, 1.0, 1.0), optimizer_s=(0.5, 0.5, 0.5), allreduce_latency=1.0,
+                                allreduce_bandwidth=10.0)
+    plain = simulate(generate("gpipe", 3, 1), costs)
+    assert [r.end for r in plain.ranks] == [9.0, 7.0, 5.0]
+    tied = simulate(generate("gpipe", 3, 1), dataclasses.replace(costs, tied=(((0, 2), 10.0),)))
+    assert [r.tied_end for r in tied.ranks] == [12.0, 0.0, 12.0]
+    assert [r.step_end for r in tied.ranks] == [12.5, 7.5, 12.5]
+    assert tied.makespan == 12.5 and plain.makespan == 9.5
+    # Two tied weights on the same ranks are summed one after the other.
+    two = simulate(generate("gpipe", 3, 1), dataclasses.replace(costs, tied=(((0, 2), 10.0), ((0, 2), 10.0))))
+    assert [r.tied_end for r in two.ranks] == [15.0, 0.0, 15.0]
+    one_rank = simulate(generate("gpipe", 3, 1), dataclasses.replace(costs, tied=(((1,), 10.0),)))
+    assert one_rank.makespan == plain.makespan
