@@ -16,6 +16,7 @@ from fxpipe.errors import first_line
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, StageInterface
 from fxpipe.graphs.stages import build_stage_graphs
+from fxpipe.timing import fastest
 
 
 @dataclass
@@ -107,8 +108,6 @@ def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs
     (the inputs that keep their shape shared, as at run time), both adding into the same gradient buffers as the
     runtime's W_acc does (a fresh multi-megabyte gradient per call would time the allocator): how much of W a batched
     run costs, for the simulator. ``plain``: the stage's W at one microbatch, ``w_acc`` its accumulating form."""
-    import time
-
     def make(val: Any) -> Any:
         if isinstance(val, (tuple, list)):
             return type(val)(make(v) for v in val)
@@ -125,21 +124,12 @@ def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs
     if combined is None:
         return 1.0
 
-    def fastest(fn: Any) -> float:
-        fn()  # warm up
-        best = float("inf")
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
     out = next(n for n in reversed(plain.graph.nodes) if n.op == "output")
     accs = [torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype, device=a.meta["val"].device)
             for a in out.args[0]]
     with torch.no_grad():
-        each = fastest(lambda: [w_acc(*a, *accs) for a in args])
-        once = fastest(lambda: batch.w_acc(*combined, *accs))
+        each = fastest(lambda: [w_acc(*a, *accs) for a in args], runs)
+        once = fastest(lambda: batch.w_acc(*combined, *accs), runs)
     return once / each if each > 0 else 1.0
 
 

@@ -69,6 +69,7 @@ from torch import nn
 
 from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
+from fxpipe.timing import fastest
 
 ENV = "FXPIPE_CALIBRATION"
 CACHE_FORMAT = 12  # bump when what is measured changes: older entries are then measured again
@@ -290,16 +291,6 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
 # -- the measurements ---------------------------------------------------------------------------------
 
 
-def _fastest(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm up: first-touch pages, kernel selection
-    best = math.inf
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _gemm_rate(n: int, runs: int) -> float:
     a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     reps = max(1, int(4e6 // (2 * n**3)))  # each timing at least ~4 MFLOP, so the clock's resolution does not matter
@@ -308,7 +299,7 @@ def _gemm_rate(n: int, runs: int) -> float:
         for _ in range(reps):
             torch.mm(a, b, out=out)
 
-    return 2 * n**3 * reps / _fastest(mm, runs)
+    return 2 * n**3 * reps / fastest(mm, runs)
 
 
 def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | None = None,
@@ -329,7 +320,7 @@ def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | 
         for acc in mats:
             acc.addmm_(g.t(), x)
 
-    seconds = _fastest(grads if weight else weights, runs) / len(mats)
+    seconds = fastest(grads if weight else weights, runs) / len(mats)
     return 2 * m * SKINNY_WIDTH * SKINNY_WIDTH / seconds
 
 
@@ -400,8 +391,8 @@ def _conv_seconds(batch: int, channels: int, side: int, runs: int) -> tuple[int,
     grad = torch.randn(batch, channels, side, side)
     flops = 2 * batch * channels * channels * side * side * 9
     with torch.no_grad():
-        fwd = _fastest(lambda: _conv(x, w), runs)
-        bwd = _fastest(lambda: _conv_backward(grad, x, w), runs)
+        fwd = fastest(lambda: _conv(x, w), runs)
+        bwd = fastest(lambda: _conv_backward(grad, x, w), runs)
     return flops, fwd, bwd
 
 
@@ -465,7 +456,7 @@ def _cold_conv_seconds(batch: int, channels: int, side: int, evict: Callable[[],
 def _stream_rate(nbytes: int, runs: int) -> float:
     a = torch.randn(max(1, nbytes // 4))
     b, out = torch.randn_like(a), torch.empty_like(a)
-    return 3 * a.numel() * 4 / _fastest(lambda: torch.add(a, b, out=out), runs)
+    return 3 * a.numel() * 4 / fastest(lambda: torch.add(a, b, out=out), runs)
 
 
 class _Mix(nn.Module):
@@ -554,8 +545,8 @@ def _autograd_node_times(gm: torch.fx.GraphModule, x: torch.Tensor, nodes: int, 
         out = fwd()
         (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
 
-    f = _fastest(fwd, runs)
-    return f / nodes, max(0.0, _fastest(both, runs) - f) / nodes
+    f = fastest(fwd, runs)
+    return f / nodes, max(0.0, fastest(both, runs) - f) / nodes
 
 
 def _getitem() -> Any:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import CheckpointError, OptionError
+from fxpipe.errors import CheckpointError, OptionError, first_line
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs 0.5 s to import: only when a checkpoint is read or written
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -275,7 +275,7 @@ def _check(path: Path, step: int) -> Found | str:
     try:
         info = json.loads(marker.read_bytes().decode())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return f"corrupt ({MARKER} is not JSON: {_first_line(exc)})"
+        return f"corrupt ({MARKER} is not JSON: {first_line(exc)})"
     if not isinstance(info, dict) or info.get("schema") != SCHEMA:
         return f"corrupt ({MARKER} is not of schema {SCHEMA})"
     files, world, groups = info.get("files"), info.get("world"), info.get("param_groups")
@@ -343,7 +343,7 @@ def read_metadata(file: Path) -> Metadata:
         raise _NotData(f"{file} refers to {exc}, which DCP's metadata never does; it was not loaded (it could run "
                        f"code); remove {file.parent} to resume from the step before") from None
     except Exception as exc:  # a truncated or garbled pickle: any error of pickle's
-        raise CheckpointError(f".metadata does not load: {_first_line(exc)}") from None
+        raise CheckpointError(f".metadata does not load: {first_line(exc)}") from None
     problem = _metadata_problem(metadata)
     if problem is not None:
         raise CheckpointError(f".metadata {problem}")
@@ -401,7 +401,7 @@ def _dcp_classes() -> tuple[Any, Any]:
                                    f"was not loaded (it could run code); remove {file.parent} to resume from the step "
                                    "before") from None
                 except Exception as exc:
-                    raise CheckpointError(f"{file} is corrupt ({type(exc).__name__}: {_first_line(exc)}); remove "
+                    raise CheckpointError(f"{file} is corrupt ({first_line(exc)}); remove "
                                           f"{file.parent} to resume from the step before") from None
             fut: Future[None] = Future()
             fut.set_result(None)
@@ -536,10 +536,10 @@ def _one_line(exc: BaseException, doing: str) -> CheckpointError:
         if isinstance(inner, CheckpointError):
             return CheckpointError(str(inner))
         return CheckpointError(f"{doing} the checkpoint failed on rank {min(failures)}: "
-                               f"{type(inner).__name__}: {_first_line(inner)}")
+                               f"{first_line(inner)}")
     if isinstance(exc, CheckpointError):
         return CheckpointError(str(exc))
-    return CheckpointError(f"{doing} the checkpoint failed: {type(exc).__name__}: {_first_line(exc)}")
+    return CheckpointError(f"{doing} the checkpoint failed: {first_line(exc)}")
 
 
 # -- small helpers --------------------------------------------------------------------------
@@ -587,11 +587,6 @@ def _by_rank(values: list[Any]) -> str:
 
 def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _write_json(file: Path, value: Any) -> None:
