@@ -7,10 +7,11 @@ disturbed least.
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["fastest"]
+__all__ = ["fastest", "least_disturbed", "windows"]
 
 
 def fastest(fn: Callable[[], object], runs: int) -> float:
@@ -23,3 +24,15 @@ def fastest(fn: Callable[[], object], runs: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
+    """The smallest of the runs' medians: each run's typical value (a median, robust to its own outliers),
+    from the run another job on the machine disturbed least (another job only ever adds time, and under
+    load every run's median rises: a median over all runs measures the load, not what is measured)."""
+    return min(statistics.median(run) for run in runs if run)
+
+
+def windows(times: Sequence[float], size: int) -> list[Sequence[float]]:
+    """``times`` in consecutive windows of ``size`` (the last may be shorter), for :func:`least_disturbed`."""
+    return [times[i:i + size] for i in range(0, len(times), size)]

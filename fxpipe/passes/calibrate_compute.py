@@ -29,6 +29,9 @@ several runs (another job on the machine only ever adds time):
   backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating). The same
   times over the ATen ops of those F graphs, and of the B and W graphs together, are the per-op rates
   (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs.
+- **Rounds.** The convolution curve, the memory bandwidth and the sustained speed (below) move most with other
+  jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between the GEMM curves
+  and after them), the fastest rate and the median sustained speed of the three kept.
 - **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
   machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
   a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
@@ -69,10 +72,10 @@ from torch import nn
 
 from fxpipe.errors import OptionError
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
-from fxpipe.timing import fastest
+from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 12  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 13  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
@@ -253,6 +256,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
     start = time.perf_counter()
     with _threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
+        rounds = [_noisy_round(runs, stream_bytes)]  # then one between the GEMM curves and one after them
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         probe = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(COLD_POOL_MAX)]
         cache_bytes = effective_cache_bytes(probe, max(3, runs // 2))
@@ -263,12 +267,14 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
         gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in SKINNY_ROWS)
         gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in SKINNY_ROWS)
+        rounds.append(_noisy_round(runs, stream_bytes))
         gemm_t_curve = tuple((float(m), _skinny_rate(m, runs, weight=False, transposed=True)) for m in SKINNY_ROWS)
         gemm_t_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool, transposed=True))
                                   for m in SKINNY_ROWS)
-        conv_curve = _conv_curve(runs)
-        mem_bw = _stream_rate(stream_bytes, runs)
-        sustained = _sustained(SUSTAINED_SECONDS)
+        rounds.append(_noisy_round(runs, stream_bytes))
+        conv_curve = tuple((flops, max(r[0][k][1] for r in rounds)) for k, (flops, _) in enumerate(rounds[0][0]))
+        mem_bw = max(r[1] for r in rounds)
+        sustained = statistics.median(r[2] for r in rounds)
 
         # Write more than the cache holds, as the other work inside a step does: twice the measured cache, and at
         # least EVICT_BYTES, so that how cold a run starts does not follow that (noisy) measurement.
@@ -339,6 +345,16 @@ def effective_cache_bytes(probe: list[torch.Tensor], runs: int) -> float:
     if fits == len(sizes):  # nothing fell
         return float(max(sizes[-1] * matrix, last_level_cache_bytes()))
     return float(sizes[fits - 1] * matrix)
+
+
+def _noisy_round(runs: int, stream_bytes: int) -> tuple[tuple[tuple[float, float], ...], float, float]:
+    """One round of the measurements another job on the machine moves most: the convolution curve, the memory
+    bandwidth and the sustained speed (over a third of ``SUSTAINED_SECONDS``). :func:`measure_compute` takes three
+    rounds a few seconds apart, and the fastest rates and the median sustained speed of them: a neighbour's burst
+    takes a whole round, not all three. In single rounds minutes apart here, the memory bandwidth came out at
+    14.4-30.4 GB/s, the largest convolution at 111-178 GFLOP/s and the sustained speed at 1.16-1.44, and
+    resnet-50's estimated step moved 1095-2237 ms while its measured step stayed at 1954-2003 ms."""
+    return _conv_curve(runs), _stream_rate(stream_bytes, runs), _sustained(SUSTAINED_SECONDS / 3)
 
 
 def _sustained(seconds: float) -> float:
@@ -412,9 +428,10 @@ def _conv_rate(runs: int, *, evict: Callable[[], object] | None = None, sustaine
     """FLOP/s of a 3x3 convolution, and its seconds per call forward and backward at no FLOPs (the intercepts).
 
     With ``evict``, the small convolution's seconds are those of a chain of ``CONV_CHAIN`` run after evicting the
-    cache, per convolution (the median of ``2 * runs`` over ``sustained``, never below the fastest back to back),
-    as :func:`_node_times` takes the per-node time: here a small convolution ran 3.6x its warm fastest when
-    alone after the cache was read over (2 x 8 x 16 x 16: F 59 -> 215 us), while the 64-channel one did not move.
+    cache, per convolution (of ``2 * runs`` chains, the least disturbed window's median, ``COLD_WINDOW``, over
+    ``sustained``, never below the fastest back to back), as :func:`_node_times` takes the per-node time: here a
+    small convolution ran 3.6x its warm fastest when alone after the cache was read over (2 x 8 x 16 x 16: F 59 ->
+    215 us), while the 64-channel one did not move.
     """
     (f0, a0, b0), (f1, a1, b1) = (_conv_seconds(batch, channels, side, runs)
                                   for batch, channels, side in ((2, 8, 16), (2, 64, 56)))
@@ -428,6 +445,10 @@ def _conv_rate(runs: int, *, evict: Callable[[], object] | None = None, sustaine
 
 EVICT_BYTES = 128 << 20
 CONV_CHAIN = 4  # small convolutions per evicted run: an action holds several, and only its first starts cold
+# Cold runs are read in windows of this many, the least disturbed window's median kept (``timing.least_disturbed``):
+# a neighbour's burst over a whole window does not move it, as it moved the median over all runs (cold per-node F
+# times of 18-57 us in calibrations minutes apart, 2026-11-26).
+COLD_WINDOW = 5
 
 
 def _cold_conv_seconds(batch: int, channels: int, side: int, evict: Callable[[], object],
@@ -450,7 +471,8 @@ def _cold_conv_seconds(batch: int, channels: int, side: int, evict: Callable[[],
             for w in ws:
                 _conv_backward(grad, x, w)
             bwd.append(time.perf_counter() - t0)
-    return (statistics.median(fwd[1:]) / CONV_CHAIN, statistics.median(bwd[1:]) / CONV_CHAIN)
+    return (least_disturbed(windows(fwd[1:], COLD_WINDOW)) / CONV_CHAIN,
+            least_disturbed(windows(bwd[1:], COLD_WINDOW)) / CONV_CHAIN)
 
 
 def _stream_rate(nbytes: int, runs: int) -> float:
@@ -492,8 +514,9 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     then the same two times per ATen op of its F graph, and per op of its B and W graphs (:func:`graph_ops`).
 
     With ``evict`` (reading more than the cache holds), each run starts as an action inside a pipeline step
-    does, after other work took the cache: the median of ``2 * runs`` such runs, over ``sustained`` (so that
-    ``annotate_costs``, which scales every time by it, gives back the median), and never less than the fastest
+    does, after other work took the cache: of ``2 * runs`` such runs, the least disturbed window's median
+    (``COLD_WINDOW``), over ``sustained`` (so that ``annotate_costs``, which scales every time by it, gives back
+    that median), and never less than the fastest
     run back to back. Here the cold median per node was 1.6-1.9x the warm fastest for F and 1.2-1.4x for B+W
     (2026-11-26; benchmarks/RESULTS.md, "Estimated costs against the machine", has what it did to the estimates).
     """
@@ -515,8 +538,8 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     bw = min(t[1] + t[2] for t in times)
     if evict is not None:
         cold = _cold_times(graphs, x, evict, 2 * runs)
-        f = max(f, statistics.median(t[0] for t in cold) / sustained)
-        bw = max(bw, statistics.median(t[1] for t in cold) / sustained)
+        f = max(f, least_disturbed(windows([t[0] for t in cold], COLD_WINDOW)) / sustained)
+        bw = max(bw, least_disturbed(windows([t[1] for t in cold], COLD_WINDOW)) / sustained)
     ops_f, ops_b, ops_w = graph_ops(graphs)
     return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w)
 

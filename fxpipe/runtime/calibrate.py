@@ -49,6 +49,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
+from fxpipe.timing import least_disturbed, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
 ALLREDUCE_SIZES = (4, 65536, 1048576, 4194304, 16777216, 26214400)  # bytes: 4 B .. 25 MiB, the largest bucket
@@ -350,14 +351,7 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 1
         if trip >= 2:
             trips_s.append(time.perf_counter() - t0)
     ch.flush(failed)
-    return least_disturbed([trips_s[i:i + window] for i in range(0, len(trips_s), window)]) / 2
-
-
-def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
-    """The smallest of the runs' medians: each run's typical value (a median, robust to its own outliers),
-    from the run another job on the machine disturbed least (another job only ever adds time, and under
-    load every run's median rises: a median over all runs measures the load, not the runtime)."""
-    return min(statistics.median(run) for run in runs if run)
+    return least_disturbed(windows(trips_s, window)) / 2
 
 
 def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16), numel: int = 64, reps: int = 20,
@@ -385,7 +379,7 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
             opt.step()
             if k >= 2:
                 runs.append(time.perf_counter() - t0)
-        times.append(least_disturbed([runs[i:i + window] for i in range(0, len(runs), window)]))
+        times.append(least_disturbed(windows(runs, window)))
     slope = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
     return max(0.0, times[0] - counts[0] * slope), slope
 

@@ -74,7 +74,20 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert 4 << 20 <= rates.cache_bytes <= max(cc.COLD_POOL_MAX * (4 << 20), cc.last_level_cache_bytes())
 
 
-def test_node_times_are_the_cold_median_over_sustained_never_below_the_warm_fastest(
+def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed_their_median(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The convolution curve and the memory bandwidth are each the fastest of three rounds (per point), the sustained
+    speed the median round's: a neighbour's burst over one round moves none of them."""
+    rounds = iter([(((1e7, 5e10), (1e9, 1e11)), 1e10, 1.4),   # the first round: a burst, everything slow
+                   (((1e7, 8e10), (1e9, 1.6e11)), 2.5e10, 1.2),
+                   (((1e7, 9e10), (1e9, 1.5e11)), 2.8e10, 1.1)])
+    monkeypatch.setattr(cc, "_noisy_round", lambda runs, stream_bytes: next(rounds))
+    rates = cc.measure_compute(1, gemm_sizes=(64,), stream_bytes=1 << 20, runs=2)
+    assert rates.conv_curve == ((1e7, 9e10), (1e9, 1.6e11)) and rates.mem_bw == 2.8e10 and rates.sustained == 1.2
+    assert next(rounds, None) is None  # three rounds, no more
+
+
+def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_below_the_warm_fastest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     evictions: list[int] = []
 
@@ -99,6 +112,13 @@ def test_node_times_are_the_cold_median_over_sustained_never_below_the_warm_fast
     assert op_f == pytest.approx(0.15 / ops_f) and op_bw == pytest.approx(0.2 / (ops_b + ops_w))
     f_big, bw_big, _, _ = cc._node_times(3, evict=lambda: None, sustained=1e9)
     assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
+    # Read in windows of COLD_WINDOW runs, the least disturbed window's median: a burst over a whole window (F 1 s,
+    # B+W 2 s) is left out, and so is a quiet window's own outlier (9 s).
+    burst = [(1.0, 2.0)] * cc.COLD_WINDOW
+    quiet = [(0.2, 0.3), (0.3, 0.4), (0.3, 0.4), (0.4, 0.5), (9.0, 9.0)]
+    monkeypatch.setattr(cc, "_cold_times", lambda *a: burst + quiet)
+    f, bw, _, _ = cc._node_times(5, evict=lambda: None, sustained=2.0)
+    assert f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
 
 
 def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pytest.MonkeyPatch) -> None:
