@@ -192,6 +192,11 @@ def plan_overheads(plan: Any) -> Any:
     return compute_overheads(getattr(plan.options, "compute", None))
 
 
+# RuntimeOverheads' fields in seconds (the rest: threads and machine): what a cache entry must hold as non-negative
+# numbers, and what the machine's sustained speed scales
+_OVERHEAD_SECONDS = tuple(f.name for f in dataclasses.fields(RuntimeOverheads) if f.name not in ("threads", "machine"))
+
+
 def compute_overheads(compute: ComputeRates | None) -> Any:
     """The runtime's fixed costs cached for the machine ``compute`` was measured on, when it is this machine and
     calibration is on; else None (see :func:`plan_overheads`). The planners (``--stages auto``, ``--plan auto``)
@@ -207,24 +212,19 @@ def compute_overheads(compute: ComputeRates | None) -> Any:
     found = _overheads_from(_read_cache(overheads_cache_path()).get(key), key)
     if found is None:
         return None
-    k = compute.sustained
-    return dataclasses.replace(found, action=found.action * k, message=found.message * k, step=found.step * k,
-                               loss=found.loss * k, send=found.send * k, optimizer=found.optimizer * k,
-                               optimizer_tensor=found.optimizer_tensor * k,
-                               optimizer_tensor_momentum=found.optimizer_tensor_momentum * k)
+    return dataclasses.replace(found, **{k: getattr(found, k) * compute.sustained for k in _OVERHEAD_SECONDS})
 
 
 def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    floats = ("action", "message", "step", "loss", "send", "optimizer", "optimizer_tensor", "optimizer_tensor_momentum")
     if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
-           or entry[k] < 0 for k in floats):
+           or entry[k] < 0 for k in _OVERHEAD_SECONDS):
         return None
     if type(entry["threads"]) is not int or not isinstance(entry["machine"], str) or not entry["machine"].startswith(key):
         return None
-    return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in floats}})
+    return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in _OVERHEAD_SECONDS}})
 
 
 def describe(rates: ComputeRates, *, cached: bool) -> str:

@@ -357,7 +357,6 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
     lanes = _allreduce_lanes(walk.events, timed, full.num_ranks)
     # The last compute end of any rank (as max() over every compute event: ends are never -0.0).
     step_compute_end = max((max(map(_END, c)) for c in walk.compute if c), default=0.0)
-    tied_end = _tied_ends(full, timed, walk, lanes)
     ranks = []
     for r in range(full.num_ranks):
         compute, sends = walk.compute[r], walk.sends[r]
@@ -375,8 +374,11 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
             sum(max(0.0, e.end - max(e.start, step_compute_end)) for e in lane),
             sum(timed.optimizer_s[s] for s in range(schedule.num_stages)
                 if timed.optimizer_s and schedule.rank_of_stage[s] == r),
-            timed.step_s, tied_end[r],
+            timed.step_s,
         ))
+    if timed.tied:  # each rank's compute and replicas' all-reduce done: its weights tied across ranks are summed
+        ends = _tied_ends(full, timed, [max(r.end, r.allreduce_end) for r in ranks])
+        ranks = [dataclasses.replace(r, tied_end=e) for r, e in zip(ranks, ends)]
     active = [r for r in ranks if r.end > r.start]
     makespan = (max(r.step_end for r in active) - min(r.start for r in active)) if active else 0.0
     per_mb = _staleness(schedule) if not schedule.synchronous else {}
@@ -387,15 +389,11 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
                      tuple(walk.events), worst, per_mb, timed.dp, tuple(lanes))
 
 
-def _tied_ends(schedule: Schedule, costs: Costs, walk: _Walk, lanes: Sequence[AllReduceEvent]) -> list[float]:
+def _tied_ends(schedule: Schedule, costs: Costs, ready: Sequence[float]) -> list[float]:
     """Per rank, when the gradients of its weights tied with other ranks' (``Costs.tied``) are summed: the runtime
     all-reduces each tied parameter in turn (in ``tied``'s order) over the ranks holding it, each a blocking
-    collective that starts when the last of them has finished its compute and its replicas' all-reduce."""
+    collective that starts when the last of them is ``ready`` (its compute and its replicas' all-reduce done)."""
     ends = [0.0] * schedule.num_ranks
-    if not costs.tied:
-        return ends
-    ready = [max(max((e.end for e in c), default=0.0), max((e.end for e in lanes if e.rank == r), default=0.0))
-             for r, c in enumerate(walk.compute)]
     for stages, nbytes in costs.tied:
         ranks = sorted({schedule.rank_of_stage[s] for s in stages})
         if len(ranks) < 2 or nbytes <= 0:
