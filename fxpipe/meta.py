@@ -35,6 +35,13 @@ class NodeMeta:
     host_fwd: float = 0.0
     host_bwd_input: float = 0.0
     host_bwd_weight: float = 0.0
+    # annotate_costs (calibrated): what each time_* above gains when all of the node's weight (W: its gradient) is
+    # read from memory rather than none of it (non-zero on GEMMs only); the times assume the model's own share
+    # (``ComputeRates.cold``, in the graph's meta["fxpipe_cache_miss"]), and a plan whose replicas put more copies of
+    # the model on one cache moves them along these slopes (partition_stages)
+    cold_fwd: float = 0.0
+    cold_bwd_input: float = 0.0
+    cold_bwd_weight: float = 0.0
     # group_layers
     layer_idx: int = -1
     layer: str = ""

@@ -56,7 +56,9 @@ def compile_cmd(
     cores: Annotated[Optional[str], typer.Option("--cores", help="With --plan auto or --stages auto: the cores the "
                                                  "plan's ranks will share, N or auto (this machine's). Ranks beyond "
                                                  "them time-share: F, B and W run ranks / cores times slower in the "
-                                                 "planner's model and simulator, so fewer ranks can win. Give it when "
+                                                 "planner's model and simulator, so fewer ranks can win; and they "
+                                                 "share its cache: dp replicas hold dp copies of the model, so more "
+                                                 "of each weight is read from memory (calibrated). Give it when "
                                                  "the plan will run as CPU ranks on that many cores (auto: fxpipe "
                                                  "run here); the plan records it. [default: none: a core, or device, "
                                                  "per rank, as for a plan compiled here for other machines]",

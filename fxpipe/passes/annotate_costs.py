@@ -47,8 +47,8 @@ def annotate_costs(
     trainable parameter), and time_* = max(FLOPs / device_flops, bytes / device_mem_bw).
     With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
     its conv rate by its FLOPs per call, a linear/mm's at the rate for its smallest dimension, W's at the
-    weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``; on weights out of the cache when the model's
-    parameters outgrow it: ``ComputeRates.cold``), the bytes count the parameters a node reads (F, B and W alike), and every node
+    weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``; the part of its weights the cache cannot hold
+    when the model's parameters outgrow it (``ComputeRates.cold``) at the uncached rates), the bytes count the parameters a node reads (F, B and W alike), and every node
     but ``getitem`` adds its host time: ``op_fwd`` to F, and
     ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
     convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
@@ -72,8 +72,8 @@ def annotate_costs(
     except data_dependent_output_error() as exc:
         raise _data_dependent(interp.current, exc) from None
 
-    # A model whose parameters outgrow the last-level cache reads each GEMM's weight (W: its gradient) from memory
-    cold = compute is not None and compute.cold(sum(value_bytes(p) for p in out.parameters()))
+    # A model whose parameters outgrow the last-level cache reads part of each GEMM's weight (W: its gradient) from memory
+    cold = 0.0 if compute is None else compute.cold(sum(value_bytes(p) for p in out.parameters()))
     typical = compute.sustained if compute is not None else 1.0  # the machine as a step finds it, not at its best
     needs_grad: set[torch.fx.Node] = set()
     by_op: Counter[str] = Counter()
@@ -108,6 +108,7 @@ def annotate_costs(
         flops_w = flops if grad_to_param else 0
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
         rate = rate_b = rate_w = device_flops
+        ends: tuple[tuple[float, float, float], ...] = ()  # a GEMM's (F, B, W) rates with none / all of its weight cached
         host_f = host_b = host_w = 0.0
         per_node = (0.0, 0.0, 0.0)  # the part of host_* that is per node (not a convolution's per-call time)
         share_b = (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0  # of the backward's host time, B's
@@ -120,9 +121,14 @@ def annotate_costs(
             if smallest is not None:  # a skinny GEMM runs slower (calibrated by its smallest dimension)
                 # F reads the weight transposed (a linear's x @ W.T) exactly where B (grad @ W) reads it as stored
                 t = _reads_transposed(node, kind)
-                rate, rate_w = compute.gemm_rate(smallest, cold=cold, transposed=t), \
-                    compute.gemm_rate(smallest, weight=True, cold=cold)
-                rate_b = compute.gemm_rate(smallest, cold=cold, transposed=not t)
+
+                def rates_at(miss: float, smallest: float = smallest, t: bool = t) -> tuple[float, float, float]:
+                    assert compute is not None
+                    return (compute.gemm_rate(smallest, cold=miss, transposed=t),
+                            compute.gemm_rate(smallest, cold=miss, transposed=not t),
+                            compute.gemm_rate(smallest, weight=True, cold=miss))
+
+                (rate, rate_b, rate_w), ends = rates_at(cold), (rates_at(0.0), rates_at(1.0))
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
                 if conv:
@@ -130,6 +136,17 @@ def annotate_costs(
                     rate_b = rate_w = rate
                 host_b, host_w = host_bw * share_b, host_bw * share_w
                 per_node = (compute.op_fwd, compute.op_bwd * share_b, compute.op_bwd * share_w)
+        bytes_w = traffic if compute is not None else param_bytes
+
+        def seconds(r_f: float, r_b: float, r_w: float) -> tuple[float, float, float]:
+            return (typical * (host_f + max(flops / r_f, traffic / device_mem_bw)),
+                    typical * (host_b + max(flops_b / r_b, traffic / device_mem_bw)) if grad_to_act else 0.0,
+                    typical * (host_w + max(flops_w / r_w, bytes_w / device_mem_bw)) if grad_to_param else 0.0)
+
+        times = seconds(rate, rate_b, rate_w)
+        # What reading all of the weight from memory, not none of it, adds (the chord's slope): how a plan whose ranks
+        # hold more copies of the model on one cache (partition_stages, dp replicas) moves this node's times
+        slope = tuple(c - w for w, c in zip(seconds(*ends[0]), seconds(*ends[1]))) if ends else (0.0, 0.0, 0.0)
         update_meta(
             node,
             shape=tuple(tuple(int(s) for s in t.shape) for t in tensors),
@@ -140,13 +157,15 @@ def annotate_costs(
             flops_fwd=flops,
             flops_bwd_input=flops_b,
             flops_bwd_weight=flops_w,
-            time_fwd=typical * (host_f + max(flops / rate, traffic / device_mem_bw)),
+            time_fwd=times[0],
             host_fwd=typical * per_node[0],
             host_bwd_input=typical * per_node[1],
             host_bwd_weight=typical * per_node[2],
-            time_bwd_input=typical * (host_b + max(flops_b / rate_b, traffic / device_mem_bw)) if grad_to_act else 0.0,
-            time_bwd_weight=typical * (host_w + max(flops_w / rate_w, (traffic if compute is not None else param_bytes)
-                                                    / device_mem_bw)) if grad_to_param else 0.0,
+            time_bwd_input=times[1],
+            time_bwd_weight=times[2],
+            cold_fwd=slope[0],
+            cold_bwd_input=slope[1],
+            cold_bwd_weight=slope[2],
         )
         name = _op_name(node)
         by_op[name] += 1
@@ -169,8 +188,10 @@ def annotate_costs(
     )
     if compute is not None:  # the planners (partition_stages) look up the runtime's fixed costs for these rates
         out.meta["fxpipe_compute"] = compute
+        out.meta["fxpipe_cache_miss"] = cold  # what the times above assume (partition_stages moves it with dp)
     else:
         out.meta.pop("fxpipe_compute", None)
+        out.meta.pop("fxpipe_cache_miss", None)
     return PassResult(out, True, (report,))
 
 

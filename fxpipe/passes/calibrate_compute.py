@@ -10,10 +10,12 @@ several runs (another job on the machine only ever adds time):
   (m x 1024) accumulated (``addmm_``, as W_acc runs it) for m = 1 to 128: FLOP/s by the GEMM's smallest
   dimension (8 rows run at half the square GEMMs' rate on one core, 1-2 rows at a quarter), interpolated in
   log m by ``ComputeRates.gemm_rate``; and the first with the weight read transposed (``x @ w.T``, a linear
-  layer's forward, whose skinny GEMMs run at well under the plain curve here). Then all three again over a pool of distinct matrices twice the size of the
-  cache, each read from memory: the rates of a model whose parameters outgrow the cache (at 1-2 rows half the
-  cached ones here). The cache's size is measured (:func:`effective_cache_bytes`): sysfs gives the socket's,
-  which a virtual machine shares with its neighbours.
+  layer's forward, whose skinny GEMMs run at well under the plain curve here). Then all three again over a pool of
+  distinct matrices (128 MiB, twice this machine's cache share), each read from memory: the rates of a model
+  whose parameters outgrow the cache (at 1-2 rows half the cached ones here). The cache's size is measured
+  (:func:`effective_cache_bytes`): sysfs gives the socket's, which a virtual machine shares with its neighbours.
+  A model whose parameters and gradients (``S``) outgrow the cache (``C``) reads the fraction ``1 - C/S`` of its
+  weights from memory (``ComputeRates.cold``) and runs each GEMM at the blend of the two rates.
 - **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
   images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
   backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
@@ -29,9 +31,9 @@ several runs (another job on the machine only ever adds time):
   backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating). The same
   times over the ATen ops of those F graphs, and of the B and W graphs together, are the per-op rates
   (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs.
-- **Rounds.** The convolution curve, the memory bandwidth and the sustained speed (below) move most with other
-  jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between the GEMM curves
-  and after them), the fastest rate and the median sustained speed of the three kept.
+- **Rounds.** The convolution curve, the memory bandwidth, the cache's size and the sustained speed (below) move
+  most with other jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between
+  the GEMM curves and after them), the fastest rate and the median cache and sustained speed of the three kept.
 - **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
   machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
   a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
@@ -75,13 +77,13 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 13  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 14  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # the skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024))
 SKINNY_WIDTH = 1024
-COLD_POOL_MAX = 24  # at most this many distinct 4 MiB matrices in the cold pool (96 MiB)
-CACHE_PROBE = (1, 2, 4, 8, 12, 16, 24)  # pools of distinct 4 MiB weights (4 to 96 MiB) the cache probe reads
-CACHE_DROP = 0.6  # a pool read below this fraction of one weight's rate is out of the cache
+COLD_POOL_MAX = 32  # distinct 4 MiB matrices in the cold pool (128 MiB), which the cold curves read
+CACHE_PROBE = (1, 2, 4, 8, 12, 16, 24, 32)  # pools of distinct 4 MiB weights (4 to 128 MiB) the cache probe reads
+CACHE_KNEE = 1.5  # a cache the probe's pools outgrow slows their rate by at least this much
 # 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 STREAM_BYTES = 32 << 20
@@ -259,19 +261,24 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         rounds = [_noisy_round(runs, stream_bytes)]  # then one between the GEMM curves and one after them
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         probe = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(COLD_POOL_MAX)]
-        cache_bytes = effective_cache_bytes(probe, max(3, runs // 2))
-        size = max(2, min(COLD_POOL_MAX, math.ceil(2 * cache_bytes / (4 * SKINNY_WIDTH**2))))
-        pool = probe[:size]
+        caches = [effective_cache_bytes(probe, max(3, runs // 2))]  # one per round: the median of three is kept
+        # The whole probe, whatever the (noisy) cache measurement said: a pool sized from it (twice the measured
+        # cache, when this read 32, 48 or 64 MiB for the same machine) read 64 MiB half the time, which this
+        # machine's cache still largely holds (8 rows: 54-73 GFLOP/s over 64 MiB, 22-31 over 96 and 128 MiB).
+        pool = probe
         gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
         gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
         few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
         gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in SKINNY_ROWS)
         gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in SKINNY_ROWS)
         rounds.append(_noisy_round(runs, stream_bytes))
+        caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
         gemm_t_curve = tuple((float(m), _skinny_rate(m, runs, weight=False, transposed=True)) for m in SKINNY_ROWS)
         gemm_t_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool, transposed=True))
                                   for m in SKINNY_ROWS)
         rounds.append(_noisy_round(runs, stream_bytes))
+        caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
+        cache_bytes = statistics.median(caches)
         conv_curve = tuple((flops, max(r[0][k][1] for r in rounds)) for k, (flops, _) in enumerate(rounds[0][0]))
         mem_bw = max(r[1] for r in rounds)
         sustained = statistics.median(r[2] for r in rounds)
@@ -332,19 +339,23 @@ def _skinny_rate(m: int, runs: int, *, weight: bool, pool: list[torch.Tensor] | 
 
 def effective_cache_bytes(probe: list[torch.Tensor], runs: int) -> float:
     """The bytes of weights this process's GEMMs still find in the cache: 8-row GEMMs over the first n distinct
-    1024 x 1024 weights of ``probe`` in turn, n in ``CACHE_PROBE``; the largest pool before the rate falls below
-    ``CACHE_DROP`` of one weight's and stays there. Measured, because the cache sysfs reports is the socket's: in a
-    virtual machine (this one says 260 MiB) the share a process gets is smaller (here the rate fell between 64
-    and 96 MiB). When no pool falls, the cache holds at least the largest: the system's figure if it is larger."""
+    1024 x 1024 weights of ``probe`` in turn, n in ``CACHE_PROBE``, from one weight's rate (cached) down to the
+    largest pool's (read from memory); the pool at which the rate crosses half-way between the two (their geometric
+    mean), interpolated in log pool size between the last pool at or above it and the next. Measured, because the
+    cache sysfs reports is the socket's: in a virtual machine (this one says 260 MiB) the share a process gets is
+    smaller and moves with its neighbours (here the rate fell between 64 and 96 MiB in one probe and between 32 and
+    64 MiB, gradually, twenty minutes later). A fall to a fraction of one weight's rate (the rule before) read 32, 48
+    or 64 MiB for the same machine a minute apart, as the rates of the pools that fit spread by 1.4x. When the rate
+    does not fall by ``CACHE_KNEE``, the cache holds at least the largest pool: the system's figure if larger."""
     sizes = [n for n in CACHE_PROBE if n <= len(probe)]
     rates = [_skinny_rate(8, runs, weight=False, pool=probe[:n]) for n in sizes]
-    fits = len(sizes)
-    while fits > 1 and rates[fits - 1] < CACHE_DROP * rates[0]:
-        fits -= 1
     matrix = 4 * SKINNY_WIDTH**2
-    if fits == len(sizes):  # nothing fell
+    if len(sizes) < 2 or rates[0] < CACHE_KNEE * rates[-1]:  # nothing fell
         return float(max(sizes[-1] * matrix, last_level_cache_bytes()))
-    return float(sizes[fits - 1] * matrix)
+    half = math.sqrt(rates[0] * rates[-1])
+    k = max(i for i, rate in enumerate(rates) if rate >= half)  # < len - 1: the last is below half
+    (n0, r0), (n1, r1) = (sizes[k], rates[k]), (sizes[k + 1], rates[k + 1])
+    return float(n0 * (n1 / n0) ** (math.log(r0 / half) / math.log(r0 / r1)) * matrix)
 
 
 def _noisy_round(runs: int, stream_bytes: int) -> tuple[tuple[tuple[float, float], ...], float, float]:

@@ -35,10 +35,18 @@ class LayerStats:
     params: tuple[str, ...]  # dotted names of the parameters/buffers the layer reads
     param_bytes: int
     saved_bytes: int  # activation bytes kept for backward, per microbatch
+    # what its times gain with every weight read from memory rather than none (NodeMeta.cold_*; 0 when uncalibrated)
+    cold_fwd: float = 0.0
+    cold_bwd_input: float = 0.0
+    cold_bwd_weight: float = 0.0
 
     @property
     def time(self) -> float:
         return self.time_fwd + self.time_bwd_input + self.time_bwd_weight
+
+    @property
+    def cold(self) -> float:
+        return self.cold_fwd + self.cold_bwd_input + self.cold_bwd_weight
 
     @property
     def flops(self) -> int:
@@ -154,6 +162,9 @@ def layer_stats(gm: torch.fx.GraphModule) -> list[LayerStats]:
                 params=tuple(params),
                 param_bytes=sum(value_bytes(get_path(gm, p)) for p in params),
                 saved_bytes=sum(m.saved_bytes for m in metas),
+                cold_fwd=sum(m.cold_fwd for m in metas),
+                cold_bwd_input=sum(m.cold_bwd_input for m in metas),
+                cold_bwd_weight=sum(m.cold_bwd_weight for m in metas),
             )
         )
     return stats

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,18 +100,23 @@ def partition_stages(
     counted: tuple[Report, ...] = ()
     choice: dict[str, object] | None = None
     overheads = _planner_overheads(out)
+    shift = _cache_shift(out) if cores is not None else None  # the ranks share this machine: its cache too
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
                                         latency=latency, memory_cap=memory_per_stage, overheads=overheads,
-                                        cores=cores)
+                                        cores=cores, cache=shift)
         num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
         schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
-    elif num_stages == "auto":
+        dp = int(choice["dp"])  # type: ignore[call-overload]
+    if shift is not None and shift(dp) > 0:  # the plan's times as its dp replicas on one cache run them
+        _read_more_from_memory(out, shift(dp))
+        stats = layer_stats(out)
+    if num_stages == "auto":
         num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
                                                     memory_cap=memory_per_stage, microbatches=microbatches,
                                                     schedule=schedule, objective=objective, max_stages=max_stages,
                                                     overheads=overheads, dp=dp, cores=cores)
-    elif not isinstance(num_stages, int) or num_stages < 1:
+    elif num_stages != "plan" and (not isinstance(num_stages, int) or num_stages < 1):
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
     if counted:
@@ -152,6 +157,28 @@ def partition_stages(
         out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
     return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency,
                                                           _held_per_microbatch(stats, schedule))))
+
+
+def _cache_shift(gm: torch.fx.GraphModule) -> Callable[[int], float] | None:
+    """Per dp: how much more of each GEMM's weight ``dp`` replicas of the model on this machine's cache read from
+    memory than the graph's calibrated times assume (``ComputeRates.cold`` of ``dp`` copies of its parameters, less
+    what annotate_costs charged for one); None for a graph not costed at calibrated rates."""
+    compute, charged = gm.meta.get("fxpipe_compute"), gm.meta.get("fxpipe_cache_miss")
+    if compute is None or charged is None:
+        return None
+    model = sum(value_bytes(p) for p in gm.parameters())
+    return lambda dp: max(0.0, compute.cold(dp * model) - charged)
+
+
+def _read_more_from_memory(gm: torch.fx.GraphModule, shift: float) -> None:
+    """Every node's times with ``shift`` more of its weights read from memory (along its NodeMeta.cold_* slopes)."""
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if meta.cold_fwd or meta.cold_bwd_input or meta.cold_bwd_weight:
+            update_meta(node, time_fwd=meta.time_fwd + shift * meta.cold_fwd,
+                        time_bwd_input=meta.time_bwd_input + shift * meta.cold_bwd_input,
+                        time_bwd_weight=meta.time_bwd_weight + shift * meta.cold_bwd_weight)
+    gm.meta["fxpipe_cache_miss"] = gm.meta["fxpipe_cache_miss"] + shift
 
 
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
@@ -237,7 +264,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                   bandwidth: float, latency: float,
                   memory_cap: float | None,
                   overheads: RuntimeOverheads | None = None,
-                  cores: int | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
+                  cores: int | None = None,
+                  cache: Callable[[int], float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
     simulated; the fastest simulated is the plan. With ``cores`` both the model and the simulator time-share them."""
     from fxpipe.planning.plan_search import Layers, plan_candidates, time_sharing
@@ -247,18 +275,20 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
 
     budget = DEFAULT_MAX_STAGES if devices is None else devices
     layers = Layers(tuple(s.time for s in stats), tuple(float(s.saved_bytes) for s in stats), tuple(static),
-                    tuple(float(s.param_bytes) for s in stats), tuple(cut_bytes))
+                    tuple(float(s.param_bytes) for s in stats), tuple(cut_bytes), tuple(s.cold for s in stats))
     candidates = plan_candidates(layers, budget, bandwidth=bandwidth, latency=latency, memory_cap=memory_cap,
-                                 cores=cores)
+                                 cores=cores, cache=cache)
     compute = sum(layers.times)
     simulated = []
     for c in candidates[:SIMULATED_CANDIDATES]:
         spans = list(zip(c.bounds, c.bounds[1:]))
         sends = tuple(float(cut_bytes[j - 1]) if j < len(stats) else 0.0 for _, j in spans)
         held = tuple(sum(layers.activation_bytes[i:j]) for i, j in spans)
-        costs = Costs(tuple(sum(s.time_fwd for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans), sends, held, held,
+        more = cache(c.dp) if cache is not None else 0.0  # of each weight read from memory on its replicas' cache
+        costs = Costs(tuple(sum(s.time_fwd + more * s.cold_fwd for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_input + more * s.cold_bwd_input for s in stats[i:j]) for i, j in spans),
+                      tuple(sum(s.time_bwd_weight + more * s.cold_bwd_weight for s in stats[i:j]) for i, j in spans),
+                      sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
                       allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores)
         costs = costs.with_runtime(overheads)
@@ -282,7 +312,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
              f"{best.throughput(best_step) * compute:.2f}x one device's throughput on {best.devices} devices",
              "speedup = microbatches per step over all replicas x one device's microbatch / simulated step; per-layer "
              "strategies are not searched (fxpipe compile --strategy plans them for one stage)",
-             *((_time_sharing_note(cores, "each candidate's stages x dp ranks"),) if cores is not None else ()))
+             *((_time_sharing_note(cores, "each candidate's stages x dp ranks"),) if cores is not None else ()),
+             *_cache_note(cache, sorted({c.dp for c, _ in ordered})))
     report = Report(title="plan auto: candidates, fastest simulated first",
                     columns=("rank", "stages", "dp", "devices", "schedule", "microbatches",
                              *(("compute x",) if cores is not None else ()), "model step ms",
@@ -290,6 +321,15 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                     rows=rows, notes=notes)
     return ({"stages": best.stages, "dp": best.dp, "schedule": best.schedule, "microbatches": best.microbatches,
              "bounds": best.bounds}, (report,))
+
+
+def _cache_note(cache: Callable[[int], float] | None, replicas: Sequence[int]) -> tuple[str, ...]:
+    shifts = [(dp, cache(dp)) for dp in replicas] if cache is not None else []
+    if not any(shift > 0 for _, shift in shifts):
+        return ()
+    return ("cache shared (--cores): dp replicas hold dp copies of the model on this machine's last-level cache, so "
+            "each GEMM reads more of its weight from memory than one copy's estimate: "
+            + ", ".join(f"+{shift:.0%} at dp {dp}" for dp, shift in shifts if shift > 0),)
 
 
 def _time_sharing_note(cores: int, ranks: str) -> str:

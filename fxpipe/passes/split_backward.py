@@ -60,7 +60,9 @@ def split_backward(root: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         out.meta["fxpipe_stage_timings"] = timings
         out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, profile_runs)
     elif compute is not None:
-        cold = compute.cold(sum(value_bytes(p) for p in root.parameters()))  # as annotate_costs decides it
+        cold = root.meta.get("fxpipe_cache_miss")  # as annotate_costs decided it, and partition_stages for dp
+        if cold is None:
+            cold = compute.cold(sum(value_bytes(p) for p in root.parameters()))
         out.meta["fxpipe_stage_w_batched"] = batched_ratios(stages, wiring, example_inputs, graphs, 0,
                                                             estimate=lambda w: estimate_w_seconds(w, compute, cold))
     return PassResult(out, True, (_report(graphs, timings),))
@@ -95,7 +97,7 @@ _GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default:
 _VIEWS = VIEW_OPS | {aten.squeeze.dim, aten.unsqueeze.default}
 
 
-def estimate_w_seconds(w: torch.fx.GraphModule, compute: ComputeRates, cold: bool) -> float | None:
+def estimate_w_seconds(w: torch.fx.GraphModule, compute: ComputeRates, cold: float) -> float | None:
     """A W graph's seconds at this machine's calibrated rates, for the batched-W fraction: per ATen op its host time
     (``graph_op_bwd``), a GEMM its FLOPs at the skinny-GEMM curve of its smallest dimension (the weight gradient's
     curve where that is the contracted one), anything else its bytes at ``mem_bw``. None for a graph with an op it

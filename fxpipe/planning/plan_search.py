@@ -14,6 +14,9 @@ With ``cores`` (``--cores``), the ``stages x dp`` ranks time-share that many cor
 compute counts ``max(1, stages x dp / cores)`` times (``time_sharing``, the simulator's
 ``Costs.compute_scale``), in the partition's search and in the step, so the screen and the
 simulator agree on which candidates time-share; transfers and the all-reduce do not slow down.
+The same ranks share one machine's last-level cache: ``dp`` replicas hold ``dp`` copies of the model
+there, so more of each weight is read from memory than one copy's estimate assumed (``cache``, per dp,
+the shift in that fraction; ``Layers.cold``, per layer, what reading all of it from memory adds).
 
 Memory per device: the stage's parameters, gradients and optimizer state
 (``static_bytes``, 4 x the trainable bytes, as the partitioner counts them) plus the activations
@@ -28,7 +31,7 @@ Pure: plain values in, plain values out; no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
@@ -51,6 +54,15 @@ class Layers:
     static_bytes: tuple[float, ...]
     param_bytes: tuple[float, ...]
     cut_bytes: tuple[float, ...]
+    # per layer, what its compute gains with every weight read from memory rather than none (() : nothing)
+    cold: tuple[float, ...] = ()
+
+    def at(self, scale: float, shift: float) -> tuple[float, ...]:
+        """Per layer compute ``scale`` times slower (time-sharing) and reading ``shift`` more of its weights from
+        memory (replicas sharing the cache)."""
+        if shift and self.cold:
+            return tuple(scale * (t + shift * c) for t, c in zip(self.times, self.cold))
+        return tuple(t * scale for t in self.times) if scale != 1.0 else self.times
 
 
 @dataclass(frozen=True)
@@ -97,9 +109,12 @@ def _prefix(values: Sequence[float]) -> list[float]:
 def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: float,
                     memory_cap: float | None = None, schedules: Sequence[str] = PLAN_SCHEDULES,
                     microbatches_per_stage: Sequence[int] = (1, 2, 4),
-                    cores: int | None = None) -> list[PlanCandidate]:
+                    cores: int | None = None,
+                    cache: Callable[[int], float] | None = None) -> list[PlanCandidate]:
     """Every candidate that fits, best modelled throughput first (ties: fewer devices, then fewer stages).
-    ``cores``: the cores the ranks time-share (None: a core each; see the module docstring).
+    ``cores``: the cores the ranks time-share (None: a core each; see the module docstring). ``cache``: per dp, how
+    much more of each weight its replicas (copies of the model on one machine's cache) read from memory than
+    ``layers.times`` assume; the layers' times move by that times ``layers.cold``.
 
     Raises PlanError when none fits the cap (naming the least memory any needs) or the budget is below 1.
     """
@@ -112,7 +127,7 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
     static, acts, grads = _prefix(layers.static_bytes), _prefix(layers.activation_bytes), _prefix(layers.param_bytes)
     out: list[PlanCandidate] = []
     least = math.inf
-    cache: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], float] | None] = {}
+    partitions: dict[tuple[int, int, tuple[int, ...], float, float], tuple[tuple[int, ...], float] | None] = {}
     for p in range(1, min(n, devices) + 1):
         if cores is None or cores >= devices:
             replicas = sorted({d for d in (2 ** k for k in range(devices.bit_length())) if p * d <= devices}
@@ -128,13 +143,16 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
 
                 # Time-sharing slows compute and not transfers, so the best cuts depend on the slowdown: one
                 # partition per slowdown (one in all without --cores, or with as many cores as devices).
-                for scale in sorted({time_sharing(p * dp, cores) for dp in replicas}):
-                    key = (p, m, tuple(flights) if memory_cap is not None else (), scale)
-                    if key not in cache:  # without a cap the partition does not depend on the schedule
-                        times = [t * scale for t in layers.times] if scale != 1.0 else layers.times
-                        cache[key] = best_partition(times, cut_s, p, m,
-                                                    feasible=fits if memory_cap is not None else None)
-                    found = cache[key]
+                def slowdown(dp: int, p: int = p) -> tuple[float, float]:
+                    return time_sharing(p * dp, cores), cache(dp) if cache is not None else 0.0
+
+                for scale, shift in sorted({slowdown(dp) for dp in replicas}):
+                    times = layers.at(scale, shift)
+                    key = (p, m, tuple(flights) if memory_cap is not None else (), scale, shift)
+                    if key not in partitions:  # without a cap the partition does not depend on the schedule
+                        partitions[key] = best_partition(times, cut_s, p, m,
+                                                         feasible=fits if memory_cap is not None else None)
+                    found = partitions[key]
                     if found is None:
                         if memory_cap is not None:  # the least memory this (P, m, schedule) needs: its unconstrained plan
                             free = best_partition(layers.times, cut_s, p, m)
@@ -145,12 +163,12 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
                         continue
                     bounds, _ = found
                     spans = list(zip(bounds, bounds[1:]))
-                    stage_t = [scale * sum(layers.times[i:j]) for i, j in spans]
+                    stage_t = [sum(times[i:j]) for i, j in spans]
                     step = pipeline_step(stage_t, [cut_s[b - 1] for b in bounds[1:-1]], m)
                     memory = max(static[j] - static[i] + flights[k] * (acts[j] - acts[i])
                                  for k, (i, j) in enumerate(spans))
                     for dp in replicas:
-                        if time_sharing(p * dp, cores) != scale:
+                        if slowdown(dp) != (scale, shift):
                             continue
                         sync = max(allreduce_seconds(grads[j] - grads[i], dp, bandwidth, latency) for i, j in spans)
                         out.append(PlanCandidate(p, dp, schedule, m, tuple(bounds), step + sync, memory))

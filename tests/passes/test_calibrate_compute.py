@@ -77,14 +77,17 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
 def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed_their_median(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The convolution curve and the memory bandwidth are each the fastest of three rounds (per point), the sustained
-    speed the median round's: a neighbour's burst over one round moves none of them."""
+    speed and the cache's size the median round's: a neighbour's burst over one round moves none of them."""
     rounds = iter([(((1e7, 5e10), (1e9, 1e11)), 1e10, 1.4),   # the first round: a burst, everything slow
                    (((1e7, 8e10), (1e9, 1.6e11)), 2.5e10, 1.2),
                    (((1e7, 9e10), (1e9, 1.5e11)), 2.8e10, 1.1)])
+    caches = iter([20e6, 60e6, 50e6])
     monkeypatch.setattr(cc, "_noisy_round", lambda runs, stream_bytes: next(rounds))
+    monkeypatch.setattr(cc, "effective_cache_bytes", lambda probe, runs: next(caches))
     rates = cc.measure_compute(1, gemm_sizes=(64,), stream_bytes=1 << 20, runs=2)
     assert rates.conv_curve == ((1e7, 9e10), (1e9, 1.6e11)) and rates.mem_bw == 2.8e10 and rates.sustained == 1.2
-    assert next(rounds, None) is None  # three rounds, no more
+    assert rates.cache_bytes == 50e6
+    assert next(rounds, None) is None and next(caches, None) is None  # three rounds, no more
 
 
 def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_below_the_warm_fastest(
@@ -134,33 +137,40 @@ def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pyte
 
 
 @pytest.mark.parametrize(("rates", "expected_mib"), [
-    ((60, 61, 58, 60, 57, 30, 28), 48),  # falls at 64 MiB and stays down
-    ((60, 30, 58, 60, 57, 30, 28), 48),  # a one-off dip (another job) before the fall is not the cache
-    ((60, 61, 58, 60, 57, 59, 50), None),  # nothing falls: at least the largest pool, or what the system says
-    ((60, 20, 20, 20, 20, 20, 20), 4),  # only one weight fits
+    # half-way from 60 to 28 GFLOP/s is 41, crossed 0.54 of the way (in log rate) from 16 to 24 weights: 19.9
+    ((60, 61, 58, 60, 57, 59, 30, 28), 64 * 1.5 ** (math.log(59 / math.sqrt(60 * 28)) / math.log(59 / 30))),
+    # a one-off dip (another job) before the fall is not the cache: the last pool above half-way counts
+    ((60, 30, 58, 60, 57, 59, 30, 28), 64 * 1.5 ** (math.log(59 / math.sqrt(60 * 28)) / math.log(59 / 30))),
+    # a gradual fall, as probed here: half-way (45) crossed between 8 and 12 weights
+    ((81, 77, 64, 57, 42, 28, 28, 25), 32 * 1.5 ** (math.log(57 / math.sqrt(81 * 25)) / math.log(57 / 42))),
+    ((60, 61, 58, 60, 57, 59, 50, 48), None),  # nothing falls by 1.5x: at least the largest pool, or what sysfs says
+    ((60, 20, 20, 20, 20, 20, 20, 20), 4 * 2 ** (math.log(60 / math.sqrt(60 * 20)) / math.log(60 / 20))),  # one fits
 ])
-def test_the_cache_is_the_largest_pool_before_the_rate_falls_for_good(monkeypatch: pytest.MonkeyPatch,
-                                                                       rates: tuple[int, ...],
-                                                                       expected_mib: int | None) -> None:
+def test_the_cache_ends_where_the_rate_crosses_half_way_to_the_uncached_one(
+        monkeypatch: pytest.MonkeyPatch, rates: tuple[int, ...], expected_mib: float | None) -> None:
     by_size = dict(zip(cc.CACHE_PROBE, rates, strict=True))
     monkeypatch.setattr(cc, "_skinny_rate", lambda m, runs, *, weight, pool: by_size[len(pool)] * 1e9)
     monkeypatch.setattr(cc, "last_level_cache_bytes", lambda: 260 << 20)
     probe = [torch.empty(0)] * cc.COLD_POOL_MAX
-    expected = (260 << 20) if expected_mib is None else expected_mib << 20
-    assert cc.effective_cache_bytes(probe, 1) == expected
+    expected = (260 << 20) if expected_mib is None else expected_mib * (1 << 20)
+    assert cc.effective_cache_bytes(probe, 1) == pytest.approx(expected)
     monkeypatch.setattr(cc, "last_level_cache_bytes", lambda: 0)  # the system does not say
-    assert cc.effective_cache_bytes(probe, 1) == (96 << 20 if expected_mib is None else expected)
+    assert cc.effective_cache_bytes(probe, 1) == pytest.approx(128 << 20 if expected_mib is None else expected)
 
 
-def test_a_model_that_outgrows_the_cache_runs_its_gemms_at_the_uncached_rates() -> None:
-    """The curves a calibration measured with weights out of the cache apply when the model's parameters and their
-    gradients exceed the cache, and only then: mlp-deep (64 MiB) against a 32 MiB cache and against a 1 GiB one."""
+def test_a_model_that_outgrows_the_cache_reads_the_part_it_cannot_hold_at_the_uncached_rates() -> None:
+    """The curves a calibration measured with weights out of the cache apply to the part of a model's parameters and
+    their gradients (``S``) the cache (``C``) cannot hold, ``1 - C/S``, and to none while they fit: mlp-deep (64 MiB,
+    S = 128 MiB) against a 32 MiB cache reads 3/4 of its weights from memory, and none against a 1 GiB one."""
     hot, cold = ((1.0, 4e10), (128.0, 8e10)), ((1.0, 1e10), (128.0, 8e10))
     rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=hot, gemm_w_curve=hot, gemm_cold_curve=cold,
                                 gemm_w_cold_curve=cold, cache_bytes=float(32 << 20))
-    assert rates.gemm_rate(1, cold=True) == 1e10 and rates.gemm_rate(1) == 4e10
-    assert rates.cold(64 << 20) and rates.cold(24 << 20) and not rates.cold(16 << 20)  # 24 MiB + its gradients: 48
-    assert not dataclasses.replace(rates, cache_bytes=0.0).cold(64 << 20)  # a cache the system does not report
+    assert rates.gemm_rate(1, cold=1.0) == 1e10 and rates.gemm_rate(1) == 4e10
+    assert rates.gemm_rate(1, cold=0.5) == pytest.approx(1 / (0.5 / 4e10 + 0.5 / 1e10))  # time: half at each rate
+    assert rates.cold(64 << 20) == 0.75 and rates.cold(24 << 20) == pytest.approx(1 / 3)  # 24 MiB + gradients: 48
+    assert rates.cold(16 << 20) == 0.0  # 32 MiB with its gradients: fits
+    assert dataclasses.replace(rates, cache_bytes=0.0).cold(64 << 20) == 0.0  # a cache the system does not report
+    assert dataclasses.replace(rates, gemm_cold_curve=()).cold(64 << 20) == 0.0  # a calibration from before
     zoo = models.build("mlp-deep")
     gm = trace(zoo.model, zoo.example_inputs).gm
 
@@ -170,8 +180,52 @@ def test_a_model_that_outgrows_the_cache_runs_its_gemms_at_the_uncached_rates() 
 
     flops = 2 * 8 * 1024 * 1024  # (8 x 1024) x (1024 x 1024)
     in_cache = first_linear_fwd(dataclasses.replace(rates, cache_bytes=float(1 << 30))) - RATES.op_fwd
-    assert in_cache == pytest.approx(flops / rates.gemm_rate(8)) and rates.gemm_rate(8) == pytest.approx(4e10 / 7 * 10)
-    assert first_linear_fwd(rates) - RATES.op_fwd == pytest.approx(flops / 4e10)  # 1e10 + 3/7 of 7e10, at 8 rows
+    warm = 4e10 / 7 * 10  # 4e10 + 3/7 of 4e10, at 8 rows
+    assert in_cache == pytest.approx(flops / rates.gemm_rate(8)) and rates.gemm_rate(8) == pytest.approx(warm)
+    # about a quarter at the cached rate, three quarters at the uncached one (1e10 + 3/7 of 7e10 at 8 rows)
+    miss = rates.cold(sum(p.numel() * 4 for p in zoo.model.parameters()))  # its biases too: 64.06 MiB
+    assert miss == pytest.approx(0.75, abs=1e-3)
+    assert first_linear_fwd(rates) - RATES.op_fwd == pytest.approx(flops * ((1 - miss) / warm + miss / 4e10))
+
+
+def test_replicas_sharing_the_cache_move_each_gemm_along_its_slope_to_their_copies_miss() -> None:
+    """dp replicas on one machine hold dp copies of the model on its cache: a plan for them (partition_stages, with
+    --cores: the ranks share this machine) moves every node's times along annotate_costs' slopes to the miss of dp
+    copies, which is what annotating one copy against a cache 1/dp the size gives; the plan's stage costs and the
+    recorded miss follow. mlp-deep (S = 128 MiB) on 160 MiB: one copy fits, two read 3/8 of each weight from memory."""
+    from fxpipe.passes.group_layers import group_layers
+    from fxpipe.passes.partition_stages import partition_stages
+
+    hot, cold = ((1.0, 4e10), (128.0, 8e10)), ((1.0, 1e10), (128.0, 2e10))
+    rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=hot, gemm_w_curve=hot, gemm_cold_curve=cold,
+                                gemm_w_cold_curve=cold, cache_bytes=float(160 << 20))
+    zoo = models.build("mlp-deep")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+    one = annotate_costs(gm, zoo.example_inputs, compute=rates).gm
+    assert one.meta["fxpipe_cache_miss"] == 0.0
+    half = annotate_costs(gm, zoo.example_inputs, compute=dataclasses.replace(rates, cache_bytes=float(80 << 20))).gm
+    miss = half.meta["fxpipe_cache_miss"]
+    assert miss == pytest.approx(3 / 8, abs=1e-3)
+    grouped = group_layers(one).gm
+    planned = partition_stages(grouped, num_stages="auto", dp=2, cores=2, max_stages=2).gm
+    assert planned.meta["fxpipe_cache_miss"] == pytest.approx(miss)
+    fields = ("time_fwd", "time_bwd_input", "time_bwd_weight")
+    moved = {n.name: get_meta(n) for n in planned.graph.nodes}
+    gemms = 0
+    for node in half.graph.nodes:
+        want, got = get_meta(node), moved[node.name]
+        for f in fields:
+            assert getattr(got, f) == pytest.approx(getattr(want, f), rel=1e-9)
+        gemms += want.cold_fwd > 0
+    assert gemms == sum(isinstance(m, torch.nn.Linear) for m in zoo.model.modules()) == 16  # mlp-deep's linears
+    alone = partition_stages(grouped, num_stages="auto", dp=2, max_stages=2).gm  # no --cores: a machine each
+    assert alone.meta["fxpipe_cache_miss"] == 0.0
+    total = {k: sum(c[k] for c in planned.meta["fxpipe_stage_costs"]) for k in "fbw"}
+    base = {k: sum(c[k] for c in alone.meta["fxpipe_stage_costs"]) for k in "fbw"}
+    slopes = [sum(getattr(get_meta(n), f"cold_{f}") for n in one.graph.nodes)
+              for f in ("fwd", "bwd_input", "bwd_weight")]
+    for k, slope in zip("fbw", slopes):
+        assert total[k] == pytest.approx(base[k] + miss * slope) and (k == "b" or slope > 0)
 
 
 def test_a_linear_s_forward_runs_at_the_transposed_curve_and_its_backward_at_the_plain_one() -> None:
