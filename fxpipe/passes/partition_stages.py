@@ -104,7 +104,7 @@ def partition_stages(
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
                                         latency=latency, memory_cap=memory_per_stage, overheads=overheads,
-                                        cores=cores, cache=shift)
+                                        cores=cores, cache=shift, shared=_shared_params(out, stats))
         num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
         schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
         dp = int(choice["dp"])  # type: ignore[call-overload]
@@ -112,7 +112,8 @@ def partition_stages(
         _read_more_from_memory(out, shift(dp))
         stats = layer_stats(out)
     if num_stages == "auto":
-        num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, bandwidth=bandwidth, latency=latency,
+        num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, shared=_shared_params(out, stats),
+                                                    bandwidth=bandwidth, latency=latency,
                                                     memory_cap=memory_per_stage, microbatches=microbatches,
                                                     schedule=schedule, objective=objective, max_stages=max_stages,
                                                     overheads=overheads, dp=dp, cores=cores)
@@ -159,6 +160,33 @@ def partition_stages(
                                                           _held_per_microbatch(stats, schedule))))
 
 
+def _shared_params(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> dict[str, float]:
+    """The parameters two or more layers read (a weight tied across layers: GPT's token embedding and LM head), with
+    their bytes."""
+    seen: dict[str, int] = {}
+    for s in stats:
+        for name in s.params:
+            seen[name] = seen.get(name, 0) + 1
+    out = {}
+    for name, count in sorted(seen.items()):
+        value = get_path(gm, name) if count > 1 else None
+        if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+            out[name] = float(value_bytes(value))
+    return out
+
+
+def _tied(stats: Sequence[LayerStats], spans: Sequence[tuple[int, int]],
+          shared: dict[str, float]) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """``Costs.tied`` for the stages ``spans`` cut: each ``shared`` parameter whose layers fall in two or more
+    stages, with those stages and its bytes (the runtime sums its gradient over their ranks after their compute)."""
+    out = []
+    for name, nbytes in shared.items():
+        stages = tuple(sorted({k for k, (i, j) in enumerate(spans) for s in stats[i:j] if name in s.params}))
+        if len(stages) > 1:
+            out.append((stages, nbytes))
+    return tuple(out)
+
+
 def _cache_shift(gm: torch.fx.GraphModule) -> Callable[[int], float] | None:
     """Per dp: how much more of each GEMM's weight ``dp`` replicas of the model on this machine's cache read from
     memory than the graph's calibrated times assume (``ComputeRates.cold`` of ``dp`` copies of its parameters, less
@@ -181,7 +209,8 @@ def _read_more_from_memory(gm: torch.fx.GraphModule, shift: float) -> None:
     gm.meta["fxpipe_cache_miss"] = gm.meta["fxpipe_cache_miss"] + shift
 
 
-def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, bandwidth: float,
+def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *,
+                  shared: dict[str, float] | None = None, bandwidth: float,
                   latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
                   objective: str | None, max_stages: int | None,
                   overheads: RuntimeOverheads | None = None, dp: int = 1,
@@ -232,7 +261,8 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
                       latency, bandwidth,
                       # every replica time-shares too; --stages auto models no all-reduce (a zero one per stage)
-                      **({"cores": cores, "dp": dp, "allreduce_s": (0.0,) * p} if cores is not None else {}))
+                      **({"cores": cores, "dp": dp, "allreduce_s": (0.0,) * p} if cores is not None else {}),
+                      tied=_tied(stats, spans, shared or {}), allreduce_latency=latency, allreduce_bandwidth=bandwidth)
         costs = costs.with_runtime(overheads)
         simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
         rows.append(StageCount(p, tuple(bounds), tuple(sum(times[i:j]) for i, j in spans), sends[:-1], m, model,
@@ -265,7 +295,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                   memory_cap: float | None,
                   overheads: RuntimeOverheads | None = None,
                   cores: int | None = None,
-                  cache: Callable[[int], float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
+                  cache: Callable[[int], float] | None = None,
+                  shared: dict[str, float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
     simulated; the fastest simulated is the plan. With ``cores`` both the model and the simulator time-share them."""
     from fxpipe.planning.plan_search import Layers, plan_candidates, time_sharing
@@ -290,7 +321,8 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       tuple(sum(s.time_bwd_weight + more * s.cold_bwd_weight for s in stats[i:j]) for i, j in spans),
                       sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
-                      allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores)
+                      allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores,
+                      tied=_tied(stats, spans, shared or {}))
         costs = costs.with_runtime(overheads)
         simulated.append((c, simulate(generate(c.schedule, c.stages, c.microbatches, costs), costs).makespan))
     top = max(c.throughput(step) for c, step in simulated)

@@ -234,3 +234,32 @@ def test_stages_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_
 def test_cores_below_one_are_refused(mlp_deep: torch.fx.GraphModule) -> None:
     with pytest.raises(OptionError, match=r"--cores must be at least 1 \(cores: 0\)"):
         partition_stages(mlp_deep, num_stages="plan", devices=4, cores=0)
+
+
+def test_the_planners_sum_a_weight_tied_across_stages_after_their_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT's LM head reads the token embedding's weight: cut apart, its two stages' ranks all-reduce its gradient
+    after their compute (``Costs.tied``), which the planners' simulations now charge, as ``fxpipe run``'s does."""
+    import importlib
+
+    ps = importlib.import_module("fxpipe.passes.partition_stages")  # the package re-exports the function's name
+
+    zoo = models.build("gpt-tiny")
+    gm = _grouped(zoo.model, zoo.example_inputs)
+    stats = layer_stats(gm)
+    shared = ps._shared_params(gm, stats)
+    head = zoo.model.lm_head.weight
+    assert shared == {"lm_head.weight": float(head.numel() * head.element_size())}
+    last = len(stats)
+    assert ps._tied(stats, [(0, last)], shared) == ()  # one stage holds both: nothing to sum
+    assert ps._tied(stats, [(0, 2), (2, last)], shared) == (((0, 1), shared["lm_head.weight"]),)
+    assert ps._tied(stats, [(0, 1), (1, 2), (2, last)], shared) == (((0, 2), shared["lm_head.weight"]),)
+    slow = dict(bandwidth=1e6, latency=1e-3)  # a slow link: the tied all-reduce shows in every multi-stage count
+    tied = _rows(partition_stages(gm, num_stages="auto", max_stages=3, **slow), "partition-stages: stage count")
+    monkeypatch.setattr(ps, "_shared_params", lambda gm, stats: {})
+    untied = _rows(partition_stages(gm, num_stages="auto", max_stages=3, **slow), "partition-stages: stage count")
+    column = next(k for k in tied[0] if k.startswith("simulated"))
+    for a, b in zip(tied, untied):
+        if a["stages"] == 1:
+            assert a[column] == b[column]
+        else:  # at least the all-reduce's two ring steps' latency (2 ranks: 2 x 1 ms)
+            assert a[column] >= b[column] + 2.0 - 1e-3  # the table rounds to 1 us
