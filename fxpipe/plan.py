@@ -123,7 +123,8 @@ class ComputeRates:
     conv_bwd: float = 0.0  # the same for its backward (input and weight gradients together)
     machine: str = ""  # what it was measured on: host, CPU, torch version, threads
     # Skinny GEMMs run slower: (smallest dimension, FLOP/s) of an (m x 1024) x (1024 x 1024) torch.mm (F and B) and
-    # of the weight gradient's (1024 x m) x (m x 1024), m = 8..128; above the last m, gemm_flops. Empty (plans and
+    # of the weight gradient's (1024 x m) x (m x 1024), m = 1..256 (1..128 before cache format 15); towards
+    # gemm_flops at twice the last m, gemm_flops above it. Empty (plans and
     # caches from before): gemm_flops for every GEMM.
     gemm_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_curve: tuple[tuple[float, float], ...] = ()
