@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree  # no public pytree module in torch 2.
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
-__all__ = ["TorchDispatchMode", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
+__all__ = ["TorchDispatchMode", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
            "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_group_size", "pytree"]
 
 
@@ -30,6 +30,16 @@ def flop_counter_mode() -> flop_counter.FlopCounterMode:
     if bwd is not None:
         mapping[bwd] = _raw(flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_backward])
     return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def cpu_attention_ops() -> tuple[Any, Any] | None:
+    """The CPU flash-attention kernel's forward and backward ops (``_scaled_dot_product_flash_attention_for_cpu``
+    and its ``_backward``), which autograd runs for ``scaled_dot_product_attention`` on CPU; None where this torch
+    has not both. The calibration times the backward kernel alone, without autograd's own host time."""
+    aten: Any = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return None if fwd is None or bwd is None else (fwd.default, bwd.default)
 
 
 def _raw(registered: Any) -> Any:

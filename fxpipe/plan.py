@@ -156,6 +156,19 @@ class ComputeRates:
     # and op_bwd over the ops of those graphs. 0: plans and caches from before (per node only).
     graph_op_fwd: float = 0.0
     graph_op_bwd: float = 0.0
+    # (forward FLOPs per call, FLOP/s) of causal scaled-dot-product attention at a few shapes: its forward's rate, and
+    # its backward's as forward FLOPs per second of backward (annotate costs B by the forward's FLOPs), interpolated
+    # in log FLOPs, clamped at the ends. On one core here gpt-base's (2 x 4 heads x 128 tokens x 64) ran its forward
+    # at half the square GEMMs' rate and its backward at a sixth. Empty (before cache format 16): gemm_flops.
+    sdpa_curve: tuple[tuple[float, float], ...] = ()
+    sdpa_b_curve: tuple[tuple[float, float], ...] = ()
+
+    def sdpa_rates(self, flops: float) -> tuple[float, float]:
+        """FLOP/s of an attention call of ``flops`` forward FLOPs: its forward's, and its backward's (per forward
+        FLOP)."""
+        if not self.sdpa_curve or not self.sdpa_b_curve:
+            return self.gemm_flops, self.gemm_flops
+        return _log_interpolate(self.sdpa_curve, flops), _log_interpolate(self.sdpa_b_curve, flops)
 
     def cold(self, param_bytes: float) -> float:
         """The fraction of its GEMMs' weights a model of ``param_bytes`` of parameters reads from memory: none while

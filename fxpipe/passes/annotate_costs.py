@@ -134,6 +134,8 @@ def annotate_costs(
                 if conv:
                     rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
                     rate_b = rate_w = rate
+                elif "scaled_dot_product" in kind:  # attention: its own kernel, far below the GEMMs' rate here
+                    rate, rate_b = compute.sdpa_rates(flops)
                 host_b, host_w = host_bw * share_b, host_bw * share_w
                 per_node = (compute.op_fwd, compute.op_bwd * share_b, compute.op_bwd * share_w)
         bytes_w = traffic if compute is not None else param_bytes

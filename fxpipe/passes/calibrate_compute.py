@@ -77,7 +77,7 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 15  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 16  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -88,6 +88,8 @@ CACHE_PROBE = (1, 2, 4, 8, 12, 16, 24, 32)  # pools of distinct 4 MiB weights (4
 CACHE_KNEE = 1.5  # a cache the probe's pools outgrow slows their rate by at least this much
 # 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
+# Causal attention (batch, heads, tokens, head dim): gpt-base's (34 MFLOP per call forward) and one 4x its FLOPs
+SDPA_SHAPES = ((2, 4, 128, 64), (2, 4, 256, 64))
 STREAM_BYTES = 32 << 20
 SUSTAINED_SECONDS = 1.0  # how long the sustained-speed loop runs
 
@@ -292,6 +294,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         def evict() -> None:
             sweep.fill_(1.0)
 
+        sdpa = [p for p in (_sdpa_point(shape, runs) for shape in SDPA_SHAPES) if p is not None]
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
         op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
@@ -300,10 +303,32 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
                         gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
-                        gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve)
+                        gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve,
+                        sdpa_curve=tuple((f, r) for f, r, _ in sdpa), sdpa_b_curve=tuple((f, r) for f, _, r in sdpa))
 
 
 # -- the measurements ---------------------------------------------------------------------------------
+
+
+def _sdpa_point(shape: tuple[int, int, int, int], runs: int) -> tuple[float, float, float] | None:
+    """Causal ``scaled_dot_product_attention`` of q, k, v of ``shape``: its forward FLOPs per call (counted as
+    annotate_costs counts them), the forward's FLOP/s, and the backward kernel's forward FLOPs per second (timed alone:
+    autograd's own host time per node is ``op_bwd``'s; through autograd the backward took 1.6x the kernel here). None
+    where torch has no CPU attention kernel to time."""
+    from fxpipe._compat import cpu_attention_ops, flop_counter_mode  # torch's own counts CPU attention as 0 FLOPs
+
+    ops = cpu_attention_ops()
+    if ops is None:
+        return None
+    fwd_op, bwd_op = ops
+    q, k, v, grad = (torch.randn(*shape) for _ in range(4))
+    with flop_counter_mode() as counter:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    flops = float(counter.get_total_flops())
+    out, logsumexp = fwd_op(q, k, v, 0.0, True)[:2]
+    fwd = fastest(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), runs)
+    bwd = fastest(lambda: bwd_op(grad, q, k, v, out, logsumexp, 0.0, True), runs)
+    return flops, flops / fwd, flops / bwd
 
 
 def _gemm_rate(n: int, runs: int) -> float:
@@ -623,7 +648,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
         return None
     curves = {}
     for k in ("gemm_curve", "gemm_w_curve", "conv_curve", "gemm_cold_curve", "gemm_w_cold_curve", "gemm_t_curve",
-              "gemm_t_cold_curve"):
+              "gemm_t_cold_curve", "sdpa_curve", "sdpa_b_curve"):
         points = entry[k]
         if not isinstance(points, list) or not all(
                 isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
