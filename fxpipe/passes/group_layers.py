@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,6 +47,12 @@ class LayerStats:
     @property
     def cold(self) -> float:
         return self.cold_fwd + self.cold_bwd_input + self.cold_bwd_weight
+
+    def moved(self, shift: float) -> LayerStats:
+        """This layer with ``shift`` more of its weights read from memory (its times along the ``cold_*`` slopes)."""
+        return replace(self, time_fwd=self.time_fwd + shift * self.cold_fwd,
+                       time_bwd_input=self.time_bwd_input + shift * self.cold_bwd_input,
+                       time_bwd_weight=self.time_bwd_weight + shift * self.cold_bwd_weight)
 
     @property
     def flops(self) -> int:

@@ -143,11 +143,12 @@ def partition_stages(
     out.meta["fxpipe_stage_plan"] = plan
     out.meta["fxpipe_layer_stats"] = stats  # the Plan records every layer's costs
     # Per stage, per microbatch: what a schedule simulator needs (seconds and bytes).
+    f, b, w = _fbw(stats, list(zip(plan.bounds, plan.bounds[1:])))
     out.meta["fxpipe_stage_costs"] = [
         {
-            "f": sum(s.time_fwd for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
-            "b": sum(s.time_bwd_input for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
-            "w": sum(s.time_bwd_weight for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
+            "f": f[k],
+            "b": b[k],
+            "w": w[k],
             "send_bytes": cuts[k].nbytes if k < len(cuts) else 0,
             "saved_bytes": sum(s.saved_bytes for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
         }
@@ -158,6 +159,12 @@ def partition_stages(
         out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
     return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency,
                                                           _held_per_microbatch(stats, schedule))))
+
+
+def _fbw(stats: Sequence[LayerStats], spans: Sequence[tuple[int, int]]) -> tuple[tuple[float, ...], ...]:
+    """Per stage (``spans`` of layers), its layers' F, B and W seconds: ``Costs``' first three fields."""
+    return tuple(tuple(sum(getattr(s, field) for s in stats[i:j]) for i, j in spans)
+                 for field in ("time_fwd", "time_bwd_input", "time_bwd_weight"))
 
 
 def _shared_params(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> dict[str, float]:
@@ -255,9 +262,7 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
         bounds, model = found
         spans = list(zip(bounds, bounds[1:]))
         sends = tuple(float(cut_bytes[j - 1]) if j < num_layers else 0.0 for _, j in spans)
-        costs = Costs(tuple(sum(s.time_fwd for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_input for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_weight for s in stats[i:j]) for i, j in spans),
+        costs = Costs(*_fbw(stats, spans),
                       sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
                       latency, bandwidth,
                       # every replica time-shares too; --stages auto models no all-reduce (a zero one per stage)
@@ -316,10 +321,7 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
         sends = tuple(float(cut_bytes[j - 1]) if j < len(stats) else 0.0 for _, j in spans)
         held = tuple(sum(layers.activation_bytes[i:j]) for i, j in spans)
         more = cache(c.dp) if cache is not None else 0.0  # of each weight read from memory on its replicas' cache
-        costs = Costs(tuple(sum(s.time_fwd + more * s.cold_fwd for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_input + more * s.cold_bwd_input for s in stats[i:j]) for i, j in spans),
-                      tuple(sum(s.time_bwd_weight + more * s.cold_bwd_weight for s in stats[i:j]) for i, j in spans),
-                      sends, held, held,
+        costs = Costs(*_fbw([s.moved(more) for s in stats] if more else stats, spans), sends, held, held,
                       latency, bandwidth, dp=c.dp, grad_bytes=tuple(sum(layers.param_bytes[i:j]) for i, j in spans),
                       allreduce_latency=latency, allreduce_bandwidth=bandwidth, cores=cores,
                       tied=_tied(stats, spans, shared or {}))
