@@ -87,6 +87,9 @@ def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: i
         "microbatches": ran["microbatches"], "schedule": ran["schedule"],
         "simulated_step_ms": round(simulated, 3), "measured_step_ms": round(measured, 3),
         "step_ms": [round(float(x), 3) for x in ran["step_ms"]],  # type: ignore[union-attr]
+        # each stage's action kinds, measured (the run's median per action) against the plan's simulated time: where a
+        # case's miss lies, in the compute estimate or in the schedule's waits
+        "actions": ran.get("actions"),
         "ratio": round(simulated / measured, 3), "within_goal": abs(simulated / measured - 1) <= GOAL,  # the median run
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "compile_s": round(compile_s, 1), "run_s": round(run_s, 1),

@@ -163,6 +163,13 @@ class ComputeRates:
     # cache format 16): gemm_flops.
     sdpa_curve: tuple[tuple[float, float], ...] = ()
     sdpa_b_curve: tuple[tuple[float, float], ...] = ()
+    # (kernel, bytes/s forward, bytes/s backward) of the ATen kernels that run far below ``mem_bw`` here, each timed
+    # at one size (``calibrate_compute.KERNELS``), its bytes counted as annotate_costs counts a node's (inputs and
+    # output; the backward's: forward and backward kernels together, per those same bytes). On one core here
+    # training-mode batch_norm ran at 5 GB/s forward, max_pool2d at 0.6 (3x3) and 0.9 (2x2), layer_norm at 8, against
+    # 29 for an add: resnet-50's 53 batch norms and its max pool were estimated at 9 ms of its forward, and took 48.
+    # Empty (before cache format 17): ``mem_bw`` for every node.
+    kernels: tuple[tuple[str, float, float], ...] = ()
 
     def sdpa_rates(self, flops: float) -> tuple[float, float]:
         """FLOP/s of an attention call of ``flops`` forward FLOPs: its forward's, and its backward's (per forward
@@ -170,6 +177,16 @@ class ComputeRates:
         if not self.sdpa_curve or not self.sdpa_b_curve:
             return self.gemm_flops, self.gemm_flops
         return _log_interpolate(self.sdpa_curve, flops), _log_interpolate(self.sdpa_b_curve, flops)
+
+    def kernel_rates(self, kernel: str) -> tuple[float, float] | None:
+        """Bytes/s of ``kernel`` forward and backward (``kernels``), or None where it was not timed. A max_pool2d
+        window without its own entry takes the timed window nearest in area (``max_pool2d 3x3``)."""
+        rates = {name: (f, b) for name, f, b in self.kernels}
+        if kernel in rates or not kernel.startswith("max_pool2d "):
+            return rates.get(kernel)
+        area = _window_area(kernel)
+        pools = [(abs(_window_area(name) - area), name) for name in rates if name.startswith("max_pool2d ")]
+        return rates[min(pools)[1]] if pools and area else None
 
     def cold(self, param_bytes: float) -> float:
         """The fraction of its GEMMs' weights a model of ``param_bytes`` of parameters reads from memory: none while
@@ -212,6 +229,15 @@ class ComputeRates:
             return self.conv_flops
         below = [rate for x, rate in self.conv_curve if x <= flops]
         return max([_log_interpolate(self.conv_curve, flops), *below])
+
+
+def _window_area(kernel: str) -> int:
+    """The window's area in a kernel name such as ``max_pool2d 3x3``, 0 where it has none."""
+    try:
+        h, w = kernel.rsplit(" ", 1)[1].split("x")
+        return int(h) * int(w)
+    except (IndexError, ValueError):
+        return 0
 
 
 def _log_interpolate(curve: tuple[tuple[float, float], ...], x: float) -> float:

@@ -139,11 +139,17 @@ def annotate_costs(
                 host_b, host_w = host_bw * share_b, host_bw * share_w
                 per_node = (compute.op_fwd, compute.op_bwd * share_b, compute.op_bwd * share_w)
         bytes_w = traffic if compute is not None else param_bytes
+        mem_f, mem_b, mem_w = traffic / device_mem_bw, traffic / device_mem_bw, bytes_w / device_mem_bw
+        kernel = None if compute is None else compute.kernel_rates(_kernel_name(node))
+        if kernel is not None:  # a kernel far below the memory bandwidth (batch norm, max pool): its own rates, and
+            # one backward call for both gradients, shared between B and W as its host time is
+            mem_f = traffic / kernel[0]
+            mem_b, mem_w = share_b * traffic / kernel[1], share_w * traffic / kernel[1]
 
         def seconds(r_f: float, r_b: float, r_w: float) -> tuple[float, float, float]:
-            return (typical * (host_f + max(flops / r_f, traffic / device_mem_bw)),
-                    typical * (host_b + max(flops_b / r_b, traffic / device_mem_bw)) if grad_to_act else 0.0,
-                    typical * (host_w + max(flops_w / r_w, bytes_w / device_mem_bw)) if grad_to_param else 0.0)
+            return (typical * (host_f + max(flops / r_f, mem_f)),
+                    typical * (host_b + max(flops_b / r_b, mem_b)) if grad_to_act else 0.0,
+                    typical * (host_w + max(flops_w / r_w, mem_w)) if grad_to_param else 0.0)
 
         times = seconds(rate, rate_b, rate_w)
         # What reading all of the weight from memory, not none of it, adds (the chord's slope): how a plan whose ranks
@@ -309,6 +315,21 @@ def _shallow(val: Any) -> Any:
 def _is_view(node: torch.fx.Node) -> bool:
     target = node.target
     return bool(getattr(target, "is_view", False))
+
+
+def _kernel_name(node: torch.fx.Node) -> str:
+    """The name ``ComputeRates.kernels`` times this node's kernel under: its op (in-place or not), a max pool's with
+    its window (``max_pool2d 3x3``)."""
+    kind = _op_name(node).split(".")[0].rstrip("_")
+    if kind == "dropout":  # timed at p = 0.1, its mask drawn; at p = 0 (GPT's here) or in eval nothing is drawn
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return kind if train and p != 0 else f"{kind} (none drawn)"
+    if kind != "max_pool2d":
+        return kind
+    size = node.args[1] if len(node.args) > 1 else node.kwargs.get("kernel_size", 0)
+    hw = [size, size] if isinstance(size, int) else list(size) * (2 if len(size) == 1 else 1)
+    return f"max_pool2d {hw[0]}x{hw[1]}" if len(hw) == 2 and all(isinstance(v, int) for v in hw) else kind
 
 
 def _op_name(node: torch.fx.Node) -> str:

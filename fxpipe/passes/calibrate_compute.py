@@ -23,6 +23,10 @@ several runs (another job on the machine only ever adds time):
   29 MFLOP to 0.9 GFLOP per call (``CONV_SIZES``; 128 channels run ~1.4x faster than 64 here),
   interpolated in log FLOPs by ``ComputeRates.conv_rate``.
 - **Memory.** ``torch.add(a, b, out=c)`` over 32 MiB tensors (larger than the caches): 3 x bytes / s.
+- **Slow kernels.** Training-mode batch norm, max pooling (2x2 and 3x3), layer norm, GELU, ReLU and a drawn dropout
+  at one size each (``KERNELS``): bytes per second forward and backward (``ComputeRates.kernels``), the bytes as
+  annotate_costs counts a node's. Batch norm runs at a sixth of the memory bandwidth here, max pooling at a
+  thirtieth to a fiftieth; the rest of the nodes that are not GEMMs, convolutions or attention run near it.
 - **Per node.** A small model made of one of each kind of node the zoo's graphs hold (linear,
   conv, batch and layer norm, attention, views, element-wise ops) is traced and split into F, B
   and W as ``fxpipe compile`` does, at sizes where its arithmetic is negligible; F's time over its
@@ -77,7 +81,7 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 16  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 17  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -90,6 +94,12 @@ CACHE_KNEE = 1.5  # a cache the probe's pools outgrow slows their rate by at lea
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
 # Causal attention (batch, heads, tokens, head dim): gpt-base's (34 MFLOP per call forward) and one 4x its FLOPs
 SDPA_SHAPES = ((2, 4, 128, 64), (2, 4, 256, 64))
+# The kernels timed for ComputeRates.kernels (name as annotate_costs looks it up, input shape): the zoo's nodes that
+# are neither a GEMM, a convolution nor attention and run far below the memory bandwidth on one core here (a relu
+# runs at it forward, and at about half of it backward). Each ~0.2-3 ms forward.
+KERNELS = (("batch_norm", (2, 128, 56, 56)), ("max_pool2d 2x2", (2, 64, 56, 56)), ("max_pool2d 3x3", (2, 64, 56, 56)),
+           ("layer_norm", (2, 128, 768)), ("gelu", (2, 128, 3072)), ("relu", (2, 128, 56, 56)),
+           ("dropout", (2, 128, 3072)))
 STREAM_BYTES = 32 << 20
 SUSTAINED_SECONDS = 1.0  # how long the sustained-speed loop runs
 
@@ -295,6 +305,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
             sweep.fill_(1.0)
 
         sdpa = [p for p in (_sdpa_point(shape, runs) for shape in SDPA_SHAPES) if p is not None]
+        kernels = tuple(_kernel_point(name, shape, runs) for name, shape in KERNELS)
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
         op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
@@ -304,7 +315,8 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
                         gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
                         gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve,
-                        sdpa_curve=tuple((f, r) for f, r, _ in sdpa), sdpa_b_curve=tuple((f, r) for f, _, r in sdpa))
+                        sdpa_curve=tuple((f, r) for f, r, _ in sdpa), sdpa_b_curve=tuple((f, r) for f, _, r in sdpa),
+                        kernels=kernels)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -329,6 +341,45 @@ def _sdpa_point(shape: tuple[int, int, int, int], runs: int) -> tuple[float, flo
     fwd = fastest(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), runs)
     bwd = fastest(lambda: bwd_op(grad, q, k, v, out, logsumexp, 0.0, True), runs)
     return flops, flops / fwd, flops / bwd
+
+
+def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, float, float]:
+    """``name`` (one of ``KERNELS``) on a random input of ``shape`` with autograd on, as a training step runs it: bytes
+    per second forward and backward, its bytes the input's, the output's and the parameters' (annotate_costs's
+    traffic of the node), the backward's time autograd's whole backward (both gradients, where it has parameters)
+    less the forward."""
+    x = torch.randn(*shape, requires_grad=True)
+    width = shape[1] if name == "batch_norm" else shape[-1]
+    params = [torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)]
+    stats = [torch.zeros(width), torch.ones(width)]
+    if name == "batch_norm":
+        def fn() -> torch.Tensor:
+            return F.batch_norm(x, stats[0], stats[1], params[0], params[1], training=True)
+    elif name == "layer_norm":
+        def fn() -> torch.Tensor:
+            return F.layer_norm(x, (width,), params[0], params[1])
+    elif name.startswith("max_pool2d "):
+        k = int(name.rsplit("x", 1)[1])
+        params, stats = [], []
+
+        def fn() -> torch.Tensor:
+            return F.max_pool2d(x, k, 2, k // 2 if k % 2 else 0)
+    else:
+        params, stats = [], []
+        op = {"gelu": F.gelu, "relu": F.relu, "dropout": lambda t: F.dropout(t, 0.1, training=True)}[name]
+
+        def fn() -> torch.Tensor:
+            return op(x)
+    grad = torch.randn_like(fn())
+
+    def both() -> None:
+        fn().backward(grad)
+
+    nbytes = (2 * x.numel() if not name.startswith("max_pool2d") else x.numel() + grad.numel()) * x.element_size()
+    nbytes += sum(t.numel() * t.element_size() for t in (*params, *stats))
+    fwd = fastest(fn, runs)
+    bwd = max(fastest(both, runs) - fwd, 0.05 * fwd)  # never below a twentieth of the forward: a noisy difference
+    return name, nbytes / fwd, nbytes / bwd
 
 
 def _gemm_rate(n: int, runs: int) -> float:
@@ -657,7 +708,14 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
         curves[k] = tuple((float(a), float(b)) for a, b in points)
         if any(a >= b for (a, _), (b, _) in zip(curves[k], curves[k][1:])):
             return None
-    return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}, **curves})
+    kernels = entry["kernels"]
+    if not isinstance(kernels, list) or not all(
+            isinstance(k, list) and len(k) == 3 and isinstance(k[0], str) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in k[1:])
+            for k in kernels):
+        return None
+    return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}, **curves,
+                           "kernels": tuple((str(n), float(f), float(b)) for n, f, b in kernels)})
 
 
 def _write_cache(path: Path, entries: dict[str, Any]) -> None:

@@ -77,6 +77,9 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert flops == [4.0 * 2 * 4 * 128 * 128 * 64, 4.0 * 2 * 4 * 256 * 256 * 64]
     assert [f for f, _ in rates.sdpa_b_curve] == flops
     assert all(1e8 < r < 1e14 for _, r in (*rates.sdpa_curve, *rates.sdpa_b_curve))
+    # the slow kernels, each forward and backward, in bytes per second
+    assert [name for name, _, _ in rates.kernels] == [name for name, _ in cc.KERNELS]
+    assert all(1e6 < r < 1e13 for _, f, b in rates.kernels for r in (f, b))
 
 
 def test_attention_is_costed_at_its_own_rates() -> None:
@@ -103,6 +106,71 @@ def test_attention_is_costed_at_its_own_rates() -> None:
     assert f == pytest.approx(flops / fwd) and b == pytest.approx(flops / bwd)
     f_old, b_old, _ = attention(dataclasses.replace(rates, sdpa_curve=(), sdpa_b_curve=()))
     assert f_old == pytest.approx(flops / RATES.gemm_flops) and b_old == pytest.approx(f_old)
+
+
+KERNEL_RATES = (("batch_norm", 4e9, 6e9), ("max_pool2d 2x2", 1e9, 4e9), ("max_pool2d 3x3", 6e8, 4.5e9),
+                ("dropout", 1e9, 8e9))
+
+
+def test_slow_kernels_are_costed_at_their_own_rates() -> None:
+    """Training-mode batch norm, max pooling and a drawn dropout run far below the memory bandwidth (on one core here
+    5, 0.6-0.9 and 1.2 GB/s against 29): a node of one is charged its bytes at the kernel's calibrated rate, forward,
+    and backward with one call for both gradients shared between B and W as the host time is; a calibration without
+    them (before format 17), a kernel not timed, and a dropout that draws nothing keep the memory bandwidth."""
+    rates = dataclasses.replace(RATES, gemm_flops=1e30, kernels=KERNEL_RATES)  # bytes, not FLOPs, decide these
+    assert rates.kernel_rates("batch_norm") == (4e9, 6e9) and rates.kernel_rates("relu") is None
+    assert rates.kernel_rates("max_pool2d 5x5") == (6e8, 4.5e9)  # the timed window nearest in area
+    assert rates.kernel_rates("max_pool2d 1x2") == (1e9, 4e9)
+    assert RATES.kernel_rates("batch_norm") is None
+
+    def memory_parts(name: str, r: ComputeRates, op: str) -> list[tuple[float, float, float]]:
+        zoo = models.build(name)
+        out = annotate_costs(trace(zoo.model, zoo.example_inputs).gm, zoo.example_inputs, compute=r).gm
+        metas = [get_meta(n) for n in out.graph.nodes if n.op == "call_function" and op in str(n.target)]
+        assert metas
+        return [(m.time_fwd - m.host_fwd, m.time_bwd_input - m.host_bwd_input, m.time_bwd_weight - m.host_bwd_weight)
+                for m in metas]
+
+    plain = dataclasses.replace(rates, kernels=())
+    # resnet-tiny's batch norms: both gradients, each half of the backward call
+    for (f, b, w), (f0, b0, w0) in zip(memory_parts("resnet-tiny", rates, "batch_norm"),
+                                       memory_parts("resnet-tiny", plain, "batch_norm")):
+        assert f0 > 0 and f == pytest.approx(f0 * RATES.mem_bw / 4e9)
+        assert b == pytest.approx(0.5 * b0 * RATES.mem_bw / 6e9) and w == pytest.approx(b)
+    # vgg-tiny's 2x2 max pools: no parameter, the whole backward is B's
+    for (f, b, w), (f0, b0, _) in zip(memory_parts("vgg-tiny", rates, "max_pool2d"),
+                                      memory_parts("vgg-tiny", plain, "max_pool2d")):
+        assert f == pytest.approx(f0 * RATES.mem_bw / 1e9) and b == pytest.approx(b0 * RATES.mem_bw / 4e9) and w == 0
+    # vgg-tiny's and gpt-tiny's dropouts have p = 0: nothing drawn, the memory bandwidth
+    for name in ("vgg-tiny", "gpt-tiny"):
+        assert memory_parts(name, rates, "dropout") == memory_parts(name, plain, "dropout")
+    # one that draws its mask
+    model, x = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Dropout(0.1)), (torch.randn(8, 64),)
+    drawn = [[get_meta(n) for n in annotate_costs(trace(model, x).gm, x, compute=r).gm.graph.nodes
+              if "dropout" in str(n.target)] for r in (rates, plain)]
+    assert len(drawn[0]) == 1
+    (m, m0), = zip(*drawn)
+    assert m.time_fwd - m.host_fwd == pytest.approx((m0.time_fwd - m0.host_fwd) * RATES.mem_bw / 1e9)
+    b, b0 = m.time_bwd_input - m.host_bwd_input, m0.time_bwd_input - m0.host_bwd_input
+    assert b == pytest.approx(b0 * RATES.mem_bw / 8e9)
+
+
+def test_the_kernel_rates_round_trip_through_the_cache_and_the_plan(cache_dir: Path) -> None:
+    with_kernels = dataclasses.replace(RATES, kernels=KERNEL_RATES, machine=cc.machine_key(1) + "|0.0 s")
+    first, cached = cc.calibrate_compute(threads=1, measure=lambda threads: with_kernels)
+    again, cached = cc.calibrate_compute(threads=1, measure=lambda threads: pytest.fail("measured again"))
+    assert cached and again == first == with_kernels
+    zoo = models.build("mlp-tiny")
+    options = CompileOptions(compute=with_kernels, device_flops=RATES.gemm_flops, device_mem_bw=RATES.mem_bw)
+    pipe = run_compile(zoo.model, zoo.example_inputs, options).pipeline
+    assert pipe is not None
+    assert Plan.from_json(json.loads(json.dumps(pipe.plan.to_json()))).options.compute == with_kernels
+    doc = json.loads((cache_dir / "compute.json").read_text())
+    doc[cc.machine_key(1)]["kernels"] = [["relu", -1.0, 2e9]]  # a corrupt entry is measured again
+    (cache_dir / "compute.json").write_text(json.dumps(doc))
+    calls: list[int] = []
+    _, cached = cc.calibrate_compute(threads=1, measure=_fake_measure(calls))
+    assert not cached and calls == [1]
 
 
 def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed_their_median(
