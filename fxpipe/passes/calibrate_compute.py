@@ -346,8 +346,8 @@ def _sdpa_point(shape: tuple[int, int, int, int], runs: int) -> tuple[float, flo
 def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, float, float]:
     """``name`` (one of ``KERNELS``) on a random input of ``shape`` with autograd on, as a training step runs it: bytes
     per second forward and backward, its bytes the input's, the output's and the parameters' (annotate_costs's
-    traffic of the node), the backward's time autograd's whole backward (both gradients, where it has parameters)
-    less the forward."""
+    traffic of the node), the backward's time autograd's whole backward (both gradients, where it has parameters,
+    each a new tensor) less the forward."""
     x = torch.randn(*shape, requires_grad=True)
     width = shape[1] if name == "batch_norm" else shape[-1]
     params = [torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)]
@@ -371,9 +371,10 @@ def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, fl
         def fn() -> torch.Tensor:
             return op(x)
     grad = torch.randn_like(fn())
+    inputs = [x, *params]
 
-    def both() -> None:
-        fn().backward(grad)
+    def both() -> None:  # fresh gradients, as a B or W graph makes them (backward() would accumulate into .grad)
+        torch.autograd.grad(fn(), inputs, grad)
 
     nbytes = (2 * x.numel() if not name.startswith("max_pool2d") else x.numel() + grad.numel()) * x.element_size()
     nbytes += sum(t.numel() * t.element_size() for t in (*params, *stats))
