@@ -235,8 +235,7 @@ def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
-           or entry[k] < 0 for k in _OVERHEAD_SECONDS):
+    if not all(_finite(entry[k]) and entry[k] >= 0 for k in _OVERHEAD_SECONDS):
         return None
     if type(entry["threads"]) is not int or not isinstance(entry["machine"], str) or not entry["machine"].startswith(key):
         return None
@@ -349,10 +348,14 @@ def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, fl
     traffic of the node), the backward's time autograd's whole backward (both gradients, where it has parameters,
     each a new tensor) less the forward."""
     x = torch.randn(*shape, requires_grad=True)
-    width = shape[1] if name == "batch_norm" else shape[-1]
-    params = [torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)]
-    stats = [torch.zeros(width), torch.ones(width)]
+    params: list[torch.Tensor] = []  # a norm's weight and bias
+    stats: list[torch.Tensor] = []  # batch norm's running mean and variance
+    if name in ("batch_norm", "layer_norm"):
+        width = shape[1] if name == "batch_norm" else shape[-1]
+        params = [torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)]
     if name == "batch_norm":
+        stats = [torch.zeros(width), torch.ones(width)]
+
         def fn() -> torch.Tensor:
             return F.batch_norm(x, stats[0], stats[1], params[0], params[1], training=True)
     elif name == "layer_norm":
@@ -360,24 +363,21 @@ def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, fl
             return F.layer_norm(x, (width,), params[0], params[1])
     elif name.startswith("max_pool2d "):
         k = int(name.rsplit("x", 1)[1])
-        params, stats = [], []
 
         def fn() -> torch.Tensor:
             return F.max_pool2d(x, k, 2, k // 2 if k % 2 else 0)
     else:
-        params, stats = [], []
         op = {"gelu": F.gelu, "relu": F.relu, "dropout": lambda t: F.dropout(t, 0.1, training=True)}[name]
 
         def fn() -> torch.Tensor:
             return op(x)
-    grad = torch.randn_like(fn())
+    grad = torch.randn_like(fn())  # the output's shape: the input's, or a pool's smaller one
     inputs = [x, *params]
 
     def both() -> None:  # fresh gradients, as a B or W graph makes them (backward() would accumulate into .grad)
         torch.autograd.grad(fn(), inputs, grad)
 
-    nbytes = (2 * x.numel() if not name.startswith("max_pool2d") else x.numel() + grad.numel()) * x.element_size()
-    nbytes += sum(t.numel() * t.element_size() for t in (*params, *stats))
+    nbytes = sum(t.numel() * t.element_size() for t in (x, grad, *params, *stats))
     fwd = fastest(fn, runs)
     bwd = max(fastest(both, runs) - fwd, 0.05 * fwd)  # never below a twentieth of the forward: a noisy difference
     return name, nbytes / fwd, nbytes / bwd
@@ -689,8 +689,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
         return None
     floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes",
               "sustained", "graph_op_fwd", "graph_op_bwd")
-    if any(isinstance(entry[k], bool) or not isinstance(entry[k], (int, float)) or not math.isfinite(entry[k])
-           or entry[k] < 0 for k in floats):
+    if not all(_finite(entry[k]) and entry[k] >= 0 for k in floats):
         return None
     if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")) or entry["sustained"] < 1:
         return None
@@ -703,20 +702,23 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
               "gemm_t_cold_curve", "sdpa_curve", "sdpa_b_curve"):
         points = entry[k]
         if not isinstance(points, list) or not all(
-                isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                            and math.isfinite(v) and v > 0 for v in p) for p in points):
+                isinstance(p, list) and len(p) == 2 and all(_finite(v) and v > 0 for v in p) for p in points):
             return None
         curves[k] = tuple((float(a), float(b)) for a, b in points)
         if any(a >= b for (a, _), (b, _) in zip(curves[k], curves[k][1:])):
             return None
     kernels = entry["kernels"]
     if not isinstance(kernels, list) or not all(
-            isinstance(k, list) and len(k) == 3 and isinstance(k[0], str) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in k[1:])
+            isinstance(k, list) and len(k) == 3 and isinstance(k[0], str) and all(_finite(v) and v > 0 for v in k[1:])
             for k in kernels):
         return None
     return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}, **curves,
                            "kernels": tuple((str(n), float(f), float(b)) for n, f, b in kernels)})
+
+
+def _finite(value: Any) -> bool:
+    """Whether a value read from the cache's JSON is a finite number (not a bool, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _write_cache(path: Path, entries: dict[str, Any]) -> None:
