@@ -290,6 +290,12 @@ class HeldBytes:
     the cost model counts a saved input per microbatch. ``settle`` after each action records the
     peak, so an entry replaced within an action does not count twice.
 
+    A counted storage is kept alive until its last entry is released: storages are told apart by
+    address, and one freed while counted (a prediction's bias that F does not save) could otherwise
+    hand its address to a new tensor that would then count as the same storage, bytes short of
+    what the schedule keeps (a 512 B miss seen once in four CI runs). With tracking on, the bytes
+    counted are therefore bytes really held.
+
     >>> held = HeldBytes([torch.nn.Linear(2, 2)])
     >>> x = torch.zeros(4, dtype=torch.float64)
     >>> held.hold(0, ("F", 0), [x, x[:2], None]); held.settle(0); held.release(0, ("F", 0)); held.settle(0)
@@ -307,7 +313,7 @@ class HeldBytes:
         empty state), the peak from zero."""
         n = len(self.weights)
         self.entries: list[dict[Any, list[Any]]] = [{} for _ in range(n)]
-        self.refs: list[dict[Any, list[int]]] = [{} for _ in range(n)]  # storage -> [holders, bytes]
+        self.refs: list[dict[Any, list[Any]]] = [{} for _ in range(n)]  # address -> [holders, bytes, storage]
         self.now, self.peak = [0] * n, [0] * n
         self.batches = frozenset(t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor))
 
@@ -333,7 +339,7 @@ class HeldBytes:
                 found.append(ptr)
                 ref = refs.get(ptr)
                 if ref is None:
-                    refs[ptr] = [1, nbytes]
+                    refs[ptr] = [1, nbytes, storage]
                     self.now[s] += nbytes
                 else:
                     ref[0] += 1
