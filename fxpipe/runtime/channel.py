@@ -18,12 +18,16 @@ own, ordered by events, so copies overlap compute:
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fxpipe.runtime.threads import send_yield
 
 
 class Received:
@@ -44,6 +48,9 @@ class Channel:
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
         self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
+        # gloo: yield the core once after each isend, so the socket thread can send it now rather than when this
+        # rank next blocks (fxpipe.runtime.threads.send_yield)
+        self.yield_after_send = send_yield() and dist.get_backend() == "gloo"
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
              buf: torch.Tensor | None = None) -> Received:
@@ -80,6 +87,8 @@ class Channel:
         tensor = tensor.detach().contiguous()
         if not self.staged:
             self.in_flight.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+            if self.yield_after_send:
+                os.sched_yield()
             return
         assert self.stream is not None
         ready = torch.cuda.Event()
@@ -99,6 +108,8 @@ class Channel:
         while self.copying and self.copying[0][0].query():
             _, host, dst, tag = self.copying.pop(0)
             self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
+            if self.yield_after_send:
+                os.sched_yield()
 
     def issue_staged(self) -> None:
         """Issue every staged send, waiting for the device-to-host copies still running (in order)."""

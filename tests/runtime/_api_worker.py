@@ -32,6 +32,10 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
             import os
 
             os.environ["FXPIPE_GLOO_LOOP_NICE"] = cfg["gloo_loop_nice"]
+        if "send_yield" in cfg:
+            import os
+
+            os.environ["FXPIPE_SEND_YIELD"] = cfg["send_yield"]
         rt = PipelineRuntime(plan, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), loss_fn=loss_fn,
                              schedule=cfg.get("schedule"), microbatches=cfg.get("microbatches"),
                              prefetch=cfg.get("prefetch"), cuda_graphs=cfg.get("cuda_graphs", False))
@@ -43,7 +47,7 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         graphs = rt.graph_set
         from fxpipe.runtime.threads import loop_priorities
 
-        torch.save({"losses": losses, "gloo_loops": rt.gloo_loops, "loop_priorities": loop_priorities(), "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
+        torch.save({"losses": losses, "gloo_loops": rt.gloo_loops, "send_yield": rt.channel.yield_after_send, "loop_priorities": loop_priorities(), "state": rt.state_dict(), "optimizers": sorted(rt.optimizers),
                     "schedule": rt.schedule.name,
                     "graphs": None if graphs is None else {"captured": graphs.captured, "fallbacks": graphs.fallbacks}},
                    Path(out) / f"rank{rank}.pt")

@@ -62,8 +62,9 @@ def _compare(ranks: list[dict], losses: list[float], expected: dict[str, torch.T
 @pytest.mark.parametrize(("compile_args", "cfg", "schedule", "per_rank"), [
     # The schedule recorded in the plan: interleaved, two stages (and two Adams) on each rank.
     (["--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4"], {}, "interleaved-1f1b", 2),
-    # A schedule named at run time (and gloo's socket threads left at their priority: FXPIPE_GLOO_LOOP_NICE=0).
-    (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4, "gloo_loop_nice": "0"}, "zb-h2", 1),
+    # A schedule named at run time (and gloo's socket threads left at their priority: FXPIPE_GLOO_LOOP_NICE=0; no
+    # yield after a send: FXPIPE_SEND_YIELD=0).
+    (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4, "gloo_loop_nice": "0", "send_yield": "0"}, "zb-h2", 1),
     # Receives posted just in time (one action ahead), into new buffers.
     (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1}, "1f1b", 1),
 ])
@@ -83,6 +84,8 @@ def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: 
     for r in ranks:
         assert r["loop_priorities"] and set(r["loop_priorities"]) == {nice}
         assert r["gloo_loops"] == (len(r["loop_priorities"]) if nice else 0)
+        # and each send yields the core once, so that thread can send it, unless FXPIPE_SEND_YIELD=0
+        assert r["send_yield"] is (cfg.get("send_yield", "1") == "1")
 
 
 @pytest.mark.gpu

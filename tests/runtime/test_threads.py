@@ -1,4 +1,5 @@
-"""gloo's socket threads at a lower priority (fxpipe.runtime.threads): the setting and its refusal. That the
+"""gloo's socket threads at a lower priority, and a yield after each send (fxpipe.runtime.threads): the settings and
+their refusals. That the
 runtime sets a real process group's threads is checked on two ranks in test_runtime_api."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fxpipe.errors import OptionError
-from fxpipe.runtime.threads import loop_nice, loop_priorities, lower_gloo_loops
+from fxpipe.runtime.threads import loop_nice, loop_priorities, lower_gloo_loops, send_yield
 
 
 @pytest.mark.parametrize(("value", "nice"), [(None, 19), ("", 19), ("0", 0), ("7", 7), (" 19 ", 19)])
@@ -32,3 +33,21 @@ def test_a_process_without_gloo_threads_sets_none() -> None:
     found = loop_priorities()
     assert lower_gloo_loops(19) == len(found)
     assert lower_gloo_loops(0) == 0
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("", True), ("1", True), (" 0 ", False)])
+def test_a_send_yields_unless_the_variable_says_0(monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("FXPIPE_SEND_YIELD", raising=False)
+    else:
+        monkeypatch.setenv("FXPIPE_SEND_YIELD", value)
+    assert send_yield() is on
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "-1"])
+def test_a_send_yield_setting_other_than_0_or_1_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                       value: str) -> None:
+    monkeypatch.setenv("FXPIPE_SEND_YIELD", value)
+    with pytest.raises(OptionError, match=r"FXPIPE_SEND_YIELD must be 0 or 1") as info:
+        send_yield()
+    assert "\n" not in str(info.value)
