@@ -284,6 +284,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
+        "step_started": rt.started,  # the last step's start on this machine's monotonic clock (perf_counter)
         # Per stage and kind of action of this rank: seconds per microbatch, measured (the median over the steps
         # after the first) and as the run's simulation charges it
         "action_ms": _action_table([action_seconds(*t) for t in timed_steps], sched, simulated)

@@ -81,7 +81,7 @@ def run_cmd(
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints of an asynchronous schedule: "
                                                               "its pipeline drains at each (and a resumed run restarts "
                                                               "it there), so larger is faster.")] = 1,
-    trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace).")] = None,
+    trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace; ranks on one machine share its clock).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
     fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
@@ -205,8 +205,7 @@ def run_cmd(
                 from fxpipe.schedules.timeline import measured_result, write_chrome_trace
 
                 write_output(trace, "--trace", lambda path: write_chrome_trace(
-                    measured_result({r["rank"]: r["events"] for r in results}, f"measured {results[0]['schedule']}"),
-                    path))
+                    measured_result(_on_one_clock(results), f"measured {results[0]['schedule']}"), path))
 
         if as_json:
             print(json.dumps(doc))
@@ -299,6 +298,17 @@ def _graph_calls(results: list[dict[str, Any]]) -> dict[str, int] | None:
     if not calls:
         return None
     return {"captured": sum(c["captured"] for c in calls), "fallbacks": sum(c["fallbacks"] for c in calls)}
+
+
+def _on_one_clock(results: list[dict[str, Any]]) -> dict[int, list[Any]]:
+    """Each rank's last-step events, in seconds from the earliest rank's step start when every rank ran on one
+    machine (their ``perf_counter`` is the machine's monotonic clock, so a gap between ranks is a real wait);
+    across machines each rank's own step start, which the clocks of two machines cannot relate."""
+    if len({r.get("host") for r in results}) != 1 or any("step_started" not in r for r in results):
+        return {r["rank"]: r["events"] for r in results}
+    first = min(r["step_started"] for r in results)
+    return {r["rank"]: [(a, t0 + r["step_started"] - first, t1 + r["step_started"] - first) for a, t0, t1 in r["events"]]
+            for r in results}
 
 
 def _actions(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -55,6 +55,11 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert all(abs(got / sim - 1) <= 0.15 for got, sim in zip(measured, simulated)), (measured, simulated)
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W")) == 2 * 4 * 3
+    # Both ranks on one clock: stage 1's F of a microbatch starts after stage 0's ends, stage 0's B after stage 1's
+    # (on each rank's own step clock, a rank that starts its step later would show them the other way round)
+    at = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("tid") == 0}
+    for mb in range(4):
+        assert at[f"1F{mb}"][0] >= at[f"0F{mb}"][1] and at[f"0B{mb}"][0] >= at[f"1B{mb}"][1], (mb, at)
     # Each stage's kinds of action, per microbatch, measured (steps 2 and 3) beside what the simulation charged
     actions = {(a["stage"], a["action"]): a for a in doc["actions"]}
     assert set(actions) == {(s, k) for s in (0, 1) for k in ("F", "B", "W")}
