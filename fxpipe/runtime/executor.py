@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -182,7 +182,7 @@ class PipelineRuntime:
         if self._w_runs:
             self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
-        self.channel = Channel(self.device, timeout)
+        self.channel = Channel(self.device, timeout, action_s=_mean_action(pipe.plan.stages, self.mine))
         if prefetch is not None and prefetch < 0:
             raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
                                 "pass 0 or more, or None for all of a step's at its start")
@@ -871,3 +871,10 @@ def _hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: d
                                       f"different {k} when saved ({v} and {theirs}); use one value, or one "
                                       "optimizer group per stage as saved")
     return values
+
+
+def _mean_action(costs: Sequence[Any], stages: Iterable[int]) -> float | None:
+    """Seconds per action of ``stages`` in the plan's estimate: the mean of their F, B and W that do anything (a
+    first stage's B is empty); None where the plan has no costs for them."""
+    times = [t for s in stages if s < len(costs) for t in (costs[s].f, costs[s].b, costs[s].w) if t > 0]
+    return sum(times) / len(times) if times else None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fxpipe.errors import OptionError
 
-__all__ = ["LOOP_THREAD", "loop_nice", "loop_priorities", "lower_gloo_loops", "send_yield"]
+__all__ = ["LOOP_THREAD", "SHORT_ACTION_S", "loop_nice", "loop_priorities", "lower_gloo_loops", "send_yield"]
 
 LOOP_THREAD = "gloo_tcp_loop"
 """The name gloo's TCP transport gives the thread that runs its sockets' event loop."""
@@ -86,18 +86,30 @@ def lower_gloo_loops(nice: int | None = None) -> int:
     return done
 
 
-def send_yield() -> bool:
-    """Whether a rank yields its core once after each gloo ``isend``: ``FXPIPE_SEND_YIELD`` 1 (the default) or 0.
+SHORT_ACTION_S = 4e-3
+"""By default a rank yields after its sends when its actions average less than this many seconds: about the longest a
+send waited for its loop thread here (p75 of a busy sender's one-way time: up to 3.9 ms)."""
+
+
+def send_yield(action_s: float | None = None) -> bool:
+    """Whether a rank yields its core once after each gloo ``isend``: ``FXPIPE_SEND_YIELD`` 1 (always) or 0 (never);
+    unset, where the rank's actions average under :data:`SHORT_ACTION_S` (``action_s``: seconds per action; None,
+    unknown: yield).
 
     A send's bytes leave when the sender's gloo loop thread runs (a yield just after the ``isend`` lets them go, one
     just before it does not). With the rank computing its next action on the core, that thread (nice 19) waits for
     the rank to block or for a time slice: measured here (``benchmarks/send_yield.py``), a 64 B message from a sender
-    that computes on after posting arrived in 0.14-1.4 ms (median; p75 1.9-3.3 ms) against 66-111 us when the sender
-    is idle; with one ``os.sched_yield()`` after the ``isend``, 121-187 us (p75 135-246 us). On whole steps it pays
-    where actions are short (gpt-tiny 0.889-0.918x its step without it, mlp-tiny 0.935-1.009x) and is within the
-    machine's noise where they are long (gpt-base 0.966-1.026x, mlp-deep 0.978-1.119x)."""
+    that computes on after posting arrived in 0.13-1.4 ms (median; p75 0.17-3.3 ms) against 66-111 us when the sender
+    is idle; with one ``os.sched_yield()`` after the ``isend``, 121-187 us (p75 135-813 us). The yield can also hand
+    the core to the receiver's freshly woken thread, and the sender then waits about a millisecond (seen in a
+    trace). Where actions are short, a message's wait is a large share of the step and the yield pays (gpt-tiny
+    0.889-0.918x its step without it in four runs, mlp-tiny 0.922-1.009x); where they are long, the wait is small
+    against them and the yield did not pay (gpt-base, 18-45 ms actions: 0.966-1.026x, 1.016 the median of five
+    runs; mlp-deep, 4-8 ms: 0.978-1.119x)."""
     raw = os.environ.get("FXPIPE_SEND_YIELD", "").strip()
     if raw not in ("", "0", "1"):
-        raise OptionError(f"FXPIPE_SEND_YIELD must be 0 or 1 (got {raw!r}); 1 (the default) yields the core once after "
-                          "each send so gloo's socket thread can send it, 0 does not")
-    return raw != "0" and hasattr(os, "sched_yield")
+        raise OptionError(f"FXPIPE_SEND_YIELD must be 0 or 1 (got {raw!r}); 1 yields the core once after each send so "
+                          "gloo's socket thread can send it, 0 does not, unset yields where actions are short")
+    if raw == "0" or not hasattr(os, "sched_yield"):
+        return False
+    return raw == "1" or action_s is None or action_s < SHORT_ACTION_S
