@@ -304,7 +304,8 @@ def _on_one_clock(results: list[dict[str, Any]]) -> dict[int, list[Any]]:
     """Each rank's last-step events, in seconds from the earliest rank's step start when every rank ran on one
     machine (their ``perf_counter`` is the machine's monotonic clock, so a gap between ranks is a real wait);
     across machines each rank's own step start, which the clocks of two machines cannot relate."""
-    if len({r.get("host") for r in results}) != 1 or any("step_started" not in r for r in results):
+    # a per-layer strategy run times no events and has no step start
+    if len({r["host"] for r in results}) != 1 or any("step_started" not in r for r in results):
         return {r["rank"]: r["events"] for r in results}
     first = min(r["step_started"] for r in results)
     return {r["rank"]: [(a, t0 + r["step_started"] - first, t1 + r["step_started"] - first) for a, t0, t1 in r["events"]]

@@ -88,9 +88,7 @@ class Channel:
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
         if not self.staged:
-            self.in_flight.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
-            if self.yield_after_send:
-                os.sched_yield()
+            self._isend(tensor, dst, tag)
             return
         assert self.stream is not None
         ready = torch.cuda.Event()
@@ -109,9 +107,14 @@ class Channel:
         """Issue the staged sends whose device-to-host copies are done (in order)."""
         while self.copying and self.copying[0][0].query():
             _, host, dst, tag = self.copying.pop(0)
-            self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
-            if self.yield_after_send:
-                os.sched_yield()
+            self._isend(host, dst, tag)
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Post the ``isend`` of ``tensor`` (kept alive until it completes), then, where this rank yields after a
+        send, give up the core once so gloo's socket thread can send it while this rank computes on."""
+        self.in_flight.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+        if self.yield_after_send:
+            os.sched_yield()
 
     def issue_staged(self) -> None:
         """Issue every staged send, waiting for the device-to-host copies still running (in order)."""
