@@ -170,6 +170,24 @@ class ComputeRates:
     # 29 for an add: resnet-50's 53 batch norms and its max pool were estimated at 9 ms of its forward, and took 48.
     # Empty (before cache format 17): ``mem_bw`` for every node.
     kernels: tuple[tuple[str, float, float], ...] = ()
+    # (kernel area, output pixels per call, FLOP/s of the input gradient, FLOP/s of the weight gradient) of 3x3 and
+    # 1x1 stride-1 convolutions whose channels grow as their side shrinks (the same FLOPs per call), each gradient
+    # timed alone as B and W run it. The pixels (batch x output height x width) are what the weight gradient sums
+    # over: on one core here a 3x3's ran at 27 GFLOP/s at 2 x 7 x 7 (512 channels) against 102 at 2 x 28 x 28 (128),
+    # its forward at 89-111 throughout, and a 1x1's input gradient at 51-55 against 85-87. ``conv_grad_rates``
+    # interpolates in log pixels; from the largest point up it leaves the rate to ``conv_curve``. Empty (before cache
+    # format 19): the backward at the forward's rate.
+    conv_grad_curve: tuple[tuple[float, float, float, float], ...] = ()
+
+    def conv_grad_rates(self, area: int, pixels: float) -> tuple[float, float] | None:
+        """FLOP/s of a convolution's input and weight gradients (``conv_grad_curve``) at a kernel of ``area``
+        (1 for 1x1; any larger kernel takes the 3x3 points) and ``pixels`` output pixels per call; None where the
+        curve has no such kernel or ``pixels`` is at or above its largest point."""
+        points = sorted((m, b, w) for a, m, b, w in self.conv_grad_curve if (a == 1) == (area == 1))
+        if not points or pixels >= points[-1][0]:
+            return None
+        return (_log_interpolate(tuple((m, b) for m, b, _ in points), pixels),
+                _log_interpolate(tuple((m, w) for m, _, w in points), pixels))
 
     def sdpa_rates(self, flops: float) -> tuple[float, float]:
         """FLOP/s of an attention call of ``flops`` forward FLOPs: its forward's, and its backward's (per forward

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from collections.abc import Sequence
@@ -134,6 +135,10 @@ def annotate_costs(
                 if conv:
                     rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
                     rate_b = rate_w = rate
+                    shape = _conv_shape(node, val, out, interp.values)
+                    grad = None if shape is None else compute.conv_grad_rates(*shape)
+                    if grad is not None:  # few output pixels: the gradients run below the forward's rate
+                        rate_b, rate_w = min(rate, grad[0]), min(rate, grad[1])
                 elif "scaled_dot_product" in kind:  # attention: its own kernel, far below the GEMMs' rate here
                     rate, rate_b = compute.sdpa_rates(flops)
                 host_b, host_w = host_bw * share_b, host_bw * share_w
@@ -275,6 +280,23 @@ def _data_dependent(node: torch.fx.Node | None, exc: Exception) -> TraceError:
     return TraceError(f"{what}{where} reads a tensor's value as a Python number ({op}), so the stages' shapes and "
                       "costs would depend on the data; keep it a tensor (e.g. y * y.sum() instead of "
                       "y * y.sum().item()), or move the conversion out of forward")
+
+
+def _conv_shape(node: torch.fx.Node, out: Any, root: torch.fx.GraphModule,
+                values: dict[torch.fx.Node, Any]) -> tuple[int, float] | None:
+    """A convolution's kernel area and its output pixels per call (batch x spatial: what its weight gradient sums
+    over), or None where its weight or output is not a tensor of a known shape."""
+    if node.op == "call_module":
+        weight = getattr(get_path(root, str(node.target)), "weight", None)
+    else:
+        arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        if not isinstance(arg, torch.fx.Node):
+            return None
+        weight = get_path(root, str(arg.target)) if arg.op == "get_attr" else values.get(arg)
+    if not isinstance(weight, torch.Tensor) or not isinstance(out, torch.Tensor) or weight.dim() < 3 or out.dim() < 3:
+        return None
+    area = math.prod(int(s) for s in weight.shape[2:])
+    return area, float(out.numel() // max(1, int(out.shape[1])))
 
 
 def _gemm_smallest(node: torch.fx.Node, kind: str, out: Any, values: dict[torch.fx.Node, Any]) -> int | None:

@@ -77,11 +77,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.errors import OptionError
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 18  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 19  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -92,6 +93,10 @@ CACHE_PROBE = (1, 2, 4, 8, 12, 16, 24, 32)  # pools of distinct 4 MiB weights (4
 CACHE_KNEE = 1.5  # a cache the probe's pools outgrow slows their rate by at least this much
 # 3x3 convolutions (batch, channels in = out, side) for the rate by FLOPs per call: 29 MFLOP to 0.9 GFLOP
 CONV_SIZES = ((2, 16, 56), (2, 64, 56), (1, 128, 56))
+# Convolutions for ComputeRates.conv_grad_curve (kernel side, batch, channels in = out, side): stride 1, same padding,
+# the channels doubling as the side halves (the FLOPs per call constant: 462 MFLOP at 3x3, 51-206 at 1x1), as
+# resnet's and vgg's deeper layers do; their input and weight gradients each timed alone
+CONV_GRAD_SHAPES = ((3, 2, 128, 28), (3, 2, 256, 14), (3, 2, 512, 7), (1, 2, 128, 28), (1, 2, 256, 14), (1, 2, 512, 7))
 # Causal attention (batch, heads, tokens, head dim): gpt-base's (34 MFLOP per call forward) and one 4x its FLOPs
 SDPA_SHAPES = ((2, 4, 128, 64), (2, 4, 256, 64))
 # The kernels timed for ComputeRates.kernels (name as annotate_costs looks it up, input shape): the zoo's nodes that
@@ -269,6 +274,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
     Each time is the fastest of ``runs`` after one warm-up; about 2-4 s on one core.
     """
     start = time.perf_counter()
+    keep_freed_memory()  # as the runtime runs, which then times what this measured (fxpipe.host_memory)
     with _threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         rounds = [_noisy_round(runs, stream_bytes)]  # then one between the GEMM curves and one after them
@@ -306,6 +312,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         sdpa = [p for p in (_sdpa_point(shape, runs) for shape in SDPA_SHAPES) if p is not None]
         kernels = tuple(_kernel_point(name, shape, runs) for name, shape in KERNELS)
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
+        conv_grad = tuple(_conv_grad_point(*shape, runs) for shape in CONV_GRAD_SHAPES)
         op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd,
@@ -315,7 +322,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                         gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
                         gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve,
                         sdpa_curve=tuple((f, r) for f, r, _ in sdpa), sdpa_b_curve=tuple((f, r) for f, _, r in sdpa),
-                        kernels=kernels)
+                        kernels=kernels, conv_grad_curve=conv_grad)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -500,6 +507,23 @@ def _conv_seconds(batch: int, channels: int, side: int, runs: int) -> tuple[int,
         fwd = fastest(lambda: _conv(x, w), runs)
         bwd = fastest(lambda: _conv_backward(grad, x, w), runs)
     return flops, fwd, bwd
+
+
+def _conv_grad_point(k: int, batch: int, channels: int, side: int, runs: int) -> tuple[float, float, float, float]:
+    """(kernel area, output pixels, FLOP/s of the input gradient, of the weight gradient) of a k x k, stride-1,
+    same-padding convolution: each gradient alone (``output_mask``), as fxpipe's B and W graphs call it."""
+    x, w = torch.randn(batch, channels, side, side), torch.randn(channels, channels, k, k)
+    grad = torch.randn(batch, channels, side, side)
+    flops = 2 * batch * channels * channels * side * side * k * k
+    pad = [k // 2] * 2
+
+    def backward(mask: list[bool]) -> Callable[[], Any]:
+        return lambda: torch.ops.aten.convolution_backward.default(grad, x, w, None, [1, 1], pad, [1, 1], False,
+                                                                   [0, 0], 1, mask)
+
+    with torch.no_grad():
+        b, wg = (fastest(backward(mask), runs) for mask in ([True, False, False], [False, True, False]))
+    return float(k * k), float(batch * side * side), flops / b, flops / wg
 
 
 def _conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -707,13 +731,18 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
         curves[k] = tuple((float(a), float(b)) for a, b in points)
         if any(a >= b for (a, _), (b, _) in zip(curves[k], curves[k][1:])):
             return None
+    grad_points = entry["conv_grad_curve"]
+    if not isinstance(grad_points, list) or not all(
+            isinstance(p, list) and len(p) == 4 and all(_finite(v) and v > 0 for v in p) for p in grad_points):
+        return None
     kernels = entry["kernels"]
     if not isinstance(kernels, list) or not all(
             isinstance(k, list) and len(k) == 3 and isinstance(k[0], str) and all(_finite(v) and v > 0 for v in k[1:])
             for k in kernels):
         return None
     return ComputeRates(**{**entry, **{k: float(entry[k]) for k in floats}, **curves,
-                           "kernels": tuple((str(n), float(f), float(b)) for n, f, b in kernels)})
+                           "kernels": tuple((str(n), float(f), float(b)) for n, f, b in kernels),
+                           "conv_grad_curve": tuple(tuple(float(v) for v in p) for p in grad_points)})
 
 
 def _finite(value: Any) -> bool:

@@ -12,6 +12,7 @@ import torch.fx
 
 from fxpipe.errors import OptionError
 from fxpipe.graphs.fx import clone, compute_nodes, preserved_buffers
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_stages import run_stages, split_by_layer
@@ -44,6 +45,7 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
         raise OptionError("--profile runs the layers on real tensors, but the model is on the meta device; "
                           "drop --profile or build the model on cpu")
     out = clone(gm)
+    keep_freed_memory()  # as the runtime that runs these layers does (fxpipe.host_memory)
     with preserved_buffers(gm):
         layers = [(layer, args) for _, layer, _, args, _ in run_stages(split_by_layer(gm), example_inputs)]
         samples: list[list[tuple[float, float]]] = [[] for _ in layers]

@@ -13,6 +13,7 @@ import torch.fx
 from fxpipe.graphs.accumulate import accumulating_weight_graph
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.graphs.fx import preserved_buffers
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.passes.split_stages import run_stages
 
 Timing = tuple[float, float, float]  # F, B, W seconds
@@ -43,6 +44,7 @@ def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int,
                   before: Callable[[], object] | None = None) -> list[Timing]:
     """Seconds of F, B and W of each of ``runs`` runs after one warm-up run (as :func:`time_graphs` times them);
     ``before`` is called before each of those runs (the calibration's cold runs evict the cache there)."""
+    keep_freed_memory()  # as the runtime that runs these graphs does (fxpipe.host_memory)
     w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]  # type: ignore[arg-type]
     accs: list[torch.Tensor] | None = None
     samples: list[Timing] = []

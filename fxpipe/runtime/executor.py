@@ -34,6 +34,7 @@ from fxpipe._compat import pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
@@ -192,6 +193,8 @@ class PipelineRuntime:
         # gloo's socket threads at the lowest priority, so they cannot preempt this rank's thread while it holds
         # a pair's lock (fxpipe.runtime.threads); after every group above is made, each with its own thread.
         self.gloo_loops = lower_gloo_loops()
+        # A step's large temporaries reused from the heap, not faulted in again each call (fxpipe.host_memory)
+        self.keeps_freed_memory = keep_freed_memory()
         self.events: list[tuple[Action, float, float]] = []
         self.optimizer_steps: list[tuple[float, float]] = []
         self.started = 0.0

@@ -80,6 +80,10 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     # the slow kernels, each forward and backward, in bytes per second
     assert [name for name, _, _ in rates.kernels] == [name for name, _ in cc.KERNELS]
     assert all(1e6 < r < 1e13 for _, f, b in rates.kernels for r in (f, b))
+    # the convolutions' gradients by kernel and output pixels, each at a rate
+    assert [(a, m) for a, m, _, _ in rates.conv_grad_curve] == [(float(k * k), float(n * s * s))
+                                                              for k, n, _, s in cc.CONV_GRAD_SHAPES]
+    assert all(1e8 < r < 1e14 for _, _, b, w in rates.conv_grad_curve for r in (b, w))
 
 
 def test_attention_is_costed_at_its_own_rates() -> None:
@@ -106,6 +110,47 @@ def test_attention_is_costed_at_its_own_rates() -> None:
     assert f == pytest.approx(flops / fwd) and b == pytest.approx(flops / bwd)
     f_old, b_old, _ = attention(dataclasses.replace(rates, sdpa_curve=(), sdpa_b_curve=()))
     assert f_old == pytest.approx(flops / RATES.gemm_flops) and b_old == pytest.approx(f_old)
+
+
+def test_convolution_gradients_are_costed_by_their_output_pixels() -> None:
+    """A convolution over few output pixels runs its gradients below its forward's rate (on one core here a 3x3's
+    weight gradient at 2 x 7 x 7 pixels, 512 channels, at 27-52 GFLOP/s against 100 at 2 x 28 x 28): annotate_costs
+    charges B and W at the curve's rates for the node's kernel and pixels where they are lower than the forward's,
+    the forward's from the curve's largest point up, and everywhere without a curve (before cache format 19)."""
+    curve = ((9.0, 100.0, 4e10, 1e10), (9.0, 1000.0, 8e10, 6e10), (1.0, 100.0, 2e10, 9e10))
+    rates = dataclasses.replace(RATES, mem_bw=1e30, conv_fwd=0.0, conv_bwd=0.0, conv_grad_curve=curve)  # FLOPs alone
+    assert rates.conv_grad_rates(9, 100) == (4e10, 1e10) and rates.conv_grad_rates(49, 50) == (4e10, 1e10)
+    assert rates.conv_grad_rates(9, math.sqrt(100 * 1000)) == pytest.approx((6e10, 3.5e10))  # half-way in log pixels
+    assert rates.conv_grad_rates(9, 1000) is None and rates.conv_grad_rates(1, 100) is None  # at the largest point
+    assert rates.conv_grad_rates(1, 10) == (2e10, 9e10) and RATES.conv_grad_rates(9, 10) is None
+    zoo = models.build("resnet-tiny")
+    gm = trace(zoo.model, zoo.example_inputs).gm
+
+    def convs(r: ComputeRates) -> list[tuple[float, float, float, int, float]]:
+        out = annotate_costs(gm, zoo.example_inputs, compute=r).gm
+        metas = [(n, get_meta(n)) for n in out.graph.nodes if n.op == "call_function" and "conv" in str(n.target)]
+        assert len(metas) > 4
+        weights = [out.get_parameter(str(n.args[1].target)).shape for n, _ in metas]
+        return [(m.time_bwd_input - m.host_bwd_input, m.time_bwd_weight - m.host_bwd_weight, float(m.flops_fwd),
+                 int(w[2] * w[3]), float(n.meta["val"].numel() // n.meta["val"].shape[1]))
+                for (n, m), w in zip(metas, weights)]
+
+    plain = convs(dataclasses.replace(rates, conv_grad_curve=()))
+    seen = set()
+    for (b, w, flops, area, pixels), (b0, w0, *_) in zip(convs(rates), plain):
+        rate = RATES.conv_rate(flops)
+        grad = rates.conv_grad_rates(area, pixels)
+        if w0 == 0:  # the first convolution: no gradient to its input image, W only
+            assert b == b0 == 0
+        if grad is None:
+            assert (b, w) == (b0, w0)
+            seen.add("forward's rate")
+            continue
+        seen.add(f"{area}")
+        assert b == pytest.approx(b0 * rate / min(rate, grad[0]))
+        assert w == pytest.approx(w0 * rate / min(rate, grad[1]))
+        assert w > w0  # below the forward's rate here
+    assert seen == {"forward's rate", "9", "1"}, seen
 
 
 KERNEL_RATES = (("batch_norm", 4e9, 6e9), ("max_pool2d 2x2", 1e9, 4e9), ("max_pool2d 3x3", 6e8, 4.5e9),
@@ -156,7 +201,8 @@ def test_slow_kernels_are_costed_at_their_own_rates() -> None:
 
 
 def test_the_kernel_rates_round_trip_through_the_cache_and_the_plan(cache_dir: Path) -> None:
-    with_kernels = dataclasses.replace(RATES, kernels=KERNEL_RATES, machine=cc.machine_key(1) + "|0.0 s")
+    with_kernels = dataclasses.replace(RATES, kernels=KERNEL_RATES, machine=cc.machine_key(1) + "|0.0 s",
+                                       conv_grad_curve=((9.0, 98.0, 8e10, 3e10), (1.0, 98.0, 5e10, 9e10)))
     first, cached = cc.calibrate_compute(threads=1, measure=lambda threads: with_kernels)
     again, cached = cc.calibrate_compute(threads=1, measure=lambda threads: pytest.fail("measured again"))
     assert cached and again == first == with_kernels
