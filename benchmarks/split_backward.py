@@ -32,6 +32,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 import fxpipe
 from fxpipe import models
 from fxpipe._compat import boxed
+from fxpipe.host_memory import keep_freed_memory
 
 
 def _inputs(stage: Any, env: dict[str, Any], needs_grad: set[str]) -> list[Any]:
@@ -170,7 +171,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="per-op self CPU time, fused vs B+W, per stage")
+    parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=1,
+                        help="1: freed memory kept in this process, as fxpipe's ranks run (fxpipe.host_memory), for "
+                             "all three methods alike; 0: glibc's defaults")
     args = parser.parse_args()
+    kept = bool(args.keep_freed_memory) and keep_freed_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rows = []
@@ -192,7 +197,8 @@ def main() -> None:
             with torch.no_grad():
                 env.update(zip(stage.outputs, stage.module(*_inputs(stage, env, set()))))
             needs_grad.update(stage.outputs[i] for i in graphs.grad_outputs)
-    print(json.dumps({"threads": torch.get_num_threads(), "stages": args.stages, "rows": rows}, indent=2))
+    print(json.dumps({"threads": torch.get_num_threads(), "stages": args.stages, "keep_freed_memory": kept,
+                      "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
