@@ -82,7 +82,7 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 19  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 20  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -632,7 +632,9 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     (``COLD_WINDOW``), over ``sustained`` (so that ``annotate_costs``, which scales every time by it, gives back
     that median), and never less than the fastest
     run back to back. Here the cold median per node was 1.6-1.9x the warm fastest for F and 1.2-1.4x for B+W
-    (2026-11-26; benchmarks/RESULTS.md, "Estimated costs against the machine", has what it did to the estimates).
+    (2026-11-26, when B+W ran warm straight after F; benchmarks/RESULTS.md, "Estimated costs against the machine",
+    has what it did to the estimates). Since format 20 the B too starts after an eviction: B+W per graph op read
+    15.2-19.3 us against 11-12 before, F's 18-23 as before (2026-11-27).
     """
     from fxpipe.graphs.fx import COMPUTE_OPS
     from fxpipe.graphs.split import split_stage
@@ -667,11 +669,12 @@ def graph_ops(graphs: Any) -> tuple[int, int, int]:
 
 
 def _cold_times(graphs: Any, x: torch.Tensor, evict: Callable[[], object], runs: int) -> list[tuple[float, float]]:
-    """(F, B + W) seconds of ``runs`` runs of the split graphs, each after ``evict``; timed as
+    """(F, B + W) seconds of ``runs`` runs of the split graphs, F and B each after ``evict`` (format 20; B+W ran
+    straight after F before, warm from it, where a pipeline's B, like its F, starts after a wait); timed as
     :func:`fxpipe.passes.time_graphs.time_graphs` times them (W as W_acc into gradient buffers that persist)."""
     from fxpipe.passes.time_graphs import graph_samples
 
-    return [(f, b + w) for f, b, w in graph_samples(graphs, [x], runs, before=evict)]
+    return [(f, b + w) for f, b, w in graph_samples(graphs, [x], runs, before=evict, before_backward=evict)]
 
 
 def _autograd_node_times(gm: torch.fx.GraphModule, x: torch.Tensor, nodes: int, runs: int) -> tuple[float, float]:

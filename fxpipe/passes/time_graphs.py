@@ -40,10 +40,11 @@ def time_graphs(g: StageGraphs, args: Sequence[Any], runs: int) -> Timing:
     return tuple(statistics.median(s[j] for s in samples) for j in range(3))  # type: ignore[return-value]
 
 
-def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int,
-                  before: Callable[[], object] | None = None) -> list[Timing]:
+def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int, before: Callable[[], object] | None = None,
+                  before_backward: Callable[[], object] | None = None) -> list[Timing]:
     """Seconds of F, B and W of each of ``runs`` runs after one warm-up run (as :func:`time_graphs` times them);
-    ``before`` is called before each of those runs (the calibration's cold runs evict the cache there)."""
+    ``before`` is called before each of those runs' F, ``before_backward`` before its B (the calibration's cold runs
+    evict the cache at both: in a pipeline each action, F or B, starts after a wait for its message)."""
     keep_freed_memory()  # as the runtime that runs these graphs does (fxpipe.host_memory)
     w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]  # type: ignore[arg-type]
     accs: list[torch.Tensor] | None = None
@@ -56,6 +57,8 @@ def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int,
             outputs, saved = g.run_forward(args)
             t1 = time.perf_counter()
             grads = [torch.ones_like(outputs[i]) for i in g.grad_outputs]
+            if k and before_backward is not None:
+                before_backward()
             t2 = time.perf_counter()
             handover = g.run_backward_input(saved, grads)[1]
             t3 = time.perf_counter()

@@ -247,7 +247,7 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     real_cold = cc._cold_times
     monkeypatch.setattr(cc, "_cold_times", cold)
     f, bw, op_f, op_bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
-    assert len(evictions) == 6  # 2 x runs cold runs, each after evicting
+    assert len(evictions) == 12  # 2 x runs cold runs, the F and the B of each after evicting
     nodes = round(0.15 / f)  # per node: (median / sustained) / nodes, the same node count for F and B+W
     assert nodes > 10 and f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
     # per graph op: the same times over the ATen ops of _Mix's F graph, and of its B and W graphs together
@@ -267,6 +267,20 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     monkeypatch.setattr(cc, "_cold_times", lambda *a: burst + quiet)
     f, bw, _, _ = cc._node_times(5, evict=lambda: None, sustained=2.0)
     assert f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
+
+
+def test_cold_runs_evict_before_the_backward_as_before_the_forward() -> None:
+    """In a pipeline each action, F or B, starts after a wait for its message; the calibration's cold runs evict
+    the cache before each run's F and again before its B (format 20), none before the warm-up run."""
+    from fxpipe.graphs.split import split_stage
+    from fxpipe.passes.time_graphs import graph_samples
+
+    x = torch.randn(2, 2, 4, 4)
+    graphs = split_stage(trace(cc._Mix(), (x,)).gm, [x.clone().requires_grad_(True)])
+    events: list[str] = []
+    samples = graph_samples(graphs, [x], 3, before=lambda: events.append("F"),
+                            before_backward=lambda: events.append("B"))
+    assert events == ["F", "B"] * 3 and len(samples) == 3 and all(t > 0 for s in samples for t in s)
 
 
 def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pytest.MonkeyPatch) -> None:
