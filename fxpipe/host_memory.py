@@ -19,12 +19,11 @@ glibc's defaults. Linux with glibc only; elsewhere nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 from fxpipe.errors import OptionError
 
-__all__ = ["ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "kept"]
+__all__ = ["ENV", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
 
 ENV = "FXPIPE_KEEP_FREED_MEMORY"
 MMAP_THRESHOLD = 256 << 20  # blocks below this come from the heap, not a fresh mapping
@@ -46,22 +45,14 @@ def keep_freed_memory() -> bool:
     Returns whether they are raised: False with ``FXPIPE_KEEP_FREED_MEMORY=0``, or without glibc."""
     global _kept
     if _kept is None:
-        _kept = _enabled() and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD,
-                                                                                         TRIM_THRESHOLD)
+        _kept = _enabled() and _raise_thresholds()
     return _kept
 
 
-def kept() -> bool:
-    """Whether this process's thresholds were raised by :func:`keep_freed_memory`."""
-    return bool(_kept)
-
-
-def _mallopt(param: int, value: int) -> bool:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _raise_thresholds() -> bool:
+    try:  # the process's own symbols, the C library's among them (no ldconfig run, as ctypes.util.find_library does)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # a C library without mallopt (musl, macOS)
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
-    except (OSError, AttributeError):  # no libc by that name, or one without mallopt (musl, macOS)
-        return False
+    return all(mallopt(ctypes.c_int(param), ctypes.c_int(value))
+               for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
