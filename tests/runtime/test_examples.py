@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,22 +33,29 @@ def _example_module():  # type: ignore[no-untyped-def]
     return module
 
 
+# Two of three clean-clone CI runs on 2026-11-23 saw one rank of this example abort in gloo/c10d's C++ at its end
+# ("terminate called without an active exception", SIGABRT), after its last step; d1d64a2 frees the runtime before
+# the process group, and it has not been seen since (22 runs in a row here on 2026-11-27, 10 of them beside two busy
+# loops on the 2 cores). The test is strict again: the one thing it lets pass is that abort at teardown, and only once
+# rank 0 has printed the run's last line, so every loss (and the checkpoint the resumed run reads) is still checked.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(nproc: int, *args: str | Path) -> list[float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(EXAMPLE), *map(str, args)], env=env, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(rf"on {nproc} ranks: pp 2 x dp {nproc // 2}, global batch 64 rows", proc.stdout), proc.stdout
+    finished = re.search(rf"on {nproc} ranks: pp 2 x dp {nproc // 2}, global batch 64 rows", proc.stdout)
+    if proc.returncode != 0 and finished and TEARDOWN_ABORT in proc.stderr:
+        warnings.warn(f"a rank aborted in gloo/c10d at its end, after training ({TEARDOWN_ABORT!r})", stacklevel=2)
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert finished, proc.stdout
     return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, re.M)]
 
 
-# Two of three clean-clone CI runs on 2026-11-23 saw one rank of this example abort in gloo/c10d's C++
-# ("terminate called without an active exception", SIGABRT) on a 4- or 2-rank torchrun; it passed every
-# run alone. Until its trigger is found (see the issue 13 note) a failure here is reported, not fatal:
-# the same engine paths are checked, strictly, by tests/runtime/test_replicas.py and tests/cli/test_run_dp.py.
-@pytest.mark.xfail(strict=False, reason="intermittent SIGABRT in gloo/c10d at a rank's end, under investigation")
 def test_the_example_trains_2x2_like_one_process_and_resumes_onto_dp_1(tmp_path: Path) -> None:
     zoo = models.build("mlp-small")
     plan = fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2), tmp_path / "plan")
