@@ -242,7 +242,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.schedules.versions import held_peaks_with_versions
 
     # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
-    simulated = calibrate().apply(costs) if world > 1 else costs
+    cal = calibrate() if world > 1 else None
+    simulated = cal.apply(costs) if cal is not None else costs
     cores = os.cpu_count() or 1
     if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
@@ -281,6 +282,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
+        # the link and contention measured on the ranks after the steps, which the simulation above charged
+        "calibration": None if cal is None else {**cal.to_json(), "summary": cal.summary()},
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],

@@ -188,6 +188,7 @@ def run_cmd(
             "losses": results[0]["losses"], "step_ms": step_ms,
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
+            "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
@@ -235,6 +236,8 @@ def run_cmd(
                            + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
                               "compile with --profile-threads 1 to match)"
                               if (results[0].get("profile_threads") or 1) != 1 else ""),)
+                          + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
+                             if doc["calibration"] else ())
                           + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
                                                                                key=lambda kv: int(kv[0]))))
         per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),

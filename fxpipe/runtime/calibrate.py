@@ -12,15 +12,21 @@ ranks); it takes well under two seconds and returns the same :class:`Calibration
   slower each rank computes when every rank computes, as in a pipeline's steady state, than
   when profiled by itself (``fxpipe.compile(..., profile=True)`` profiles one process). The loop
   mixes the two kinds of work a training step does: cache-resident matmuls (which slow down
-  when ranks share a core's execution units, e.g. hyperthreads) and an ``add_`` over tensors
-  larger than the caches, like gradient accumulation (which slows down when ranks share memory
-  bandwidth).
+  when ranks share a core's execution units, e.g. hyperthreads) and an ``add_`` over 8 MiB
+  tensors, like gradient accumulation (past a core's own caches, though the last-level cache here
+  holds them). ``memory_contention`` is the same ratio for an ``add_`` alone over tensors well past the
+  last-level cache (``MEMORY_BYTES``): what a stage whose weights do not fit the cache pays on the part of
+  its time spent reading them from memory (``Costs.dram_f``/``dram_b``/``dram_w``), when the other ranks
+  read theirs at the same time. On this 2-core machine the mixed loop measured 1.01-1.08x and that add
+  1.29-1.60x, and mlp-deep's BW (32 MiB of weights a stage) took 13.5-14.1 ms with both ranks at it against
+  9.4-10.1 alone (2026-11-27).
 
 Every time is the fastest of several runs: interference from other jobs on the machine only ever
 adds time, so the minimum is the measurement least disturbed by it.
 
 ``Calibration.apply(costs)`` gives the simulator's ``Costs`` with the link measured and the F, B
-and W times scaled by ``contention``; bytes and memory are unchanged.
+and W times scaled by ``contention``, and their reads from memory (``Costs.dram_*``) by
+``memory_contention`` where that is the larger; bytes and memory are unchanged.
 
     cal = calibrate()                                   # on every rank
     simulate(schedule, cal.apply(pipe.schedule_costs()))
@@ -52,6 +58,7 @@ from fxpipe.schedules.simulate import Costs
 from fxpipe.timing import least_disturbed, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
+MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: twice this machine's 32 MiB last-level cache
 ALLREDUCE_SIZES = (4, 65536, 1048576, 4194304, 16777216, 26214400)  # bytes: 4 B .. 25 MiB, the largest bucket
 
 
@@ -67,16 +74,25 @@ class Calibration:
     alone: float = 0.0  # seconds of the contention loop on one rank alone (median over ranks)
     together: float = 0.0  # the same with every rank computing at once
     seconds: float = 0.0  # how long calibrate() took
+    # An add_ over tensors past the last-level cache with every rank running it / alone (median over ranks): the
+    # slowdown of reading from memory while the other ranks do. 1.0: calibrations from before (no such charge).
+    memory_contention: float = 1.0
 
     def transfer(self, nbytes: float) -> float:
         """The fitted seconds to send ``nbytes`` (0 for nothing, as the simulator counts it)."""
         return transfer_time(nbytes, bandwidth=self.bandwidth, latency=self.latency)
 
     def apply(self, costs: Costs) -> Costs:
-        """``costs`` for this machine: link latency and bandwidth set, F, B and W times times ``contention``."""
-        k = self.contention
-        return dataclasses.replace(costs, f=tuple(t * k for t in costs.f), b=tuple(t * k for t in costs.b),
-                                   w=tuple(t * k for t in costs.w), latency=self.latency, bandwidth=self.bandwidth)
+        """``costs`` for this machine: link latency and bandwidth set, F, B and W times times ``contention``, and
+        the part of each spent reading from memory (``Costs.dram_*``) that much more where ``memory_contention`` is
+        the larger: ``t * contention + dram * (memory_contention - contention)``."""
+        k, extra = self.contention, max(0.0, self.memory_contention - self.contention)
+
+        def scaled(times: tuple[float, ...], dram: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(t * k + (dram[s] * extra if dram else 0.0) for s, t in enumerate(times))
+
+        return dataclasses.replace(costs, f=scaled(costs.f, costs.dram_f), b=scaled(costs.b, costs.dram_b),
+                                   w=scaled(costs.w, costs.dram_w), latency=self.latency, bandwidth=self.bandwidth)
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -89,7 +105,8 @@ class Calibration:
 
     def summary(self) -> str:
         return (f"link {self.latency * 1e6:.1f} us + {self.bandwidth / 1e9:.3g} GB/s; "
-                f"compute {self.contention:.3f}x slower with every rank busy ({self.seconds:.2f} s to measure)")
+                f"compute {self.contention:.3f}x slower with every rank busy, reads from memory "
+                f"{self.memory_contention:.3f}x ({self.seconds:.2f} s to measure)")
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -118,13 +135,14 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 
 def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips: int = 20,
               matmul: int = 256, matmul_reps: int = 20, stream_bytes: int = 8 << 20, stream_reps: int = 4,
-              rounds: int = 5) -> Calibration:
+              rounds: int = 5, memory_bytes: int = MEMORY_BYTES) -> Calibration:
     """Measure the link (ranks 0 and 1) and compute contention (every rank); collective: call on every rank.
 
     ``trips`` timed round trips per size (half as many above 1 MiB). The contention loop is
     ``matmul_reps`` products of two ``matmul`` x ``matmul`` float32 matrices and ``stream_reps``
     in-place adds of two ``stream_bytes`` tensors, timed ``rounds`` times alone on each rank and
-    ``rounds`` times on all ranks at once. About 0.2 s on an idle two-core machine.
+    ``rounds`` times on all ranks at once; then the memory loop, two in-place adds of two ``memory_bytes``
+    tensors, the same way. About 0.4 s on an idle two-core machine.
     """
     if not dist.is_initialized():
         raise OptionError("calibrate() needs torch.distributed initialised (torchrun, or init_process_group)")
@@ -135,20 +153,23 @@ def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips:
     start = time.perf_counter()
     one_way = _ping_pong(rank, list(sizes), group, trips)
     alone, together = _contention(rank, world, group, matmul, matmul_reps, stream_bytes, stream_reps, rounds)
-    # Rank 0 measured the link and every rank its own slowdown: share them.
-    out = torch.zeros(len(sizes) + 2 * world, dtype=torch.float64)
+    mem_alone, mem_together = _contention(rank, world, group, 0, 0, memory_bytes, 2, rounds)
+    # Rank 0 measured the link and every rank its own slowdowns: share them.
+    n = len(sizes)
+    out = torch.zeros(n + 4 * world, dtype=torch.float64)
     if rank == 0:
-        out[: len(sizes)] = torch.tensor(one_way, dtype=torch.float64)
-    out[len(sizes) + rank] = alone
-    out[len(sizes) + world + rank] = together
+        out[:n] = torch.tensor(one_way, dtype=torch.float64)
+    for k, value in enumerate((alone, together, mem_alone, mem_together)):
+        out[n + k * world + rank] = value
     dist.all_reduce(out, group=group)
-    one_way = [float(t) for t in out[: len(sizes)]]
-    alones = [float(t) for t in out[len(sizes): len(sizes) + world]]
-    togethers = [float(t) for t in out[len(sizes) + world:]]
+    one_way = [float(t) for t in out[:n]]
+    alones, togethers, mem_alones, mem_togethers = ([float(t) for t in out[n + k * world: n + (k + 1) * world]]
+                                                    for k in range(4))
     latency, bandwidth = fit_link(sizes, one_way)
     contention = statistics.median(t / a for t, a in zip(togethers, alones))
+    memory = statistics.median(t / a for t, a in zip(mem_togethers, mem_alones))
     return Calibration(latency, bandwidth, contention, tuple(sizes), tuple(one_way), statistics.median(alones),
-                       statistics.median(togethers), time.perf_counter() - start)
+                       statistics.median(togethers), time.perf_counter() - start, memory)
 
 
 def _ping_pong(rank: int, sizes: list[int], group: Any, trips: int) -> list[float]:
@@ -191,7 +212,8 @@ def _global(rank: int, group: Any) -> int:
 
 def _contention(rank: int, world: int, group: Any, size: int, reps: int, stream_bytes: int, stream_reps: int,
                 rounds: int) -> tuple[float, float]:
-    """This rank's fastest seconds for the loop alone (others wait) and with every rank running it at once."""
+    """This rank's fastest seconds for the loop alone (others wait) and with every rank running it at once (size 0
+    or reps 0: no matmul in it)."""
     gen = torch.Generator().manual_seed(rank)
     a = torch.randn(size, size, generator=gen)
     b = torch.randn(size, size, generator=gen)

@@ -108,6 +108,13 @@ class Costs:
     # of its time alone: the runtime measures it (``PipelineRuntime.batched_w_ratio``), and a profiled plan records
     # it (``StageCost.w_batched``). Empty: 1, no gain assumed.
     w_batched: tuple[float, ...] = ()
+    # Per stage, the seconds of its F, B and W spent reading its weights (and, in W, its gradients) from memory rather
+    # than the caches, as its plan's calibrated rates assume them (``from_plan``: the weights' share the cache cannot
+    # hold, ``ComputeRates.cold``, at ``mem_bw``). Every rank reading memory at once slows that part more than the
+    # rest (``fxpipe.runtime.calibrate.Calibration.apply``: ``memory_contention``). Empty: none.
+    dram_f: tuple[float, ...] = ()
+    dram_b: tuple[float, ...] = ()
+    dram_w: tuple[float, ...] = ()
 
     def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
         """These costs with the runtime's fixed costs per compute action, per message (its latency, and its
@@ -146,7 +153,8 @@ class Costs:
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads, grad_tensors=tensors,
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth,
-                   w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else ())
+                   w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else (),
+                   **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan))))
         return costs.with_runtime(overheads)
 
     def with_runtime(self, overheads: Any) -> "Costs":
@@ -830,3 +838,22 @@ def dp_report(result: SimResult, schedule: Schedule, costs: Costs, *, param_byte
                      f"{schedule.num_ranks * dp} ranks time-share {costs.cores} cores (an approximation: as if "
                      "every rank always computed)")
     return Report(title="simulate: data parallel", columns=columns, rows=tuple(rows), notes=tuple(notes))
+
+
+def _weight_reads(plan: Plan) -> tuple[tuple[float, ...], ...]:
+    """Per stage, the seconds its F, B and W spend reading weights (W: reading and writing their gradients) from
+    memory, as its plan's calibrated rates (``plan.options.compute``) assume: each stage's parameter bytes times the
+    share of the weights the cache cannot hold (``ComputeRates.cold`` of every replica's parameters, which share this
+    machine's cache), at ``mem_bw``; F and B read each weight once, W reads and writes each gradient (and, in a stage
+    whose B is empty, reads the weights for the activations' gradients too, as B would). Empty for a plan without
+    calibrated rates (profiled, or a fixed device model) and for one whose weights fit the cache."""
+    compute = getattr(plan.options, "compute", None)
+    if compute is None or not plan.layers:
+        return ((), (), ())
+    per_stage = [float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in plan.stages]
+    miss = compute.cold(sum(layer.param_bytes for layer in plan.layers) * plan.mesh.dp)
+    if miss <= 0:
+        return ((), (), ())
+    seconds = [miss * nbytes / compute.mem_bw for nbytes in per_stage]
+    return (tuple(seconds), tuple(t if c.b > 0 else 0.0 for t, c in zip(seconds, plan.stages)),
+            tuple((2 if c.b > 0 else 3) * t if c.w > 0 else 0.0 for t, c in zip(seconds, plan.stages)))

@@ -47,6 +47,9 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert doc["schema"] == "fxpipe.run/v1" and doc["schedule"] == "zb-h1" and doc["microbatches"] == 4
     assert doc["losses"] == pytest.approx(_reference_losses(3), rel=1e-5)
     assert doc["step_ms_median"] > 0 and doc["samples_per_s"] > 0 and doc["simulated_step_ms"] > 0
+    cal = doc["calibration"]  # what the simulation charged: the link and both contentions, measured on the ranks
+    assert cal["latency"] >= 0 and cal["bandwidth"] > 0 and cal["contention"] > 0 and cal["memory_contention"] > 0
+    assert f"{cal['memory_contention']:.3f}x" in cal["summary"]
     assert len(doc["peak_rss_mib_per_rank"]) == 2 and all(x > 0 for x in doc["peak_rss_mib_per_rank"])
     # Memory per stage: what the ranks kept between actions is what the schedule's simulation holds (the
     # model and the runtime count the same storages; tests/runtime/test_memory_tracking.py per schedule).

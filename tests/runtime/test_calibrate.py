@@ -37,6 +37,7 @@ def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> N
     assert 0 <= cal.latency < 0.1 and math.isfinite(cal.latency)
     assert 1e6 < cal.bandwidth < 1e13  # bytes/s: somewhere between 1 MB/s and 10 TB/s on any machine
     assert 0.5 < cal.contention < 10 and cal.alone > 0 and cal.together > 0
+    assert 0.5 < cal.memory_contention < 10  # the add_ past the last-level cache, alone and on both ranks at once
     assert cal.seconds < 5  # 2 s when the machine is otherwise idle
     assert len(cal.sizes) == len(cal.one_way) and min(cal.one_way) > 0
     # The fitted line goes through the measured one-way times: within 50% at every size from 4 B to 4 MiB but
@@ -74,6 +75,23 @@ def test_calibration_scales_compute_and_sets_the_link() -> None:
     assert out.transfer(0) == cal.transfer(100.0) == pytest.approx(2e-5 + 1e-7)
     assert cal.transfer(0) == 0.0 and out.transfer(1) == 0.0  # nothing sent costs nothing, as in the simulator
     assert costs.f == (1.0, 2.0) and costs.latency == 0.0  # the input is not changed
+    # A calibration from before (no memory contention), or costs that read nothing from memory: the same scaling.
+    assert Calibration.from_json({**cal.to_json(), "memory_contention": 1.0}).apply(costs) == out
+    assert Calibration(2e-5, 1e9, 1.25, memory_contention=1.75).apply(costs) == out
+
+
+def test_reads_from_memory_pay_the_memory_contention() -> None:
+    """Each stage's seconds reading weights from memory (``Costs.dram_*``) slow down by ``memory_contention``, the
+    rest by ``contention``: t * 1.25 + dram * (1.75 - 1.25); never less than the rest's when memory contends less."""
+    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.schedules.simulate import Costs
+
+    costs = Costs((1.0, 2.0), (0.0, 4.0), (5.0, 6.0), dram_f=(0.5, 1.0), dram_b=(0.0, 1.0), dram_w=(1.5, 2.0))
+    out = Calibration(2e-5, 1e9, 1.25, memory_contention=1.75).apply(costs)
+    assert out.f == pytest.approx((1.25 + 0.25, 2.5 + 0.5))
+    assert out.b == pytest.approx((0.0, 5.0 + 0.5))
+    assert out.w == pytest.approx((6.25 + 0.75, 7.5 + 1.0))
+    assert Calibration(2e-5, 1e9, 1.25, memory_contention=1.1).apply(costs).f == (1.25, 2.5)
 
 
 def test_fit_link_recovers_a_line_and_clamps_a_negative_intercept() -> None:

@@ -238,3 +238,30 @@ def test_a_weight_tied_across_ranks_is_summed_after_the_last_of_its_ranks_then_e
     assert [r.tied_end for r in two.ranks] == [15.0, 0.0, 15.0]
     one_rank = simulate(generate("gpipe", 3, 1), dataclasses.replace(costs, tied=(((1,), 10.0),)))
     assert one_rank.makespan == plain.makespan
+
+
+def test_costs_from_a_plan_read_the_weights_the_cache_cannot_hold_from_memory() -> None:
+    """``Costs.dram_*``: each stage's parameter bytes times the share of the model's weights (and gradients) the
+    cache cannot hold (``ComputeRates.cold``), over ``mem_bw``; F and B read each weight once, W reads and writes
+    each gradient, and a stage whose B is empty (the first: its input takes no gradient) reads them for B's work in
+    W. None for a plan without calibrated rates, or whose weights fit the cache."""
+    import fxpipe
+    from fxpipe import models
+    from fxpipe.plan import ComputeRates
+
+    zoo = models.build("mlp-tiny")
+    model_bytes = sum(p.numel() * p.element_size() for p in zoo.model.parameters())
+    rates = ComputeRates(gemm_flops=2e11, conv_flops=1e11, mem_bw=2e10, op_fwd=5e-6, op_bwd=8e-6, threads=1,
+                         gemm_cold_curve=((1.0, 1e10), (256.0, 1e11)), cache_bytes=model_bytes / 2)
+    plan = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, compute=rates).plan
+    costs = Costs.from_plan(plan)
+    miss = 1 - (model_bytes / 2) / (2 * model_bytes)  # weights and gradients: 2x the model, on half its bytes
+    per_stage = [sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer]) for c in plan.stages]
+    assert sum(per_stage) == model_bytes and min(per_stage) > 0
+    assert costs.dram_f == pytest.approx([miss * b / 2e10 for b in per_stage])
+    assert plan.stages[0].b == 0 and plan.stages[1].b > 0
+    assert costs.dram_b == pytest.approx([0.0, miss * per_stage[1] / 2e10])
+    assert costs.dram_w == pytest.approx([3 * miss * per_stage[0] / 2e10, 2 * miss * per_stage[1] / 2e10])
+    fits = dataclasses.replace(rates, cache_bytes=4.0 * model_bytes)
+    assert Costs.from_plan(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, compute=fits).plan).dram_f == ()
+    assert Costs.from_plan(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2).plan).dram_w == ()
