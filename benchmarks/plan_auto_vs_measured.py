@@ -66,6 +66,7 @@ def run_case(model: str, devices: int, steps: int, timeout: float, cores: str | 
         "measured_step_ms": round(measured, 3), "step_ms": [round(float(x), 3) for x in ran["step_ms"]],  # type: ignore[union-attr]
         "ratio": round(simulated / measured, 3), "planner_ratio": round(planner / measured, 3),
         "within_goal": abs(simulated / measured - 1) <= GOAL,
+        "run_calibration": ran.get("calibration"),  # the link and contentions the run's simulation charged
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
