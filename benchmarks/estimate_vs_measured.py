@@ -91,7 +91,6 @@ def run_case(model: str, calibration: str, steps: int, timeout: float, repeat: i
         # case's miss lies, in the compute estimate or in the schedule's waits
         "actions": ran.get("actions"),
         "run_calibration": ran.get("calibration"),  # the link and contentions the run's simulation charged
-        "machine_speed": ran.get("machine_speed"),  # the machine now against the plan's calibration (fxpipe run)
         "ratio": round(simulated / measured, 3), "within_goal": abs(simulated / measured - 1) <= GOAL,  # the median run
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "compile_s": round(compile_s, 1), "run_s": round(run_s, 1),

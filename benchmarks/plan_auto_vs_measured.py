@@ -67,9 +67,6 @@ def run_case(model: str, devices: int, steps: int, timeout: float, cores: str | 
         "ratio": round(simulated / measured, 3), "planner_ratio": round(planner / measured, 3),
         "within_goal": abs(simulated / measured - 1) <= GOAL,
         "run_calibration": ran.get("calibration"),  # the link and contentions the run's simulation charged
-        # the calibration's mixed loop on the ranks now against when the plan's rates were measured, and the step
-        # simulated at that speed (fxpipe run's machine_speed)
-        "machine_speed": ran.get("machine_speed"),
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -94,25 +91,14 @@ def main() -> int:
             args.out.write_text(json.dumps(cases, indent=1))
             print(json.dumps(case), flush=True)
     lines = ["| model | devices | plan (stages x dp, schedule, m) | planner ms | run's simulated ms | measured ms | "
-             "run sim / measured | within 15% | machine now / calibrated | sim at that speed / measured | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "run sim / measured | within 15% | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in sorted(cases, key=lambda c: (str(c["model"]), int(c["devices"]))):  # type: ignore[call-overload]
         lines.append(f"| {c['model']} | {c['devices']} | {c['stages']} x {c['dp']}, {c['schedule']}, {c['microbatches']} "
                      f"| {c['planner_step_ms']:.1f} | {c['simulated_step_ms']:.1f} | {c['measured_step_ms']:.1f} | "
-                     f"{c['ratio']:.3f} | {'yes' if c['within_goal'] else 'no'} | {_speed(c)} | "
-                     f"{c['load_before']}-{c['load_after']} |")
+                     f"{c['ratio']:.3f} | {'yes' if c['within_goal'] else 'no'} | {c['load_before']}-{c['load_after']} |")
     (args.out.parent / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
-
-
-def _speed(case: dict[str, object]) -> str:
-    """The two speed columns of a case: the machine's loop time now over its plan's calibration's, and the step
-    simulated at that speed over the measured one (blank for records from before fxpipe run reported them)."""
-    speed = case.get("machine_speed")
-    if not isinstance(speed, dict):
-        return " | "
-    return f"{speed['ratio']:.3f} | {speed['simulated_step_ms_now'] / float(case['measured_step_ms']):.3f}"  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
