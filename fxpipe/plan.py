@@ -178,10 +178,6 @@ class ComputeRates:
     # interpolates in log pixels; from the largest point up it leaves the rate to ``conv_curve``. Empty (before cache
     # format 19): the backward at the forward's rate.
     conv_grad_curve: tuple[tuple[float, float, float, float], ...] = ()
-    # Seconds of ``fxpipe.timing.mixed_loop`` (matmuls and adds, the runtime calibration's contention loop) at its
-    # fastest when these rates were measured: ``fxpipe run`` times the same loop on its ranks and reports how fast the
-    # machine is against then (``Calibration.alone / loop_s``). 0: before cache format 21.
-    loop_s: float = 0.0
 
     def conv_grad_rates(self, area: int, pixels: float) -> tuple[float, float] | None:
         """FLOP/s of a convolution's input and weight gradients (``conv_grad_curve``) at a kernel of ``area``

@@ -261,12 +261,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             simulated = calibrate_allreduce().apply(simulated)
         simulated = dataclasses.replace(simulated, tied=tied)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran
-    # How fast the machine ran the calibration's loop now against when the plan's rates were measured, and the
-    # simulated step with the plan's compute scaled by it (reported beside the other, not in its place)
-    speed = machine_speed(cal, compute if calibration_enabled() else None)
-    now = None if speed is None else simulate(sched, dataclasses.replace(
-        simulated, f=tuple(t * speed for t in simulated.f), b=tuple(t * speed for t in simulated.b),
-        w=tuple(t * speed for t in simulated.w))).makespan * 1e3
     if not sched.synchronous:  # plus the copies of the weights the policy keeps for microbatches in flight
         held = held_peaks_with_versions(ran, args.weights, simulated.held_fb, simulated.held_bw, simulated.grad_bytes)
     else:
@@ -290,9 +284,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
         # the link and contention measured on the ranks after the steps, which the simulation above charged
         "calibration": None if cal is None else {**cal.to_json(), "summary": cal.summary()},
-        "machine_speed": None if speed is None else {"loop_ms_now": cal.alone * 1e3,  # type: ignore[union-attr]
-                                                     "loop_ms_calibrated": compute.loop_s * 1e3, "ratio": speed,
-                                                     "simulated_step_ms_now": now},
         "profiled": pipe.plan.provenance.profiled,
         "profile_threads": pipe.plan.provenance.profile_threads,
         "events": [[str(a), t0, t1] for a, t0, t1 in rt.events],
@@ -365,15 +356,6 @@ def rank_device(name: str) -> Any:
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def machine_speed(cal: Any, compute: Any) -> float | None:
-    """Seconds the ranks took for the calibration's loop alone now (``Calibration.alone``) over the seconds it took
-    when the plan's rates were measured (``ComputeRates.loop_s``): above 1, the machine runs slower now than the
-    plan's costs assume. None without both (one rank, an uncalibrated or older plan)."""
-    if cal is None or compute is None or getattr(compute, "loop_s", 0.0) <= 0 or cal.alone <= 0:
-        return None
-    return float(cal.alone / compute.loop_s)
 
 
 def calibrate_contention_free(costs: Any, calibrated: Any) -> Any:

@@ -189,8 +189,6 @@ def run_cmd(
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
-            # the calibration's loop now against when the plan's rates were measured, and the step simulated at it
-            "machine_speed": results[0].get("machine_speed"),
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
@@ -240,7 +238,6 @@ def run_cmd(
                               if (results[0].get("profile_threads") or 1) != 1 else ""),)
                           + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
                              if doc["calibration"] else ())
-                          + ((_speed_line(doc["machine_speed"]),) if doc["machine_speed"] else ())
                           + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
                                                                                key=lambda kv: int(kv[0]))))
         per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),
@@ -506,13 +503,3 @@ def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object) -> dic
     loss = source.evaluate(pipe, batch, fit.seq_len, max_batches=64)  # type: ignore[attr-defined]
     return {"held-out loss": round(loss.loss, 4), "bits per byte": round(loss.bits_per_byte, 4),
             "unigram loss": round(source.unigram_loss(), 4)}
-
-
-def _speed_line(speed: dict[str, float]) -> str:
-    """The run's note on the machine's speed now against when the plan's rates were measured."""
-    ratio = speed["ratio"]
-    how = "slower" if ratio > 1 else "faster"
-    return (f"the ranks ran the calibration's loop in {speed['loop_ms_now']:.2f} ms, against "
-            f"{speed['loop_ms_calibrated']:.2f} ms when the plan's rates were measured: the machine is "
-            f"{abs(ratio - 1) * 100:.0f}% {how} now; at that speed the step simulates at "
-            f"{speed['simulated_step_ms_now']:.2f} ms")

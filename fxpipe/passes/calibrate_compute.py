@@ -79,10 +79,10 @@ from torch import nn
 from fxpipe.errors import OptionError
 from fxpipe.host_memory import keep_freed_memory
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
-from fxpipe.timing import fastest, least_disturbed, mixed_loop, windows
+from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 21  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 20  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -314,7 +314,6 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
         conv_grad = tuple(_conv_grad_point(*shape, runs) for shape in CONV_GRAD_SHAPES)
         op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
-        loop_s = fastest(mixed_loop(), runs)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
@@ -323,7 +322,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                         gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
                         gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve,
                         sdpa_curve=tuple((f, r) for f, r, _ in sdpa), sdpa_b_curve=tuple((f, r) for f, _, r in sdpa),
-                        kernels=kernels, conv_grad_curve=conv_grad, loop_s=loop_s)
+                        kernels=kernels, conv_grad_curve=conv_grad)
 
 
 # -- the measurements ---------------------------------------------------------------------------------
@@ -716,7 +715,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     if set(entry) != names:
         return None
     floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes",
-              "sustained", "graph_op_fwd", "graph_op_bwd", "loop_s")
+              "sustained", "graph_op_fwd", "graph_op_bwd")
     if not all(_finite(entry[k]) and entry[k] >= 0 for k in floats):
         return None
     if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")) or entry["sustained"] < 1:

@@ -55,7 +55,7 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
-from fxpipe.timing import least_disturbed, mixed_loop, windows
+from fxpipe.timing import least_disturbed, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
 MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: twice this machine's 32 MiB last-level cache
@@ -214,7 +214,21 @@ def _contention(rank: int, world: int, group: Any, size: int, reps: int, stream_
                 rounds: int) -> tuple[float, float]:
     """This rank's fastest seconds for the loop alone (others wait) and with every rank running it at once (size 0
     or reps 0: no matmul in it)."""
-    loop = mixed_loop(seed=rank, matmul=size, matmul_reps=reps, stream_bytes=stream_bytes, stream_reps=stream_reps)
+    gen = torch.Generator().manual_seed(rank)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.randn(size, size, generator=gen)
+    out = torch.empty(size, size)
+    acc = torch.zeros(max(1, stream_bytes // 4))
+    grad = torch.full_like(acc, 1e-3)
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        for _ in range(stream_reps):
+            acc.add_(grad)
+        return time.perf_counter() - t0
+
     loop()  # warm up
     alone: list[float] = []
     together: list[float] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import shutil
 import sys
@@ -222,34 +221,3 @@ def test_ranks_on_one_machine_share_its_clock_in_the_trace() -> None:
     # two machines: no clock in common, each rank's own step start
     ranks[1]["host"] = "b"
     assert _on_one_clock(ranks) == {0: [["0F0", 0.0, 1.0]], 1: [["1F0", 0.75, 1.5]]}
-
-
-def test_run_reports_the_machine_speed_against_the_plans_calibration(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A calibrated plan records how long the calibration's loop took when its rates were measured
-    (``ComputeRates.loop_s``); the run times the same loop on its ranks and reports the ratio, and the step simulated
-    with the plan's compute scaled by it, beside the step simulated as compiled."""
-    import fxpipe
-    from fxpipe.cli.rank import machine_speed
-    from fxpipe.cli.run_cmd import _speed_line
-    from fxpipe.plan import ComputeRates
-
-    rates = ComputeRates(gemm_flops=2e11, conv_flops=1e11, mem_bw=2e10, op_fwd=5e-6, op_bwd=8e-6, threads=1,
-                         loop_s=0.004)
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", tmp_path / "fixed"))
-    pipe = fxpipe.load(tmp_path / "fixed")  # as if compiled with these rates: only the plan's record of them matters
-    pipe.plan = dataclasses.replace(pipe.plan, options=dataclasses.replace(pipe.plan.options, compute=rates))
-    plan = fxpipe.save(pipe, tmp_path / "plan")
-    monkeypatch.setenv("FXPIPE_CALIBRATION", "on")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no cached runtime costs: only the plan's rates
-    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "2", "--json")).stdout)
-    speed = doc["machine_speed"]
-    assert speed["loop_ms_calibrated"] == pytest.approx(4.0)
-    assert speed["loop_ms_now"] == pytest.approx(doc["calibration"]["alone"] * 1e3) and speed["loop_ms_now"] > 0
-    assert speed["ratio"] == pytest.approx(speed["loop_ms_now"] / 4.0)
-    # Scaling every F, B and W up (down) cannot shorten (lengthen) the simulated step.
-    assert (speed["simulated_step_ms_now"] >= doc["simulated_step_ms"]) == (speed["ratio"] >= 1)
-    line = _speed_line({**speed, "ratio": 1.25})
-    assert "25% slower now" in line and f"{speed['simulated_step_ms_now']:.2f} ms" in line
-    assert "10% faster now" in _speed_line({**speed, "ratio": 0.9})
-    assert machine_speed(None, rates) is None and machine_speed(object(), ComputeRates(1, 1, 1, 0, 0, 1)) is None

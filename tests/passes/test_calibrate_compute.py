@@ -67,7 +67,6 @@ def test_measure_compute_gives_positive_finite_rates() -> None:
     assert rates.conv_fwd >= 0 and rates.conv_bwd >= 0
     assert 1e8 < rates.gemm_flops < 1e14 and 1e7 < rates.mem_bw < 1e13
     assert 1e-8 < rates.op_fwd < 1e-2  # a node's host time: microseconds, not nothing and not seconds
-    assert 1e-4 < rates.loop_s < 1.0  # the runtime calibration's mixed loop, as fxpipe run times it again (ms here)
     assert rates.threads == 1 and rates.machine.startswith(cc.machine_key(1))
     for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve,
                   rates.gemm_t_curve, rates.gemm_t_cold_curve):
