@@ -142,7 +142,7 @@ def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips:
     ``matmul_reps`` products of two ``matmul`` x ``matmul`` float32 matrices and ``stream_reps``
     in-place adds of two ``stream_bytes`` tensors, timed ``rounds`` times alone on each rank and
     ``rounds`` times on all ranks at once; then the memory loop, two in-place adds of two ``memory_bytes``
-    tensors, the same way. About 0.4 s on an idle two-core machine.
+    tensors, the same way. About 0.5 s on two ranks of this two-core machine (0.51-0.58 s), 1.2-1.5 s on four.
     """
     if not dist.is_initialized():
         raise OptionError("calibrate() needs torch.distributed initialised (torchrun, or init_process_group)")
