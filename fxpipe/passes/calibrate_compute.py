@@ -596,16 +596,12 @@ def _stream_rate(nbytes: int, runs: int) -> float:
 
 
 class _Mix(nn.Module):
-    """One of each kind of node the zoo's graphs hold, at sizes where the arithmetic is negligible; without
-    ``convolutions``, the part after the convolution, batch norm and max pool (its input then (2, 4, 2, 2)), which
-    is what :func:`_node_times` times (format 21)."""
+    """One of each kind of node the zoo's graphs hold but the convolution, batch norm and max pool (whose host time
+    is the convolutions' own cold intercept, ``conv_fwd`` / ``conv_bwd``: format 21, see :func:`_node_times`), at
+    sizes where the arithmetic is negligible."""
 
-    def __init__(self, convolutions: bool = True) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.convolutions = convolutions
-        if convolutions:
-            self.conv = nn.Conv2d(2, 4, 3, padding=1)
-            self.bn = nn.BatchNorm2d(4)
         self.fc = nn.Linear(16, 16)
         self.ln_1 = nn.LayerNorm(8)
         self.qkv = nn.Linear(8, 24)
@@ -615,9 +611,8 @@ class _Mix(nn.Module):
         self.down = nn.Linear(32, 8)
         self.head = nn.Linear(8, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (2, 2, 4, 4); without convolutions (2, 4, 2, 2)
-        h = F.max_pool2d(F.relu(self.bn(self.conv(x))) + x.repeat(1, 2, 1, 1), 2) if self.convolutions else x
-        h = self.fc(torch.flatten(h, 1)).view(2, 2, 8)  # (batch 2, sequence 2, width 8)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (2, 4, 2, 2)
+        h = self.fc(torch.flatten(x, 1)).view(2, 2, 8)  # (batch 2, sequence 2, width 8)
         q, k, v = self.qkv(self.ln_1(h)).split(8, dim=2)
         q, k, v = (t.view(2, 2, 2, 4).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(2, 2, 8)
@@ -628,8 +623,8 @@ class _Mix(nn.Module):
 
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
                 ) -> tuple[float, float, float, float]:
-    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` without its convolution
-    part run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of its B and W graphs
+    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` (no convolution part)
+    run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of its B and W graphs
     (:func:`graph_ops`).
 
     Without the convolution part since format 21: a convolution's host time is its own intercept (``conv_fwd`` /
@@ -652,7 +647,7 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     from fxpipe.passes.time_graphs import time_graphs
     from fxpipe.passes.trace import trace
 
-    model = _Mix(convolutions=False)
+    model = _Mix()
     x = torch.randn(2, 4, 2, 2)
     gm = trace(model, (x,)).gm
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.target is not _getitem()]

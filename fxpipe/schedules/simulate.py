@@ -154,7 +154,7 @@ class Costs:
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads, grad_tensors=tensors,
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth,
                    w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else (),
-                   **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan))))
+                   **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan, grads))))
         return costs.with_runtime(overheads)
 
     def with_runtime(self, overheads: Any) -> "Costs":
@@ -840,9 +840,10 @@ def dp_report(result: SimResult, schedule: Schedule, costs: Costs, *, param_byte
     return Report(title="simulate: data parallel", columns=columns, rows=tuple(rows), notes=tuple(notes))
 
 
-def _weight_reads(plan: Plan) -> tuple[tuple[float, ...], ...]:
+def _weight_reads(plan: Plan, per_stage: Sequence[float]) -> tuple[tuple[float, ...], ...]:
     """Per stage, the seconds its F, B and W spend reading weights (W: reading and writing their gradients) from
-    memory, as its plan's calibrated rates (``plan.options.compute``) assume: each stage's parameter bytes times the
+    memory, as its plan's calibrated rates (``plan.options.compute``) assume: each stage's parameter bytes
+    (``per_stage``, ``Costs.grad_bytes``) times the
     share of the weights the cache cannot hold (``ComputeRates.cold`` of every replica's parameters, which share this
     machine's cache), at ``mem_bw``; F and B read each weight once, W reads and writes each gradient (and, in a stage
     whose B is empty, reads the weights for the activations' gradients too, as B would). Empty for a plan without
@@ -850,8 +851,7 @@ def _weight_reads(plan: Plan) -> tuple[tuple[float, ...], ...]:
     compute = getattr(plan.options, "compute", None)
     if compute is None or not plan.layers:
         return ((), (), ())
-    per_stage = [float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in plan.stages]
-    miss = compute.cold(sum(layer.param_bytes for layer in plan.layers) * plan.mesh.dp)
+    miss = compute.cold(sum(per_stage) * plan.mesh.dp)
     if miss <= 0:
         return ((), (), ())
     seconds = [miss * nbytes / compute.mem_bw for nbytes in per_stage]

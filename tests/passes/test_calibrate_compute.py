@@ -256,7 +256,7 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     from fxpipe.passes.trace import trace
 
     x = torch.randn(2, 4, 2, 2)
-    gm = trace(cc._Mix(convolutions=False), (x,)).gm
+    gm = trace(cc._Mix(), (x,)).gm
     assert not any("conv" in str(n.target) or "pool" in str(n.target) or "batch_norm" in str(n.target)
                    for n in gm.graph.nodes if n.op == "call_function")
     ops_f, ops_b, ops_w = cc.graph_ops(split_stage(gm, [x.requires_grad_(True)]))
@@ -279,7 +279,7 @@ def test_cold_runs_evict_before_the_backward_as_before_the_forward() -> None:
     from fxpipe.graphs.split import split_stage
     from fxpipe.passes.time_graphs import graph_samples
 
-    x = torch.randn(2, 2, 4, 4)
+    x = torch.randn(2, 4, 2, 2)
     graphs = split_stage(trace(cc._Mix(), (x,)).gm, [x.clone().requires_grad_(True)])
     events: list[str] = []
     samples = graph_samples(graphs, [x], 3, before=lambda: events.append("F"),
