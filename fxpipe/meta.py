@@ -36,7 +36,8 @@ class NodeMeta:
     host_bwd_input: float = 0.0
     host_bwd_weight: float = 0.0
     # annotate_costs (calibrated): what each time_* above gains when all of the node's weight (W: its gradient) is
-    # read from memory rather than none of it (non-zero on GEMMs only); the times assume the model's own share
+    # read from memory rather than none of it (GEMMs; and count_backward's host time per op, whose cached and uncached
+    # ends follow the same share); the times assume the model's own share
     # (``ComputeRates.cold``, in the graph's meta["fxpipe_cache_miss"]), and a plan whose replicas put more copies of
     # the model on one cache moves them along these slopes (partition_stages)
     cold_fwd: float = 0.0

@@ -156,6 +156,14 @@ class ComputeRates:
     # and op_bwd over the ops of those graphs. 0: plans and caches from before (per node only).
     graph_op_fwd: float = 0.0
     graph_op_bwd: float = 0.0
+    # The same per op with the cache holding the graphs' code and data: each F and B after a short wait (``IDLE_S``),
+    # as a pipeline's actions start after waiting for a message, not after other work took the cache (format 22).
+    # graph_op_fwd / graph_op_bwd above are the uncached end: every F and B after writing more than the cache holds.
+    # ``count_backward`` charges an op the cached time plus the model's cache miss (:meth:`cold`) of the difference.
+    # Inside 2-rank runs gpt-tiny's ops took 10-15 us, between the two ends here (7-8 us and 18-23; 2026-11-27).
+    # 0: plans and caches from before (the uncached time for every op).
+    graph_op_fwd_cached: float = 0.0
+    graph_op_bwd_cached: float = 0.0
     # (forward FLOPs per call, FLOP/s) of causal scaled-dot-product attention at a few shapes: its forward's rate, and
     # its backward's as forward FLOPs per second of backward (annotate costs B by the forward's FLOPs), interpolated
     # in log FLOPs, clamped at the ends. On one core here gpt-base's (2 x 4 heads x 128 tokens x 64) ran its forward
@@ -205,6 +213,16 @@ class ComputeRates:
         area = _window_area(kernel)
         pools = [(abs(_window_area(name) - area), name) for name in rates if name.startswith("max_pool2d ")]
         return rates[min(pools)[1]] if pools and area else None
+
+    def op_seconds(self, miss: float) -> tuple[float, float, float, float]:
+        """Host seconds per ATen op of an F graph and of a B or W graph for a model whose cache miss (:meth:`cold`)
+        is ``miss``: the cached time and ``miss`` of the way to the uncached one; then what the rest of the way adds
+        (F, B/W), the slope a plan with more copies of the model on one cache moves along. Plans from before format
+        22 (no cached time): the uncached time, no slope."""
+        f_hot = self.graph_op_fwd_cached or self.graph_op_fwd
+        b_hot = self.graph_op_bwd_cached or self.graph_op_bwd
+        df, db = max(0.0, self.graph_op_fwd - f_hot), max(0.0, self.graph_op_bwd - b_hot)
+        return f_hot + miss * df, b_hot + miss * db, df, db
 
     def cold(self, param_bytes: float) -> float:
         """The fraction of its GEMMs' weights a model of ``param_bytes`` of parameters reads from memory: none while

@@ -34,7 +34,9 @@ several runs (another job on the machine only ever adds time):
   ATen ops a node decomposes into), B + W's over the nodes on the gradient path the same for the
   backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating). The same
   times over the ATen ops of those F graphs, and of the B and W graphs together, are the per-op rates
-  (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs.
+  (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs: timed after
+  an eviction (uncached) and after a short wait (cached, ``graph_op_*_cached``), between which a model's cache
+  miss places its ops.
 - **Rounds.** The convolution curve, the memory bandwidth, the cache's size and the sustained speed (below) move
   most with other jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between
   the GEMM curves and after them), the fastest rate and the median cache and sustained speed of the three kept.
@@ -82,7 +84,7 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 21  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 22  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -262,7 +264,7 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
             f"{rates.op_bwd * 1e6:.1f} us per node F / B+W ({rates.graph_op_fwd * 1e6:.1f} + {rates.graph_op_bwd * 1e6:.1f} per "
-            f"graph op), typically {rates.sustained:.2f}x its fastest{runtime}; "
+            f"graph op, {rates.graph_op_fwd_cached * 1e6:.1f} + {rates.graph_op_bwd_cached * 1e6:.1f} cached), typically {rates.sustained:.2f}x its fastest{runtime}; "
             f"{'cached' if cached else 'measured now'} "
             f"({cache_path()}; {ENV}=off for the fixed model)")
 
@@ -313,9 +315,11 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         kernels = tuple(_kernel_point(name, shape, runs) for name, shape in KERNELS)
         conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
         conv_grad = tuple(_conv_grad_point(*shape, runs) for shape in CONV_GRAD_SHAPES)
-        op_fwd, op_bwd, graph_op_fwd, graph_op_bwd = _node_times(runs, evict=evict, sustained=sustained)
+        op_fwd, op_bwd, graph_op_fwd, graph_op_bwd, graph_op_fwd_cached, graph_op_bwd_cached = _node_times(
+            runs, evict=evict, sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
-                        graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd,
+                        graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd, graph_op_fwd_cached=graph_op_fwd_cached,
+                        graph_op_bwd_cached=graph_op_bwd_cached,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
                         machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
@@ -622,10 +626,17 @@ class _Mix(nn.Module):
 
 
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
-                ) -> tuple[float, float, float, float]:
+                ) -> tuple[float, float, float, float, float, float]:
     """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` (no convolution part)
     run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of its B and W graphs
-    (:func:`graph_ops`).
+    (:func:`graph_ops`); then those two per op with the cache holding the graphs (each F and B after a wait of
+    ``IDLE_S``, not an eviction; 0.0 without ``evict``: the per-op times above are then warm already).
+
+    Format 22: the per-op times with ``evict`` are the uncached end. Inside a pipeline a small model's actions start
+    after a wait for a message, with its code and data still in the cache: gpt-tiny's ops took 10-15 us inside 2-rank
+    runs (its F 0.40-0.59 ms, 39 ops), its graphs 7-8 us after a 0.5 ms sleep or a gloo message from another rank and
+    18-23 us after an eviction (2026-11-27). ``count_backward`` charges the cached time plus the model's cache miss
+    (``ComputeRates.cold``) of the difference, as the GEMM rates take it.
 
     Without the convolution part since format 21: a convolution's host time is its own intercept (``conv_fwd`` /
     ``conv_bwd``, :func:`_conv_rate`, timed cold too, less ``op_fwd`` / ``op_bwd``), and averaged into every op it
@@ -658,12 +669,23 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     times = [time_graphs(graphs, [x], 1) for _ in range(runs)]
     f = min(t[0] for t in times)
     bw = min(t[1] + t[2] for t in times)
-    if evict is not None:
-        cold = _cold_times(graphs, x, evict, 2 * runs)
-        f = max(f, least_disturbed(windows([t[0] for t in cold], COLD_WINDOW)) / sustained)
-        bw = max(bw, least_disturbed(windows([t[1] for t in cold], COLD_WINDOW)) / sustained)
     ops_f, ops_b, ops_w = graph_ops(graphs)
-    return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w)
+    if evict is None:
+        return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), 0.0, 0.0
+    idle = _cold_times(graphs, x, _idle, 2 * runs)
+    f_hot = max(f, least_disturbed(windows([t[0] for t in idle], COLD_WINDOW)) / sustained)
+    bw_hot = max(bw, least_disturbed(windows([t[1] for t in idle], COLD_WINDOW)) / sustained)
+    cold = _cold_times(graphs, x, evict, 2 * runs)
+    f = max(f_hot, least_disturbed(windows([t[0] for t in cold], COLD_WINDOW)) / sustained)
+    bw = max(bw_hot, least_disturbed(windows([t[1] for t in cold], COLD_WINDOW)) / sustained)
+    return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), f_hot / ops_f, bw_hot / (ops_b + ops_w)
+
+
+IDLE_S = 0.0005  # the wait before each cached F and B (format 22): about a message's, without other work
+
+
+def _idle() -> None:
+    time.sleep(IDLE_S)
 
 
 def graph_ops(graphs: Any) -> tuple[int, int, int]:
@@ -676,7 +698,8 @@ def graph_ops(graphs: Any) -> tuple[int, int, int]:
 
 def _cold_times(graphs: Any, x: torch.Tensor, evict: Callable[[], object], runs: int) -> list[tuple[float, float]]:
     """(F, B + W) seconds of ``runs`` runs of the split graphs, F and B each after ``evict`` (format 20; B+W ran
-    straight after F before, warm from it, where a pipeline's B, like its F, starts after a wait); timed as
+    straight after F before, warm from it, where a pipeline's B, like its F, starts after a wait; :func:`_idle` for
+    the cached times); timed as
     :func:`fxpipe.passes.time_graphs.time_graphs` times them (W as W_acc into gradient buffers that persist)."""
     from fxpipe.passes.time_graphs import graph_samples
 
@@ -721,7 +744,7 @@ def _rates_from(entry: Any, key: str) -> ComputeRates | None:
     if set(entry) != names:
         return None
     floats = ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd", "conv_fwd", "conv_bwd", "cache_bytes",
-              "sustained", "graph_op_fwd", "graph_op_bwd")
+              "sustained", "graph_op_fwd", "graph_op_bwd", "graph_op_fwd_cached", "graph_op_bwd_cached")
     if not all(_finite(entry[k]) and entry[k] >= 0 for k in floats):
         return None
     if not all(entry[k] > 0 for k in ("gemm_flops", "conv_flops", "mem_bw")) or entry["sustained"] < 1:

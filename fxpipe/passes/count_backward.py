@@ -33,7 +33,9 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     the graphs' ops (``ComputeRates.graph_op_fwd`` / ``graph_op_bwd``, from annotate_costs), the
     host part of each layer's F, B and W (NodeMeta.host_*) is its real graph's ATen ops at those
     rates instead of per node, spread evenly over the layer's nodes: a linear layer's F is two
-    ops, its B two, its W four, where per node B and W took half each. Layers with the same
+    ops, its B two, its W four, where per node B and W took half each. Per op, the cached time plus
+    the model's cache miss (``meta["fxpipe_cache_miss"]``) of the way to the uncached one
+    (``ComputeRates.op_seconds``); the rest of that way goes on the nodes' cold_* slopes. Layers with the same
     structure and shapes (the repeating blocks) are traced once.
     A layer AOTAutograd cannot split keeps its estimates; the report says so.
 
@@ -42,6 +44,8 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
     compute = gm.meta.get("fxpipe_compute")
     per_op = compute if compute is not None and compute.graph_op_fwd > 0 and compute.graph_op_bwd > 0 else None
+    if per_op is not None:  # per op: between its cached and uncached times, by the model's cache miss
+        op_f, op_bw, slope_f, slope_bw = per_op.op_seconds(gm.meta.get("fxpipe_cache_miss", 0.0))
     out = clone(gm)
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):
@@ -75,8 +79,9 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             _rescale(nodes, "flops_bwd_weight", "time_bwd_weight", graphs.flops_backward_weight, device_flops)
             if per_op is not None:
                 ops_f, ops_b, ops_w = graphs.ops
-                _add_host(nodes, per_op.sustained * ops_f * per_op.graph_op_fwd,
-                          per_op.sustained * ops_b * per_op.graph_op_bwd, per_op.sustained * ops_w * per_op.graph_op_bwd)
+                k = per_op.sustained
+                _add_host(nodes, k * ops_f * op_f, k * ops_b * op_bw, k * ops_w * op_bw,
+                          slopes=(k * ops_f * slope_f, k * ops_b * slope_bw, k * ops_w * slope_bw))
             diff = list(graphs.grad_outputs)
             rows.append((k, metas[0].layer, est_b, graphs.flops_backward_input, est_w, graphs.flops_backward_weight,
                          "counted"))
@@ -145,10 +150,16 @@ def _strip_host(nodes: list[torch.fx.Node]) -> None:
                     host_bwd_input=0.0, host_bwd_weight=0.0)
 
 
-def _add_host(nodes: list[torch.fx.Node], *seconds: float) -> None:
-    """Add a layer's host seconds of F, B and W, an equal share on each of its nodes."""
+def _add_host(nodes: list[torch.fx.Node], *seconds: float, slopes: tuple[float, float, float]) -> None:
+    """Add a layer's host seconds of F, B and W, an equal share on each of its nodes, and to their cold_* slopes
+    what those seconds gain with all of the model read from memory rather than the share the graph assumes."""
     share = [s / len(nodes) for s in seconds]
+    more = [s / len(nodes) for s in slopes]
     for n in nodes:
         meta = get_meta(n)
         update_meta(n, **{t: getattr(meta, t) + x for (t, _), x in zip(_HOST, share)},
-                    **{h: getattr(meta, h) + x for (_, h), x in zip(_HOST, share)})
+                    **{h: getattr(meta, h) + x for (_, h), x in zip(_HOST, share)},
+                    **{c: getattr(meta, c) + x for c, x in zip(_COLD, more)})
+
+
+_COLD = ("cold_fwd", "cold_bwd_input", "cold_bwd_weight")

@@ -99,14 +99,15 @@ _VIEWS = VIEW_OPS | {aten.squeeze.dim, aten.unsqueeze.default}
 
 def estimate_w_seconds(w: torch.fx.GraphModule, compute: ComputeRates, cold: float) -> float | None:
     """A W graph's seconds at this machine's calibrated rates, for the batched-W fraction: per ATen op its host time
-    (``graph_op_bwd``), a GEMM its FLOPs at the skinny-GEMM curve of its smallest dimension (the weight gradient's
-    curve where that is the contracted one), anything else its bytes at ``mem_bw``. None for a graph with an op it
-    cannot cost so (a convolution's backward)."""
+    (``ComputeRates.op_seconds`` at the cache miss ``cold``), a GEMM its FLOPs at the skinny-GEMM curve of its
+    smallest dimension (the weight gradient's curve where that is the contracted one), anything else its bytes at
+    ``mem_bw``. None for a graph with an op it cannot cost so (a convolution's backward)."""
     total = 0.0
+    per_op = compute.op_seconds(cold)[1] if compute.graph_op_bwd > 0 else compute.op_bwd
     for node in w.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        total += compute.graph_op_bwd or compute.op_bwd
+        total += per_op
         if node.target in _VIEWS:
             continue
         if node.target in _GEMMS:

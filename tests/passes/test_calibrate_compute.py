@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -238,16 +239,21 @@ def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed
 def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_below_the_warm_fastest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     evictions: list[int] = []
+    idles: list[Any] = []
 
     def cold(graphs, x, evict, runs):  # type: ignore[no-untyped-def]
+        if evict is cc._idle:  # the cached runs: each F and B after a short wait, not an eviction
+            idles.append(runs)
+            return [(0.02, 0.06), (0.1, 0.2), (0.2, 0.3)]  # median F 0.1 s, B+W 0.2 s
         real = real_cold(graphs, x, evict, runs)  # the real loop: one eviction before each run
         assert len(real) == runs and all(f > 0 and bw > 0 for f, bw in real)
         return [(0.1, 0.2), (0.3, 0.4), (0.5, 0.6)]  # then fixed times: median F 0.3 s, B+W 0.4 s
 
     real_cold = cc._cold_times
     monkeypatch.setattr(cc, "_cold_times", cold)
-    f, bw, op_f, op_bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
+    f, bw, op_f, op_bw, hot_f, hot_bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
     assert len(evictions) == 12  # 2 x runs cold runs, the F and the B of each after evicting
+    assert idles == [6]  # and as many cached runs
     nodes = round(0.15 / f)  # per node: (median / sustained) / nodes, the same node count for F and B+W
     assert nodes > 10 and f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
     # per graph op: the same times over the ATen ops of _Mix's F graph (without its convolution part, whose host
@@ -262,14 +268,23 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     ops_f, ops_b, ops_w = cc.graph_ops(split_stage(gm, [x.requires_grad_(True)]))
     assert ops_f > nodes and ops_b + ops_w > nodes  # nodes decompose into more ATen ops, views included
     assert op_f == pytest.approx(0.15 / ops_f) and op_bw == pytest.approx(0.2 / (ops_b + ops_w))
-    f_big, bw_big, _, _ = cc._node_times(3, evict=lambda: None, sustained=1e9)
+    assert hot_f == pytest.approx(0.05 / ops_f) and hot_bw == pytest.approx(0.1 / (ops_b + ops_w))  # cached, per op
+    f_big, bw_big, _, _, hot_f, hot_bw = cc._node_times(3, evict=lambda: None, sustained=1e9)
     assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
+    assert hot_f * ops_f == pytest.approx(f_big * nodes) and hot_bw * (ops_b + ops_w) == pytest.approx(bw_big * nodes)
+    # never more cached than uncached: a cached median above the cold one makes the cold time the cached one
+    monkeypatch.setattr(cc, "_cold_times", lambda g, x, evict, runs: [(0.9, 0.9)] * 3 if evict is cc._idle
+                        else [(0.3, 0.4)] * 3)
+    f, bw, op_f, _, hot_f, hot_bw = cc._node_times(3, evict=lambda: None, sustained=1.0)
+    assert op_f == pytest.approx(hot_f) and op_f * ops_f == pytest.approx(0.9)
+    # without an eviction (the warm times are the measurement): no cached times apart
+    assert cc._node_times(3)[4:] == (0.0, 0.0)
     # Read in windows of COLD_WINDOW runs, the least disturbed window's median: a burst over a whole window (F 1 s,
     # B+W 2 s) is left out, and so is a quiet window's own outlier (9 s).
     burst = [(1.0, 2.0)] * cc.COLD_WINDOW
     quiet = [(0.2, 0.3), (0.3, 0.4), (0.3, 0.4), (0.4, 0.5), (9.0, 9.0)]
     monkeypatch.setattr(cc, "_cold_times", lambda *a: burst + quiet)
-    f, bw, _, _ = cc._node_times(5, evict=lambda: None, sustained=2.0)
+    f, bw, *_ = cc._node_times(5, evict=lambda: None, sustained=2.0)
     assert f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
 
 
@@ -527,6 +542,46 @@ def test_a_layers_host_time_is_its_real_graphs_ops_at_the_calibrated_rate_per_op
     fc1 = per_node.plan.layers[2]
     arithmetic = (layers["linear_1"].w - 4 * 3.0) / 1.5  # at the machine's typical speed, like the rest
     assert fc1.name == "linear_1" and fc1.w - RATES.op_bwd / 2 == pytest.approx(arithmetic, rel=1e-6)
+
+
+def test_an_op_costs_its_cached_time_plus_the_models_cache_miss_of_the_way_to_its_uncached_one() -> None:
+    """Format 22: per op, the cached time (after a wait) and the model's cache miss (``ComputeRates.cold``) of the way
+    to the uncached time (after an eviction); the rest of the way is on the nodes' cold_* slopes, which partition_stages
+    moves plans with more replicas along. A model the cache holds pays the cached time; rates from before format 22
+    (no cached time) the uncached one."""
+    zoo = models.build("mlp-tiny")
+    params = sum(p.numel() * p.element_size() for p in zoo.model.parameters())
+    curve = ((1.0, 1e11), (256.0, 2e11))  # a cold curve, so that cold() can be non-zero
+    base = dataclasses.replace(RATES, graph_op_fwd=1.0, graph_op_bwd=2.0, graph_op_fwd_cached=0.25,
+                               graph_op_bwd_cached=0.5, gemm_cold_curve=curve, gemm_w_cold_curve=curve)
+
+    def layer_ops(rates: ComputeRates) -> tuple[dict[str, tuple[float, float, float]], Any]:
+        compiled = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates, granularity="node"),
+                               stop_after="count-backward")
+        gm = compiled.root
+        per: dict[str, list[float]] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_module"):
+                m = get_meta(node)
+                acc = per.setdefault(m.layer, [0.0] * 6)
+                for i, f in enumerate(("host_fwd", "host_bwd_input", "host_bwd_weight", "cold_fwd", "cold_bwd_input",
+                                       "cold_bwd_weight")):
+                    acc[i] += getattr(m, f)
+        return {k: tuple(v) for k, v in per.items()}, gm  # type: ignore[misc]
+
+    fits, gm = layer_ops(dataclasses.replace(base, cache_bytes=4.0 * params))
+    assert gm.meta["fxpipe_cache_miss"] == 0.0
+    assert fits["linear_1"][:3] == pytest.approx((2 * 0.25, 2 * 0.5, 4 * 0.5))  # 2 F ops, 2 B, 4 W: cached
+    assert fits["linear_1"][3:] == pytest.approx((2 * 0.75, 2 * 1.5, 4 * 1.5), rel=1e-6)  # and the slope beyond
+    spills, gm = layer_ops(dataclasses.replace(base, cache_bytes=0.5 * params))  # 2 x params: miss 0.75
+    miss = gm.meta["fxpipe_cache_miss"]
+    assert miss == pytest.approx(0.75)
+    f, b = 0.25 + miss * 0.75, 0.5 + miss * 1.5
+    assert spills["linear_1"][:3] == pytest.approx((2 * f, 2 * b, 4 * b))
+    assert spills["linear_1"][3:] == pytest.approx(fits["linear_1"][3:], rel=1e-6)  # slopes: the GEMMs' own + the ops'
+    before, gm = layer_ops(dataclasses.replace(base, graph_op_fwd_cached=0.0, graph_op_bwd_cached=0.0,
+                                               cache_bytes=4.0 * params))
+    assert before["linear_1"][:3] == pytest.approx((2 * 1.0, 2 * 2.0, 4 * 2.0))  # uncached, as before format 22
 
 
 def test_every_estimated_time_is_scaled_by_the_machines_sustained_speed() -> None:
