@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
@@ -500,16 +500,26 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
 
 
 def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
+    import os
+    import sys
+
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         measured = overheads_on_ranks(rates)
-        if rank == 0:
-            with open(out, "w") as f:
+        if rank == 0:  # whole or not at all: the parent reads it even where a rank then aborts in gloo's teardown
+            with open(out + ".part", "w") as f:
                 f.write(" ".join(repr(v) for v in measured))
+            os.replace(out + ".part", out)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Every result is written: leave without gloo's teardown, which can abort the process ("terminate called
+    # without an active exception", SIGABRT: pytorch/pytorch#179291), as it did one `fxpipe compile` here (2026-11-27)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> RuntimeOverheads:
@@ -524,8 +534,13 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> Run
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fxpipe-overheads-") as tmp:
         out = os.path.join(tmp, "result")
-        mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
-                           start_method="spawn")
+        try:
+            mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
+                               start_method="spawn")
+        except mp.ProcessExitedException as e:  # a rank died: after rank 0 wrote every result, only in teardown
+            if not os.path.exists(out):
+                raise RankFailedError(f"the runtime's calibration (two local ranks running a tiny pipeline) failed: "
+                                      f"{e}; re-run, or set FXPIPE_CALIBRATION=off for the fixed cost model") from e
         with open(out) as f:
             action, message, step, loss, send, optimizer, per_tensor, per_tensor_momentum = (
                 float(v) for v in f.read().split())

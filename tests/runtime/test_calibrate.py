@@ -61,6 +61,47 @@ def test_the_runtime_overheads_measured_on_two_gloo_ranks(tmp_path: Path) -> Non
     assert docs[0]["optimizer_tensor_momentum"] > docs[0]["optimizer_tensor"], docs[0]
 
 
+def test_measure_overheads_spawns_two_ranks_that_leave_without_gloos_teardown() -> None:
+    """The real two-process measurement: the ranks exit (os._exit after rank 0 wrote every result, skipping gloo's
+    teardown, which can abort) with status 0, and the costs come back whole."""
+    from fxpipe.plan import ComputeRates
+    from fxpipe.runtime.calibrate import measure_overheads
+
+    rates = ComputeRates(gemm_flops=1e11, conv_flops=1e11, mem_bw=3e10, op_fwd=2e-5, op_bwd=3e-5, threads=1,
+                         graph_op_fwd=2e-5, graph_op_bwd=1.5e-5, graph_op_fwd_cached=7e-6, graph_op_bwd_cached=6e-6)
+    got = measure_overheads(rates, machine="test")
+    assert got.machine.startswith("test|") and got.threads == 1
+    assert got.step > 0 and got.loss > 0 and got.send > 0 and got.optimizer > 0, got
+
+
+def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that aborts after rank 0 wrote the results (gloo's teardown: SIGABRT) loses nothing; one that dies
+    before is one line naming the failure and the way out, not a traceback."""
+    import torch.multiprocessing as mp
+
+    from fxpipe.errors import RankFailedError
+    from fxpipe.runtime.calibrate import measure_overheads
+
+    def aborts(write: bool) -> Any:
+        def start(fn: Any, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
+            assert nprocs == 2 and start_method == "spawn"
+            if write:
+                Path(args[3]).write_text(" ".join(repr(v * 1e-6) for v in range(1, 9)))
+            raise mp.ProcessExitedException("process 1 terminated with signal SIGABRT", error_index=1, error_pid=1,
+                                            exit_code=-6, signal_name="SIGABRT")
+        return start
+
+    monkeypatch.setattr(mp, "start_processes", aborts(write=True))
+    got = measure_overheads(None, machine="m")
+    assert (got.action, got.message, got.step, got.loss, got.send) == pytest.approx((1e-6, 2e-6, 3e-6, 4e-6, 5e-6))
+    assert got.optimizer_tensor_momentum == pytest.approx(8e-6)
+    monkeypatch.setattr(mp, "start_processes", aborts(write=False))
+    with pytest.raises(RankFailedError, match=r"SIGABRT; re-run, or set FXPIPE_CALIBRATION=off") as e:
+        measure_overheads(None, machine="m")
+    assert "\n" not in str(e.value)
+
+
 def test_calibration_scales_compute_and_sets_the_link() -> None:
     from fxpipe.runtime.calibrate import Calibration
     from fxpipe.schedules.simulate import Costs
