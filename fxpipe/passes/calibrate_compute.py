@@ -672,12 +672,16 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     ops_f, ops_b, ops_w = graph_ops(graphs)
     if evict is None:
         return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), 0.0, 0.0
-    idle = _cold_times(graphs, x, _idle, 2 * runs)
-    f_hot = max(f, least_disturbed(windows([t[0] for t in idle], COLD_WINDOW)) / sustained)
-    bw_hot = max(bw, least_disturbed(windows([t[1] for t in idle], COLD_WINDOW)) / sustained)
-    cold = _cold_times(graphs, x, evict, 2 * runs)
-    f = max(f_hot, least_disturbed(windows([t[0] for t in cold], COLD_WINDOW)) / sustained)
-    bw = max(bw_hot, least_disturbed(windows([t[1] for t in cold], COLD_WINDOW)) / sustained)
+
+    def typical(before: Callable[[], object], floors: tuple[float, float]) -> tuple[float, float]:
+        """(F, B + W) of 2 x runs runs each after ``before``: the least disturbed window's median over ``sustained``,
+        never below ``floors``."""
+        samples = _cold_times(graphs, x, before, 2 * runs)
+        return tuple(max(floor, least_disturbed(windows([t[j] for t in samples], COLD_WINDOW)) / sustained)
+                     for j, floor in enumerate(floors))  # type: ignore[return-value]
+
+    f_hot, bw_hot = typical(_idle, (f, bw))
+    f, bw = typical(evict, (f_hot, bw_hot))
     return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), f_hot / ops_f, bw_hot / (ops_b + ops_w)
 
 

@@ -44,8 +44,10 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     device_flops = DEFAULTS.device_flops if device_flops is None else device_flops
     compute = gm.meta.get("fxpipe_compute")
     per_op = compute if compute is not None and compute.graph_op_fwd > 0 and compute.graph_op_bwd > 0 else None
-    if per_op is not None:  # per op: between its cached and uncached times, by the model's cache miss
-        op_f, op_bw, slope_f, slope_bw = per_op.op_seconds(gm.meta.get("fxpipe_cache_miss", 0.0))
+    if per_op is not None:  # per op: between its cached and uncached times by the model's cache miss, at the
+        # machine's typical speed as every estimated time
+        op_f, op_bw, slope_f, slope_bw = (per_op.sustained * t
+                                          for t in per_op.op_seconds(gm.meta.get("fxpipe_cache_miss", 0.0)))
     out = clone(gm)
     members: dict[int, list[torch.fx.Node]] = defaultdict(list)
     for node in compute_nodes(out.graph):
@@ -79,9 +81,8 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             _rescale(nodes, "flops_bwd_weight", "time_bwd_weight", graphs.flops_backward_weight, device_flops)
             if per_op is not None:
                 ops_f, ops_b, ops_w = graphs.ops
-                k = per_op.sustained
-                _add_host(nodes, k * ops_f * op_f, k * ops_b * op_bw, k * ops_w * op_bw,
-                          slopes=(k * ops_f * slope_f, k * ops_b * slope_bw, k * ops_w * slope_bw))
+                _add_host(nodes, ops_f * op_f, ops_b * op_bw, ops_w * op_bw,
+                          slopes=(ops_f * slope_f, ops_b * slope_bw, ops_w * slope_bw))
             diff = list(graphs.grad_outputs)
             rows.append((k, metas[0].layer, est_b, graphs.flops_backward_input, est_w, graphs.flops_backward_weight,
                          "counted"))

@@ -530,8 +530,12 @@ def test_a_layers_host_time_is_its_real_graphs_ops_at_the_calibrated_rate_per_op
     a ReLU is relu + detach forward, threshold_backward for B, nothing for W. Per node, B and W had half each."""
     zoo = models.build("mlp-tiny")
     per_op = dataclasses.replace(RATES, graph_op_fwd=1.0, graph_op_bwd=2.0, sustained=1.5)  # seconds: ops dominate
-    plan = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=per_op, granularity="node")).pipeline.plan
+    compiled = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=per_op, granularity="node"))
+    plan = compiled.pipeline.plan
     layers = {layer.name: layer for layer in plan.layers}
+    # the pass's table names each layer by its index and name (the per-op charge leaves the index alone)
+    table = next(r for r in compiled.reports if r.title.startswith("count-backward"))
+    assert [row[:2] for row in table.rows] == [(k, layer.name) for k, layer in enumerate(plan.layers)]
     ops = {name: (round(layers[name].f / 1.5), round(layers[name].b / 3.0), round(layers[name].w / 3.0))
            for name in layers}
     assert ops["linear"] == (2, 0, 4)  # the first layer: its input is data, no B
