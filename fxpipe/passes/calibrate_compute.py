@@ -40,6 +40,8 @@ several runs (another job on the machine only ever adds time):
 - **Rounds.** The convolution curve, the memory bandwidth, the cache's size and the sustained speed (below) move
   most with other jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between
   the GEMM curves and after them), the fastest rate and the median cache and sustained speed of the three kept.
+  The host times (the small convolution's cold seconds, the per-node and per-op times) are read three times too,
+  between the attention, kernel and convolution-gradient points, and each one's median kept (format 23).
 - **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
   machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
   a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
@@ -84,7 +86,7 @@ from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 22  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 23  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -311,12 +313,23 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         def evict() -> None:
             sweep.fill_(1.0)
 
+        # The host times (the small convolution's cold seconds, the per-node and per-op times) are read three times
+        # between the other measurements, and each one's median kept (format 23): one calibration in the 24 of
+        # 2026-11-27 read the convolutions' cold intercepts 35-45% under the others, and its plan's estimate of
+        # resnet-tiny's step 0.6 of the measured one.
+        def host_times() -> tuple[float, ...]:
+            return (*_cold_conv_seconds(*COLD_CONV, evict, 2 * runs), *_node_times(runs, evict=evict,
+                                                                                   sustained=sustained))
+
+        readings = [host_times()]
         sdpa = [p for p in (_sdpa_point(shape, runs) for shape in SDPA_SHAPES) if p is not None]
         kernels = tuple(_kernel_point(name, shape, runs) for name, shape in KERNELS)
-        conv, conv_fwd, conv_bwd = _conv_rate(runs, evict=evict, sustained=sustained)
+        readings.append(host_times())
         conv_grad = tuple(_conv_grad_point(*shape, runs) for shape in CONV_GRAD_SHAPES)
-        op_fwd, op_bwd, graph_op_fwd, graph_op_bwd, graph_op_fwd_cached, graph_op_bwd_cached = _node_times(
-            runs, evict=evict, sustained=sustained)
+        readings.append(host_times())
+        cold_f, cold_b, op_fwd, op_bwd, graph_op_fwd, graph_op_bwd, graph_op_fwd_cached, graph_op_bwd_cached = (
+            _median_reading(readings))
+        conv, conv_fwd, conv_bwd = _conv_rate(runs, cold=(cold_f, cold_b), sustained=sustained)
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd, graph_op_fwd_cached=graph_op_fwd_cached,
                         graph_op_bwd_cached=graph_op_bwd_cached,
@@ -541,27 +554,27 @@ def _conv_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Any:
                                                        [True, True, False])
 
 
-def _conv_rate(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
+def _conv_rate(runs: int, *, cold: tuple[float, float] | None = None, sustained: float = 1.0,
                ) -> tuple[float, float, float]:
     """FLOP/s of a 3x3 convolution, and its seconds per call forward and backward at no FLOPs (the intercepts).
 
-    With ``evict``, the small convolution's seconds are those of a chain of ``CONV_CHAIN`` run after evicting the
-    cache, per convolution (of ``2 * runs`` chains, the least disturbed window's median, ``COLD_WINDOW``, over
-    ``sustained``, never below the fastest back to back), as :func:`_node_times` takes the per-node time: here a
-    small convolution ran 3.6x its warm fastest when alone after the cache was read over (2 x 8 x 16 x 16: F 59 ->
-    215 us), while the 64-channel one did not move.
+    With ``cold`` (:func:`_cold_conv_seconds` of ``COLD_CONV``: forward and backward seconds per convolution of a
+    chain run after evicting the cache), the small convolution's seconds are those over ``sustained``, never below
+    the fastest back to back, as :func:`_node_times` takes the per-node time: here a small convolution ran 3.6x its
+    warm fastest when alone after the cache was read over (2 x 8 x 16 x 16: F 59 -> 215 us), while the 64-channel
+    one did not move.
     """
     (f0, a0, b0), (f1, a1, b1) = (_conv_seconds(batch, channels, side, runs)
-                                  for batch, channels, side in ((2, 8, 16), (2, 64, 56)))
+                                  for batch, channels, side in (COLD_CONV, (2, 64, 56)))
     rate = 3 * (f1 - f0) / max(a1 + b1 - a0 - b0, 1e-9)  # F does f FLOPs, its backward 2f
-    if evict is not None:
-        cold_f, cold_b = _cold_conv_seconds(2, 8, 16, evict, 2 * runs)
-        a0, b0 = max(a0, cold_f / sustained), max(b0, cold_b / sustained)
+    if cold is not None:
+        a0, b0 = max(a0, cold[0] / sustained), max(b0, cold[1] / sustained)
     # The backward does twice the forward's FLOPs (input and weight gradients): its intercept at that rate.
     return rate, max(0.0, a0 - f0 / rate), max(0.0, b0 - 2 * f0 / rate)
 
 
 EVICT_BYTES = 128 << 20
+COLD_CONV = (2, 8, 16)  # batch, channels, side of the small convolution whose cold seconds set the intercepts
 CONV_CHAIN = 4  # small convolutions per evicted run: an action holds several, and only its first starts cold
 # Cold runs are read in windows of this many, the least disturbed window's median kept (``timing.least_disturbed``):
 # a neighbour's burst over a whole window does not move it, as it moved the median over all runs (cold per-node F
@@ -591,6 +604,12 @@ def _cold_conv_seconds(batch: int, channels: int, side: int, evict: Callable[[],
             bwd.append(time.perf_counter() - t0)
     return (least_disturbed(windows(fwd[1:], COLD_WINDOW)) / CONV_CHAIN,
             least_disturbed(windows(bwd[1:], COLD_WINDOW)) / CONV_CHAIN)
+
+
+def _median_reading(readings: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """Each field's median over ``readings`` (several readings of the same times, taken seconds apart between the
+    calibration's other measurements): one disturbed reading does not set any of them."""
+    return tuple(statistics.median(field) for field in zip(*readings))
 
 
 def _stream_rate(nbytes: int, runs: int) -> float:
