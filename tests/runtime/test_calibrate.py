@@ -186,6 +186,29 @@ def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> 
     assert ar.allreduce(ar.sizes[-1]) > 4 * ar.allreduce(ar.sizes[0])
 
 
+def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step waits for its typical all-reduce: each size's time is the median of its least disturbed window of
+    trips (as a message's, ``channel_one_way``), not its fastest trip, which was half the typical one here."""
+    import fxpipe.runtime.calibrate as rc
+
+    durations = iter([1, 1,  1, 9, 9, 9, 3, 3, 3, 3,      # 4 B: 2 warm-up trips, then windows [1 9 9 9] [3 3 3 3]
+                      1, 1,  5, 5, 5, 5, 2, 8, 8, 8])     # 1 KiB: windows [5 5 5 5] [2 8 8 8]
+    clock = [0.0]
+
+    def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        if async_op:  # the timed all-reduces; the group's MAX over ranks is not
+            clock[0] += next(durations)
+
+    monkeypatch.setattr(rc.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(rc.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(rc.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(rc.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(rc.time, "perf_counter", lambda: clock[0])
+    ar = rc.calibrate_allreduce(sizes=(4, 1024), trips=8, window=4)
+    assert ar.measured == (3.0, 5.0)  # the least disturbed window's median: not 1 and 2, the fastest trips
+    assert next(durations, None) is None
+
+
 def test_allreduce_calibration_sets_the_ring_and_fits_a_line() -> None:
     from fxpipe.errors import OptionError
     from fxpipe.runtime.calibrate import AllReduceCalibration, fit_allreduce
