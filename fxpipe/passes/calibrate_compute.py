@@ -78,15 +78,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from fxpipe.calibration_models import Mix
 from fxpipe.errors import OptionError
 from fxpipe.host_memory import keep_freed_memory
 from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 23  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 24  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
@@ -195,7 +195,7 @@ def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, in
     message, per rank's step) at ``threads`` threads, and whether they came from the cache.
 
     Measured once by ``measure(rates, threads)`` (``fxpipe compile`` passes the runtime's
-    ``fxpipe.runtime.calibrate.measure_overheads``: two local ranks run a tiny pipeline, a few seconds; the passes
+    ``fxpipe.runtime.calibrate.measure_overheads``: two local ranks run a small pipeline, a few seconds; the passes
     do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
     compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
     they estimate.
@@ -618,30 +618,10 @@ def _stream_rate(nbytes: int, runs: int) -> float:
     return 3 * a.numel() * 4 / fastest(lambda: torch.add(a, b, out=out), runs)
 
 
-class _Mix(nn.Module):
-    """One of each kind of node the zoo's graphs hold but the convolution, batch norm and max pool (whose host time
-    is the convolutions' own cold intercept, ``conv_fwd`` / ``conv_bwd``: format 21, see :func:`_node_times`), at
-    sizes where the arithmetic is negligible."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-        self.ln_1 = nn.LayerNorm(8)
-        self.qkv = nn.Linear(8, 24)
-        self.proj = nn.Linear(8, 8)
-        self.ln_2 = nn.LayerNorm(8)
-        self.up = nn.Linear(8, 32)
-        self.down = nn.Linear(32, 8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (2, 4, 2, 2)
-        h = self.fc(torch.flatten(x, 1)).view(2, 2, 8)  # (batch 2, sequence 2, width 8)
-        q, k, v = self.qkv(self.ln_1(h)).split(8, dim=2)
-        q, k, v = (t.view(2, 2, 2, 4).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(2, 2, 8)
-        h = h + F.dropout(self.proj(a), 0.1, self.training)
-        h = h + self.down(F.gelu(self.up(self.ln_2(h))))
-        return self.head(h.mean(dim=1)).log_softmax(dim=-1)
+# One of each kind of node the zoo's graphs hold but the convolution, batch norm and max pool (whose host time is the
+# convolutions' own cold intercept, ``conv_fwd`` / ``conv_bwd``: format 21, see :func:`_node_times`); the runtime's
+# calibration runs the same model as a pipeline.
+_Mix = Mix
 
 
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,

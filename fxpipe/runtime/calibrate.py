@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.calibration_models import Mix
 from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
@@ -338,19 +339,6 @@ def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = 
 # -- the runtime's fixed costs ------------------------------------------------------------------------
 
 
-class _Tiny(torch.nn.Module):
-    """Four 8-wide linear layers: a two-stage pipeline whose graphs take microseconds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
-        return x
-
-
 def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10) -> float:
     """Rank 0's one-way seconds of a small message through the runtime's :class:`Channel` (receives
     posted ahead, ``isend``, ``wait``: the path a pipeline's activations and gradients take), ranks 0 and 1;
@@ -417,14 +405,19 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     ranks 0 and 1 of a world of two; collective.
 
     The bare link (:func:`calibrate`), a message through the runtime's channel (:func:`channel_one_way`),
-    then ``steps`` steps of a :class:`PipelineRuntime` on :class:`_Tiny` compiled at 2 stages with
-    ``rates`` (so its estimated graph times are the ones a user's plan gets). Inside each action the loss
+    then ``steps`` steps of a :class:`PipelineRuntime` on :class:`fxpipe.calibration_models.Mix` (one of each kind
+    of op the zoo's graphs hold, at sizes where the arithmetic is negligible: the model the compute calibration
+    times its host work on) compiled at 2 stages with ``rates`` (so its estimated graph times are the ones a user's
+    plan gets). Before cache format 24 the pipeline was four 8-wide linear layers, whose actions, two kinds of op
+    each, read 21-29 us beyond their estimates where this model's read 68-69 us (2026-11-27): inside a pipeline,
+    after each wait for a message, an action of many kinds of op starts colder than one of two (gpt-tiny's ran
+    85-250 us over their estimates). Inside each action the loss
     and its gradient (the last stage's F) and each ``isend`` are timed where they run; an action's overhead
     is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
     step's time less the span from its first action to its last and the wait before its first. Each is
     the median over a step's actions, losses, sends (or the step), from the least disturbed step after
     the first two (:func:`least_disturbed`); the median over the two ranks (the loss: its rank's). The optimizer
-    step's costs per step and per tensor are :func:`optimizer_costs`' (not the tiny pipeline's own steps, whose
+    step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
     what the last stage's F costs beyond the median action, the loss had come out at 36 us.
@@ -436,14 +429,14 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     link = calibrate()
     one_way = channel_one_way(rank)
     torch.manual_seed(0)
-    model = _Tiny()
-    x = torch.randn(2, 8)
+    model = Mix()
+    x = torch.randn(2, 4, 2, 2)
     pipe = fxpipe.compile(model, (x,), stages=2, tracer="fx", compute=rates, device_flops=rates.gemm_flops,
                           device_mem_bw=rates.mem_bw, verify_each=False)
     rt = PipelineRuntime(pipe, loss_fn=torch.nn.functional.mse_loss, example_inputs=(x,),
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     m = rt.schedule.num_microbatches
-    inputs, target = torch.randn(2 * m, 8), torch.randn(2 * m, 8)
+    inputs, target = torch.randn(2 * m, 4, 2, 2), torch.randn(2 * m, 4)
     costs = pipe.plan.stages
     est = {"F": [c.f for c in costs], "B": [c.b for c in costs], "W": [c.w for c in costs],
            "BW": [c.b + c.w for c in costs]}
@@ -545,7 +538,7 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> Run
                                start_method="spawn")
         except mp.ProcessExitedException as e:  # a rank died: after rank 0 wrote every result, only in teardown
             if not os.path.exists(out):
-                raise RankFailedError(f"the runtime's calibration (two local ranks running a tiny pipeline) failed: "
+                raise RankFailedError(f"the runtime's calibration (two local ranks running a small pipeline) failed: "
                                       f"{e}; re-run, or set FXPIPE_CALIBRATION=off for the fixed cost model") from e
         with open(out) as f:
             action, message, step, loss, send, optimizer, per_tensor, per_tensor_momentum = (
