@@ -33,6 +33,12 @@ def least_disturbed(runs: Sequence[Sequence[float]]) -> float:
     return min(statistics.median(run) for run in runs if run)
 
 
+def typical(runs: Sequence[Sequence[float]]) -> float:
+    """The median of the runs' medians: what a run typically takes, for costs a run pays at whatever speed the
+    machine then has (where :func:`least_disturbed` keeps the quietest run's)."""
+    return statistics.median(statistics.median(run) for run in runs if run)
+
+
 def windows(times: Sequence[float], size: int) -> list[Sequence[float]]:
     """``times`` in consecutive windows of ``size`` (the last may be shorter), for :func:`least_disturbed`."""
     return [times[i:i + size] for i in range(0, len(times), size)]

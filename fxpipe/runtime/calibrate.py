@@ -56,7 +56,7 @@ from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
 from fxpipe.schedules.simulate import Costs
-from fxpipe.timing import least_disturbed, windows
+from fxpipe.timing import least_disturbed, typical, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
 MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: twice this machine's 32 MiB last-level cache
@@ -416,7 +416,8 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
     step's time less the span from its first action to its last and the wait before its first. Each is
     the median over a step's actions, losses, sends (or the step), from the least disturbed step after
-    the first two (:func:`least_disturbed`); the median over the two ranks (the loss: its rank's). The optimizer
+    the first two (:func:`least_disturbed`), but the action's and the step's from the typical step (the median
+    over the steps, :func:`typical`; format 24); the median over the two ranks (the loss: its rank's). The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
@@ -483,7 +484,10 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     assert pending is not None
     pending.wait()
     opt_step, per_tensor = optimizer_costs()
-    mine = torch.tensor([least_disturbed(actions), least_disturbed(fixed), one_way,
+    # The action's and the step's costs at the typical step, not the least disturbed one: these small host costs
+    # move more from step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the
+    # estimates (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
+    mine = torch.tensor([typical(actions), typical(fixed), one_way,
                          least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
                          per_tensor, optimizer_costs(momentum=0.9)[1]], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
