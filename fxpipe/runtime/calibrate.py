@@ -417,7 +417,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     step's time less the span from its first action to its last and the wait before its first. Each is
     the median over a step's actions, losses, sends (or the step), from the least disturbed step after
     the first two (:func:`least_disturbed`), but the action's and the step's from the typical step (the median
-    over the steps, :func:`typical`; format 24); the median over the two ranks (the loss: its rank's). The optimizer
+    over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
