@@ -5,7 +5,8 @@ Both calibrations run the same model: ``fxpipe.passes.calibrate_compute`` times 
 time per node and per ATen op, and ``fxpipe.runtime.calibrate.overheads_on_ranks`` runs it as a two-stage
 pipeline for the runtime's fixed costs per action, message and step (cache format 24; before, a stack of four
 8-wide linear layers whose actions ran two kinds of op, and read the cost per action at 21-29 us where this model
-reads 68-69 us and gpt-tiny's actions ran 85-250 us over their estimates inside a pipeline, 2026-11-27).
+reads 68-69 us, and a GPT's actions, width 16, 2-8 layers, ran 83-171 us over their estimates inside a pipeline;
+2026-11-27).
 """
 
 from __future__ import annotations

@@ -410,8 +410,8 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     times its host work on) compiled at 2 stages with ``rates`` (so its estimated graph times are the ones a user's
     plan gets). Before cache format 24 the pipeline was four 8-wide linear layers, whose actions, two kinds of op
     each, read 21-29 us beyond their estimates where this model's read 68-69 us (2026-11-27): inside a pipeline,
-    after each wait for a message, an action of many kinds of op starts colder than one of two (gpt-tiny's ran
-    85-250 us over their estimates). Inside each action the loss
+    after each wait for a message, an action of many kinds of op starts colder than one of two (a GPT's, width 16,
+    ran 83-171 us over their estimates). Inside each action the loss
     and its gradient (the last stage's F) and each ``isend`` are timed where they run; an action's overhead
     is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
     step's time less the span from its first action to its last and the wait before its first. Each is
