@@ -190,7 +190,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
     sched, m = rt.schedule, rt.schedule.num_microbatches
-    costs = dataclasses.replace(Costs.from_plan(pipe.plan, plan_overheads(pipe.plan)), dp=rt.dp)
+    overheads = plan_overheads(pipe.plan)
+    costs = dataclasses.replace(Costs.from_plan(pipe.plan, overheads), dp=rt.dp)
     # The global batch: every replica's microbatches, the same on every rank (the runtime slices it).
     batch_of = training_batches(args.data, zoo, pipe.plan, m * rt.dp, args.seed)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
@@ -282,6 +283,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "losses": losses, "step_ms": step_ms, "first_step": first,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
+        "runtime_costs_missing": runtime_costs_missing(pipe.plan, overheads),
         # the link and contention measured on the ranks after the steps, which the simulation above charged
         "calibration": None if cal is None else {**cal.to_json(), "summary": cal.summary()},
         "profiled": pipe.plan.provenance.profiled,
@@ -421,6 +423,17 @@ def fit_of(source: Any, plan: Any) -> Any:
     out = zoo.model(*zoo.example_inputs)
     out = out[0] if isinstance(out, (tuple, list)) else out
     return data.check_fit(source, zoo.example_inputs, tuple(out.shape))
+
+
+def runtime_costs_missing(plan: Any, overheads: Any) -> bool:
+    """Whether the simulation of ``plan`` left out the runtime's fixed costs although it should hold them: the plan
+    was estimated with calibrated rates and calibration is on, but this machine's cache has no runtime costs for
+    that calibration (``plan_overheads`` gave None: another machine, thread count or cache format). ``fxpipe run``
+    says so, rather than report a step simulated without them (mlp-tiny's simulated 1.42 ms against 2.6-2.9 with
+    them, when the cache format changed between its compile and its run, 2026-11-27)."""
+    from fxpipe.passes.calibrate_compute import calibration_enabled
+
+    return overheads is None and getattr(plan.options, "compute", None) is not None and calibration_enabled()
 
 
 def zoo_of(plan: Any, device: str = "cpu") -> Any:

@@ -188,6 +188,7 @@ def run_cmd(
             "losses": results[0]["losses"], "step_ms": step_ms,
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
+            "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
             "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
@@ -238,6 +239,7 @@ def run_cmd(
                               if (results[0].get("profile_threads") or 1) != 1 else ""),)
                           + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
                              if doc["calibration"] else ())
+                          + ((RUNTIME_COSTS_MISSING,) if doc["simulated_without_runtime_costs"] else ())
                           + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
                                                                                key=lambda kv: int(kv[0]))))
         per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),
@@ -263,6 +265,11 @@ def run_cmd(
         write_trace()
         if trace is not None:
             say(f"wrote {trace}")
+
+
+RUNTIME_COSTS_MISSING = ("simulated without the runtime's fixed costs per action, message and step: this machine has "
+                         "none cached for the calibration the plan was estimated with (another machine, thread count "
+                         "or fxpipe cache format); run fxpipe compile here again to simulate with them")
 
 
 def _check_device(device: str, cuda_graphs: bool | None, plan: Any, sched: Any, codegen: str) -> None:

@@ -47,6 +47,7 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert doc["schema"] == "fxpipe.run/v1" and doc["schedule"] == "zb-h1" and doc["microbatches"] == 4
     assert doc["losses"] == pytest.approx(_reference_losses(3), rel=1e-5)
     assert doc["step_ms_median"] > 0 and doc["samples_per_s"] > 0 and doc["simulated_step_ms"] > 0
+    assert doc["simulated_without_runtime_costs"] is False  # an uncalibrated plan has none to leave out
     cal = doc["calibration"]  # what the simulation charged: the link and both contentions, measured on the ranks
     assert cal["latency"] >= 0 and cal["bandwidth"] > 0 and cal["contention"] > 0 and cal["memory_contention"] > 0
     assert f"{cal['memory_contention']:.3f}x" in cal["summary"]
@@ -221,3 +222,22 @@ def test_ranks_on_one_machine_share_its_clock_in_the_trace() -> None:
     # two machines: no clock in common, each rank's own step start
     ranks[1]["host"] = "b"
     assert _on_one_clock(ranks) == {0: [["0F0", 0.0, 1.0]], 1: [["1F0", 0.75, 1.5]]}
+
+
+def test_a_calibrated_plan_simulated_without_its_runtime_costs_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan estimated with calibrated rates whose runtime costs this machine has not cached (another machine, thread
+    count or cache format: plan_overheads gives None) is simulated without them, and fxpipe run says so."""
+    from types import SimpleNamespace
+
+    from fxpipe.cli.rank import runtime_costs_missing
+    from fxpipe.cli.run_cmd import RUNTIME_COSTS_MISSING
+
+    calibrated = SimpleNamespace(options=SimpleNamespace(compute=object()))
+    fixed = SimpleNamespace(options=SimpleNamespace(compute=None))
+    monkeypatch.setenv("FXPIPE_CALIBRATION", "on")
+    assert runtime_costs_missing(calibrated, None)
+    assert not runtime_costs_missing(calibrated, object())  # found: simulated with them
+    assert not runtime_costs_missing(fixed, None)  # the fixed cost model never had them
+    monkeypatch.setenv("FXPIPE_CALIBRATION", "off")
+    assert not runtime_costs_missing(calibrated, None)  # calibration off: left out on purpose
+    assert "fxpipe compile" in RUNTIME_COSTS_MISSING and "runtime's fixed costs" in RUNTIME_COSTS_MISSING
