@@ -251,7 +251,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     compute = pipe.plan.options.compute
     if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
         simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw,
-                                             plan_overheads(pipe.plan))
+                                             overheads)
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
         simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
     if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)

@@ -618,18 +618,13 @@ def _stream_rate(nbytes: int, runs: int) -> float:
     return 3 * a.numel() * 4 / fastest(lambda: torch.add(a, b, out=out), runs)
 
 
-# One of each kind of node the zoo's graphs hold but the convolution, batch norm and max pool (whose host time is the
-# convolutions' own cold intercept, ``conv_fwd`` / ``conv_bwd``: format 21, see :func:`_node_times`); the runtime's
-# calibration runs the same model as a pipeline.
-_Mix = Mix
-
-
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
                 ) -> tuple[float, float, float, float, float, float]:
-    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`_Mix` (no convolution part)
-    run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of its B and W graphs
-    (:func:`graph_ops`); then those two per op with the cache holding the graphs (each F and B after a wait of
-    ``IDLE_S``, not an eviction; 0.0 without ``evict``: the per-op times above are then warm already).
+    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`fxpipe.calibration_models.Mix`
+    (no convolution part) run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of
+    its B and W graphs (:func:`graph_ops`); then those two per op with the cache holding the graphs (each F and B
+    after a wait of ``IDLE_S``, not an eviction; 0.0 without ``evict``: the per-op times above are then warm
+    already).
 
     Format 22: the per-op times with ``evict`` are the uncached end. Inside a pipeline a small model's actions start
     after a wait for a message, with its code and data still in the cache: gpt-tiny's ops took 10-15 us inside 2-rank
@@ -657,7 +652,7 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     from fxpipe.passes.time_graphs import time_graphs
     from fxpipe.passes.trace import trace
 
-    model = _Mix()
+    model = Mix()
     x = torch.randn(2, 4, 2, 2)
     gm = trace(model, (x,)).gm
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.target is not _getitem()]
@@ -672,15 +667,15 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     if evict is None:
         return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), 0.0, 0.0
 
-    def typical(before: Callable[[], object], floors: tuple[float, float]) -> tuple[float, float]:
+    def after(before: Callable[[], object], floors: tuple[float, float]) -> tuple[float, float]:
         """(F, B + W) of 2 x runs runs each after ``before``: the least disturbed window's median over ``sustained``,
         never below ``floors``."""
         samples = _cold_times(graphs, x, before, 2 * runs)
         return tuple(max(floor, least_disturbed(windows([t[j] for t in samples], COLD_WINDOW)) / sustained)
                      for j, floor in enumerate(floors))  # type: ignore[return-value]
 
-    f_hot, bw_hot = typical(_idle, (f, bw))
-    f, bw = typical(evict, (f_hot, bw_hot))
+    f_hot, bw_hot = after(_idle, (f, bw))
+    f, bw = after(evict, (f_hot, bw_hot))
     return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), f_hot / ops_f, bw_hot / (ops_b + ops_w)
 
 

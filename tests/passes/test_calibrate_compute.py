@@ -19,6 +19,7 @@ from fxpipe.api import run_compile
 from fxpipe.cli.main import app
 from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta
+from fxpipe.calibration_models import Mix
 from fxpipe.passes import calibrate_compute as cc
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.trace import trace
@@ -256,13 +257,13 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     assert idles == [6]  # and as many cached runs
     nodes = round(0.15 / f)  # per node: (median / sustained) / nodes, the same node count for F and B+W
     assert nodes > 10 and f == pytest.approx(0.15 / nodes) and bw == pytest.approx(0.2 / nodes)
-    # per graph op: the same times over the ATen ops of _Mix's F graph (without its convolution part, whose host
+    # per graph op: the same times over the ATen ops of Mix's F graph (without its convolution part, whose host
     # time is the convolutions' own intercept), and of its B and W graphs together
     from fxpipe.graphs.split import split_stage
     from fxpipe.passes.trace import trace
 
     x = torch.randn(2, 4, 2, 2)
-    gm = trace(cc._Mix(), (x,)).gm
+    gm = trace(Mix(), (x,)).gm
     assert not any("conv" in str(n.target) or "pool" in str(n.target) or "batch_norm" in str(n.target)
                    for n in gm.graph.nodes if n.op == "call_function")
     ops_f, ops_b, ops_w = cc.graph_ops(split_stage(gm, [x.requires_grad_(True)]))
@@ -295,7 +296,7 @@ def test_cold_runs_evict_before_the_backward_as_before_the_forward() -> None:
     from fxpipe.passes.time_graphs import graph_samples
 
     x = torch.randn(2, 4, 2, 2)
-    graphs = split_stage(trace(cc._Mix(), (x,)).gm, [x.clone().requires_grad_(True)])
+    graphs = split_stage(trace(Mix(), (x,)).gm, [x.clone().requires_grad_(True)])
     events: list[str] = []
     samples = graph_samples(graphs, [x], 3, before=lambda: events.append("F"),
                             before_backward=lambda: events.append("B"))
