@@ -85,7 +85,10 @@ class RuntimeOverheads:
 
     action: float  # seconds per compute action beyond its graphs' estimated time (median over actions)
     message: float  # seconds per message through the runtime's channel beyond the bare link's fitted latency
-    step: float  # seconds of each rank's step outside its actions and their waits (median over ranks and steps)
+    # seconds per step beyond what the other costs simulate: the calibration pipeline's measured step less its
+    # simulated one (``fxpipe.runtime.calibrate.step_residual``; before cache format 26, each rank's step outside
+    # its actions and their waits)
+    step: float
     threads: int = 1  # torch threads per rank
     machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
     # seconds the last stage's F costs beyond another action, per microbatch: the loss and its gradient, on the
@@ -100,6 +103,11 @@ class RuntimeOverheads:
     optimizer: float = 0.0
     optimizer_tensor: float = 0.0
     optimizer_tensor_momentum: float = 0.0
+
+    def scaled(self, factor: float) -> "RuntimeOverheads":
+        """These costs with every one in seconds times ``factor`` (the machine's sustained speed)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
+                                            if f.name not in ("threads", "machine")})
 
     def summary(self) -> str:
         return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message "

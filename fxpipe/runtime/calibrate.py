@@ -55,7 +55,7 @@ from fxpipe.calibration_models import Mix
 from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
-from fxpipe.schedules.simulate import Costs
+from fxpipe.schedules.simulate import Costs, simulate
 from fxpipe.timing import least_disturbed, typical, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
@@ -413,11 +413,11 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     after each wait for a message, an action of many kinds of op starts colder than one of two (a GPT's, width 16,
     ran 83-171 us over their estimates). Inside each action the loss
     and its gradient (the last stage's F) and each ``isend`` are timed where they run; an action's overhead
-    is its measured time (graphs, bookkeeping) less its estimated time, less those two; a step's is the
-    step's time less the span from its first action to its last and the wait before its first. Each is
-    the median over a step's actions, losses, sends (or the step), from the least disturbed step after
-    the first two (:func:`least_disturbed`), but the action's and the step's from the typical step (the median
-    over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). The optimizer
+    is its measured time (graphs, bookkeeping) less its estimated time, less those two. Each is
+    the median over a step's actions, losses or sends, from the least disturbed step after
+    the first two (:func:`least_disturbed`), but the action's from the typical step (the median
+    over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). A step's
+    cost is what the rest leaves of the pipeline's measured step (:func:`step_residual`, format 26). The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
@@ -442,7 +442,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     est = {"F": [c.f for c in costs], "B": [c.b for c in costs], "W": [c.w for c in costs],
            "BW": [c.b + c.w for c in costs]}
     actions: list[list[float]] = []
-    fixed: list[list[float]] = []
+    walls: list[float] = []  # each step's seconds on this rank, as ``fxpipe run`` times a step
     losses: list[list[float]] = []
     sends: list[list[float]] = []
     inside: dict[str, list[tuple[int, float]]] = {"loss": [], "send": []}  # (action index in the step, seconds)
@@ -471,8 +471,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
         if k < 2:
             continue
         events = rt.events
-        first_wait = rt.waits[0][2] - rt.waits[0][1] if rt.waits and rt.waits[0][0] == events[0][0] else 0.0
-        fixed.append([wall - (events[-1][2] - events[0][1]) - first_wait])
+        walls.append(wall)
         apart = [0.0] * len(events)  # each action's loss and sends, timed apart
         for spent in inside.values():
             for j, seconds in spent:
@@ -484,22 +483,44 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     assert pending is not None
     pending.wait()
     opt_step, per_tensor = optimizer_costs()
-    # The action's and the step's costs at the typical step, not the least disturbed one: these small host costs
-    # move more from step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the
-    # estimates (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
-    mine = torch.tensor([typical(actions), typical(fixed), one_way,
+    # The action's cost at the typical step, not the least disturbed one: these small host costs move more from
+    # step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the estimates
+    # (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
+    mine = torch.tensor([typical(actions), 0.0, one_way,
                          least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
-                         per_tensor, optimizer_costs(momentum=0.9)[1]], dtype=torch.float64)
+                         per_tensor, optimizer_costs(momentum=0.9)[1], *walls], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
-    action = statistics.median(float(t[0]) for t in both)
-    step = statistics.median(float(t[1]) for t in both)
+    action = max(0.0, statistics.median(float(t[0]) for t in both))
     one_way = float(both[0][2])  # rank 0 timed the round trips
-    loss = max(float(t[3]) for t in both)  # the last stage's rank measured it (the others: 0)
-    send = statistics.median(float(t[4]) for t in both)
+    loss = max(0.0, max(float(t[3]) for t in both))  # the last stage's rank measured it (the others: 0)
+    send = max(0.0, statistics.median(float(t[4]) for t in both))
     optimizer = [statistics.median(float(t[k]) for t in both) for k in (5, 6, 7)]
-    return (max(0.0, action), max(0.0, one_way - link.latency), max(0.0, step), max(0.0, loss), max(0.0, send),
-            *optimizer)
+    message = max(0.0, one_way - link.latency)
+    # A step as fxpipe run times it: the slowest rank's, the median over the steps.
+    measured = statistics.median(max(float(t[8 + k]) for t in both) for k in range(len(walls)))
+    step = step_residual(measured, pipe.plan, rt.schedule, link, rates,
+                         RuntimeOverheads(action, message, 0.0, loss=loss, send=send, optimizer=optimizer[0],
+                                          optimizer_tensor=optimizer[1], optimizer_tensor_momentum=optimizer[2]))
+    return (action, message, step, loss, send, *optimizer)
+
+
+def step_residual(measured: float, plan: Any, schedule: Any, link: Calibration, rates: Any,
+                  overheads: RuntimeOverheads) -> float:
+    """The step cost that makes the calibration pipeline's simulated step equal its ``measured`` one: ``measured``
+    less the makespan ``fxpipe run`` would simulate for ``plan`` on ``schedule`` with ``overheads`` (whose step is
+    0) as it reads them from the cache (scaled by ``rates.sustained``), the ``link`` and ``rates``' optimizer
+    step; in the cache's units (over ``rates.sustained``), never below 0 (cache format 26).
+
+    Before format 26 the step's cost was each rank's step less the span of its actions and the wait before its
+    first, the median over ranks: what the parts did not add up to was left out. On this 2-core machine (2026-11-27)
+    the first message of a step arrived 230-450 us after its send, not the 20-30 us of the others, while the
+    loss's all-reduce of the step before was in flight, and the last stage's BW took 30-120 us more than its
+    estimate; the calibration pipeline's step measured 3.9-4.9 ms against 3.55 simulated."""
+    sustained = getattr(rates, "sustained", 1.0)
+    scaled = overheads.scaled(sustained)
+    costs = link.apply(Costs.from_plan(plan, scaled)).with_optimizer("sgd", rates.mem_bw, scaled)
+    return max(0.0, measured - simulate(schedule, costs).makespan) / sustained
 
 
 def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
