@@ -400,7 +400,7 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
     return max(0.0, times[0] - counts[0] * slope), slope
 
 
-def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
+def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
 
@@ -417,7 +417,8 @@ def overheads_on_ranks(rates: Any, *, steps: int = 14) -> tuple[float, ...]:
     the median over a step's actions, losses or sends, from the least disturbed step after
     the first two (:func:`least_disturbed`), but the action's from the typical step (the median
     over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). A step's
-    cost is what the rest leaves of the pipeline's measured step (:func:`step_residual`, format 26). The optimizer
+    cost is what the rest leaves of the pipeline's measured step (:func:`step_residual`, format 26), over 38
+    steps since format 27 (12 before: the residual read 0.70-2.10 ms in twelve calibrations minutes apart). The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
