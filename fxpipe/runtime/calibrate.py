@@ -418,7 +418,8 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     the first two (:func:`least_disturbed`), but the action's from the typical step (the median
     over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). A step's
     cost is what the rest leaves of the pipeline's measured step (:func:`step_residual`, format 26), over 38
-    steps since format 27 (12 before: the residual read 0.70-2.10 ms in twelve calibrations minutes apart). The optimizer
+    steps since format 27 (12 before: the residual read 0.70-2.10 ms in twelve calibrations minutes apart), the least
+    disturbed window of 10 of them since format 28. The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
@@ -498,8 +499,11 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     send = max(0.0, statistics.median(float(t[4]) for t in both))
     optimizer = [statistics.median(float(t[k]) for t in both) for k in (5, 6, 7)]
     message = max(0.0, one_way - link.latency)
-    # A step as fxpipe run times it: the slowest rank's, the median over the steps.
-    measured = statistics.median(max(float(t[8 + k]) for t in both) for k in range(len(walls)))
+    # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
+    # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the least
+    # disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
+    slowest = [max(float(t[8 + k]) for t in both) for k in range(len(walls))]
+    measured = least_disturbed(windows(slowest, 10))
     step = step_residual(measured, pipe.plan, rt.schedule, link, rates,
                          RuntimeOverheads(action, message, 0.0, loss=loss, send=send, optimizer=optimizer[0],
                                           optimizer_tensor=optimizer[1], optimizer_tensor_momentum=optimizer[2]))
