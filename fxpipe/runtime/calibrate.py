@@ -488,21 +488,21 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     # The action's cost at the typical step, not the least disturbed one: these small host costs move more from
     # step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the estimates
     # (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
-    mine = torch.tensor([typical(actions), 0.0, one_way,
-                         least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
-                         per_tensor, optimizer_costs(momentum=0.9)[1], *walls], dtype=torch.float64)
+    mine = torch.tensor([typical(actions), one_way, least_disturbed(losses) if any(losses) else 0.0,
+                         least_disturbed(sends), opt_step, per_tensor, optimizer_costs(momentum=0.9)[1], *walls],
+                        dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
     action = max(0.0, statistics.median(float(t[0]) for t in both))
-    one_way = float(both[0][2])  # rank 0 timed the round trips
-    loss = max(0.0, max(float(t[3]) for t in both))  # the last stage's rank measured it (the others: 0)
-    send = max(0.0, statistics.median(float(t[4]) for t in both))
-    optimizer = [statistics.median(float(t[k]) for t in both) for k in (5, 6, 7)]
+    one_way = float(both[0][1])  # rank 0 timed the round trips
+    loss = max(0.0, max(float(t[2]) for t in both))  # the last stage's rank measured it (the others: 0)
+    send = max(0.0, statistics.median(float(t[3]) for t in both))
+    optimizer = [statistics.median(float(t[k]) for t in both) for k in (4, 5, 6)]
     message = max(0.0, one_way - link.latency)
     # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
     # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the least
     # disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
-    slowest = [max(float(t[8 + k]) for t in both) for k in range(len(walls))]
+    slowest = [max(float(t[7 + k]) for t in both) for k in range(len(walls))]
     measured = least_disturbed(windows(slowest, 10))
     step = step_residual(measured, pipe.plan, rt.schedule, link, rates,
                          RuntimeOverheads(action, message, 0.0, loss=loss, send=send, optimizer=optimizer[0],
