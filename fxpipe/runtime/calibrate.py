@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -528,10 +529,24 @@ def step_residual(measured: float, plan: Any, schedule: Any, link: Calibration, 
     return max(0.0, measured - simulate(schedule, costs).makespan) / sustained
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """torch.fx's ``Interpreter`` draws a tqdm progress bar where tqdm is installed (``torch.hub.tqdm``), and tqdm's
+    first bar makes a multiprocessing lock: a named semaphore that a rank leaving with ``os._exit`` leaves registered
+    with its parent's resource tracker, which then printed "There appear to be 2 leaked semaphore objects to clean
+    up at shutdown" on ``fxpipe compile``'s stderr after the runtime's calibration (with the dev extra, which brings
+    tqdm, installed; 2026-11-27). A thread lock serves a rank of one process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
     import os
     import sys
 
+    _thread_lock_for_progress_bars()
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
