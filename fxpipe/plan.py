@@ -105,15 +105,20 @@ class RuntimeOverheads:
     optimizer_tensor_momentum: float = 0.0
 
     def scaled(self, factor: float) -> "RuntimeOverheads":
-        """These costs with every one in seconds times ``factor`` (the machine's sustained speed)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name) * factor for f in dataclasses.fields(self)
-                                            if f.name not in ("threads", "machine")})
+        """These costs with every one in seconds (``OVERHEAD_SECONDS``) times ``factor`` (the machine's sustained
+        speed)."""
+        return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in OVERHEAD_SECONDS})
 
     def summary(self) -> str:
         return (f"runtime {self.action * 1e6:.0f} us per action, {self.message * 1e6:.0f} us per message "
                 f"(+{self.send * 1e6:.0f} us to send it), {self.step * 1e6:.0f} us per step, "
                 f"{self.loss * 1e6:.0f} us per loss, {self.optimizer * 1e6:.0f} us per optimizer step "
                 f"+ {self.optimizer_tensor * 1e6:.1f} per tensor")
+
+
+# RuntimeOverheads' fields in seconds (the rest: threads and machine): what a cache entry must hold as non-negative
+# numbers, and what the machine's sustained speed scales
+OVERHEAD_SECONDS = tuple(f.name for f in dataclasses.fields(RuntimeOverheads) if f.name not in ("threads", "machine"))
 
 
 @dataclass(frozen=True)

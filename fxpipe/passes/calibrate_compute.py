@@ -82,7 +82,7 @@ import torch.nn.functional as F
 from fxpipe.calibration_models import Mix
 from fxpipe.errors import OptionError
 from fxpipe.host_memory import keep_freed_memory
-from fxpipe.plan import CompileOptions, ComputeRates, RuntimeOverheads
+from fxpipe.plan import OVERHEAD_SECONDS, CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
@@ -217,9 +217,6 @@ def plan_overheads(plan: Any) -> Any:
     return compute_overheads(getattr(plan.options, "compute", None))
 
 
-# RuntimeOverheads' fields in seconds (the rest: threads and machine): what a cache entry must hold as non-negative
-# numbers, and what the machine's sustained speed scales
-_OVERHEAD_SECONDS = tuple(f.name for f in dataclasses.fields(RuntimeOverheads) if f.name not in ("threads", "machine"))
 
 
 def compute_overheads(compute: ComputeRates | None) -> Any:
@@ -244,11 +241,11 @@ def _overheads_from(entry: Any, key: str) -> Any:
     """The overheads in one cache entry, or None when it is not a sound record for ``key``."""
     if not isinstance(entry, dict) or set(entry) != {f.name for f in dataclasses.fields(RuntimeOverheads)}:
         return None
-    if not all(_finite(entry[k]) and entry[k] >= 0 for k in _OVERHEAD_SECONDS):
+    if not all(_finite(entry[k]) and entry[k] >= 0 for k in OVERHEAD_SECONDS):
         return None
     if type(entry["threads"]) is not int or not isinstance(entry["machine"], str) or not entry["machine"].startswith(key):
         return None
-    return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in _OVERHEAD_SECONDS}})
+    return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in OVERHEAD_SECONDS}})
 
 
 def describe(rates: ComputeRates, *, cached: bool) -> str:

@@ -523,10 +523,9 @@ def step_residual(measured: float, plan: Any, schedule: Any, link: Calibration, 
     the first message of a step arrived 230-450 us after its send, not the 20-30 us of the others, while the
     loss's all-reduce of the step before was in flight, and the last stage's BW took 30-120 us more than its
     estimate; the calibration pipeline's step measured 3.9-4.9 ms against 3.55 simulated."""
-    sustained = getattr(rates, "sustained", 1.0)
-    scaled = overheads.scaled(sustained)
+    scaled = overheads.scaled(rates.sustained)
     costs = link.apply(Costs.from_plan(plan, scaled)).with_optimizer("sgd", rates.mem_bw, scaled)
-    return max(0.0, measured - simulate(schedule, costs).makespan) / sustained
+    return max(0.0, measured - simulate(schedule, costs).makespan) / rates.sustained
 
 
 def _thread_lock_for_progress_bars() -> None:
