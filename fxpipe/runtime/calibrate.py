@@ -401,7 +401,7 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
     return max(0.0, times[0] - counts[0] * slope), slope
 
 
-def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
+def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: int = 1) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
 
@@ -423,6 +423,13 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     disturbed window of 10 of them since format 28. The optimizer
     step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
     caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
+
+    Since format 29 the pipeline runs ``warmup`` rounds of ``steps`` steps unmeasured, then ``rounds`` rounds of
+    ``steps`` measured ones, and the action's cost and the step's are each the median over the rounds of what one
+    round reads (the round's typical action; the residual of the least disturbed window of 10 of its steps). Three
+    whole calibrations in each of four launches read the action at 52-190, 64-94, 55-114 and 97-220 us and the
+    residual at 747-1588, 1401-1595, 1065-2170 and 996-1210 us, the first of each launch the highest action in three
+    of the four (2026-11-27): one round's reading was as noisy inside a calibration as between calibrations.
     Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
     what the last stage's F costs beyond the median action, the loss had come out at 36 us.
     """
@@ -444,10 +451,6 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
     costs = pipe.plan.stages
     est = {"F": [c.f for c in costs], "B": [c.b for c in costs], "W": [c.w for c in costs],
            "BW": [c.b + c.w for c in costs]}
-    actions: list[list[float]] = []
-    walls: list[float] = []  # each step's seconds on this rank, as ``fxpipe run`` times a step
-    losses: list[list[float]] = []
-    sends: list[list[float]] = []
     inside: dict[str, list[tuple[int, float]]] = {"loss": [], "send": []}  # (action index in the step, seconds)
 
     def timed(label: str, fn: Any) -> Any:
@@ -461,54 +464,75 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40) -> tuple[float, ...]:
 
     rt.core.maybe_loss = timed("loss", rt.core.maybe_loss)  # type: ignore[method-assign]
     rt.channel.send = timed("send", rt.channel.send)  # type: ignore[method-assign]
-    pending = None
-    for k in range(steps):
-        for spent in inside.values():
-            spent.clear()
-        t0 = time.perf_counter()
-        now = rt.step_async((inputs,), target)
-        wall = time.perf_counter() - t0
-        if pending is not None:
-            pending.wait()
-        pending = now
-        if k < 2:
-            continue
-        events = rt.events
-        walls.append(wall)
-        apart = [0.0] * len(events)  # each action's loss and sends, timed apart
-        for spent in inside.values():
-            for j, seconds in spent:
-                apart[j] += seconds
-        actions.append([(end - start) - est[a.kind.value][a.stage] - apart[j]
-                        for j, (a, start, end) in enumerate(events)])
-        losses.append([seconds for _, seconds in inside["loss"]])
-        sends.append([seconds for _, seconds in inside["send"]])
-    assert pending is not None
-    pending.wait()
+
+    def one_round(skip: int) -> tuple[list[list[float]], list[float], list[list[float]], list[list[float]]]:
+        """``steps`` steps: per step after the first ``skip``, each action's overhead, the step's seconds on this
+        rank (as ``fxpipe run`` times a step), the losses' and the sends' seconds."""
+        actions: list[list[float]] = []
+        walls: list[float] = []
+        losses: list[list[float]] = []
+        sends: list[list[float]] = []
+        pending = None
+        for k in range(steps):
+            for spent in inside.values():
+                spent.clear()
+            t0 = time.perf_counter()
+            now = rt.step_async((inputs,), target)
+            wall = time.perf_counter() - t0
+            if pending is not None:
+                pending.wait()
+            pending = now
+            if k < skip:
+                continue
+            events = rt.events
+            walls.append(wall)
+            apart = [0.0] * len(events)  # each action's loss and sends, timed apart
+            for spent in inside.values():
+                for j, seconds in spent:
+                    apart[j] += seconds
+            actions.append([(end - start) - est[a.kind.value][a.stage] - apart[j]
+                            for j, (a, start, end) in enumerate(events)])
+            losses.append([seconds for _, seconds in inside["loss"]])
+            sends.append([seconds for _, seconds in inside["send"]])
+        assert pending is not None
+        pending.wait()
+        return actions, walls, losses, sends
+
+    for _ in range(warmup):
+        one_round(steps)
+    measured = [one_round(2 if r == 0 and not warmup else 0) for r in range(rounds)]
     opt_step, per_tensor = optimizer_costs()
+    losses = [step for _, _, round_losses, _ in measured for step in round_losses]
+    sends = [step for _, _, _, round_sends in measured for step in round_sends]
     # The action's cost at the typical step, not the least disturbed one: these small host costs move more from
     # step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the estimates
     # (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
-    mine = torch.tensor([typical(actions), one_way, least_disturbed(losses) if any(losses) else 0.0,
-                         least_disturbed(sends), opt_step, per_tensor, optimizer_costs(momentum=0.9)[1], *walls],
-                        dtype=torch.float64)
+    walls = [wall for _, round_walls, _, _ in measured for wall in round_walls]
+    mine = torch.tensor([one_way, least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
+                         per_tensor, optimizer_costs(momentum=0.9)[1], *(typical(a) for a, _, _, _ in measured),
+                         *walls], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
-    action = max(0.0, statistics.median(float(t[0]) for t in both))
-    one_way = float(both[0][1])  # rank 0 timed the round trips
-    loss = max(0.0, max(float(t[2]) for t in both))  # the last stage's rank measured it (the others: 0)
-    send = max(0.0, statistics.median(float(t[3]) for t in both))
-    optimizer = [statistics.median(float(t[k]) for t in both) for k in (4, 5, 6)]
+    one_way = float(both[0][0])  # rank 0 timed the round trips
+    loss = max(0.0, max(float(t[1]) for t in both))  # the last stage's rank measured it (the others: 0)
+    send = max(0.0, statistics.median(float(t[2]) for t in both))
+    optimizer = [statistics.median(float(t[k]) for t in both) for k in (3, 4, 5)]
     message = max(0.0, one_way - link.latency)
-    # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
-    # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the least
-    # disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
-    slowest = [max(float(t[7 + k]) for t in both) for k in range(len(walls))]
-    measured = least_disturbed(windows(slowest, 10))
-    step = step_residual(measured, pipe.plan, rt.schedule, link, rates,
-                         RuntimeOverheads(action, message, 0.0, loss=loss, send=send, optimizer=optimizer[0],
-                                          optimizer_tensor=optimizer[1], optimizer_tensor_momentum=optimizer[2]))
-    return (action, message, step, loss, send, *optimizer)
+    # Per round, the action's cost (the median over the two ranks) and the step's residual
+    action_at = [max(0.0, statistics.median(float(t[6 + r]) for t in both)) for r in range(rounds)]
+    residuals = []
+    first = 6 + rounds
+    for r, (_, round_walls, _, _) in enumerate(measured):
+        at = first + sum(len(w) for _, w, _, _ in measured[:r])
+        # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
+        # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the
+        # least disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
+        slowest = [max(float(t[at + k]) for t in both) for k in range(len(round_walls))]
+        residuals.append(step_residual(
+            least_disturbed(windows(slowest, 10)), pipe.plan, rt.schedule, link, rates,
+            RuntimeOverheads(action_at[r], message, 0.0, loss=loss, send=send, optimizer=optimizer[0],
+                             optimizer_tensor=optimizer[1], optimizer_tensor_momentum=optimizer[2])))
+    return (statistics.median(action_at), message, statistics.median(residuals), loss, send, *optimizer)
 
 
 def step_residual(measured: float, plan: Any, schedule: Any, link: Calibration, rates: Any,
