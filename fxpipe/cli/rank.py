@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     try:
+        from fxpipe.runtime.threads import pin_local_rank
+
+        # before the process group, so that gloo's threads start on this rank's CPUs too
+        cpus = pin_local_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         try:
             dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         except Exception as exc:  # across machines: a port the firewall blocks, or a host name that resolves locally
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "reach MASTER_ADDR:MASTER_PORT and every other node's ranks (gloo connects each pair; "
                                   "GLOO_SOCKET_IFNAME picks the network interface)") from exc
         result, params = _run(args, rank, dist.get_world_size())
+        result["cpus"] = list(cpus)  # the CPUs this rank ran on (none: wherever the system put it)
         _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # every rank is done talking before any tears its connections down

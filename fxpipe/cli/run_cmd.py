@@ -191,6 +191,8 @@ def run_cmd(
             "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
             "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+            # each rank's CPUs (FXPIPE_PIN_RANKS; empty: placed by the system)
+            "cpus_per_rank": [r.get("cpus", []) for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
@@ -242,9 +244,11 @@ def run_cmd(
                           + ((RUNTIME_COSTS_MISSING,) if doc["simulated_without_runtime_costs"] else ())
                           + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
                                                                                key=lambda kv: int(kv[0]))))
-        per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "peak RSS MiB", "median step ms"),
+        per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "CPUs", "peak RSS MiB",
+                                            "median step ms"),
                           tuple((r["rank"], r.get("pp_rank", r["rank"]), r.get("dp_rank", 0),
                                  ",".join(map(str, r.get("stages", []))), r.get("host", ""),
+                                 ",".join(map(str, r.get("cpus", []))) or "any",
                                  round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
                                 for r in results),
                           (f"mesh (pp, dp) = ({mesh['shape'][0]}, {mesh['shape'][1]}): rank = pp x {mesh['shape'][1]} "

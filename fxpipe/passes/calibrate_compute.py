@@ -86,7 +86,7 @@ from fxpipe.plan import OVERHEAD_SECONDS, CompileOptions, ComputeRates, RuntimeO
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 29  # bump when what is measured changes: older entries are then measured again
+CACHE_FORMAT = 30  # bump when what is measured changes: older entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
 # linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.

@@ -569,8 +569,11 @@ def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) 
     import os
     import sys
 
+    from fxpipe.runtime.threads import pin_local_rank
+
     _thread_lock_for_progress_bars()
     torch.set_num_threads(threads)
+    pin_local_rank(rank, 2)  # as fxpipe run's ranks run (format 30)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         measured = overheads_on_ranks(rates)

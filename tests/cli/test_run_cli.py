@@ -14,6 +14,7 @@ import torch
 
 from fxpipe import models
 from fxpipe.cli.rank import synthetic_batch
+from fxpipe.runtime.threads import rank_cpus
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
 
 
@@ -52,6 +53,8 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert cal["latency"] >= 0 and cal["bandwidth"] > 0 and cal["contention"] > 0 and cal["memory_contention"] > 0
     assert f"{cal['memory_contention']:.3f}x" in cal["summary"]
     assert len(doc["peak_rss_mib_per_rank"]) == 2 and all(x > 0 for x in doc["peak_rss_mib_per_rank"])
+    # Each rank on CPUs of its own where the machine has one for each (FXPIPE_PIN_RANKS, on by default)
+    assert doc["cpus_per_rank"] == [list(rank_cpus(r, 2)) for r in range(2)]
     # Memory per stage: what the ranks kept between actions is what the schedule's simulation holds (the
     # model and the runtime count the same storages; tests/runtime/test_memory_tracking.py per schedule).
     measured, simulated = doc["peak_held_bytes_per_stage"], doc["simulated_held_bytes_per_stage"]

@@ -4,6 +4,8 @@ runtime sets a real process group's threads is checked on two ranks in test_runt
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fxpipe.errors import OptionError
@@ -66,3 +68,73 @@ def test_a_send_yield_setting_other_than_0_or_1_is_refused_in_one_line(monkeypat
     with pytest.raises(OptionError, match=r"FXPIPE_SEND_YIELD must be 0 or 1") as info:
         send_yield()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("rank", "world", "allowed", "cpus"), [
+    (0, 2, {0, 1}, (0,)), (1, 2, {0, 1}, (1,)),  # this machine: a core each
+    (1, 2, {0, 1, 2, 3, 4}, (2, 3)), (0, 3, {4, 6, 9}, (4,)), (2, 3, {4, 6, 9}, (9,)),  # equal shares, in order
+    (0, 4, {0, 1}, ()), (3, 4, {0, 1}, ()),  # fewer CPUs than ranks: the system balances them
+    (2, 2, {0, 1}, ()),  # no such local rank
+])
+def test_each_local_rank_gets_an_equal_share_of_the_cpus_where_there_is_one(
+        rank: int, world: int, allowed: set[int], cpus: tuple[int, ...]) -> None:
+    from fxpipe.runtime.threads import rank_cpus
+
+    assert rank_cpus(rank, world, allowed) == cpus
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("", True), ("1", True), (" 0 ", False)])
+def test_ranks_are_pinned_unless_the_variable_says_0(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                                      on: bool) -> None:
+    from fxpipe.runtime.threads import pin_ranks
+
+    if value is None:
+        monkeypatch.delenv("FXPIPE_PIN_RANKS", raising=False)
+    else:
+        monkeypatch.setenv("FXPIPE_PIN_RANKS", value)
+    assert pin_ranks() is on
+
+
+@pytest.mark.parametrize("value", ["2", "on", "-1"])
+def test_a_pin_setting_other_than_0_or_1_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from fxpipe.runtime.threads import pin_ranks
+
+    monkeypatch.setenv("FXPIPE_PIN_RANKS", value)
+    with pytest.raises(OptionError, match=r"FXPIPE_PIN_RANKS must be 0 or 1") as info:
+        pin_ranks()
+    assert "\n" not in str(info.value)
+
+
+PIN_CHILD = """
+import json, os, sys, threading
+from fxpipe.runtime.threads import pin_local_rank
+before = threading.Thread(target=threading.Event().wait, daemon=True)  # a thread that exists before the pinning
+before.start()
+cpus = pin_local_rank(int(sys.argv[1]), int(sys.argv[2]))
+seen = {}
+after = threading.Thread(target=lambda: seen.update(after=sorted(os.sched_getaffinity(0))))
+after.start(); after.join()
+print(json.dumps({"cpus": list(cpus), "main": sorted(os.sched_getaffinity(0)),
+                  "before": sorted(os.sched_getaffinity(before.native_id)), "after": seen["after"]}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_pinned_rank_s_threads_all_run_on_its_cpus(setting: str) -> None:
+    """In a process of its own (pytest's must keep its CPUs): the thread that pins, one that was there before it and
+    one made after it all run on the rank's CPUs; with FXPIPE_PIN_RANKS=0 none of them moves."""
+    import json
+    import subprocess
+    import sys
+
+    from fxpipe.runtime.threads import rank_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    run = subprocess.run([sys.executable, "-c", PIN_CHILD, "1", "2"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "FXPIPE_PIN_RANKS": setting})
+    doc = json.loads(run.stdout)
+    want = list(rank_cpus(1, 2)) if setting == "1" else allowed
+    assert doc["cpus"] == (want if setting == "1" else [])
+    assert doc["main"] == doc["before"] == doc["after"] == want
