@@ -133,6 +133,9 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
+        from fxpipe.runtime.threads import loop_nice, pin_ranks, send_yield
+
+        loop_nice(), pin_ranks(), send_yield()  # the ranks' settings from the environment: refused here, in one line
         replicas = dp if dp is not None else plan.mesh.dp
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)

@@ -165,6 +165,19 @@ def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Pa
     assert time.perf_counter() - started < 20  # no torchrun: refused up front
 
 
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("FXPIPE_PIN_RANKS", "yes", "error: FXPIPE_PIN_RANKS must be 0 or 1 (got 'yes')"),
+    ("FXPIPE_SEND_YIELD", "2", "error: FXPIPE_SEND_YIELD must be 0 or 1 (got '2')"),
+    ("FXPIPE_GLOO_LOOP_NICE", "20", "error: FXPIPE_GLOO_LOOP_NICE must be a whole number from 0 to 19 (got '20')"),
+])
+def test_a_rank_setting_the_environment_gets_wrong_is_refused_before_any_rank_starts(
+        plan: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str) -> None:
+    monkeypatch.setenv(variable, value)
+    started = time.perf_counter()
+    assert one_line_error(fxpipe_cli("run", plan, "--steps", "1")).startswith(expected)
+    assert time.perf_counter() - started < 20  # no torchrun: refused up front
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
 def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_package(
         plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
