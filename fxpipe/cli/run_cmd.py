@@ -135,7 +135,8 @@ def run_cmd(
                                   "pass --momentum 0.9 (or --weights stash)")
         from fxpipe.runtime.threads import loop_nice, pin_ranks, send_yield
 
-        loop_nice(), pin_ranks(), send_yield()  # the ranks' settings from the environment: refused here, in one line
+        for setting in (loop_nice, pin_ranks, send_yield):  # what the ranks read from the environment: a wrong
+            setting()  # value is refused here, in one line, before any rank starts
         replicas = dp if dp is not None else plan.mesh.dp
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)

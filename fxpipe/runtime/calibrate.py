@@ -47,7 +47,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -401,6 +401,16 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
     return max(0.0, times[0] - counts[0] * slope), slope
 
 
+class _Round(NamedTuple):
+    """One round of the calibration pipeline's steps on this rank (:func:`overheads_on_ranks`), per step: each
+    action's overhead, the step's seconds, the losses' and the sends' seconds."""
+
+    actions: list[list[float]]
+    walls: list[float]
+    losses: list[list[float]]
+    sends: list[list[float]]
+
+
 def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: int = 1) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
@@ -465,7 +475,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: 
     rt.core.maybe_loss = timed("loss", rt.core.maybe_loss)  # type: ignore[method-assign]
     rt.channel.send = timed("send", rt.channel.send)  # type: ignore[method-assign]
 
-    def one_round(skip: int) -> tuple[list[list[float]], list[float], list[list[float]], list[list[float]]]:
+    def one_round(skip: int) -> _Round:
         """``steps`` steps: per step after the first ``skip``, each action's overhead, the step's seconds on this
         rank (as ``fxpipe run`` times a step), the losses' and the sends' seconds."""
         actions: list[list[float]] = []
@@ -496,20 +506,20 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: 
             sends.append([seconds for _, seconds in inside["send"]])
         assert pending is not None
         pending.wait()
-        return actions, walls, losses, sends
+        return _Round(actions, walls, losses, sends)
 
     for _ in range(warmup):
         one_round(steps)
     measured = [one_round(2 if r == 0 and not warmup else 0) for r in range(rounds)]
     opt_step, per_tensor = optimizer_costs()
-    losses = [step for _, _, round_losses, _ in measured for step in round_losses]
-    sends = [step for _, _, _, round_sends in measured for step in round_sends]
+    losses = [step for one in measured for step in one.losses]
+    sends = [step for one in measured for step in one.sends]
     # The action's cost at the typical step, not the least disturbed one: these small host costs move more from
     # step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the estimates
     # (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
-    walls = [wall for _, round_walls, _, _ in measured for wall in round_walls]
+    walls = [wall for one in measured for wall in one.walls]
     mine = torch.tensor([one_way, least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
-                         per_tensor, optimizer_costs(momentum=0.9)[1], *(typical(a) for a, _, _, _ in measured),
+                         per_tensor, optimizer_costs(momentum=0.9)[1], *(typical(one.actions) for one in measured),
                          *walls], dtype=torch.float64)
     both = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(both, mine)
@@ -521,13 +531,13 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: 
     # Per round, the action's cost (the median over the two ranks) and the step's residual
     action_at = [max(0.0, statistics.median(float(t[6 + r]) for t in both)) for r in range(rounds)]
     residuals = []
-    first = 6 + rounds
-    for r, (_, round_walls, _, _) in enumerate(measured):
-        at = first + sum(len(w) for _, w, _, _ in measured[:r])
+    at = 6 + rounds  # where the round's steps start in what the ranks gathered
+    for r, one in enumerate(measured):
         # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
         # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the
         # least disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
-        slowest = [max(float(t[at + k]) for t in both) for k in range(len(round_walls))]
+        slowest = [max(float(t[at + k]) for t in both) for k in range(len(one.walls))]
+        at += len(one.walls)
         residuals.append(step_residual(
             least_disturbed(windows(slowest, 10)), pipe.plan, rt.schedule, link, rates,
             RuntimeOverheads(action_at[r], message, 0.0, loss=loss, send=send, optimizer=optimizer[0],

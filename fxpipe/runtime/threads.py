@@ -43,17 +43,22 @@ def loop_nice() -> int:
     return int(raw)
 
 
+_TASKS = Path("/proc/self/task")
+
+
+def _thread_ids() -> list[int]:
+    """This process's threads' ids (none where there is no ``/proc``)."""
+    return [int(task.name) for task in _TASKS.iterdir()] if _TASKS.is_dir() else []
+
+
 def _loop_threads() -> list[int]:
     """This process's gloo loop threads' ids (none where there is no ``/proc``)."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return []
     found = []
-    for task in tasks.iterdir():
+    for tid in _thread_ids():
         try:
-            if (task / "comm").read_text().strip() == LOOP_THREAD:
-                found.append(int(task.name))
-        except (OSError, ValueError):  # a thread that ended meanwhile
+            if (_TASKS / str(tid) / "comm").read_text().strip() == LOOP_THREAD:
+                found.append(tid)
+        except OSError:  # a thread that ended meanwhile
             continue
     return found
 
@@ -150,10 +155,8 @@ def pin_threads(cpus: tuple[int, ...]) -> int:
     threads made later inherit their maker's CPUs. Returns how many threads it bound."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return 0
-    tasks = Path("/proc/self/task")
-    tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
     done = 0
-    for tid in tids:
+    for tid in _thread_ids() or [0]:
         try:
             os.sched_setaffinity(tid, cpus)
             done += 1
