@@ -1186,7 +1186,7 @@ def data_parallel(graph: LayerGraph) -> Strategy:
 
 
 def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min_param_bytes: float = 0.0) -> Strategy:
-    """SplitBrain (Vyas et al.): convolutions and parameter-free layers data-parallel over all d ranks;
+    """SplitBrain (Lai, Kadav and Kruus): convolutions and parameter-free layers data-parallel over all d ranks;
     fully-connected layers (``matmul`` kind, not ``spatial``, more than ``min_param_bytes`` of
     parameters) sharded over groups of ``group`` ranks and data-parallel across the d/group groups.
 
