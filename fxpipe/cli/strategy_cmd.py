@@ -74,12 +74,16 @@ def _report(target: str, ranks: int, choice: str, group: int, batch: int | None,
 
     zoo = models.build(target, device="meta", batch_size=batch)
     rows = zoo.example_inputs[0].shape[0]
-    if rows % ranks:
+    try:
+        chosen = choose_strategy(zoo.model, zoo.example_inputs, choice, ranks=ranks, group=group,
+                                 bandwidth=bandwidth, latency=latency, alltoall=alltoall, heights=heights,
+                                 memory_cap=cap, optimizer=optimizer)
+    except OptionError as exc:  # planning's refusal names fxpipe compile's --batch-size; this command's is --batch
+        if not rows % ranks or "no even split" not in str(exc):
+            raise
         given = f"--batch {batch}" if batch is not None else f"{target}'s example batch"
         raise OptionError(f"the batch of {rows} rows ({given}) does not split evenly over --ranks {ranks}; "
-                          f"give --batch {ranks * max(1, -(-rows // ranks))} (a multiple of {ranks})")
-    chosen = choose_strategy(zoo.model, zoo.example_inputs, choice, ranks=ranks, group=group, bandwidth=bandwidth,
-                             latency=latency, alltoall=alltoall, heights=heights, memory_cap=cap, optimizer=optimizer)
+                          f"give --batch {ranks * max(1, -(-rows // ranks))} (a multiple of {ranks})") from None
     per_layer, summary = chosen.reports
     record = chosen.record
     payload = {"target": target, "ranks": ranks, "strategy": choice, "method": record.method, "cost_s": record.cost,
