@@ -1,4 +1,4 @@
-"""Whole steps with freed memory kept in the rank processes (``fxpipe.host_memory``) and with glibc's defaults.
+"""Whole steps with freed memory kept in the rank processes (``fxpipe.calibration.host_memory``) and with glibc's defaults.
 
     python benchmarks/host_memory.py --models resnet-50 resnet-small mlp-deep gpt-base --rounds 3 --out F.json
 

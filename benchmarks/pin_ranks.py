@@ -1,4 +1,4 @@
-"""Each local rank on a CPU of its own (``FXPIPE_PIN_RANKS``, fxpipe.runtime.threads.pin_local_rank) against ranks the
+"""Each local rank on a CPU of its own (``FXPIPE_PIN_RANKS``, fxpipe.calibration.threads.pin_local_rank) against ranks the
 system places: ``fxpipe run`` of each model on 2 ranks, unpinned and pinned in turn (A B A B ..., starting with each
 in turn, so the machine's drift hits both alike), side by side in one run.
 

@@ -1,4 +1,4 @@
-"""A yield after each send (``FXPIPE_SEND_YIELD``, fxpipe.runtime.threads.send_yield): with and without, 2 ranks, gloo,
+"""A yield after each send (``FXPIPE_SEND_YIELD``, fxpipe.calibration.threads.send_yield): with and without, 2 ranks, gloo,
 1 thread each, gloo's socket threads at nice 19 as the runtime runs them.
 
 1. **One message.** The sender computes (matmuls) for 2 ms, posts a 64 B or 256 KiB ``isend`` through the runtime's
@@ -42,7 +42,7 @@ def _compute(a: torch.Tensor, seconds: float) -> None:
 
 def one_way(rank: int, numel: int, yield_after: bool) -> tuple[float, list[float]]:
     """(the idle ping-pong's one-way seconds, each busy-sender trip's one-way seconds); collective on 2 ranks."""
-    from fxpipe.runtime.calibrate import channel_one_way
+    from fxpipe.calibration.runtime_costs import channel_one_way
     from fxpipe.runtime.channel import Channel
 
     ch = Channel(torch.device("cpu"))
@@ -79,7 +79,7 @@ def worker(rank: int, init: str, models_: list[str], iters: int, out: str) -> No
     from fxpipe import models
     from fxpipe.cli.rank import synthetic_batch
     from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.runtime.threads import lower_gloo_loops
+    from fxpipe.calibration.threads import lower_gloo_loops
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs
 

@@ -29,7 +29,7 @@ def _launch(tmp_path: Path, world: int, what: str = "link") -> list[dict[str, An
 
 
 def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> None:
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration
 
     docs = _launch(tmp_path, 2)
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # every rank returns rank 0's measurement
@@ -65,7 +65,7 @@ def test_the_runtime_overheads_measured_on_two_gloo_ranks(tmp_path: Path) -> Non
 _MEASURE = """
 import dataclasses, json
 from fxpipe.plan import ComputeRates
-from fxpipe.runtime.calibrate import measure_overheads
+from fxpipe.calibration.runtime_costs import measure_overheads
 
 rates = ComputeRates(gemm_flops=1e11, conv_flops=1e11, mem_bw=3e10, op_fwd=2e-5, op_bwd=3e-5, threads=1,
                      graph_op_fwd=2e-5, graph_op_bwd=1.5e-5, graph_op_fwd_cached=7e-6, graph_op_bwd_cached=6e-6)
@@ -93,7 +93,7 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
     import torch.multiprocessing as mp
 
     from fxpipe.errors import RankFailedError
-    from fxpipe.runtime.calibrate import measure_overheads
+    from fxpipe.calibration.runtime_costs import measure_overheads
 
     def aborts(write: bool) -> Any:
         def start(fn: Any, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
@@ -115,7 +115,7 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
 
 
 def test_calibration_scales_compute_and_sets_the_link() -> None:
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration
     from fxpipe.schedules.simulate import Costs
 
     costs = Costs((1.0, 2.0), (3.0, 4.0), (5.0, 6.0), (100.0, 0.0), (7.0, 8.0), (9.0, 10.0))
@@ -136,7 +136,7 @@ def test_calibration_scales_compute_and_sets_the_link() -> None:
 def test_reads_from_memory_pay_the_memory_contention() -> None:
     """Each stage's seconds reading weights from memory (``Costs.dram_*``) slow down by ``memory_contention``, the
     rest by ``contention``: t * 1.25 + dram * (1.75 - 1.25); never less than the rest's when memory contends less."""
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration
     from fxpipe.schedules.simulate import Costs
 
     costs = Costs((1.0, 2.0), (0.0, 4.0), (5.0, 6.0), dram_f=(0.5, 1.0), dram_b=(0.0, 1.0), dram_w=(1.5, 2.0))
@@ -149,7 +149,7 @@ def test_reads_from_memory_pay_the_memory_contention() -> None:
 
 def test_fit_link_recovers_a_line_and_clamps_a_negative_intercept() -> None:
     from fxpipe.errors import OptionError
-    from fxpipe.runtime.calibrate import fit_link
+    from fxpipe.calibration.runtime_costs import fit_link
 
     sizes = [4, 4096, 65536, 1 << 20, 4 << 20]
     latency, bandwidth = fit_link(sizes, [3e-5 + x / 2e9 for x in sizes])
@@ -183,7 +183,7 @@ def test_messages_on_one_link_queue_behind_each_other() -> None:
 
 
 def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> None:
-    from fxpipe.runtime.calibrate import AllReduceCalibration
+    from fxpipe.calibration.runtime_costs import AllReduceCalibration
 
     docs = _launch(tmp_path, 2, "allreduce")
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # the slowest rank's times, on every rank
@@ -201,7 +201,7 @@ def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> 
 def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step waits for its typical all-reduce: each size's time is the median of its least disturbed window of
     trips (as a message's, ``channel_one_way``), not its fastest trip, which was half the typical one here."""
-    import fxpipe.runtime.calibrate as rc
+    import fxpipe.calibration.runtime_costs as rc
 
     durations = iter([1, 1,  1, 9, 9, 9, 3, 3, 3, 3,      # 4 B: 2 warm-up trips, then windows [1 9 9 9] [3 3 3 3]
                       1, 1,  5, 5, 5, 5, 2, 8, 8, 8])     # 1 KiB: windows [5 5 5 5] [2 8 8 8]
@@ -223,7 +223,7 @@ def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monke
 
 def test_allreduce_calibration_sets_the_ring_and_fits_a_line() -> None:
     from fxpipe.errors import OptionError
-    from fxpipe.runtime.calibrate import AllReduceCalibration, fit_allreduce
+    from fxpipe.calibration.runtime_costs import AllReduceCalibration, fit_allreduce
     from fxpipe.schedules.simulate import Costs
 
     # 4 ranks: t = 6 x 10 us + 1.5 x bytes / 2 GB/s.
@@ -251,11 +251,11 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
+        from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
 
         if what == "overheads":
             from fxpipe.plan import ComputeRates
-            from fxpipe.runtime.calibrate import overheads_on_ranks
+            from fxpipe.calibration.runtime_costs import overheads_on_ranks
 
             rates = ComputeRates(gemm_flops=1e11, conv_flops=5e10, mem_bw=1e10, op_fwd=1e-5, op_bwd=1.5e-5, threads=1)
             names = ("action", "message", "step", "loss", "send", "optimizer", "optimizer_tensor",
@@ -278,7 +278,7 @@ if __name__ == "__main__":
 
 
 def test_least_disturbed_takes_the_quietest_runs_median():
-    from fxpipe.runtime.calibrate import least_disturbed
+    from fxpipe.calibration.runtime_costs import least_disturbed
 
     quiet, loaded = [1.0, 1.1, 9.0], [3.0, 3.2, 3.1]  # an outlier in the quiet run; every value of the loaded one high
     assert least_disturbed([loaded, quiet]) == 1.1
@@ -294,9 +294,9 @@ def test_step_residual_makes_the_calibration_pipeline_simulate_at_its_measured_s
     import torch
 
     import fxpipe
-    from fxpipe.calibration_models import Mix
+    from fxpipe.calibration.probes import Mix
     from fxpipe.plan import ComputeRates, RuntimeOverheads
-    from fxpipe.runtime.calibrate import Calibration, step_residual
+    from fxpipe.calibration.runtime_costs import Calibration, step_residual
     from fxpipe.schedules.auto import plan_schedule
     from fxpipe.schedules.simulate import Costs, simulate
 
