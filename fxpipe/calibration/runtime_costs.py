@@ -44,7 +44,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -143,7 +143,7 @@ def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips:
     ``matmul_reps`` products of two ``matmul`` x ``matmul`` float32 matrices and ``stream_reps``
     in-place adds of two ``stream_bytes`` tensors, timed ``rounds`` times alone on each rank and
     ``rounds`` times on all ranks at once; then the memory loop, two in-place adds of two ``memory_bytes``
-    tensors, the same way. About 0.5 s on two ranks of this two-core machine (0.51-0.58 s), 1.2-1.5 s on four.
+    tensors, the same way. Well under two seconds on two ranks of an idle machine.
     """
     if not dist.is_initialized():
         raise OptionError("calibrate() needs torch.distributed initialised (torchrun, or init_process_group)")
@@ -369,7 +369,7 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 1
 
 
 def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16), numel: int = 64, reps: int = 20,
-                    window: int = 10) -> tuple[float, float]:
+                    window: int = 10, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(seconds per step, seconds per parameter tensor) of ``torch.optim.SGD`` (``lr``, ``momentum``, as ``fxpipe run``
     builds it), as a pipeline runs it: cold, after other work. The line through the step times over ``counts`` small
     tensors (``numel`` floats each, so that the arithmetic is nothing); before each step, a 256 x 256 matmul and an
@@ -386,10 +386,10 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
         for k in range(reps + 2):
             torch.mm(a, a)
             evict.mul_(1.0)
-            t0 = time.perf_counter()
+            t0 = clock()
             opt.step()
             if k >= 2:
-                runs.append(time.perf_counter() - t0)
+                runs.append(clock() - t0)
         times.append(least_disturbed(windows(runs, window)))
     slope = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
     return max(0.0, times[0] - counts[0] * slope), slope

@@ -56,7 +56,7 @@ def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
 @pytest.fixture(autouse=True)
 def no_real_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """fxpipe compile's calibration would start two ranks to measure the runtime: tests that turn it on get a
-    fake (the real measurement is tested on two gloo ranks in tests/runtime/test_calibrate.py)."""
+    fake (the real measurement is tested on two gloo ranks in tests/calibration/test_runtime_costs.py)."""
     from fxpipe.cli import compile_cmd
 
     monkeypatch.setattr(compile_cmd, "measure_runtime_overheads", _fake_overheads([]))
@@ -311,10 +311,15 @@ def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pyte
     evictions: list[int] = []
     f, b = cc._cold_conv_seconds(2, 8, 16, lambda: evictions.append(1), 3)
     assert len(evictions) == 2 * (3 + 1) and f > 0 and b > 0  # each chain (F, then B) after evicting
+    # the warm readings fixed (FLOPs, F s, B s): the small convolution's and the large one's, 1e9 FLOP/s between them
+    readings = {cc.COLD_CONV: (1e6, 2e-3, 3e-3), (2, 64, 56): (1e9 + 1e6, 2e-3 + 1.0, 3e-3 + 2.0)}
+    monkeypatch.setattr(cc, "_conv_seconds", lambda batch, channels, side, runs: readings[(batch, channels, side)])
     rate, conv_fwd, conv_bwd = cc._conv_rate(2, cold=(1.0, 2.0), sustained=2.0)  # per convolution, cold median
-    # the intercepts: (cold median / sustained) less the small convolution's FLOPs at the rate (microseconds)
-    assert conv_fwd == pytest.approx(0.5, abs=1e-3) and conv_bwd == pytest.approx(1.0, abs=1e-3) and rate > 0
-    assert cc._conv_rate(2, cold=(0.0, 0.0), sustained=2.0)[1] > 0  # never below the warm fastest
+    # the intercepts: (cold median / sustained) less the small convolution's FLOPs at the rate
+    assert rate == pytest.approx(1e9)
+    assert conv_fwd == pytest.approx(0.5 - 1e-3) and conv_bwd == pytest.approx(1.0 - 2e-3)
+    # never below the warm fastest: the warm readings less the same FLOPs
+    assert cc._conv_rate(2, cold=(0.0, 0.0), sustained=2.0)[1:] == pytest.approx((1e-3, 1e-3))
 
 
 def test_the_host_times_are_read_three_times_and_each_ones_median_kept(monkeypatch: pytest.MonkeyPatch) -> None:
