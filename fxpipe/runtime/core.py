@@ -212,21 +212,20 @@ class ActionRunner:
         self.versions.updated(s)
 
     def fused_backward(self, s: int, m: int) -> None:
-        """A stage without split graphs: one autograd backward through its module (reference executor only)."""
+        """A stage without split graphs: one autograd backward through its module, its parameters' gradients added to
+        their ``.grad``."""
         st = self.stages[s]
         outs, leaves = self.autograd.pop((s, m))
         pairs = [(o, j) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         grad_outs = [self.output_grad(s, m, j) for _, j in pairs]
         params = [p for p in st.module.parameters() if p.requires_grad]
         wrt = [(t, n) for t, n in zip(leaves, st.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], [t for t, _ in wrt] + params, grad_outputs=grad_outs,
-                                    allow_unused=True)
-        for (_, name), grad in zip(wrt, grads[: len(wrt)]):
-            if grad is not None:
-                self.deliver(s, m, name, grad)
-        for p, grad in zip(params, grads[len(wrt):]):
-            if grad is not None:
-                accumulate(p, grad)
+        # Into .grad (autograd's accumulation): a DTensor parameter's gradient keeps the placements autograd gives it
+        # (a pending sum stays pending), which ``torch.autograd.grad`` would make whole.
+        torch.autograd.backward([o for o, _ in pairs], grad_outs, inputs=[t for t, _ in wrt] + params)
+        for t, name in wrt:
+            if t.grad is not None:
+                self.deliver(s, m, name, t.grad)
 
     # -- policies (override) ----------------------------------------------------------------
 
