@@ -434,7 +434,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                               compute: ComputeRates | None = None) -> ChosenStrategy:
     """``name``'s strategy for each pipeline stage of ``plan`` (``plan.stages``, cut where the plan cuts), each
     chosen on its own stage graph (``planning.strategies.stage_graph``: a ``recv`` input, a ``send`` sink) on
-    ``ranks`` ranks, run in GPipe order over ``microbatches``: the record (``stages``: each stage's nodes, method
+    ``ranks`` ranks, over ``microbatches``: the record (``stages``: each stage's nodes, method
     and cost) and the per-layer table and totals of every stage. What the runtime runs (gloo): no all-to-all,
     no height splits. The record's ``cost`` is the slowest stage's modelled step x (M + P - 1) / M (GPipe's fill
     and drain; the sends between stages are in the stages' costs)."""
