@@ -1,31 +1,26 @@
 """The one executor core: a schedule's compute actions (F, B, W, BW) run on the stages this process holds.
 
 Every executor runs its schedule through :meth:`ActionRunner.run`: the reference executor (every
-stage in one process, each dependency checked), the distributed runtime (this rank's stages; what
-crosses ranks arrives and leaves as messages around each action) and ``backend="fxpipe"`` (every
-stage in one process, F inside autograd's forward, B and W inside its backward). They hold the
-same per-microbatch state and make the same calls (:class:`fxpipe.graphs.convention.StageGraphs`);
-what differs is policy, given by overriding four methods:
+stage in one process), the distributed runtime and the per-layer strategy runtime (this rank's
+stages; what crosses ranks arrives and leaves as messages around each action) and
+``backend="fxpipe"`` (F inside autograd's forward, B and W inside its backward). They differ only
+in four overridable policies:
 
     value(stage, mb, name)          the input F reads (default: this process's value)
     deliver(stage, mb, name, grad)  where B's input gradient goes (default: summed here)
     weight(stage, mb, args)         what W does with the parameter gradients (default: add to .grad)
     zeros(stage, mb, j)             the gradient of an output nothing differentiated (default: zeros)
 
-Asynchronous schedules set ``versions`` (:class:`fxpipe.runtime.weights.WeightVersions`) and
-``optimizers``: each phase then reads the weights its policy gives, and after each microbatch's
-W (or BW) the stage steps its optimizer (``step``, overridable).
+Asynchronous schedules set ``versions`` and ``optimizers``: each phase reads the weights its
+policy gives, and each stage steps its optimizer after every microbatch's W (or BW).
 
-    F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]     (then the loss, once
-                                                                              every output exists)
+    F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]   (then the loss)
     B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
     W(s, m):  handover, saved, output grads ──▶ weight(s, m, W's arguments)
-              (a run of adjacent Ws a schedule batches: run_weights ──▶ weights(s, mbs, their arguments))
     BW(s, m): B then W (a stage without split graphs: one autograd backward)
 
-Once B ran, only what W reads stays: F's saved tensors in W's slots, the handover, and the output
-gradients in W's slots. With ``held`` set (:class:`HeldBytes`), the bytes of what is kept for a
-microbatch's later actions are counted per stage, each storage once, and the step's peak recorded.
+Once B ran, only what W reads stays; :class:`HeldBytes` counts per stage the bytes kept between
+actions and the step's peak.
 """
 
 from __future__ import annotations
