@@ -215,17 +215,19 @@ class ChosenStrategy:
 
 def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: str | None = None) -> None:
     """Refuse, in one line each, what ``--strategy`` cannot run: a rank group that is not a power of two of at
-    least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it, and with more than
-    one stage a schedule other than GPipe's (the pipelined runtime runs every forward, then every backward)."""
+    least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it, and a schedule that is
+    asynchronous or puts several stages on one rank (``runtime.strategy.check_schedule``)."""
     from fxpipe.plan import STRATEGY_NAMES
 
     if name not in STRATEGY_NAMES:
         raise OptionError(f"--strategy must be one of {', '.join(STRATEGY_NAMES)} (given: {name!r})")
     if stages < 1:
         raise OptionError(f"--strategy needs at least 1 stage (given: {stages})")
-    if stages > 1 and schedule is not None and schedule.strip().lower() != "gpipe":
-        raise OptionError(f"a pipelined --strategy runs its {stages} stages in GPipe order (every forward, then every "
-                          f"backward, one update per step), not --schedule {schedule}; drop --schedule or give gpipe")
+    if schedule is not None and schedule.strip().lower() != "auto":
+        from fxpipe.runtime.strategy import check_schedule
+        from fxpipe.schedules.generators import generate
+
+        check_schedule(generate(schedule.strip().lower(), stages, 2 * stages), stages)
     if ranks < 2 or ranks & (ranks - 1):
         raise OptionError(f"--strategy runs on --dp ranks, a power of two of at least 2 (the DTensor runtime's "
                           f"(2, ..., 2) mesh; given: --dp {ranks}); use --dp 2, 4, 8, ...")
@@ -311,7 +313,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                               compute: ComputeRates | None = None) -> ChosenStrategy:
     """``name``'s strategy for each pipeline stage of ``plan`` (``plan.stages``, cut where the plan cuts), each
     chosen on its own stage graph (``planning.strategies.stage_graph``: a ``recv`` input, a ``send`` sink) on
-    ``ranks`` ranks, run in GPipe order over ``microbatches``: the record (``stages``: each stage's nodes, method
+    ``ranks`` ranks, over ``microbatches``: the record (``stages``: each stage's nodes, method
     and cost) and the per-layer table and totals of every stage. What the runtime runs (gloo): no all-to-all,
     no height splits. The record's ``cost`` is the slowest stage's modelled step x (M + P - 1) / M (GPipe's fill
     and drain; the sends between stages are in the stages' costs)."""

@@ -492,7 +492,8 @@ class StrategyRecord:
 
     Pipelined (``fxpipe compile --stages P --dp D --strategy ...``): ``stages`` holds each pipeline stage's
     first and last node and its own search (on ``ranks`` = D ranks each, P x D in all), ``microbatches`` the
-    GPipe microbatches a step takes; ``nodes`` still names every node's configuration. A one-stage record
+    microbatches a step takes unless ``fxpipe run --microbatches`` says otherwise; ``nodes`` still names every
+    node's configuration. A one-stage record
     has neither (plan.json then has the keys it had before pipelined records existed)."""
 
     name: str  # auto, dp or splitbrain: what was asked
@@ -502,7 +503,7 @@ class StrategyRecord:
     cost: float  # modelled seconds per step
     nodes: tuple[tuple[str, str], ...]  # (fx node name, configuration name), in graph order
     stages: tuple[StrategyStage, ...] = ()  # pipelined: one entry per pipeline stage (at least 2); () for one stage
-    microbatches: int = 1  # pipelined: GPipe microbatches per step (the batch is cut into this many)
+    microbatches: int = 1  # pipelined: microbatches per step by default (the batch is cut into this many)
 
     @property
     def configs(self) -> dict[str, str]:

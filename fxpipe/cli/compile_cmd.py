@@ -88,7 +88,8 @@ def compile_cmd(
              "stage's --dp ranks (a power of two), recorded in the plan: auto (the search), dp (every layer "
              "splits the batch) or splitbrain (fully connected layers sharded in groups of --group). With "
              "--stages P > 1 (default 1 with --strategy) each stage's --dp ranks get their own, searched on the "
-             "stage's graph where the plan cuts, run in GPipe order over --microbatches. Costed for gloo: no "
+             "stage's graph where the plan cuts, run under any synchronous --schedule (default gpipe) over "
+             "--microbatches. Costed for gloo: no "
              "all-to-all; height splits stay in the cost model only (fxpipe strategy --heights). [default: none]",
         rich_help_panel="Strategy")] = None,
     group: Annotated[Optional[int], typer.Option(min=1, help="SplitBrain's group of ranks (divides --dp) "

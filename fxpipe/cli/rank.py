@@ -189,7 +189,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if device.type != "cpu":  # fxpipe run refuses it before starting the ranks
             raise OptionError(f"--device {args.device} runs pipeline plans; a per-layer strategy trains on the CPU: "
                               "use --device cpu")
-        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed))
+        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed),
+                            out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x

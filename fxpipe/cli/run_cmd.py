@@ -121,7 +121,12 @@ def run_cmd(
             from fxpipe.cli.common import check_schedule_size
 
             check_schedule_size(plan.num_stages, microbatches)
-        sched = plan_schedule(plan, schedule, microbatches)
+        if plan.strategy is not None:  # a synchronous schedule, one stage per rank group (else one line)
+            from fxpipe.cli.rank_strategy import strategy_schedule
+
+            sched = strategy_schedule(plan, schedule, microbatches)
+        else:
+            sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
         from fxpipe.runtime.codegen import check_codegen
