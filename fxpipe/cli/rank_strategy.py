@@ -58,7 +58,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         _check_stages(record, g, int(inputs[0].shape[0]), sched.num_microbatches)
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
                          stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
-                         timeout=timedelta(seconds=args.timeout))
+                         timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
     losses, step_ms = [], []
     for step in range(args.steps):

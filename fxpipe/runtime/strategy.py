@@ -54,7 +54,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,9 @@ from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import Action, Kind, Schedule
+
+if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
+    from fxpipe.calibration.host import HostTuning
 
 __all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "check_schedule", "fused_backward", "mesh_roles",
            "strategy_mesh"]
@@ -472,7 +475,8 @@ class StrategyRuntime:
                  degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None, stages: Sequence[str] = (),
                  microbatches: int = 1, schedule: Schedule | str = "gpipe",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                 bucket_layers: bool = False, timeout: timedelta | None = None) -> None:
+                 bucket_layers: bool = False, timeout: timedelta | None = None,
+                 host: HostTuning | None = None) -> None:
         if not (len(nodes) == len(specs) == len(degrees)):
             raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
                               f"configurations: {len(degrees)})")
@@ -517,7 +521,11 @@ class StrategyRuntime:
         self.schedule = fused_backward(self._schedule(schedule, microbatches))
         self.microbatches = self.schedule.num_microbatches
         self._layout = self._lane_layout()
-        self.channel = Channel(torch.device("cpu"), timeout)
+        # the process-wide settings the caller asked for (fxpipe.calibration.host.HostTuning; None: none)
+        self.channel = Channel(torch.device("cpu"), timeout,
+                               yield_after_send=host is not None and host.yields_after_send(None))
+        if host is not None:
+            host.apply(dist.get_rank(), dist.get_world_size())
         self._programs: dict[int, tuple[Any, _LaneRunner]] = {}
         self._batch = 0
         self._out_mesh = self.mesh

@@ -107,8 +107,8 @@ class Costs:
     @classmethod
     def from_plan(cls, plan: Plan, overheads: Any = None) -> "Costs":
         """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
-        ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.passes.
-        calibrate_compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
+        ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.calibration.
+        compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
         :meth:`with_overheads` does, and ``loss`` to the last stage's F. The callers above the passes look them up;
         this layer reads no cache."""
         st = plan.stages
