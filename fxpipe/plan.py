@@ -234,8 +234,7 @@ class ComputeRates:
         its parameters and their gradients (each W reads and writes its layer's), ``S``, fit the cache ``C`` (the
         ranks on one machine share it, so the whole model counts, not one stage), else ``1 - C/S``, the part of them
         the cache cannot hold. Graded, not all or nothing: a step reads its layers forwards, then backwards, so
-        those read last are read again first; mlp-deep (``S`` 128 MiB, ``C`` 64 MiB here) measured between its
-        cached and its uncached estimates (1.5-1.6x over with every weight read from memory)."""
+        those read last are read again first (benchmarks/RESULTS.md compares it with measured steps)."""
         total = 2 * param_bytes
         if not self.gemm_cold_curve or self.cache_bytes <= 0 or total <= self.cache_bytes:
             return 0.0

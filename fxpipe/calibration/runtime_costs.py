@@ -59,7 +59,7 @@ from fxpipe.schedules.simulate import Costs, simulate
 from fxpipe.timing import least_disturbed, typical, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
-MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: twice this machine's 32 MiB last-level cache
+MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: past a typical last-level cache
 ALLREDUCE_SIZES = (4, 65536, 1048576, 4194304, 16777216, 26214400)  # bytes: 4 B .. 25 MiB, the largest bucket
 
 
