@@ -1,40 +1,17 @@
-"""The runtime's costs on this machine: the link between ranks, compute contention, the all-reduce, and the
-runtime's fixed costs per action, message and step (:func:`measure_overheads`), measured.
+"""The runtime's costs on this machine, measured on live ranks: the link between ranks, compute
+contention, gloo's all-reduce, and the runtime's fixed costs per action, message and step.
 
-Every rank calls :func:`calibrate` inside an initialised process group (gloo on CPU, two or more
-ranks); it takes well under two seconds and returns the same :class:`Calibration` on every rank:
-
-- **Link.** Ranks 0 and 1 ping-pong messages of a few sizes (4 B .. 4 MiB) with ``isend`` and
-  ``irecv``, as the runtime sends, and take the fastest round trip per size. Half of it is one
-  transfer; a least-squares fit (relative error, so that 4 B and 4 MiB both count)
-  ``t = latency + bytes / bandwidth`` gives the link's latency and bandwidth.
-- **Contention.** Every rank times a fixed loop alone (the others wait at a barrier), then all
-  ranks time it at once. ``contention`` is together / alone, the median over ranks: how much
-  slower each rank computes when every rank computes, as in a pipeline's steady state, than
-  when profiled by itself (``fxpipe.compile(..., profile=True)`` profiles one process). The loop
-  mixes the two kinds of work a training step does: cache-resident matmuls (which slow down
-  when ranks share a core's execution units, e.g. hyperthreads) and an ``add_`` over 8 MiB
-  tensors, like gradient accumulation (past a core's own caches). ``memory_contention`` is the same ratio for an ``add_`` alone over tensors well past the
-  last-level cache (``MEMORY_BYTES``): what a stage whose weights do not fit the cache pays on the part of
-  its time spent reading them from memory (``Costs.dram_f``/``dram_b``/``dram_w``), when the other ranks
-  read theirs at the same time.
-
-Every time is the fastest of several runs: interference from other jobs on the machine only ever
-adds time, so the minimum is the measurement least disturbed by it.
-
-``Calibration.apply(costs)`` gives the simulator's ``Costs`` with the link measured and the F, B
-and W times scaled by ``contention``, and their reads from memory (``Costs.dram_*``) by
-``memory_contention`` where that is the larger; bytes and memory are unchanged.
+Every rank calls :func:`calibrate` inside an initialised process group and gets the same
+:class:`Calibration` back: the link's latency and bandwidth fitted to ping-pong round trips,
+``contention`` (how much slower a rank computes while every rank computes) and
+``memory_contention`` (the same for reads from memory). :func:`calibrate_allreduce` fits the ring
+all-reduce formula over a group; :func:`measure_overheads` reads the runtime's fixed costs from a
+probe pipeline. Each time is the fastest of several runs: interference only adds time.
 
     cal = calibrate()                                   # on every rank
     simulate(schedule, cal.apply(pipe.schedule_costs()))
 
-**All-reduce.** :func:`calibrate_allreduce` times gloo's ``all_reduce`` (SUM, ``async_op=True``
-then ``wait``, as the runtime reduces gradient buckets) over a group of d ranks at a few sizes (4 B
-.. 25 MiB) and fits the ring formula ``t = 2(d-1) x latency + 2(d-1)/d x bytes / bandwidth``
-(``fxpipe.planning.cost.allreduce_seconds``) by the same relative least squares; its ``apply``
-sets ``Costs.allreduce_latency`` and ``allreduce_bandwidth``. Call it on the dp group the runtime
-reduces over (or the world, for one estimate): ``ar.apply(cal.apply(costs))``.
+docs/internals/runtime-costs.md says how each is measured and applied.
 """
 
 from __future__ import annotations

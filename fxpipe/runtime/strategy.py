@@ -1,48 +1,18 @@
 """Per-layer strategies on DTensor: every node of a traced model runs in its own configuration on one rank group.
 
-``planning.strategies`` picks, per layer (fx node), degrees ``(s, c, r)`` over the batch (sample),
-the output channels (column) and the input channels (row); this module runs them. The group of
-``d = 2**k`` ranks is a ``DeviceMesh`` of shape ``(2, ..., 2)``; a configuration gives each mesh
-dimension a role, sample dims first, then column, then row (``s2c2`` on 4 ranks: dim 0 splits the
-batch, dim 1 the channels), so every configuration of the search is a placement on the same mesh,
-and moving a tensor between two layers' configurations is one ``DTensor.redistribute``:
+``planning.strategies`` picks, per layer (fx node), degrees ``(s, c, r)`` over the batch, the output
+channels and the input channels; this module runs them. A group of ``d = 2**k`` ranks is a
+``(2, ..., 2)`` ``DeviceMesh`` and each configuration is a placement on it, so moving a tensor between
+two layers' configurations is one ``DTensor.redistribute``, which moves what
+``planning.strategies.transfer`` counts. Each node computes on local shards; after backward, each
+layer's parameter gradients are all-reduced over the ranks holding the same shard (``sync``).
+BatchNorm with a split batch computes the whole batch's statistics; height splits stay in the cost
+model (DTensor's convolution on a split height is wrong on this torch).
 
-    tensor (per mesh dim of role)      sample      column       row
-    a matmul's input (needed)          Shard(0)    Replicate    Shard(1)
-    a matmul's output (held)           Shard(0)    Shard(1)     Partial      (partial sums over the row ranks)
-    a matmul's weight [out, in, ...]   Replicate   Shard(0)     Shard(1)
-    a matmul's bias                    Replicate   Shard(0)     Replicate    (added once: on row rank 0)
-    elementwise in/out, BN params      Shard(0)    Shard(1)     -            (BN params: Replicate / Shard(0))
-    the input and the loss             Shard(0) on every dim
-
-Each node computes on local shards (``to_local``): ``F.linear`` / the convolution with the local
-weight, the module or function itself for elementwise nodes, and wraps its output with the held
-placements (``from_local``). Gradients follow DTensor's autograd: a column-split matmul's input
-gradient is ``Partial`` over its column ranks and is reduce-scattered or all-reduced on its way back,
-exactly as ``planning.strategies.transfer`` counts. Then, after backward, each layer's parameter
-gradients (partial sums over its sample ranks) are all-reduced as one flat buffer per layer (in
-``BUCKET_BYTES`` buckets) over the ranks that hold the same shard: ``sync_collectives``.
-
-**Nesting orders.** DTensor splits a tensor dim over its mesh dims outermost first, so on a 2x2 mesh a dim
-split over both can nest its blocks two ways. Each layer runs on one *view* of the mesh (the same ranks,
-dims reordered; roles s, c, r in that order over it), and a value moves on a view where its blocks and
-the needed ones nest (``_route``): then it moves what ``planning.strategies.transfer`` counts. A Linear or
-convolution reads its input's channel blocks in any order, holding its weight's input dim in the same
-order (``_block_order``; ``full_parameters`` gives the model's order back), so it takes the base view
-even where its input nests the other way (c4 -> c2r2 -> c4 stays in the base order, and a residual
-add's inputs agree). An elementwise layer cannot reorder: after ``s2c2 -> c4`` its blocks nest the other
-way, and an add joining that with a base-ordered value moves one input, which the cost model does not
-price (docs/architecture.md, per-layer strategies).
-
-BatchNorm with a split batch computes the whole batch's statistics: one all-reduce of the per-channel
-sums of x and x² forward, one of dy and dy·x̂ backward (``stat_bytes``), so a replica's running
-statistics and gradients are one process's. Spatial (height) splits are not run: DTensor's
-convolution on a split height gives wrong results on this torch (gloo), so they stay in the cost
-model (``OptionError`` here). Dropout draws each rank's own mask (training is valid, it is not one
-process's mask).
-
-``CollectiveCounter`` (a ``CommDebugMode``) records every collective the runtime issues with the
-layer it belongs to and the bytes a rank receives, to check the cost model's prediction per layer.
+Pipelined strategies (several stages, each on its own group) run their schedule through the
+executor core (``runtime.core``): the ranks at one place of every group form one lane.
+``CollectiveCounter`` records each collective with its layer and bytes, to check the cost model.
+docs/internals/strategy-runtime.md gives the placements table and the nesting orders.
 """
 
 from __future__ import annotations
