@@ -436,6 +436,10 @@ def _describe(obj: Any) -> str:
 
 def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch.fx.GraphModule:
     k = spec["index"]
+    size = (path / spec["graph"]).stat().st_size
+    if size > MAX_STAGE_JSON_BYTES:  # before its checksum is computed
+        raise PlanFileError(f"{path / spec['graph']} is {size:,} bytes, more than the {MAX_STAGE_JSON_BYTES:,} fxpipe "
+                            "reads; re-run fxpipe compile")
     for key in ("graph", "weights"):
         name = spec[key]
         if sums.get(name) != _sha256(path / name):

@@ -146,7 +146,8 @@ def run_cmd(
         source, fit = _data_fit(plan, data)
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
-        ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
+        ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
+                                          lock=nnodes == 1)
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
@@ -463,10 +464,12 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int) -> Any:
+def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int,
+                          lock: bool = True) -> Any:
     """Before any rank starts: a checkpoint directory is resumed from, overwritten or new, as the options say.
 
-    Returns its lock (an open file; closing it lets another run in), held for the whole run, or None.
+    With ``lock`` (one machine: the nodes of a run across machines share the directory), returns its
+    lock (an open file; closing it lets another run in), held for the whole run; else None.
     """
     if directory is None:
         if resume or overwrite:
@@ -482,13 +485,14 @@ def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bo
         raise OptionError(f"--checkpoint-dir {directory} is a symbolic link; give the directory it points to")
     if resume and not directory.exists():
         checkpoint.newest(directory)  # refuses: nothing to resume (before the lock would make the directory)
-    lock = checkpoint.lock(directory)
+    held = checkpoint.lock(directory) if lock else None
     try:
         _check_checkpoints(checkpoint, directory, resume=resume, overwrite=overwrite, steps=steps)
     except BaseException:
-        lock.close()
+        if held is not None:
+            held.close()
         raise
-    return lock
+    return held
 
 
 def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: bool, overwrite: bool, steps: int) -> None:

@@ -303,18 +303,19 @@ def _owned(path: Path) -> list[str] | str:
     except OSError as exc:
         return f"cannot be listed ({exc.strerror or exc})"
     listed: set[str] = set()
-    if (path / MARKER).is_file() and not (path / MARKER).is_symlink():
+    if PARTIAL_MARK in entries:  # a save that never finished: what fxpipe and DCP write while saving
+        listed |= {n for n in entries if _OURS.match(n)}
+    elif (path / MARKER).is_file() and not (path / MARKER).is_symlink():
         try:
             info = read_json(path / MARKER, max_bytes=MAX_MARKER_BYTES)
         except (OSError, ValueError):
             info = None
-        if isinstance(info, dict) and info.get("schema") == SCHEMA:
-            for key in ("files", "sha256"):
-                if isinstance(info.get(key), dict):
-                    listed |= {n for n in info[key] if isinstance(n, str) and _OURS.match(n)}
-            listed |= {MARKER, ".metadata"}
-    if PARTIAL_MARK in entries:  # a save that never finished: what fxpipe and DCP write while saving
-        listed |= {n for n in entries if _OURS.match(n)}
+        if not isinstance(info, dict) or info.get("schema") != SCHEMA:
+            return f"has a {MARKER} fxpipe cannot read, so it cannot tell its own files there from others"
+        for key in ("files", "sha256"):
+            if isinstance(info.get(key), dict):
+                listed |= {n for n in info[key] if isinstance(n, str) and _OURS.match(n)}
+        listed |= {MARKER, ".metadata"}
     foreign = [n for n in entries if n not in listed or (path / n).is_symlink() or not (path / n).is_file()]
     if foreign:
         return f"holds {_few(foreign)}, which fxpipe did not write"
