@@ -128,6 +128,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
+import struct  # noqa: E402
 
 BOUNDS = {"plan.json": 256 * 2**20, "fxpipe-checkpoint.json": 64 * 2**20}
 MEMORY_BOUND_MIB = 3 * 1024  # far above what these small plans need; a claimed 10^13 elements would pass it
@@ -175,11 +176,25 @@ def _json_paths(doc: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> list[
 
 def mutate(data: st.DataObject, root: Path, user: Path, names: list[str]) -> str:
     """Apply one drawn mutation to the files ``names`` of ``root``; returns what it did (for the failure message)."""
-    kind = data.draw(st.sampled_from(["json", "nest", "size", "bytes", "link-file", "link-dir", "foreign", "truncate"]))
-    name = data.draw(st.sampled_from(names))
+    kind = data.draw(st.sampled_from(["json", "nest", "size", "bytes", "tensor", "link-file", "link-dir", "foreign",
+                                      "truncate"]))
+    if kind == "tensor":  # a checkpoint's tensor values themselves, changed at the same size
+        name = data.draw(st.sampled_from([n for n in names if n.endswith(".distcp")] or names))
+    else:
+        name = data.draw(st.sampled_from(names))
     path = root / name
-    if kind == "json" and path.suffix == ".json":
-        doc = json.loads(path.read_text())
+    if kind == "tensor":
+        raw = bytearray(path.read_bytes())
+        step = int(path.parent.name.split("_")[-1]) if path.parent.name.startswith("step_") else 0
+        at = raw.find(struct.pack("<d", float(step)) * 6)  # the step's weight, as _OneRank saved it
+        if at >= 0:
+            raw[at + data.draw(st.integers(0, 47))] ^= data.draw(st.sampled_from([0x01, 0x80, 0xFF]))
+            path.write_bytes(bytes(raw))
+    elif kind == "json" and path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_bytes())
+        except ValueError:  # an earlier mutation broke it
+            return f"{kind} {name} (not JSON)"
         where = data.draw(st.sampled_from(_json_paths(doc)))
         value = data.draw(json_values)
         if not where:
@@ -198,7 +213,7 @@ def mutate(data: st.DataObject, root: Path, user: Path, names: list[str]) -> str
             f.truncate(BOUNDS[path.name] + 1)
     elif kind == "bytes" and path.stat().st_size > 0:
         raw = bytearray(path.read_bytes())
-        at = data.draw(st.integers(0, len(raw) - 1))
+        at = data.draw(st.integers(0, 2**20)) % len(raw)  # drawn independently of the size (which varies by a byte)
         for i in range(at, min(len(raw), at + data.draw(st.integers(1, 10_000)))):
             raw[i] ^= data.draw(st.sampled_from([0x01, 0x5A, 0xFF]))
         path.write_bytes(bytes(raw))  # the same size
@@ -266,7 +281,7 @@ def test_mutated_plan_directories(places: Places, user_dir: Path, tmp_path_facto
     shutil.rmtree(work)
 
 
-@settings(FUZZ, max_examples=40)
+@settings(FUZZ, max_examples=30)
 @given(data=st.data())
 def test_mutated_checkpoint_directories(places: Places, user_dir: Path, tmp_path_factory: pytest.TempPathFactory,
                                         data: st.DataObject) -> None:
