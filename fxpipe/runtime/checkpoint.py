@@ -1,37 +1,15 @@
 """Checkpoints as torch.distributed.checkpoint (DCP) directories, one per step, read as data and never as code.
 
-One directory per step, written by every rank together::
+    CK/step_000002/     .metadata, __R_0.distcp (one per rank), fxpipe-checkpoint.json (sizes, sha256)
+    CK/.step_000004.partial/   a save under way or never finished: never loaded
+    CK/.fxpipe.lock     held by the fxpipe run writing here: a second one is refused
 
-    CK/
-      step_000002/                   complete: this name appears only once every rank's part is in
-        .metadata                    DCP's index of every tensor (written by rank 0 after all ranks wrote)
-        __0_0.distcp  __1_0.distcp   one file of tensors per rank
-        fxpipe-checkpoint.json       step, ranks, stages, schedule, every file's size and sha256, optimizer
-                                     hyperparameters
-      step_000003/
-      .step_000004.partial/          a save under way, or one that never finished: never loaded
-        .fxpipe-partial              made by rank 0 with the directory: fxpipe's mark that it may remove it
-      .fxpipe.lock                   held (flock) by the fxpipe run writing here: a second one is refused
-
-Keys are the model's names, not the plan's: ``model.<fqn>`` (parameters and buffers),
-``optim.state.<fqn>.<key>`` (a parameter's optimizer state, e.g. ``momentum_buffer``),
-``optim.number.<fqn>.<key>`` (a state value that is a Python number, kept as a 0-d tensor) and
-``fxpipe.step.rank<R>`` (the step, in every rank's file: a set of files from different steps is
-refused). A parameter tied across ranks is saved once (by the lowest rank holding it), and a stage
-with replicas (pipeline x data parallel) once, by replica 0: the other replicas' files hold only
-their step, so the checkpoint is the same size for any replica count and loads onto any. Each rank
-loads only the keys of its own stages (DCP's planner reads them wherever they were written), so a
-checkpoint of a 2-stage plan resumes under a 3-stage plan of the same model.
-
-Nothing is unpickled as code: ``.metadata`` (a pickle) is read by an unpickler that knows only the
-classes DCP's metadata is made of; the tensor files by DCP's reader, whose ``torch.load`` is
-``weights_only``; non-tensor values (which DCP would ``torch.load`` with ``weights_only=False``) are
-never written and refused on load; and fxpipe's own file is JSON (bounded in size and depth).
-
-Nothing outside the directory is touched, and nothing fxpipe did not write: a step is removed (pruning,
-``clear``) only when it is a real directory (not a link) holding only regular files its record lists
-(``fxpipe-checkpoint.json``, or ``.fxpipe-partial`` for a save that never finished). Resume verifies
-every file's checksum and passes over a step whose bytes changed, naming it.
+Keys are the model's names (``model.<fqn>``, ``optim.state.<fqn>.<key>``), so a checkpoint resumes
+under another stage count or replica count; each rank loads only its own stages' keys. Nothing is
+unpickled as code: ``.metadata`` through an allow-list unpickler, tensors ``weights_only``, fxpipe's
+own record as bounded JSON. Resume verifies every file's checksum and passes over a step whose
+bytes changed, naming it. A step is removed (pruning, ``clear``) only when it is a real directory
+holding only regular files its record lists. docs/internals/checkpoints.md draws the layout.
 """
 
 from __future__ import annotations
