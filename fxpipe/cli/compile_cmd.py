@@ -184,6 +184,9 @@ def compile_cmd(
                 max_stages=None if devices is None or objective_text is None else devices // dp,
                 plan_search=searching, devices=devices if searching else None, cores=core_count,
             )
+            from fxpipe.api import check_options
+
+            check_options(options)  # every size bounded before calibrating, choosing a strategy or compiling
             from fxpipe.passes.calibrate_compute import calibrate_overheads, calibrated_options, describe
 
             step("calibrating compute", 0, 0)
@@ -229,7 +232,15 @@ def compile_cmd(
         if compiled.pipeline is not None and out_dir is not None:
             from fxpipe.api import save
 
-            written = save(compiled.pipeline, out_dir)
+            try:
+                written = save(compiled.pipeline, out_dir)
+            except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError when the disk is full
+                if isinstance(exc, RuntimeError) and not _write_failure(exc):
+                    raise
+                from fxpipe.errors import first_line
+
+                raise OptionError(f"--out {str(out_dir)!r} could not be written ({first_line(exc)}); free space "
+                                  "there or choose another path") from None
         seconds = time.perf_counter() - started
         if as_json:
             hint = _cores_hint(options, rates is not None)
@@ -279,6 +290,12 @@ def compile_cmd(
             say(f"wrote {written} ({compiled.pipeline.num_stages} stages{chosen_by}{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def _write_failure(exc: RuntimeError) -> bool:
+    """Whether torch.save's RuntimeError is a failed write (a full disk, a quota), not a bug to show."""
+    text = str(exc).lower()
+    return any(w in text for w in ("failed writing", "file write failed", "no space", "unexpected pos", "quota"))
 
 
 def measure_runtime_overheads(rates: Any, threads: int) -> Any:
