@@ -151,13 +151,18 @@ def batch_plan_ws(pipe: Pipeline) -> bool:
     return chosen
 
 
-def check_options(options: CompileOptions) -> None:
-    """Refuse values no pass can use, and sizes past ``LIMITS``, before any pass runs."""
-    for name in ("bandwidth", "device_flops", "device_mem_bw"):
-        LIMITS.positive(f"--{name.replace('_', '-')}", getattr(options, name), getattr(DEFAULTS, name))
-    latency = options.latency
+def check_link(bandwidth: Any, latency: Any) -> None:
+    """A link's bandwidth (bytes/s: positive, finite) and latency (0 to ``LIMITS.latency`` seconds)."""
+    LIMITS.positive("--bandwidth", bandwidth, DEFAULTS.bandwidth)
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= LIMITS.latency:
         raise OptionError(f"--latency must be 0 to {LIMITS.latency:g} seconds per transfer (latency: {latency})")
+
+
+def check_options(options: CompileOptions) -> None:
+    """Refuse values no pass can use, and sizes past ``LIMITS``, before any pass runs."""
+    for name in ("device_flops", "device_mem_bw"):
+        LIMITS.positive(f"--{name.replace('_', '-')}", getattr(options, name), getattr(DEFAULTS, name))
+    check_link(options.bandwidth, options.latency)
     stages = LIMITS.whole("--stages", options.stages, LIMITS.stages, "each stage is a graph and a rank of its own",
                           error=PlanError)
     dp = LIMITS.whole("--dp", options.dp, LIMITS.ranks, "each replica is a rank (a process) of its own")
@@ -365,6 +370,7 @@ def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: 
     if stages > 1 and schedule is not None and schedule.strip().lower() != "gpipe":
         raise OptionError(f"a pipelined --strategy runs its {stages} stages in GPipe order (every forward, then every "
                           f"backward, one update per step), not --schedule {schedule}; drop --schedule or give gpipe")
+    LIMITS.whole("--dp", ranks, LIMITS.ranks, "each is a rank (a process) of its own", least=0)
     if ranks < 2 or ranks & (ranks - 1):
         raise OptionError(f"--strategy runs on --dp ranks, a power of two of at least 2 (the DTensor runtime's "
                           f"(2, ..., 2) mesh; given: --dp {ranks}); use --dp 2, 4, 8, ...")
@@ -389,6 +395,7 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     check_strategy(name, 1, ranks, group)
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
+    check_link(bandwidth, latency)
     g = strategy_graph(model, example_inputs, compute=compute)
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
     chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
@@ -466,6 +473,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                           f"to {ranks} ranks (batch: {batch}); use a --batch-size that {microbatches * ranks} divides")
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
+    check_link(bandwidth, latency)
     g = strategy_graph(model, example_inputs, compute=compute)
     cuts = strategy_cuts(plan, g.module, g.edges)
     bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]

@@ -324,7 +324,7 @@ def _devices(value: Any) -> list[torch.device] | None:
     found = []
     for k, d in enumerate(value):
         if not isinstance(d, (str, torch.device)):
-            raise OptionError(f"options devices[{k}] is {type(d).__name__} {str(d)[:40]!r}, not a device; name it as "
+            raise OptionError(f"options devices[{k}] is {type(d).__name__} {str(d)[:40]}, not a device; name it as "
                               "'cpu', 'cuda:0' or torch.device(...)")
         try:
             device = torch.device(d)
