@@ -7,6 +7,7 @@ exception is printed as it is. Nothing here imports torch, so ``fxpipe --help`` 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -70,6 +71,44 @@ def one_line_errors() -> Iterator[None]:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+TORCH_LOG = "FXPIPE_TORCH_LOG"  # a file for torch's own logged errors, which the CLI keeps off the terminal
+
+
+class _NoTorchTracebacks(logging.Filter):
+    """Drops torch's logged errors and tracebacks (a failed fake-tensor run, a Dynamo guard) from the terminal:
+    fxpipe says what went wrong in its one ``error:`` line. With ``$FXPIPE_TORCH_LOG`` set, they go to that
+    file instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        path = os.environ.get(TORCH_LOG)
+        self.file: logging.Handler | None = logging.FileHandler(path) if path else None
+        if self.file is not None:
+            self.file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None and record.levelno < logging.ERROR:
+            return True
+        if self.file is not None:
+            self.file.handle(record)
+        return False
+
+
+_QUIET = _NoTorchTracebacks.__name__
+
+
+def quiet_torch_logs() -> None:
+    """Once torch is imported (it sets up its loggers then): its logged errors stay off the terminal, in
+    ``$FXPIPE_TORCH_LOG`` if set. For the CLI only: the library leaves logging to its caller."""
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    shared: _NoTorchTracebacks | None = None
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            if not any(type(f).__name__ == _QUIET for f in handler.filters):
+                shared = shared or _NoTorchTracebacks()
+                handler.addFilter(shared)
 
 
 def check_writable_file(path: Path, option: str) -> None:

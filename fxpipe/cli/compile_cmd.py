@@ -10,7 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress, say
+from fxpipe.cli.common import (check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress,
+                               quiet_torch_logs, say)
 from fxpipe.errors import OptionError
 
 
@@ -140,6 +141,8 @@ def compile_cmd(
         with progress(disable=as_json) as step:
             step("importing torch", 0, 0)
             import torch
+
+            quiet_torch_logs()
 
             from fxpipe.api import run_compile
             from fxpipe.plan import BuildRecipe, CompileOptions

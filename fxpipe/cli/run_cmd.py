@@ -17,7 +17,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fxpipe.cli import ranks
-from fxpipe.cli.common import check_writable_file, err, one_line_errors, out, progress, say, write_output
+from fxpipe.cli.common import (check_writable_file, err, one_line_errors, out, progress, quiet_torch_logs, say,
+                               write_output)
 from fxpipe.errors import OptionError, RankFailedError
 
 
@@ -97,6 +98,7 @@ def run_cmd(
 
         with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
             import torch  # noqa: F401
+        quiet_torch_logs()
 
         from fxpipe.plan_dir import read_plan
         from fxpipe.report import Report

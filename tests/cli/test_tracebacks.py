@@ -217,3 +217,36 @@ def test_api_and_backend_refuse_wrong_types_in_one_line() -> None:
         inner = getattr(info.value, "inner_exception", info.value)  # Dynamo wraps what a backend raises
         assert isinstance(inner, OptionError) and says in str(inner) and "\n" not in str(inner), (options, inner)
         assert time.monotonic() - started < 60  # stages 10**9 grew to 24 GB
+
+
+def test_torch_logged_tracebacks_stay_off_the_terminal(tmp_path: Path) -> None:
+    """An example that does not fit the model: torch's fake-tensor logger printed 19 lines of traceback before the
+    error line. They go to $FXPIPE_TORCH_LOG when it is set. (A subprocess: torch's handler holds the real stderr.)"""
+    import os
+    import subprocess
+    import sys
+
+    model = tmp_path / "misfit.py"
+    model.write_text("import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8)), "
+                     "(torch.randn(4, 5),)\n")
+    log = tmp_path / "torch.log"
+    for env in ({}, {"FXPIPE_TORCH_LOG": str(log)}):
+        done = subprocess.run([sys.executable, "-m", "fxpipe.cli.main", "compile", f"{model}:build"],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: cannot trace"), done.stderr
+    assert "Traceback" in log.read_text()
+
+
+def test_a_port_in_use_is_named(plan: Path) -> None:
+    """--master-port held by another program: torchrun fails in seconds, and the line said "waited up to 300 s"."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = one_line_error(fxpipe_cli("run", plan, "--master-addr", "127.0.0.1", "--master-port", port))
+    assert f"--master-port {port}" in line and "already in use" in line, line
+    assert "waited" not in line, line
