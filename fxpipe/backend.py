@@ -306,7 +306,7 @@ def _count(opts: dict[str, Any], name: str, default: int) -> int:
     """A whole-number option from 1 to its bound in ``LIMITS`` (``stages`` or ``microbatches``)."""
     value = opts.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"options {name!r} must be a whole number of at least 1 ({name}: {str(value)[:40]!r})")
+        raise OptionError(f"options {name!r} must be a whole number of at least 1 ({name}: {value!r:.40})")
     most = getattr(LIMITS, name)
     if value > most:
         raise OptionError(f"options {name!r} must be at most {most:,} ({name}: {value:,}): each is a graph or a "

@@ -85,9 +85,11 @@ class Limits:
         if isinstance(value, bool) or not isinstance(value, int):
             raise kind(f"{name} must be a whole number from {least:,} to {most:,} (got {type(value).__name__} "
                        f"{str(value)[:40]!r})")
-        if not least <= value <= most:
-            shown = f"{value:,}" if abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit number"
-            raise kind(f"{name} must be from {least:,} to {most:,} (got {shown}): {why}")
+        shown = f"{value:,}" if abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit number"
+        if value < least:
+            raise kind(f"{name} must be at least {least:,} ({name.lstrip('-').split('.')[-1]}: {shown})")
+        if value > most:
+            raise kind(f"{name} must be at most {most:,} (got {shown}): {why}")
         return value
 
     def positive(self, name: str, value: Any, example: float, *, error: type[Exception] | None = None) -> float:
