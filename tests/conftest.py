@@ -12,7 +12,7 @@ import torch
 import fxpipe
 
 # Plans in tests never depend on the machine: fxpipe compile keeps the fixed device model instead of calibrating
-# this machine's compute (tests/passes/test_calibrate_compute.py turns it on where it tests it).
+# this machine's compute (tests/calibration/test_compute.py turns it on where it tests it).
 os.environ["FXPIPE_CALIBRATION"] = "off"
 
 

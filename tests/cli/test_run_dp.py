@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.runtime.threads import rank_cpus
+from fxpipe.calibration.threads import rank_cpus
 from tests.cli.test_run_cli import _reference_losses
 from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
 
