@@ -454,7 +454,7 @@ def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, di
 
     Cheap on the meta device (nothing is computed); an input that feeds no embedding directly is absent.
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from fxpipe._compat import TorchDispatchMode
 
     positions = {id(x): i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()}
     bounds: dict[int, int] = {}

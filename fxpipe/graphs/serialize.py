@@ -139,7 +139,7 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
             value = _constant_result(target, args, constants, here)
             if value is not None:
                 constants[name] = value
-        elif op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        elif op == "call_function" and op_overload_name(target) is not None:
             _check_sizes(target, args, kwargs, here)
         if target == "builtins.getattr" or target is getattr:
             if len(args) != 2 or args[1] not in _TENSOR_ATTRS:
