@@ -13,7 +13,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from tests.test_transformers import _gpt2
+from tests._helpers import hf_gpt2 as _gpt2
 
 
 def _train_side_by_side(model: torch.nn.Module, inputs: tuple[Any, ...], target: torch.Tensor, loss_fn: Any,

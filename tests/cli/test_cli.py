@@ -16,37 +16,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import Result
-from typer.testing import CliRunner
 
 import fxpipe
 from fxpipe import models
-from fxpipe.cli.main import app
 from fxpipe.passes import DEFAULT_PASSES, PASS_NAMES
-
-
-
-def fxpipe_cli(*args: str | os.PathLike[str]) -> Result:
-    """Run ``fxpipe ARGS`` in this process; stdout and stderr are kept apart."""
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def ok(result: Result) -> Result:
-    """The command succeeded: exit 0 and no exception."""
-    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.exception is None, repr(result.exception)
-    return result
-
-
-def one_line_error(result: Result) -> str:
-    """The command failed the way the CLI promises: exit 2, one ``error:`` line on stderr, no traceback."""
-    assert result.exit_code == 2, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{result.stderr}"
-    assert lines[0].startswith("error: ")
-    return lines[0]
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 def titles_in(text: str) -> list[str]:
