@@ -30,6 +30,10 @@ from click.testing import Result
 import fxpipe
 
 ROOT = Path(__file__).parents[1]
+# How long a test waits for a process it started before calling it hung: a guard that keeps a hang from stalling the
+# suite, never a speed check, so far above what any run takes on a loaded machine (a Python that imports torch took
+# over a minute at load 14 on 2 cores). A bound a test checks is one its output states, not a wall-clock reading.
+HANG_S = 600
 
 
 def session_dir(prefix: str) -> Path:
@@ -347,7 +351,7 @@ DIST_WORKER = ROOT / "tests" / "runtime" / "_dist_worker.py"
 
 
 def launch_ranks(tmp_path: Path, world: int, cfg: dict[str, Any], worker: Path = DIST_WORKER,
-                 timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+                 timeout: float = HANG_S) -> list[subprocess.CompletedProcess[str]]:
     """``world`` processes of ``worker`` (argv: rank, world, init method, ``tmp_path``, ``cfg`` as JSON), meeting
     over a file in ``tmp_path``; each one's exit code, stdout and stderr."""
     init = f"file://{tmp_path / 'pg'}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxpipe
-from tests._helpers import assert_composes, hf_gpt2 as _gpt2, hf_loss as _loss
+from tests._helpers import HANG_S, assert_composes, hf_gpt2 as _gpt2, hf_loss as _loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,7 +68,7 @@ torch.testing.assert_close(out["logits"], io["logits"])
 assert "transformers" not in sys.modules
 print([str(w.message) for w in caught])
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CausalLMOutputWithCrossAttentions; loaded as fxpipe.Record" in proc.stdout
     assert "Import transformers before loading" in proc.stdout

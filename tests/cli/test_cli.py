@@ -20,7 +20,7 @@ from click.testing import Result
 import fxpipe
 from fxpipe import models
 from fxpipe.passes import DEFAULT_PASSES, PASS_NAMES
-from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import HANG_S, fxpipe_cli, ok, one_line_error
 
 
 def titles_in(text: str) -> list[str]:
@@ -616,7 +616,7 @@ def test_models_json() -> None:
 
 
 def _python(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -627,7 +627,7 @@ def test_console_script_error_is_one_line_on_the_real_stderr(tmp_path: Path) -> 
     if not script.is_file():
         pytest.skip(f"no console script at {script}")
     proc = subprocess.run([str(script), "compile", "gpt-tiny", "--stages", "100"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+                          timeout=HANG_S, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
@@ -653,7 +653,7 @@ def test_console_script_help_does_not_import_torch() -> None:
     if not script.is_file():
         pytest.skip(f"no console script at {script}")
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
-    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=HANG_S, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "compile" in proc.stdout and "inspect" in proc.stdout and "models" in proc.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

@@ -16,7 +16,7 @@ from fxpipe import models
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.generators import async_1f1b
 from fxpipe.schedules.versions import reads
-from tests._helpers import stream
+from tests._helpers import HANG_S, stream
 
 WORKER = Path(__file__).with_name("_async_worker.py")
 ROOT = Path(__file__).parents[2]
@@ -33,7 +33,7 @@ def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, wor
                                str(plan), str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

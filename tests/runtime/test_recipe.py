@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fxpipe
+from tests._helpers import HANG_S
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +70,7 @@ def test_readme_recipe_trains_a_hugging_face_plan_like_one_process(make, tmp_pat
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(plan), str(tmp_path / "batches.pt")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^loss (\S+)$", proc.stdout, re.M)]
     assert len(losses) == STEPS, proc.stdout
