@@ -23,7 +23,7 @@ _LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "P
 
 
 def __getattr__(name: str) -> Any:
-    if name == "__version__":  # read from the installed metadata only when asked (it costs ~30 ms)
+    if name == "__version__":  # read from the installed metadata only when asked (reading it is not free)
         from fxpipe.plan import fxpipe_version
 
         return fxpipe_version()

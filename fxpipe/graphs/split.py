@@ -212,7 +212,7 @@ def _split_masked_ops(bw: torch.fx.GraphModule) -> list[str]:
 # Ops whose weight half is as costly as their input half. Normalisation backwards
 # (native_layer_norm_backward, native_batch_norm_backward, ...) stay whole in B: their weight
 # gradients are cheap reductions of terms the input gradient computes anyway, so splitting them
-# would recompute those terms (measured: +2.5% backward time on a GPT stage); B hands the small
+# would recompute those terms (slower backward on a GPT stage); B hands the small
 # weight gradients over to W instead.
 _SPLIT_BY_MASK = frozenset({torch.ops.aten.convolution_backward.default})
 

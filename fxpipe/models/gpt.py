@@ -46,7 +46,7 @@ SIZES: dict[str, GPTSize] = {
     "medium": GPTSize(
         GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=128), 4, 64
     ),
-    # The runtime benchmark's GPT (issue 5): 8 blocks, d=256, seq 128; batch 16 = 8 microbatches of 2.
+    # The runtime benchmark's GPT: 8 blocks, d=256, seq 128; batch 16 = 8 microbatches of 2.
     "base": GPTSize(
         GPTConfig(vocab_size=512, block_size=128, n_layer=8, n_head=4, n_embd=256), 2, 128
     ),

@@ -27,7 +27,7 @@ SIZES: dict[str, MLPSize] = {
     "tiny": MLPSize(widths=(32, 256, 64, 512, 32, 10), batch_size=4),
     "small": MLPSize(widths=(64, 512, 128, 1024, 64, 10), batch_size=8),
     "large": MLPSize(widths=(256, 4096, 512, 8192, 256, 10), batch_size=32),
-    # The runtime benchmark's MLP (issue 5): 16 layers 1024 wide; batch 64 = 8 microbatches of 8.
+    # The runtime benchmark's MLP: 16 layers 1024 wide; batch 64 = 8 microbatches of 8.
     "deep": MLPSize(widths=(1024,) * 17, batch_size=8),
 }
 

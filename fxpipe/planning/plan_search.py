@@ -1,29 +1,10 @@
 """``--plan auto``: stage count x dp replicas x schedule x microbatches on a device budget, screened by a model.
 
-Every combination with ``stages x dp <= devices`` is a candidate: for each stage count P and
-microbatch count m (P, 2P, 4P) the partition minimising the pipeline step model
-(``stage_count.best_partition``, under each schedule's memory in flight and the per-device cap),
-for each schedule whose memory fits, for each replica count dp (every power of two, and the most
-that fit the budget; every count with ``cores`` below the budget). Its modelled step is the
-pipeline's (``stage_count.pipeline_step``) plus the slowest stage's gradient all-reduce over its dp
-replicas, fully exposed; its throughput is ``dp x m`` microbatches per step. The model ranks
-them; the caller simulates the best few and picks by the simulated throughput
-(``passes.partition_stages``), so the model only screens.
-
-With ``cores`` (``--cores``), the ``stages x dp`` ranks time-share that many cores: every layer's
-compute counts ``max(1, stages x dp / cores)`` times (``time_sharing``, the simulator's
-``Costs.compute_scale``), in the partition's search and in the step, so the screen and the
-simulator agree on which candidates time-share; transfers and the all-reduce do not slow down.
-The same ranks share one machine's last-level cache: ``dp`` replicas hold ``dp`` copies of the model
-there, so more of each weight is read from memory than one copy's estimate assumed (``cache``, per dp,
-the shift in that fraction; ``Layers.cold``, per layer, what reading all of it from memory adds).
-
-Memory per device: the stage's parameters, gradients and optimizer state
-(``static_bytes``, 4 x the trainable bytes, as the partitioner counts them) plus the activations
-the schedule keeps in flight on that stage (``cost.in_flight``), the same on every dp replica.
-
-Per-layer strategies (issue 14) are not a dimension yet: a strategy plan is one stage on its ranks,
-and its cost model (``planning/strategies``) shares no step model with these candidates.
+Every combination with ``stages x dp <= devices`` is a candidate: the best partition per stage
+count and microbatch count (``stage_count.best_partition``) under each schedule's memory, for each
+replica count. A step model (the pipeline's step plus the slowest stage's exposed all-reduce) ranks
+them; the caller simulates the best few and picks by simulated throughput, so the model only
+screens. docs/internals/plan-search.md says how time-sharing cores and cache are counted.
 
 Pure: plain values in, plain values out; no torch.
 """

@@ -1,35 +1,13 @@
 """How many stages: the exact partition for every stage count, and the count an objective picks.
 
-Akintoye et al. partition layer-wise and then *merge* partitions until the device count suits the
-model. Here that is exact: for every stage count P the partition that minimises the pipeline step
-model below (an exact search, equal to brute force over all contiguous partitions), then one count
-chosen by a stated objective over the simulated steps of those plans. A merge from P to P-1 stages
-is the difference between the two plans: the cut(s) removed (and any that moved), the bytes they
-no longer send, and the step time that changes.
-
-The step model, for m microbatches through P stages whose per-microbatch compute (F + B + W) is
-``t_s`` and whose cut ``s`` costs ``c_s = latency + bytes / bandwidth`` each way::
+Akintoye et al. partition layer-wise and then merge partitions. Here, for every stage count P, the
+partition minimising the pipeline step model
 
     step(P) = sum(t_s) + 2 * sum(c_s) + (m - 1) * max(max(t_s), max(c_s))
 
-the first microbatch's trip forward and back (fill and drain: every stage's compute once and every
-cut twice) and then m - 1 microbatches at the pace of the busiest stage or link (each direction of
-a link carries one message per microbatch). Transfers take no compute time, as in
-``fxpipe.schedules.simulate``. It is GPipe's step exactly when a stage's F and B+W are in
-proportion and no link is slower than a stage's F, and, with such links, within -14%/+13% of the
-simulated 1F1B step over 400 random instances (tests/planning/test_stage_count.py measures it:
-1F1B's few microbatches in flight on the last stages make round trips the model does not see).
-Slower links are further off; the simulator, not the model, judges between stage counts.
-
-Because ``sum(t_s)`` is the whole model's compute whatever the cuts, the partition for a given P
-minimises ``(m - 1) * max(...) + 2 * sum(c_s)``: a cut buys balance (a lower maximum) and costs its
-transfer on the critical path, which is the trade-off merging weighs. The search walks the
-candidate maxima (every span's compute and every cut's transfer) in increasing order and, for
-each, finds the cheapest set of cuts whose spans and transfers stay under it (a DP over layers and
-stages); it stops once the maximum alone costs more than the best step found.
-
-Speedup is throughput against one device running the same m microbatches one after the other:
-``S(P) = m * sum(t) / step(P)``; efficiency is ``S(P) / P``.
+is found exactly (equal to brute force over contiguous partitions); one count is then chosen by a
+stated objective over the simulated steps. A merge from P to P-1 stages is the difference between
+the two plans. docs/internals/stage-count.md derives the model and the search.
 
 Pure: plain values in, plain values out; no torch.
 """

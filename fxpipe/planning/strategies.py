@@ -1,77 +1,11 @@
-"""Per-layer parallel configurations (OptCNN), searched exactly on the layer graph by elimination, enumeration or an ILP.
+"""Per-layer parallel configurations (OptCNN, Jia et al.), searched exactly on the layer graph.
 
-Every layer of a graph has candidate configurations, each with a node cost (compute plus the
-all-reduce of its replicated parameters' gradients) and a memory per rank; every edge (a tensor
-from one layer to another) has a table of redistribution costs, one per pair of the producer's and
-the consumer's configurations. A strategy picks one configuration per layer; its cost is the sum
-of its node costs and of its edges' table entries (Jia et al., OptCNN). ``solve`` finds the least:
-
-- **edge elimination**: two edges between the same pair of layers become one, their tables added;
-- **node elimination**: a layer with exactly two edges, to two different neighbours i and k, is
-  removed; the new edge's table is ``T[ci][ck] = min_cj (A[ci][cj] + cost_j[cj] + B[cj][ck])`` and
-  the argmin is kept for unwinding. The paper asks for one in-edge and one out-edge; any two edges
-  are as exact (the cost is a sum of pairwise terms, so direction does not matter); ``strict=True``
-  keeps the paper's rule;
-- **leaf elimination** (Hetu's endpoint rule; off with ``strict=True``): a layer with one edge is
-  folded into its neighbour's node costs, ``cost_i[ci] += min_cj (A[ci][cj] + cost_j[cj])``.
-
-The rules run until none applies. Series-parallel graphs (chains, residual blocks, Inception-like
-branches) end at one layer (two under ``strict``: the source and the sink); the residue is solved by
-enumeration when small, else by an ILP (HiGHS, ``pip install 'fxpipe[strategies]'``), and the
-eliminations are unwound in reverse to give every layer its configuration. ``solve_ilp`` and
-``solve_brute_force`` solve the whole graph (cross-checks, and graphs that do not reduce)::
-
-    chain a -> b -> c:        fold a into b, then b into c  ->  c alone
-                   strict:    eliminate b  ->  a -> c (source and sink)
-    K4 (every pair joined):   no rule applies  ->  4 layers left  ->  enumeration or ILP
-
-**Configurations from plain numbers** (``layer_configs``, ``build_graph``). On ``d`` ranks a layer's
-configuration is its degrees ``(s, c, r, h)``: s splits the batch (sample), c the output
-channels/features (column), r the input channels/features (row: each rank adds a partial sum), h
-the height (spatial; convolutions, pooling), with ``s*c*r*h == d`` (or dividing d with
-``divisors=True``: the rest of the ranks compute the same thing). Per rank:
-
-    compute  = seconds / (s*c*r*h) + fixed + host         seconds: the layer's F + B + W, whole batch;
-                                                          fixed: per call whatever the split (a conv's);
-                                                          host: the runtime's per layer (``HostCosts``)
-    sync     = allreduce_seconds(params / P, s*h, link)   P = c*r (matmul) or c (elementwise): the
-                                                          parameters are split over P and replicated
-                                                          over the s*h ranks that see other samples/pixels
-                                                          (a matmul's bias over c only)
-             + 2 x allreduce_seconds(stats / c, s*h)      BatchNorm's batch statistics, forward and backward
-             + host per collective                        (``HostCosts.sync`` / ``.collective``)
-    memory   = static_memory(params / P, optimizer)       parameters, gradients, optimizer state
-             + saved / (the degrees that split the input) a matmul saves its input (s*r*h); else s*c*h
-
-Layouts (what each rank holds of a tensor: a block of the batch, channel and height dims, and
-maybe a partial sum over a group) of a layer with degrees (s, c, r, h)::
-
-    kind         input it reads                 output it writes               backward
-    matmul       batch/s chan/r height/h,       batch/s chan/c height/h,       input grad: partial over c;
-                 the same on the c ranks        partial over r                 output grad needed on all r
-    elementwise  batch/s chan/c height/h        the same                       the same (no r)
-    input        -                              batch/s (s = d)                no gradient
-
-**Redistribution** (``transfer``): a tensor of B bytes goes from the layout held to the layout
-needed; bytes are what each rank receives, steps are its ring steps (each costs the latency)::
-
-    held -> needed                               collective       bytes per rank         steps
-    same blocks, or needed blocks inside held    none / a slice   0                      0
-    split g ways -> whole (on the g ranks)       all-gather       (g-1)/g * B            g-1
-    split g ways on one dim -> on another        all-to-all       (g-1)/g * B/g          g-1
-    partial over g -> split g ways               reduce-scatter   (g-1)/g * B            g-1
-    partial over g -> whole                      all-reduce       2(g-1)/g * B           2(g-1)
-
-Here B is the block the g ranks share (the whole tensor when they are all the ranks). In general,
-for a tensor of B bytes: partial sums over g are first reduce-scattered (``(g-1)/g`` of the block
-the g ranks share, g-1 steps), splitting further the dimension that leaves the least to fetch; then
-a rank receives what it needs and does not hold, ``B/(s'c'h') - B/(max(s,s') max(c,c') max(h,h'))``
-(held splits s, c, h; needed s', c', h'), in ``max(..)/(s'c'h') - 1`` steps. This assumes nested
-degrees (powers of two: one split refines the other) placed so blocks line up; otherwise it is a
-lower bound. Convolution halos are not counted. An edge costs its forward transfer (producer's
-output -> consumer's input) plus its backward one (consumer's input gradient -> producer's output
-gradient), each ``steps x latency + bytes / bandwidth``; Megatron's column-then-row MLP moves
-nothing inside and one all-reduce each way around it.
+Each layer has candidate configurations (degrees ``(s, c, r, h)``: batch, output channels, input
+channels, height) with a node cost and memory per rank; each edge has a table of redistribution
+costs between its endpoints' configurations. ``solve`` finds the cheapest assignment by edge, node
+and leaf elimination, then enumeration or an ILP (HiGHS) on what is left, and unwinds.
+``solve_ilp`` and ``solve_brute_force`` cross-check it. The cost model and the elimination rules
+are written out in docs/internals/strategy-search.md.
 
 Pure functions on plain values; no torch. HiGHS is imported only inside ``solve_ilp``.
 """
@@ -1186,7 +1120,7 @@ def data_parallel(graph: LayerGraph) -> Strategy:
 
 
 def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min_param_bytes: float = 0.0) -> Strategy:
-    """SplitBrain (Vyas et al.): convolutions and parameter-free layers data-parallel over all d ranks;
+    """SplitBrain (Lai, Kadav and Kruus): convolutions and parameter-free layers data-parallel over all d ranks;
     fully-connected layers (``matmul`` kind, not ``spatial``, more than ``min_param_bytes`` of
     parameters) sharded over groups of ``group`` ranks and data-parallel across the d/group groups.
 

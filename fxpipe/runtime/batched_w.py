@@ -1,9 +1,8 @@
 """Batched W: a run of one stage's adjacent W actions as one call over those microbatches.
 
 A stage's W adds each microbatch's parameter gradient into ``.grad``. Run per microbatch, every W
-reads and writes every gradient buffer, and its weight-gradient GEMMs are as thin as a microbatch:
-on mlp-deep (1024 x 1024 layers, 8 rows a microbatch) eight W's of a stage took 16-60 ms where one
-W over the same 64 rows took 8-20 ms (``benchmarks/RESULTS.md``, "Batched W"). A schedule that
+reads and writes every gradient buffer, and its weight-gradient GEMMs are as thin as a microbatch
+(``benchmarks/RESULTS.md`` measures one W over k microbatches against k W's). A schedule that
 runs a stage's Ws back to back (``batched-w``: two batches of half the microbatches) lets the runtime make that one
 call (the graph-level pieces are :mod:`fxpipe.graphs.batched`):
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the runtime's stage graphs: one graph per call slot (the n-th call of a step), on static buffers.
 
 On a GPU the runtime is bound by the host: every ATen op of every microbatch's F, B and W is a
-Python call and a kernel launch (gpt-medium on an H100: 3 ms of kernels in a 37-58 ms step). A
+Python call and a kernel launch, which at small batches take longer than the kernels. A
 :class:`SlotGraphs` wraps one graph callable (F, B, W, W_acc or W_set of a stage). Calls are
 numbered from each step's start (``new_step``): microbatch m's F is the m-th call of F, so a slot
 is a microbatch's place in the schedule, and the same action lands on the same slot every step.

@@ -60,9 +60,8 @@ def batched_w(num_stages: int, num_microbatches: int, costs: Costs | None = None
     (``Schedule.batch_w``; :mod:`fxpipe.runtime.batched_w`): one pass over each gradient buffer and weight-gradient
     GEMMs as deep as the batch, for stages whose W is thin (few rows a microbatch). All Fs first let the first
     stages, whose B is empty or small, run the first half's W while the later stages still send gradients; the
-    second half is the step's tail. Measured on mlp-deep (2 ranks, 8 microbatches, three runs): 93-103 ms against
-    105-106 with 1F1B's order and every W at the end, and 108-130 for zb-h2 (benchmarks/RESULTS.md). Memory: GPipe's
-    m microbatches from F to B, and up to half of them from B to W."""
+    second half is the step's tail (benchmarks/RESULTS.md compares it with 1F1B and zb-h2). Memory: GPipe's m
+    microbatches from F to B, and up to half of them from B to W."""
     p, m = _check(num_stages, num_microbatches)
     first = (m + 1) // 2
     ranks = []

@@ -1,46 +1,11 @@
 """Validate and simulate schedules: dependencies, matched sends, no deadlock; then an event simulation in time.
 
-Both walk every rank's action list in order, executing an action once what it depends on has
-run: F(s, m) needs F(s-1, m); B or BW(s, m) needs F(s, m) and the backward of (s+1, m); W(s, m)
-needs B(s, m); a receive needs its send. Sends never block (asynchronous ``isend``). When no
-rank can move, the schedule deadlocks, and the error shows the grid with each rank's stuck
-action marked.
-
-In simulated time a message takes ``latency + bytes / bandwidth`` and uses no compute time on
-either rank, but for ``Costs.send_s`` of its sender's host (the runtime's ``isend``; 0 unless the
-runtime's calibrated costs are added). Each ordered pair of ranks is one link that carries one message at a time, in the
-order they were sent (as gloo queues a pair's sends), so a message sent while the one before it
-is still crossing waits for it; the two directions are separate links.
-
-Data parallelism (``Costs.dp`` replicas of every stage) runs the same schedule on every replica,
-each on its own microbatches, so one replica's simulation is every replica's. On top of it each
-rank has one all-reduce lane: once the last W (or BW) of a stage on that rank has run, the
-stage's gradient buckets are all-reduced over its dp group, one bucket after the other, in the
-order the stages finish; the rank's step ends when both its compute and its lane are done.
-1f1b, 2 stages, 2 microbatches, unit F/B/W, all-reduce 1.5 per stage, dp = 2 (``A``: all-reduce)::
-
-    rank 0    |F0F1....X0XX..X1XX...|     compute ends at 9
-    rank 0 ar |..................A0A|     all-reduce 9 .. 10.5
-    rank 1    |..F0X0XXF1X1XX.......|     compute ends at 7
-    rank 1 ar |..............A1A....|     all-reduce 7 .. 8.5
-
-Two measures of what was hidden. A rank's own (``RankStats.exposed_s``, ``hidden_fraction``):
-the all-reduce time after its last compute, what the rank waits for before its optimizer step
-(here 1.5 of 1.5 on both ranks). With one stage per rank the stage's last W is the rank's last
-compute, so this is always all of it; only ranks holding several stages (interleaved-1f1b) hide
-some. The step's (``exposed_step_s``, ``SimResult.step_hidden_fraction``): the all-reduce time
-after the last compute of any rank, which lengthens the step (here rank 1's all-reduce hides
-behind rank 0's cooldown: 1.5 of 3 hidden). 1F1B's staggered cooldown hides the later stages'
-all-reduce this way; zero-bubble schedules end every rank together and so hide less, in a shorter step.
-
-The lane takes no compute time: gloo reduces on its own thread (on a machine with fewer cores
-than ranks that thread competes with compute; see ``Costs.cores`` for compute itself).
-
-**Tied weights.** A weight several stages share (GPT's token embedding and LM head, ``Costs.tied``) whose stages
-sit on different ranks has its gradient summed over those ranks at the step's end, as the runtime does: one
-blocking all-reduce per tied parameter, once every rank holding it has finished its compute and its replicas'
-all-reduce (``RankStats.tied_end``); the optimizer steps after it. On gpt-tiny at 2 ranks that all-reduce (64 KiB)
-took 0.48 ms on the rank that finished last, and the other rank waited 1.2 ms in it.
+Both walk every rank's action list in order, running an action once what it depends on has run;
+when no rank can move the schedule deadlocks, and the error shows the grid with each rank's stuck
+action marked. In simulated time a message takes ``latency + bytes / bandwidth`` on its own link
+(one per ordered pair of ranks, one message at a time, as gloo queues a pair's sends); dp replicas
+add one all-reduce lane per rank; tied weights add a blocking all-reduce at the step's end.
+docs/internals/simulator.md draws the rules and the two "hidden" measures.
 """
 
 from __future__ import annotations
