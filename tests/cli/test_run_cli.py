@@ -6,7 +6,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,22 +18,9 @@ from tests.runtime._dist_worker import payload
 plan = plan_fixture("gpt-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4")
 
 
-@pytest.fixture(scope="module")
-def three_steps(plan: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    """``fxpipe run PLAN --nproc 2 --steps 3 --json --trace T``, started in a working directory that holds a folder
-    named fxpipe: its report and trace. One launch for two tests (each launch starts torchrun and its ranks)."""
-    cwd = tmp_path_factory.mktemp("cwd")
-    if sys.version_info >= (3, 11):  # PYTHONSAFEPATH: the test of the folder below
-        (cwd / "fxpipe").mkdir()
-    trace = cwd / "measured.json"
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.chdir(cwd)
-        doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--json", "--trace", trace)).stdout)
-    return doc, trace
-
-
-def test_run_trains_like_one_process_and_reports(three_steps: tuple[dict[str, Any], Path]) -> None:
-    doc, trace = three_steps
+def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "measured.json"
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--json", "--trace", trace)).stdout)
     assert doc["schema"] == "fxpipe.run/v1" and doc["schedule"] == "zb-h1" and doc["microbatches"] == 4
     assert doc["losses"] == pytest.approx(reference_losses(3), rel=1e-5)
     assert doc["step_ms_median"] > 0 and doc["samples_per_s"] > 0 and doc["simulated_step_ms"] > 0
@@ -162,13 +148,14 @@ def test_a_rank_setting_the_environment_gets_wrong_is_refused_before_any_rank_st
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
 def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_package(
-        three_steps: tuple[dict[str, Any], Path]) -> None:
+        plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # torchrun starts each rank with `python -m`, which puts the working directory first on sys.path; a folder
     # named fxpipe there (no __init__.py) was imported as a namespace package instead of an editable install's
     # fxpipe, and every rank failed. The ranks run with PYTHONSAFEPATH=1 (Python 3.11+: no working directory).
-    # The run of three_steps starts in a working directory holding such a folder.
-    doc, _ = three_steps
-    assert len(doc["losses"]) == 3
+    (tmp_path / "fxpipe").mkdir()
+    monkeypatch.chdir(tmp_path)
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json")).stdout)
+    assert len(doc["losses"]) == 1
 
 
 @pytest.mark.parametrize(("args", "expected"), [
