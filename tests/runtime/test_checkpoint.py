@@ -20,17 +20,19 @@ import torch
 
 from fxpipe.errors import CheckpointError, FxpipeError
 from fxpipe.runtime import checkpoint
-from tests._helpers import OneRank, assert_ranks_ok, launch_ranks, saved_checkpoints, train_reference
+from tests._helpers import OneRank as _OneRank
+from tests._helpers import assert_ranks_ok, launch_ranks, train_reference, with_plans
+from tests._helpers import saved_checkpoints as _saved
 from tests.runtime._dist_worker import payload
 
 
-def _load(root: Path) -> tuple[int, list[str], OneRank]:
-    rt, warned = OneRank(0.0), []
+def _load(root: Path) -> tuple[int, list[str], _OneRank]:
+    rt, warned = _OneRank(0.0), []
     return checkpoint.load(rt, root, warn=warned.append), warned, rt
 
 
 def test_one_directory_per_step_keeps_the_last_k_and_loads_back(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 6), keep=2)
+    root = _saved(tmp_path / "ck", range(1, 6), keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000005"]
     assert sorted(p.name for p in (root / "step_000005").iterdir()) == [
         ".metadata", "__0_0.distcp", "fxpipe-checkpoint.json"]
@@ -43,14 +45,14 @@ def test_one_directory_per_step_keeps_the_last_k_and_loads_back(tmp_path: Path) 
     assert rt.loaded["optim"]["a.weight"]["step"] == 7 and isinstance(rt.loaded["optim"]["a.weight"]["step"], int)
     assert rt.loaded["param_groups"] == [{"params": ["a.weight"], "lr": 0.1, "betas": [0.9, 0.99], "foreach": None}]
     # The same step again (a resumed run) replaces it whole; keep must be at least 1.
-    checkpoint.save(OneRank(50.0), root, 5, keep=2)
+    checkpoint.save(_OneRank(50.0), root, 5, keep=2)
     assert _load(root)[2].loaded["params"]["a.weight"][0, 0] == 50.0  # type: ignore[index]
     with pytest.raises(FxpipeError, match="keep is how many"):
-        checkpoint.save(OneRank(1.0), root, 6, keep=0)
+        checkpoint.save(_OneRank(1.0), root, 6, keep=0)
 
 
 def test_resume_passes_over_newer_incomplete_or_truncated_steps_and_says_why(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 5), keep=4)
+    root = _saved(tmp_path / "ck", range(1, 5), keep=4)
     data = root / "step_000004" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:100])
     (root / "step_000003" / checkpoint.MARKER).unlink()  # rank 0 died before marking it complete
@@ -81,7 +83,7 @@ def test_resume_passes_over_newer_incomplete_or_truncated_steps_and_says_why(tmp
 @pytest.mark.parametrize("change", [{"world": 10**9}, {"step": 1}, {"files": {"../x": 1}},
                                     {"param_groups": [{"params": ["a.weight"], "lr": {"x": 1}}]}, {"schema": "v0"}])
 def test_a_json_record_that_does_not_describe_its_step_is_passed_over(tmp_path: Path, change: dict[str, Any]) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 3))
+    root = _saved(tmp_path / "ck", range(1, 3))
     marker = root / "step_000002" / checkpoint.MARKER
     marker.write_text(json.dumps({**json.loads(marker.read_text()), **change}))
     step, warned, _ = _load(root)
@@ -89,7 +91,7 @@ def test_a_json_record_that_does_not_describe_its_step_is_passed_over(tmp_path: 
 
 
 def test_metadata_is_read_by_an_unpickler_that_knows_only_dcp_classes(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 2))
+    root = _saved(tmp_path / "ck", range(1, 2))
     data = (root / "step_000001" / ".metadata").read_bytes()
     # Every global a real file names is on the allow-list (and nothing of builtins, os or subprocess is).
     named: set[tuple[str, str]] = set()
@@ -111,7 +113,7 @@ def test_metadata_is_read_by_an_unpickler_that_knows_only_dcp_classes(tmp_path: 
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "fxpipe-checkpoint.json"])
 @pytest.mark.parametrize("padded", [False, True], ids=["as-is", "padded-to-size"])
 def test_a_pickle_payload_in_any_checkpoint_file_runs_no_code(tmp_path: Path, name: str, padded: bool) -> None:
-    root, ran = saved_checkpoints(tmp_path / "ck", range(1, 3)), tmp_path / "code-ran"
+    root, ran = _saved(tmp_path / "ck", range(1, 3)), tmp_path / "code-ran"
     file = root / "step_000002" / name
     file.write_bytes(payload(ran).ljust(file.stat().st_size if padded else 0, b"\0"))
     try:
@@ -129,7 +131,7 @@ def test_a_pickle_payload_in_any_checkpoint_file_runs_no_code(tmp_path: Path, na
 
 
 def test_files_of_different_steps_are_refused(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 3))
+    root = _saved(tmp_path / "ck", range(1, 3))
     shutil.copyfile(root / "step_000001" / "__0_0.distcp", root / "step_000002" / "__0_0.distcp")
     with pytest.raises(CheckpointError, match=r"step_000002 mixes steps: its rank files are of steps rank 0: 1, its "
                                               r"index of step 2; it was not loaded; remove it"):
@@ -137,20 +139,20 @@ def test_files_of_different_steps_are_refused(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 2))
+    root = _saved(tmp_path / "ck", range(1, 2))
     with pytest.raises(CheckpointError, match=r"is of another model: it lacks b\.weight and holds a\.weight, which this "
                                               r"plan does not; resume with a plan of the model it was saved from"):
-        checkpoint.load(OneRank(0.0, name="b.weight"), root)
+        checkpoint.load(_OneRank(0.0, name="b.weight"), root)
 
 
 def test_optimizer_state_that_is_not_tensors_or_numbers_is_not_saved(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="optimizer state 'note' of a.weight is a str; fxpipe checkpoints hold "
                                               "tensors and numbers only"):
-        checkpoint.save(OneRank(1.0, extra={"note": "x"}), tmp_path / "ck", 1)
+        checkpoint.save(_OneRank(1.0, extra={"note": "x"}), tmp_path / "ck", 1)
 
 
 def test_clear_removes_only_the_step_directories_fxpipe_wrote(tmp_path: Path) -> None:
-    root = saved_checkpoints(tmp_path / "ck", range(1, 3))
+    root = _saved(tmp_path / "ck", range(1, 3))
     (root / "NOTES.txt").write_text("mine")
     (root / "logs").mkdir()
     (root / "step_000009").mkdir()
@@ -202,16 +204,18 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
 def test_a_two_stage_checkpoint_resumes_under_three_stages(tmp_path: Path) -> None:
     """gpt-tiny trains 2 steps on 2 stages and saves; 3 ranks of a 3-stage plan resume from it (each
     loads its own stages' keys, the tied weight on two ranks). Their next 2 steps equal, bit for bit, a
-    3-stage run started from the 2-stage ranks' final states, and a single process's steps 3 and 4."""
+    3-stage run started from the 2-stage ranks' final states, and a single process's steps 3 and 4. The ranks load
+    the session's compiled plans (test_ranks_agree_on_every_checkpoint_case's compile on the ranks)."""
     two, three, ck = tmp_path / "two", tmp_path / "three", tmp_path / "ck"
     two.mkdir(), three.mkdir()
     base = {"model": "gpt-tiny", "schedules": ["1f1b"], "microbatches": 4}
-    assert_ranks_ok(launch_ranks(two, 2, {**base, "steps": 2, "checkpoint": str(ck), "checkpoint_after": 2}))
+    assert_ranks_ok(launch_ranks(two, 2, with_plans(2, {**base, "steps": 2, "checkpoint": str(ck),
+                                                        "checkpoint_after": 2})))
     info = json.loads((ck / "step_000002" / checkpoint.MARKER).read_text())
     assert info["world"] == 2 and info["stages"] == 2
     states = [str(two / f"1f1b-rank{r}.pt") for r in range(2)]
-    assert_ranks_ok(launch_ranks(three, 3, {**base, "steps": 4, "resume": str(ck), "load_state": states,
-                                       "load_state_step": 2}))
+    assert_ranks_ok(launch_ranks(three, 3, with_plans(3, {**base, "steps": 4, "resume": str(ck), "load_state": states,
+                                                          "load_state_step": 2})))
     reference, _ = train_reference("gpt-tiny", 4, 4)
     for rank in range(3):
         resumed = torch.load(three / f"1f1b-rank{rank}.pt", weights_only=True)
