@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 
-from tests._helpers import with_plans
+from tests._helpers import HANG_S, with_plans
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
 TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs
-HANG_S = 120  # past this a rank is hung: the test kills it and fails
+# A rank still running HANG_S after the launch (start-up included, which alone can take minutes on a loaded machine)
+# is hung: the test kills it and fails.
 
 
 def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> tuple[list[tuple[int | None, str, float]], float]:
