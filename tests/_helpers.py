@@ -291,8 +291,10 @@ class DataDependent(nn.Module):
         return (self.fc(x) * float(x.sum()),)  # reads a value: AOTAutograd cannot trace it on fake tensors
 
 
+@functools.cache
 def zoo_pipe(name: str, stages: int) -> fxpipe.Pipeline:
-    """A zoo model (or ``skip-tied``, a layer per block) compiled into ``stages`` stages (cut between nodes beyond 4)."""
+    """A zoo model (or ``skip-tied``, a layer per block) compiled into ``stages`` stages (cut between nodes beyond 4),
+    once per session: the tests that ask lower, save and cost it, and none may change it."""
     from fxpipe import models
 
     if name == "skip-tied":
