@@ -61,7 +61,7 @@ def worker(rank: int, world: int, init: str, name: str, plan_dir: str, pp: int, 
     import fxpipe
     from fxpipe import models
     from fxpipe.cli.rank import synthetic_batch
-    from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
+    from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate

@@ -1,9 +1,9 @@
-"""Whole steps with freed memory kept in the rank processes (``fxpipe.host_memory``) and with glibc's defaults.
+"""Whole steps with freed memory kept in the rank processes (``fxpipe.calibration.host_memory``) and with glibc's defaults.
 
     python benchmarks/host_memory.py --models resnet-50 resnet-small mlp-deep gpt-base --rounds 3 --out F.json
 
 Each model is compiled once (2 stages, the fixed cost model: the plan is the same for both settings), then
-``fxpipe run PLAN --steps N --json`` runs with ``FXPIPE_KEEP_FREED_MEMORY=0`` and ``=1`` in turn, the order
+``fxpipe run PLAN --steps N --json`` runs with ``--no-keep-freed-memory`` and ``--keep-freed-memory`` in turn, the order
 alternating each round. Per run: the median step (the run's ``step_ms_median``) and the page faults of the run's
 processes (``RUSAGE_CHILDREN`` around it: the launcher and its ranks, start-up included). A second run with more
 steps gives the faults per step (the difference over the extra steps). The ratio is kept / default.
@@ -26,9 +26,9 @@ STEPS = {"resnet-50": 4, "vgg-16": 3, "gpt-base": 8, "mlp-deep": 12}
 
 
 def _run(plan: Path, steps: int, keep: str) -> tuple[float, int]:
-    env = {**os.environ, "FXPIPE_KEEP_FREED_MEMORY": keep}
+    flag = "--keep-freed-memory" if keep == "1" else "--no-keep-freed-memory"
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-    out = subprocess.run([*FXPIPE, "run", str(plan), "--steps", str(steps), "--json"], env=env, capture_output=True,
+    out = subprocess.run([*FXPIPE, "run", str(plan), "--steps", str(steps), "--json", flag], capture_output=True,
                          text=True, check=True)
     faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before
     return float(json.loads(out.stdout)["step_ms_median"]), faults

@@ -1,4 +1,4 @@
-"""Each local rank on a CPU of its own (``FXPIPE_PIN_RANKS``, fxpipe.runtime.threads.pin_local_rank) against ranks the
+"""Each local rank on a CPU of its own (``fxpipe run --pin-ranks``, fxpipe.calibration.threads.pin_local_rank) against ranks the
 system places: ``fxpipe run`` of each model on 2 ranks, unpinned and pinned in turn (A B A B ..., starting with each
 in turn, so the machine's drift hits both alike), side by side in one run.
 
@@ -50,8 +50,8 @@ def main() -> int:
             fxpipe(["compile", model, "--stages", "2", "--out", plan, "--json"], dict(os.environ))
             for pair in range(args.pairs):
                 for pin in ("0", "1") if pair % 2 == 0 else ("1", "0"):
-                    doc = fxpipe(["run", plan, "--steps", str(STEPS[model]), "--json"],
-                                 {**os.environ, "FXPIPE_PIN_RANKS": pin})
+                    doc = fxpipe(["run", plan, "--steps", str(STEPS[model]), "--json",
+                                  "--pin-ranks" if pin == "1" else "--no-pin-ranks"], dict(os.environ))
                     steps = doc["step_ms"][1:]
                     runs[pin].append({"median_ms": doc["step_ms_median"], "fastest_ms": min(steps),
                                       "simulated_ms": doc["simulated_step_ms"], "cpus": doc["cpus_per_rank"]})

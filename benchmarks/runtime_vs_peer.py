@@ -14,7 +14,7 @@ it ran one microbatch's F), the max over ranks; ``fxpipe_over_bound_with_fill`` 
 lower bound: no drain (stage 0's last W after the last gradient), no message.
 
 The "simulated" step time is the event simulator's, with rank 0's profiled costs calibrated to
-this machine in the same run (``fxpipe.runtime.calibrate``: measured link latency and bandwidth,
+this machine in the same run (``fxpipe.calibration.runtime_costs``: measured link latency and bandwidth,
 compute slowed by the measured contention factor); "simulated_uncalibrated" uses the plan's
 defaults (1.5 GB/s, 0.1 ms, single-process compute times).
 
@@ -64,7 +64,7 @@ def worker(rank: int, init: str, name: str, m: int, iters: int, warmup: int, out
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     import fxpipe
     from fxpipe import models
-    from fxpipe.runtime.calibrate import calibrate
+    from fxpipe.calibration.runtime_costs import calibrate
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.cli.rank import synthetic_batch
     from fxpipe.schedules.generators import generate

@@ -1,5 +1,5 @@
-"""A yield after each send (``FXPIPE_SEND_YIELD``, fxpipe.runtime.threads.send_yield): with and without, 2 ranks, gloo,
-1 thread each, gloo's socket threads at nice 19 as the runtime runs them.
+"""A yield after each send (``fxpipe run --send-yield``, fxpipe.calibration.threads.send_yields): with and without,
+2 ranks, gloo, 1 thread each, gloo's socket threads at nice 19 as the runtime runs them.
 
 1. **One message.** The sender computes (matmuls) for 2 ms, posts a 64 B or 256 KiB ``isend`` through the runtime's
    ``Channel`` and computes on for 4 ms; the receiver posted its ``irecv`` ahead and waits. One-way time: from the
@@ -42,12 +42,11 @@ def _compute(a: torch.Tensor, seconds: float) -> None:
 
 def one_way(rank: int, numel: int, yield_after: bool) -> tuple[float, list[float]]:
     """(the idle ping-pong's one-way seconds, each busy-sender trip's one-way seconds); collective on 2 ranks."""
-    from fxpipe.runtime.calibrate import channel_one_way
+    from fxpipe.calibration.runtime_costs import channel_one_way
     from fxpipe.runtime.channel import Channel
 
-    ch = Channel(torch.device("cpu"))
-    ch.yield_after_send = yield_after
-    idle = channel_one_way(rank, numel=numel)
+    ch = Channel(torch.device("cpu"), yield_after_send=yield_after)
+    idle = channel_one_way(rank, numel=numel, yield_after_send=True)  # as fxpipe run's ranks send (--send-yield auto)
 
     def failed(exc: Exception, *_: object) -> BaseException:
         return exc
@@ -79,7 +78,7 @@ def worker(rank: int, init: str, models_: list[str], iters: int, out: str) -> No
     from fxpipe import models
     from fxpipe.cli.rank import synthetic_batch
     from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.runtime.threads import lower_gloo_loops
+    from fxpipe.calibration.threads import lower_gloo_loops
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs
 
@@ -101,9 +100,11 @@ def worker(rank: int, init: str, models_: list[str], iters: int, out: str) -> No
         dist.barrier()
         pipe = fxpipe.load(plan_dir)
         pipe.build_backward(mb)
+        from fxpipe.calibration.host import HostTuning
+
         rt = PipelineRuntime(pipe, generate(schedule, 2, m, Costs.from_plan(pipe.plan)), zoo.loss_fn,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4))
-        default = rt.channel.yield_after_send  # what the runtime runs by default
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-4), host=HostTuning.for_runs())
+        default = rt.channel.yield_after_send  # what fxpipe run's ranks run by default (--send-yield auto)
         times: dict[str, list[float]] = {"off": [], "on": []}
         for it in range(iters + 1):
             for key in ("off", "on") if it % 2 == 0 else ("on", "off"):

@@ -32,7 +32,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 import fxpipe
 from fxpipe import models
 from fxpipe._compat import boxed
-from fxpipe.host_memory import keep_freed_memory
+from fxpipe.calibration.host_memory import keep_freed_memory
 
 
 def _inputs(stage: Any, env: dict[str, Any], needs_grad: set[str]) -> list[Any]:
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--profile", action="store_true", help="per-op self CPU time, fused vs B+W, per stage")
     parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=1,
-                        help="1: freed memory kept in this process, as fxpipe's ranks run (fxpipe.host_memory), for "
+                        help="1: freed memory kept in this process, as fxpipe's ranks run (fxpipe.calibration.host_memory), for "
                              "all three methods alike; 0: glibc's defaults")
     args = parser.parse_args()
     kept = bool(args.keep_freed_memory) and keep_freed_memory()

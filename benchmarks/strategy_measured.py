@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fxpipe.models import resnet, vgg
-from fxpipe.passes.calibrate_compute import calibrate_compute, describe
+from fxpipe.calibration.compute import calibrate_compute, describe
 from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.plan import ComputeRates
 from fxpipe.planning.strategies import (
@@ -63,7 +63,7 @@ from fxpipe.planning.strategies import (
     strategy_rows,
     traffic_per_layer,
 )
-from fxpipe.runtime.calibrate import calibrate_allreduce
+from fxpipe.calibration.runtime_costs import calibrate_allreduce
 from fxpipe.runtime.strategy import StrategyRuntime
 
 MODELS = {"vgg-small": (vgg, "small"), "resnet-small": (resnet, "small")}

@@ -1,7 +1,8 @@
-"""compile / load / save: the one place fxpipe's passes are assembled and a Plan is written.
+"""compile / load / save: the compile passes run, and a Plan written.
 
 The CLI (``fxpipe compile``, ``fxpipe simulate MODEL``), the Python API (``fxpipe.compile``) and
-the ``torch.compile`` backend all call :func:`run_compile`; nothing else builds the pass list.
+the ``torch.compile`` backend all call :func:`run_compile`, which runs the pass list
+``fxpipe.passes.assemble`` builds.
 
     >>> pipe = fxpipe.compile(model, (x,), stages=2)     # a Pipeline; pipe.plan is its Plan
     >>> fxpipe.save(pipe, "plan/"); fxpipe.load("plan/")
@@ -19,11 +20,11 @@ import torch
 
 from fxpipe.errors import OptionError, PlanError
 from fxpipe.graphs.convention import flatten_inputs
-from fxpipe.passes import (History, Step, annotate_costs, group_layers, partition_stages, run_steps, split_stages,
-                           trace, verify_costs, verify_layers, verify_split, verify_stages)
-from fxpipe.pipeline import Pipeline, Stage
-from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, ComputeRates, LayerCost, Link, Mesh, Plan, Provenance,
-                         ScheduleRecord, StageCost, StrategyRecord, TensorSpec, fxpipe_version)
+from fxpipe.passes import History, run_steps
+from fxpipe.passes.assemble import build_steps, pipeline_from_root, plan_from_root
+from fxpipe.pipeline import Pipeline
+from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, ComputeRates, Plan, Provenance, ScheduleRecord,
+                         StrategyRecord, fxpipe_version)
 from fxpipe.report import Report
 
 __all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_pipelined_strategy",
@@ -85,8 +86,11 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     called before each pass; ``profile_threads`` sets torch's thread count while the passes run.
     A schedule named in ``options.schedule`` is generated, simulated and recorded.
     """
+    from fxpipe.calibration.compute import compute_overheads
+
     _check_options(options)
-    steps = build_steps(model, example_inputs, options, example_kwargs)
+    # the runtime's fixed costs cached for the machine options.compute was measured on (None: none)
+    steps = build_steps(model, example_inputs, options, example_kwargs, overheads=compute_overheads(options.compute))
     threads = torch.get_num_threads()
     if profile_threads is not None:
         torch.set_num_threads(profile_threads)
@@ -173,131 +177,6 @@ def _check_options(options: CompileOptions) -> None:
         raise OptionError("--balance-backward moves work between the split backward graphs; drop --no-split-backward")
 
 
-def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: CompileOptions,
-                example_kwargs: dict[str, Any] | None = None) -> list[Step]:
-    """The compile pipeline as an explicit ordered list of named steps."""
-
-    def need(gm: torch.fx.GraphModule | None) -> torch.fx.GraphModule:
-        assert gm is not None  # every step after trace receives the previous step's graph
-        return gm
-
-    def flat(gm: torch.fx.GraphModule | None) -> list[Any]:
-        return flatten_inputs(need(gm).meta.get("fxpipe_in_spec"), tuple(example_inputs), dict(example_kwargs or {}))
-
-    steps = [
-        Step("trace", lambda gm: trace(model, example_inputs, tracer=options.tracer, example_kwargs=example_kwargs)),
-        Step("annotate-costs", lambda gm: annotate_costs(need(gm), flat(gm), device_flops=options.device_flops,
-                                                          device_mem_bw=options.device_mem_bw,
-                                                          compute=options.compute), verify_costs),
-        Step("group-layers", lambda gm: group_layers(need(gm), granularity=options.granularity), verify_layers),
-    ]
-    if options.split_backward:
-        from fxpipe.passes.count_backward import count_backward
-
-        steps.append(Step("count-backward", lambda gm: count_backward(need(gm), flat(gm),
-                                                                      device_flops=options.device_flops), verify_costs))
-    if options.profile:
-        from fxpipe.passes.profile_layers import profile_layers
-
-        steps.append(Step("profile-layers", lambda gm: profile_layers(need(gm), flat(gm), runs=options.profile_runs),
-                          verify_layers))
-    steps += [
-        Step("partition-stages", lambda gm: partition_stages(
-            need(gm), num_stages="plan" if options.plan_search else "auto" if options.stage_objective is not None
-            else options.stages, devices=options.devices,
-            bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
-            microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
-            max_stages=options.max_stages, dp=options.dp, cores=options.cores), verify_stages),
-        Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
-    ]
-    if options.split_backward:
-        from fxpipe.passes.split_backward import split_backward, verify_split_backward
-
-        steps.append(Step("split-backward", lambda gm: split_backward(
-            need(gm), flat(gm), input_grads=options.input_grads,
-            profile_runs=options.profile_runs if options.profile else 0, compute=options.compute),
-            verify_split_backward))
-        if options.balance_backward:
-            from fxpipe.passes.balance_backward import balance_backward
-
-            steps.append(Step("balance-backward", lambda gm: balance_backward(
-                need(gm), device_mem_bw=options.device_mem_bw), verify_split_backward))
-    return steps
-
-
-def plan_from_root(root: torch.fx.GraphModule, options: CompileOptions, provenance: Provenance,
-                   flat_inputs: Sequence[Any]) -> Plan:
-    """The Plan the passes decided: read once from the split root graph's metadata."""
-    stage_plan = root.meta["fxpipe_stage_plan"]
-    wiring = root.meta["fxpipe_wiring"]
-    layers = tuple(LayerCost(index=s.idx, name=s.name, f=float(s.time_fwd), b=float(s.time_bwd_input),
-                             w=float(s.time_bwd_weight), flops=int(s.flops), saved_bytes=int(s.saved_bytes),
-                             param_bytes=int(s.param_bytes), params=tuple(s.params))
-                   for s in root.meta.get("fxpipe_layer_stats", ()))
-    moves = tuple(root.meta.get("fxpipe_backward_moves", ()))
-    costs = _stage_costs(root)
-    for move in moves:  # --balance-backward: B moved from the stage before the cut to the one after it
-        costs[move.cut]["b"] = max(0.0, costs[move.cut]["b"] - move.seconds)
-        costs[move.cut + 1]["b"] += move.seconds
-    stages = tuple(StageCost(index=k, first_layer=stage_plan.bounds[k], end_layer=stage_plan.bounds[k + 1],
-                             time=float(stage_plan.stage_times[k]), **c)
-                   for k, c in enumerate(costs))
-    link = root.meta["fxpipe_link"]
-    inputs = tuple(TensorSpec(name, tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", ""))
-                   if isinstance(v, torch.Tensor) else TensorSpec(name, (), type(v).__name__)
-                   for name, v in zip(wiring["inputs"], flat_inputs))
-    if options.stage_objective is not None:  # --stages auto: the plan records the count it chose
-        options = dataclasses.replace(options, stages=len(stages))
-    choice = root.meta.get("fxpipe_plan_choice")
-    if choice is not None:  # --plan auto: the plan records what it chose (the schedule is generated and recorded)
-        options = dataclasses.replace(options, stages=len(stages), dp=int(choice["dp"]),
-                                      schedule=str(choice["schedule"]), microbatches=int(choice["microbatches"]))
-    return Plan(provenance=provenance, options=options, inputs=inputs, layers=layers, stages=stages,
-                link=Link(float(link["bandwidth"]), float(link["latency"])),
-                mesh=Mesh.from_rank_of_stage(tuple(range(len(stages))), options.dp),
-                bottleneck_s=float(stage_plan.bottleneck), lower_bound_s=float(stage_plan.lower_bound),
-                backward_moves=moves)
-
-
-def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
-    """Per-stage F, B, W seconds and bytes for schedules, with the split graphs' view of B and W.
-
-    A stage whose inputs need no gradient has an empty B (its activation gradients are W's work),
-    so its per-layer B time moves to W; the split graphs' F->B and B->W bytes give its memory.
-    """
-    costs = []
-    graphs = root.meta.get("fxpipe_stage_graphs")
-    raw = root.meta["fxpipe_stage_costs"]
-    timings = root.meta.get("fxpipe_stage_timings") or [None] * len(raw)
-    # batched W (profiled): the runtime does not batch a plan whose ops moved across cuts (--balance-backward)
-    batched = root.meta.get("fxpipe_stage_w_batched") if not root.meta.get("fxpipe_backward_moves") else None
-    for c, g, timed, w_batched in zip(raw, graphs or [None] * len(raw), timings, batched or [1.0] * len(raw)):
-        f, b, w = float(c["f"]), float(c["b"]), float(c["w"])
-        held_fb = held_bw = float(c["saved_bytes"])
-        if g is not None and not g.fused:
-            if not g.grad_inputs:
-                w, b = w + b, 0.0
-            held_fb, held_bw = float(g.bytes_f_to_b), float(g.bytes_b_to_w)
-        if timed is not None:  # profiled: the stage's own F, B and W graphs, timed whole (split-backward)
-            f, b, w = (float(t) for t in timed)
-        costs.append({"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]),
-                      "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw,
-                      "w_batched": float(w_batched)})
-    return costs
-
-
-def pipeline_from_root(root: torch.fx.GraphModule, history: History | None, plan: Plan) -> Pipeline:
-    """Wrap the split-stages root graph as a Pipeline."""
-    wiring = root.meta["fxpipe_wiring"]
-    graphs = root.meta.get("fxpipe_stage_graphs") or [None] * len(wiring["stages"])
-    stages = [Stage(k, getattr(root, f"stage_{k}"), w["inputs"], w["outputs"], graphs[k])
-              for k, w in enumerate(wiring["stages"])]
-    return Pipeline(stages, input_names=wiring["inputs"], output_names=wiring["outputs"],
-                    output_constants=wiring["constants"], in_spec=root.meta.get("fxpipe_in_spec"),
-                    out_spec=root.meta.get("fxpipe_out_spec"), shared_params=root.meta.get("fxpipe_shared_params", {}),
-                    plan=plan, history=history)
-
-
 def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, memory_cap: float | None = None) -> Any:
     """Generate (or search, for ``auto``) a schedule on the plan's costs, simulate it and record it in ``pipe.plan``.
 
@@ -319,7 +198,7 @@ def set_schedule(pipe: Pipeline, name: str, microbatches: int | None = None, mem
 def _schedule_costs(plan: Plan) -> Any:
     """The Costs a plan's schedule is simulated on at compile time: the plan's, with the runtime's fixed costs where
     it is calibrated, and the planners' time-sharing (--cores), so the recorded step is theirs."""
-    from fxpipe.passes.calibrate_compute import plan_overheads
+    from fxpipe.calibration.compute import plan_overheads
     from fxpipe.schedules.simulate import Costs
 
     costs = Costs.from_plan(plan, plan_overheads(plan))
@@ -336,17 +215,19 @@ class ChosenStrategy:
 
 def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: str | None = None) -> None:
     """Refuse, in one line each, what ``--strategy`` cannot run: a rank group that is not a power of two of at
-    least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it, and with more than
-    one stage a schedule other than GPipe's (the pipelined runtime runs every forward, then every backward)."""
+    least 2 (the DTensor runtime's (2, ..., 2) mesh), a SplitBrain group not dividing it, and a schedule that is
+    asynchronous or puts several stages on one rank (``runtime.strategy.check_schedule``)."""
     from fxpipe.plan import STRATEGY_NAMES
 
     if name not in STRATEGY_NAMES:
         raise OptionError(f"--strategy must be one of {', '.join(STRATEGY_NAMES)} (given: {name!r})")
     if stages < 1:
         raise OptionError(f"--strategy needs at least 1 stage (given: {stages})")
-    if stages > 1 and schedule is not None and schedule.strip().lower() != "gpipe":
-        raise OptionError(f"a pipelined --strategy runs its {stages} stages in GPipe order (every forward, then every "
-                          f"backward, one update per step), not --schedule {schedule}; drop --schedule or give gpipe")
+    if schedule is not None and schedule.strip().lower() != "auto":
+        from fxpipe.runtime.strategy import check_schedule
+        from fxpipe.schedules.generators import generate
+
+        check_schedule(generate(schedule.strip().lower(), stages, 2 * stages), stages)
     if ranks < 2 or ranks & (ranks - 1):
         raise OptionError(f"--strategy runs on --dp ranks, a power of two of at least 2 (the DTensor runtime's "
                           f"(2, ..., 2) mesh; given: --dp {ranks}); use --dp 2, 4, 8, ...")
@@ -363,7 +244,7 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     batch, with the link ``bandwidth``/``latency`` (default: DEFAULTS'). What the runtime runs is the default:
     no all-to-all (gloo) and no height splits; ``alltoall``/``heights`` cost other backends and splits (the
     ``fxpipe strategy`` preview), ``memory_cap`` bounds the search per rank, ``optimizer`` its state bytes,
-    ``compute`` (``calibrate_compute``) this machine's GEMM and memory rates instead of the defaults.
+    ``compute`` (``fxpipe.calibration.compute``) this machine's GEMM and memory rates instead of the defaults.
     Both ``fxpipe compile --strategy`` and ``fxpipe strategy`` print its two tables.
     """
     from fxpipe.passes.strategy_graph import strategy_graph
@@ -432,7 +313,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                               compute: ComputeRates | None = None) -> ChosenStrategy:
     """``name``'s strategy for each pipeline stage of ``plan`` (``plan.stages``, cut where the plan cuts), each
     chosen on its own stage graph (``planning.strategies.stage_graph``: a ``recv`` input, a ``send`` sink) on
-    ``ranks`` ranks, run in GPipe order over ``microbatches``: the record (``stages``: each stage's nodes, method
+    ``ranks`` ranks, over ``microbatches``: the record (``stages``: each stage's nodes, method
     and cost) and the per-layer table and totals of every stage. What the runtime runs (gloo): no all-to-all,
     no height splits. The record's ``cost`` is the slowest stage's modelled step x (M + P - 1) / M (GPipe's fill
     and drain; the sends between stages are in the stages' costs)."""

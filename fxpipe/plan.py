@@ -78,28 +78,27 @@ def _default(name: str) -> Any:
 
 @dataclass(frozen=True)
 class RuntimeOverheads:
-    """The runtime's fixed costs on this machine, as ``fxpipe.runtime.calibrate.measure_overheads`` measured
+    """The runtime's fixed costs on this machine, as ``fxpipe.calibration.runtime_costs.measure_overheads`` measured
     them on two ranks running a real pipeline of a model whose graphs cost next to nothing: what a step costs
-    beyond the graphs' estimated times and the link's latency (``Costs.with_overheads``). Plain data, here so
-    that the passes read the cache without importing the runtime."""
+    beyond the graphs' estimated times and the link's latency (``Costs.with_overheads``). Plain data: half of the
+    machine model (with :class:`ComputeRates`), which planning reads without importing the calibration."""
 
     action: float  # seconds per compute action beyond its graphs' estimated time (median over actions)
     message: float  # seconds per message through the runtime's channel beyond the bare link's fitted latency
     # seconds per step beyond what the other costs simulate: the calibration pipeline's measured step less its
-    # simulated one (``fxpipe.runtime.calibrate.step_residual``; before cache format 26, each rank's step outside
-    # its actions and their waits)
+    # simulated one (``fxpipe.calibration.runtime_costs.step_residual``)
     step: float
     threads: int = 1  # torch threads per rank
-    machine: str = ""  # what it was measured on (``calibrate_compute.machine_key``), and how long it took
+    machine: str = ""  # what it was measured on (``calibration.compute.machine_key``), and how long it took
     # seconds the last stage's F costs beyond another action, per microbatch: the loss and its gradient, on the
-    # host inside a step (``Costs.from_plan`` adds it to the last stage's F). 0: caches from before.
+    # host inside a step (``Costs.from_plan`` adds it to the last stage's F). 0: not measured.
     loss: float = 0.0
     # seconds each message costs its sender's host (``isend``: the sender's next action starts that much later),
-    # inside a step. 0: caches from before.
+    # inside a step. 0: not measured.
     send: float = 0.0
     # seconds of a stage's optimizer step (``torch.optim.SGD``, as ``fxpipe run`` builds it) beyond its memory
     # traffic, inside a step: per step whatever its size, and per parameter tensor (without and with momentum).
-    # ``Costs.with_optimizer`` adds them. 0: caches from before.
+    # ``Costs.with_optimizer`` adds them. 0: not measured.
     optimizer: float = 0.0
     optimizer_tensor: float = 0.0
     optimizer_tensor_momentum: float = 0.0
@@ -123,8 +122,10 @@ OVERHEAD_SECONDS = tuple(f.name for f in dataclasses.fields(RuntimeOverheads) if
 
 @dataclass(frozen=True)
 class ComputeRates:
-    """This machine's compute as ``fxpipe.passes.calibrate_compute`` measured it: what estimated times are made of
-    (``annotate_costs``: per-node host time + max(FLOPs / rate, bytes / mem_bw))."""
+    """This machine's compute as ``fxpipe.calibration.compute`` measured it: what estimated times are made of
+    (``annotate_costs``: per-node host time + max(FLOPs / rate, bytes / mem_bw)). Half of the machine model (with
+    :class:`RuntimeOverheads`). A field left at its default (a plan or cache that lacks it) falls back as its
+    comment says."""
 
     gemm_flops: float  # FLOP/s of a matmul (the median over a few sizes)
     conv_flops: float  # FLOP/s of a 3x3 convolution (the slope between a small one and a large one)
@@ -136,9 +137,8 @@ class ComputeRates:
     conv_bwd: float = 0.0  # the same for its backward (input and weight gradients together)
     machine: str = ""  # what it was measured on: host, CPU, torch version, threads
     # Skinny GEMMs run slower: (smallest dimension, FLOP/s) of an (m x 1024) x (1024 x 1024) torch.mm (F and B) and
-    # of the weight gradient's (1024 x m) x (m x 1024), m = 1..256 (1..128 before cache format 15); towards
-    # gemm_flops at twice the last m, gemm_flops above it. Empty (plans and
-    # caches from before): gemm_flops for every GEMM.
+    # of the weight gradient's (1024 x m) x (m x 1024), m = 1..256; towards gemm_flops at twice the last m,
+    # gemm_flops above it. Empty: gemm_flops for every GEMM.
     gemm_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_curve: tuple[tuple[float, float], ...] = ()
     # (FLOPs per call, FLOP/s) of 3x3 convolutions, forward and backward together, at a few sizes: a convolution's
@@ -147,57 +147,49 @@ class ComputeRates:
     conv_curve: tuple[tuple[float, float], ...] = ()
     # The same two GEMM curves with the weight (F, B) or the gradient it accumulates into (W) not in the caches: each
     # GEMM of a pool of distinct 1024 x 1024 matrices larger than the last-level cache in turn, as a stage's layers
-    # run when the model's parameters do not fit there (1-2 rows: half the cached rate here). Empty: the cached
-    # curves. ``cache_bytes``: that cache's size as measured (0: unknown; then the cached curves are used).
+    # run when the model's parameters do not fit there. Empty: the cached curves. ``cache_bytes``: that cache's size
+    # as measured (0: unknown; then the cached curves are used).
     gemm_cold_curve: tuple[tuple[float, float], ...] = ()
     gemm_w_cold_curve: tuple[tuple[float, float], ...] = ()
     cache_bytes: float = 0.0
     # The (m x 1024) x (1024 x 1024) GEMM with its weight transposed, as a linear layer's forward reads it (x @ W.T;
-    # its backward reads W as stored): cached and over the cold pool. Skinny, it runs at well under the plain curve
-    # on one core here (8 rows: 35-40 GFLOP/s against 70-100), and barely faster when the weight is cached. Empty
-    # (plans and caches from before): the plain curves.
+    # its backward reads W as stored): cached and over the cold pool; skinny, it runs well under the plain curve.
+    # Empty: the plain curves.
     gemm_t_curve: tuple[tuple[float, float], ...] = ()
     gemm_t_cold_curve: tuple[tuple[float, float], ...] = ()
     # The machine's typical speed against its fastest: a mixed GEMM and element-wise loop run for a second in
-    # ~5 ms pieces, the median piece over the fastest (>= 1). The rates above are each the fastest of a few runs
-    # (another job only ever adds time), and a virtual machine's neighbours and clocks make a step's median slower
-    # than that (1.3x here); estimated times are multiplied by it. 1.0: plans and caches from before.
+    # short pieces, the median piece over the fastest (>= 1). The rates above are each the fastest of a few runs
+    # (another job only ever adds time), and a step takes the machine as it typically is; estimated times are
+    # multiplied by it. 1.0: none.
     sustained: float = 1.0
     # Seconds of host work per ATen op of a layer's real F graph, and per op of its B and W graphs (``count_backward``
     # counts them on each layer's split and puts them in place of op_fwd / op_bwd per node, which a layer of linears
     # decomposes into more ops than the average node, and whose halves misplace W's work): the same runs as op_fwd
-    # and op_bwd over the ops of those graphs. 0: plans and caches from before (per node only).
+    # and op_bwd over the ops of those graphs. 0: per node only.
     graph_op_fwd: float = 0.0
     graph_op_bwd: float = 0.0
     # The same per op with the cache holding the graphs' code and data: each F and B after a short wait (``IDLE_S``),
-    # as a pipeline's actions start after waiting for a message, not after other work took the cache (format 22).
+    # as a pipeline's actions start after waiting for a message, not after other work took the cache.
     # graph_op_fwd / graph_op_bwd above are the uncached end: every F and B after writing more than the cache holds.
     # ``count_backward`` charges an op the cached time plus the model's cache miss (:meth:`cold`) of the difference.
-    # Inside 2-rank runs gpt-tiny's ops took 10-15 us, between the two ends here (7-8 us and 18-23; 2026-11-27).
-    # 0: plans and caches from before (the uncached time for every op).
+    # 0: the uncached time for every op.
     graph_op_fwd_cached: float = 0.0
     graph_op_bwd_cached: float = 0.0
     # (forward FLOPs per call, FLOP/s) of causal scaled-dot-product attention at a few shapes: its forward's rate, and
     # its backward's as forward FLOPs per second of backward (annotate costs B by the forward's FLOPs), interpolated
-    # in log FLOPs, clamped at the ends. On one core here gpt-base's (2 x 4 heads x 128 tokens x 64) ran its forward
-    # at 0.44 of the square GEMMs' rate (77 against 175 GFLOP/s) and its backward kernel at 0.26 (45). Empty (before
-    # cache format 16): gemm_flops.
+    # in log FLOPs, clamped at the ends. Empty: gemm_flops.
     sdpa_curve: tuple[tuple[float, float], ...] = ()
     sdpa_b_curve: tuple[tuple[float, float], ...] = ()
-    # (kernel, bytes/s forward, bytes/s backward) of the ATen kernels that run far below ``mem_bw`` here, each timed
-    # at one size (``calibrate_compute.KERNELS``), its bytes counted as annotate_costs counts a node's (inputs and
-    # output; the backward's: forward and backward kernels together, per those same bytes). On one core here
-    # training-mode batch_norm ran at 5 GB/s forward, max_pool2d at 0.6 (3x3) and 0.9 (2x2), layer_norm at 8, against
-    # 29 for an add: resnet-50's 53 batch norms and its max pool were estimated at 9 ms of its forward, and took 48.
-    # Empty (before cache format 17): ``mem_bw`` for every node.
+    # (kernel, bytes/s forward, bytes/s backward) of the ATen kernels that run far below ``mem_bw`` (batch norm, max
+    # pooling, layer norm, ...), each timed at one size (``calibration.compute.KERNELS``), its bytes counted as
+    # annotate_costs counts a node's (inputs and output; the backward's: forward and backward kernels together, per
+    # those same bytes). Empty: ``mem_bw`` for every node.
     kernels: tuple[tuple[str, float, float], ...] = ()
     # (kernel area, output pixels per call, FLOP/s of the input gradient, FLOP/s of the weight gradient) of 3x3 and
     # 1x1 stride-1 convolutions whose channels grow as their side shrinks (the same FLOPs per call), each gradient
     # timed alone as B and W run it. The pixels (batch x output height x width) are what the weight gradient sums
-    # over: on one core here a 3x3's ran at 27 GFLOP/s at 2 x 7 x 7 (512 channels) against 102 at 2 x 28 x 28 (128),
-    # its forward at 89-111 throughout, and a 1x1's input gradient at 51-55 against 85-87. ``conv_grad_rates``
-    # interpolates in log pixels; from the largest point up it leaves the rate to ``conv_curve``. Empty (before cache
-    # format 19): the backward at the forward's rate.
+    # over, and its rate falls with them. ``conv_grad_rates`` interpolates in log pixels; from the largest point up
+    # it leaves the rate to ``conv_curve``. Empty: the backward at the forward's rate.
     conv_grad_curve: tuple[tuple[float, float, float, float], ...] = ()
 
     def conv_grad_rates(self, area: int, pixels: float) -> tuple[float, float] | None:
@@ -230,8 +222,8 @@ class ComputeRates:
     def op_seconds(self, miss: float) -> tuple[float, float, float, float]:
         """Host seconds per ATen op of an F graph and of a B or W graph for a model whose cache miss (:meth:`cold`)
         is ``miss``: the cached time and ``miss`` of the way to the uncached one; then what the rest of the way adds
-        (F, B/W), the slope a plan with more copies of the model on one cache moves along. Plans from before format
-        22 (no cached time): the uncached time, no slope."""
+        (F, B/W), the slope a plan with more copies of the model on one cache moves along. Without a cached time:
+        the uncached time, no slope."""
         f_hot = self.graph_op_fwd_cached or self.graph_op_fwd
         b_hot = self.graph_op_bwd_cached or self.graph_op_bwd
         df, db = max(0.0, self.graph_op_fwd - f_hot), max(0.0, self.graph_op_bwd - b_hot)
@@ -242,8 +234,7 @@ class ComputeRates:
         its parameters and their gradients (each W reads and writes its layer's), ``S``, fit the cache ``C`` (the
         ranks on one machine share it, so the whole model counts, not one stage), else ``1 - C/S``, the part of them
         the cache cannot hold. Graded, not all or nothing: a step reads its layers forwards, then backwards, so
-        those read last are read again first; mlp-deep (``S`` 128 MiB, ``C`` 64 MiB here) measured between its
-        cached and its uncached estimates (1.5-1.6x over with every weight read from memory)."""
+        those read last are read again first (benchmarks/RESULTS.md compares it with measured steps)."""
         total = 2 * param_bytes
         if not self.gemm_cold_curve or self.cache_bytes <= 0 or total <= self.cache_bytes:
             return 0.0
@@ -500,7 +491,8 @@ class StrategyRecord:
 
     Pipelined (``fxpipe compile --stages P --dp D --strategy ...``): ``stages`` holds each pipeline stage's
     first and last node and its own search (on ``ranks`` = D ranks each, P x D in all), ``microbatches`` the
-    GPipe microbatches a step takes; ``nodes`` still names every node's configuration. A one-stage record
+    microbatches a step takes unless ``fxpipe run --microbatches`` says otherwise; ``nodes`` still names every
+    node's configuration. A one-stage record
     has neither (plan.json then has the keys it had before pipelined records existed)."""
 
     name: str  # auto, dp or splitbrain: what was asked
@@ -510,7 +502,7 @@ class StrategyRecord:
     cost: float  # modelled seconds per step
     nodes: tuple[tuple[str, str], ...]  # (fx node name, configuration name), in graph order
     stages: tuple[StrategyStage, ...] = ()  # pipelined: one entry per pipeline stage (at least 2); () for one stage
-    microbatches: int = 1  # pipelined: GPipe microbatches per step (the batch is cut into this many)
+    microbatches: int = 1  # pipelined: microbatches per step by default (the batch is cut into this many)
 
     @property
     def configs(self) -> dict[str, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 # Plans in tests never depend on the machine: fxpipe compile keeps the fixed device model instead of calibrating
-# this machine's compute (tests/passes/test_calibrate_compute.py turns it on where it tests it).
+# this machine's compute (tests/calibration/test_compute.py turns it on where it tests it).
 os.environ["FXPIPE_CALIBRATION"] = "off"
 
 from tests._helpers import assert_composes, no_rank_starts  # noqa: E402, F401 (no_rank_starts: a fixture)

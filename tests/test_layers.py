@@ -82,3 +82,89 @@ def test_error_classes_live_in_errors_py() -> None:
                     isinstance(b, ast.Name) and (b.id.endswith("Error") or b.id == "Exception") for b in node.bases):
                 elsewhere.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert elsewhere == []
+
+
+# The modules at or above fxpipe.api: the only ones that may import the root package ``fxpipe`` (whose lazy
+# attributes, fxpipe.compile among them, reach the compile API: an upward import the layers contract cannot see).
+ABOVE_API = ("fxpipe.cli", "fxpipe.backend", "fxpipe.api", "fxpipe.targets", "fxpipe.render")
+
+
+def _graph() -> object:
+    import grimp  # installed with import-linter
+
+    return grimp.build_graph("fxpipe", exclude_type_checking_imports=True)
+
+
+def root_importers(graph: object) -> list[str]:
+    """The modules below fxpipe.api that import the root package ``fxpipe`` itself."""
+    return sorted(m for m in graph.modules if m != "fxpipe" and not any(m == a or m.startswith(a + ".")
+                                                                       for a in ABOVE_API)
+                  and graph.direct_import_exists(importer=m, imported="fxpipe"))
+
+
+def import_cycles(graph: object) -> list[list[str]]:
+    """Every cycle of module imports in ``graph`` (its strongly connected components of more than one module, or
+    of one that imports itself), by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(root: str) -> None:  # iterative: the graph may be deeper than Python's recursion limit
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, edges = work[-1]
+            nxt = next((m for m in edges if m in graph.modules), None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.find_modules_directly_imported_by(nxt)))))
+                elif nxt in on_stack:
+                    low[module] = min(low[module], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == module:
+                        break
+                if len(component) > 1 or graph.direct_import_exists(importer=module, imported=module):
+                    found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_nothing_below_the_api_imports_the_root_package() -> None:
+    assert root_importers(_graph()) == [], "import the module itself (e.g. fxpipe.passes.assemble), not fxpipe"
+
+
+def test_no_module_import_cycle() -> None:
+    assert import_cycles(_graph()) == []
+
+
+def test_the_graph_checks_can_fail() -> None:
+    import grimp
+
+    graph = grimp.ImportGraph()
+    for m in ("fxpipe", "fxpipe.api", "fxpipe.runtime", "fxpipe.runtime.a", "fxpipe.runtime.b", "fxpipe.cli"):
+        graph.add_module(m)
+    graph.add_import(importer="fxpipe.runtime.a", imported="fxpipe")
+    graph.add_import(importer="fxpipe.cli", imported="fxpipe")
+    graph.add_import(importer="fxpipe.runtime.a", imported="fxpipe.runtime.b")
+    graph.add_import(importer="fxpipe.runtime.b", imported="fxpipe.runtime.a")
+    assert root_importers(graph) == ["fxpipe.runtime.a"]
+    assert import_cycles(graph) == [["fxpipe.runtime.a", "fxpipe.runtime.b"]]

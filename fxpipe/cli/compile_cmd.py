@@ -88,7 +88,8 @@ def compile_cmd(
              "stage's --dp ranks (a power of two), recorded in the plan: auto (the search), dp (every layer "
              "splits the batch) or splitbrain (fully connected layers sharded in groups of --group). With "
              "--stages P > 1 (default 1 with --strategy) each stage's --dp ranks get their own, searched on the "
-             "stage's graph where the plan cuts, run in GPipe order over --microbatches. Costed for gloo: no "
+             "stage's graph where the plan cuts, run under any synchronous --schedule (default gpipe) over "
+             "--microbatches. Costed for gloo: no "
              "all-to-all; height splits stay in the cost model only (fxpipe strategy --heights). [default: none]",
         rich_help_panel="Strategy")] = None,
     group: Annotated[Optional[int], typer.Option(min=1, help="SplitBrain's group of ranks (divides --dp) "
@@ -184,10 +185,16 @@ def compile_cmd(
                 max_stages=None if devices is None or objective_text is None else devices // dp,
                 plan_search=searching, devices=devices if searching else None, cores=core_count,
             )
-            from fxpipe.passes.calibrate_compute import calibrate_overheads, calibrated_options, describe
+            from fxpipe.calibration.compute import calibrate_overheads, calibrated_options, describe
+            from fxpipe.calibration.host import HostTuning
 
+            runs_as = HostTuning.for_runs()  # measured and profiled as fxpipe run's ranks run
+            if profile and runs_as.keep_freed_memory:
+                from fxpipe.calibration.host_memory import keep_freed_memory
+
+                keep_freed_memory()
             step("calibrating compute", 0, 0)
-            options, rates, cached = calibrated_options(options, calibration,
+            options, rates, cached = calibrated_options(options, calibration, host=runs_as,
                                                         explicit=device_flops is not None or device_mem_bw is not None)
             if rates is not None:  # the runtime's fixed costs, for every simulation of the plan (plan_overheads)
                 calibrate_overheads(rates, measure_runtime_overheads, threads=1)
@@ -282,10 +289,10 @@ def compile_cmd(
 
 
 def measure_runtime_overheads(rates: Any, threads: int) -> Any:
-    """The runtime's fixed costs measured now on two local ranks (``fxpipe.runtime.calibrate.measure_overheads``),
-    for ``calibrate_overheads`` to cache: the passes cannot import the runtime, the CLI can."""
-    from fxpipe.passes.calibrate_compute import machine_key
-    from fxpipe.runtime.calibrate import measure_overheads
+    """The runtime's fixed costs measured now on two local ranks (``fxpipe.calibration.runtime_costs.measure_overheads``),
+    for ``calibrate_overheads`` to cache, on ranks tuned as ``fxpipe run``'s are."""
+    from fxpipe.calibration.compute import machine_key
+    from fxpipe.calibration.runtime_costs import measure_overheads
 
     return measure_overheads(rates, threads=threads, machine=machine_key(threads))
 

@@ -63,16 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")  # PipelineRuntime(cuda_graphs=)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
+    # The process-wide settings fxpipe run asks for (ranks.host_args; the defaults touch nothing)
+    parser.add_argument("--pin-cpus", type=int, choices=(0, 1), default=0)
+    parser.add_argument("--gloo-loop-nice", type=int, default=0)
+    parser.add_argument("--send-yield", choices=("auto", "on", "off"), default="off")
+    parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=0)
     args = parser.parse_args(argv)
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     try:
-        from fxpipe.runtime.threads import pin_local_rank
+        from fxpipe.cli.ranks import host_tuning
 
+        args.host = host_tuning(args)
         # before the process group, so that gloo's threads start on this rank's CPUs too
-        cpus = pin_local_rank(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        cpus = args.host.pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         try:
             dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         except Exception as exc:  # across machines: a port the firewall blocks, or a host name that resolves locally
@@ -166,7 +172,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     import fxpipe
     from fxpipe.errors import PlanFileError
-    from fxpipe.passes.calibrate_compute import plan_overheads
+    from fxpipe.calibration.compute import plan_overheads
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.schedules.simulate import Costs
 
@@ -183,14 +189,16 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if device.type != "cpu":  # fxpipe run refuses it before starting the ranks
             raise OptionError(f"--device {args.device} runs pipeline plans; a per-layer strategy trains on the CPU: "
                               "use --device cpu")
-        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed))
+        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed),
+                            out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x
                                               for x in zoo.example_inputs),
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
                          timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
-                         device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs])
+                         device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
+                         host=args.host)
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
@@ -241,9 +249,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if args.checkpoint_dir:
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True)
-    from fxpipe.passes.calibrate_compute import calibration_enabled
+    from fxpipe.calibration.compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks
-    from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
+    from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
     from fxpipe.schedules.versions import held_peaks_with_versions
 
@@ -433,10 +441,9 @@ def fit_of(source: Any, plan: Any) -> Any:
 def runtime_costs_missing(plan: Any, overheads: Any) -> bool:
     """Whether the simulation of ``plan`` left out the runtime's fixed costs although it should hold them: the plan
     was estimated with calibrated rates and calibration is on, but this machine's cache has no runtime costs for
-    that calibration (``plan_overheads`` gave None: another machine, thread count or cache format). ``fxpipe run``
-    says so, rather than report a step simulated without them (mlp-tiny's simulated 1.42 ms against 2.6-2.9 with
-    them, when the cache format changed between its compile and its run, 2026-11-27)."""
-    from fxpipe.passes.calibrate_compute import calibration_enabled
+    that calibration (``plan_overheads`` gave None: another machine, thread count or calibration version).
+    ``fxpipe run`` says so, rather than report a step simulated without them as if it were whole."""
+    from fxpipe.calibration.compute import calibration_enabled
 
     return overheads is None and getattr(plan.options, "compute", None) is not None and calibration_enabled()
 

@@ -1,4 +1,4 @@
-"""``fxpipe run`` of a plan with a per-layer strategy (``fxpipe compile --stages 1 --dp D --strategy ...``).
+"""``fxpipe run`` of a plan with a per-layer strategy (``fxpipe compile --stages P --dp D --strategy ...``).
 
 Called by ``fxpipe.cli.rank`` on every rank. The plan records each fx node's configuration by name;
 nothing from the plan directory is executed: the rank rebuilds the built-in model the plan was
@@ -6,12 +6,10 @@ compiled from (fxpipe's own code, as the pipeline path does), traces it again wi
 ``strategy_graph`` (the same one-layer-per-fx-node graph the search saw), and gives each node its
 recorded configuration. A node the trace has and the record lacks (or the other way round) is a
 plan of another model or version: one ``PlanFileError``. It then trains ``StrategyRuntime`` (DTensor
-on the plan's D ranks) on the global batch, the compiled example's rows, each layer taking its share.
-
-A pipelined record (``fxpipe compile --stages P --dp D --strategy ...``) runs on P x D ranks:
-``StrategyRuntime(stages=record.cuts, microbatches=record.microbatches)``, each pipeline position's
-group of D ranks running its stage's nodes, GPipe order. Its stages must cut the trace where one
-tensor crosses, exactly at the recorded nodes (else ``PlanFileError``).
+on each stage's D ranks, P x D in all) on the global batch, the compiled example's rows, each layer
+taking its share, under the plan's schedule or ``--schedule`` (any synchronous one) with the
+record's microbatches or ``--microbatches``. Stages must cut the trace where one tensor crosses,
+exactly at the recorded nodes (else ``PlanFileError``).
 """
 
 from __future__ import annotations
@@ -20,12 +18,16 @@ import argparse
 import resource
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 
-def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any,
-                 batches: Any) -> tuple[dict[str, object], dict[str, Any] | None]:
-    """Train the plan's strategy for ``args.steps`` steps; the rank's result (the keys ``fxpipe run`` reads)."""
+def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any, batches: Any,
+                 progress: Path) -> tuple[dict[str, object], dict[str, Any] | None]:
+    """Train the plan's strategy for ``args.steps`` steps, rank 0 appending each step's line to ``progress``; the
+    rank's result (the keys ``fxpipe run`` reads)."""
+    from datetime import timedelta
+
     import torch
 
     from fxpipe.errors import OptionError, PlanFileError
@@ -39,12 +41,10 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         raise OptionError(f"the plan's strategy runs on {record.world} ranks" + (
             f" ({pp} stages x {record.ranks})" if pp > 1 else "") + f", and this run has {world}; run it with "
             + (f"--dp {record.ranks}" if pp == 1 else f"no --dp or --nproc (it starts {record.world})"))
-    for flag, given in (("--schedule", args.schedule), ("--microbatches", args.microbatches),
-                        ("--checkpoint-dir", args.checkpoint_dir)):
-        if given is not None:
-            raise OptionError(f"{flag} is for pipeline plans; a per-layer strategy runs the whole batch as one step"
-                              + (f" (its {pp} stages in GPipe order over the {record.microbatches} microbatches it "
-                                 "was compiled with)" if pp > 1 else ""))
+    if args.checkpoint_dir is not None:
+        raise OptionError("--checkpoint-dir saves pipeline plans' stages; a per-layer strategy's DTensor parameters "
+                          "are not checkpointed: run it without --checkpoint-dir")
+    sched = strategy_schedule(pipe.plan, args.schedule, args.microbatches)
     inputs, target = batches(0)
     g = strategy_graph(zoo.model, tuple(inputs))
     configs = record.configs
@@ -55,9 +55,10 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         raise PlanFileError(f"the plan's strategy does not fit this model's trace ({which}); compile the plan again "
                             "with this fxpipe")
     if pp > 1:
-        _check_stages(record, g, int(inputs[0].shape[0]))
+        _check_stages(record, g, int(inputs[0].shape[0]), sched.num_microbatches)
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
-                         stages=record.cuts, microbatches=record.microbatches, loss_fn=zoo.loss_fn)
+                         stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
+                         timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
     losses, step_ms = [], []
     for step in range(args.steps):
@@ -68,9 +69,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         losses.append(rt.train_step(inputs[0], target, opt))
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if rank == 0:
-            from fxpipe.cli.rank import out_progress
-
-            with open(out_progress(args), "a") as f:
+            with open(progress, "a") as f:
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
     params = None
     group_rank = rank % record.ranks  # ranks = pp x group, row-major: a stage's group is neighbouring ranks
@@ -78,10 +77,9 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         whole = rt.full_parameters()  # a collective over the stage's group: every rank of it gathers
         if group_rank == 0:
             params = {n: p.detach().clone() for n, p in whole.items()}
-    schedule = f"strategy {record.name} ({record.method})" + (
-        f" in {pp} stages, gpipe" if pp > 1 else "")
+    schedule = f"strategy {record.name} ({record.method})" + (f" in {pp} stages, {sched.name}" if pp > 1 else "")
     return {
-        "rank": rank, "world": world, "schedule": schedule, "microbatches": record.microbatches,
+        "rank": rank, "world": world, "schedule": schedule, "microbatches": rt.microbatches,
         "synchronous": True, "weights": args.weights, "dp": record.ranks, "pp": pp, "pp_rank": rt.pp_rank,
         "dp_rank": group_rank, "stages": [rt.pp_rank], "host": socket.gethostname(),
         "batch": int(inputs[0].shape[0]), "losses": losses, "step_ms": step_ms, "first_step": 0,
@@ -90,9 +88,25 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     }, params
 
 
-def _check_stages(record: Any, g: Any, batch: int) -> None:
+def strategy_schedule(plan: Any, schedule: str | None, microbatches: int | None) -> Any:
+    """The schedule a strategy plan runs: ``schedule`` (default: the plan's recorded one, else GPipe) over
+    ``microbatches`` (default: the strategy record's), one that a strategy can run (``check_schedule``)."""
+    from fxpipe.runtime.strategy import check_schedule
+    from fxpipe.schedules.auto import plan_schedule
+
+    record = plan.strategy
+    m = microbatches if microbatches is not None else record.microbatches
+    name = schedule if schedule is not None or plan.schedule is not None else "gpipe"
+    sched = plan_schedule(plan, name, m)
+    check_schedule(sched, max(1, len(record.stages)))
+    if len(record.stages) > 1 and plan.inputs and plan.inputs[0].shape:
+        _check_split(record, int(plan.inputs[0].shape[0]), microbatches)
+    return sched
+
+
+def _check_stages(record: Any, g: Any, batch: int, microbatches: int | None = None) -> None:
     """A pipelined record against the trace ``g``: its stages are the trace's nodes cut where one tensor crosses,
-    and its microbatches split evenly over the ranks; else one ``PlanFileError`` (the ranks would deadlock)."""
+    and ``microbatches`` (default: the record's) split the batch evenly over the ranks; else one error."""
     from fxpipe.errors import OptionError, PlanFileError
     from fxpipe.planning.strategies import stage_graph
 
@@ -103,6 +117,18 @@ def _check_stages(record: Any, g: Any, batch: int) -> None:
     except OptionError as exc:
         raise PlanFileError(f"the plan's strategy stages do not cut this model's trace where one tensor crosses "
                             f"({exc}); compile the plan again with this fxpipe") from None
-    if batch % (record.microbatches * record.ranks):
+    _check_split(record, batch, microbatches)
+
+
+def _check_split(record: Any, batch: int, microbatches: int | None) -> None:
+    """``microbatches`` (None: the record's) cut a ``batch``-row batch evenly over each stage's ranks (else each
+    stage's messages would differ in shape between its ranks); else one error."""
+    from fxpipe.errors import OptionError, PlanFileError
+
+    if microbatches is not None and microbatches != record.microbatches:
+        if batch % (microbatches * record.ranks):
+            raise OptionError(f"--microbatches {microbatches} cuts the plan's {batch}-row batch over {record.ranks} "
+                              f"ranks a stage unevenly; pass a count that divides {batch // record.ranks}")
+    elif batch % (record.microbatches * record.ranks):
         raise PlanFileError(f"the plan's strategy cuts a {batch}-row batch into {record.microbatches} microbatches "
                             f"over {record.ranks} ranks, unevenly; compile the plan again")

@@ -81,6 +81,19 @@ def run_cmd(
     checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints of an asynchronous schedule: "
                                                               "its pipeline drains at each (and a resumed run restarts "
                                                               "it there), so larger is faster.")] = 1,
+    pin_ranks: Annotated[bool, typer.Option(help="Run each local rank on CPUs of its own (its equal share of this "
+                                            "process's CPUs; none where there are fewer CPUs than ranks).",
+                                            rich_help_panel="Host tuning")] = True,
+    gloo_loop_nice: Annotated[int, typer.Option(min=0, max=19, help="Niceness of gloo's socket threads in each rank, "
+                                                "so they cannot preempt the rank while it holds their lock (0 leaves "
+                                                "them).", rich_help_panel="Host tuning")] = 19,
+    send_yield: Annotated[str, typer.Option(help="auto, on or off: each rank yields its core once after each send, "
+                                            "so gloo's socket thread sends it now (auto: where the rank's actions "
+                                            "are short).", rich_help_panel="Host tuning")] = "auto",
+    keep_freed_memory: Annotated[bool, typer.Option(help="Keep freed memory in each rank (glibc's mmap and trim "
+                                                    "thresholds raised), so a step's large temporaries are reused "
+                                                    "instead of faulted in again.",
+                                                    rich_help_panel="Host tuning")] = True,
     trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace; ranks on one machine share its clock).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
@@ -108,7 +121,12 @@ def run_cmd(
             from fxpipe.cli.common import check_schedule_size
 
             check_schedule_size(plan.num_stages, microbatches)
-        sched = plan_schedule(plan, schedule, microbatches)
+        if plan.strategy is not None:  # a synchronous schedule, one stage per rank group (else one line)
+            from fxpipe.cli.rank_strategy import strategy_schedule
+
+            sched = strategy_schedule(plan, schedule, microbatches)
+        else:
+            sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
         from fxpipe.runtime.codegen import check_codegen
@@ -133,10 +151,10 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
-        from fxpipe.runtime.threads import loop_nice, pin_ranks, send_yield
+        from fxpipe.calibration.host import HostTuning
 
-        for setting in (loop_nice, pin_ranks, send_yield):  # what the ranks read from the environment: a wrong
-            setting()  # value is refused here, in one line, before any rank starts
+        host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
+                          keep_freed_memory=keep_freed_memory)  # a wrong value is refused here, before any rank starts
         replicas = dp if dp is not None else plan.mesh.dp
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
@@ -152,7 +170,7 @@ def run_cmd(
             cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
         cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
                 "--codegen", codegen, "--device", device,
-                "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs]]
+                "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
         try:
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
@@ -195,7 +213,7 @@ def run_cmd(
             "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
             "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
-            # each rank's CPUs (FXPIPE_PIN_RANKS; empty: placed by the system)
+            # each rank's CPUs (--pin-ranks; empty: placed by the system)
             "cpus_per_rank": [r.get("cpus", []) for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
@@ -277,7 +295,7 @@ def run_cmd(
 
 RUNTIME_COSTS_MISSING = ("simulated without the runtime's fixed costs per action, message and step: this machine has "
                          "none cached for the calibration the plan was estimated with (another machine, thread count "
-                         "or fxpipe cache format); run fxpipe compile here again to simulate with them")
+                         "or fxpipe calibration version); run fxpipe compile here again to simulate with them")
 
 
 def _check_device(device: str, cuda_graphs: bool | None, plan: Any, sched: Any, codegen: str) -> None:

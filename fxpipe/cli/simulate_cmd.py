@@ -62,7 +62,7 @@ def simulate_cmd(
         elif target is None:
             raise OptionError("give a plan directory or a model to simulate, or --uniform-costs F,B,W with --stages")
         else:
-            from fxpipe.passes.calibrate_compute import plan_overheads
+            from fxpipe.calibration.compute import plan_overheads
 
             plan = _plan(target, stages)
             costs = Costs.from_plan(plan, plan_overheads(plan))

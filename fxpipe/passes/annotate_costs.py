@@ -22,7 +22,7 @@ from fxpipe.report import Report
 
 # A CPU core of this machine does ~1.8e11 FLOP/s in a 512^3 matmul on one thread and streams
 # ~4e9 B/s through an element-wise op; these round defaults model "one busy core" (see
-# docs/architecture.md). ``compute`` (calibrate_compute: fxpipe compile measures it unless
+# docs/architecture.md). ``compute`` (fxpipe.calibration.compute: fxpipe compile measures it unless
 # FXPIPE_CALIBRATION=off) replaces them with this machine's rates and adds each node's host time;
 # --profile replaces the estimates with measured times.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -104,7 +105,7 @@ class _Counted:
     flops_backward_weight: int
     grad_outputs: tuple[int, ...]
     fused_reason: str | None
-    ops: tuple[int, int, int] = (0, 0, 0)  # ATen ops of F, B and W (calibrate_compute.graph_ops)
+    ops: tuple[int, int, int] = (0, 0, 0)  # ATen ops of F, B and W (graph_ops)
 
     @property
     def fused(self) -> bool:
@@ -112,10 +113,14 @@ class _Counted:
 
     @classmethod
     def of(cls, graphs: StageGraphs) -> "_Counted":
-        from fxpipe.passes.calibrate_compute import graph_ops
-
         return cls(graphs.flops_backward_input, graphs.flops_backward_weight, tuple(graphs.grad_outputs),
                    graphs.fused_reason, (0, 0, 0) if graphs.fused else graph_ops(graphs))
+
+
+def graph_ops(graphs: StageGraphs) -> tuple[int, int, int]:
+    """The ATen ops (every call but ``getitem``) of split graphs' F, B and W: what each costs the host to run."""
+    return tuple(sum(1 for n in compute_nodes(gm.graph) if n.target is not operator.getitem)  # type: ignore[return-value]
+                 for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))
 
 
 # Counts by layer signature (ops, wiring, shapes, dtypes, which inputs need a gradient: everything the counts

@@ -47,6 +47,7 @@ def partition_stages(
     devices: int | None = None,
     dp: int = 1,
     cores: int | None = None,
+    overheads: RuntimeOverheads | None = None,
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -78,7 +79,9 @@ def partition_stages(
     ``cores`` (``num_stages`` ``"plan"`` or ``"auto"`` only): the ranks time-share that many cores, so each
     candidate's compute counts ``max(1, ranks / cores)`` times in its modelled and its simulated step
     (``Costs.cores``; ranks = stages x dp, ``dp`` the replicas ``"auto"`` plans for); None: a core per
-    rank. A fixed stage count ignores both.
+    rank. A fixed stage count ignores both. ``overheads``: the runtime's fixed costs the planners (``"auto"``,
+    ``"plan"``) simulate with (``Costs.with_runtime``; the caller reads them from the machine model,
+    ``fxpipe.calibration.compute.compute_overheads``); None: none.
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
     smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
@@ -99,7 +102,6 @@ def partition_stages(
     static = [_static_bytes(out, s) for s in stats]
     counted: tuple[Report, ...] = ()
     choice: dict[str, object] | None = None
-    overheads = _planner_overheads(out)
     shift = _cache_shift(out) if cores is not None else None  # the ranks share this machine: its cache too
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
@@ -279,16 +281,6 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     chosen = choose_count(rows, goal)
     return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule,
                                                         dp=dp, cores=cores),)
-
-
-def _planner_overheads(gm: torch.fx.GraphModule) -> RuntimeOverheads | None:
-    """The runtime's fixed costs (per action, message, step, and the loss) the planners simulate with
-    (``Costs.with_runtime``): this machine's calibration when ``annotate_costs`` estimated with its compute rates
-    (``gm.meta["fxpipe_compute"]``), as ``Costs.from_plan`` adds them to the plan's simulations; None otherwise
-    (profiled, fixed model, ``FXPIPE_CALIBRATION=off``)."""
-    from fxpipe.passes.calibrate_compute import compute_overheads
-
-    return compute_overheads(gm.meta.get("fxpipe_compute"))
 
 
 SIMULATED_CANDIDATES = 16

@@ -12,7 +12,6 @@ import torch.fx
 
 from fxpipe.errors import OptionError
 from fxpipe.graphs.fx import clone, compute_nodes, preserved_buffers
-from fxpipe.host_memory import keep_freed_memory
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_stages import run_stages, split_by_layer
@@ -25,9 +24,10 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
     The runs go round-robin over the layers (every layer once, then every layer again), after one
     warm-up round that is dropped, so a burst of load on the machine touches every layer alike
     instead of all the runs of a few; and each layer keeps its fastest run, because another job on
-    the machine only ever adds time (as ``calibrate_compute`` and ``time_graphs`` see it). With the
+    the machine only ever adds time (as ``fxpipe.calibration.compute`` and ``time_graphs`` see it). With the
     median of a layer's runs back to back, the 16 identical layers of mlp-deep measured B+W from
-    1.1 to 9.3 ms at load 3, and the partition's cut moved with the noise.
+    1.1 to 9.3 ms at load 3, and the partition's cut moved with the noise. No allocator setting is changed here:
+    a caller that profiles as ``fxpipe run``'s ranks run keeps freed memory first (``fxpipe compile --profile`` does).
 
     Reads: NodeMeta.layer_idx and time_* estimates; real parameters and example inputs.
     Writes: NodeMeta.time_fwd / time_bwd_input / time_bwd_weight, scaled per layer so the
@@ -45,7 +45,6 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
         raise OptionError("--profile runs the layers on real tensors, but the model is on the meta device; "
                           "drop --profile or build the model on cpu")
     out = clone(gm)
-    keep_freed_memory()  # as the runtime that runs these layers does (fxpipe.host_memory)
     with preserved_buffers(gm):
         layers = [(layer, args) for _, layer, _, args, _ in run_stages(split_by_layer(gm), example_inputs)]
         samples: list[list[tuple[float, float]]] = [[] for _ in layers]

@@ -99,7 +99,7 @@ def strategy_graph(model: nn.Module, example_inputs: Sequence[Any], *, device_fl
                    compute: ComputeRates | None = None) -> OpGraph:
     """The layer graph of ``model`` on ``example_inputs`` (the whole batch), one spec per fx node.
 
-    ``compute`` (``calibrate_compute``'s rates for this machine) replaces ``device_flops`` / ``device_mem_bw``:
+    ``compute`` (``fxpipe.calibration.compute``'s rates for this machine) replaces ``device_flops`` / ``device_mem_bw``:
     a Linear's FLOPs at the GEMM rate, a convolution's at the convolution rate plus its per-call time
     (``fixed_seconds``: it does not shrink with the split), every roofline's bytes (parameters included) at
     the measured bandwidth. Its per-node host times are not used: the strategy runtime's own per-node cost

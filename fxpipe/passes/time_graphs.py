@@ -13,7 +13,6 @@ import torch.fx
 from fxpipe.graphs.accumulate import accumulating_weight_graph
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.graphs.fx import preserved_buffers
-from fxpipe.host_memory import keep_freed_memory
 from fxpipe.passes.split_stages import run_stages
 
 Timing = tuple[float, float, float]  # F, B, W seconds
@@ -45,7 +44,6 @@ def graph_samples(g: StageGraphs, args: Sequence[Any], runs: int, before: Callab
     """Seconds of F, B and W of each of ``runs`` runs after one warm-up run (as :func:`time_graphs` times them);
     ``before`` is called before each of those runs' F, ``before_backward`` before its B (the calibration's cold runs
     evict the cache at both: in a pipeline each action, F or B, starts after a wait for its message)."""
-    keep_freed_memory()  # as the runtime that runs these graphs does (fxpipe.host_memory)
     w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]  # type: ignore[arg-type]
     accs: list[torch.Tensor] | None = None
     samples: list[Timing] = []

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.runtime.threads import send_yield
 
 
 class Received:
@@ -41,7 +40,7 @@ class Received:
 
 class Channel:
     def __init__(self, device: torch.device, timeout: timedelta | None = None, *,
-                 action_s: float | None = None) -> None:
+                 yield_after_send: bool = False) -> None:
         self.device = device
         self.timeout = timeout
         cuda = device.type == "cuda"
@@ -49,10 +48,9 @@ class Channel:
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
         self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
-        # gloo: yield the core once after each isend, so the socket thread can send it now rather than when this
-        # rank next blocks; by default where the rank's actions (``action_s``: seconds each) are short
-        # (fxpipe.runtime.threads.send_yield)
-        self.yield_after_send = send_yield(action_s) and dist.get_backend() == "gloo"
+        # gloo, where asked: yield the core once after each isend, so the socket thread can send it now rather than
+        # when this rank next blocks (HostTuning.send_yield, fxpipe.calibration.threads.send_yields)
+        self.yield_after_send = yield_after_send and dist.get_backend() == "gloo"
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
              buf: torch.Tensor | None = None) -> Received:

@@ -1,31 +1,26 @@
 """The one executor core: a schedule's compute actions (F, B, W, BW) run on the stages this process holds.
 
 Every executor runs its schedule through :meth:`ActionRunner.run`: the reference executor (every
-stage in one process, each dependency checked), the distributed runtime (this rank's stages; what
-crosses ranks arrives and leaves as messages around each action) and ``backend="fxpipe"`` (every
-stage in one process, F inside autograd's forward, B and W inside its backward). They hold the
-same per-microbatch state and make the same calls (:class:`fxpipe.graphs.convention.StageGraphs`);
-what differs is policy, given by overriding four methods:
+stage in one process), the distributed runtime and the per-layer strategy runtime (this rank's
+stages; what crosses ranks arrives and leaves as messages around each action) and
+``backend="fxpipe"`` (F inside autograd's forward, B and W inside its backward). They differ only
+in four overridable policies:
 
     value(stage, mb, name)          the input F reads (default: this process's value)
     deliver(stage, mb, name, grad)  where B's input gradient goes (default: summed here)
     weight(stage, mb, args)         what W does with the parameter gradients (default: add to .grad)
     zeros(stage, mb, j)             the gradient of an output nothing differentiated (default: zeros)
 
-Asynchronous schedules set ``versions`` (:class:`fxpipe.runtime.weights.WeightVersions`) and
-``optimizers``: each phase then reads the weights its policy gives, and after each microbatch's
-W (or BW) the stage steps its optimizer (``step``, overridable).
+Asynchronous schedules set ``versions`` and ``optimizers``: each phase reads the weights its
+policy gives, and each stage steps its optimizer after every microbatch's W (or BW).
 
-    F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]     (then the loss, once
-                                                                              every output exists)
+    F(s, m):  values[m][inputs]  ──F──▶ values[m][outputs], saved[s, m]   (then the loss)
     B(s, m):  saved, grads[m][outputs] ──B──▶ deliver(input grads), handover[s, m]
     W(s, m):  handover, saved, output grads ──▶ weight(s, m, W's arguments)
-              (a run of adjacent Ws a schedule batches: run_weights ──▶ weights(s, mbs, their arguments))
     BW(s, m): B then W (a stage without split graphs: one autograd backward)
 
-Once B ran, only what W reads stays: F's saved tensors in W's slots, the handover, and the output
-gradients in W's slots. With ``held`` set (:class:`HeldBytes`), the bytes of what is kept for a
-microbatch's later actions are counted per stage, each storage once, and the step's peak recorded.
+Once B ran, only what W reads stays; :class:`HeldBytes` counts per stage the bytes kept between
+actions and the step's peak.
 """
 
 from __future__ import annotations
@@ -212,21 +207,20 @@ class ActionRunner:
         self.versions.updated(s)
 
     def fused_backward(self, s: int, m: int) -> None:
-        """A stage without split graphs: one autograd backward through its module (reference executor only)."""
+        """A stage without split graphs: one autograd backward through its module, its parameters' gradients added to
+        their ``.grad``."""
         st = self.stages[s]
         outs, leaves = self.autograd.pop((s, m))
         pairs = [(o, j) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         grad_outs = [self.output_grad(s, m, j) for _, j in pairs]
         params = [p for p in st.module.parameters() if p.requires_grad]
         wrt = [(t, n) for t, n in zip(leaves, st.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads = torch.autograd.grad([o for o, _ in pairs], [t for t, _ in wrt] + params, grad_outputs=grad_outs,
-                                    allow_unused=True)
-        for (_, name), grad in zip(wrt, grads[: len(wrt)]):
-            if grad is not None:
-                self.deliver(s, m, name, grad)
-        for p, grad in zip(params, grads[len(wrt):]):
-            if grad is not None:
-                accumulate(p, grad)
+        # Into .grad (autograd's accumulation): a DTensor parameter's gradient keeps the placements autograd gives it
+        # (a pending sum stays pending), which ``torch.autograd.grad`` would make whole.
+        torch.autograd.backward([o for o, _ in pairs], grad_outs, inputs=[t for t, _ in wrt] + params)
+        for t, name in wrt:
+            if t.grad is not None:
+                self.deliver(s, m, name, t.grad)
 
     # -- policies (override) ----------------------------------------------------------------
 

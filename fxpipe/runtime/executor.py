@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,6 @@ from fxpipe._compat import pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
-from fxpipe.host_memory import keep_freed_memory
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
@@ -42,12 +41,14 @@ from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, mea
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
-from fxpipe.runtime.threads import lower_gloo_loops
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.versions import POLICIES
+
+if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
+    from fxpipe.calibration.host import HostTuning
 
 
 class PipelineRuntime:
@@ -69,6 +70,8 @@ class PipelineRuntime:
     between actions for a microbatch's later ones (:class:`fxpipe.runtime.core.HeldBytes`; a few
     percent of a step of small stages, so off by default); :attr:`peak_held_bytes` is the peak of
     the last step counted (of :meth:`train`: the whole stream's).
+    ``host``: the process-wide settings this rank asks for (:class:`fxpipe.calibration.host.HostTuning`: CPU
+    pinning, gloo's socket threads' priority, a yield after each send, freed memory kept); None changes none.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
@@ -77,7 +80,8 @@ class PipelineRuntime:
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
-                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None) -> None:
+                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
+                 host: HostTuning | None = None) -> None:
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan)
@@ -183,18 +187,18 @@ class PipelineRuntime:
         if self._w_runs:
             self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
-        self.channel = Channel(self.device, timeout, action_s=_mean_action(pipe.plan.stages, self.mine))
+        self.channel = Channel(self.device, timeout, yield_after_send=host is not None and host.yields_after_send(
+            _mean_action(pipe.plan.stages, self.mine)))
         if prefetch is not None and prefetch < 0:
             raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
                                 "pass 0 or more, or None for all of a step's at its start")
         # None: every receive posted at the step's start into buffers kept across steps (fastest);
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
-        # gloo's socket threads at the lowest priority, so they cannot preempt this rank's thread while it holds
-        # a pair's lock (fxpipe.runtime.threads); after every group above is made, each with its own thread.
-        self.gloo_loops = lower_gloo_loops()
-        # A step's large temporaries reused from the heap, not faulted in again each call (fxpipe.host_memory)
-        self.keeps_freed_memory = keep_freed_memory()
+        # The process-wide settings the caller asked for (none by default): after every group above is made, so that
+        # each group's gloo socket thread is reniced (fxpipe.calibration.host)
+        self.host = host
+        self.gloo_loops, self.keeps_freed_memory = host.apply(self.rank, self.world) if host is not None else (0, False)
         self.events: list[tuple[Action, float, float]] = []
         self.optimizer_steps: list[tuple[float, float]] = []
         self.started = 0.0

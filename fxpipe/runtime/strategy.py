@@ -1,58 +1,30 @@
 """Per-layer strategies on DTensor: every node of a traced model runs in its own configuration on one rank group.
 
-``planning.strategies`` picks, per layer (fx node), degrees ``(s, c, r)`` over the batch (sample),
-the output channels (column) and the input channels (row); this module runs them. The group of
-``d = 2**k`` ranks is a ``DeviceMesh`` of shape ``(2, ..., 2)``; a configuration gives each mesh
-dimension a role, sample dims first, then column, then row (``s2c2`` on 4 ranks: dim 0 splits the
-batch, dim 1 the channels), so every configuration of the search is a placement on the same mesh,
-and moving a tensor between two layers' configurations is one ``DTensor.redistribute``:
+``planning.strategies`` picks, per layer (fx node), degrees ``(s, c, r)`` over the batch, the output
+channels and the input channels; this module runs them. A group of ``d = 2**k`` ranks is a
+``(2, ..., 2)`` ``DeviceMesh`` and each configuration is a placement on it, so moving a tensor between
+two layers' configurations is one ``DTensor.redistribute``, which moves what
+``planning.strategies.transfer`` counts. Each node computes on local shards; after backward, each
+layer's parameter gradients are all-reduced over the ranks holding the same shard (``sync``).
+BatchNorm with a split batch computes the whole batch's statistics; height splits stay in the cost
+model (DTensor's convolution on a split height is wrong on this torch).
 
-    tensor (per mesh dim of role)      sample      column       row
-    a matmul's input (needed)          Shard(0)    Replicate    Shard(1)
-    a matmul's output (held)           Shard(0)    Shard(1)     Partial      (partial sums over the row ranks)
-    a matmul's weight [out, in, ...]   Replicate   Shard(0)     Shard(1)
-    a matmul's bias                    Replicate   Shard(0)     Replicate    (added once: on row rank 0)
-    elementwise in/out, BN params      Shard(0)    Shard(1)     -            (BN params: Replicate / Shard(0))
-    the input and the loss             Shard(0) on every dim
-
-Each node computes on local shards (``to_local``): ``F.linear`` / the convolution with the local
-weight, the module or function itself for elementwise nodes, and wraps its output with the held
-placements (``from_local``). Gradients follow DTensor's autograd: a column-split matmul's input
-gradient is ``Partial`` over its column ranks and is reduce-scattered or all-reduced on its way back,
-exactly as ``planning.strategies.transfer`` counts. Then, after backward, each layer's parameter
-gradients (partial sums over its sample ranks) are all-reduced as one flat buffer per layer (in
-``BUCKET_BYTES`` buckets) over the ranks that hold the same shard: ``sync_collectives``.
-
-**Nesting orders.** DTensor splits a tensor dim over its mesh dims outermost first, so on a 2x2 mesh a dim
-split over both can nest its blocks two ways. Each layer runs on one *view* of the mesh (the same ranks,
-dims reordered; roles s, c, r in that order over it), and a value moves on a view where its blocks and
-the needed ones nest (``_route``): then it moves what ``planning.strategies.transfer`` counts. A Linear or
-convolution reads its input's channel blocks in any order, holding its weight's input dim in the same
-order (``_block_order``; ``full_parameters`` gives the model's order back), so it takes the base view
-even where its input nests the other way (c4 -> c2r2 -> c4 stays in the base order, and a residual
-add's inputs agree). An elementwise layer cannot reorder: after ``s2c2 -> c4`` its blocks nest the other
-way, and an add joining that with a base-ordered value moves one input, which the cost model does not
-price (docs/architecture.md, per-layer strategies).
-
-BatchNorm with a split batch computes the whole batch's statistics: one all-reduce of the per-channel
-sums of x and x² forward, one of dy and dy·x̂ backward (``stat_bytes``), so a replica's running
-statistics and gradients are one process's. Spatial (height) splits are not run: DTensor's
-convolution on a split height gives wrong results on this torch (gloo), so they stay in the cost
-model (``OptionError`` here). Dropout draws each rank's own mask (training is valid, it is not one
-process's mask).
-
-``CollectiveCounter`` (a ``CommDebugMode``) records every collective the runtime issues with the
-layer it belongs to and the bytes a rank receives, to check the cost model's prediction per layer.
+Pipelined strategies (several stages, each on its own group) run their schedule through the
+executor core (``runtime.core``): the ranks at one place of every group form one lane.
+``CollectiveCounter`` records each collective with its layer and bytes, to check the cost model.
+docs/internals/strategy-runtime.md gives the placements table and the nesting orders.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -63,10 +35,22 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from fxpipe._compat import TorchDispatchMode, flatten_mesh, process_group_size
 from fxpipe.errors import OptionError
+from fxpipe.graphs.convention import StageGraphs
 from fxpipe.planning.cost import BUCKET_BYTES
 from fxpipe.planning.strategies import Degrees, LayerSpec
+from fxpipe.runtime import replicas
+from fxpipe.runtime.channel import Channel
+from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.faults import peer_down
+from fxpipe.runtime.lower import FORWARD, Message, lower
+from fxpipe.schedules.generators import generate
+from fxpipe.schedules.ir import Action, Kind, Schedule
 
-__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "mesh_roles", "strategy_mesh"]
+if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
+    from fxpipe.calibration.host import HostTuning
+
+__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "check_schedule", "fused_backward", "mesh_roles",
+           "strategy_mesh"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -117,6 +101,19 @@ _TABLE: dict[str, dict[str, Any]] = {
     "norm": {"s": _R, "c": _S0},
     "norm_grad": {"s": _P, "c": _S0},
 }
+
+
+def check_schedule(schedule: Schedule, stages: int) -> None:
+    """A schedule a per-layer strategy of ``stages`` stages can run: synchronous, with one stage per rank group;
+    else one ``OptionError``."""
+    if not schedule.synchronous:
+        raise OptionError(f"{schedule.name} is asynchronous, and a per-layer strategy trains synchronously (a stage's "
+                          "DTensor parameters have one version, stepped once per step): use a synchronous schedule "
+                          "(gpipe, 1f1b, zb-h1, ...)")
+    if schedule.num_stages != stages or tuple(schedule.rank_of_stage) != tuple(range(stages)):
+        raise OptionError(f"{schedule.name} places {schedule.num_stages} stages on {schedule.num_ranks} ranks, and the "
+                          f"strategy runs {stages} stages, each on its own rank group: use a schedule with one stage "
+                          "per rank (gpipe, 1f1b, zb-h1, ...)")
 
 
 def _placements(what: str, roles: Sequence[str]) -> tuple[Any, ...]:
@@ -429,8 +426,16 @@ class StrategyRuntime:
     their configurations on their group of g. A stage sends its last node's output split over the
     batch on every rank of its group (each rank its slice, to the rank at the same place in the next
     group), the next stage starts from it (``planning.strategies.stage_graph`` costs a stage this
-    way); ``microbatches`` go through in GPipe order (every forward, then every backward), and each
-    group syncs its gradients once per step.
+    way). So the g ranks of a group are g lanes, and the rank at place c of every group is one
+    pipeline, as replica c of a ``("pp", "dp")`` mesh with dp = g (without replicas' gradient
+    averaging: ``sync`` sums each layer's gradients inside its group).
+
+    **Steps** run on the executor core, one or many stages alike: ``schedule`` (a synchronous
+    :class:`Schedule` or a name, generated for ``pp`` stages and ``microbatches``) is lowered
+    (``runtime.lower``) for this rank's pipeline position, its messages go through the ``Channel``, and
+    ``ActionRunner`` runs each F and backward. A stage's backward is one autograd call (BW): a B of the
+    schedule is the whole backward and its W nothing (``fused_backward``). Each group syncs its
+    gradients once per step.
 
     ``bucket_layers``: the gradient sync all-reduces every layer of a sync group in one flat buffer cut into
     ``BUCKET_BYTES`` buckets (DDP's), not one buffer per layer (``build_graph(bucket_layers=True)`` costs it).
@@ -438,17 +443,19 @@ class StrategyRuntime:
 
     def __init__(self, module: fx.GraphModule, nodes: Sequence[str], specs: Sequence[LayerSpec],
                  degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None, stages: Sequence[str] = (),
-                 microbatches: int = 1,
+                 microbatches: int = 1, schedule: Schedule | str = "gpipe",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                 bucket_layers: bool = False) -> None:
+                 bucket_layers: bool = False, timeout: timedelta | None = None,
+                 host: HostTuning | None = None) -> None:
         if not (len(nodes) == len(specs) == len(degrees)):
             raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
                               f"configurations: {len(degrees)})")
         if microbatches < 1:
             raise OptionError(f"at least 1 microbatch (microbatches: {microbatches})")
         self.module = copy.deepcopy(module)
+        self.dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
         self.loss_fn = loss_fn
-        self.microbatches = microbatches
+        self.timeout = timeout
         self.bucket_layers = bucket_layers  # sync: one gradient buffer per group over all layers (DDP's buckets)
         self.counter: CollectiveCounter | None = None
         self.pp = len(stages) + 1
@@ -462,6 +469,7 @@ class StrategyRuntime:
         ndim = self.mesh.ndim
         self._identity = tuple(range(ndim))
         self._views = self._make_views()
+        self.cuts = tuple(stages)
         self._cuts = set(stages)
         self.layers = {n: _Layer(s, d, mesh_roles(d, ndim), self._identity) for n, s, d in zip(nodes, specs, degrees)}
         graph_nodes = {n.name: n for n in self.module.graph.nodes}
@@ -480,6 +488,34 @@ class StrategyRuntime:
         for node in self._mine:
             if node.op == "call_module":
                 self._distribute(node, self.module.get_submodule(str(node.target)))
+        self.schedule = fused_backward(self._schedule(schedule, microbatches))
+        self.microbatches = self.schedule.num_microbatches
+        self._layout = self._lane_layout()
+        # the process-wide settings the caller asked for (fxpipe.calibration.host.HostTuning; None: none)
+        self.channel = Channel(torch.device("cpu"), timeout,
+                               yield_after_send=host is not None and host.yields_after_send(None))
+        if host is not None:
+            host.apply(dist.get_rank(), dist.get_world_size())
+        self._programs: dict[int, tuple[Any, _LaneRunner]] = {}
+        self._batch = 0
+        self._out_mesh = self.mesh
+
+    def _schedule(self, schedule: Schedule | str, microbatches: int) -> Schedule:
+        """The schedule the stages run: as given, or generated by name for ``pp`` stages and ``microbatches``."""
+        if not isinstance(schedule, Schedule):
+            schedule = generate(schedule, self.pp, microbatches)
+        check_schedule(schedule, self.pp)
+        return schedule
+
+    def _lane_layout(self) -> replicas.Layout:
+        """This rank as the runtime's layout sees it: pipeline position ``pp_rank`` of the lane at its place c in
+        its group, whose ranks are the ranks at place c of every group."""
+        rank = dist.get_rank()
+        group = [int(r) for r in self.mesh.mesh.flatten().tolist()]
+        c = group.index(rank)
+        grid = self.pipeline.mesh.reshape(self.pp, -1).tolist() if self.pipeline is not None else [group]
+        return replicas.Layout(self.pipeline if self.pipeline is not None else self.mesh, len(group), self.pp_rank,
+                               c, tuple(int(grid[q][c]) for q in range(self.pp)))
 
     def _pipeline_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         if self.pp == 1:
@@ -782,101 +818,89 @@ class StrategyRuntime:
             env[node] = DTensor.from_local(out, self.view(layer.perm), self._held(layer), run_check=False)
         return env[self._mine[-1]]
 
-    def _share(self, out: DTensor, target: torch.Tensor, batch: int) -> torch.Tensor:
-        """This rank's share of the loss on ``out``: ``loss_fn`` on its slice, scaled so the shares of all ranks
-        (and microbatches) sum to ``loss_fn`` on the whole batch of ``batch`` samples (a mean)."""
-        out_node = next(n for n in self.module.graph.nodes if n.op == "output")
-        held = self._sliced()  # on the output's own view: the target is sliced the same way
-        if out.placements != held:
-            out = _Move.apply(out, held, out_node.name, self)
-        mine = DTensor.from_local(target, out.device_mesh, (_R,) * self.mesh.ndim, run_check=False)
-        local_target = mine.redistribute(out.device_mesh, held).to_local()
-        local_out = out.to_local(grad_placements=held)
-        return self.loss_fn(local_out, local_target) * (local_out.shape[0] / batch)
-
-    def loss(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the loss on the whole batch (one stage, one microbatch)."""
-        return self._share(self.forward(x), target, x.shape[0])
-
-    # --- the pipeline: each rank talks to the rank at its place in the next and previous groups ----------
-
-    def _peer(self, step: int) -> int:
-        assert self.pipeline is not None
-        coords = self.pipeline.get_coordinate()
-        assert coords is not None
-        index = (self.pp_rank + step, *coords[1:])
-        return int(self.pipeline.mesh[index].item())
-
-    def _send(self, t: torch.Tensor, step: int) -> None:
-        head = torch.zeros(8, dtype=torch.int64)
-        head[0] = t.dim()
-        head[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        peer = self._peer(step)
-        dist.send(head, peer)
-        dist.send(t.detach().contiguous(), peer)
-
-    def _recv(self, step: int, dtype: torch.dtype) -> torch.Tensor:
-        head = torch.zeros(8, dtype=torch.int64)
-        peer = self._peer(step)
-        dist.recv(head, peer)
-        t = torch.empty(tuple(int(v) for v in head[1:1 + int(head[0])]), dtype=dtype)
-        dist.recv(t, peer)
-        return t
-
-    def _pipelined(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """GPipe: every microbatch forward, then every one backward; this rank's summed loss share."""
-        first, last = self.pp_rank == 0, self.pp_rank == self.pp - 1
-        xs, ts = x.tensor_split(self.microbatches), target.tensor_split(self.microbatches)
+    def _lane_forward(self, value: torch.Tensor) -> torch.Tensor:
+        """This stage's forward on one lane: from the whole microbatch (the first stage) or this rank's slice of
+        the previous stage's output, to this rank's slice of the stage's output (split over the batch on every
+        mesh dim). A middle stage's slice is on the group's base view, as the next stage reads it; the last
+        stage's is on its output's own view, and ``_lane_loss`` slices the target the same way."""
         held = self._sliced()
-        kept, total = [], torch.zeros((), dtype=x.dtype)
-        for i in range(self.microbatches):
-            received = None
-            if first:
-                inp: Any = xs[i]
-            else:
-                received = self._recv(-1, x.dtype).requires_grad_()
-                inp = DTensor.from_local(received, self.mesh, held, run_check=False)
-            out = self.forward(inp)
-            if last:
-                share = self._share(out, ts[i], x.shape[0])
-                total = total + share.detach()
-                kept.append((share, None, received))
-            else:
-                sent = (_Move.apply(out, held, "(send)", self) if out.placements != held else out).to_local(
-                    grad_placements=held)
-                self._send(sent, +1)
-                kept.append((None, sent, received))
-        for share, sent, received in reversed(kept):
-            if share is not None:
-                share.backward()
-            else:
-                sent.backward(self._recv(+1, sent.dtype))
-            if received is not None:
-                self._send(received.grad, -1)
+        if self.pp_rank > 0:
+            value = DTensor.from_local(value, self.mesh, held, run_check=False)  # type: ignore[assignment]
+        out = self.forward(value)
+        last = self.pp_rank == self.pp - 1
+        label = next(n for n in self.module.graph.nodes if n.op == "output").name if last else "(send)"
+        if out.placements != held:
+            out = _Move.apply(out, held, label, self)
+        self._out_mesh = out.device_mesh
+        return out.to_local(grad_placements=held)
+
+    def _lane_loss(self, outputs: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the loss: ``loss_fn`` on its slice of a microbatch's output and target, scaled so
+        the shares of every rank and microbatch sum to ``loss_fn`` on the whole batch (a mean)."""
+        (out,) = outputs
+        mesh = self._out_mesh
+        whole = DTensor.from_local(target, mesh, (_R,) * mesh.ndim, run_check=False)
+        mine = whole.redistribute(mesh, self._sliced()).to_local()  # a local slice: no collective
+        return self.loss_fn(out, mine) * (out.shape[0] / self._batch)
+
+    # --- one step on the executor core --------------------------------------------------------------
+
+    def _program(self, rows: int) -> tuple[Any, _LaneRunner]:
+        """This rank's lowered program and core for microbatches of ``rows`` rows per lane (made once per size)."""
+        if rows not in self._programs:
+            lanes = _Lanes.of(self, rows)
+            program = replicas.on_ranks(lower(lanes, self.schedule, self.pp_rank, lanes.graphs), self._layout)
+            self._programs[rows] = (program, _LaneRunner(lanes, self._lane_loss))
+        return self._programs[rows]
+
+    def _step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Every microbatch's F and backward of this rank's stage in the schedule's order, through the executor
+        core; messages from ``lower`` (shapes from the traced graph), sent and received by the ``Channel``. This
+        rank's summed loss shares."""
+        m, lanes = self.schedule.num_microbatches, self.mesh.size()
+        rows = x.shape[0]
+        if self.pp > 1 and rows % (m * lanes):
+            raise OptionError(f"a {rows}-row batch does not split evenly into {m} microbatches over the {lanes} ranks "
+                              f"of a stage; pass a batch that is a multiple of {m * lanes}, or other microbatches")
+        program, core = self._program(rows // (m * lanes))
+        self._batch = rows
+        name = core.pipe.input_names[0]
+        core.begin([{name: xi} if self.pp_rank == 0 else {} for xi in x.tensor_split(m)], list(target.tensor_split(m)))
+        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag) for msg in op.recvs] for op in program.ops]
+        for op, items in zip(program.ops, posted):
+            for msg, item in zip(op.recvs, items):
+                buf = self.channel.wait(item, self._failed_recv(msg, op.action))
+                (core.values if msg.direction == FORWARD else core.grads)[msg.mb][msg.name] = buf
+            core.shares = {}
+            core.run(op.action)
+            for msg in op.sends:
+                value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
+                self.channel.send(value, msg.dst, msg.tag)
+            self.channel.poll()
+        self.channel.flush(self._failed_send)
+        total = torch.zeros((), dtype=x.dtype if x.is_floating_point() else torch.float64)
+        for loss in core.losses:
+            if loss is not None:
+                total = total + loss
         return total
+
+    def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
+        what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
+        return lambda exc: peer_down(exc, [msg.src], f"{what} of microbatch {msg.mb} (stage {msg.stage}) from rank "
+                                     f"{msg.src} at {action}", rank=dist.get_rank(), timeout=self.timeout)
+
+    def _failed_send(self, exc: Exception, dst: int) -> BaseException:
+        return peer_down(exc, [dst], f"its sends to rank {dst} to complete", rank=dist.get_rank(), timeout=self.timeout)
 
     def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
         """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss."""
         optimizer.zero_grad(set_to_none=True)
-        if self.pipeline is None and self.microbatches == 1:
-            loss = self.loss(x, target)
-            loss.backward()
-            total = loss.detach().clone()
-        else:
-            total = self._pipelined(x, target) if self.pipeline is not None else self._microbatched(x, target)
+        total = self._step(x, target)
         self.sync()
         optimizer.step()
         with _at(self.counter, "(loss value)"):
             dist.all_reduce(total)  # every rank of the last stage holds its own slice: the shares sum to the mean
         return float(total)
-
-    def _microbatched(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros((), dtype=x.dtype)
-        for xi, ti in zip(x.tensor_split(self.microbatches), target.tensor_split(self.microbatches)):
-            share = self._share(self.forward(xi), ti, x.shape[0])
-            share.backward()
-            total = total + share.detach()
-        return total
 
     def sync(self) -> None:
         """All-reduce each layer's parameter gradients over the ranks holding the same shard (one flat buffer
@@ -913,3 +937,81 @@ class StrategyRuntime:
                 piece = flat[offset:offset + t.numel()].view_as(t)
                 offset += t.numel()
                 p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)
+
+
+# --- the strategy's stages as the executor core sees them ---------------------------------------------
+
+
+class _LaneStage:
+    """Stage ``p`` for the executor core (``runtime.core``): a stage without split graphs, run under autograd (its
+    forward computes on DTensors; its backward is one autograd call, BW), taking and giving this rank's lane."""
+
+    def __init__(self, rt: StrategyRuntime, p: int, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+        self.rt, self.p, self.inputs, self.outputs = rt, p, inputs, outputs
+        self.module = self
+
+    def __call__(self, value: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.rt._lane_forward(value),)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.rt.parameters() if self.p == self.rt.pp_rank else iter(())
+
+
+@dataclass
+class _Lanes:
+    """The strategy's stages as a pipeline of one lane: what ``lower`` and ``ActionRunner`` read of a ``Pipeline``.
+    A value crossing stages is one rank's slice of the cut node's output, ``rows`` rows of the batch."""
+
+    stages: list[_LaneStage]
+    graphs: list[StageGraphs]
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    output_constants: tuple[Any, ...] = (None,)
+    out_spec: Any = None
+
+    def stage_list(self) -> list[_LaneStage]:
+        return self.stages
+
+    @classmethod
+    def of(cls, rt: StrategyRuntime, rows: int) -> _Lanes:
+        nodes = list(rt.module.graph.nodes)
+        placeholder = next(n for n in nodes if n.op == "placeholder")
+        output = next(n for n in nodes if n.op == "output")
+        ends = [*rt.cuts, output.args[0].name]  # type: ignore[union-attr]
+        values = [placeholder.name, *rt.cuts, output.name]
+
+        def meta(node: str) -> torch.Tensor:
+            shape = rt.layers[node].spec.shape
+            if not shape:
+                raise OptionError(f"node {node!r} ends a stage and its output's shape is unknown; trace the model "
+                                  "with strategy_graph")
+            return torch.empty((rows, *shape[1:]), dtype=rt.dtype, device="meta")
+
+        stages, graphs = [], []
+        for p in range(rt.pp):
+            stages.append(_LaneStage(rt, p, (values[p],), (values[p + 1],)))
+            graphs.append(StageGraphs(None, None, None, num_outputs=1, grad_inputs=(0,) if p else (),
+                                      grad_outputs=(0,), fused_reason="a per-layer strategy stage runs under autograd",
+                                      interface=((meta(values[p]) if p else None,), (meta(ends[p]),))))
+        return cls(stages, graphs, (placeholder.name,), (output.name,))
+
+
+class _LaneRunner(ActionRunner):
+    """The core with a strategy stage's policies: an input gradient goes back as a message (the producer is the
+    previous stage, on another rank), and the loss is each rank's share (``StrategyRuntime._lane_loss``)."""
+
+    def __init__(self, lanes: _Lanes, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__(lanes, lanes.graphs, loss_fn)
+        self.shares: dict[str, torch.Tensor] = {}
+
+    def deliver(self, s: int, m: int, name: str, grad: torch.Tensor) -> None:
+        self.shares[name] = grad
+
+
+def fused_backward(schedule: Schedule) -> Schedule:
+    """``schedule`` with each B the whole backward (BW) and each W dropped: a strategy stage's backward is one
+    autograd call that also makes its parameters' gradients. A synchronous step updates only at its end, so
+    where a W ran changes nothing, and B's messages (the input gradient out, the output gradient in) are BW's."""
+    ranks = tuple(tuple(dataclasses.replace(a, kind=Kind.BW) if a.kind is Kind.B else a for a in actions
+                        if a.kind is not Kind.W) for actions in schedule.ranks)
+    return dataclasses.replace(schedule, ranks=ranks, batch_w=False)

@@ -54,7 +54,7 @@ class Costs:
     # Seconds of stage s's optimizer step, after its all-reduce and its last compute (``with_optimizer``). Empty:
     # the step ends at the last compute or all-reduce, as schedules are usually compared.
     optimizer_s: tuple[float, ...] = ()
-    # The runtime's fixed costs, as ``fxpipe.runtime.calibrate.RuntimeOverheads`` measures them on this machine
+    # The runtime's fixed costs, as ``fxpipe.calibration.runtime_costs.RuntimeOverheads`` measures them on this machine
     # (``with_overheads``; 0: none, as schedules are usually compared): seconds each compute action (F, B, W, BW)
     # costs beyond its graphs' time, each message beyond the link's latency, and each rank's step beyond its
     # actions (splitting the batch, posting receives, flushing sends, the loss's all-reduce).
@@ -76,7 +76,7 @@ class Costs:
     # Per stage, the seconds of its F, B and W spent reading its weights (and, in W, its gradients) from memory rather
     # than the caches, as its plan's calibrated rates assume them (``from_plan``: the weights' share the cache cannot
     # hold, ``ComputeRates.cold``, at ``mem_bw``). Every rank reading memory at once slows that part more than the
-    # rest (``fxpipe.runtime.calibrate.Calibration.apply``: ``memory_contention``). Empty: none.
+    # rest (``fxpipe.calibration.runtime_costs.Calibration.apply``: ``memory_contention``). Empty: none.
     dram_f: tuple[float, ...] = ()
     dram_b: tuple[float, ...] = ()
     dram_w: tuple[float, ...] = ()
@@ -107,8 +107,8 @@ class Costs:
     @classmethod
     def from_plan(cls, plan: Plan, overheads: Any = None) -> "Costs":
         """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
-        ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.passes.
-        calibrate_compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
+        ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.calibration.
+        compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
         :meth:`with_overheads` does, and ``loss`` to the last stage's F. The callers above the passes look them up;
         this layer reads no cache."""
         st = plan.stages

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.runtime.threads import rank_cpus
+from fxpipe.calibration.threads import rank_cpus
 from tests._helpers import fxpipe_cli, ok, one_line_error, plan_fixture, reference_losses, saved_checkpoints
 from tests.runtime._dist_worker import payload
 
@@ -29,7 +29,7 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> 
     assert cal["latency"] >= 0 and cal["bandwidth"] > 0 and cal["contention"] > 0 and cal["memory_contention"] > 0
     assert f"{cal['memory_contention']:.3f}x" in cal["summary"]
     assert len(doc["peak_rss_mib_per_rank"]) == 2 and all(x > 0 for x in doc["peak_rss_mib_per_rank"])
-    # Each rank on CPUs of its own where the machine has one for each (FXPIPE_PIN_RANKS, on by default)
+    # Each rank on CPUs of its own where the machine has one for each (--pin-ranks, on by default)
     assert doc["cpus_per_rank"] == [list(rank_cpus(r, 2)) for r in range(2)]
     # Memory per stage: what the ranks kept between actions is what the schedule's simulation holds (the
     # model and the runtime count the same storages; tests/runtime/test_memory_tracking.py per schedule).
@@ -134,16 +134,35 @@ def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Pa
     assert expected in one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1"))
 
 
-@pytest.mark.parametrize(("variable", "value", "expected"), [
-    ("FXPIPE_PIN_RANKS", "yes", "error: FXPIPE_PIN_RANKS must be 0 or 1 (got 'yes')"),
-    ("FXPIPE_SEND_YIELD", "2", "error: FXPIPE_SEND_YIELD must be 0 or 1 (got '2')"),
-    ("FXPIPE_GLOO_LOOP_NICE", "20", "error: FXPIPE_GLOO_LOOP_NICE must be a whole number from 0 to 19 (got '20')"),
-])
-def test_a_rank_setting_the_environment_gets_wrong_is_refused_before_any_rank_starts(
-        plan: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str,
-        no_rank_starts: list[list[str]]) -> None:
-    monkeypatch.setenv(variable, value)
-    assert one_line_error(fxpipe_cli("run", plan, "--steps", "1")).startswith(expected)
+def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path, no_rank_starts: list[list[str]]) -> None:
+    assert one_line_error(fxpipe_cli("run", plan, "--send-yield", "2", "--steps", "1")).startswith(
+        "error: send_yield must be one of auto, on, off (got '2')")
+    out_of_range = fxpipe_cli("run", plan, "--gloo-loop-nice", "20", "--steps", "1")  # typer's own range check
+    assert out_of_range.exit_code == 2 and "--gloo-loop-nice" in out_of_range.output
+
+
+def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() -> None:
+    """fxpipe run's host settings are its flags (today's defaults), handed to the ranks as options, not through the
+    environment; the rank program's own defaults touch nothing."""
+    import argparse
+
+    from fxpipe.calibration.host import HostTuning
+    from fxpipe.cli import ranks
+
+    from typer.testing import CliRunner
+
+    from fxpipe.cli.main import app
+
+    shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).stdout
+    for flag in ("--pin-ranks", "--no-pin-ranks", "--gloo-loop-nice", "--send-yield", "--keep-freed-memory",
+                 "--no-keep-freed-memory"):
+        assert flag in shown, flag
+    for host in (HostTuning(), HostTuning.for_runs(), HostTuning(gloo_loop_nice=7, send_yield="on")):
+        parser = argparse.ArgumentParser()
+        for flag in ("--pin-cpus", "--gloo-loop-nice", "--keep-freed-memory"):
+            parser.add_argument(flag, type=int)
+        parser.add_argument("--send-yield")
+        assert ranks.host_tuning(parser.parse_args(ranks.host_args(host))) == host
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
@@ -154,8 +173,10 @@ def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_pack
     # fxpipe, and every rank failed. The ranks run with PYTHONSAFEPATH=1 (Python 3.11+: no working directory).
     (tmp_path / "fxpipe").mkdir()
     monkeypatch.chdir(tmp_path)
-    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json")).stdout)
+    # (and, sharing this launch, --no-pin-ranks: the ranks are left where the system puts them)
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json", "--no-pin-ranks")).stdout)
     assert len(doc["losses"]) == 1
+    assert doc["cpus_per_rank"] == [[], []]
 
 
 @pytest.mark.parametrize(("args", "expected"), [
@@ -209,7 +230,7 @@ def test_ranks_on_one_machine_share_its_clock_in_the_trace() -> None:
 
 def test_a_calibrated_plan_simulated_without_its_runtime_costs_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan estimated with calibrated rates whose runtime costs this machine has not cached (another machine, thread
-    count or cache format: plan_overheads gives None) is simulated without them, and fxpipe run says so."""
+    count or calibration version: plan_overheads gives None) is simulated without them, and fxpipe run says so."""
     from types import SimpleNamespace
 
     from fxpipe.cli.rank import runtime_costs_missing

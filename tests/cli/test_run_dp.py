@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from fxpipe.runtime.threads import rank_cpus
+from fxpipe.calibration.threads import rank_cpus
 from tests import _helpers
 from tests._helpers import DP_STEPS as STEPS, dp_plan, four_rank_run, fxpipe_cli, ok, one_line_error
 

@@ -45,11 +45,11 @@ def test_a_strategy_plan_trains_like_one_process(tmp_path: Path, name: str, rank
     assert doc["losses"][-1] < doc["losses"][0]
 
 
-def test_pipeline_options_are_refused_for_a_strategy_plan(tmp_path: Path) -> None:
+def test_what_a_strategy_plan_cannot_run_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     plan = tmp_path / "plan"
     ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "dp", "--out", plan))
-    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--microbatches", "2"))
-    assert "--microbatches is for pipeline plans; a per-layer strategy runs the whole batch as one step" in line
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--schedule", "async-1f1b"))
+    assert "async-1f1b is asynchronous, and a per-layer strategy trains synchronously" in line
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--device", "cuda"))
     assert line == ("error: --device cuda runs pipeline plans; this plan's per-layer strategy (dp) trains on the CPU "
                     "(DTensor over gloo): use --device cpu")
@@ -65,28 +65,49 @@ def test_a_record_that_does_not_fit_the_trace_is_refused(tmp_path: Path) -> None
     assert "the plan's strategy does not fit this model's trace (node" in line, line
 
 
-def test_a_pipelined_strategy_plan_trains_like_one_process(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def pipelined_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``fxpipe compile --stages 2 --dp 2 --strategy auto``: cut where the plan cuts, each stage searched on its own
-    graph; ``fxpipe run`` trains it on 2 x 2 gloo ranks (GPipe, 2 microbatches) like one process taking the same
-    microbatches of the whole batch (float64; losses of 3 steps: the later ones follow from every parameter)."""
-    plan = tmp_path / "plan"
+    graph (float64, batch 8, 2 microbatches recorded); compiled once for the runs below."""
+    plan = tmp_path_factory.mktemp("pipelined") / "plan"
     text = ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "2", "--dp", "2", "--strategy", "auto", "--microbatches",
                          "2", "--dtype", "float64", "--batch-size", "8", "--out", plan, "--plain")).stdout
     assert "strategy auto (elimination) for stage 0 of 2 (x..features_5) on 2 ranks, batch 8" in text
     assert "strategy auto (elimination) for stage 1 of 2 (features_6..output) on 2 ranks, batch 8" in text
-    record = read_plan(plan).strategy
+    return plan
+
+
+def test_a_pipelined_strategy_plan_records_its_stages(pipelined_plan: Path) -> None:
+    record = read_plan(pipelined_plan).strategy
     assert record is not None and record.cuts == ("features_5",)  # the plan's stage 0 ends with layer features.5
     assert record.ranks == 2 and record.microbatches == 2 and record.world == 4
     assert any(c != "s2" for _, c in record.nodes)  # the search split beyond the batch somewhere
-    inspected = ok(fxpipe_cli("inspect", plan, "--plain")).stdout
+    inspected = ok(fxpipe_cli("inspect", pipelined_plan, "--plain")).stdout
     assert "strategy auto (elimination) in 2 stages x 2 ranks, 2 microbatches (gpipe)" in inspected
     assert "for stage 1 of 2 (features_6..output)" in inspected  # the per-stage tables are kept in the plan
-    doc = json.loads(ok(fxpipe_cli("run", plan, "--steps", "3", "--lr", "0.05", "--json")).stdout)
-    assert doc["ranks"] == 4 and doc["mesh"]["ranks"] == [[0, 1], [2, 3]] and doc["microbatches"] == 2
-    assert doc["schedule"] == "strategy auto (elimination) in 2 stages, gpipe"
-    torch.testing.assert_close(doc["losses"], _one_process_losses("vgg-tiny", 8, 3, 0.05, microbatches=2),
+
+
+@pytest.mark.parametrize(("flags", "schedule", "microbatches"), [
+    ((), "gpipe", 2),  # the plan's own: GPipe over the recorded microbatches
+    (("--schedule", "1f1b", "--microbatches", "4"), "1f1b", 4),
+    (("--schedule", "zb-h1", "--microbatches", "2"), "zb-h1", 2),
+], ids=["gpipe", "1f1b-4", "zb-h1-2"])
+def test_a_pipelined_strategy_plan_trains_like_one_process(pipelined_plan: Path, flags: tuple[str, ...],
+                                                           schedule: str, microbatches: int) -> None:
+    """``fxpipe run`` trains the 2 x 2 plan on 4 gloo ranks under each synchronous schedule, the microbatches given
+    at run time or recorded, like one process taking the same microbatches of the whole batch (float64; losses of
+    3 steps: the later ones follow from every parameter's gradient)."""
+    doc = json.loads(ok(fxpipe_cli("run", pipelined_plan, "--steps", "3", "--lr", "0.05", "--json", *flags)).stdout)
+    assert doc["ranks"] == 4 and doc["mesh"]["ranks"] == [[0, 1], [2, 3]] and doc["microbatches"] == microbatches
+    assert doc["schedule"] == f"strategy auto (elimination) in 2 stages, {schedule}"
+    torch.testing.assert_close(doc["losses"], _one_process_losses("vgg-tiny", 8, 3, 0.05, microbatches=microbatches),
                                rtol=1e-9, atol=1e-12)
     assert doc["losses"][-1] < doc["losses"][0]
+
+
+def test_microbatches_that_do_not_split_the_batch_over_a_stage_are_refused(pipelined_plan: Path) -> None:
+    line = one_line_error(fxpipe_cli("run", pipelined_plan, "--steps", "1", "--microbatches", "3"))
+    assert "--microbatches 3 cuts the plan's 8-row batch over 2 ranks a stage unevenly" in line, line
 
 
 def test_a_pipelined_record_that_does_not_cut_the_trace_is_refused() -> None:

@@ -107,10 +107,15 @@ def stage_traffic(specs: Any, edges: Any, degrees: Any, microbatches: int) -> li
     return out
 
 
+def pipelined_name(case: dict[str, Any]) -> str:
+    return f"{case['model']}-pipelined-{case['schedule']}-{case['microbatches']}"
+
+
 def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
     """Stages cut after ``case["cut"]`` on groups of world / 2 ranks, each stage's strategy searched on its own
-    graph (``stage_graph``), ``case["microbatches"]`` microbatches in GPipe order; each stage's first rank saves,
-    per layer, the bytes and collectives its collectives counter saw against ``stage_traffic``."""
+    graph (``stage_graph``), ``case["microbatches"]`` microbatches in the order of ``case["schedule"]``; each
+    stage's first rank saves, per layer, the bytes and collectives its collectives counter saw against
+    ``stage_traffic``."""
     net, x, target = example(case["model"])
     g = strategy_graph(net, (x,))
     group = world // 2
@@ -128,7 +133,7 @@ def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]
             if index[i] >= 0:
                 degrees[index[i]] = d
     rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, stages=[case["cut"]],
-                         microbatches=case["microbatches"])
+                         microbatches=case["microbatches"], schedule=case["schedule"])
     opt = torch.optim.SGD(rt.parameters(), lr=0.05, momentum=0.9)
     losses, grads, records = [], [], []
     for _ in range(STEPS):
@@ -136,7 +141,7 @@ def run_pipelined(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]
             losses.append(rt.train_step(x, target, opt))
         records = counter.records  # the last step's
         grads.append(rt.full_grads())
-    name = f"{case['model']}-pipelined"
+    name = pipelined_name(case)
     specs, edges, index, chosen = stages[rt.pp_rank]
     labels = [g.nodes[o] if o >= 0 else "(send)" if s.kind == "loss" else s.name for s, o in zip(specs, index)]
     layers = {}

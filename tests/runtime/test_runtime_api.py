@@ -61,13 +61,14 @@ def _compare(ranks: list[dict], losses: list[float], expected: dict[str, torch.T
 
 
 @pytest.mark.parametrize(("compile_args", "cfg", "schedule", "per_rank"), [
-    # The schedule recorded in the plan: interleaved, two stages (and two Adams) on each rank.
+    # The schedule recorded in the plan: interleaved, two stages (and two Adams) on each rank; no host settings asked.
     (["--stages", "4", "--schedule", "interleaved-1f1b", "--microbatches", "4"], {}, "interleaved-1f1b", 2),
-    # A schedule named at run time (and gloo's socket threads left at their priority: FXPIPE_GLOO_LOOP_NICE=0; no
-    # yield after a send: FXPIPE_SEND_YIELD=0).
-    (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4, "gloo_loop_nice": "0", "send_yield": "0"}, "zb-h2", 1),
-    # Receives posted just in time (one action ahead), into new buffers.
-    (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1}, "1f1b", 1),
+    # A schedule named at run time, and fxpipe run's host settings asked for (HostTuning.for_runs()).
+    (["--stages", "2"], {"schedule": "zb-h2", "microbatches": 4,
+                         "host": {"pin_cpus": True, "gloo_loop_nice": 19, "send_yield": "auto",
+                                  "keep_freed_memory": True}}, "zb-h2", 1),
+    # Receives posted just in time (one action ahead), into new buffers; only the yield after a send asked for.
+    (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1, "host": {"send_yield": "on"}}, "1f1b", 1),
 ])
 def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: list[str], cfg: dict,
                                                   schedule: str, per_rank: int) -> None:
@@ -80,14 +81,37 @@ def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: 
     _compare(ranks, losses, expected)
     # One optimizer per stage that holds parameters: some rank steps per_rank of them.
     assert max(len(r["optimizers"]) for r in ranks) == per_rank
-    # gloo's socket thread (one per process group) runs at nice 19 unless FXPIPE_GLOO_LOOP_NICE says otherwise.
-    nice = int(cfg.get("gloo_loop_nice", "19"))
-    for r in ranks:
-        assert r["loop_priorities"] and set(r["loop_priorities"]) == {nice}
-        assert r["gloo_loops"] == (len(r["loop_priorities"]) if nice else 0)
-        # and each send yields the core once, so that thread can send it (mlp-tiny's actions are short), unless
-        # FXPIPE_SEND_YIELD=0
-        assert r["send_yield"] is (cfg.get("send_yield", "1") == "1")
+    _check_process_state(ranks, cfg.get("host"))
+
+
+def _check_process_state(ranks: list[dict], host: dict | None) -> None:
+    """The library changes the process only where asked: every thread's niceness and CPU affinity are as the rank
+    found them, after the runtime was made and stepped, and fxpipe's mallopt wrapper was not called; asked
+    (``host=HostTuning(...)``), gloo's socket threads run at its niceness, each rank on its CPU, freed memory kept."""
+    host = host or {}
+    for rank, r in enumerate(ranks):
+        found, after = r["found"], r["after"]
+        main_nice, main_cpus = found["nice"][min(found["nice"])], found["cpus"][min(found["cpus"])]
+        assert set(found["nice"].values()) == {main_nice}  # as the rank found its process: one niceness, one CPU set
+        assert all(c == main_cpus for c in found["cpus"].values())
+        loops = set(r["loop_priorities"])
+        assert loops, "a gloo process group runs a socket thread"
+        others = {tid: n for tid, n in after["nice"].items() if n != main_nice}
+        if host.get("gloo_loop_nice"):
+            assert loops == {host["gloo_loop_nice"]} and r["gloo_loops"] == len(r["loop_priorities"])
+            assert len(others) == len(r["loop_priorities"])  # those threads only
+        else:
+            assert loops == {main_nice} and r["gloo_loops"] == 0 and others == {}
+        cpus = {tuple(c) for c in after["cpus"].values()}
+        if host.get("pin_cpus") and len(main_cpus) >= 2:
+            from fxpipe.calibration.threads import rank_cpus
+
+            assert cpus == {rank_cpus(rank, 2, set(main_cpus))}
+        else:
+            assert cpus == {tuple(main_cpus)}
+        assert r["mallopts"] == (1 if host.get("keep_freed_memory") else 0)
+        # each send yields the core once, so gloo's socket thread sends it (mlp-tiny's actions are short), if asked
+        assert r["send_yield"] is (host.get("send_yield", "off") != "off")
 
 
 @pytest.mark.gpu

@@ -13,13 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.runtime._strategy_worker import STEPS, example
 from tests._helpers import assert_ranks_ok, launch_ranks
+from tests.runtime._strategy_worker import STEPS, example, pipelined_name
 
 WORKER = Path(__file__).with_name("_strategy_worker.py")
 CASES = [{"model": m, "strategy": s} for m in ("vgg-tiny", "resnet-tiny") for s in ("auto", "splitbrain", "dp")]
-PIPELINED = [{"model": "vgg-tiny", "cut": "flatten", "microbatches": 2},
-             {"model": "resnet-tiny", "cut": "layer2_0_relu_2", "microbatches": 2}]
+# Every schedule runs the stages on the executor core; resnet-tiny's BatchNorm makes the microbatch count matter.
+PIPELINED = [{"model": "vgg-tiny", "cut": "flatten", "microbatches": 2, "schedule": "gpipe"},
+             {"model": "resnet-tiny", "cut": "layer2_0_relu_2", "microbatches": 2, "schedule": "gpipe"},
+             {"model": "vgg-tiny", "cut": "flatten", "microbatches": 4, "schedule": "1f1b"},
+             {"model": "resnet-tiny", "cut": "layer2_0_relu_2", "microbatches": 4, "schedule": "zb-h1"}]
+PIPELINED_IDS = [pipelined_name(c) for c in PIPELINED]
 
 
 def reference(model: str, microbatches: int = 1) -> tuple[list[float], list[dict[str, torch.Tensor]],
@@ -113,7 +117,7 @@ def test_an_elementwise_layer_cannot_reorder_its_blocks(runs: tuple[int, Path, l
     assert [n for n, *_ in bad] == ["add"] and bad[0][3] > bad[0][2] == 0, bad
 
 
-@pytest.mark.parametrize("case", PIPELINED, ids=[c["model"] for c in PIPELINED])
+@pytest.mark.parametrize("case", PIPELINED, ids=PIPELINED_IDS)
 def test_each_stage_moves_what_the_cost_model_predicts(runs: tuple[int, Path, list[Any]], case: dict[str, Any]) -> None:
     """The pipelined cases, per stage and layer (its send included): the bytes and collectives of one step against
     the stage's own graph's prediction, each transfer and statistics all-reduce once per microbatch."""
@@ -121,7 +125,7 @@ def test_each_stage_moves_what_the_cost_model_predicts(runs: tuple[int, Path, li
     if world != 4:
         pytest.skip("pipelined cases run in the 4-rank launch")
     for stage in (0, 1):
-        saved = torch.load(tmp / f"{case['model']}-pipelined-stage{stage}.pt", weights_only=True)
+        saved = torch.load(tmp / f"{pipelined_name(case)}-stage{stage}.pt", weights_only=True)
         assert saved["unlabelled"] == 0
         assert sum(v["actual"] for v in saved["layers"].values()) > 0
         assert not _mismatches(saved), _mismatches(saved)
@@ -129,15 +133,16 @@ def test_each_stage_moves_what_the_cost_model_predicts(runs: tuple[int, Path, li
             assert v["count"] == v["predicted_count"], (stage, n, v)
 
 
-@pytest.mark.parametrize("case", PIPELINED, ids=[c["model"] for c in PIPELINED])
+@pytest.mark.parametrize("case", PIPELINED, ids=PIPELINED_IDS)
 def test_two_stages_of_two_ranks_each_train_like_one_process(runs: tuple[int, Path, list[Any]],
                                                              case: dict[str, Any]) -> None:
     """The pipeline composed with per-layer strategies: 2 stages x 2 ranks, each stage's strategy searched on its
-    own graph, 2 microbatches (GPipe), against one process taking the same microbatches."""
+    own graph, under gpipe, 1f1b and zb-h1 with 2 or 4 microbatches, against one process taking the same
+    microbatches (losses, every step's gradients, the final parameters and BatchNorm's running statistics)."""
     world, tmp, results = runs
     if world != 4:
         pytest.skip("pipelined cases run in the 4-rank launch")
-    name = f"{case['model']}-pipelined"
+    name = pipelined_name(case)
     result = next(r for r in results if r["name"] == name)
     saved = [torch.load(tmp / f"{name}-stage{s}.pt", weights_only=True) for s in (0, 1)]
     losses, grads, params, buffers = reference(case["model"], case["microbatches"])

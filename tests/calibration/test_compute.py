@@ -19,9 +19,10 @@ from fxpipe.api import run_compile
 from fxpipe.cli.main import app
 from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta
-from fxpipe.calibration_models import Mix
-from fxpipe.passes import calibrate_compute as cc
+from fxpipe.calibration.probes import Mix
+from fxpipe.calibration import compute as cc
 from fxpipe.passes.annotate_costs import annotate_costs
+from fxpipe.passes.count_backward import graph_ops
 from fxpipe.passes.trace import trace
 from fxpipe.plan import DEFAULTS, CompileOptions, ComputeRates, Plan
 
@@ -43,7 +44,7 @@ def _fake_measure(calls: list[int]):  # type: ignore[no-untyped-def]
 
 
 def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
-    from fxpipe.runtime.calibrate import RuntimeOverheads
+    from fxpipe.calibration.runtime_costs import RuntimeOverheads
 
     def measure(rates: ComputeRates, threads: int) -> RuntimeOverheads:
         calls.append(threads)
@@ -55,7 +56,7 @@ def _fake_overheads(calls: list[int]):  # type: ignore[no-untyped-def]
 @pytest.fixture(autouse=True)
 def no_real_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     """fxpipe compile's calibration would start two ranks to measure the runtime: tests that turn it on get a
-    fake (the real measurement is tested on two gloo ranks in tests/runtime/test_calibrate.py)."""
+    fake (the real measurement is tested on two gloo ranks in tests/calibration/test_runtime_costs.py)."""
     from fxpipe.cli import compile_cmd
 
     monkeypatch.setattr(compile_cmd, "measure_runtime_overheads", _fake_overheads([]))
@@ -118,7 +119,7 @@ def test_convolution_gradients_are_costed_by_their_output_pixels() -> None:
     """A convolution over few output pixels runs its gradients below its forward's rate (on one core here a 3x3's
     weight gradient at 2 x 7 x 7 pixels, 512 channels, at 27-52 GFLOP/s against 100 at 2 x 28 x 28): annotate_costs
     charges B and W at the curve's rates for the node's kernel and pixels where they are lower than the forward's,
-    the forward's from the curve's largest point up, and everywhere without a curve (before cache format 19)."""
+    the forward's from the curve's largest point up, and everywhere without a curve."""
     curve = ((9.0, 100.0, 4e10, 1e10), (9.0, 1000.0, 8e10, 6e10), (1.0, 100.0, 2e10, 9e10))
     rates = dataclasses.replace(RATES, mem_bw=1e30, conv_fwd=0.0, conv_bwd=0.0, conv_grad_curve=curve)  # FLOPs alone
     assert rates.conv_grad_rates(9, 100) == (4e10, 1e10) and rates.conv_grad_rates(49, 50) == (4e10, 1e10)
@@ -252,6 +253,8 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
 
     real_cold = cc._cold_times
     monkeypatch.setattr(cc, "_cold_times", cold)
+    # the warm runs back to back read fixed times too (F 1 ms, B 2 ms, W 1 ms): no assert depends on the machine's speed
+    monkeypatch.setattr("fxpipe.passes.time_graphs.time_graphs", lambda graphs, args, runs: (1e-3, 2e-3, 1e-3))
     f, bw, op_f, op_bw, hot_f, hot_bw = cc._node_times(3, evict=lambda: evictions.append(1), sustained=2.0)
     assert len(evictions) == 12  # 2 x runs cold runs, the F and the B of each after evicting
     assert idles == [6]  # and as many cached runs
@@ -266,12 +269,13 @@ def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_bel
     gm = trace(Mix(), (x,)).gm
     assert not any("conv" in str(n.target) or "pool" in str(n.target) or "batch_norm" in str(n.target)
                    for n in gm.graph.nodes if n.op == "call_function")
-    ops_f, ops_b, ops_w = cc.graph_ops(split_stage(gm, [x.requires_grad_(True)]))
+    ops_f, ops_b, ops_w = graph_ops(split_stage(gm, [x.requires_grad_(True)]))
     assert ops_f > nodes and ops_b + ops_w > nodes  # nodes decompose into more ATen ops, views included
     assert op_f == pytest.approx(0.15 / ops_f) and op_bw == pytest.approx(0.2 / (ops_b + ops_w))
     assert hot_f == pytest.approx(0.05 / ops_f) and hot_bw == pytest.approx(0.1 / (ops_b + ops_w))  # cached, per op
     f_big, bw_big, _, _, hot_f, hot_bw = cc._node_times(3, evict=lambda: None, sustained=1e9)
-    assert f_big > 0.3 / 1e9 / nodes and bw_big > 0.4 / 1e9 / nodes  # the warm fastest: cold over 1e9 is less
+    # the warm fastest: cold over 1e9 is less
+    assert f_big == pytest.approx(1e-3 / nodes) and bw_big == pytest.approx(3e-3 / nodes)
     assert hot_f * ops_f == pytest.approx(f_big * nodes) and hot_bw * (ops_b + ops_w) == pytest.approx(bw_big * nodes)
     # never more cached than uncached: a cached median above the cold one makes the cold time the cached one
     monkeypatch.setattr(cc, "_cold_times", lambda g, x, evict, runs: [(0.9, 0.9)] * 3 if evict is cc._idle
@@ -307,10 +311,15 @@ def test_the_small_convolutions_intercept_is_measured_cold_too(monkeypatch: pyte
     evictions: list[int] = []
     f, b = cc._cold_conv_seconds(2, 8, 16, lambda: evictions.append(1), 3)
     assert len(evictions) == 2 * (3 + 1) and f > 0 and b > 0  # each chain (F, then B) after evicting
+    # the warm readings fixed (FLOPs, F s, B s): the small convolution's and the large one's, 1e9 FLOP/s between them
+    readings = {cc.COLD_CONV: (1e6, 2e-3, 3e-3), (2, 64, 56): (1e9 + 1e6, 2e-3 + 1.0, 3e-3 + 2.0)}
+    monkeypatch.setattr(cc, "_conv_seconds", lambda batch, channels, side, runs: readings[(batch, channels, side)])
     rate, conv_fwd, conv_bwd = cc._conv_rate(2, cold=(1.0, 2.0), sustained=2.0)  # per convolution, cold median
-    # the intercepts: (cold median / sustained) less the small convolution's FLOPs at the rate (microseconds)
-    assert conv_fwd == pytest.approx(0.5, abs=1e-3) and conv_bwd == pytest.approx(1.0, abs=1e-3) and rate > 0
-    assert cc._conv_rate(2, cold=(0.0, 0.0), sustained=2.0)[1] > 0  # never below the warm fastest
+    # the intercepts: (cold median / sustained) less the small convolution's FLOPs at the rate
+    assert rate == pytest.approx(1e9)
+    assert conv_fwd == pytest.approx(0.5 - 1e-3) and conv_bwd == pytest.approx(1.0 - 2e-3)
+    # never below the warm fastest: the warm readings less the same FLOPs
+    assert cc._conv_rate(2, cold=(0.0, 0.0), sustained=2.0)[1:] == pytest.approx((1e-3, 1e-3))
 
 
 def test_the_host_times_are_read_three_times_and_each_ones_median_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -722,7 +731,7 @@ def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cac
     costs = Costs.from_plan(calibrated.plan, cc.plan_overheads(calibrated.plan))
     assert (costs.action_s, costs.message_s, costs.step_s) == (1e-4, 2e-5, 3e-4)
     # the loss: on the last stage's F only, scaled like the rest
-    from fxpipe.runtime.calibrate import RuntimeOverheads
+    from fxpipe.calibration.runtime_costs import RuntimeOverheads
     with_loss = Costs.from_plan(calibrated.plan, RuntimeOverheads(1e-4, 2e-5, 3e-4, loss=5e-5, send=7e-5))
     plain = Costs.from_plan(calibrated.plan)
     assert with_loss.send_s == 7e-5 and plain.send_s == 0.0  # each message's host time on its sender

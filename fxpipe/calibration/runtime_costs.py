@@ -1,42 +1,17 @@
-"""Calibrate the schedule simulator to this machine: the link between ranks and compute contention, measured.
+"""The runtime's costs on this machine, measured on live ranks: the link between ranks, compute
+contention, gloo's all-reduce, and the runtime's fixed costs per action, message and step.
 
-Every rank calls :func:`calibrate` inside an initialised process group (gloo on CPU, two or more
-ranks); it takes well under two seconds and returns the same :class:`Calibration` on every rank:
-
-- **Link.** Ranks 0 and 1 ping-pong messages of a few sizes (4 B .. 4 MiB) with ``isend`` and
-  ``irecv``, as the runtime sends, and take the fastest round trip per size. Half of it is one
-  transfer; a least-squares fit (relative error, so that 4 B and 4 MiB both count)
-  ``t = latency + bytes / bandwidth`` gives the link's latency and bandwidth.
-- **Contention.** Every rank times a fixed loop alone (the others wait at a barrier), then all
-  ranks time it at once. ``contention`` is together / alone, the median over ranks: how much
-  slower each rank computes when every rank computes, as in a pipeline's steady state, than
-  when profiled by itself (``fxpipe.compile(..., profile=True)`` profiles one process). The loop
-  mixes the two kinds of work a training step does: cache-resident matmuls (which slow down
-  when ranks share a core's execution units, e.g. hyperthreads) and an ``add_`` over 8 MiB
-  tensors, like gradient accumulation (past a core's own caches, though the last-level cache here
-  holds them). ``memory_contention`` is the same ratio for an ``add_`` alone over tensors well past the
-  last-level cache (``MEMORY_BYTES``): what a stage whose weights do not fit the cache pays on the part of
-  its time spent reading them from memory (``Costs.dram_f``/``dram_b``/``dram_w``), when the other ranks
-  read theirs at the same time. On this 2-core machine the mixed loop measured 1.01-1.08x and that add
-  1.29-1.60x, and mlp-deep's BW (32 MiB of weights a stage) took 13.5-14.1 ms with both ranks at it against
-  9.4-10.1 alone (2026-11-27).
-
-Every time is the fastest of several runs: interference from other jobs on the machine only ever
-adds time, so the minimum is the measurement least disturbed by it.
-
-``Calibration.apply(costs)`` gives the simulator's ``Costs`` with the link measured and the F, B
-and W times scaled by ``contention``, and their reads from memory (``Costs.dram_*``) by
-``memory_contention`` where that is the larger; bytes and memory are unchanged.
+Every rank calls :func:`calibrate` inside an initialised process group and gets the same
+:class:`Calibration` back: the link's latency and bandwidth fitted to ping-pong round trips,
+``contention`` (how much slower a rank computes while every rank computes) and
+``memory_contention`` (the same for reads from memory). :func:`calibrate_allreduce` fits the ring
+all-reduce formula over a group; :func:`measure_overheads` reads the runtime's fixed costs from a
+probe pipeline. Each time is the fastest of several runs: interference only adds time.
 
     cal = calibrate()                                   # on every rank
     simulate(schedule, cal.apply(pipe.schedule_costs()))
 
-**All-reduce.** :func:`calibrate_allreduce` times gloo's ``all_reduce`` (SUM, ``async_op=True``
-then ``wait``, as the runtime reduces gradient buckets) over a group of d ranks at a few sizes (4 B
-.. 25 MiB) and fits the ring formula ``t = 2(d-1) x latency + 2(d-1)/d x bytes / bandwidth``
-(``fxpipe.planning.cost.allreduce_seconds``) by the same relative least squares; its ``apply``
-sets ``Costs.allreduce_latency`` and ``allreduce_bandwidth``. Call it on the dp group the runtime
-reduces over (or the world, for one estimate): ``ar.apply(cal.apply(costs))``.
+docs/internals/runtime-costs.md says how each is measured and applied.
 """
 
 from __future__ import annotations
@@ -46,13 +21,14 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fxpipe.calibration_models import Mix
+from fxpipe.calibration.host import HostTuning
+from fxpipe.calibration.probes import Mix
 from fxpipe.errors import OptionError, RankFailedError
 from fxpipe.plan import RuntimeOverheads
 from fxpipe.planning.cost import BUCKET_BYTES, allreduce_seconds, transfer_time
@@ -60,7 +36,7 @@ from fxpipe.schedules.simulate import Costs, simulate
 from fxpipe.timing import least_disturbed, typical, windows
 
 DEFAULT_SIZES = (4, 4096, 65536, 262144, 1048576, 4194304)  # bytes: 4 B .. 4 MiB
-MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: twice this machine's 32 MiB last-level cache
+MEMORY_BYTES = 64 << 20  # each tensor of the memory-bound loop: past a typical last-level cache
 ALLREDUCE_SIZES = (4, 65536, 1048576, 4194304, 16777216, 26214400)  # bytes: 4 B .. 25 MiB, the largest bucket
 
 
@@ -144,7 +120,7 @@ def calibrate(*, sizes: Sequence[int] = DEFAULT_SIZES, group: Any = None, trips:
     ``matmul_reps`` products of two ``matmul`` x ``matmul`` float32 matrices and ``stream_reps``
     in-place adds of two ``stream_bytes`` tensors, timed ``rounds`` times alone on each rank and
     ``rounds`` times on all ranks at once; then the memory loop, two in-place adds of two ``memory_bytes``
-    tensors, the same way. About 0.5 s on two ranks of this two-core machine (0.51-0.58 s), 1.2-1.5 s on four.
+    tensors, the same way. Well under two seconds on two ranks of an idle machine.
     """
     if not dist.is_initialized():
         raise OptionError("calibrate() needs torch.distributed initialised (torchrun, or init_process_group)")
@@ -304,10 +280,7 @@ def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = 
     step waits for its typical all-reduce, as for its typical message: :func:`channel_one_way`) and the group takes
     the slowest rank's (an all-reduce ends when its last rank has its result). About 0.5 s for two idle ranks.
 
-    Not the fastest trip (before 2026-11-27): a small all-reduce's fastest was half its typical time here (16 and
-    64 KiB over two ranks: the fit gave 206 and 229 us, the median of 35 trips measured 407 and 468, and 532 and
-    504 on a rank that arrived 2 ms after the other, as the last stage does at the end of a GPT's step, where its
-    tied embedding's gradient is summed).
+    Not the fastest trip: a small all-reduce's fastest can be half its typical time.
     """
     if not dist.is_initialized():
         raise OptionError("calibrate_allreduce() needs torch.distributed initialised (torchrun, or "
@@ -340,7 +313,8 @@ def calibrate_allreduce(*, sizes: Sequence[int] = ALLREDUCE_SIZES, group: Any = 
 # -- the runtime's fixed costs ------------------------------------------------------------------------
 
 
-def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10) -> float:
+def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 10, *,
+                    yield_after_send: bool = False) -> float:
     """Rank 0's one-way seconds of a small message through the runtime's :class:`Channel` (receives
     posted ahead, ``isend``, ``wait``: the path a pipeline's activations and gradients take), ranks 0 and 1;
     collective on those two. The median of a window of ``window`` round trips, not the fastest trip: a step
@@ -348,7 +322,7 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 1
     only ever adds time (:func:`least_disturbed`)."""
     from fxpipe.runtime.channel import Channel
 
-    ch = Channel(torch.device("cpu"))
+    ch = Channel(torch.device("cpu"), yield_after_send=yield_after_send)
     buf = torch.zeros(numel)
 
     def failed(exc: Exception, *_: object) -> BaseException:
@@ -372,15 +346,12 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 1
 
 
 def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16), numel: int = 64, reps: int = 20,
-                    window: int = 10) -> tuple[float, float]:
+                    window: int = 10, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(seconds per step, seconds per parameter tensor) of ``torch.optim.SGD`` (``lr``, ``momentum``, as ``fxpipe run``
     builds it), as a pipeline runs it: cold, after other work. The line through the step times over ``counts`` small
     tensors (``numel`` floats each, so that the arithmetic is nothing); before each step, a 256 x 256 matmul and an
     in-place pass over 4 MiB (what an action leaves behind); each count's time the least disturbed window's median.
-
-    Back to back the same steps take 12 us + 2.0 us per tensor here (15 + 6.3 with momentum); after other work,
-    ~100-120 us + 3.6-3.8 per tensor (110-150 + 11-12 with momentum), and inside ``fxpipe run``'s steps mlp-tiny's
-    stages (6 and 4 tensors) took 141 and 101 us, gpt-tiny's (14 and 15) 208 and 188 us."""
+    Cold, as inside a step, the same steps take several times what they take back to back."""
     a, evict = torch.randn(256, 256), torch.randn(1 << 20)
     times = []
     for n in counts:
@@ -392,10 +363,10 @@ def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16),
         for k in range(reps + 2):
             torch.mm(a, a)
             evict.mul_(1.0)
-            t0 = time.perf_counter()
+            t0 = clock()
             opt.step()
             if k >= 2:
-                runs.append(time.perf_counter() - t0)
+                runs.append(clock() - t0)
         times.append(least_disturbed(windows(runs, window)))
     slope = max(0.0, (times[1] - times[0]) / (counts[1] - counts[0]))
     return max(0.0, times[0] - counts[0] * slope), slope
@@ -411,51 +382,57 @@ class _Round(NamedTuple):
     sends: list[list[float]]
 
 
-def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: int = 1) -> tuple[float, ...]:
+def probe_pipeline(model: torch.nn.Module, x: torch.Tensor, rates: Any) -> Any:
+    """``model`` compiled at 2 stages with the compute ``rates``, as ``fxpipe.compile(model, (x,), stages=2,
+    tracer="fx", compute=rates, ...)`` would: the passes assembled here (``fxpipe.passes.assemble``), so that the
+    calibration does not reach up into the compile API."""
+    from fxpipe.graphs.convention import flatten_inputs
+    from fxpipe.passes import run_steps
+    from fxpipe.passes.assemble import build_steps, pipeline_from_root, plan_from_root
+    from fxpipe.plan import CompileOptions, Provenance, fxpipe_version
+
+    options = CompileOptions(stages=2, tracer="fx", compute=rates, device_flops=rates.gemm_flops,
+                             device_mem_bw=rates.mem_bw)
+    root, history = run_steps(build_steps(model, (x,), options), verify_each=False)
+    provenance = Provenance(model=None, tracer=str(root.meta.get("fxpipe_tracer")), torch_version=torch.__version__,
+                            fxpipe_version=fxpipe_version(), build=None, profiled=False, profile_threads=None)
+    flat = flatten_inputs(root.meta.get("fxpipe_in_spec"), (x,), {})
+    return pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
+
+
+def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int = 40, rounds: int = 5,
+                       warmup: int = 1) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
 
     The bare link (:func:`calibrate`), a message through the runtime's channel (:func:`channel_one_way`),
-    then ``steps`` steps of a :class:`PipelineRuntime` on :class:`fxpipe.calibration_models.Mix` (one of each kind
+    then ``steps`` steps of a :class:`PipelineRuntime` on :class:`fxpipe.calibration.probes.Mix` (one of each kind
     of op the zoo's graphs hold, at sizes where the arithmetic is negligible: the model the compute calibration
     times its host work on) compiled at 2 stages with ``rates`` (so its estimated graph times are the ones a user's
-    plan gets). Before cache format 24 the pipeline was four 8-wide linear layers, whose actions, two kinds of op
-    each, read 21-29 us beyond their estimates where this model's read 68-69 us (2026-11-27): inside a pipeline,
-    after each wait for a message, an action of many kinds of op starts colder than one of two (a GPT's, width 16,
-    ran 83-171 us over their estimates). Inside each action the loss
-    and its gradient (the last stage's F) and each ``isend`` are timed where they run; an action's overhead
-    is its measured time (graphs, bookkeeping) less its estimated time, less those two. Each is
-    the median over a step's actions, losses or sends, from the least disturbed step after
-    the first two (:func:`least_disturbed`), but the action's from the typical step (the median
-    over the steps, :func:`typical`; format 25); the median over the two ranks (the loss: its rank's). A step's
-    cost is what the rest leaves of the pipeline's measured step (:func:`step_residual`, format 26), over 38
-    steps since format 27 (12 before: the residual read 0.70-2.10 ms in twelve calibrations minutes apart), the least
-    disturbed window of 10 of them since format 28. The optimizer
-    step's costs per step and per tensor are :func:`optimizer_costs`' (not the small pipeline's own steps, whose
-    caches stay warm: 33-57 us, against 101-208 us inside a zoo model's step).
+    plan gets). Inside each action the loss and its gradient (the last stage's F) and each ``isend`` are timed where
+    they run; an action's overhead is its measured time (graphs, bookkeeping) less its estimated time, less those
+    two. The loss's and the send's are the median over a step's losses or sends, from the least disturbed step
+    (:func:`least_disturbed`); the action's is the round's typical one (:func:`typical`); the median over the two
+    ranks (the loss: its rank's). A step's cost is what the rest leaves of the pipeline's measured step
+    (:func:`step_residual`), over the least disturbed window of 10 steps. The optimizer step's costs per step and
+    per tensor are :func:`optimizer_costs`' (the small pipeline's own steps keep their caches warm).
 
-    Since format 29 the pipeline runs ``warmup`` rounds of ``steps`` steps unmeasured, then ``rounds`` rounds of
-    ``steps`` measured ones, and the action's cost and the step's are each the median over the rounds of what one
-    round reads (the round's typical action; the residual of the least disturbed window of 10 of its steps). Three
-    whole calibrations in each of four launches read the action at 52-190, 64-94, 55-114 and 97-220 us and the
-    residual at 747-1588, 1401-1595, 1065-2170 and 996-1210 us, the first of each launch the highest action in three
-    of the four (2026-11-27): one round's reading was as noisy inside a calibration as between calibrations.
-    Timed where they run, the loss took 157-195 us and a send 75-118 us here, inside a step; taken as
-    what the last stage's F costs beyond the median action, the loss had come out at 36 us.
+    The pipeline runs ``warmup`` rounds of ``steps`` steps unmeasured, then ``rounds`` rounds of ``steps`` measured
+    ones, and the action's cost and the step's are each the median over the rounds: one round's reading is as noisy
+    as a whole calibration's. ``host``: what this rank's runtime changes about the process (None: nothing).
     """
-    import fxpipe
     from fxpipe.runtime.executor import PipelineRuntime
 
+    host = HostTuning() if host is None else host  # None: this process as it is
     rank = dist.get_rank()
     link = calibrate()
-    one_way = channel_one_way(rank)
+    one_way = channel_one_way(rank, yield_after_send=host.yields_after_send(None))
     torch.manual_seed(0)
     model = Mix()
     x = torch.randn(2, 4, 2, 2)
-    pipe = fxpipe.compile(model, (x,), stages=2, tracer="fx", compute=rates, device_flops=rates.gemm_flops,
-                          device_mem_bw=rates.mem_bw, verify_each=False)
+    pipe = probe_pipeline(model, x, rates)
     rt = PipelineRuntime(pipe, loss_fn=torch.nn.functional.mse_loss, example_inputs=(x,),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), host=host)
     m = rt.schedule.num_microbatches
     inputs, target = torch.randn(2 * m, 4, 2, 2), torch.randn(2 * m, 4)
     costs = pipe.plan.stages
@@ -515,8 +492,7 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: 
     losses = [step for one in measured for step in one.losses]
     sends = [step for one in measured for step in one.sends]
     # The action's cost at the typical step, not the least disturbed one: these small host costs move more from
-    # step to step than the GEMM loop whose spread (ComputeRates.sustained, 1.01-1.03) scales the estimates
-    # (action 68-69 us at the least disturbed step, 78-121 at the median one, 2026-11-27).
+    # step to step than the GEMM loop whose spread (ComputeRates.sustained) scales the estimates.
     walls = [wall for one in measured for wall in one.walls]
     mine = torch.tensor([one_way, least_disturbed(losses) if any(losses) else 0.0, least_disturbed(sends), opt_step,
                          per_tensor, optimizer_costs(momentum=0.9)[1], *(typical(one.actions) for one in measured),
@@ -534,8 +510,6 @@ def overheads_on_ranks(rates: Any, *, steps: int = 40, rounds: int = 5, warmup: 
     at = 6 + rounds  # where the round's steps start in what the ranks gathered
     for r, one in enumerate(measured):
         # A step as fxpipe run times it, the slowest rank's; the median of the least disturbed window of 10 steps
-        # (format 28): over all 38 steps, eight calibrations in a row read the residual at 0.83-2.16 ms, over the
-        # least disturbed window at 0.76-2.01 ms, seven of them within 0.76-1.32 (2026-11-27).
         slowest = [max(float(t[at + k]) for t in both) for k in range(len(one.walls))]
         at += len(one.walls)
         residuals.append(step_residual(
@@ -550,13 +524,8 @@ def step_residual(measured: float, plan: Any, schedule: Any, link: Calibration, 
     """The step cost that makes the calibration pipeline's simulated step equal its ``measured`` one: ``measured``
     less the makespan ``fxpipe run`` would simulate for ``plan`` on ``schedule`` with ``overheads`` (whose step is
     0) as it reads them from the cache (scaled by ``rates.sustained``), the ``link`` and ``rates``' optimizer
-    step; in the cache's units (over ``rates.sustained``), never below 0 (cache format 26).
-
-    Before format 26 the step's cost was each rank's step less the span of its actions and the wait before its
-    first, the median over ranks: what the parts did not add up to was left out. On this 2-core machine (2026-11-27)
-    the first message of a step arrived 230-450 us after its send, not the 20-30 us of the others, while the
-    loss's all-reduce of the step before was in flight, and the last stage's BW took 30-120 us more than its
-    estimate; the calibration pipeline's step measured 3.9-4.9 ms against 3.55 simulated."""
+    step; in the cache's units (over ``rates.sustained``), never below 0. Whatever the other costs leave out (a
+    step's first message behind the previous loss's all-reduce, say) lands here, not nowhere."""
     scaled = overheads.scaled(rates.sustained)
     costs = link.apply(Costs.from_plan(plan, scaled)).with_optimizer("sgd", rates.mem_bw, scaled)
     return max(0.0, measured - simulate(schedule, costs).makespan) / rates.sustained
@@ -566,8 +535,8 @@ def _thread_lock_for_progress_bars() -> None:
     """torch.fx's ``Interpreter`` draws a tqdm progress bar where tqdm is installed (``torch.hub.tqdm``), and tqdm's
     first bar makes a multiprocessing lock: a named semaphore that a rank leaving with ``os._exit`` leaves registered
     with its parent's resource tracker, which then printed "There appear to be 2 leaked semaphore objects to clean
-    up at shutdown" on ``fxpipe compile``'s stderr after the runtime's calibration (with the dev extra, which brings
-    tqdm, installed; 2026-11-27). A thread lock serves a rank of one process."""
+    up at shutdown" on ``fxpipe compile``'s stderr after the runtime's calibration. A thread lock serves a rank of
+    one process."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -575,18 +544,16 @@ def _thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) -> None:
+def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str, host: HostTuning) -> None:
     import os
     import sys
 
-    from fxpipe.runtime.threads import pin_local_rank
-
     _thread_lock_for_progress_bars()
     torch.set_num_threads(threads)
-    pin_local_rank(rank, 2)  # as fxpipe run's ranks run (format 30)
+    host.pin(rank, 2)  # as fxpipe run's ranks run: before the process group, so gloo's threads start there too
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        measured = overheads_on_ranks(rates)
+        measured = overheads_on_ranks(rates, host=host)
         if rank == 0:  # whole or not at all: the parent reads it even where a rank then aborts in gloo's teardown
             with open(out + ".part", "w") as f:
                 f.write(" ".join(repr(v) for v in measured))
@@ -596,16 +563,19 @@ def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str) 
         dist.destroy_process_group()
         raise
     # Every result is written: leave without gloo's teardown, which can abort the process ("terminate called
-    # without an active exception", SIGABRT: pytorch/pytorch#179291), as it did one `fxpipe compile` here (2026-11-27)
+    # without an active exception", SIGABRT: pytorch/pytorch#179291)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> RuntimeOverheads:
+def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "",
+                      host: HostTuning | None = None) -> RuntimeOverheads:
     """The runtime's fixed costs on this machine: two local ranks (processes, gloo), ``threads`` threads each,
     run :func:`overheads_on_ranks` with the compute ``rates`` (``ComputeRates``); a few seconds, most of it
-    starting the two processes."""
+    starting the two processes. ``host``: what those ranks change about their own processes (default: what
+    ``fxpipe run``'s ranks do, :meth:`HostTuning.for_runs`); the calling process is left as it is."""
+    host = HostTuning.for_runs() if host is None else host
     import os
     import tempfile
 
@@ -615,7 +585,7 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "") -> Run
     with tempfile.TemporaryDirectory(prefix="fxpipe-overheads-") as tmp:
         out = os.path.join(tmp, "result")
         try:
-            mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out), nprocs=2,
+            mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out, host), nprocs=2,
                                start_method="spawn")
         except mp.ProcessExitedException as e:  # a rank died: after rank 0 wrote every result, only in teardown
             if not os.path.exists(out):

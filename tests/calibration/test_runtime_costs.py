@@ -1,7 +1,7 @@
 """Calibration: the link and contention measured on two real gloo ranks, and how it rescales the simulator's Costs.
 
 Run as a script, this file is one rank of the two-process tests:
-``python test_calibrate.py RANK WORLD INIT OUT link|allreduce``.
+``python test_runtime_costs.py RANK WORLD INIT OUT link|allreduce``.
 """
 
 from __future__ import annotations
@@ -29,23 +29,19 @@ def _launch(tmp_path: Path, world: int, what: str = "link") -> list[dict[str, An
 
 
 def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> None:
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration, fit_link
 
     docs = _launch(tmp_path, 2)
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # every rank returns rank 0's measurement
     cal = Calibration.from_json(docs[0])
-    assert 0 <= cal.latency < 0.1 and math.isfinite(cal.latency)
-    assert 1e6 < cal.bandwidth < 1e13  # bytes/s: somewhere between 1 MB/s and 10 TB/s on any machine
-    assert 0.5 < cal.contention < 10 and cal.alone > 0 and cal.together > 0
-    assert 0.5 < cal.memory_contention < 10  # the add_ past the last-level cache, alone and on both ranks at once
-    assert cal.seconds < 5  # 2 s when the machine is otherwise idle
-    assert len(cal.sizes) == len(cal.one_way) and min(cal.one_way) > 0
-    # The fitted line goes through the measured one-way times: within 50% at every size from 4 B to 4 MiB but
-    # at most one (a busy machine delays one size's every trip now and then: the 4 MiB one once took 3x the
-    # fit while the others sat on it), and a 4 MiB message costs more than a 4-byte one.
-    off = [(nbytes, measured) for nbytes, measured in zip(cal.sizes, cal.one_way)
-           if cal.transfer(nbytes) != pytest.approx(measured, rel=0.5)]
-    assert len(off) <= 1, (off, cal)
+    # Real measurements, whatever the machine's speed (how well a fit follows its points is tested on fixed
+    # readings in test_fit_link_*): every time was measured (> 0, finite), and the link is the fit of its own
+    # ping-pong's one-way times
+    assert cal.sizes == (4, 4096, 65536, 262144, 1048576, 4194304) and len(cal.one_way) == len(cal.sizes)
+    assert all(t > 0 and math.isfinite(t) for t in (*cal.one_way, cal.alone, cal.together, cal.seconds))
+    assert (cal.latency, cal.bandwidth) == fit_link(cal.sizes, cal.one_way)
+    assert cal.latency >= 0 and cal.bandwidth > 0
+    assert cal.contention > 0 and cal.memory_contention > 0 and math.isfinite(cal.memory_contention)
     assert cal.transfer(cal.sizes[-1]) > cal.transfer(cal.sizes[0])
 
 
@@ -54,18 +50,17 @@ def test_the_runtime_overheads_measured_on_two_gloo_ranks(tmp_path: Path) -> Non
     docs = _launch(tmp_path, 2, "overheads")
     assert docs[0] == docs[1]
     for name in docs[0]:
-        assert 0 <= docs[0][name] < 0.1 and math.isfinite(docs[0][name]), docs[0]
+        assert docs[0][name] >= 0 and math.isfinite(docs[0][name]), docs[0]
     # Timed where they run: a Python runtime never runs a loss and its gradient, an isend or an optimizer step in
-    # 0 s; SGD's per-tensor work grows with momentum (a buffer per tensor to update). The step's cost is what the
-    # others leave of the measured step (step_residual): 0 where they simulate all of it.
-    assert all(docs[0][k] > 0 for k in ("loss", "send", "optimizer", "optimizer_tensor")), docs[0]
-    assert docs[0]["optimizer_tensor_momentum"] > docs[0]["optimizer_tensor"], docs[0]
+    # 0 s. The step's cost is what the others leave of the measured step (step_residual): 0 where they simulate all
+    # of it. (How the optimizer's costs are read from its timings: test_optimizer_costs_*, on an injected clock.)
+    assert all(docs[0][k] > 0 for k in ("loss", "send", "optimizer")), docs[0]
 
 
 _MEASURE = """
 import dataclasses, json
 from fxpipe.plan import ComputeRates
-from fxpipe.runtime.calibrate import measure_overheads
+from fxpipe.calibration.runtime_costs import measure_overheads
 
 rates = ComputeRates(gemm_flops=1e11, conv_flops=1e11, mem_bw=3e10, op_fwd=2e-5, op_bwd=3e-5, threads=1,
                      graph_op_fwd=2e-5, graph_op_bwd=1.5e-5, graph_op_fwd_cached=7e-6, graph_op_bwd_cached=6e-6)
@@ -93,7 +88,7 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
     import torch.multiprocessing as mp
 
     from fxpipe.errors import RankFailedError
-    from fxpipe.runtime.calibrate import measure_overheads
+    from fxpipe.calibration.runtime_costs import measure_overheads
 
     def aborts(write: bool) -> Any:
         def start(fn: Any, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
@@ -115,7 +110,7 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
 
 
 def test_calibration_scales_compute_and_sets_the_link() -> None:
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration
     from fxpipe.schedules.simulate import Costs
 
     costs = Costs((1.0, 2.0), (3.0, 4.0), (5.0, 6.0), (100.0, 0.0), (7.0, 8.0), (9.0, 10.0))
@@ -136,7 +131,7 @@ def test_calibration_scales_compute_and_sets_the_link() -> None:
 def test_reads_from_memory_pay_the_memory_contention() -> None:
     """Each stage's seconds reading weights from memory (``Costs.dram_*``) slow down by ``memory_contention``, the
     rest by ``contention``: t * 1.25 + dram * (1.75 - 1.25); never less than the rest's when memory contends less."""
-    from fxpipe.runtime.calibrate import Calibration
+    from fxpipe.calibration.runtime_costs import Calibration
     from fxpipe.schedules.simulate import Costs
 
     costs = Costs((1.0, 2.0), (0.0, 4.0), (5.0, 6.0), dram_f=(0.5, 1.0), dram_b=(0.0, 1.0), dram_w=(1.5, 2.0))
@@ -149,7 +144,7 @@ def test_reads_from_memory_pay_the_memory_contention() -> None:
 
 def test_fit_link_recovers_a_line_and_clamps_a_negative_intercept() -> None:
     from fxpipe.errors import OptionError
-    from fxpipe.runtime.calibrate import fit_link
+    from fxpipe.calibration.runtime_costs import fit_link
 
     sizes = [4, 4096, 65536, 1 << 20, 4 << 20]
     latency, bandwidth = fit_link(sizes, [3e-5 + x / 2e9 for x in sizes])
@@ -183,25 +178,23 @@ def test_messages_on_one_link_queue_behind_each_other() -> None:
 
 
 def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> None:
-    from fxpipe.runtime.calibrate import AllReduceCalibration
+    from fxpipe.calibration.runtime_costs import AllReduceCalibration, fit_allreduce
 
     docs = _launch(tmp_path, 2, "allreduce")
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # the slowest rank's times, on every rank
     ar = AllReduceCalibration.from_json(docs[0])
-    assert ar.dp == 2 and len(ar.sizes) == len(ar.measured) and min(ar.measured) > 0
-    assert 0 <= ar.latency < 0.1 and 1e6 < ar.bandwidth < 1e13
-    assert ar.seconds < 10  # about 0.5 s when the machine is otherwise idle
-    # The fitted ring goes through the measured times within a factor 2 at every size (one bucket each),
-    # and 25 MiB costs more than 4 bytes.
-    for nbytes, measured in zip(ar.sizes, ar.measured):
-        assert ar.allreduce(nbytes) == pytest.approx(measured, rel=1.0), (nbytes, ar)
-    assert ar.allreduce(ar.sizes[-1]) > 4 * ar.allreduce(ar.sizes[0])
+    # Real measurements, whatever the machine's speed (the fit's quality on fixed readings: the fit_allreduce
+    # tests): every size was timed, and the ring is the fit of those times
+    assert ar.dp == 2 and len(ar.sizes) == len(ar.measured) and min(ar.measured) > 0 and ar.seconds > 0
+    assert (ar.latency, ar.bandwidth) == fit_allreduce(ar.sizes, ar.measured, 2)
+    assert ar.latency >= 0 and ar.bandwidth > 0
+    assert ar.allreduce(ar.sizes[-1]) > ar.allreduce(ar.sizes[0])
 
 
 def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step waits for its typical all-reduce: each size's time is the median of its least disturbed window of
     trips (as a message's, ``channel_one_way``), not its fastest trip, which was half the typical one here."""
-    import fxpipe.runtime.calibrate as rc
+    import fxpipe.calibration.runtime_costs as rc
 
     durations = iter([1, 1,  1, 9, 9, 9, 3, 3, 3, 3,      # 4 B: 2 warm-up trips, then windows [1 9 9 9] [3 3 3 3]
                       1, 1,  5, 5, 5, 5, 2, 8, 8, 8])     # 1 KiB: windows [5 5 5 5] [2 8 8 8]
@@ -223,7 +216,7 @@ def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monke
 
 def test_allreduce_calibration_sets_the_ring_and_fits_a_line() -> None:
     from fxpipe.errors import OptionError
-    from fxpipe.runtime.calibrate import AllReduceCalibration, fit_allreduce
+    from fxpipe.calibration.runtime_costs import AllReduceCalibration, fit_allreduce
     from fxpipe.schedules.simulate import Costs
 
     # 4 ranks: t = 6 x 10 us + 1.5 x bytes / 2 GB/s.
@@ -251,11 +244,11 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        from fxpipe.runtime.calibrate import calibrate, calibrate_allreduce
+        from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
 
         if what == "overheads":
             from fxpipe.plan import ComputeRates
-            from fxpipe.runtime.calibrate import overheads_on_ranks
+            from fxpipe.calibration.runtime_costs import overheads_on_ranks
 
             rates = ComputeRates(gemm_flops=1e11, conv_flops=5e10, mem_bw=1e10, op_fwd=1e-5, op_bwd=1.5e-5, threads=1)
             names = ("action", "message", "step", "loss", "send", "optimizer", "optimizer_tensor",
@@ -272,13 +265,13 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
-    from _leave import leave  # this script's own directory is on sys.path
+    from tests.runtime._leave import leave
 
-    leave()  # CI on 2026-11-26 13:2x: the "overheads" pair aborted at exit (pytorch#179291) after writing its results
+    leave()  # without gloo's teardown, which can abort a rank at exit after its results are written (pytorch#179291)
 
 
 def test_least_disturbed_takes_the_quietest_runs_median():
-    from fxpipe.runtime.calibrate import least_disturbed
+    from fxpipe.calibration.runtime_costs import least_disturbed
 
     quiet, loaded = [1.0, 1.1, 9.0], [3.0, 3.2, 3.1]  # an outlier in the quiet run; every value of the loaded one high
     assert least_disturbed([loaded, quiet]) == 1.1
@@ -294,9 +287,9 @@ def test_step_residual_makes_the_calibration_pipeline_simulate_at_its_measured_s
     import torch
 
     import fxpipe
-    from fxpipe.calibration_models import Mix
+    from fxpipe.calibration.probes import Mix
     from fxpipe.plan import ComputeRates, RuntimeOverheads
-    from fxpipe.runtime.calibrate import Calibration, step_residual
+    from fxpipe.calibration.runtime_costs import Calibration, step_residual
     from fxpipe.schedules.auto import plan_schedule
     from fxpipe.schedules.simulate import Costs, simulate
 
@@ -321,3 +314,24 @@ def test_step_residual_makes_the_calibration_pipeline_simulate_at_its_measured_s
     assert step == pytest.approx(1e-3 / rates.sustained)
     assert simulated(step) == pytest.approx(bare + 1e-3)
     assert step_residual(bare * 0.9, pipe.plan, schedule, link, rates, others) == 0.0
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_optimizer_costs_are_the_line_through_the_step_times_over_the_tensor_counts(momentum: float) -> None:
+    """On an injected clock: each SGD step over n tensors reads 100 us + 4 us per tensor (10 us with momentum), but
+    for one disturbed step per count (another job only adds time); the line through the counts' least disturbed
+    windows gives back the step's cost and the per-tensor one, whatever the machine's speed."""
+    from fxpipe.calibration import runtime_costs as rc
+
+    per_tensor = 10e-6 if momentum else 4e-6
+    counts = (1, 16)
+    reads: list[float] = []
+    for n in counts:
+        for k in range(20 + 2):
+            took = 100e-6 + n * per_tensor + (5e-3 if k == 7 else 0.0)  # one step disturbed
+            reads += [1.0, 1.0 + took] if k >= 2 else [1.0]  # before each step; after it, past the two untimed
+    clock = iter(reads)
+    step, tensor = rc.optimizer_costs(momentum=momentum, counts=counts, reps=20, window=10,
+                                      clock=lambda: next(clock))
+    assert next(clock, None) is None  # every reading used, no more
+    assert step == pytest.approx(100e-6) and tensor == pytest.approx(per_tensor)

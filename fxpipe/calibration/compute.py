@@ -1,62 +1,24 @@
-"""calibrate_compute: this machine's GEMM and convolution throughput, memory bandwidth and per-node host time,
-measured once (a few seconds) and cached per machine and thread count.
+"""This machine's compute: GEMM, convolution and attention throughput, memory bandwidth, slow kernels and the host
+time per node and per ATen op, measured once (a few seconds) and cached per machine and thread count.
 
-Estimated costs (``annotate_costs`` without ``--profile``) know a node's FLOPs and bytes, not how
-fast this machine turns them into time. Four measurements give them a clock, each the fastest of
-several runs (another job on the machine only ever adds time):
+Estimated costs (``annotate_costs`` without ``--profile``) know a node's FLOPs and bytes, not how fast this machine
+turns them into time. :func:`measure_compute` gives them a clock (:class:`~fxpipe.plan.ComputeRates`): square and
+skinny GEMMs (cached, and over a pool of weights larger than the measured cache), 3x3 convolutions by FLOPs and their
+gradients by pixels, causal attention, the kernels that run below the memory bandwidth (``KERNELS``), and the host
+time per node and per op of :class:`~fxpipe.calibration.probes.Mix`, split into F, B and W as ``fxpipe compile``
+does and timed as the runtime runs them, cold (after an eviction) and cached (after a short wait). Each rate is the
+fastest of several runs (another job only ever adds time); the noisiest are read in three rounds a few seconds
+apart. ``ComputeRates.sustained`` (the machine's typical speed over its fastest) scales every estimate to a step's.
 
-- **GEMM.** ``torch.mm`` of square float32 matrices (128, 256, 512): FLOP/s, the median size's.
-- **Skinny GEMMs.** ``torch.mm`` of (m x 1024) x (1024 x 1024) and the weight gradient's (1024 x m) x
-  (m x 1024) accumulated (``addmm_``, as W_acc runs it) for m = 1 to 256: FLOP/s by the GEMM's smallest
-  dimension (8 rows run at half the square GEMMs' rate on one core, 1-2 rows at a quarter), interpolated in
-  log m by ``ComputeRates.gemm_rate``; and the first with the weight read transposed (``x @ w.T``, a linear
-  layer's forward, whose skinny GEMMs run at well under the plain curve here). Then all three again over a pool of
-  distinct matrices (128 MiB, twice this machine's cache share), each read from memory: the rates of a model
-  whose parameters outgrow the cache (at 1-2 rows half the cached ones here). The cache's size is measured
-  (:func:`effective_cache_bytes`): sysfs gives the socket's, which a virtual machine shares with its neighbours.
-  A model whose parameters and gradients (``S``) outgrow the cache (``C``) reads the fraction ``1 - C/S`` of its
-  weights from memory (``ComputeRates.cold``) and runs each GEMM at the blend of the two rates.
-- **Convolution.** A 3x3 ``conv2d`` forward and backward at a small size (8 -> 8 channels, 16 x 16
-  images, batch 2) and a large one (64 channels, 56 x 56): the line through the two, forward and
-  backward together, gives FLOP/s (slope) and a per-call time forward and backward (intercepts;
-  small convolutions cost tens of microseconds whatever their FLOPs). Then FLOP/s at a few sizes from
-  29 MFLOP to 0.9 GFLOP per call (``CONV_SIZES``; 128 channels run ~1.4x faster than 64 here),
-  interpolated in log FLOPs by ``ComputeRates.conv_rate``.
-- **Memory.** ``torch.add(a, b, out=c)`` over 32 MiB tensors (larger than the caches): 3 x bytes / s.
-- **Slow kernels.** Training-mode batch norm, max pooling (2x2 and 3x3), layer norm, GELU, ReLU and a drawn dropout
-  at one size each (``KERNELS``): bytes per second forward and backward (``ComputeRates.kernels``), the bytes as
-  annotate_costs counts a node's. Batch norm runs at a sixth of the memory bandwidth here, max pooling at a
-  thirtieth to a fiftieth; the rest of the nodes that are not GEMMs, convolutions or attention run near it.
-- **Per node.** A small model made of one of each kind of node the zoo's graphs hold (linear,
-  conv, batch and layer norm, attention, views, element-wise ops) is traced and split into F, B
-  and W as ``fxpipe compile`` does, at sizes where its arithmetic is negligible; F's time over its
-  nodes is what a node costs the host whatever its size (Python, dispatch, allocation, and the
-  ATen ops a node decomposes into), B + W's over the nodes on the gradient path the same for the
-  backward. Timed as the runtime runs them (``time_graphs``: no autograd, W accumulating). The same
-  times over the ATen ops of those F graphs, and of the B and W graphs together, are the per-op rates
-  (``graph_op_fwd`` / ``graph_op_bwd``) that ``count_backward`` applies to each layer's real graphs: timed after
-  an eviction (uncached) and after a short wait (cached, ``graph_op_*_cached``), between which a model's cache
-  miss places its ops.
-- **Rounds.** The convolution curve, the memory bandwidth, the cache's size and the sustained speed (below) move
-  most with other jobs on the machine: each is measured in three rounds a few seconds apart (at the start, between
-  the GEMM curves and after them), the fastest rate and the median cache and sustained speed of the three kept.
-  The host times (the small convolution's cold seconds, the per-node and per-op times) are read three times too,
-  between the attention, kernel and convolution-gradient points, and each one's median kept (format 23).
-- **Sustained speed.** Each rate above is a fastest run, the machine at its best; a training step takes the
-  machine as it typically is. A fixed piece of work (GEMMs and an element-wise op, ~5 ms) run back to back for
-  a second gives the median piece over the fastest (``ComputeRates.sustained``, 1.3 on this 2-core virtual
-  machine, whose neighbours share its host), and ``annotate_costs`` multiplies every estimated time by it.
+The result is cached as JSON in ``$XDG_CACHE_HOME/fxpipe/compute.json`` (else ``~/.cache/fxpipe``), keyed by
+:func:`machine_key`; a file that cannot be read as such is ignored and rewritten (only ever parsed as JSON). The
+runtime's fixed costs (``fxpipe.calibration.runtime_costs``) are cached beside it (``runtime.json``).
+``FXPIPE_CALIBRATION=off`` (or ``fxpipe compile --calibration off``) keeps the fixed ``DEFAULTS.device_flops`` /
+``device_mem_bw`` model: the test suite sets it, so no plan there depends on the machine. What it measured, and
+how the estimate compares with measured steps: benchmarks/RESULTS.md.
 
-The result is cached as JSON in ``$XDG_CACHE_HOME/fxpipe/compute.json`` (else
-``~/.cache/fxpipe``), keyed by host, CPU model, torch version and thread count; a file that cannot
-be read as such is ignored and rewritten (it is only ever parsed as JSON, never executed).
-``FXPIPE_CALIBRATION=off`` (or ``fxpipe compile --calibration off``) keeps the fixed
-``DEFAULTS.device_flops`` / ``device_mem_bw`` model: the test suite sets it, so no plan there
-depends on the machine.
-
-    >>> rates = calibrate_compute()                     # doctest: +SKIP
-    >>> describe(rates, cached=True)                    # doctest: +SKIP
-    'compute calibrated (1 thread): GEMM 205 GFLOP/s, conv 61 GFLOP/s, 14.9 GB/s, 7.9 us + 15.2 us per node F / B+W; cached'
+    >>> rates, cached = calibrate_compute()             # doctest: +SKIP
+    >>> describe(rates, cached=cached)                  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -79,17 +41,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fxpipe.calibration_models import Mix
+from fxpipe.calibration.host import HostTuning
+from fxpipe.calibration.host_memory import keep_freed_memory
+from fxpipe.calibration.probes import Mix
 from fxpipe.errors import OptionError
-from fxpipe.host_memory import keep_freed_memory
 from fxpipe.plan import OVERHEAD_SECONDS, CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
 ENV = "FXPIPE_CALIBRATION"
-CACHE_FORMAT = 30  # bump when what is measured changes: older entries are then measured again
+CALIBRATION_VERSION = 30  # raised when what is measured changes: older cache entries are then measured again
 GEMM_SIZES = (128, 256, 512)
-# The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256 (format 15): gpt-base's
-# linears (256 rows: batch 2 x 128 tokens) ran at 112 GFLOP/s inside its forward, the squares' median at 175.
+# The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256: a transformer's linears
+# over batch x tokens rows run well under the square GEMMs' rate.
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SKINNY_WIDTH = 1024
 COLD_POOL_MAX = 32  # distinct 4 MiB matrices in the cold pool (128 MiB), which the cold curves read
@@ -104,8 +67,8 @@ CONV_GRAD_SHAPES = ((3, 2, 128, 28), (3, 2, 256, 14), (3, 2, 512, 7), (1, 2, 128
 # Causal attention (batch, heads, tokens, head dim): gpt-base's (34 MFLOP per call forward) and one 4x its FLOPs
 SDPA_SHAPES = ((2, 4, 128, 64), (2, 4, 256, 64))
 # The kernels timed for ComputeRates.kernels (name as annotate_costs looks it up, input shape): the zoo's nodes that
-# are neither a GEMM, a convolution nor attention and run far below the memory bandwidth on one core here (a relu
-# runs at it forward, and at about half of it backward). Each ~0.2-3 ms forward.
+# are neither a GEMM, a convolution nor attention and may run far below the memory bandwidth (a relu, for a
+# reference, runs near it). Each a few milliseconds or less forward.
 KERNELS = (("batch_norm", (2, 128, 56, 56)), ("max_pool2d 2x2", (2, 64, 56, 56)), ("max_pool2d 3x3", (2, 64, 56, 56)),
            ("layer_norm", (2, 128, 768)), ("gelu", (2, 128, 3072)), ("relu", (2, 128, 56, 56)),
            ("dropout", (2, 128, 3072)))
@@ -130,8 +93,8 @@ def calibration_enabled(setting: str | None = None) -> bool:
 
 
 def machine_key(threads: int) -> str:
-    """What a calibration is valid for: host, CPU model, torch version and thread count, and the cache format."""
-    return f"{socket.gethostname()}|{_cpu_model()}|torch {torch.__version__}|{threads} thread(s)|v{CACHE_FORMAT}"
+    """What a calibration is valid for: host, CPU model, torch version and thread count, and the calibration version."""
+    return f"{socket.gethostname()}|{_cpu_model()}|torch {torch.__version__}|{threads} thread(s)|v{CALIBRATION_VERSION}"
 
 
 def cache_path() -> Path:
@@ -140,18 +103,24 @@ def cache_path() -> Path:
     return Path(root) / "fxpipe" / "compute.json"
 
 
-def calibrate_compute(*, threads: int = 1, cache: bool = True,
-                      measure: Callable[[int], ComputeRates] | None = None) -> tuple[ComputeRates, bool]:
+def calibrate_compute(*, threads: int = 1, cache: bool = True, measure: Callable[[int], ComputeRates] | None = None,
+                      host: HostTuning | None = None) -> tuple[ComputeRates, bool]:
     """This machine's rates at ``threads`` threads and whether they came from the cache.
 
     Read from :func:`cache_path` when an entry for :func:`machine_key` is there and sound, else
     measured now (:func:`measure_compute`, a few seconds) and written back. A cache that cannot be
-    read or written is no error: the rates are measured (and used) all the same.
+    read or written is no error: the rates are measured (and used) all the same. ``host``: measure as ranks
+    with these settings run (its ``keep_freed_memory`` is applied to this process first); None changes nothing.
     """
     if threads < 1:
         raise OptionError(f"a calibration needs at least 1 thread (threads: {threads})")
-    return _cached(cache_path(), machine_key(threads), _rates_from, lambda: (measure or measure_compute)(threads),
-                   cache)
+
+    def make() -> ComputeRates:
+        if host is not None and host.keep_freed_memory:  # as the ranks that then run what this measures
+            keep_freed_memory()
+        return (measure or measure_compute)(threads)
+
+    return _cached(cache_path(), machine_key(threads), _rates_from, make, cache)
 
 
 def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callable[[], Any],
@@ -169,8 +138,8 @@ def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callab
     return made, False
 
 
-def calibrated_options(options: CompileOptions, setting: str | None = None, *,
-                       explicit: bool = False) -> tuple[CompileOptions, ComputeRates | None, bool]:
+def calibrated_options(options: CompileOptions, setting: str | None = None, *, explicit: bool = False,
+                       host: HostTuning | None = None) -> tuple[CompileOptions, ComputeRates | None, bool]:
     """``options`` with this machine's calibrated compute, the rates, and whether they were cached.
 
     Unchanged (and None) when calibration is off (:func:`calibration_enabled`), with ``--profile``
@@ -179,7 +148,7 @@ def calibrated_options(options: CompileOptions, setting: str | None = None, *,
     """
     if not calibration_enabled(setting) or options.profile or explicit:
         return options, None, False
-    rates, cached = calibrate_compute(threads=1)  # fxpipe run's ranks compute on one thread each
+    rates, cached = calibrate_compute(threads=1, host=host)  # fxpipe run's ranks compute on one thread each
     return (dataclasses.replace(options, compute=rates, device_flops=rates.gemm_flops, device_mem_bw=rates.mem_bw),
             rates, cached)
 
@@ -195,7 +164,7 @@ def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, in
     message, per rank's step) at ``threads`` threads, and whether they came from the cache.
 
     Measured once by ``measure(rates, threads)`` (``fxpipe compile`` passes the runtime's
-    ``fxpipe.runtime.calibrate.measure_overheads``: two local ranks run a small pipeline, a few seconds; the passes
+    ``fxpipe.calibration.runtime_costs.measure_overheads``: two local ranks run a small pipeline, a few seconds; the passes
     do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
     compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
     they estimate.
@@ -275,16 +244,14 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
     Each time is the fastest of ``runs`` after one warm-up; about 2-4 s on one core.
     """
     start = time.perf_counter()
-    keep_freed_memory()  # as the runtime runs, which then times what this measured (fxpipe.host_memory)
     with _threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         rounds = [_noisy_round(runs, stream_bytes)]  # then one between the GEMM curves and one after them
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         probe = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(COLD_POOL_MAX)]
         caches = [effective_cache_bytes(probe, max(3, runs // 2))]  # one per round: the median of three is kept
-        # The whole probe, whatever the (noisy) cache measurement said: a pool sized from it (twice the measured
-        # cache, when this read 32, 48 or 64 MiB for the same machine) read 64 MiB half the time, which this
-        # machine's cache still largely holds (8 rows: 54-73 GFLOP/s over 64 MiB, 22-31 over 96 and 128 MiB).
+        # The whole probe, whatever the (noisy) cache measurement said: a pool sized from that measurement can come
+        # out small enough for the cache to still largely hold it.
         pool = probe
         gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
         gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
@@ -311,9 +278,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
             sweep.fill_(1.0)
 
         # The host times (the small convolution's cold seconds, the per-node and per-op times) are read three times
-        # between the other measurements, and each one's median kept (format 23): one calibration in the 24 of
-        # 2026-11-27 read the convolutions' cold intercepts 35-45% under the others, and its plan's estimate of
-        # resnet-tiny's step 0.6 of the measured one.
+        # between the other measurements, and each one's median kept: a single reading can be far off.
         def host_times() -> tuple[float, ...]:
             return (*_cold_conv_seconds(*COLD_CONV, evict, 2 * runs), *_node_times(runs, evict=evict,
                                                                                    sustained=sustained))
@@ -345,7 +310,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
 def _sdpa_point(shape: tuple[int, int, int, int], runs: int) -> tuple[float, float, float] | None:
     """Causal ``scaled_dot_product_attention`` of q, k, v of ``shape``: its forward FLOPs per call (counted as
     annotate_costs counts them), the forward's FLOP/s, and the backward kernel's forward FLOPs per second (timed alone:
-    autograd's own host time per node is ``op_bwd``'s; through autograd the backward took 1.6x the kernel here). None
+    autograd's own host time per node is ``op_bwd``'s). None
     where torch has no CPU attention kernel to time."""
     from fxpipe._compat import cpu_attention_ops, flop_counter_mode  # torch's own counts CPU attention as 0 FLOPs
 
@@ -442,11 +407,9 @@ def effective_cache_bytes(probe: list[torch.Tensor], runs: int) -> float:
     1024 x 1024 weights of ``probe`` in turn, n in ``CACHE_PROBE``, from one weight's rate (cached) down to the
     largest pool's (read from memory); the pool at which the rate crosses half-way between the two (their geometric
     mean), interpolated in log pool size between the last pool at or above it and the next. Measured, because the
-    cache sysfs reports is the socket's: in a virtual machine (this one says 260 MiB) the share a process gets is
-    smaller and moves with its neighbours (here the rate fell between 64 and 96 MiB in one probe and between 32 and
-    64 MiB, gradually, twenty minutes later). A fall to a fraction of one weight's rate (the rule before) read 32, 48
-    or 64 MiB for the same machine a minute apart, as the rates of the pools that fit spread by 1.4x. When the rate
-    does not fall by ``CACHE_KNEE``, the cache holds at least the largest pool: the system's figure if larger."""
+    cache sysfs reports is the socket's: in a virtual machine the share a process gets is smaller and moves with its
+    neighbours. When the rate does not fall by ``CACHE_KNEE``, the cache holds at least the largest pool: the
+    system's figure if larger."""
     sizes = [n for n in CACHE_PROBE if n <= len(probe)]
     rates = [_skinny_rate(8, runs, weight=False, pool=probe[:n]) for n in sizes]
     matrix = 4 * SKINNY_WIDTH**2
@@ -462,9 +425,7 @@ def _noisy_round(runs: int, stream_bytes: int) -> tuple[tuple[tuple[float, float
     """One round of the measurements another job on the machine moves most: the convolution curve, the memory
     bandwidth and the sustained speed (over a third of ``SUSTAINED_SECONDS``). :func:`measure_compute` takes three
     rounds a few seconds apart, and the fastest rates and the median sustained speed of them: a neighbour's burst
-    takes a whole round, not all three. In single rounds minutes apart here, the memory bandwidth came out at
-    14.4-30.4 GB/s, the largest convolution at 111-178 GFLOP/s and the sustained speed at 1.16-1.44, and
-    resnet-50's estimated step moved 1095-2237 ms while its measured step stayed at 1954-2003 ms."""
+    takes a whole round, not all three."""
     return _conv_curve(runs), _stream_rate(stream_bytes, runs), _sustained(SUSTAINED_SECONDS / 3)
 
 
@@ -557,9 +518,8 @@ def _conv_rate(runs: int, *, cold: tuple[float, float] | None = None, sustained:
 
     With ``cold`` (:func:`_cold_conv_seconds` of ``COLD_CONV``: forward and backward seconds per convolution of a
     chain run after evicting the cache), the small convolution's seconds are those over ``sustained``, never below
-    the fastest back to back, as :func:`_node_times` takes the per-node time: here a small convolution ran 3.6x its
-    warm fastest when alone after the cache was read over (2 x 8 x 16 x 16: F 59 -> 215 us), while the 64-channel
-    one did not move.
+    the fastest back to back, as :func:`_node_times` takes the per-node time: a small convolution runs several times
+    its warm fastest after the cache was read over, a large one does not move.
     """
     (f0, a0, b0), (f1, a1, b1) = (_conv_seconds(batch, channels, side, runs)
                                   for batch, channels, side in (COLD_CONV, (2, 64, 56)))
@@ -574,8 +534,7 @@ EVICT_BYTES = 128 << 20
 COLD_CONV = (2, 8, 16)  # batch, channels, side of the small convolution whose cold seconds set the intercepts
 CONV_CHAIN = 4  # small convolutions per evicted run: an action holds several, and only its first starts cold
 # Cold runs are read in windows of this many, the least disturbed window's median kept (``timing.least_disturbed``):
-# a neighbour's burst over a whole window does not move it, as it moved the median over all runs (cold per-node F
-# times of 18-57 us in calibrations minutes apart, 2026-11-26).
+# a neighbour's burst over a whole window does not move it, as it moves the median over all runs.
 COLD_WINDOW = 5
 
 
@@ -617,36 +576,27 @@ def _stream_rate(nbytes: int, runs: int) -> float:
 
 def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustained: float = 1.0,
                 ) -> tuple[float, float, float, float, float, float]:
-    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`fxpipe.calibration_models.Mix`
+    """Seconds per node of F, and of B + W per node on the gradient path, of :class:`fxpipe.calibration.probes.Mix`
     (no convolution part) run as fxpipe runs it; then the same two times per ATen op of its F graph, and per op of
     its B and W graphs (:func:`graph_ops`); then those two per op with the cache holding the graphs (each F and B
     after a wait of ``IDLE_S``, not an eviction; 0.0 without ``evict``: the per-op times above are then warm
     already).
 
-    Format 22: the per-op times with ``evict`` are the uncached end. Inside a pipeline a small model's actions start
-    after a wait for a message, with its code and data still in the cache: gpt-tiny's ops took 10-15 us inside 2-rank
-    runs (its F 0.40-0.59 ms, 39 ops), its graphs 7-8 us after a 0.5 ms sleep or a gloo message from another rank and
-    18-23 us after an eviction (2026-11-27). ``count_backward`` charges the cached time plus the model's cache miss
-    (``ComputeRates.cold``) of the difference, as the GEMM rates take it.
-
-    Without the convolution part since format 21: a convolution's host time is its own intercept (``conv_fwd`` /
-    ``conv_bwd``, :func:`_conv_rate`, timed cold too, less ``op_fwd`` / ``op_bwd``), and averaged into every op it
-    was charged again on each convolution and, about 1.3x over, on the graphs that have none. Cold per op here: the
-    conv part 37-63 us (F), the rest 16-21, the whole 23-24; gpt-tiny's and gpt-small's actions had measured
-    0.5-0.67 of their estimates in the two runs before (2026-11-27).
+    With ``evict`` the per-op times are the uncached end: inside a pipeline a small model's actions start after a
+    wait for a message, with its code and data still in the cache, between the two ends; ``count_backward`` charges
+    the cached time plus the model's cache miss (``ComputeRates.cold``) of the difference, as the GEMM rates take it.
+    The convolution part is left out: a convolution's host time is its own intercept (``conv_fwd`` / ``conv_bwd``,
+    :func:`_conv_rate`), which averaged into every op would be charged again on each.
 
     With ``evict`` (reading more than the cache holds), each run starts as an action inside a pipeline step
     does, after other work took the cache: of ``2 * runs`` such runs, the least disturbed window's median
     (``COLD_WINDOW``), over ``sustained`` (so that ``annotate_costs``, which scales every time by it, gives back
-    that median), and never less than the fastest
-    run back to back. Here the cold median per node was 1.6-1.9x the warm fastest for F and 1.2-1.4x for B+W
-    (2026-11-26, when B+W ran warm straight after F; benchmarks/RESULTS.md, "Estimated costs against the machine",
-    has what it did to the estimates). Since format 20 the B too starts after an eviction: B+W per graph op read
-    15.2-19.3 us against 11-12 before, F's 18-23 as before (2026-11-27).
+    that median), and never less than the fastest run back to back.
     """
     from fxpipe.graphs.fx import COMPUTE_OPS
     from fxpipe.graphs.split import split_stage
     from fxpipe.passes.time_graphs import time_graphs
+    from fxpipe.passes.count_backward import graph_ops
     from fxpipe.passes.trace import trace
 
     model = Mix()
@@ -676,25 +626,16 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     return f / len(nodes), bw / len(nodes), f / ops_f, bw / (ops_b + ops_w), f_hot / ops_f, bw_hot / (ops_b + ops_w)
 
 
-IDLE_S = 0.0005  # the wait before each cached F and B (format 22): about a message's, without other work
+IDLE_S = 0.0005  # the wait before each cached F and B: about a message's, without other work
 
 
 def _idle() -> None:
     time.sleep(IDLE_S)
 
 
-def graph_ops(graphs: Any) -> tuple[int, int, int]:
-    """The ATen ops (every call but ``getitem``) of split graphs' F, B and W: what each costs the host to run."""
-    from fxpipe.graphs.fx import compute_nodes
-
-    return tuple(sum(1 for n in compute_nodes(gm.graph) if n.target is not _getitem())
-                 for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))  # type: ignore[return-value]
-
-
 def _cold_times(graphs: Any, x: torch.Tensor, evict: Callable[[], object], runs: int) -> list[tuple[float, float]]:
-    """(F, B + W) seconds of ``runs`` runs of the split graphs, F and B each after ``evict`` (format 20; B+W ran
-    straight after F before, warm from it, where a pipeline's B, like its F, starts after a wait; :func:`_idle` for
-    the cached times); timed as
+    """(F, B + W) seconds of ``runs`` runs of the split graphs, F and B each after ``evict`` (a pipeline's B, like
+    its F, starts after a wait; :func:`_idle` for the cached times); timed as
     :func:`fxpipe.passes.time_graphs.time_graphs` times them (W as W_acc into gradient buffers that persist)."""
     from fxpipe.passes.time_graphs import graph_samples
 

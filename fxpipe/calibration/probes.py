@@ -1,12 +1,10 @@
 """The small models fxpipe's calibrations time: what the zoo's graphs are made of, at sizes where the arithmetic
 is negligible, so that what is timed is the host's work per op and per action.
 
-Both calibrations run the same model: ``fxpipe.passes.calibrate_compute`` times its split graphs for the host
-time per node and per ATen op, and ``fxpipe.runtime.calibrate.overheads_on_ranks`` runs it as a two-stage
-pipeline for the runtime's fixed costs per action, message and step (cache format 24; before, a stack of four
-8-wide linear layers whose actions ran two kinds of op, and read the cost per action at 21-29 us where this model
-reads 68-69 us, and a GPT's actions, width 16, 2-8 layers, ran 83-171 us over their estimates inside a pipeline;
-2026-11-27).
+Both calibrations run the same model: ``fxpipe.calibration.compute`` times its split graphs for the host
+time per node and per ATen op, and ``fxpipe.calibration.runtime_costs.overheads_on_ranks`` runs it as a two-stage
+pipeline for the runtime's fixed costs per action, message and step. A model of many kinds of op, because inside a
+pipeline an action of many kinds starts colder after each wait than one of two (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -1,25 +1,26 @@
-"""fxpipe.host_memory: with the thresholds raised, a large temporary freed and allocated again is reused from the
-heap instead of faulting its pages in again (measured in a fresh process each, as the setting is process-wide and
-cannot be undone); the switch, and what a bad value says."""
+"""fxpipe.calibration.host_memory: with the thresholds raised, a large temporary freed and allocated again is reused
+from the heap instead of faulting its pages in again (counted in a fresh process each, as the setting is process-wide
+and cannot be undone); nothing is raised unless asked."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from fxpipe import host_memory
+from fxpipe.calibration import host_memory
+from fxpipe.calibration.host import HostTuning
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="glibc's mallopt: Linux only")
 
 PROBE = """
 import json, resource, torch
-from fxpipe.host_memory import keep_freed_memory
-kept = keep_freed_memory()
+import sys
+from fxpipe.calibration.host import HostTuning
+kept = HostTuning(keep_freed_memory=sys.argv[1] == "1").apply(0, 1)[1]
 torch.set_num_threads(1)
 # the weight gradient of a 3x3 convolution over 2 x 512 x 7 x 7, as a W graph runs it: a 9.4 MB result and
 # oneDNN's scratch space, allocated and freed each call
@@ -35,8 +36,7 @@ print(json.dumps({"kept": kept, "faults": faults}))
 
 
 def _probe(setting: str) -> dict[str, object]:
-    env = {**os.environ, host_memory.ENV: setting}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PROBE, setting], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -53,9 +53,10 @@ def test_freed_memory_is_reused_without_faulting_its_pages_again() -> None:
     assert all(f < pages // 20 for f in kept["faults"][2:]), kept  # type: ignore[index,union-attr]
 
 
-def test_a_bad_setting_names_the_variable_and_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(host_memory.ENV, "yes")
-    with pytest.raises(Exception, match="FXPIPE_KEEP_FREED_MEMORY takes 0 or 1"):
-        host_memory._enabled()
-    monkeypatch.setenv(host_memory.ENV, "0")
-    assert host_memory._enabled() is False
+def test_mallopt_is_called_once_and_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(host_memory, "_kept", None)  # as in a fresh process
+    monkeypatch.setattr(host_memory, "_raise_thresholds", lambda: calls.append(1) or True)
+    assert HostTuning().apply(0, 1) == (0, False) and calls == []
+    assert HostTuning(keep_freed_memory=True).apply(0, 1)[1] is True and calls == [1]
+    assert host_memory.keep_freed_memory() is True and calls == [1]  # once per process
