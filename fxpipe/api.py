@@ -423,11 +423,17 @@ def set_strategy(pipe: Pipeline, chosen: ChosenStrategy) -> None:
     pipe.extra_reports = [*pipe.extra_reports, *chosen.reports]
 
 
-def save(pipe: Pipeline, path: str | Path) -> Path:
-    """Write the plan directory: plan.json plus a .py and a .pt file per stage (see fxpipe.plan_dir)."""
+def save(pipe: Pipeline, path: str | Path, *, overwrite: bool = False,
+         replaced: list[str] | None = None) -> Path:
+    """Write the plan directory: plan.json plus a .json, .pt and .py file per stage (see fxpipe.plan_dir).
+
+    Only files fxpipe wrote (listed with their checksums in the old plan.json) are replaced; a file in
+    the way that it did not write raises PlanFileError and changes nothing, unless ``overwrite``
+    (its names are then added to ``replaced``).
+    """
     from fxpipe.plan_dir import save_pipeline
 
-    return save_pipeline(pipe, Path(path))
+    return save_pipeline(pipe, Path(path), overwrite=overwrite, replaced=replaced)
 
 
 def load(path: str | Path) -> Pipeline:

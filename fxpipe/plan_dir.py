@@ -3,6 +3,7 @@ readable .py rendering that is never executed."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import json
@@ -32,18 +33,63 @@ PLAN_FILE = "plan.json"
 _FXPIPE_FILE = re.compile(r"^stage_[0-9]+\.(json|pt|py)$")
 
 
-def save_pipeline(pipe: Any, out: Path) -> Path:
+# Bounds of the JSON fxpipe reads (plans, stage graphs, checkpoint records): a file past them is refused in
+# one line before it is parsed further, never a RecursionError or an allocation of the size it claims.
+MAX_JSON_DEPTH = 100  # fxpipe's own files nest a dozen levels (graphs inside higher-order ops a few more)
+MAX_PLAN_JSON_BYTES = 256 * 2**20
+MAX_STAGE_JSON_BYTES = 2**30
+
+
+def read_json(file: Path, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``file`` parsed as JSON, at most ``max_bytes`` long and ``max_depth`` arrays or objects deep.
+
+    Raises ValueError whose text completes "FILE ..." in one line (the bound and the value found) for a
+    file past either bound, or one that is not UTF-8 JSON; OSError as reading raises it. Shared by the
+    plan directory and checkpoints.
+    """
+    size = os.stat(file).st_size
+    if size > max_bytes:
+        raise ValueError(f"is {size:,} bytes, more than the {max_bytes:,} fxpipe reads")
+    try:
+        value = json.loads(Path(file).read_bytes().decode())
+    except RecursionError:
+        raise ValueError(f"nests arrays or objects deeper than the {max_depth} levels fxpipe reads") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"is not valid JSON ({exc})") from None
+    check_depth(value, max_depth)
+    return value
+
+
+def check_depth(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse (ValueError) a parsed JSON value nested deeper than ``max_depth``; iterative, so any depth is safe."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > max_depth:
+            raise ValueError(f"nests arrays or objects deeper than the {max_depth} levels fxpipe reads")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def save_pipeline(pipe: Any, out: Path, *, overwrite: bool = False,
+                  replaced: list[str] | None = None) -> Path:
     """Write ``pipe`` to the directory ``out``: plan.json, and per stage its graph as data, its tensors and a
     readable (never executed) Python rendering.
 
-    ``out`` may be missing, empty, or an earlier plan directory. Only the files the earlier plan's
-    manifest lists are replaced or removed; anything else in the directory (notes, sub-folders)
-    is kept. A directory holding only fxpipe's files is swapped whole, so a crash leaves the old
-    plan or the new; otherwise plan.json is replaced last and the stage files carry checksums,
-    so a crash in between is refused at load rather than loaded half old, half new.
+    ``out`` may be missing, empty, or a plan directory fxpipe wrote. The new plan is written beside it
+    (a temporary directory in the same parent) and swapped in by renames, so a failure leaves the old
+    plan whole. A file in ``out`` is fxpipe's when plan.json's manifest lists it with its checksum and
+    it still matches; anything else (notes, sub-folders, a user's ``stage_7.py``) is moved across
+    untouched. A name the new plan writes that holds a file fxpipe did not write (or one changed since)
+    is refused (PlanFileError, nothing changed) unless ``overwrite``; the names it then replaces are
+    appended to ``replaced``. Symbolic links are never followed: they are moved as links.
     """
     out = Path(out)
-    check_out_dir(out)
+    check_out_dir(out, overwrite=overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -60,10 +106,10 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
                 raise PlanFileError(f"{exc}; the plan cannot be saved as data (try --tracer export)") from exc
             (tmp / graph_file).write_text(json.dumps(graph_doc, separators=(",", ":")) + "\n")
             state = {name: t.detach() for name, t in _named_tensors(stage.module)}
-            torch.save(state, tmp / weights_file)
+            _torch_save(state, tmp / weights_file)
             (tmp / source_file).write_text(stage_source(stage.module, k, pipe.num_stages))
             files += [graph_file, weights_file, source_file]
-            sums.update({f: _sha256(tmp / f) for f in (graph_file, weights_file)})
+            sums.update({f: _sha256(tmp / f) for f in (graph_file, weights_file, source_file)})
             stages.append({
                 "index": k,
                 "graph": graph_file,
@@ -97,12 +143,31 @@ def save_pipeline(pipe: Any, out: Path) -> Path:
             "reports": [r.to_json() for r in pipe.report()],
         }
         (tmp / PLAN_FILE).write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
-        _install(tmp, out, files)
+        names = {PLAN_FILE, *files}
+        manifest = _manifest(out)
+        foreign = sorted(n for n in names & set(_entries(out)) if not _ours(out, n, manifest))
+        if foreign and not overwrite:
+            raise PlanFileError(_foreign_line(out, foreign))
+        not_files = [n for n in foreign if (out / n).is_symlink() or not (out / n).is_file()]
+        if not_files:
+            raise PlanFileError(f"{out / not_files[0]} is in the way of the plan's {not_files[0]} and is not a file "
+                                "(a folder or a link); nothing was written: move it out or choose another --out")
+        if replaced is not None:
+            replaced.extend(foreign)
+        _install(tmp, out, names)
     except OSError as exc:
         raise _unwritable(out, exc) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _torch_save(state: dict[str, torch.Tensor], file: Path) -> None:
+    """torch.save, whose full disk is a RuntimeError from its zip writer: an OSError here."""
+    try:
+        torch.save(state, file)
+    except RuntimeError as exc:
+        raise OSError(errno.EIO, f"torch.save failed: {str(exc).splitlines()[0] if str(exc) else exc}") from exc
 
 
 def _unwritable(out: Path, exc: OSError) -> PlanFileError:
@@ -111,44 +176,94 @@ def _unwritable(out: Path, exc: OSError) -> PlanFileError:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def _install(tmp: Path, out: Path, files: list[str]) -> None:
-    """Move a plan written to ``tmp`` into ``out``, replacing only the earlier plan's own files."""
-    if not out.exists() or not any(out.iterdir()):
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-        return
-    old = _manifest(out)
-    if {p.name for p in out.iterdir()} <= old | {PLAN_FILE}:  # only fxpipe's files: swap the directory whole
-        aside = out.with_name(f".{out.name}.old")
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(out, aside)
-        os.replace(tmp, out)
-        shutil.rmtree(aside, ignore_errors=True)
-        return
-    (out / PLAN_FILE).unlink()  # from here until the new plan.json is in, the directory is no plan at all
-    for name in files:
-        os.replace(tmp / name, out / name)
-    for name in old - set(files):
-        (out / name).unlink(missing_ok=True)
-    os.replace(tmp / PLAN_FILE, out / PLAN_FILE)
-
-
-def _manifest(out: Path) -> set[str]:
-    """The files an existing plan directory's plan.json says fxpipe wrote (stage files only, by pattern)."""
+def _entries(out: Path) -> list[str]:
     try:
-        doc = json.loads((out / PLAN_FILE).read_text())
+        return sorted(os.listdir(out)) if out.is_dir() and not out.is_symlink() else []
+    except OSError:
+        return []
+
+
+def _manifest(out: Path) -> dict[str, str | None] | None:
+    """The files ``out``'s plan.json says fxpipe wrote, with their checksums (None where it recorded none:
+    plans written before every file had one); None when plan.json is not fxpipe's (missing, unreadable,
+    of another schema). Names other than fxpipe's own (``stage_K.json``, ...) are ignored."""
+    plan_file = out / PLAN_FILE
+    if plan_file.is_symlink() or not plan_file.is_file():
+        return None
+    try:
+        doc = read_json(plan_file, max_bytes=MAX_PLAN_JSON_BYTES)
     except (OSError, ValueError):
-        return set()
-    names = doc.get("files") if isinstance(doc, dict) else None
-    if not isinstance(names, list):  # plans before the manifest: their stage entries name the files
-        stages = doc.get("stages") if isinstance(doc, dict) else None
-        names = [s.get(k) for s in stages if isinstance(s, dict) for k in ("module", "weights")] \
-            if isinstance(stages, list) else []
-    return {n for n in names if isinstance(n, str) and _FXPIPE_FILE.match(n)}
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        return None
+    names, sums = doc.get("files"), doc.get("sha256")
+    if not isinstance(names, list) or not isinstance(sums, dict):
+        return None
+    return {n: sums[n] if isinstance(sums.get(n), str) else None
+            for n in names if isinstance(n, str) and _FXPIPE_FILE.match(n)}
+
+
+def _ours(out: Path, name: str, manifest: dict[str, str | None] | None) -> bool:
+    """Whether ``out/name`` is a regular file fxpipe wrote and nobody changed since (plan.json: a manifest)."""
+    if manifest is None:
+        return False
+    if name == PLAN_FILE:
+        return True
+    path = out / name
+    want = manifest.get(name)
+    return want is not None and path.is_file() and not path.is_symlink() and _sha256(path) == want
+
+
+def _foreign_line(out: Path, names: list[str]) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{out} holds {shown}, which fxpipe did not write (or which changed since, or an older fxpipe wrote "
+            "without a checksum); nothing was written: move it out, choose another --out, or pass --overwrite to "
+            "replace it")
+
+
+def _install(tmp: Path, out: Path, names: set[str]) -> None:
+    """Swap the plan written to ``tmp`` in as ``out``: the user's entries of ``out`` (every name the new plan
+    does not write, that is not an old plan file of fxpipe's) move across first, then two renames swap the
+    directories, then the old plan's files are deleted. On an error every move is undone."""
+    if not out.exists() and not out.is_symlink():
+        os.replace(tmp, out)
+        return
+    manifest = _manifest(out)
+    old_plan = set() if manifest is None else {PLAN_FILE} | {n for n in manifest if _ours(out, n, manifest)}
+    keep = [n for n in _entries(out) if n not in names and n not in old_plan]
+    moved: list[str] = []
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+    try:
+        for name in keep:
+            os.rename(out / name, tmp / name)  # a link moves as a link; a folder with everything in it
+            moved.append(name)
+        os.replace(out, aside)  # onto the empty directory made for it
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            os.replace(aside, out)
+            raise
+    except OSError:
+        for name in moved:
+            os.rename(tmp / name, out / name)
+        if aside.is_dir() and not any(aside.iterdir()):
+            aside.rmdir()
+        raise
+    for name in _entries(aside):  # the old plan's files, and those --overwrite replaced: regular files only
+        path = aside / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+    try:
+        aside.rmdir()
+    except OSError:
+        pass  # a file added meanwhile: left in the hidden directory rather than deleted
 
 
 def load(path: str | Path) -> Pipeline:
@@ -212,9 +327,11 @@ def read_plan_json(path: Path) -> dict[str, Any]:
     if not plan_file.is_file():
         raise PlanFileError(f"{path} is not a plan directory (no {PLAN_FILE}); run `fxpipe compile MODEL --out {path}` first")
     try:
-        doc = json.loads(plan_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanFileError(f"{plan_file} is not valid JSON ({exc}); re-run fxpipe compile") from exc
+        doc = read_json(plan_file, max_bytes=MAX_PLAN_JSON_BYTES)
+    except ValueError as exc:
+        raise PlanFileError(f"{plan_file} {exc}; re-run fxpipe compile") from None
+    except OSError as exc:
+        raise PlanFileError(f"{plan_file} cannot be read ({exc.strerror or exc}); re-run fxpipe compile") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
         raise PlanFileError(f"{plan_file} has schema {found!r}, this fxpipe reads {SCHEMA!r}; re-run fxpipe compile")
@@ -262,11 +379,32 @@ _PLAN_KEYS: dict[str, type | tuple[type, ...]] = {
     "inputs": list, "outputs": list, "output_constants": list, "reports": list, "shared_params": dict, "sha256": dict}
 
 
-def check_out_dir(out: Path) -> None:
-    """Refuse an ``--out`` that exists and is not a plan directory (fxpipe never deletes files it did not write)."""
+def check_out_dir(out: Path, *, overwrite: bool = False) -> None:
+    """Refuse an ``out`` fxpipe may not write a plan into (before the compile, so no work is lost): a file,
+    a link, or a non-empty directory whose plan.json is not fxpipe's manifest (a user's folder, a plan of
+    another tool, or one written before every file had a checksum) unless ``overwrite``."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / PLAN_FILE).exists())):
+    if out.is_symlink():
+        raise PlanFileError(f"{out} is a symbolic link; fxpipe writes a plan into a directory itself, never through a "
+                            "link: give the directory it points to, or another --out path")
+    if not out.exists():
+        return
+    if not out.is_dir():
         raise PlanFileError(f"{out} exists and is not an fxpipe plan directory; choose another --out path or remove it")
+    entries = _entries(out)
+    if not entries or overwrite:
+        return
+    manifest = _manifest(out)
+    if manifest is not None:
+        changed = sorted(n for n in manifest if n in entries and not _ours(out, n, manifest))
+        if changed:  # an old plan's file that the new one may well write again: refused before the compile
+            raise PlanFileError(_foreign_line(out, changed))
+        return
+    if PLAN_FILE in entries:
+        raise PlanFileError(f"{out} holds a {PLAN_FILE} whose manifest fxpipe cannot check (not fxpipe's, or written "
+                            "before each file had a checksum); nothing was written: remove the directory, choose "
+                            "another --out, or pass --overwrite to replace its plan files")
+    raise PlanFileError(f"{out} exists and is not an fxpipe plan directory; choose another --out path or remove it")
 
 
 def stage_source(gm: torch.fx.GraphModule, index: int, num_stages: int) -> str:
@@ -298,6 +436,10 @@ def _describe(obj: Any) -> str:
 
 def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch.fx.GraphModule:
     k = spec["index"]
+    size = (path / spec["graph"]).stat().st_size
+    if size > MAX_STAGE_JSON_BYTES:  # before its checksum is computed
+        raise PlanFileError(f"{path / spec['graph']} is {size:,} bytes, more than the {MAX_STAGE_JSON_BYTES:,} fxpipe "
+                            "reads; re-run fxpipe compile")
     for key in ("graph", "weights"):
         name = spec[key]
         if sums.get(name) != _sha256(path / name):
@@ -305,9 +447,11 @@ def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch
                                 "cut short); re-run fxpipe compile")
     graph_file = path / spec["graph"]
     try:
-        graph_doc = json.loads(graph_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanFileError(f"{graph_file} is not valid JSON ({exc}); re-run fxpipe compile") from exc
+        graph_doc = read_json(graph_file, max_bytes=MAX_STAGE_JSON_BYTES)
+    except ValueError as exc:
+        raise PlanFileError(f"{graph_file} {exc}; re-run fxpipe compile") from None
+    except OSError as exc:
+        raise PlanFileError(f"{graph_file} cannot be read ({exc.strerror or exc}); re-run fxpipe compile") from None
     try:
         state = torch.load(path / spec["weights"], weights_only=True)
     except Exception as exc:  # torch raises several types for a file that is not its own
@@ -421,7 +565,8 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
         return None
     try:
         doc = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as exc:
+        check_depth(doc)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise PlanFileError(f"{path / PLAN_FILE} has a malformed output structure; re-run fxpipe compile") from exc
     missing: set[str] = set()
     doc = _plain_types(doc, missing)
@@ -448,7 +593,7 @@ def _plain_types(node: Any, missing: set[str]) -> Any:
         missing.add(name)
         try:
             keys = json.loads(node.get("context") or "null")
-        except (TypeError, json.JSONDecodeError):
+        except (TypeError, ValueError, RecursionError):
             keys = None
         keyed = isinstance(keys, list) and all(isinstance(x, str) for x in keys)
         node = node | {"type": RECORD_TYPE if keyed else "builtins.tuple", "context": node["context"] if keyed else "null"}

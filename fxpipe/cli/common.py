@@ -127,6 +127,38 @@ def _probe(directory: Path, option: str, path: Path) -> None:
     os.unlink(name)
 
 
+def check_outputs(reads: list[tuple[str, Path | None]], writes: list[tuple[str, Path | None]]) -> None:
+    """Refuse, before any work, an output that would overwrite an input or another output.
+
+    ``reads`` and ``writes`` are (what, path) pairs: for a read, ``what`` names it ("the plan directory");
+    for a write, its option (``--trace``). A path is compared after resolving links (and by inode when
+    both exist, for hard links); a path inside another (a file in the plan directory, a trace in the
+    checkpoint directory) counts as the same place.
+    """
+    def place(path: Path) -> Path:
+        return Path(os.path.realpath(path))
+
+    def meet(a: Path, b: Path) -> bool:
+        ra, rb = place(a), place(b)
+        if ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra):
+            return True
+        try:
+            return a.exists() and b.exists() and os.path.samefile(a, b)
+        except OSError:
+            return False
+
+    given = [(option, Path(path)) for option, path in writes if path is not None and str(path) != ""]
+    for i, (option, path) in enumerate(given):
+        for what, read in reads:
+            if read is not None and meet(path, Path(read)):
+                raise OptionError(f"{option} {str(path)!r} would overwrite {what} {str(read)!r}, which this command "
+                                  "reads; write it elsewhere")
+        for other, second in given[i + 1:]:
+            if meet(path, second):
+                raise OptionError(f"{option} {str(path)!r} and {other} {str(second)!r} are the same place (or one is "
+                                  "inside the other); give each output its own path")
+
+
 def write_output(path: Path, option: str, write: Callable[[Path], object]) -> None:
     """Run ``write(path)``; an OSError (disk full, removed directory) becomes one line naming the option."""
     try:

@@ -67,6 +67,9 @@ def compile_cmd(
                                     "is stages x dp ranks, each replica taking its share of every batch.")] = 1,
     out_dir: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plan directory to write.",
                                                     rich_help_panel="Output")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace files in --out that fxpipe did not write (or that changed "
+                                            "since) where the plan writes its own; each is named.",
+                                            rich_help_panel="Output")] = False,
     tracer: Annotated[Tracer, typer.Option(help="Graph capture: torch.export, or torch.fx as a fallback.")] = Tracer.export,
     granularity: Annotated[str, typer.Option(help="Layers: auto (repeating blocks), node, or a module depth (1, 2, ...).",
                                              rich_help_panel="Partitioning")] = "auto",
@@ -149,8 +152,12 @@ def compile_cmd(
             if out_dir is not None:
                 from fxpipe.plan_dir import check_out_dir
 
+                from fxpipe.cli.common import check_outputs
+
+                model_file = Path(target.rpartition(":")[0] or target)
+                check_outputs([("the model file", model_file if model_file.is_file() else None)], [("--out", out_dir)])
                 check_writable_dir(out_dir, "--out")  # before the compile, not after it
-                check_out_dir(out_dir)
+                check_out_dir(out_dir, overwrite=overwrite)
             searching = _check_plan(plan, stages, objective, devices, dp, schedule, microbatches, strategy)
             count, objective_text = _stage_count(None if searching else stages, objective,
                                                  None if searching else devices, dp)
@@ -236,7 +243,10 @@ def compile_cmd(
         if compiled.pipeline is not None and out_dir is not None:
             from fxpipe.api import save
 
-            written = save(compiled.pipeline, out_dir)
+            replaced: list[str] = []
+            written = save(compiled.pipeline, out_dir, overwrite=overwrite, replaced=replaced)
+            if replaced:
+                say(f"note: --overwrite replaced {', '.join(replaced)} in {out_dir}, which fxpipe had not written")
         seconds = time.perf_counter() - started
         if as_json:
             hint = _cores_hint(options, rates is not None)

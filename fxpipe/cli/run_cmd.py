@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fxpipe.cli import ranks
-from fxpipe.cli.common import check_writable_file, err, one_line_errors, out, progress, say, write_output
+from fxpipe.cli.common import check_outputs, check_writable_file, err, one_line_errors, out, progress, say, write_output
 from fxpipe.errors import OptionError, RankFailedError
 
 
@@ -111,6 +111,9 @@ def run_cmd(
         from fxpipe.plan_dir import read_plan
         from fxpipe.report import Report
 
+        text = Path(data[len("text:"):]) if data.startswith("text:") and data != "text:stdlib" else None
+        check_outputs([("the plan directory", plan_dir), ("the --data file", text)],
+                      [("--trace", trace), ("--checkpoint-dir", checkpoint_dir)])
         plan = read_plan(plan_dir)
         from fxpipe.plan import DEFAULTS
         from fxpipe.schedules.auto import plan_schedule
@@ -159,9 +162,10 @@ def run_cmd(
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         source, fit = _data_fit(plan, data)
-        _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps)
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
+        ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
+                                          lock=nnodes == 1)
         out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
         cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                      microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
@@ -196,6 +200,8 @@ def run_cmd(
             heldout = _held_out(plan_dir, out_dir, source, fit) if fit is not None else None
         finally:
             shutil.rmtree(out_dir, ignore_errors=True)
+            if ckpt_lock is not None:
+                ckpt_lock.close()  # the checkpoint directory's lock
         world = len(results)
         mesh = {"dims": ["pp", "dp"], "shape": [results[0].get("pp", world), results[0].get("dp", 1)],
                 "ranks": [[r["rank"] for r in results if r.get("pp_rank", r["rank"]) == p]
@@ -476,19 +482,39 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int) -> None:
-    """Before any rank starts: a checkpoint directory is resumed from, overwritten or new, as the options say."""
+def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int,
+                          lock: bool = True) -> Any:
+    """Before any rank starts: a checkpoint directory is resumed from, overwritten or new, as the options say.
+
+    With ``lock`` (one machine: the nodes of a run across machines share the directory), returns its
+    lock (an open file; closing it lets another run in), held for the whole run; else None.
+    """
     if directory is None:
         if resume or overwrite:
             raise OptionError(f"--{'resume' if resume else 'overwrite'} needs --checkpoint-dir")
-        return
+        return None
     from fxpipe.runtime import checkpoint
 
     if resume and overwrite:
         raise OptionError("--resume continues from the checkpoints that --overwrite would remove; pass one of them")
     if directory.exists() and not directory.is_dir():
         raise OptionError(f"--checkpoint-dir {directory} is a file; name a directory")
-    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if directory.is_symlink():
+        raise OptionError(f"--checkpoint-dir {directory} is a symbolic link; give the directory it points to")
+    if resume and not directory.exists():
+        checkpoint.newest(directory)  # refuses: nothing to resume (before the lock would make the directory)
+    held = checkpoint.lock(directory) if lock else None
+    try:
+        _check_checkpoints(checkpoint, directory, resume=resume, overwrite=overwrite, steps=steps)
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
+    return held
+
+
+def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: bool, overwrite: bool, steps: int) -> None:
+    held = sorted(p.name for p in directory.iterdir() if p.name != checkpoint.LOCK_FILE)
     if resume:
         found, skipped = checkpoint.newest(directory)
         if found.step >= steps:

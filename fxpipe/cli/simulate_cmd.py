@@ -9,8 +9,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import (MAX_SIMULATE_SLOTS, check_schedule_size, check_writable_file, one_line_errors, out,
-                               parse_size, say, write_output)
+from fxpipe.cli.common import (MAX_SIMULATE_SLOTS, check_outputs, check_schedule_size, check_writable_file,
+                               one_line_errors, out, parse_size, say, write_output)
 from fxpipe.errors import OptionError
 
 
@@ -48,6 +48,9 @@ def simulate_cmd(
         from fxpipe.schedules.simulate import Costs, dp_report, report
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
+        source = Path(target.split(":")[0]) if target else None
+        check_outputs([("the target", source if source is not None and source.exists() else None)],
+                      [("--trace", trace), ("--svg", svg)])
         for path, option in ((trace, "--trace"), (svg, "--svg")):
             if path is not None:
                 check_writable_file(path, option)  # before the work, so no result is lost

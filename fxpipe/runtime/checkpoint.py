@@ -1,33 +1,21 @@
 """Checkpoints as torch.distributed.checkpoint (DCP) directories, one per step, read as data and never as code.
 
-One directory per step, written by every rank together::
+    CK/step_000002/     .metadata, __R_0.distcp (one per rank), fxpipe-checkpoint.json (sizes, sha256)
+    CK/.step_000004.partial/   a save under way or never finished: never loaded
+    CK/.fxpipe.lock     held by the fxpipe run writing here: a second one is refused
 
-    CK/
-      step_000002/                   complete: this name appears only once every rank's part is in
-        .metadata                    DCP's index of every tensor (written by rank 0 after all ranks wrote)
-        __0_0.distcp  __1_0.distcp   one file of tensors per rank
-        fxpipe-checkpoint.json       step, ranks, stages, schedule, file sizes, optimizer hyperparameters
-      step_000003/
-      .step_000004.partial/          a save under way, or one that never finished: never loaded
-
-Keys are the model's names, not the plan's: ``model.<fqn>`` (parameters and buffers),
-``optim.state.<fqn>.<key>`` (a parameter's optimizer state, e.g. ``momentum_buffer``),
-``optim.number.<fqn>.<key>`` (a state value that is a Python number, kept as a 0-d tensor) and
-``fxpipe.step.rank<R>`` (the step, in every rank's file: a set of files from different steps is
-refused). A parameter tied across ranks is saved once (by the lowest rank holding it), and a stage
-with replicas (pipeline x data parallel) once, by replica 0: the other replicas' files hold only
-their step, so the checkpoint is the same size for any replica count and loads onto any. Each rank
-loads only the keys of its own stages (DCP's planner reads them wherever they were written), so a
-checkpoint of a 2-stage plan resumes under a 3-stage plan of the same model.
-
-Nothing is unpickled as code: ``.metadata`` (a pickle) is read by an unpickler that knows only the
-classes DCP's metadata is made of; the tensor files by DCP's reader, whose ``torch.load`` is
-``weights_only``; non-tensor values (which DCP would ``torch.load`` with ``weights_only=False``) are
-never written and refused on load; and fxpipe's own file is JSON.
+Keys are the model's names (``model.<fqn>``, ``optim.state.<fqn>.<key>``), so a checkpoint resumes
+under another stage count or replica count; each rank loads only its own stages' keys. Nothing is
+unpickled as code: ``.metadata`` through an allow-list unpickler, tensors ``weights_only``, fxpipe's
+own record as bounded JSON. Resume verifies every file's checksum and passes over a step whose
+bytes changed, naming it. A step is removed (pruning, ``clear``) only when it is a real directory
+holding only regular files its record lists. docs/internals/checkpoints.md draws the layout.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import io
 import json
 import os
@@ -45,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError, OptionError, first_line
+from fxpipe.plan_dir import read_json
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs 0.5 s to import: only when a checkpoint is read or written
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -52,11 +41,15 @@ if TYPE_CHECKING:  # torch.distributed.checkpoint costs 0.5 s to import: only wh
 SCHEMA = "fxpipe.checkpoint/v1"
 MARKER = "fxpipe-checkpoint.json"
 DEFAULT_KEEP = 3
+LOCK_FILE = ".fxpipe.lock"
+PARTIAL_MARK = ".fxpipe-partial"
+MAX_MARKER_BYTES = 64 * 2**20  # the record lists files and optimizer groups: far less for any model
 _STEP = re.compile(r"^step_(\d+)$")
 _PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 # What a step directory holds when fxpipe and DCP wrote it: only such a directory is ever deleted.
-_OURS = re.compile(r"^(\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)|fxpipe-checkpoint\.json(\.tmp)?)$")
+_OURS = re.compile(r"^(\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)|fxpipe-checkpoint\.json(\.tmp)?"
+                   r"|\.fxpipe-partial)$")
 
 # Every global DCP's .metadata pickle refers to (torch 2.13, found with pickletools on a real one).
 # Kept as names, not imported: the unpickler resolves them only after this check, and a torch that
@@ -125,8 +118,16 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left by a save that never finished
-                _remove_step(partial)
+            if final.is_symlink() or partial.is_symlink():
+                raise CheckpointError(f"{final if final.is_symlink() else partial} is a symbolic link, which fxpipe "
+                                      "does not write through; move it out of the checkpoint directory")
+            if partial.exists() and not _remove_step(partial):  # left by a save that never finished
+                raise CheckpointError(f"{partial} holds files fxpipe did not write; move them out of the checkpoint "
+                                      "directory")
+            partial.mkdir()
+            (partial / PARTIAL_MARK).write_bytes(b"")  # fxpipe made this directory: it may remove it
+        except CheckpointError as exc:
+            error = str(exc)
         except OSError as exc:
             error = f"cannot write checkpoints to {root} ({exc.strerror or exc}); pick a writable checkpoint directory"
     _raise_first(_all_gather(error))
@@ -137,21 +138,31 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
     except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure into one
         raise _one_line(exc, "saving") from None
-    all_groups = _all_gather(groups)
+    try:  # each rank its own file's checksum, while its pages are warm; rank 0 writes them all down
+        mine: str | None = sha256_file(partial / f"__{rank}_0.distcp")
+    except OSError:
+        mine = None  # missing: rank 0 names it below
+    all_groups, sums = zip(*_all_gather((groups, mine)))
     if rank == 0:
         try:
+            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if _DATA_FILE.match(p.name)}
             info = {"schema": SCHEMA, "step": step, "world": world, "stages": rt.pipe.num_stages,
-                    "schedule": rt.schedule.name,
-                    "files": {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if _DATA_FILE.match(p.name)},
+                    "schedule": rt.schedule.name, "files": files,
+                    "sha256": {f"__{r}_0.distcp": h for r, h in enumerate(sums) if h is not None}
+                    | {".metadata": sha256_file(partial / ".metadata")},
                     "param_groups": [g for gs in all_groups for g in gs]}
             _write_json(partial / MARKER, info)
+            (partial / PARTIAL_MARK).unlink()
             if final.exists():  # the same step again (a resumed run): replace it whole
                 old = root / f".step_{step:06d}.replaced"
-                if old.exists():
+                if old.exists() and not old.is_symlink():
                     _remove_step(old)
+                if old.exists() or old.is_symlink():
+                    raise OSError(errno.EEXIST, f"{old} is in the way (not fxpipe's)")
                 os.replace(final, old)
                 os.replace(partial, final)
-                _remove_step(old)
+                if not _remove_step(old):
+                    warnings.warn(f"{old} held files fxpipe did not write; it was left in place", stacklevel=2)
             else:
                 os.replace(partial, final)
             _fsync_dir(root)
@@ -189,10 +200,15 @@ def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[
 
 
 def _prune(root: Path, current: int, keep: int) -> None:
-    """Remove the steps before the ``keep`` newest up to ``current``, and partial saves of earlier steps."""
+    """Remove the steps before the ``keep`` newest up to ``current``, and partial saves of earlier steps.
+
+    Runs right after ``current`` was written and its checksums recorded, so the newest verified step is
+    never among those removed; a step fxpipe did not write (a link, a user's file inside) is left.
+    """
     steps = sorted((n, p) for n, p in _numbered(root, _STEP) if n <= current)
-    for _, path in steps[:-keep]:
-        _remove_step(path)
+    for n, path in steps[:-keep]:
+        if n != current:
+            _remove_step(path)
     for n, path in _numbered(root, _PARTIAL):
         if n < current:
             _remove_step(path)
@@ -201,20 +217,47 @@ def _prune(root: Path, current: int, keep: int) -> None:
 def clear(directory: str | os.PathLike[str]) -> list[str]:
     """Remove the step directories fxpipe wrote in ``directory`` (nothing else); returns their names.
 
-    Raises CheckpointError, having removed nothing, when a step-named directory holds a file fxpipe
-    and DCP do not write.
+    Raises CheckpointError, having removed nothing, when a step-named entry is a link, or holds a file
+    that its fxpipe record does not list (a user's file, even one named like DCP's).
     """
     root = Path(directory)
-    steps = sorted(_numbered(root, _STEP) + _numbered(root, _PARTIAL))
+    if root.is_symlink():
+        raise CheckpointError(f"{root} is a symbolic link; fxpipe removes checkpoints only in the directory itself: "
+                              "give the directory it points to")
+    steps = sorted(_numbered(root, _STEP, links=True) + _numbered(root, _PARTIAL, links=True))
     for _, path in steps:
-        foreign = sorted(e.name for e in path.iterdir() if not (e.is_file() and _OURS.match(e.name)))
-        if foreign:
-            raise CheckpointError(f"{path} holds {_few(foreign)}, which fxpipe did not write; nothing was removed: "
-                                  f"move {'it' if len(foreign) == 1 else 'them'} out, or use another checkpoint "
+        owned = _owned(path)
+        if isinstance(owned, str):
+            raise CheckpointError(f"{path} {owned}; nothing was removed: move it out, or use another checkpoint "
                                   "directory")
     for _, path in steps:
         _remove_step(path)
     return [path.name for _, path in steps]
+
+
+def lock(directory: str | os.PathLike[str]) -> Any:
+    """Hold ``directory``'s lock file (made if missing) for one writer: an open file to close when done.
+
+    The lock is an ``flock``, which the kernel releases when the process ends however it ends. Raises
+    CheckpointError (one line) when another process holds it.
+    """
+    import fcntl
+
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise CheckpointError(f"cannot lock {root / LOCK_FILE} ({exc.strerror or exc}); pick a writable checkpoint "
+                              "directory") from None
+    held = os.fdopen(fd, "r+b")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        held.close()
+        raise CheckpointError(f"{root} is in use by another fxpipe run (it holds {LOCK_FILE}); wait for that run to "
+                              "end, or use another checkpoint directory") from None
+    return held
 
 
 def newest(directory: str | os.PathLike[str]) -> tuple[Found, tuple[str, ...]]:
@@ -226,21 +269,66 @@ def newest(directory: str | os.PathLike[str]) -> tuple[Found, tuple[str, ...]]:
     return result.found, result.skipped
 
 
+def _owned(path: Path) -> list[str] | str:
+    """The files of the step directory ``path`` that fxpipe wrote (it may remove them all, then the directory),
+    or why it may not: a link, not a directory, or an entry its record does not list."""
+    if path.is_symlink():
+        return "is a symbolic link, which fxpipe did not make"
+    if not path.is_dir():
+        return "is not a directory"
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError as exc:
+        return f"cannot be listed ({exc.strerror or exc})"
+    listed: set[str] = set()
+    if PARTIAL_MARK in entries:  # a save that never finished: what fxpipe and DCP write while saving
+        listed |= {n for n in entries if _OURS.match(n)}
+    elif (path / MARKER).is_file() and not (path / MARKER).is_symlink():
+        try:
+            info = read_json(path / MARKER, max_bytes=MAX_MARKER_BYTES)
+        except (OSError, ValueError):
+            info = None
+        if not isinstance(info, dict) or info.get("schema") != SCHEMA:
+            return f"has a {MARKER} fxpipe cannot read, so it cannot tell its own files there from others"
+        for key in ("files", "sha256"):
+            if isinstance(info.get(key), dict):
+                listed |= {n for n in info[key] if isinstance(n, str) and _OURS.match(n)}
+        listed |= {MARKER, ".metadata"}
+    foreign = [n for n in entries if n not in listed or (path / n).is_symlink() or not (path / n).is_file()]
+    if foreign:
+        return f"holds {_few(foreign)}, which fxpipe did not write"
+    return entries
+
+
 def _remove_step(path: Path) -> bool:
-    """Delete a step directory if it holds only what fxpipe and DCP write; True if it did."""
-    entries = list(path.iterdir())
-    if any(not (e.is_file() and _OURS.match(e.name)) for e in entries):
+    """Delete a step directory if it holds only files its fxpipe record lists (never through a link); True if it did."""
+    owned = _owned(path)
+    if isinstance(owned, str):
         return False
-    for e in entries:
-        e.unlink()
-    path.rmdir()
+    for name in owned:
+        os.unlink(path / name)
+    try:
+        path.rmdir()
+    except OSError:
+        return False
     return True
 
 
-def _numbered(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+def _numbered(root: Path, pattern: re.Pattern[str], *, links: bool = False) -> list[tuple[int, Path]]:
+    """Step-named directories of ``root``; with ``links``, step-named links too (never followed)."""
     if not root.is_dir():
         return []
-    return [(int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir()]
+    return [(int(m.group(1)), p) for p in root.iterdir()
+            if (m := pattern.match(p.name)) and ((links and p.is_symlink()) or (p.is_dir() and not p.is_symlink()))]
+
+
+def sha256_file(file: Path) -> str:
+    """The file's sha256, read in blocks."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # -- finding the step to resume -------------------------------------------------------------
@@ -248,7 +336,9 @@ def _numbered(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
 
 def scan(directory: str | os.PathLike[str]) -> Scan:
     """The newest complete step of ``directory``; every newer one passed over says why (incomplete,
-    truncated, corrupt). Reads only fxpipe's JSON, ``.metadata`` (as data) and file sizes.
+    truncated, corrupt: a file whose checksum differs from the one recorded when it was written). Reads
+    fxpipe's JSON, ``.metadata`` (as data), and every file's bytes to check them. A step that is a
+    symbolic link is never read.
 
     Raises CheckpointError when a file refers to anything DCP's metadata is not made of (it was
     tampered with: it could run code), rather than passing over it to an older step.
@@ -256,8 +346,9 @@ def scan(directory: str | os.PathLike[str]) -> Scan:
     root = Path(directory)
     skipped: list[str] = []
     found = None
-    for n, path in sorted(_numbered(root, _STEP), reverse=True):
-        result = _check(path, n)
+    for n, path in sorted(_numbered(root, _STEP, links=True), reverse=True):
+        result = _check(path, n) if not path.is_symlink() else "a symbolic link (fxpipe reads only the step " \
+            "directories it wrote)"
         if isinstance(result, Found):
             found = result
             break
@@ -273,9 +364,11 @@ def _check(path: Path, step: int) -> Found | str:
     if not marker.is_file():
         return f"incomplete (no {MARKER})"
     try:
-        info = json.loads(marker.read_bytes().decode())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return f"corrupt ({MARKER} is not JSON: {first_line(exc)})"
+        info = read_json(marker, max_bytes=MAX_MARKER_BYTES)
+    except ValueError as exc:
+        return f"corrupt ({MARKER} {exc})"
+    except OSError as exc:
+        return f"unreadable ({MARKER}: {exc.strerror or exc})"
     if not isinstance(info, dict) or info.get("schema") != SCHEMA:
         return f"corrupt ({MARKER} is not of schema {SCHEMA})"
     files, world, groups = info.get("files"), info.get("world"), info.get("param_groups")
@@ -299,6 +392,29 @@ def _check(path: Path, step: int) -> Found | str:
     for index, where in metadata.storage_data.items():
         if where.relative_path not in files or where.offset + where.length > files[where.relative_path]:
             return f"corrupt (.metadata puts {index.fqn} outside the data files)"
+    total = sum(files.values())
+    for key, item in metadata.state_dict_metadata.items():  # before anything is allocated to load it into
+        size = tuple(item.size)
+        if not all(isinstance(d, int) and 0 <= d for d in size):
+            return f"corrupt (.metadata gives {key} the shape {list(size)!r:.80})"
+        numel = 1
+        for d in size:
+            numel *= d
+        if numel * item.properties.dtype.itemsize > total:
+            return (f"corrupt (.metadata says {key} holds {numel:,} elements, more than the {total:,} bytes of its "
+                    "data files hold)")
+    sums = info.get("sha256")
+    if sums is not None:  # recorded since checkpoints carry checksums; older ones are checked by size only
+        want = {".metadata", *files}
+        if not isinstance(sums, dict) or set(sums) != want or not all(isinstance(v, str) for v in sums.values()):
+            return f"corrupt ({MARKER} does not list a checksum for each file)"
+        for name in sorted(want):
+            try:
+                got = sha256_file(path / name)
+            except OSError as exc:
+                return f"unreadable ({name}: {exc.strerror or exc})"
+            if got != sums[name]:
+                return f"corrupt ({name} does not match the checksum recorded when it was written)"
     return Found(step, path, metadata, info)
 
 
@@ -613,4 +729,4 @@ def _fsync_dir(path: Path) -> None:
 
 
 __all__ = ["DEFAULT_KEEP", "MARKER", "SCHEMA", "Found", "Scan", "clear", "load", "newest", "read_metadata", "save",
-           "scan", "step_dir"]
+           "scan", "sha256_file", "lock", "step_dir", "LOCK_FILE"]

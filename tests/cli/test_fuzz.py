@@ -34,6 +34,7 @@ costs = st.one_of(st.tuples(numbers, numbers, numbers).map(",".join), strings)
 @dataclass(frozen=True)
 class Places:
     plan: Path  # a compiled mlp-tiny plan
+    pipeline: Any  # the pipeline saved there (its save is what compile --out runs)
     outputs: tuple[str, ...]  # output paths: fine, missing directory, unwritable, a directory, bracketed
 
 
@@ -41,10 +42,14 @@ class Places:
 def places(tmp_path_factory: pytest.TempPathFactory) -> Places:
     root = tmp_path_factory.mktemp("fuzz")
     plan = root / "plan"
-    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--out", str(plan)])
-    assert result.exit_code == 0, result.output
+    import fxpipe
+    from fxpipe import models
+
+    zoo = models.build("mlp-tiny")
+    pipeline = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
+    fxpipe.save(pipeline, plan)
     (root / "a-file").write_text("")
-    return Places(plan, (str(root / "t.out"), str(root / "missing" / "t.out"), str(root / "a-file" / "t.out"),
+    return Places(plan, pipeline, (str(root / "t.out"), str(root / "missing" / "t.out"), str(root / "a-file" / "t.out"),
                          str(root), str(root / "x[/bold]y.out"), ""))
 
 
@@ -107,3 +112,219 @@ def test_run_refuses_before_any_rank_starts(places: Places, data: st.DataObject)
         "--timeout": numbers, "--trace": st.sampled_from(places.outputs)}), "--json"]
     result = check(args)
     assert result.exit_code == 2
+
+
+# -- files (issue 41): mutated plan and checkpoint directories --------------------------------------------------
+#
+# Each example copies a good directory, mutates it (JSON structure, nesting depth, sizes, symbolic links into a
+# sibling "user" directory, foreign files, bytes changed at the same size) and runs what reads or rewrites it:
+# inspect and simulate (in this process, as the CLI), the save behind compile --out, and checkpoint resume,
+# clear and pruning. Whatever the mutation: exit 0 or 2 and no traceback (or an fxpipe error from the API), no
+# file outside the command's own output changed (the user directory hashed before and after), a checkpoint is
+# either refused or loads the very values saved at its step, and the process's peak memory stays bounded.
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import struct  # noqa: E402
+
+BOUNDS = {"plan.json": 256 * 2**20, "fxpipe-checkpoint.json": 64 * 2**20}
+MEMORY_BOUND_MIB = 3 * 1024  # far above what these small plans need; a claimed 10^13 elements would pass it
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` without following links: a file's sha256, a link's target, a folder."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            key = path.relative_to(root).as_posix()
+            found[key] = ("-> " + os.readlink(path) if path.is_symlink() else "dir" if path.is_dir()
+                          else f"{path.stat().st_size} {_head_sha256(path)}")
+    return found
+
+
+def _head_sha256(path: Path) -> str:
+    """The sha256 of the first 16 MiB (the sparse files past the size bounds are larger, and all zeros there)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(16 * 2**20)).hexdigest()
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+                                     st.text(max_size=5)),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
+                                                                                        max_size=3),
+                           max_leaves=8)
+
+
+def _json_paths(doc: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> list[tuple[Any, ...]]:
+    paths = [prefix]
+    if depth < 4 and isinstance(doc, dict):
+        for k, v in doc.items():
+            paths += _json_paths(v, (*prefix, k), depth + 1)
+    elif depth < 4 and isinstance(doc, list):
+        for i, v in enumerate(doc[:3]):
+            paths += _json_paths(v, (*prefix, i), depth + 1)
+    return paths
+
+
+def mutate(data: st.DataObject, root: Path, user: Path, names: list[str]) -> str:
+    """Apply one drawn mutation to the files ``names`` of ``root``; returns what it did (for the failure message)."""
+    kind = data.draw(st.sampled_from(["json", "nest", "size", "bytes", "tensor", "link-file", "link-dir", "foreign",
+                                      "truncate"]))
+    if kind == "tensor":  # a checkpoint's tensor values themselves, changed at the same size
+        name = data.draw(st.sampled_from([n for n in names if n.endswith(".distcp")] or names))
+    else:
+        name = data.draw(st.sampled_from(names))
+    path = root / name
+    if kind == "tensor":
+        raw = bytearray(path.read_bytes())
+        step = int(path.parent.name.split("_")[-1]) if path.parent.name.startswith("step_") else 0
+        at = raw.find(struct.pack("<d", float(step)) * 6)  # the step's weight, as _OneRank saved it
+        if at >= 0:
+            raw[at + data.draw(st.integers(0, 47))] ^= data.draw(st.sampled_from([0x01, 0x80, 0xFF]))
+            path.write_bytes(bytes(raw))
+    elif kind == "json" and path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_bytes())
+        except ValueError:  # an earlier mutation broke it
+            return f"{kind} {name} (not JSON)"
+        where = data.draw(st.sampled_from(_json_paths(doc)))
+        value = data.draw(json_values)
+        if not where:
+            doc = value
+        else:
+            parent = doc
+            for k in where[:-1]:
+                parent = parent[k]
+            parent[where[-1]] = value
+        path.write_text(json.dumps(doc))
+    elif kind == "nest":
+        depth = data.draw(st.sampled_from([99, 101, 1000, 200_000]))
+        path.write_text("[" * depth + "]" * depth)
+    elif kind == "size" and path.name in BOUNDS:
+        with open(path, "ab") as f:  # sparse: just past its size bound without writing it
+            f.truncate(BOUNDS[path.name] + 1)
+    elif kind == "bytes" and path.stat().st_size > 0:
+        raw = bytearray(path.read_bytes())
+        at = data.draw(st.integers(0, 2**20)) % len(raw)  # drawn independently of the size (which varies by a byte)
+        for i in range(at, min(len(raw), at + data.draw(st.integers(1, 10_000)))):
+            raw[i] ^= data.draw(st.sampled_from([0x01, 0x5A, 0xFF]))
+        path.write_bytes(bytes(raw))  # the same size
+    elif kind == "link-file":
+        path.unlink() if path.is_file() else shutil.rmtree(path)
+        path.symlink_to(user / "data.txt")
+    elif kind == "link-dir":
+        target = root / data.draw(st.sampled_from(["stage_9.json", "notes", "step_000009", "step_000002"]))
+        if target.exists() or target.is_symlink():
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+        target.symlink_to(user)
+    elif kind == "foreign":
+        target = root / data.draw(st.sampled_from(["plan.json", "stage_1.py", "stage_2.py", "stage_0.pt",
+                                                   "step_000002/notes.txt", "step_000004/.metadata", ".metadata"]))
+        target.parent.mkdir(exist_ok=True)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        target.write_text("the user's")
+    elif kind == "truncate":
+        path.write_bytes(path.read_bytes()[: data.draw(st.integers(0, 64))])
+    return f"{kind} {name}"
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    user = tmp_path_factory.mktemp("user")
+    (user / "data.txt").write_text("the user's data")
+    (user / "step_000007").mkdir()
+    (user / "step_000007" / ".metadata").write_text("the user's")
+    (user / "step_000007" / "__0_0.distcp").write_text("the user's")
+    return user
+
+
+@settings(FUZZ, max_examples=30)
+@given(data=st.data())
+def test_mutated_plan_directories(places: Places, user_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                  data: st.DataObject) -> None:
+    import fxpipe
+    from fxpipe.errors import FxpipeError
+
+    work = tmp_path_factory.mktemp("plan-fuzz")
+    plan = work / "plan"
+    shutil.copytree(places.plan, plan)
+    done = [mutate(data, plan, user_dir, sorted(os.listdir(places.plan)))
+            for _ in range(data.draw(st.integers(1, 2)))]
+    user_before, plan_before = tree(user_dir), tree(plan)
+    for args in (["inspect", str(plan), "--json"], ["simulate", str(plan), "--json"]):
+        check(args)
+        assert tree(plan) == plan_before, (done, args)  # read-only commands
+    try:
+        fxpipe.load(plan)
+    except FxpipeError:
+        pass
+    pipe = places.pipeline
+    overwrite = data.draw(st.booleans())
+    try:
+        fxpipe.save(pipe, plan, overwrite=overwrite)
+    except FxpipeError as exc:
+        assert "\n" not in str(exc)
+        assert tree(plan) == plan_before, (done, str(exc))  # refused: nothing changed
+    else:
+        fxpipe.load(plan)  # what it wrote loads
+    assert tree(user_dir) == user_before, done
+    assert peak_mib() < MEMORY_BOUND_MIB
+    shutil.rmtree(work)
+
+
+@settings(FUZZ, max_examples=30)
+@given(data=st.data())
+def test_mutated_checkpoint_directories(places: Places, user_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                        data: st.DataObject) -> None:
+    from fxpipe.errors import CheckpointError
+    from fxpipe.runtime import checkpoint
+    from tests.runtime.test_checkpoint import _OneRank, _saved
+
+    work = tmp_path_factory.mktemp("ck-fuzz")
+    root = _saved(work / "ck", range(1, 4))
+    names = sorted(f"{step.name}/{f}" for step in root.iterdir() for f in os.listdir(step))
+    done = [mutate(data, root, user_dir, names) for _ in range(data.draw(st.integers(1, 2)))]
+    user_before = tree(user_dir)
+    rt = _OneRank(0.0)
+    try:
+        step = checkpoint.load(rt, root)
+    except CheckpointError as exc:
+        assert "\n" not in str(exc), done
+    else:  # a step that loads holds what was saved at that step, never damaged values
+        assert rt.loaded is not None, done
+        assert torch_equal_full(rt.loaded["params"]["a.weight"], float(step)), (done, step)
+    # fxpipe run --resume checks the directory before any rank starts; every step here is at or past --steps 1, so
+    # it is always refused, in one line; with the lock held by another run, refused before reading anything
+    held = checkpoint.lock(root) if data.draw(st.booleans()) else None
+    try:
+        result = check(["run", str(places.plan), "--checkpoint-dir", str(root), "--resume", "--steps", "1"])
+        assert result.exit_code == 2 and (held is None or "in use by another fxpipe run" in result.output), done
+    finally:
+        if held is not None:
+            held.close()
+    action = data.draw(st.sampled_from(["clear", "prune"]))
+    try:
+        if action == "clear":
+            checkpoint.clear(root)
+        else:
+            checkpoint.save(_OneRank(9.0), root, 9, keep=1)
+    except CheckpointError as exc:
+        assert "\n" not in str(exc), done
+    assert tree(user_dir) == user_before, (done, action)
+    assert peak_mib() < MEMORY_BOUND_MIB
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def torch_equal_full(tensor: Any, value: float) -> bool:
+    import torch
+
+    return bool(torch.equal(tensor, torch.full_like(tensor, value)))

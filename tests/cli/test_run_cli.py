@@ -68,25 +68,28 @@ def test_a_killed_rank_is_named(plan: Path) -> None:
 
 
 def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
-    """Resume is bit-exact, falls back past a truncated newest step (saying so), and --overwrite replaces
-    only the checkpoints."""
+    """Resume is bit-exact, falls back past a newest step whose bytes changed at the same size (saying so in
+    one line), and --overwrite replaces only the checkpoints."""
     ckpt = tmp_path / "ckpt"
     straight = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt,
                                         "--keep-checkpoints", "4", "--json")).stdout)["losses"]
-    assert sorted(p.name for p in ckpt.iterdir()) == [f"step_00000{k}" for k in range(1, 5)]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", *(f"step_00000{k}" for k in range(1, 5))]
     for late in ("step_000003", "step_000004"):  # as if the run had stopped after step 2
         shutil.rmtree(ckpt / late)
     resumed = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--checkpoint-dir", ckpt,
                                        "--resume", "--json")).stdout)["losses"]
     assert resumed == [straight[2]]  # bit for bit: the same float
     data = ckpt / "step_000003" / "__1_0.distcp"
-    data.write_bytes(data.read_bytes()[:64])  # the newest step truncated: the run goes on from the one before
+    damaged = bytearray(data.read_bytes())  # the newest step's tensors changed at the same size (10 KB XORed)
+    for i in range(len(damaged) // 4, min(len(damaged), len(damaged) // 4 + 10_000)):
+        damaged[i] ^= 0x5A
+    data.write_bytes(bytes(damaged))
     result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "--json",
                            "--keep-checkpoints", "2"))
-    assert json.loads(result.stdout)["losses"] == straight[2:4]
-    assert result.stderr.startswith("note: step_000003 is truncated (__1_0.distcp has 64 of ")
-    assert result.stderr.rstrip().endswith("resuming from step_000002")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000003", "step_000004"]
+    assert json.loads(result.stdout)["losses"] == straight[2:4]  # from the good step 2, not the damaged step 3
+    assert result.stderr.splitlines() == ["note: step_000003 is corrupt (__1_0.distcp does not match the checksum "
+                                          "recorded when it was written); resuming from step_000002"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", "step_000003", "step_000004"]
     # Without --resume or --overwrite the directory is refused; --overwrite keeps the user's own files.
     (ckpt / "NOTES.txt").write_text("mine")
     line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt))
@@ -94,7 +97,7 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
                     "--resume to continue from its newest checkpoint, --overwrite to replace its checkpoints, or another "
                     "--checkpoint-dir")
     ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt, "--overwrite", "--json"))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["NOTES.txt", "step_000001"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", "NOTES.txt", "step_000001"]
     assert (ckpt / "NOTES.txt").read_text() == "mine"
 
 

@@ -53,7 +53,7 @@ def test_async_checkpoints_drain_the_pipeline_and_resume_exactly(digits_plan: Pa
     result = CliRunner().invoke(app, [*common, "--steps", "4", "--checkpoint-dir", str(ck)])
     assert result.exit_code == 0, result.output
     straight = json.loads(result.stdout)["losses"]
-    assert sorted(p.name for p in ck.iterdir()) == ["step_000002", "step_000004"]
+    assert sorted(p.name for p in ck.iterdir()) == [".fxpipe.lock", "step_000002", "step_000004"]
     import shutil
 
     shutil.rmtree(ck / "step_000004")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -257,7 +258,14 @@ def checkpoint_cases(rank: int, world: int, init: str, out: str, cfg: dict[str, 
         case("newest", lambda: None)
         case("truncated", lambda: truncate(step3 / "__1_0.distcp"))
         case("partial", lambda: (ck / ".step_000004.partial").mkdir())
-        case("mixed", lambda: shutil.copyfile(step2 / "__1_0.distcp", step3 / "__1_0.distcp"))
+        def mix() -> None:  # step 2's rank-1 file in step 3, its checksum recorded too: only the step keys tell
+            shutil.copyfile(step2 / "__1_0.distcp", step3 / "__1_0.distcp")
+            info = json.loads((step3 / "fxpipe-checkpoint.json").read_text())
+            info["sha256"]["__1_0.distcp"] = hashlib.sha256((step3 / "__1_0.distcp").read_bytes()).hexdigest()
+            info["files"]["__1_0.distcp"] = (step3 / "__1_0.distcp").stat().st_size
+            (step3 / "fxpipe-checkpoint.json").write_text(json.dumps(info))
+
+        case("mixed", mix)
         marker = Path(out) / "code-ran"
         for name in (".metadata", "__0_0.distcp", "fxpipe-checkpoint.json"):
             def tamper(name: str = name) -> None:

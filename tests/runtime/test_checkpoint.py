@@ -133,6 +133,10 @@ def test_a_pickle_payload_in_any_checkpoint_file_runs_no_code(tmp_path: Path, na
 def test_files_of_different_steps_are_refused(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", range(1, 3))
     shutil.copyfile(root / "step_000001" / "__0_0.distcp", root / "step_000002" / "__0_0.distcp")
+    marker = root / "step_000002" / checkpoint.MARKER  # its checksum recorded too: only the step keys tell
+    info = json.loads(marker.read_text())
+    info["sha256"]["__0_0.distcp"] = checkpoint.sha256_file(root / "step_000002" / "__0_0.distcp")
+    marker.write_text(json.dumps(info))
     with pytest.raises(CheckpointError, match=r"step_000002 mixes steps: its rank files are of steps rank 0: 1, its "
                                               r"index of step 2; it was not loaded; remove it"):
         _load(root)
@@ -190,7 +194,9 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
     assert cases["mixed"]["got"].startswith("error: ") and "step_000003 mixes steps: its rank files are of steps " \
         "rank 0: 3, rank 1: 2, its index of step 3" in cases["mixed"]["got"]
     assert "refers to posix.system" in cases["payload .metadata"]["got"]
-    assert "__0_0.distcp is not a file of tensors" in cases["payload __0_0.distcp"]["got"]
+    # a payload the size of the data file it replaces: its checksum differs, so it is never read
+    assert cases["payload __0_0.distcp"]["got"].startswith("error: no complete checkpoint in ")
+    assert "step_000003 is corrupt (__0_0.distcp does not match the checksum" in cases["payload __0_0.distcp"]["got"]
     assert cases["payload fxpipe-checkpoint.json"]["got"].startswith("error: no complete checkpoint in ")
     assert cases["code ran"] is False and not (tmp_path / "code-ran").exists()
     assert cases["different steps"]["got"] == ("error: the ranks save different steps (rank 0: 10, rank 1: 11); a "
