@@ -60,6 +60,9 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=1.5e9, help="bytes/s between ranks, for the search")
     parser.add_argument("--latency", type=float, default=1e-4, help="seconds per collective step, for the search")
     args = parser.parse_args()
+    if args.model.split("-", 1)[0] not in FAMILIES or "-" not in args.model:
+        parser.error(f"--model {args.model}: this example trains the zoo's CNNs (vgg-SIZE, resnet-SIZE); for other "
+                     "models use fxpipe compile --strategy and fxpipe run")
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

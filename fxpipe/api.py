@@ -23,8 +23,8 @@ from fxpipe.graphs.convention import flatten_inputs
 from fxpipe.passes import History, run_steps
 from fxpipe.passes.assemble import build_steps, pipeline_from_root, plan_from_root
 from fxpipe.pipeline import Pipeline
-from fxpipe.plan import (DEFAULTS, BuildRecipe, CompileOptions, ComputeRates, Plan, Provenance, ScheduleRecord,
-                         StrategyRecord, fxpipe_version)
+from fxpipe.plan import (DEFAULTS, LIMITS, BuildRecipe, CompileOptions, ComputeRates, Plan, Provenance,
+                         ScheduleRecord, StrategyRecord, check_schedule_size, fxpipe_version)
 from fxpipe.report import Report
 
 __all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_pipelined_strategy",
@@ -57,7 +57,7 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: in
     keeps the printed graph after those passes in ``pipe.history``. ``stages="auto"`` chooses the count
     (``stage_objective``, default ``fastest``; ``max_stages``, default 8); see ``fxpipe.planning.stage_count``.
     """
-    if stages == "auto":
+    if isinstance(stages, str) and stages.strip().lower() == "auto":
         from fxpipe.planning.stage_count import DEFAULT_OBJECTIVE
 
         options.setdefault("stage_objective", str(DEFAULT_OBJECTIVE))
@@ -68,6 +68,13 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: in
     unknown = sorted(set(options) - set(CompileOptions.__dataclass_fields__))
     if unknown:
         raise OptionError(f"unknown compile option(s) {unknown}; known: {sorted(CompileOptions.__dataclass_fields__)}")
+    if stages is not None:
+        LIMITS.whole("stages", stages, LIMITS.stages, "each stage is a graph and a rank of its own; pass a count "
+                     "or 'auto'", error=PlanError)
+    for flag in ("verify_each", "profile", "split_backward", "input_grads", "balance_backward", "plan_search"):
+        value = verify_each if flag == "verify_each" else options.get(flag, False)
+        if not isinstance(value, bool):
+            raise OptionError(f"{flag} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
     opts = CompileOptions(**({"stages": stages} if stages is not None else {}), **options)
     compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs, verify_each=verify_each,
                            print_after=print_after)
@@ -88,7 +95,7 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     """
     from fxpipe.calibration.compute import compute_overheads
 
-    _check_options(options)
+    check_options(options)
     # the runtime's fixed costs cached for the machine options.compute was measured on (None: none)
     steps = build_steps(model, example_inputs, options, example_kwargs, overheads=compute_overheads(options.compute))
     threads = torch.get_num_threads()
@@ -147,28 +154,43 @@ def batch_plan_ws(pipe: Pipeline) -> bool:
     return chosen
 
 
-def _check_options(options: CompileOptions) -> None:
-    """Refuse values no pass can use, before any pass runs."""
-    for name in ("bandwidth", "device_flops", "device_mem_bw"):
+def check_link(bandwidth: Any, latency: Any) -> None:
+    """A link's bandwidth (bytes/s: positive, finite) and latency (0 to ``LIMITS.latency`` seconds)."""
+    LIMITS.positive("--bandwidth", bandwidth, DEFAULTS.bandwidth)
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= LIMITS.latency:
+        raise OptionError(f"--latency must be 0 to {LIMITS.latency:g} seconds per transfer (latency: {latency})")
+
+
+def check_options(options: CompileOptions) -> None:
+    """Refuse values no pass can use, and sizes past ``LIMITS``, before any pass runs."""
+    for name in ("device_flops", "device_mem_bw"):
+        LIMITS.positive(f"--{name.replace('_', '-')}", getattr(options, name), getattr(DEFAULTS, name))
+    check_link(options.bandwidth, options.latency)
+    stages = LIMITS.whole("--stages", options.stages, LIMITS.stages, "each stage is a graph and a rank of its own",
+                          error=PlanError)
+    dp = LIMITS.whole("--dp", options.dp, LIMITS.ranks, "each replica is a rank (a process) of its own")
+    if stages * dp > LIMITS.ranks:
+        raise OptionError(f"--stages {stages} x --dp {dp} = {stages * dp:,} ranks, more than the {LIMITS.ranks:,} "
+                          "one run starts (each is a process); lower --stages or --dp")
+    for name in ("devices", "max_stages", "cores"):
         value = getattr(options, name)
-        if not value > 0:  # also refuses nan
-            raise OptionError(f"--{name.replace('_', '-')} must be a positive number ({name}: {value}); e.g. "
-                              f"{getattr(DEFAULTS, name):g}")
-    if not options.latency >= 0:
-        raise OptionError(f"--latency must be 0 or more seconds (latency: {options.latency})")
-    if options.stages < 1:
-        raise PlanError(f"--stages must be at least 1 (stages: {options.stages})")
+        if value is not None:
+            LIMITS.whole(f"--{name.replace('_', '-')}", value, LIMITS.ranks, "each device is a rank of its own")
+    LIMITS.whole("--profile-runs", options.profile_runs, 1_000, "each run of each layer is timed")
+    if options.microbatches is not None:
+        LIMITS.whole("--microbatches", options.microbatches, LIMITS.microbatches,
+                     "a schedule lists every microbatch's actions")
+        check_schedule_size(stages, options.microbatches)
+    if options.memory_per_stage is not None and not (isinstance(options.memory_per_stage, (int, float))
+                                                     and 0 < options.memory_per_stage < float("inf")):
+        raise OptionError(f"--memory-per-stage must be a positive finite size (memory_per_stage: "
+                          f"{options.memory_per_stage!r}); e.g. 8GiB")
     if options.stage_objective is not None:
         from fxpipe.planning.stage_count import parse_objective
 
         parse_objective(options.stage_objective)
     if options.plan_search and (options.devices is None or options.devices < 1):
         raise OptionError("--plan auto needs --devices N (at least 1): the devices it may use")
-    if options.max_stages is not None and options.max_stages < 1:
-        raise OptionError(f"the stage budget must be at least 1 (max stages: {options.max_stages}); give "
-                          "--devices >= --dp")
-    if options.microbatches is not None and options.microbatches < 1:
-        raise OptionError(f"--microbatches must be at least 1 (microbatches: {options.microbatches})")
     if options.cores is not None and (isinstance(options.cores, bool) or not isinstance(options.cores, int)
                                       or options.cores < 1):
         raise OptionError(f"--cores must be a whole number of at least 1 (cores: {options.cores!r}); leave it out to "
@@ -223,6 +245,7 @@ def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: 
         raise OptionError(f"--strategy must be one of {', '.join(STRATEGY_NAMES)} (given: {name!r})")
     if stages < 1:
         raise OptionError(f"--strategy needs at least 1 stage (given: {stages})")
+    LIMITS.whole("--dp", ranks, LIMITS.ranks, "each is a rank (a process) of its own", least=0)
     if schedule is not None and schedule.strip().lower() != "auto":
         from fxpipe.runtime.strategy import check_schedule
         from fxpipe.schedules.generators import generate
@@ -252,6 +275,7 @@ def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name:
     check_strategy(name, 1, ranks, group)
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
+    check_link(bandwidth, latency)
     g = strategy_graph(model, example_inputs, compute=compute)
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
     chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
@@ -329,6 +353,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
                           f"to {ranks} ranks (batch: {batch}); use a --batch-size that {microbatches * ranks} divides")
     bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
     latency = DEFAULTS.latency if latency is None else latency
+    check_link(bandwidth, latency)
     g = strategy_graph(model, example_inputs, compute=compute)
     cuts = strategy_cuts(plan, g.module, g.edges)
     bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]

@@ -30,7 +30,7 @@ from fxpipe import api
 from fxpipe._compat import dynamo_frame, outside_dynamo_tracing, pytree
 from fxpipe.errors import FxpipeError, OptionError, TraceError, first_line
 from fxpipe.graphs.convention import flatten_inputs, split_batch
-from fxpipe.plan import DEFAULTS
+from fxpipe.plan import DEFAULTS, LIMITS, check_schedule_size
 from fxpipe.report import Report
 from fxpipe.runtime.core import ActionRunner
 from fxpipe.schedules.generators import one_rank
@@ -65,13 +65,17 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         raise TraceError(f"backend='fxpipe' needs the whole model in one graph, but Dynamo broke it{at} "
                          f"({reason.reason.splitlines()[0]}); remove the break (torch.compile(..., fullgraph=True) "
                          "shows it) or write data-dependent branches with torch.cond")
+    stages = _count(opts, "stages", DEFAULTS.stages)  # bounded before any work
+    devices = _devices(opts.get("devices"))
+    if not isinstance(opts.get("verbose", False), bool):
+        raise OptionError(f"options 'verbose' must be True or False (verbose: {str(opts['verbose'])[:40]!r})")
     module, args, kwargs = _traced_call()
-    stages = _count(opts, "stages", DEFAULTS.stages)
     flat_args, spec = pytree.tree_flatten((args, kwargs))
     batch = next((a.shape[0] for a in flat_args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
     # Default: DEFAULTS.microbatches(stages), or the largest count below it that divides the batch.
     microbatches = _count(opts, "microbatches",
                           max(d for d in range(1, DEFAULTS.microbatches(stages) + 1) if batch % d == 0))
+    check_schedule_size(stages, microbatches)
     schedule = str(opts.get("schedule", "zb-gpipe"))
     if schedule not in ("zb-gpipe", "gpipe"):
         raise OptionError(f"backend='fxpipe' runs schedule 'zb-gpipe' (W deferred into the gaps) or 'gpipe' "
@@ -95,7 +99,7 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                            verify_each=False)
         if pipe.stage_graphs is None:
             raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
-        placement = _place(pipe, opts.get("devices"), pytree.tree_unflatten(first, spec), input_grads)
+        placement = _place(pipe, devices, pytree.tree_unflatten(first, spec), input_grads)
     # Which of Dynamo's inputs are the call's tensors (by identity), and which are parameters.
     placeholders = list(example_inputs)
     arg_pos = {id(a): i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)}
@@ -299,10 +303,42 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
 
 
 def _count(opts: dict[str, Any], name: str, default: int) -> int:
+    """A whole-number option from 1 to its bound in ``LIMITS`` (``stages`` or ``microbatches``)."""
     value = opts.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"options {name!r} must be a whole number of at least 1 ({name}: {value!r})")
+        raise OptionError(f"options {name!r} must be a whole number of at least 1 ({name}: {value!r:.40})")
+    most = getattr(LIMITS, name)
+    if value > most:
+        raise OptionError(f"options {name!r} must be at most {most:,} ({name}: {value:,}): each is a graph or a "
+                          "schedule entry built before the first step")
     return value
+
+
+def _devices(value: Any) -> list[torch.device] | None:
+    """``options['devices']``: a list of devices (``'cpu'``, ``'cuda:1'``, ``torch.device``), each one here."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise OptionError(f"options 'devices' must be a non-empty list of devices, e.g. ['cuda:0', 'cuda:1'] "
+                          f"(devices: {str(value)[:40]!r})")
+    found = []
+    for k, d in enumerate(value):
+        if not isinstance(d, (str, torch.device)):
+            raise OptionError(f"options devices[{k}] is {type(d).__name__} {str(d)[:40]}, not a device; name it as "
+                              "'cpu', 'cuda:0' or torch.device(...)")
+        try:
+            device = torch.device(d)
+        except (RuntimeError, ValueError) as exc:
+            raise OptionError(f"options devices[{k}] {d!r} is not a device ({first_line(exc)}); name it as 'cpu' "
+                              "or 'cuda:0'") from None
+        device = _device(device)
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise OptionError(f"options devices[{k}] names {device}, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s); name one it has")
+        if device.type not in ("cpu", "cuda"):
+            raise OptionError(f"options devices[{k}] names {device}; the backend places stages on cpu or cuda")
+        found.append(device)
+    return found
 
 
 def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:

@@ -39,6 +39,7 @@ __all__ = [
     "Text",
     "TextLoss",
     "check_fit",
+    "index_bounds",
     "load_digits",
     "load_stdlib_text",
     "load_text",
@@ -445,6 +446,29 @@ def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: S
                           f"{out[2]}; {instead}")
     source.check_seq_len(seq_len)
     return Fit(source.spec, "tokens", torch.int64, seq_len)
+
+
+def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, dict[int, int]]:
+    """``fn(*inputs)``'s output and, for each integer input that an embedding indexes as it is, the table's rows:
+    that input's values must lie in ``[0, rows)`` (a GPT's token ids and its vocabulary).
+
+    Cheap on the meta device (nothing is computed); an input that feeds no embedding directly is absent.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    positions = {id(x): i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()}
+    bounds: dict[int, int] = {}
+
+    class _Embeddings(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.embedding.default and len(args) >= 2 and id(args[1]) in positions:
+                i = positions[id(args[1])]
+                bounds[i] = min(bounds.get(i, args[0].shape[0]), int(args[0].shape[0]))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _Embeddings():
+        output = fn(*inputs)
+    return output, bounds
 
 
 # --------------------------------------------------------------------------------------------- helpers

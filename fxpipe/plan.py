@@ -25,7 +25,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from fxpipe.errors import PlanFileError
+from fxpipe.errors import OptionError, PlanFileError
 
 PLAN_VERSION = 1
 
@@ -60,6 +60,64 @@ class Defaults:
 
 
 DEFAULTS = Defaults()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest sizes fxpipe takes, checked before any work starts (CLI, Python API, backend, plan files):
+    past them a request costs minutes or gigabytes before it could fail, so it is refused in one line."""
+
+    # A schedule lists stages x microbatches actions per rank; generating and simulating more takes minutes.
+    schedule_slots: int = 10_000
+    microbatches: int = 10_000
+    # Each stage is a graph, and each rank a process holding its stages: past these, setup alone takes minutes.
+    stages: int = 1_024
+    ranks: int = 1_024  # stages x dp ranks of one run (torchrun starts each as a process)
+    batch_size: int = 1 << 20  # rows of a built-in model's example batch, built before anything is checked
+    elements: int = 1 << 34  # elements of one tensor a plan describes (64 GiB as float32)
+    int_bits: int = 63  # whole numbers in plans and graphs: what a C++ int64 holds
+    latency: float = 3600.0  # seconds per transfer: an hour is no link
+
+    def whole(self, name: str, value: Any, most: int, why: str, *, least: int = 1,
+              error: type[Exception] | None = None) -> int:
+        """``value`` as a whole number in ``least..most``; else one line naming ``name``, the bound and ``why``."""
+        kind = error or OptionError
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise kind(f"{name} must be a whole number from {least:,} to {most:,} (got {type(value).__name__} "
+                       f"{str(value)[:40]!r})")
+        shown = f"{value:,}" if abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit number"
+        if value < least:
+            raise kind(f"{name} must be at least {least:,} ({name.lstrip('-').split('.')[-1]}: {shown})")
+        if value > most:
+            raise kind(f"{name} must be at most {most:,} (got {shown}): {why}")
+        return value
+
+    def positive(self, name: str, value: Any, example: float, *, error: type[Exception] | None = None) -> float:
+        """``value`` as a finite number above 0; else one line naming ``name``."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise (error or OptionError)(f"{name} must be a positive number, and finite ({str(value)[:40]}); e.g. "
+                                         f"{example:g}")
+        return float(value)
+
+
+LIMITS = Limits()
+# The simulator steps time by 1e-9 to wait for an arrival, and at 1e7 a step of 1e-9 is lost to rounding.
+_MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
+
+
+def check_schedule_size(num_stages: int, microbatches: int, step_units: float = 0.0, *,
+                        max_slots: int | None = None) -> None:
+    """Refuse a schedule too big to generate and simulate in a moment (more than ``max_slots``, default
+    ``LIMITS.schedule_slots``, stages x microbatches), or whose times (``step_units``: F+B+W in --uniform-costs
+    units) the simulator cannot step through."""
+    most = LIMITS.schedule_slots if max_slots is None else max_slots
+    if num_stages * microbatches > most:
+        raise OptionError(f"a schedule of {num_stages} stages x {microbatches} microbatches is too big to generate and "
+                          f"simulate (at most {most:,} stage-microbatches); lower --stages or --microbatches")
+    if step_units * (microbatches + num_stages) > _MAX_UNITS:
+        raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
+                          f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "
+                          "use smaller units")
 
 
 def fxpipe_version() -> str:
@@ -623,6 +681,33 @@ class Plan:
             del doc["options"]["cores"]
         return doc
 
+    def check_sizes(self, where: str = "the plan") -> None:
+        """Every count and shape within ``LIMITS`` (a crafted plan.json could ask a rank for terabytes); else
+        PlanFileError naming the field."""
+        o, fix = self.options, "; re-run fxpipe compile"
+        LIMITS.whole(f"{where}.options.stages", o.stages, LIMITS.stages, "stages past it are not a plan" + fix,
+                     error=PlanFileError)
+        LIMITS.whole(f"{where}.options.dp", o.dp, LIMITS.ranks, "replicas past it are not a plan" + fix,
+                     error=PlanFileError)
+        if o.microbatches is not None:
+            LIMITS.whole(f"{where}.options.microbatches", o.microbatches, LIMITS.microbatches,
+                         "a schedule lists every microbatch's actions" + fix, error=PlanFileError)
+        if self.schedule is not None:
+            LIMITS.whole(f"{where}.schedule.microbatches", self.schedule.microbatches, LIMITS.microbatches,
+                         "a schedule lists every microbatch's actions" + fix, error=PlanFileError)
+        build = self.provenance.build
+        if build is not None and build.batch_size is not None:
+            LIMITS.whole(f"{where}.provenance.build.batch_size", build.batch_size, LIMITS.batch_size,
+                         "every rank builds the example batch" + fix, error=PlanFileError)
+        if build is not None:
+            LIMITS.whole(f"{where}.provenance.build.seed", build.seed, 2**64 - 1, "torch takes a 64-bit seed" + fix,
+                         least=-(2**63), error=PlanFileError)
+        for spec in self.inputs:
+            count = math.prod(spec.shape)
+            if any(d < 0 for d in spec.shape) or count > LIMITS.elements:
+                raise PlanFileError(f"{where}.inputs {spec.name!r} has shape {list(spec.shape)[:8]} ({count:,} "
+                                    f"elements), past {LIMITS.elements:,}{fix}")
+
     @classmethod
     def from_json(cls, data: Any, where: str = "the plan") -> "Plan":
         """The plan ``to_json`` wrote; PlanFileError naming the field for anything else."""
@@ -631,6 +716,7 @@ class Plan:
             raise PlanFileError(f"{where} has plan version {found!r}, this fxpipe reads {PLAN_VERSION}; "
                                 "re-run fxpipe compile")
         plan = _decode(cls, data, where)
+        plan.check_sizes(where)
         cores = plan.options.cores
         if cores is not None and cores < 1:
             raise PlanFileError(f"{where}.options.cores must be at least 1 (cores: {cores}); leave it out to model no "
@@ -701,6 +787,9 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if tp in (int, str, bool):
         if type(value) is not tp:
             raise _bad(where, tp, value)
+        if tp is int and not -(2**LIMITS.int_bits) <= value < 2**LIMITS.int_bits:
+            raise PlanFileError(f"{where} is a whole number of {len(str(abs(value)))} digits, beyond 64 bits; "
+                                "re-run fxpipe compile")
         return value
     if tp is Any:
         return value

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fxpipe.errors import TargetError
+from fxpipe.errors import TargetError, first_line
+from fxpipe.plan import LIMITS
+
+SEED_LEAST, SEED_MOST = -(2**63), 2**64 - 1  # what torch.manual_seed takes
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,10 +37,20 @@ def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.floa
     ``.model`` and ``.example_inputs``, or a bare model when its file also defines
     ``example_inputs()``.
     """
+    LIMITS.whole("--seed", seed, SEED_MOST, "torch's generator takes a 64-bit seed", least=SEED_LEAST)
+    if batch_size is not None:
+        LIMITS.whole("--batch-size", batch_size, LIMITS.batch_size, "the example batch is built before anything "
+                     "else is checked")
     if ":" not in target:
         from fxpipe import models
 
-        zoo = models.build(target, device=device, dtype=dtype, batch_size=batch_size, seed=seed)
+        try:
+            zoo = models.build(target, device=device, dtype=dtype, batch_size=batch_size, seed=seed)
+        except (MemoryError, RuntimeError) as exc:  # torch's allocator raises RuntimeError when memory runs out
+            if not isinstance(exc, MemoryError) and "alloc" not in str(exc):
+                raise
+            raise TargetError(f"building {target} ran out of memory ({first_line(exc)}); lower --batch-size or "
+                              "build it with --device meta") from None
         return Target(zoo.name, zoo.model, tuple(zoo.example_inputs), {})
     where, _, attr = target.rpartition(":")
     module = _import(where, target)
@@ -64,19 +79,51 @@ def _import(where: str, target: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         try:
-            spec.loader.exec_module(module)
+            with _no_exit(f"importing {where}"):
+                spec.loader.exec_module(module)
+        except TargetError:
+            raise
         except Exception as exc:
             raise TargetError(f"importing {where} failed: {type(exc).__name__}: {exc}; fix the file") from exc
         return module
     try:
-        return importlib.import_module(where)
+        with _no_exit(f"importing {where}"):
+            return importlib.import_module(where)
     except ImportError as exc:
         raise TargetError(f"cannot import module {where!r} ({exc}); give a path ending in .py or an importable module") from exc
 
 
+class _Exited(BaseException):
+    """``os._exit`` called by the user's file while fxpipe imports or calls it (see :func:`_no_exit`)."""
+
+
+@contextmanager
+def _no_exit(doing: str) -> Iterator[None]:
+    """The user's file may not end fxpipe: ``sys.exit`` (SystemExit) and ``os._exit`` while ``doing`` become one
+    line naming it. ``os._exit`` is replaced only for the call and put back after it."""
+    real = os._exit
+
+    def refuse(code: int) -> None:
+        raise _Exited(code)
+
+    os._exit = refuse  # type: ignore[assignment]
+    try:
+        yield
+    except (SystemExit, _Exited) as exc:
+        how = "os._exit" if isinstance(exc, _Exited) else "sys.exit"
+        raise TargetError(f"{doing} called {how}({exc.args[0] if exc.args else ''}), which would end fxpipe; "
+                          "a model file builds a model and returns it: move the exit under "
+                          "`if __name__ == \"__main__\":`") from None
+    finally:
+        os._exit = real
+
+
 def _call(builder: Callable[[], Any], target: str) -> Any:
     try:
-        return builder()
+        with _no_exit(f"calling {target}"):
+            return builder()
+    except TargetError:
+        raise
     except Exception as exc:
         raise TargetError(f"{target} raised {type(exc).__name__}: {exc}; fix the builder") from exc
 

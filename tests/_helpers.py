@@ -347,6 +347,14 @@ def saved_checkpoints(root: Path, steps: range, keep: int = 3) -> Path:
     return root
 
 
+def load_checkpoints(root: Path) -> tuple[int, list[str], OneRank]:
+    """:class:`OneRank` loaded from ``root``'s newest complete checkpoint: the step, the warnings, the stand-in."""
+    from fxpipe.runtime import checkpoint
+
+    rt, warned = OneRank(0.0), []
+    return checkpoint.load(rt, root, warn=warned.append), warned, rt
+
+
 # -- ranks of a worker script over gloo ----------------------------------------------------------------------------
 
 DIST_WORKER = ROOT / "tests" / "runtime" / "_dist_worker.py"

@@ -41,7 +41,7 @@ def plans(draw: st.DrawFn) -> Plan:
                                                          st.none() | st.integers(1, 512), st.integers(0, 9))),
                               draw(st.booleans()), draw(st.none() | st.integers(1, 16))),
         options=options,
-        inputs=tuple(TensorSpec(draw(names), tuple(draw(st.lists(st.integers(0, 4096), max_size=4))), "float32")
+        inputs=tuple(TensorSpec(draw(names), tuple(draw(st.lists(st.integers(0, 256), max_size=4))), "float32")
                      for _ in range(draw(st.integers(0, 3)))),
         layers=layers, stages=stages, link=Link(draw(floats), draw(sizes)),
         mesh=Mesh.from_rank_of_stage(tuple(range(num_stages))), bottleneck_s=draw(sizes), lower_bound_s=draw(sizes),

@@ -77,6 +77,23 @@ def _retarget(op: str, target: Any, args: Any = None) -> Callable[[dict[str, Any
     return edit
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _chain(doc: dict[str, Any]) -> None:
+    """Two nodes: a = 2**40 * 2**20 (fits), then a * a (2**120, does not): the bound follows constants through
+    nodes."""
+    node = _first(doc, "call_function")
+    first = {"name": "big_a", "op": "call_function", "target": "_operator.mul", "args": {"tuple": [2**40, 2**20]},
+             "kwargs": {"dict": {}}}
+    node.update(target="_operator.mul", args={"tuple": [{"node": "big_a"}, {"node": "big_a"}]}, kwargs={"dict": {}})
+    doc["nodes"].insert(doc["nodes"].index(node), first)
+
+
 TAMPERED_GRAPHS = {
     "os.system": (_retarget("call_function", "os.system", {"tuple": ["touch /tmp/x"]}), "'os.system', which is not an allowed"),
     "builtins.exec": (_retarget("call_function", "builtins.exec", {"tuple": ["1"]}), "'builtins.exec', which is not"),
@@ -99,6 +116,18 @@ TAMPERED_GRAPHS = {
     "bad dtype": (lambda doc: _first(doc, "call_function").update(kwargs={"dict": {"dtype": {"dtype": "load"}}}),
                   "not a value a plan stores"),
     "not a graph": (lambda doc: doc.update(format="pickle"), "is not an fxpipe.graph/v1 graph"),
+    # sizes: each would pin the ranks for minutes or ask for terabytes before the first step (issue 41)
+    "pow of constants past 64 bits": (_retarget("call_function", "_operator.pow", {"tuple": [7, 300000000]}),
+                                      "computes pow"),
+    "a chain of constants past 64 bits": (lambda doc: _chain(doc), "computes mul"),
+    "a whole number past 64 bits": (_retarget("call_function", "_operator.add", {"tuple": [2**70, 1]}),
+                                    "beyond 64 bits"),
+    "a constant repeated a trillion times": (_retarget("call_function", "_operator.mul", {"tuple": ["ab", 10**12]}),
+                                             "repeats a constant of 2 items"),
+    "a shape of 10^14 elements": (_retarget("call_function", "aten.zeros.default", {"tuple": [[10**7, 10**7]]}),
+                                  "makes a tensor of shape [10000000, 10000000]"),
+    "arguments nested 500 deep": (_retarget("call_function", "_operator.add", {"tuple": [_nested(500), 1]}),
+                                  "nests its arguments more than"),
 }
 
 

@@ -7,6 +7,7 @@ exception is printed as it is. Nothing here imports torch, so ``fxpipe --help`` 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from rich.text import Text
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from fxpipe.errors import FxpipeError, OptionError  # noqa: E402  (after the filter: it must precede torch)
+from fxpipe.plan import check_schedule_size  # noqa: E402,F401  (the bound lives in fxpipe.plan.LIMITS)
 
 out = Console()
 err = Console(stderr=True)
@@ -69,6 +71,44 @@ def one_line_errors() -> Iterator[None]:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+TORCH_LOG = "FXPIPE_TORCH_LOG"  # a file for torch's own logged errors, which the CLI keeps off the terminal
+
+
+class _NoTorchTracebacks(logging.Filter):
+    """Drops torch's logged errors and tracebacks (a failed fake-tensor run, a Dynamo guard) from the terminal:
+    fxpipe says what went wrong in its one ``error:`` line. With ``$FXPIPE_TORCH_LOG`` set, they go to that
+    file instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        path = os.environ.get(TORCH_LOG)
+        self.file: logging.Handler | None = logging.FileHandler(path) if path else None
+        if self.file is not None:
+            self.file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None and record.levelno < logging.ERROR:
+            return True
+        if self.file is not None:
+            self.file.handle(record)
+        return False
+
+
+_QUIET = _NoTorchTracebacks.__name__
+
+
+def quiet_torch_logs() -> None:
+    """Once torch is imported (it sets up its loggers then): its logged errors stay off the terminal, in
+    ``$FXPIPE_TORCH_LOG`` if set. For the CLI only: the library leaves logging to its caller."""
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    shared: _NoTorchTracebacks | None = None
+    for name in names:
+        for handler in logging.getLogger(name).handlers:
+            if not any(type(f).__name__ == _QUIET for f in handler.filters):
+                shared = shared or _NoTorchTracebacks()
+                handler.addFilter(shared)
 
 
 def check_writable_file(path: Path, option: str) -> None:
@@ -183,25 +223,7 @@ def progress(*, disable: bool) -> Iterator[Callable[[str, int, int], None]]:
         yield step
 
 
-# Limits of what the simulator can do in a moment and exactly: it steps time by 1e-9 to wait for an
-# arrival, and at 1e7 a step of 1e-9 is lost to rounding (t + 1e-9 == t).
-_MAX_SLOTS = 10_000  # stages x microbatches
 MAX_SIMULATE_SLOTS = 500_000  # stages x microbatches for simulate alone: linear, about 10 s at this size
-_MAX_UNITS = 1e6  # (F + B + W) x (microbatches + stages), in --uniform-costs units
-
-
-def check_schedule_size(num_stages: int, microbatches: int, step_units: float = 0.0, *,
-                        max_slots: int = _MAX_SLOTS) -> None:
-    """Refuse a schedule too big to generate and simulate in a moment (more than ``max_slots``
-    stages x microbatches), or whose times (``step_units``: F+B+W in --uniform-costs units) the
-    simulator cannot step through."""
-    if num_stages * microbatches > max_slots:
-        raise OptionError(f"a schedule of {num_stages} stages x {microbatches} microbatches is too big to generate and "
-                          f"simulate (at most {max_slots:,} stage-microbatches); lower --stages or --microbatches")
-    if step_units * (microbatches + num_stages) > _MAX_UNITS:
-        raise OptionError(f"--uniform-costs are too large: F+B+W ({step_units:g}) x (microbatches + stages) must stay "
-                          f"under {_MAX_UNITS:g} units, where the simulator's 1e-9 time step is lost to rounding; "
-                          "use smaller units")
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli.common import check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress, say
+from fxpipe.cli.common import (check_schedule_size, check_writable_dir, one_line_errors, out, parse_size, progress,
+                               quiet_torch_logs, say)
 from fxpipe.errors import OptionError
 
 
@@ -145,6 +146,8 @@ def compile_cmd(
             step("importing torch", 0, 0)
             import torch
 
+            quiet_torch_logs()
+
             from fxpipe.api import run_compile
             from fxpipe.plan import BuildRecipe, CompileOptions
             from fxpipe.targets import resolve
@@ -192,6 +195,9 @@ def compile_cmd(
                 max_stages=None if devices is None or objective_text is None else devices // dp,
                 plan_search=searching, devices=devices if searching else None, cores=core_count,
             )
+            from fxpipe.api import check_options
+
+            check_options(options)  # every size bounded before calibrating, choosing a strategy or compiling
             from fxpipe.calibration.compute import calibrate_overheads, calibrated_options, describe
             from fxpipe.calibration.host import HostTuning
 
@@ -244,7 +250,15 @@ def compile_cmd(
             from fxpipe.api import save
 
             replaced: list[str] = []
-            written = save(compiled.pipeline, out_dir, overwrite=overwrite, replaced=replaced)
+            try:
+                written = save(compiled.pipeline, out_dir, overwrite=overwrite, replaced=replaced)
+            except (OSError, RuntimeError) as exc:  # torch.save raises RuntimeError when the disk is full
+                if isinstance(exc, RuntimeError) and not _write_failure(exc):
+                    raise
+                from fxpipe.errors import first_line
+
+                raise OptionError(f"--out {str(out_dir)!r} could not be written ({first_line(exc)}); free space "
+                                  "there or choose another path") from None
             if replaced:
                 say(f"note: --overwrite replaced {', '.join(replaced)} in {out_dir}, which fxpipe had not written")
         seconds = time.perf_counter() - started
@@ -296,6 +310,12 @@ def compile_cmd(
             say(f"wrote {written} ({compiled.pipeline.num_stages} stages{chosen_by}{using}) in {seconds:.1f} s")
         else:
             say(f"done in {seconds:.1f} s; no --out given, so no plan written")
+
+
+def _write_failure(exc: RuntimeError) -> bool:
+    """Whether torch.save's RuntimeError is a failed write (a full disk, a quota), not a bug to show."""
+    text = str(exc).lower()
+    return any(w in text for w in ("failed writing", "file write failed", "no space", "unexpected pos", "quota"))
 
 
 def measure_runtime_overheads(rates: Any, threads: int) -> Any:

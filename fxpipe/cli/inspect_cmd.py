@@ -1,14 +1,18 @@
-"""``fxpipe inspect PLAN_DIR`` and ``fxpipe models``: a plan directory's tables again, and the built-in zoo."""
+"""``fxpipe inspect PLAN_DIR`` and ``fxpipe models``: a plan directory's tables again (with the inputs a batch needs
+and what the loss expects), and the built-in zoo."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from fxpipe.cli.common import one_line_errors, out
+
+if TYPE_CHECKING:
+    from fxpipe.report import Report
 
 
 def inspect_cmd(
@@ -16,7 +20,8 @@ def inspect_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="plan.json's summary as JSON.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
 ) -> None:
-    """Print a plan directory's tables again, without recompiling."""
+    """Print a plan directory's tables again, without recompiling, and its inputs (name, shape per microbatch,
+    dtype, values) and what its loss expects: what a batch for PipelineRuntime.step must hold."""
     with one_line_errors():
         from fxpipe.plan_dir import read_plan_json
         from fxpipe.report import Report
@@ -32,12 +37,13 @@ def inspect_cmd(
                    f"model {(doc.get('plan') or {}).get('provenance', {}).get('model', '?')}",
                    *_strategy_note(doc)),
         )
+        batch = _batch_spec(doc)
         if as_json:
-            print(json.dumps({"schema": "fxpipe.inspect/v1", "plan": doc}, default=str))
+            print(json.dumps({"schema": "fxpipe.inspect/v1", "plan": doc, "batch": batch}, default=str))
             return
         from fxpipe.render import print_reports
 
-        print_reports([*reports, summary], plain=plain, console=out)
+        print_reports([*reports, summary, _batch_report(batch)], plain=plain, console=out)
 
 
 def models_cmd(
@@ -90,3 +96,65 @@ def _strategy_note(doc: dict) -> tuple[str, ...]:
     return (f"strategy {record.get('name')} ({record.get('method')}) on {record.get('ranks')} ranks: "
             f"{len(nodes)} nodes, {split} split beyond the batch",)
 
+
+
+def _batch_spec(doc: dict) -> dict:
+    """The plan's inputs (one microbatch each, as compiled) and, for a built-in model, what its loss takes: the
+    target's shape, dtype and values, and the range of each integer input (the embedding it indexes)."""
+    plan = doc.get("plan") or {}
+    specs = [s for s in plan.get("inputs") or [] if isinstance(s, dict)]
+    inputs = [{"name": str(s.get("name")), "shape": [int(d) for d in s.get("shape") or []],
+               "dtype": str(s.get("dtype")), "values": None} for s in specs]
+    model = (plan.get("provenance") or {}).get("model")
+    loss = None
+    if isinstance(model, str) and ":" not in model and inputs and inputs[0]["shape"]:
+        loss = _zoo_loss(model, inputs, (plan.get("provenance") or {}).get("build") or {})
+    for spec in inputs:
+        if spec["values"] is None:
+            spec["values"] = "any" if spec["dtype"].startswith(("float", "bfloat")) else "integers"
+    return {"model": model, "inputs": inputs, "loss": loss}
+
+
+def _zoo_loss(model: str, inputs: list[dict], build: dict) -> dict | None:
+    """Built-in ``model`` on the meta device (no weights, nothing computed): its loss, target and index ranges."""
+    import torch
+
+    from fxpipe import models
+    from fxpipe.data import index_bounds
+    from fxpipe.errors import FxpipeError
+
+    try:
+        dtype = getattr(torch, str(build.get("dtype") or "float32"))
+        zoo = models.build(model, device="meta", batch_size=inputs[0]["shape"][0], dtype=dtype)
+    except (FxpipeError, AttributeError, TypeError):
+        return None
+    output, bounds = index_bounds(zoo.model, zoo.example_inputs)
+    for i, rows in bounds.items():
+        if i < len(inputs):
+            inputs[i]["values"] = f"[0, {rows})"
+    target = zoo.example_target
+    values = "any"
+    if not target.is_floating_point() and isinstance(output, torch.Tensor):
+        values = f"[0, {output.shape[-1]})"
+    what = (zoo.loss_fn.__doc__ or "").strip().split("\n")[0].rstrip(".").replace("``", "")
+    return {"loss": what or getattr(zoo.loss_fn, "__name__", "loss"), "target_shape": list(target.shape),
+            "target_dtype": str(target.dtype).removeprefix("torch."), "target_values": values,
+            "output_shape": list(output.shape) if isinstance(output, torch.Tensor) else None}
+
+
+def _batch_report(batch: dict) -> Report:
+    """The inputs and target one microbatch holds; a batch for ``PipelineRuntime.step`` stacks M of them."""
+    from fxpipe.report import Report
+
+    rows = [(s["name"], "x".join(map(str, s["shape"])) or "scalar", s["dtype"], s["values"]) for s in batch["inputs"]]
+    loss = batch["loss"]
+    if loss:
+        rows.append(("target", "x".join(map(str, loss["target_shape"])) or "scalar", loss["target_dtype"],
+                     loss["target_values"]))
+        note = (f"loss: {loss['loss']}, on the output {tuple(loss['output_shape'] or ())} and the target; "
+                f"fxpipe run builds these batches itself")
+    else:
+        note = "loss: the one you pass (PipelineRuntime(loss_fn=...)); the plan does not record it"
+    return Report(title="one microbatch: the inputs as compiled, and the target (a step's batch stacks "
+                        "microbatches along the first dimension)",
+                  columns=("tensor", "shape", "dtype", "values"), rows=tuple(rows), notes=(note,))

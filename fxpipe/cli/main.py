@@ -8,13 +8,20 @@ so ``fxpipe --help`` answers at once.
 
 from __future__ import annotations
 
-import typer
+import signal
+import sys
 
-from fxpipe.cli.compile_cmd import compile_cmd
-from fxpipe.cli.inspect_cmd import inspect_cmd, models_cmd
-from fxpipe.cli.run_cmd import run_cmd
-from fxpipe.cli.simulate_cmd import simulate_cmd
-from fxpipe.cli.strategy_cmd import strategy_cmd
+try:  # a Ctrl-C before a command takes over (common.one_line_errors) has nothing to clean up: no traceback
+    import typer
+
+    from fxpipe.cli.compile_cmd import compile_cmd
+    from fxpipe.cli.inspect_cmd import inspect_cmd, models_cmd
+    from fxpipe.cli.run_cmd import run_cmd
+    from fxpipe.cli.simulate_cmd import simulate_cmd
+    from fxpipe.cli.strategy_cmd import strategy_cmd
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(128 + signal.SIGINT) from None
 
 app = typer.Typer(
     name="fxpipe",
@@ -33,7 +40,11 @@ app.command("models")(models_cmd)
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:  # between the command line's parsing and the command's own handling
+        sys.stderr.write("interrupted\n")
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

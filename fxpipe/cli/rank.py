@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-yield", choices=("auto", "on", "off"), default="off")
     parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=0)
     args = parser.parse_args(argv)
+    watch_launcher()
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
@@ -104,6 +105,38 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001  (the results are written; a peer closing first must not fail this rank)
                 traceback.print_exc()
+
+
+def watch_launcher(every: float = 0.5) -> None:
+    """Leave (SIGKILL, at once) when ``fxpipe run`` or torchrun is gone: killed outright, neither can stop this
+    rank, which would otherwise train on alone. A daemon thread compares the parent pid and the launcher's start
+    time (``FXPIPE_LAUNCHER_PID``, set by ``fxpipe.cli.ranks``) every ``every`` seconds."""
+    import signal
+    import threading
+
+    from fxpipe.cli.ranks import LAUNCHER_PID
+
+    parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_PID, "0") or 0)
+    started = _start_time(launcher) if launcher else None
+
+    def watch() -> None:
+        while True:
+            time.sleep(every)
+            if os.getppid() != parent or (launcher and _start_time(launcher) != started):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fxpipe-watch-launcher", daemon=True).start()
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time from ``/proc`` (a pid can be reused), or None when it is gone or unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def out_progress(args: argparse.Namespace) -> Path:

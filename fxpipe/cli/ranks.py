@@ -21,7 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,38 @@ def parse_step(line: str) -> StepDone | None:
         return None
 
 
+LAUNCHER_PID = "FXPIPE_LAUNCHER_PID"  # the ranks watch this process, and leave when it is gone
+STOPPED_S = 2.0  # a rank stopped (SIGSTOP) this long ends the run: it cannot answer its peers
+
+
+def _die_with_parent() -> None:
+    """In torchrun's process, before it runs: SIGTERM when fxpipe run dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing, and the ranks' own watch on fxpipe run still ends them)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back, and delivered when this ends: around starting torchrun (so that the ``try``
+    that stops it is entered first) and around importing torch (whose C++ initialisation aborts with
+    ``terminate`` when a KeyboardInterrupt crosses it)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
-              grace: float = 3.0) -> RanksExit:
+              grace: float = 3.0, stopped_s: float = STOPPED_S) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
@@ -171,28 +202,37 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     in the result (its failure summary is in stderr). However this returns or raises (SIGTERM, Ctrl-C,
     an error), no rank outlives it: torchrun starts each rank in a session of its own, so a signal to
     this process reaches neither; :func:`stop_tree` stops torchrun and every rank seen while it ran.
-    Once a rank has reported an error while another is stopped (SIGSTOP), the run cannot finish:
-    it is stopped at once rather than after torchrun's own 30 s wait for the stopped rank.
+    A rank stopped (SIGSTOP) for ``stopped_s`` seconds, or while another has reported an error, cannot
+    let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
+    wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
+    (which watch it, see ``fxpipe.cli.rank``) down with it.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
-        # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
-        # directory, which the caller removes, instead of staying behind in /tmp.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
-                                     # `python -m` puts the working directory first on sys.path, where a folder
-                                     # named fxpipe would shadow an editable install (Python 3.11+ honours this)
-                                     "PYTHONSAFEPATH": "1"})
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
         local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: torchrun's own processes)
         stopped: set[int] = set()
+        since: dict[int, float] = {}  # rank -> when it was first seen stopped
         shown = 0
+        with signals_held():  # a Ctrl-C now arrives inside the try below, which stops torchrun
+            # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
+            # directory, which the caller removes, instead of staying behind in /tmp.
+            proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
+                                         LAUNCHER_PID: str(os.getpid()),
+                                         # `python -m` puts the working directory first on sys.path, where a
+                                         # folder named fxpipe would shadow an editable install (3.11+ honours it)
+                                         "PYTHONSAFEPATH": "1"})
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))
                 for pid in seen.keys() - local.keys():
                     local[pid] = _rank_of(pid)
                 stopped = {r for r in map(_rank_of, _stopped(seen)) if r is not None}
-                if stopped and any(progress.parent.glob("rank*.error")):
+                now = time.monotonic()
+                since = {r: since.get(r, now) for r in stopped}
+                if stopped and (any(progress.parent.glob("rank*.error"))
+                                or now - min(since.values()) >= stopped_s):
                     break
                 time.sleep(0.2)
                 lines = progress.read_text().splitlines() if progress.exists() else []
@@ -369,6 +409,15 @@ def rendezvous_failure(torchrun_stderr: str, rendezvous: Rendezvous) -> RankFail
         return None
     what = f"{match.group(1)}: {match.group(2).strip()}".rstrip(": ")[:200]
     nodes = rendezvous.nnodes
+    if re.search(r"EADDRINUSE|address already in use", torchrun_stderr, re.I):
+        if rendezvous.endpoint is not None:
+            where, fix = f"--rdzv-endpoint {rendezvous.endpoint}", "another port in --rdzv-endpoint"
+        else:
+            port = rendezvous.master_port or DEFAULT_MASTER_PORT
+            where, fix = f"--master-port {port} on {rendezvous.master_addr}", "another --master-port"
+        return RankFailure(None, f"the port of {where} is already in use by another program, so this node could "
+                                 f"not open the meeting point; pass {fix} (the same on every node), or stop what "
+                                 "holds it")
     if rendezvous.endpoint is not None:
         same, host = "--nnodes, --rdzv-endpoint and --rdzv-id", rendezvous.endpoint
     else:
@@ -410,7 +459,7 @@ def _diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],
         rank = min(stopped)
         waiting = len([r for r in errors if r != rank])
         return RankFailure(rank, f"rank {rank} was unresponsive: its process was stopped (SIGSTOP, a debugger or job "
-                                 "control), so its peers timed out waiting for it"
+                                 "control), so it could not answer its peers"
                            + (f" ({waiting} reported waiting for it)" if waiting else "")
                            + "; the ranks were stopped")
     died = died_ranks(torchrun_stderr, set(errors) | set(finished))

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fxpipe.cli import ranks
-from fxpipe.cli.common import check_outputs, check_writable_file, err, one_line_errors, out, progress, say, write_output
+from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress,
+                               quiet_torch_logs, say, write_output)
 from fxpipe.errors import OptionError, RankFailedError
 
 
@@ -108,6 +109,10 @@ def run_cmd(
         import statistics
         import tempfile
 
+        with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
+            import torch  # noqa: F401
+        quiet_torch_logs()
+
         from fxpipe.plan_dir import read_plan
         from fxpipe.report import Report
 
@@ -159,23 +164,26 @@ def run_cmd(
         host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
                           keep_freed_memory=keep_freed_memory)  # a wrong value is refused here, before any rank starts
         replicas = dp if dp is not None else plan.mesh.dp
+        _check_sizes(replicas, nproc, nnodes, seed, timeout, sched.num_ranks)
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         source, fit = _data_fit(plan, data)
+        _check_model(plan_dir, plan)  # before any rank builds the model the plan names
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
         ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
                                           lock=nnodes == 1)
-        out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
-        cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
-                                     microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
-                                     fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting)
-        if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
-            cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
-        cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
-                "--codegen", codegen, "--device", device,
-                "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
-        try:
+        out_dir: Path | None = None
+        try:  # from the report directory's creation on, a signal at any moment removes it (and frees the lock)
+            out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
+            cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
+                                         microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
+                                         fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting)
+            if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
+                cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
+            cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
+                    "--codegen", codegen, "--device", device,
+                    "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
@@ -199,7 +207,8 @@ def run_cmd(
                 return
             heldout = _held_out(plan_dir, out_dir, source, fit) if fit is not None else None
         finally:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            if out_dir is not None:
+                shutil.rmtree(out_dir, ignore_errors=True)
             if ckpt_lock is not None:
                 ckpt_lock.close()  # the checkpoint directory's lock
         world = len(results)
@@ -410,6 +419,52 @@ def _held_report(doc: dict[str, Any], results: list[dict[str, Any]]) -> Any:
                    "tensors until B, what W reads until W), each storage once, parameters not counted; the peak "
                    "in the run's first step, measured in the runtime and as the schedule's simulation holds the "
                    "plan's F->B and B->W bytes",))
+
+
+def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: float, pp: int) -> None:
+    """The run's counts within ``LIMITS`` before torchrun starts (each rank is a process: --dp 1000000 would spend
+    minutes and gigabytes setting up before any failed)."""
+    from fxpipe.plan import LIMITS
+    from fxpipe.targets import SEED_LEAST, SEED_MOST
+
+    why = "each rank is a process of its own, started before any can fail"
+    LIMITS.whole("--dp", dp, LIMITS.ranks, why)
+    if pp * dp > LIMITS.ranks:
+        raise OptionError(f"the schedule's {pp} ranks x --dp {dp} = {pp * dp:,} ranks, more than the {LIMITS.ranks:,} "
+                          "one run starts (each is a process); lower --dp")
+    LIMITS.whole("--nnodes", nnodes, LIMITS.ranks, why)
+    if nproc is not None:
+        LIMITS.whole("--nproc", nproc, LIMITS.ranks, why)
+    LIMITS.whole("--seed", seed, SEED_MOST, "the data's order is drawn from a 64-bit seed", least=SEED_LEAST)
+    if not 0 < timeout <= 7 * 86400:
+        raise OptionError(f"--timeout must be more than 0 and at most a week of seconds (604800), got {timeout:g}; "
+                          "e.g. --timeout 60")
+
+
+def _check_model(plan_dir: Path, plan: Any) -> None:
+    """The built-in model the plan names must have the parameters its stage files hold (names, shapes, count):
+    every rank builds that model, and a plan.json naming gpt-1.5b over tiny stages would have each build 1.5 B
+    parameters first. The model is built on the meta device here (no memory)."""
+    import math
+
+    from fxpipe.cli.rank import zoo_of
+    from fxpipe.errors import PlanFileError
+    from fxpipe.plan_dir import read_plan_json
+
+    zoo = zoo_of(plan, device="meta")
+    if zoo is None:
+        return  # not a built-in model: the ranks refuse it in one line before building anything
+    stored = {p["name"]: tuple(p["shape"]) for s in read_plan_json(plan_dir)["stages"] for p in s["parameters"]}
+    built = {n: tuple(p.shape) for n, p in zoo.model.named_parameters()}
+    name = plan.provenance.model
+    wrong = sorted(n for n in stored if built.get(n) != stored[n])
+    count = sum(math.prod(v) for v in stored.values())
+    total = sum(math.prod(v) for v in built.values())
+    if wrong or count != total:
+        what = (f"{wrong[0]!r} {list(stored[wrong[0]])} is not a parameter of {name} "
+                f"({list(built[wrong[0]]) if wrong[0] in built else 'absent'})" if wrong else
+                f"the stage files hold {count:,} parameters and {name} has {total:,}")
+        raise PlanFileError(f"{plan_dir} is not a plan of {name}, the model it names: {what}; re-run fxpipe compile")
 
 
 def _rendezvous(nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None,

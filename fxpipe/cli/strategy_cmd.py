@@ -28,7 +28,8 @@ def strategy_cmd(
                                              "convolutions data-parallel, fully connected layers sharded in "
                                              "groups of --group; dp: every layer splits the batch.")] = Choice.auto,
     group: Annotated[int, typer.Option(min=1, help="SplitBrain's group of ranks (divides --ranks).")] = 2,
-    batch: Annotated[Optional[int], typer.Option(min=1, help="Global batch (default: the zoo's example batch).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", "--batch-size", min=1, help="Global batch, a multiple of "
+                                                 "--ranks (default: the zoo's example batch).")] = None,
     bandwidth: Annotated[str, typer.Option(help="Link bandwidth per second between ranks, e.g. 1.5GB.")] = "1.5GB",
     latency: Annotated[float, typer.Option(help="Seconds per ring step of a collective.")] = 1e-4,
     alltoall: Annotated[bool, typer.Option(help="The backend has all-to-all (NCCL); gloo does not, and moving a "
@@ -72,8 +73,17 @@ def _report(target: str, ranks: int, choice: str, group: int, batch: int | None,
     from fxpipe.api import choose_strategy
 
     zoo = models.build(target, device="meta", batch_size=batch)
-    chosen = choose_strategy(zoo.model, zoo.example_inputs, choice, ranks=ranks, group=group, bandwidth=bandwidth,
-                             latency=latency, alltoall=alltoall, heights=heights, memory_cap=cap, optimizer=optimizer)
+    rows = zoo.example_inputs[0].shape[0]
+    try:
+        chosen = choose_strategy(zoo.model, zoo.example_inputs, choice, ranks=ranks, group=group,
+                                 bandwidth=bandwidth, latency=latency, alltoall=alltoall, heights=heights,
+                                 memory_cap=cap, optimizer=optimizer)
+    except OptionError as exc:  # planning's refusal names fxpipe compile's --batch-size; this command's is --batch
+        if not rows % ranks or "no even split" not in str(exc):
+            raise
+        given = f"--batch {batch}" if batch is not None else f"{target}'s example batch"
+        raise OptionError(f"the batch of {rows} rows ({given}) does not split evenly over --ranks {ranks}; "
+                          f"give --batch {ranks * max(1, -(-rows // ranks))} (a multiple of {ranks})") from None
     per_layer, summary = chosen.reports
     record = chosen.record
     payload = {"target": target, "ranks": ranks, "strategy": choice, "method": record.method, "cost_s": record.cost,

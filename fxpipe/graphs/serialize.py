@@ -50,6 +50,15 @@ _TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "H", "
 _UNSAFE_OPS = frozenset({"aten::save", "aten::from_file", "aten::_print"})
 _HIGHER_ORDER = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "while_loop", "map_impl",
                            "invoke_subgraph", "tag_activation_checkpoint"})
+# Bounds on what a loaded graph may ask for before it runs: nesting of arguments and subgraphs, whole numbers
+# (a C++ int64 holds what torch's operators take), and what Python's operators make of constants (7 ** 300000000
+# takes minutes; "a" * 10**12 a terabyte).
+MAX_DEPTH = 64
+_INT_BOUND = 2**63
+_SEQUENCE_BOUND = 1 << 24  # items a constant sequence operation may make
+_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.pow, operator.neg,
+               operator.pos, operator.abs, operator.invert, operator.and_, operator.or_, operator.xor,
+               operator.lshift, operator.rshift}
 _UNSAFE_METHODS = frozenset({"storage", "untyped_storage", "tolist", "numpy", "apply_", "map_", "map2_",
                              "register_hook", "register_post_accumulate_grad_hook", "data_ptr", "share_memory_",
                              "pin_memory", "item", "backward", "retain_grad", "requires_grad_"})
@@ -78,7 +87,8 @@ def dump(gm: torch.fx.GraphModule, where: str) -> dict[str, Any]:
     return {"format": FORMAT, "nodes": nodes, "submodules": submodules}
 
 
-def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphModule", *,
+         depth: int = 0) -> torch.fx.GraphModule:
     """Rebuild a graph written by :func:`dump` over ``root``, which holds its tensors and leaf modules.
 
     Nested graphs are rebuilt first and set on ``root`` under their saved names. Raises
@@ -86,15 +96,18 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("nodes"), list):
         raise PlanFileError(f"{where} is not an {FORMAT} graph")
+    if depth > MAX_DEPTH:
+        raise PlanFileError(f"{where} nests subgraphs more than {MAX_DEPTH} deep; re-run fxpipe compile")
     subs = doc.get("submodules", {})
     if not isinstance(subs, dict):
         raise PlanFileError(f"{where} has a malformed submodules table")
     for name, sub in subs.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanFileError(f"{where} names a subgraph {name!r}, which is not an identifier")
-        setattr(root, name, load(sub, torch.nn.Module(), f"{where} subgraph {name}"))
+        setattr(root, name, load(sub, torch.nn.Module(), f"{where} subgraph {name}", depth=depth + 1))
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
+    constants: dict[str, int] = {}  # nodes whose value is a whole number known from the file (operators on constants)
     for i, entry in enumerate(doc["nodes"]):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise PlanFileError(f"{where} node {i} is malformed")
@@ -122,6 +135,12 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
                 _attr(root, target, here)
         else:
             raise PlanFileError(f"{here} has unknown op {op!r}")
+        if target in _ARITHMETIC:
+            value = _constant_result(target, args, constants, here)
+            if value is not None:
+                constants[name] = value
+        elif op == "call_function" and isinstance(target, torch._ops.OpOverload):
+            _check_sizes(target, args, kwargs, here)
         if target == "builtins.getattr" or target is getattr:
             if len(args) != 2 or args[1] not in _TENSOR_ATTRS:
                 raise PlanFileError(f"{here} reads attribute {args[1:]!r}, not one of a tensor's plain attributes")
@@ -134,6 +153,60 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
     except Exception as exc:  # torch raises RuntimeError for a malformed graph
         raise PlanFileError(f"{where} is not a well-formed graph ({exc})") from exc
     return torch.fx.GraphModule(root, graph, class_name=class_name)
+
+
+def _digits(value: int) -> str:
+    """A whole number as text, or its digit count when that would be long."""
+    return str(value) if abs(value) < 10**24 else f"of {len(str(abs(value)))} digits"
+
+
+def _constant_result(fn: Callable[..., Any], args: tuple[Any, ...], constants: dict[str, int],
+                     where: str) -> int | None:
+    """Python's operator ``fn`` on whole numbers known from the file (constants, or nodes made of them): its value,
+    refused past 64 bits before it is computed; None when an operand is a runtime value. A sequence times a number
+    is bounded by the items it makes."""
+    known = [constants.get(a.name) if isinstance(a, torch.fx.Node) else a for a in args]
+    if fn is operator.mul and len(known) == 2:
+        seq = next((v for v in known if isinstance(v, (str, list, tuple))), None)
+        times = next((v for v in known if isinstance(v, int) and not isinstance(v, bool)), None)
+        if seq is not None and times is not None and len(seq) * times > _SEQUENCE_BOUND:
+            raise PlanFileError(f"{where} repeats a constant of {len(seq)} items {_digits(times)} times, past "
+                                f"{_SEQUENCE_BOUND:,} items; re-run fxpipe compile")
+    if not known or not all(isinstance(v, int) and not isinstance(v, bool) for v in known):
+        return None
+    too_big = PlanFileError(f"{where} computes {getattr(fn, '__name__', fn)}{tuple(_digits(v) for v in known)}, "
+                            "beyond 64 bits (what torch's operators take); re-run fxpipe compile")
+    if fn is operator.pow and len(known) == 2:
+        base, exp = known
+        if exp > 0 and abs(base) > 1 and exp * (abs(base).bit_length() - 1) >= 64:
+            raise too_big
+    if fn is operator.lshift and len(known) == 2 and known[0] != 0 and known[1] >= 64:
+        raise too_big
+    try:
+        value = fn(*known)
+    except (ArithmeticError, ValueError):  # 1 // 0, a negative shift: the graph fails when run, as it would have
+        return None
+    if not isinstance(value, int) or not -_INT_BOUND <= value < _INT_BOUND:
+        if isinstance(value, int):
+            raise too_big
+        return None
+    return value
+
+
+def _check_sizes(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> None:
+    """An ATen operator's ``size`` argument, when the file gives it as whole numbers: at most ``LIMITS.elements``
+    elements (``aten.zeros([10**12])`` would allocate terabytes before any check)."""
+    from fxpipe.plan import LIMITS
+
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name != "size":
+            continue
+        value = args[i] if i < len(args) else kwargs.get("size")
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            count = math.prod(value)
+            if count > LIMITS.elements:
+                raise PlanFileError(f"{where} makes a tensor of shape {list(value)} ({count:,} elements), past "
+                                    f"{LIMITS.elements:,}; re-run fxpipe compile")
 
 
 def _target_name(target: Any, where: str) -> str:
@@ -255,11 +328,17 @@ def _encode(value: Any, where: str) -> Any:
 _TAGGED: dict[str, type] = {"dtype": torch.dtype, "memory_format": torch.memory_format, "layout": torch.layout}
 
 
-def _decode(value: Any, env: dict[str, torch.fx.Node], where: str) -> Any:
+def _decode(value: Any, env: dict[str, torch.fx.Node], where: str, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise PlanFileError(f"{where} nests its arguments more than {MAX_DEPTH} deep; a traced graph's arguments "
+                            "are shallow: re-run fxpipe compile")
+    if isinstance(value, int) and not isinstance(value, bool) and not -_INT_BOUND <= value < _INT_BOUND:
+        raise PlanFileError(f"{where} has the whole number {_digits(value)}, beyond 64 bits (what torch's operators "
+                            "take); re-run fxpipe compile")
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [_decode(v, env, where) for v in value]
+        return [_decode(v, env, where, depth + 1) for v in value]
     if not isinstance(value, dict) or len(value) != 1:
         raise PlanFileError(f"{where} has a malformed argument")
     (tag, body), = value.items()
@@ -268,13 +347,13 @@ def _decode(value: Any, env: dict[str, torch.fx.Node], where: str) -> Any:
             raise PlanFileError(f"{where} reads {body!r} before it is defined")
         return env[body]
     if tag == "tuple" and isinstance(body, list):
-        return tuple(_decode(v, env, where) for v in body)
+        return tuple(_decode(v, env, where, depth + 1) for v in body)
     if tag == "dict" and isinstance(body, dict):
-        return {k: _decode(v, env, where) for k, v in body.items()}
+        return {k: _decode(v, env, where, depth + 1) for k, v in body.items()}
     if tag == "float" and body in ("nan", "inf", "-inf"):
         return float(body)
     if tag == "slice" and isinstance(body, list) and len(body) == 3:
-        return slice(*(_decode(v, env, where) for v in body))
+        return slice(*(_decode(v, env, where, depth + 1) for v in body))
     if tag == "ellipsis":
         return Ellipsis
     if tag == "device" and isinstance(body, str):

@@ -35,6 +35,7 @@ from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
+from fxpipe.plan import LIMITS
 from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, measure_ratio
@@ -82,6 +83,9 @@ class PipelineRuntime:
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
                  track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
                  host: HostTuning | None = None) -> None:
+        if microbatches is not None:  # before the process group: a wrong count is one line, not a hang
+            LIMITS.whole("microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's "
+                         "actions")
         _init_process_group(timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan)

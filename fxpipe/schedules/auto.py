@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
-from fxpipe.plan import DEFAULTS, Plan
+from fxpipe.plan import DEFAULTS, LIMITS, Plan, check_schedule_size
 from fxpipe.report import Report
 from fxpipe.schedules.generators import generate, zero_bubble
 from fxpipe.schedules.ir import Schedule
@@ -103,6 +103,9 @@ def plan_schedule(plan: Plan, schedule: str | None, microbatches: int | None) ->
     --microbatches``), else ``DEFAULTS.microbatches``; ``auto`` without one searches the counts. A
     recorded schedule keeps whether it is synchronous. Raises OptionError for an unknown name or
     counts the schedule cannot take."""
+    if microbatches is not None:
+        LIMITS.whole("--microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's actions")
+        check_schedule_size(plan.num_stages, microbatches)
     recorded = plan.schedule
     if schedule is None and recorded is not None and microbatches in (None, recorded.microbatches):
         return Schedule.from_csv(recorded.csv, recorded.name, synchronous=recorded.synchronous,

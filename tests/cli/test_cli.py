@@ -527,6 +527,40 @@ def test_inspect_json(gpt_plan: tuple[Result, Path]) -> None:
     assert len(doc["plan"]["stages"]) == 2
 
 
+def test_inspect_shows_one_microbatchs_inputs_and_what_the_loss_takes(gpt_plan: tuple[Result, Path],
+                                                                        mlp_plain: tuple[Result, Path]) -> None:
+    """What a batch for PipelineRuntime.step needs, as the zoo builds it: gpt's token ids and next-token target
+    below the vocabulary; mlp's float features and class targets below its classes."""
+    gpt = json.loads(ok(fxpipe_cli("inspect", gpt_plan[1], "--json")).stdout)["batch"]
+    zoo = models.build("gpt-tiny")
+    vocab = zoo.model.wte.num_embeddings
+    assert gpt["inputs"] == [{"name": "idx", "shape": list(zoo.example_inputs[0].shape), "dtype": "int64",
+                              "values": f"[0, {vocab})"}]
+    assert gpt["loss"]["target_shape"] == list(zoo.example_target.shape)
+    assert (gpt["loss"]["target_dtype"], gpt["loss"]["target_values"]) == ("int64", f"[0, {vocab})")
+    assert "cross entropy" in gpt["loss"]["loss"]
+    mlp = json.loads(ok(fxpipe_cli("inspect", mlp_plain[1], "--json")).stdout)["batch"]
+    zoo = models.build("mlp-tiny")
+    classes = zoo.model(*zoo.example_inputs).shape[-1]
+    assert [(i["shape"], i["dtype"], i["values"]) for i in mlp["inputs"]] == [
+        (list(zoo.example_inputs[0].shape), "float32", "any")]
+    assert (mlp["loss"]["target_shape"], mlp["loss"]["target_values"]) == ([zoo.example_inputs[0].shape[0]],
+                                                                            f"[0, {classes})")
+    text = ok(fxpipe_cli("inspect", gpt_plan[1], "--plain")).stdout
+    shape = "x".join(map(str, gpt["inputs"][0]["shape"]))
+    assert re.search(rf"^idx\s+{shape}\s+int64\s+\[0, {vocab}\)\s*$", text, re.M), text
+    assert re.search(rf"^target\s+{shape}\s+int64\s+\[0, {vocab}\)\s*$", text, re.M), text
+
+
+def test_inspect_of_a_python_api_plan_leaves_the_loss_to_the_caller(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+    fxpipe.save(fxpipe.compile(model, (torch.zeros(2, 5, dtype=torch.int64),), stages=1), tmp_path / "plan")
+    doc = json.loads(ok(fxpipe_cli("inspect", tmp_path / "plan", "--json")).stdout)["batch"]
+    assert [(i["shape"], i["dtype"], i["values"]) for i in doc["inputs"]] == [([2, 5], "int64", "integers")]
+    assert doc["loss"] is None
+    assert "the one you pass" in ok(fxpipe_cli("inspect", tmp_path / "plan", "--plain")).stdout
+
+
 def test_inspect_a_dir_without_plan_json(tmp_path: Path) -> None:
     line = one_line_error(fxpipe_cli("inspect", tmp_path))
     assert f"{tmp_path} is not a plan directory (no plan.json)" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -44,7 +45,10 @@ def test_the_table_prints_every_layer_and_the_totals() -> None:
 
 @pytest.mark.parametrize(("args", "words"), [
     (("vgg-tiny", "--ranks", "3"), "power of two"),
-    (("vgg-tiny", "--ranks", "4"), "layer 'x' (output 2x3x32x32) has no even split over 4 ranks"),
+    (("vgg-tiny", "--ranks", "4"), "the batch of 2 rows (vgg-tiny's example batch) does not split evenly over "
+                                   "--ranks 4; give --batch 4"),
+    (("vgg-tiny", "--ranks", "4", "--batch", "6"), "the batch of 6 rows (--batch 6) does not split evenly over "
+                                                   "--ranks 4; give --batch 8"),
     (("vgg-tiny", "--ranks", "4", "--group", "8"), "--group 8 must divide --ranks 4"),
     (("gpt-tiny",), "symbolic_trace"),
     (("no-such-model",), "no-such-model"),
@@ -55,3 +59,15 @@ def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], words: str) -> 
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], result.stderr
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--batch-size"])
+def test_the_batch_hint_names_a_flag_and_a_value_that_work(flag: str) -> None:
+    """The one-line refusal of a batch the ranks do not divide names this command's flag and a batch that
+    splits; given as said (under either spelling, --batch-size being fxpipe compile's), the command runs."""
+    result = fxpipe_cli("strategy", "vgg-tiny", "--ranks", "4", "--strategy", "splitbrain")
+    assert result.exit_code == 2, result.output
+    fix = re.search(r"give (--batch) (\d+)", result.stderr)
+    assert fix, result.stderr
+    got = _json("vgg-tiny", "--ranks", "4", "--strategy", "splitbrain", flag, fix.group(2))
+    assert got["strategy"] == "splitbrain" and got["layers"]

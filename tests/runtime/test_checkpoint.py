@@ -22,13 +22,9 @@ from fxpipe.errors import CheckpointError, FxpipeError
 from fxpipe.runtime import checkpoint
 from tests._helpers import OneRank as _OneRank
 from tests._helpers import assert_ranks_ok, launch_ranks, train_reference, with_plans
+from tests._helpers import load_checkpoints as _load
 from tests._helpers import saved_checkpoints as _saved
 from tests.runtime._dist_worker import payload
-
-
-def _load(root: Path) -> tuple[int, list[str], _OneRank]:
-    rt, warned = _OneRank(0.0), []
-    return checkpoint.load(rt, root, warn=warned.append), warned, rt
 
 
 def test_one_directory_per_step_keeps_the_last_k_and_loads_back(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""``examples/``: train_pipeline_dp.py, run as the README says (torchrun, 4 ranks, a zoo plan in 2 stages: 2 x 2),
-trains like one process on the whole batch, and its checkpoint resumes onto 2 ranks (dp 1); the Slurm script
-parses and starts that script."""
+"""``examples/``: train_pipeline_dp.py, run as docs/distributed.md says (torchrun, 4 ranks, a zoo plan in 2 stages:
+2 x 2), trains like one process on the whole batch, and its checkpoint resumes onto 2 ranks (dp 1); its batches
+fit any plan whose inputs it can draw (token ids within their embedding) and it refuses the others in one line;
+the Slurm script parses and starts that script."""
 
 from __future__ import annotations
 
@@ -67,12 +68,12 @@ def test_the_example_trains_2x2_like_one_process_and_resumes_onto_dp_1(tmp_path:
     resumed = _torchrun(2, plan, "--steps", "4", "--microbatches", "8", "--checkpoint-dir", ckpt)
 
     example = _example_module()
-    batch = example.teacher_batches((8, 64), torch.float32, 10, 64, 0)
+    batch = example.teacher_batches([(8, 64)], [torch.float32], {}, 10, 64, 0)
     ref = copy.deepcopy(zoo.model)
     opt = torch.optim.Adam(ref.parameters(), lr=3e-3)
     expected = []
     for k in range(4):
-        x, y = batch(k)
+        (x,), y = batch(k)
         loss = torch.nn.functional.cross_entropy(ref(x), y)
         opt.zero_grad()
         loss.backward()
@@ -83,6 +84,41 @@ def test_the_example_trains_2x2_like_one_process_and_resumes_onto_dp_1(tmp_path:
     assert len(set(expected)) == 4  # the weights moved
 
 
+def test_the_example_draws_token_ids_within_the_vocabulary_and_labels_every_position(tmp_path: Path) -> None:
+    """A gpt plan (integer token inputs): the batches are token ids in [0, vocab) with one label per position,
+    shaped like the plan's inputs, and one process trains on them with the example's loss (docs/distributed.md
+    runs the same plan on 4 ranks)."""
+    zoo = models.build("gpt-tiny")
+    pipe = fxpipe.load(fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2), tmp_path / "plan"))
+    vocab = zoo.model.wte.num_embeddings
+    (tokens,), target = _example_module().plan_batches(pipe, 8, 0)(0)
+    assert tokens.dtype == torch.int64 and tokens.shape == (8, *zoo.example_inputs[0].shape[1:])
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < vocab and int(tokens.max()) > vocab // 2
+    assert target.shape == tokens.shape and int(target.max()) < vocab
+    rows = zoo.example_inputs[0].shape[0]  # the stages take one compiled microbatch at a time
+    loss = torch.nn.functional.cross_entropy(pipe(tokens[:rows]).flatten(0, -2), target[:rows].flatten())
+    assert torch.isfinite(loss)
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * ids.unsqueeze(-1).float())
+
+
+def test_the_example_refuses_in_one_line_a_plan_whose_inputs_it_cannot_draw(tmp_path: Path) -> None:
+    """An integer input that no embedding indexes has no known range: one line, no traceback."""
+    model = _TwoOutputs()
+    pipe = fxpipe.compile(model, (torch.randn(2, 4), torch.ones(2, dtype=torch.int64)), stages=2)
+    with pytest.raises(SystemExit) as stop:
+        _example_module().plan_batches(pipe, 8, 0)
+    message = str(stop.value)
+    assert "\n" not in message and "['ids']" in message and "embedding" in message
+
+
 def test_the_slurm_script_parses_and_starts_the_example() -> None:
     bash = shutil.which("bash")
     if bash is None:
@@ -90,8 +126,8 @@ def test_the_slurm_script_parses_and_starts_the_example() -> None:
     assert subprocess.run([bash, "-n", str(SLURM)], capture_output=True).returncode == 0
     text = SLURM.read_text()
     assert "examples/train_pipeline_dp.py" in text and "--rdzv-backend c10d" in text
-    readme = (ROOT / "README.md").read_text()
-    assert "examples/slurm_pipeline_dp.sh" in readme and "examples/train_pipeline_dp.py" in readme
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    assert "examples/slurm_pipeline_dp.sh" in page and "examples/train_pipeline_dp.py" in page
 
 
 STRATEGY = ROOT / "examples" / "train_strategy.py"
