@@ -13,7 +13,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from tests.test_transformers import _gpt2
+from tests._helpers import HANG_S, hf_gpt2 as _gpt2
 
 
 def _train_side_by_side(model: torch.nn.Module, inputs: tuple[Any, ...], target: torch.Tensor, loss_fn: Any,
@@ -150,7 +150,7 @@ def test_the_backend_works_without_importing_fxpipe() -> None:
         assert "fxpipe" in torch._dynamo.list_backends()
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers import HANG_S
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fxpipe"
 
@@ -19,7 +21,7 @@ def test_import_linter_contracts_hold() -> None:
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if exe is None:
         pytest.fail("lint-imports is not installed; pip install -e '.[dev]' installs import-linter")
-    proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "BROKEN" not in proc.stdout and "KEPT" in proc.stdout
 

@@ -19,6 +19,7 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.errors import PlanFileError
+from tests._helpers import HANG_S
 
 
 @dataclasses.dataclass
@@ -319,7 +320,7 @@ def test_load_does_not_need_the_model_source(tmp_path: Path) -> None:
         assert not any("my_model" in name for name in sys.modules), "the model's module was imported"
         print("ok", len(pipe.stages))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok 2"
 

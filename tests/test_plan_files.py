@@ -17,7 +17,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.errors import PlanFileError
 from fxpipe.plan_dir import MAX_JSON_DEPTH, check_depth, read_json
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 def tree(root: Path) -> dict[str, str]:

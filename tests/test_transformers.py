@@ -7,22 +7,9 @@ import pytest
 import torch
 
 import fxpipe
-
-from tests.conftest import assert_composes
+from tests._helpers import HANG_S, assert_composes, hf_gpt2 as _gpt2, hf_loss as _loss
 
 transformers = pytest.importorskip("transformers")
-
-
-def _gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32, use_cache=False,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).train()
-
-
-def _loss(out: object, target: torch.Tensor) -> torch.Tensor:
-    logits = out.logits  # type: ignore[attr-defined]
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
@@ -81,7 +68,7 @@ torch.testing.assert_close(out["logits"], io["logits"])
 assert "transformers" not in sys.modules
 print([str(w.message) for w in caught])
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CausalLMOutputWithCrossAttentions; loaded as fxpipe.Record" in proc.stdout
     assert "Import transformers before loading" in proc.stdout

@@ -16,37 +16,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import Result
-from typer.testing import CliRunner
 
 import fxpipe
 from fxpipe import models
-from fxpipe.cli.main import app
 from fxpipe.passes import DEFAULT_PASSES, PASS_NAMES
-
-
-
-def fxpipe_cli(*args: str | os.PathLike[str]) -> Result:
-    """Run ``fxpipe ARGS`` in this process; stdout and stderr are kept apart."""
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def ok(result: Result) -> Result:
-    """The command succeeded: exit 0 and no exception."""
-    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.exception is None, repr(result.exception)
-    return result
-
-
-def one_line_error(result: Result) -> str:
-    """The command failed the way the CLI promises: exit 2, one ``error:`` line on stderr, no traceback."""
-    assert result.exit_code == 2, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{result.stderr}"
-    assert lines[0].startswith("error: ")
-    return lines[0]
+from tests._helpers import HANG_S, fxpipe_cli, ok, one_line_error
 
 
 def titles_in(text: str) -> list[str]:
@@ -676,7 +650,7 @@ def test_models_json() -> None:
 
 
 def _python(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -687,7 +661,7 @@ def test_console_script_error_is_one_line_on_the_real_stderr(tmp_path: Path) -> 
     if not script.is_file():
         pytest.skip(f"no console script at {script}")
     proc = subprocess.run([str(script), "compile", "gpt-tiny", "--stages", "100"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+                          timeout=HANG_S, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
@@ -713,7 +687,7 @@ def test_console_script_help_does_not_import_torch() -> None:
     if not script.is_file():
         pytest.skip(f"no console script at {script}")
     env = dict(os.environ, PYTHONPROFILEIMPORTTIME="1")
-    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=HANG_S, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "compile" in proc.stdout and "inspect" in proc.stdout and "models" in proc.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

@@ -287,7 +287,7 @@ def test_mutated_checkpoint_directories(places: Places, user_dir: Path, tmp_path
                                         data: st.DataObject) -> None:
     from fxpipe.errors import CheckpointError
     from fxpipe.runtime import checkpoint
-    from tests.runtime.test_checkpoint import _OneRank, _saved
+    from tests._helpers import OneRank as _OneRank, saved_checkpoints as _saved
 
     work = tmp_path_factory.mktemp("ck-fuzz")
     root = _saved(work / "ck", range(1, 4))

@@ -9,12 +9,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.cli.test_run_dp import STEPS, dp_plan, four_rank_run
+from tests._helpers import DP_STEPS as STEPS, dp_plan, four_rank_run
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
 
@@ -32,8 +31,10 @@ def start_node(*args: str | int | Path) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-def two_nodes(*args: str | int | Path, timeout: float = 120) -> list[tuple[int, str, str]]:
-    """Node 0 and node 1 of a static rendezvous on 127.0.0.1, started together: (exit code, stdout, stderr) each."""
+def two_nodes(*args: str | int | Path, timeout: float = 600) -> list[tuple[int, str, str]]:
+    """Node 0 and node 1 of a static rendezvous on 127.0.0.1, started together: (exit code, stdout, stderr) each.
+    ``timeout`` only keeps a hang from stalling the suite (far above a run at any load): the bounds a test checks are
+    the ones its lines state."""
     port = free_port()
     procs = [start_node(dp_plan(), "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port",
                         port, "--nproc", 2, *args) for node in (0, 1)]
@@ -60,10 +61,8 @@ def test_two_nodes_train_like_one() -> None:
 
 def test_a_rank_killed_on_one_node_is_named_on_both() -> None:
     """Rank 3 (node 1; stage 1's second replica) is SIGKILLed mid-step: node 1 saw it die, node 0's ranks
-    waited for it in vain; both name rank 3, within the --timeout."""
-    start = time.monotonic()
+    waited for it in vain; both name rank 3 (node 0 from its ranks' 10 s --timeout, not torch's default wait)."""
     (rc0, out0, err0), (rc1, out1, err1) = two_nodes("--steps", "3", "--timeout", "10", "--kill-rank", "3")
-    assert time.monotonic() - start < 60, (err0, err1)
     assert (rc0, out0, rc1, out1) == (2, "", 2, ""), (err0, err1)
     assert err1.startswith("error: rank 3 died (killed by signal 9, SIGKILL") and err1.count("\n") == 1, err1
     assert err0.startswith("error: rank 3 failed without an error report; rank ") and err0.count("\n") == 1, err0
@@ -73,17 +72,23 @@ def test_a_rank_killed_on_one_node_is_named_on_both() -> None:
 def test_a_node_whose_peer_never_comes_gives_up_in_one_line() -> None:
     """Static (node 1 alone: node 0's address never answers) and c10d (one of two nodes), concurrently."""
     static_port, c10d_port = free_port(), free_port()
-    start = time.monotonic()
     static = start_node(dp_plan(), "--nnodes", 2, "--node-rank", 1, "--master-addr", "127.0.0.1", "--master-port",
                         static_port, "--rdzv-timeout", 3, "--steps", 1)
     c10d = start_node(dp_plan(), "--nnodes", 2, "--rdzv-endpoint", f"127.0.0.1:{c10d_port}", "--rdzv-timeout", 3,
                       "--steps", 1)
     lines = []
-    for proc in (static, c10d):
-        out, err = proc.communicate(timeout=90)
-        assert proc.returncode == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
-        lines.append(err.strip())
-    assert time.monotonic() - start < 45, lines
+    try:
+        for proc in (static, c10d):
+            # The bound: each gives up after its 3 s --rdzv-timeout (its line says so), not torch's default 15 min;
+            # the wait here only keeps a hang from stalling the suite, and holds at any load.
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+            lines.append(err.strip())
+    finally:
+        for proc in (static, c10d):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
     assert lines[0].startswith(f"error: this node waited up to 3 s at --master-addr 127.0.0.1 --master-port "
                                f"{static_port} and the 2 nodes never all met (DistNetworkError: "), lines[0]
     assert lines[0].endswith(f"start fxpipe run on all 2 nodes with the same --nnodes, --master-addr and --master-port "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe.runtime import checkpoint
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -56,7 +56,7 @@ def test_outputs_that_would_overwrite_the_plan_or_each_other_are_refused(plan: P
 
 
 def test_a_checkpoint_directory_in_use_is_refused_before_any_rank_starts(plan: Path, tmp_path: Path) -> None:
-    from tests.runtime.test_checkpoint import _saved
+    from tests._helpers import saved_checkpoints as _saved
 
     ck = _saved(tmp_path / "ck", range(1, 3))
     before = tree(ck)
@@ -71,7 +71,7 @@ def test_a_checkpoint_directory_in_use_is_refused_before_any_rank_starts(plan: P
 
 
 def test_overwrite_leaves_a_symlinked_steps_target_untouched(plan: Path, tmp_path: Path) -> None:
-    from tests.runtime.test_checkpoint import _saved
+    from tests._helpers import saved_checkpoints as _saved
 
     ck, user = _saved(tmp_path / "ck", range(1, 3)), _saved(tmp_path / "user", range(5, 6))
     (ck / "step_000003").symlink_to(user / "step_000005")

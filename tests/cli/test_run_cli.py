@@ -2,51 +2,27 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
 from fxpipe.calibration.threads import rank_cpus
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error, plan_fixture, reference_losses, saved_checkpoints
+from tests.runtime._dist_worker import payload
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("run") / "plan"
-    ok(fxpipe_cli("compile", "gpt-tiny", "--stages", "2", "--out", out, "--schedule", "zb-h1", "--microbatches", "4"))
-    return out
-
-
-def _reference_losses(steps: int, m: int = 4, lr: float = 0.01, model: str = "gpt-tiny") -> list[float]:
-    """One process on fxpipe run's synthetic batch of m microbatches: the mean loss per step, plain SGD."""
-    zoo = models.build(model)
-    ref = copy.deepcopy(zoo.model)
-    inputs, target = synthetic_batch(zoo, m)
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    xs, ts = inputs[0].tensor_split(m), target.tensor_split(m)
-    losses = []
-    for _ in range(steps):
-        loss = sum(zoo.loss_fn(ref(xs[i]), ts[i]) for i in range(m)) / m
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+plan = plan_fixture("gpt-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4")
 
 
 def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> None:
     trace = tmp_path / "measured.json"
     doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--json", "--trace", trace)).stdout)
     assert doc["schema"] == "fxpipe.run/v1" and doc["schedule"] == "zb-h1" and doc["microbatches"] == 4
-    assert doc["losses"] == pytest.approx(_reference_losses(3), rel=1e-5)
+    assert doc["losses"] == pytest.approx(reference_losses(3), rel=1e-5)
     assert doc["step_ms_median"] > 0 and doc["samples_per_s"] > 0 and doc["simulated_step_ms"] > 0
     assert doc["simulated_without_runtime_costs"] is False  # an uncalibrated plan has none to leave out
     cal = doc["calibration"]  # what the simulation charged: the link and both contentions, measured on the ranks
@@ -83,11 +59,10 @@ def test_a_failed_rank_is_named(plan: Path) -> None:
 
 def test_a_killed_rank_is_named(plan: Path) -> None:
     """Rank 1 is SIGKILLed right after its first compute of step 1: it leaves no error file, torchrun stops
-    rank 0 (if rank 0 has not already given up waiting for it), and the run still names rank 1, at once."""
-    start = time.monotonic()
+    rank 0 (if rank 0 has not already given up waiting for it), and the run still names rank 1, from torchrun's
+    exit codes (no hang: the ranks wait at most their --timeout of 10 s)."""
     line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--timeout", "10",
                                      "--kill-rank", "1"))
-    assert time.monotonic() - start < 60, line  # no hang: the whole run, start-up included
     assert line.startswith("error: rank 1 died (killed by signal 9, SIGKILL"), line
     assert "without an error report; the other ranks stopped" in line, line
 
@@ -126,12 +101,9 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     assert (ckpt / "NOTES.txt").read_text() == "mine"
 
 
-def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path) -> None:
-    from tests.runtime._dist_worker import payload
-    from tests.runtime.test_checkpoint import _saved
-
-    started = time.perf_counter()
-    ckpt = _saved(tmp_path / "ckpt", range(1, 4))
+def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path,
+                                                              no_rank_starts: list[list[str]]) -> None:
+    ckpt = saved_checkpoints(tmp_path / "ckpt", range(1, 4))
     assert "the newest checkpoint in" in one_line_error(fxpipe_cli("run", plan, "--steps", "3", "--checkpoint-dir", ckpt,
                                                                    "--resume"))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--checkpoint-dir", ckpt, "--resume"))
@@ -153,7 +125,6 @@ def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_p
         file.write_bytes(payload(ran).ljust(file.stat().st_size, b"\0"))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"))
     assert line.startswith(f"error: no complete checkpoint in {ckpt} (step_000003 is corrupt (") and not ran.exists()
-    assert time.perf_counter() - started < 30  # no torchrun: refused up front
 
 
 @pytest.mark.parametrize(("args", "expected"), [
@@ -161,20 +132,16 @@ def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_p
     (["--nproc", "2", "--schedule", "nope"], "unknown schedule 'nope'"),
     (["--nproc", "2", "--schedule", "interleaved-1f1b"], "use --nproc 1"),
 ])
-def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Path, args: list[str],
-                                                                         expected: str) -> None:
-    started = time.perf_counter()
+def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Path, args: list[str], expected: str,
+                                                                         no_rank_starts: list[list[str]]) -> None:
     assert expected in one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1"))
-    assert time.perf_counter() - started < 20  # no torchrun: refused up front
 
 
-def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path) -> None:
-    started = time.perf_counter()
+def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path, no_rank_starts: list[list[str]]) -> None:
     assert one_line_error(fxpipe_cli("run", plan, "--send-yield", "2", "--steps", "1")).startswith(
         "error: send_yield must be one of auto, on, off (got '2')")
     out_of_range = fxpipe_cli("run", plan, "--gloo-loop-nice", "20", "--steps", "1")  # typer's own range check
     assert out_of_range.exit_code == 2 and "--gloo-loop-nice" in out_of_range.output
-    assert time.perf_counter() - started < 20  # no torchrun: refused up front
 
 
 def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() -> None:
@@ -231,11 +198,10 @@ def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_pack
                            "--device cpu"),
 ])
 def test_device_options_are_refused_before_any_rank_starts(plan: Path, args: list[str], expected: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           no_rank_starts: list[list[str]]) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusals on a machine with a GPU
-    started = time.perf_counter()
     assert one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1")) == expected
-    assert time.perf_counter() - started < 20  # no torchrun: refused up front
 
 
 def test_batched_w_runs_each_stage_s_w_once_and_says_so(tmp_path: Path) -> None:
@@ -248,7 +214,7 @@ def test_batched_w_runs_each_stage_s_w_once_and_says_so(tmp_path: Path) -> None:
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches", "8"))
     doc = json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--json")).stdout)
     assert doc["schedule"] == "batched-w" and doc["microbatches"] == 8
-    assert doc["losses"] == pytest.approx(_reference_losses(3, m=8, model="mlp-tiny"), rel=1e-5)
+    assert doc["losses"] == pytest.approx(reference_losses(3, m=8, model="mlp-tiny"), rel=1e-5)
     assert sorted(doc["batched_w"]) == ["0", "1"]
     for how in doc["batched_w"].values():
         assert how.startswith("batched over 4 microbatches ("), how

@@ -9,16 +9,14 @@ import pytest
 from typer.testing import CliRunner
 
 from fxpipe.cli.main import app
+from tests._helpers import cli_plan
 
 pytest.importorskip("sklearn")
 
 
 @pytest.fixture(scope="module")
-def digits_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("digits") / "plan"
-    result = CliRunner().invoke(app, ["compile", "mlp-small", "--stages", "2", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out
+def digits_plan() -> Path:
+    return cli_plan("mlp-small", "--stages", "2")
 
 
 def test_async_predict_trains_digits_and_scores_the_held_out_split(digits_plan: Path) -> None:
@@ -39,7 +37,8 @@ def test_async_predict_trains_digits_and_scores_the_held_out_split(digits_plan: 
     (["--data", "text:stdlib"], "gives one int64 input of byte ids"),
     (["--weights", "newest"], "--weights 'newest' is not a policy"),
 ])
-def test_data_options_are_checked_before_any_rank_starts(digits_plan: Path, args: list[str], message: str) -> None:
+def test_data_options_are_checked_before_any_rank_starts(digits_plan: Path, args: list[str], message: str,
+                                                        no_rank_starts: list[list[str]]) -> None:
     result = CliRunner().invoke(app, ["run", str(digits_plan), "--nproc", "2", "--steps", "1", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
@@ -70,9 +69,9 @@ def test_a_killed_rank_is_named_in_an_async_run(digits_plan: Path) -> None:
     assert "rank 1 died (killed by signal 9, SIGKILL" in result.output and "Traceback" not in result.output
 
 
-def test_an_async_run_of_a_plan_with_tied_weights_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
-    plan = tmp_path / "plan"
-    assert CliRunner().invoke(app, ["compile", "gpt-tiny", "--stages", "2", "--out", str(plan)]).exit_code == 0
+def test_an_async_run_of_a_plan_with_tied_weights_is_refused_before_any_rank_starts(
+        no_rank_starts: list[list[str]]) -> None:
+    plan = cli_plan("gpt-tiny", "--stages", "2")
     result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--schedule", "async-1f1b", "--steps", "1"])
     assert result.exit_code == 2, result.output
     assert "lm_head.weight is shared by stages [0, 1]" in result.output and "starting" not in result.output

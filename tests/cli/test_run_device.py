@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.test_cli import fxpipe_cli, ok
+from tests._helpers import fxpipe_cli, ok
 
 # CPU and CUDA kernels round differently; the runs are float32.
 TOL = {"rtol": 1e-4, "atol": 1e-5}

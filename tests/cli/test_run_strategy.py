@@ -14,7 +14,7 @@ from fxpipe.cli.rank import synthetic_batch
 from fxpipe.errors import PlanFileError
 from fxpipe.plan import StrategyRecord, StrategyStage
 from fxpipe.plan_dir import read_plan
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatches: int = 1) -> list[float]:

@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from fxpipe.cli.main import app
+from tests._helpers import MLP_PLAN, plan_fixture
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("signals") / "plan"
-    result = CliRunner().invoke(app, ["compile", "mlp-tiny", "--stages", "2", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    return out
+plan = plan_fixture(*MLP_PLAN)
 
 
 def start_run(plan: Path, tmp: Path, *args: str) -> subprocess.Popen[str]:

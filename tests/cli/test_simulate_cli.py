@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe.schedules.ir import Schedule
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 @pytest.mark.parametrize("schedule, span", [("1f1b", 33), ("zb-h1", 27), ("zb-h2", 24)])

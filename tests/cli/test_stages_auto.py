@@ -13,8 +13,8 @@ import fxpipe
 from fxpipe import models
 from fxpipe.plan_dir import read_plan
 from fxpipe.planning.stage_count import Objective, StageCount, choose_count
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
-from tests.conftest import assert_composes
+from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import assert_composes
 
 
 def _table(doc: dict) -> tuple[dict, list[dict]]:

@@ -14,7 +14,7 @@ import fxpipe
 from fxpipe.errors import PlanFileError
 from fxpipe.plan import CompileOptions, Link, Mesh, Plan, Provenance, StageCost, StrategyRecord
 from fxpipe.plan_dir import read_plan
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
 def _compile(tmp_path: Path, *args: str) -> tuple[str, Path]:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.cli.test_cli import fxpipe_cli
+from tests._helpers import fxpipe_cli
 
 
 def _json(*args: str) -> dict:

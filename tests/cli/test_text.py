@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from fxpipe.cli.main import app
 from fxpipe.render import print_reports
 from fxpipe.report import Report
+from tests._helpers import HANG_S
 
 MARKUP = "x[/bold]y[bold]z[/]"  # a MarkupError in rich markup, and a style that would vanish
 
@@ -84,7 +85,7 @@ def test_a_narrow_terminal_folds_cells_instead_of_cutting_them() -> None:
 def test_piped_output_keeps_every_value(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     proc = subprocess.run(f"{sys.executable} -m fxpipe.cli.main compile gpt-tiny | cat", shell=True, text=True,
-                          capture_output=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+                          capture_output=True, env=env, timeout=HANG_S, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
     assert " .. " in proc.stdout and "wte .." in proc.stdout  # stage names: first .. last, on one line

@@ -8,32 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import Result
-from typer.testing import CliRunner
 
-from fxpipe.cli.main import app
 from fxpipe.errors import FxpipeError, OptionError
+from tests._helpers import MLP_PLAN, fxpipe_cli, one_line_error, plan_fixture
 
 
-def fxpipe_cli(*args: object) -> Result:
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result: Result) -> str:
-    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
-
-
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tb") / "plan"
-    result = fxpipe_cli("compile", "mlp-tiny", "--out", out)
-    assert result.exit_code == 0, result.output
-    return out
+plan = plan_fixture(*MLP_PLAN)
 
 
 @pytest.fixture
@@ -96,11 +76,10 @@ def test_simulate_refuses_a_missing_directory_and_a_directory(tmp_path: Path) ->
     assert "is a directory" in one_line_error(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "-s", "2", "--svg", tmp_path))
 
 
-def test_run_refuses_an_unwritable_trace_before_any_rank_starts(plan: Path, unwritable: Path) -> None:
-    started = time.monotonic()
+def test_run_refuses_an_unwritable_trace_before_any_rank_starts(plan: Path, unwritable: Path,
+                                                                 no_rank_starts: list[list[str]]) -> None:
     line = one_line_error(fxpipe_cli("run", plan, "--trace", unwritable))
     assert line.startswith(f"error: --trace '{unwritable}'")
-    assert time.monotonic() - started < 5  # no rank started
 
 
 def test_compile_refuses_an_unwritable_out_before_compiling(unwritable: Path) -> None:

@@ -8,6 +8,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe import models
 from fxpipe.graphs.split import split_stage
+from tests._helpers import DataDependent as _DataDependent
 
 
 def test_convolution_backward_is_split_by_output_mask() -> None:
@@ -20,15 +21,6 @@ def test_convolution_backward_is_split_by_output_mask() -> None:
     assert all(list(n.args[-1]) [1:] == [False, False] for n in b_convs)
     assert all(not list(n.args[-1])[0] for n in w_convs)
     assert "convolution_backward" in last.split_ops
-
-
-class _DataDependent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.fc(x) * float(x.sum()),)  # reads a value: AOTAutograd cannot trace it on fake tensors
 
 
 def test_a_stage_that_cannot_be_split_falls_back_to_fused_and_says_why() -> None:

@@ -8,7 +8,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.models import GPT, GPTConfig
-from tests.passes.test_split_backward import check_fbw_matches_eager
+from tests._helpers import check_fbw_matches_eager
 
 
 def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters() -> None:

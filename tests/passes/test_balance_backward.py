@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe import models
 from fxpipe.errors import OptionError
-from tests.passes.test_split_backward import check_fbw_matches_eager
+from tests._helpers import check_fbw_matches_eager
 
 
 class Block(nn.Module):

@@ -17,6 +17,7 @@ from fxpipe.graphs.split import split_stage
 from fxpipe.models import GPT, GPTConfig
 from fxpipe.passes.split_backward import _report
 from fxpipe.runtime.reference import ReferenceExecutor
+from tests._helpers import DataDependent, SkipTied, check_fbw_matches_eager, hf_gpt2, hf_loss, token_ce
 
 ZOO = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "vgg-tiny"]
 
@@ -34,36 +35,6 @@ def _microbatches(zoo: Any, count: int, seed: int = 7) -> list[tuple[tuple[torch
         target = torch.randint(0, int(t.max()) + 1, t.shape, generator=gen)
         out.append((inputs, target))
     return out
-
-
-def check_fbw_matches_eager(model: nn.Module, example: tuple[Any, ...], loss_fn: Any,
-                            mbs: list[tuple[tuple[Any, ...], Any]], stages: int, *, seed: int = 0,
-                            order: Any = None, **options: Any) -> fxpipe.Pipeline:
-    """F, B, W per microbatch through the reference executor == eager autograd on the mean loss."""
-    ref = copy.deepcopy(model)
-    mine = copy.deepcopy(model)
-    inputs_ref = [tuple(x.clone().requires_grad_(x.is_floating_point()) for x in mb[0]) for mb in mbs]
-    torch.manual_seed(seed)
-    losses_ref = [loss_fn(ref(*x), mb[1]) for x, mb in zip(inputs_ref, mbs)]
-    (sum(losses_ref) / len(mbs)).backward()
-
-    pipe = fxpipe.compile(mine, example, stages=stages, input_grads=True, **options)
-    assert pipe.stage_graphs is not None
-    assert not [g.fused_reason for g in pipe.stage_graphs if g.fused]
-    ex = ReferenceExecutor(pipe, loss_fn)
-    torch.manual_seed(seed)
-    losses = ex.run(mbs, order=order)
-
-    torch.testing.assert_close(torch.stack(losses), torch.stack(losses_ref).detach())
-    ref_params = dict(ref.named_parameters())
-    for name, p in mine.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_params[name].grad, msg=lambda m: f"{name}: {m}")
-    for m, x in enumerate(inputs_ref):
-        for name, xi in zip(pipe.input_names, x):
-            if xi.is_floating_point():
-                torch.testing.assert_close(ex.input_grads[m][name], xi.grad, msg=lambda msg: f"input {name}: {msg}")
-    return pipe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -86,23 +57,19 @@ def test_dropout_uses_the_same_mask_in_f_b_and_w() -> None:
 
 
 def test_tied_weights_and_a_skip_connection() -> None:
-    from tests.passes.test_split_stages import SkipTied, _ce
-
     torch.manual_seed(0)
     model = SkipTied()
     mbs = [((torch.randint(0, 32, (3, 5)),), torch.randint(0, 32, (3, 5))) for _ in range(3)]
-    pipe = check_fbw_matches_eager(model, mbs[0][0], _ce, mbs, 4, granularity="1")
+    pipe = check_fbw_matches_eager(model, mbs[0][0], token_ce, mbs, 4, granularity="1")
     assert pipe.shared_params == {"head.weight": [0, 3]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_transformers_gpt2_fbw(stages: int, dtype: torch.dtype) -> None:
-    from tests.test_transformers import _gpt2, _loss
-
     torch.manual_seed(0)
     mbs = [((torch.randint(0, 96, (2, 16)),), torch.randint(0, 96, (2, 16))) for _ in range(2)]
-    check_fbw_matches_eager(_gpt2().to(dtype), mbs[0][0], _loss, mbs, stages)
+    check_fbw_matches_eager(hf_gpt2().to(dtype), mbs[0][0], hf_loss, mbs, stages)
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -166,9 +133,8 @@ def test_the_executor_runs_a_fused_stage_with_one_backward() -> None:
 
 
 def test_the_report_says_why_a_stage_keeps_a_fused_backward() -> None:
-    from tests.graphs.test_split import _DataDependent
 
-    graphs = split_stage(_DataDependent(), [torch.randn(2, 4, requires_grad=True)])
+    graphs = split_stage(DataDependent(), [torch.randn(2, 4, requires_grad=True)])
     table = _report([graphs])
     assert table.column("backward") == ["fused"]
     assert table.notes[0] == f"stage 0 keeps a fused backward: {graphs.fused_reason}"

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxpipe
 from fxpipe import models
 from fxpipe.passes.split_stages import verify_split
-from tests.conftest import assert_composes
+from tests._helpers import assert_composes, skip_tied as _skip_tied
 
 ZOO = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "vgg-tiny"]
 
@@ -32,33 +31,6 @@ def test_zoo_composes_bit_for_bit_in_float64(name: str) -> None:
 def test_fx_tracer_composes(name: str) -> None:
     zoo = models.build(name)
     assert_composes(zoo.model, zoo.example_inputs, zoo.loss_fn, zoo.example_target, 2, tracer="fx")
-
-
-class SkipTied(nn.Module):
-    """A skip connection that crosses two stage boundaries, and an embedding tied to the head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))
-        self.head = nn.Linear(16, 32, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h0 = self.emb(idx)
-        h = h0
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h + h0)  # h0 is made on the first stage and read on the last
-
-
-def _skip_tied() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
-    torch.manual_seed(0)
-    return SkipTied(), (torch.randint(0, 32, (3, 5)),), torch.randint(0, 32, (3, 5))
-
-
-def _ce(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
 def test_skip_connection_across_stages_and_tied_weights() -> None:

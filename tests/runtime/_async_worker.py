@@ -18,7 +18,7 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
         from fxpipe import models
         from fxpipe.runtime import PipelineRuntime
         sys.path.insert(0, str(Path(__file__).parents[2]))
-        from tests.runtime.test_async_runtime import stream
+        from tests._helpers import stream
 
         zoo = models.build(cfg["model"], dtype=torch.float64)
         result = {}

@@ -30,12 +30,12 @@ def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]
                                                                                        dtype=torch.float64)
         return net, (x,), y, torch.nn.functional.mse_loss
     if model == "skip-tied":
-        from tests.passes.test_split_stages import SkipTied, _ce
+        from tests._helpers import SkipTied, token_ce
 
         torch.manual_seed(0)
         net = SkipTied().double()
         gen = torch.Generator().manual_seed(1)
-        return net, (torch.randint(0, 32, (2 * m, 5), generator=gen),), torch.randint(0, 32, (2 * m, 5), generator=gen), _ce
+        return net, (torch.randint(0, 32, (2 * m, 5), generator=gen),), torch.randint(0, 32, (2 * m, 5), generator=gen), token_ce
     from fxpipe import models
 
     zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests._helpers import HANG_S
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -19,6 +21,6 @@ def run_one_rank(tmp_path: Path, body: str) -> str:
               "try:\n" + textwrap.indent(textwrap.dedent(body), "    ") +
               "finally:\n"
               "    dist.destroy_process_group()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout

@@ -16,19 +16,11 @@ from fxpipe import models
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.generators import async_1f1b
 from fxpipe.schedules.versions import reads
+from tests._helpers import HANG_S, stream
 
 WORKER = Path(__file__).with_name("_async_worker.py")
 ROOT = Path(__file__).parents[2]
 POLICIES = ("stale", "stash", "predict")
-
-
-def stream(zoo: models.ZooModel, batches: int, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """``batches`` batches of m microbatches shaped like the zoo example, from a fixed seed."""
-    gen = torch.Generator().manual_seed(7)
-    x, y = zoo.example_inputs[0], zoo.example_target
-    return [((torch.randn((x.shape[0] * m, *x.shape[1:]), generator=gen, dtype=x.dtype),),
-             torch.randint(0, int(y.max()) + 1, (y.shape[0] * m, *y.shape[1:]), generator=gen))
-            for _ in range(batches)]
 
 
 # one launch (~30 s: every rank builds its graphs); 2 and 4 stages: test_async_reference.py
@@ -41,7 +33,7 @@ def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, wor
                                str(plan), str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

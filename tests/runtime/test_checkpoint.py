@@ -12,7 +12,6 @@ import os
 import pickle
 import pickletools
 import shutil
-import types
 from pathlib import Path
 from typing import Any
 
@@ -21,39 +20,11 @@ import torch
 
 from fxpipe.errors import CheckpointError, FxpipeError
 from fxpipe.runtime import checkpoint
+from tests._helpers import OneRank as _OneRank
+from tests._helpers import assert_ranks_ok, launch_ranks, train_reference, with_plans
+from tests._helpers import load_checkpoints as _load
+from tests._helpers import saved_checkpoints as _saved
 from tests.runtime._dist_worker import payload
-from tests.runtime.test_distributed import _launch, _reference, assert_ranks_ok
-
-
-class _OneRank:
-    """What checkpoint.save/load read of a PipelineRuntime, for one rank holding ``a.weight`` and a buffer."""
-
-    def __init__(self, value: float, *, name: str = "a.weight", extra: dict[str, Any] | None = None) -> None:
-        self.rank, self.where, self.pp_rank, self.dp_rank = 0, [0], 0, 0
-        self.pipe = types.SimpleNamespace(shared_params={}, num_stages=1)
-        self.schedule = types.SimpleNamespace(name="1f1b")
-        self.name, self.value, self.extra = name, value, extra or {}
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        w = torch.full((2, 3), self.value, dtype=torch.float64)
-        return {"rank": 0, "params": {self.name: w}, "buffers": {"bn.running_mean": torch.zeros(3)},
-                "optim": {self.name: {"momentum_buffer": 2 * w, "step": 7, **self.extra}},
-                "param_groups": [{"params": [self.name], "lr": 0.1, "betas": [0.9, 0.99], "foreach": None}]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = state
-
-
-def _saved(root: Path, steps: range, keep: int = 3) -> Path:
-    for step in steps:
-        checkpoint.save(_OneRank(float(step)), root, step, keep=keep)
-    return root
-
-
-def _load(root: Path) -> tuple[int, list[str], _OneRank]:
-    rt, warned = _OneRank(0.0), []
-    return checkpoint.load(rt, root, warn=warned.append), warned, rt
 
 
 def test_one_directory_per_step_keeps_the_last_k_and_loads_back(tmp_path: Path) -> None:
@@ -202,7 +173,7 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
     """One launch of 2 ranks (gpt-tiny: a weight tied across ranks, SGD with momentum) saves steps 1-3,
     keeping 2; rank 0 damages the files case after case and both ranks load: both get the same answer,
     the errors are one line, and no file's payload runs."""
-    results = _launch(tmp_path, 2, {"checkpoint_cases": True})
+    results = launch_ranks(tmp_path, 2, {"checkpoint_cases": True})
     assert_ranks_ok(results)
     ranks = [json.loads((tmp_path / f"cases-rank{r}.json").read_text()) for r in range(2)]
     cases = ranks[0]
@@ -235,17 +206,19 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
 def test_a_two_stage_checkpoint_resumes_under_three_stages(tmp_path: Path) -> None:
     """gpt-tiny trains 2 steps on 2 stages and saves; 3 ranks of a 3-stage plan resume from it (each
     loads its own stages' keys, the tied weight on two ranks). Their next 2 steps equal, bit for bit, a
-    3-stage run started from the 2-stage ranks' final states, and a single process's steps 3 and 4."""
+    3-stage run started from the 2-stage ranks' final states, and a single process's steps 3 and 4. The ranks load
+    the session's compiled plans (test_ranks_agree_on_every_checkpoint_case's compile on the ranks)."""
     two, three, ck = tmp_path / "two", tmp_path / "three", tmp_path / "ck"
     two.mkdir(), three.mkdir()
     base = {"model": "gpt-tiny", "schedules": ["1f1b"], "microbatches": 4}
-    assert_ranks_ok(_launch(two, 2, {**base, "steps": 2, "checkpoint": str(ck), "checkpoint_after": 2}))
+    assert_ranks_ok(launch_ranks(two, 2, with_plans(2, {**base, "steps": 2, "checkpoint": str(ck),
+                                                        "checkpoint_after": 2})))
     info = json.loads((ck / "step_000002" / checkpoint.MARKER).read_text())
     assert info["world"] == 2 and info["stages"] == 2
     states = [str(two / f"1f1b-rank{r}.pt") for r in range(2)]
-    assert_ranks_ok(_launch(three, 3, {**base, "steps": 4, "resume": str(ck), "load_state": states,
-                                       "load_state_step": 2}))
-    reference, _ = _reference("gpt-tiny", 4, 4)
+    assert_ranks_ok(launch_ranks(three, 3, with_plans(3, {**base, "steps": 4, "resume": str(ck), "load_state": states,
+                                                          "load_state_step": 2})))
+    reference, _ = train_reference("gpt-tiny", 4, 4)
     for rank in range(3):
         resumed = torch.load(three / f"1f1b-rank{rank}.pt", weights_only=True)
         started = torch.load(three / f"1f1b-load_state-rank{rank}.pt", weights_only=True)

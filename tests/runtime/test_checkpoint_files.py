@@ -16,7 +16,9 @@ import torch
 
 from fxpipe.errors import CheckpointError
 from fxpipe.runtime import checkpoint
-from tests.runtime.test_checkpoint import _load, _OneRank, _saved
+from tests._helpers import OneRank as _OneRank
+from tests._helpers import load_checkpoints as _load
+from tests._helpers import saved_checkpoints as _saved
 
 
 def tree(root: Path) -> dict[str, str]:

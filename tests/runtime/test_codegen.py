@@ -11,14 +11,10 @@ import torch
 from click.testing import Result
 
 from fxpipe.runtime import codegen
-from tests.cli.test_cli import fxpipe_cli, ok, one_line_error
+from tests._helpers import MLP_PLAN, fxpipe_cli, ok, one_line_error, plan_fixture
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("codegen") / "plan"
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4", "--out", out))
-    return out
+plan = plan_fixture(*MLP_PLAN)  # zb-h1 on 2 stages, 4 microbatches
 
 
 def _run_args(plan: Path) -> tuple[str | Path, ...]:

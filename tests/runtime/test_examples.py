@@ -20,6 +20,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
+from tests._helpers import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_pipeline_dp.py"
@@ -47,7 +48,7 @@ def _torchrun(nproc: int, *args: str | Path) -> list[float]:
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(nproc), str(EXAMPLE), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
     finished = re.search(rf"on {nproc} ranks: pp 2 x dp {nproc // 2}, global batch 64 rows", proc.stdout)
     if proc.returncode != 0 and finished and TEARDOWN_ABORT in proc.stderr:
         warnings.warn(f"a rank aborted in gloo/c10d at its end, after training ({TEARDOWN_ABORT!r})", stacklevel=2)
@@ -145,7 +146,7 @@ def test_the_strategy_example_trains_two_searched_stages_on_four_ranks() -> None
     procs = [subprocess.Popen([sys.executable, str(STRATEGY), "--model", "vgg-tiny", "--stages", "2", "--cut", "flatten",
                                "--steps", "6", "--lr", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(4)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = [p.communicate(timeout=HANG_S) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     stdout = outs[0][0]

@@ -1,13 +1,11 @@
-"""A rank killed (SIGKILL) in the middle of a step: every other rank stops within the timeout, naming it.
+"""A rank killed (SIGKILL) in the middle of a step: every other rank sees its connection close and stops, naming it.
 
 Each case starts the ranks of ``_dist_worker.py`` as separate processes over gloo. The killed rank
 dies right after one of its compute actions, before that action's sends (so mid-step: a forward
 whose output it never sends, or its last W, before the step's sums), and writes the moment it died
-first. Each
-place a survivor can be waiting on the dead rank gets a case: a posted receive, the tied weight's
-gradient sum, the loss sum, and (4 ranks) a receive from a rank that itself stopped because of
-the dead one. ``destroy_process_group`` runs in every survivor before it exits, so the exit time
-bounds it too.
+first. Each place a survivor can be waiting on the dead rank gets a case: a posted receive, the tied
+weight's gradient sum, the loss sum, and (4 ranks) a receive from a rank that itself stopped because of
+the dead one. ``destroy_process_group`` runs in every survivor before it exits, so a hang there fails too.
 """
 
 from __future__ import annotations
@@ -22,17 +20,21 @@ from typing import Any
 
 import pytest
 
+from tests._helpers import HANG_S, with_plans
+
 WORKER = Path(__file__).with_name("_dist_worker.py")
 ROOT = Path(__file__).parents[2]
 TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs
-BOUND_S = 30  # a survivor exits this soon after the kill (a dead peer is seen at once; a hang would be 10 s+)
-HANG_S = 120  # past this a rank is hung: the test kills it and fails
+# A rank still running HANG_S after the launch (start-up included, which alone can take minutes on a loaded machine)
+# is hung: the test kills it and fails.
 
 
 def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> tuple[list[tuple[int | None, str, float]], float]:
-    """Run the ranks; returns (returncode, stderr, exit time) per rank and the time the killed rank died."""
+    """Run the ranks; returns (returncode, stderr, exit time) per rank and the time the killed rank died. The ranks
+    load the session's compiled plans (what they do after a kill does not depend on where the stages came from;
+    compiling on every rank is tests/runtime/test_distributed.py's failing-rank case and test_checkpoint.py's)."""
     init = f"file://{tmp_path / 'pg'}"
-    cfg = {"timeout": TIMEOUT_S, "pg_timeout": TIMEOUT_S, **cfg}
+    cfg = with_plans(world, {"timeout": TIMEOUT_S, "pg_timeout": TIMEOUT_S, **cfg})
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), init, str(tmp_path), json.dumps(cfg)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
@@ -62,8 +64,10 @@ def _error_line(stderr: str) -> str:
 
 
 def _check(tmp_path: Path, world: int, cfg: dict[str, Any], waiting: dict[int, str]) -> None:
-    """Every rank but the killed one exits non-zero within BOUND_S of the kill; its one-line error names the
-    killed rank and, from ``waiting``, what it was waiting for."""
+    """Every rank but the killed one exits non-zero; its one-line error names the killed rank and, from ``waiting``,
+    what it was waiting for. That the dead peer was seen at once, not waited out, is what the line says: "stopped
+    responding (connection closed)", where a wait that ran out would say "did not answer within 10 s" (a wall-clock
+    bound on the exit would depend on the machine's load; HANG_S only keeps a hang from stalling the suite)."""
     results, killed_at = _launch(tmp_path, world, cfg)
     dead = cfg["kill_rank"]
     assert results[dead][0] == -9, results[dead][1][-3000:]
@@ -75,7 +79,6 @@ def _check(tmp_path: Path, world: int, cfg: dict[str, Any], waiting: dict[int, s
         line = _error_line(err)
         took = ended - killed_at
         print(f"rank {rank}: exited {took:.2f} s after rank {dead} was killed: {line}")
-        assert took < BOUND_S, (took, line)
         assert line.startswith(f"rank {dead} stopped responding (connection closed)"), line
         assert f"while rank {rank} waited for" in line and line.endswith(f"see rank {dead}'s log"), line
         assert re.search(waiting[rank], line), (waiting[rank], line)

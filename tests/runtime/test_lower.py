@@ -8,21 +8,11 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe import models
 from fxpipe.errors import LoweringError
 from fxpipe.runtime.lower import BACKWARD, FORWARD, check_programs, lower
 from fxpipe.schedules.simulate import Costs
 from fxpipe.schedules.generators import generate
-from tests.passes.test_split_stages import _skip_tied
-
-
-def _pipe(name: str, stages: int) -> fxpipe.Pipeline:
-    if name == "skip-tied":
-        model, inputs, _ = _skip_tied()
-        return fxpipe.compile(model, inputs, stages=stages, granularity="1")
-    zoo = models.build(name)
-    return fxpipe.compile(zoo.model, zoo.example_inputs, stages=stages,
-                          granularity="node" if stages > 4 else "auto")
+from tests._helpers import zoo_pipe as _pipe
 
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "resnet-tiny", "skip-tied"])

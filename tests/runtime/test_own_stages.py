@@ -14,7 +14,7 @@ from fxpipe.runtime.executor import _example_inputs
 from fxpipe.runtime.lower import check_programs, lower
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.simulate import Costs
-from tests.runtime.test_lower import _pipe
+from tests._helpers import zoo_pipe as _pipe
 
 
 @pytest.mark.parametrize(("name", "schedule", "stages", "ranks"), [

@@ -10,10 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from tests._helpers import (ASYNC_ON_REPLICAS, EVERY_ORDER, SCHEDULES, TWO_SCHEDULES, assert_ranks_ok, check_saved,
+                            launch_ranks, replica_case, shared_case, with_plans)
 from tests.runtime._dist_worker import build
-from tests.runtime.test_distributed import (ASYNC_ON_REPLICAS, SCHEDULES, _check_saved, _launch, assert_ranks_ok,
-                                            EVERY_ORDER, TWO_SCHEDULES, replica_case, shared_case,
-                                            with_plans)
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto
 
@@ -60,7 +59,7 @@ def test_two_stages_on_two_replicas_train_like_one_process(model: str) -> None:
     shared 4-rank launch (tests/runtime/test_distributed.py)."""
     cfg = replica_case(model)
     assert cfg["schedules"] == (SYNCHRONOUS if model in EVERY_ORDER else TWO_SCHEDULES) and cfg["dp"] == 2
-    _check_saved(shared_case(4, f"replicas-{model}"), 4, cfg,
+    check_saved(shared_case(4, f"replicas-{model}"), 4, cfg,
                  reference(cfg["model"], cfg["microbatches"], cfg["dp"], cfg["steps"]))
 
 
@@ -77,7 +76,7 @@ def test_a_checkpoint_is_written_once_per_stage_and_resumes_onto_another_replica
     for i, (world, cfg) in enumerate(runs):
         out = tmp_path / f"run{i}"
         out.mkdir()
-        assert_ranks_ok(_launch(out, world, with_plans(world, {"model": "gpt-tiny", "schedules": ["zb-h1"],
+        assert_ranks_ok(launch_ranks(out, world, with_plans(world, {"model": "gpt-tiny", "schedules": ["zb-h1"],
                                                                "checkpoint": str(ck), **cfg})))
         first = 0 if "resume" not in cfg else runs[i - 1][1]["steps"]
         for rank in range(world):

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from fxpipe import models
 from fxpipe.cli.main import app
 from fxpipe.cli.rank import synthetic_batch
+from tests._helpers import HANG_S
 from tests.runtime._one_rank import run_one_rank
 
 WORKER = Path(__file__).with_name("_api_worker.py")
@@ -27,7 +28,7 @@ def _run(tmp_path: Path, plan: Path, world: int, cfg: dict) -> list[dict]:
                                str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -230,7 +231,7 @@ def test_a_process_group_the_runtime_started_is_destroyed_at_exit(tmp_path: Path
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_S)
     assert proc.returncode == (1 if fails else 0), proc.stderr[-2000:]
     assert "initialized: True" in proc.stdout
     assert f"initialized at exit: {fails}" in proc.stdout, proc.stdout

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._helpers import assert_ranks_ok, launch_ranks
 from tests.runtime._strategy_worker import STEPS, example, pipelined_name
-from tests.runtime.test_distributed import _launch, assert_ranks_ok
 
 WORKER = Path(__file__).with_name("_strategy_worker.py")
 CASES = [{"model": m, "strategy": s} for m in ("vgg-tiny", "resnet-tiny") for s in ("auto", "splitbrain", "dp")]
@@ -50,14 +50,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """One launch per rank count runs every case (each launch costs seconds; the cases share it)."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"strategy{world}")
-    import tests.runtime.test_distributed as td
-
-    saved, td.WORKER = td.WORKER, WORKER
-    try:
-        results = _launch(tmp, world, {"cases": CASES, "pipelined": PIPELINED if world == 4 else [],
-                                       "nesting_gap": world == 4})
-    finally:
-        td.WORKER = saved
+    results = launch_ranks(tmp, world, {"cases": CASES, "pipelined": PIPELINED if world == 4 else [],
+                                        "nesting_gap": world == 4}, worker=WORKER)
     assert_ranks_ok(results)
     return world, tmp, json.loads((tmp / "results.json").read_text())
 
