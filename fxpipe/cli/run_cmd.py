@@ -455,12 +455,14 @@ def _check_model(plan_dir: Path, plan: Any) -> None:
     if zoo is None:
         return  # not a built-in model: the ranks refuse it in one line before building anything
     stored = {p["name"]: tuple(p["shape"]) for s in read_plan_json(plan_dir)["stages"] for p in s["parameters"]}
-    built = {n: tuple(p.shape) for n, p in zoo.model.named_parameters()}
+    # A tied weight (GPT's embedding and LM head) has several names; a stage may hold it under any of them.
+    built = {n: tuple(p.shape) for n, p in zoo.model.named_parameters(remove_duplicate=False)}
     name = plan.provenance.model
     wrong = sorted(n for n in stored if built.get(n) != stored[n])
     count = sum(math.prod(v) for v in stored.values())
-    total = sum(math.prod(v) for v in built.values())
-    if wrong or count != total:
+    total = sum(math.prod(tuple(p.shape)) for p in zoo.model.parameters())  # each tied weight once
+    most = sum(math.prod(v) for v in built.values())  # each of its names
+    if wrong or not total <= count <= most:
         what = (f"{wrong[0]!r} {list(stored[wrong[0]])} is not a parameter of {name} "
                 f"({list(built[wrong[0]]) if wrong[0] in built else 'absent'})" if wrong else
                 f"the stage files hold {count:,} parameters and {name} has {total:,}")

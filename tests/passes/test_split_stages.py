@@ -8,7 +8,7 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.passes.split_stages import verify_split
-from tests._helpers import assert_composes, skip_tied as _skip_tied
+from tests._helpers import assert_composes, skip_tied as _skip_tied, token_ce as _ce
 
 ZOO = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "vgg-tiny"]
 
