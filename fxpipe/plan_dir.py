@@ -109,7 +109,7 @@ def save_pipeline(pipe: Any, out: Path, *, overwrite: bool = False,
             _torch_save(state, tmp / weights_file)
             (tmp / source_file).write_text(stage_source(stage.module, k, pipe.num_stages))
             files += [graph_file, weights_file, source_file]
-            sums.update({f: _sha256(tmp / f) for f in (graph_file, weights_file, source_file)})
+            sums.update({f: sha256_file(tmp / f) for f in (graph_file, weights_file, source_file)})
             stages.append({
                 "index": k,
                 "graph": graph_file,
@@ -175,7 +175,8 @@ def _unwritable(out: Path, exc: OSError) -> PlanFileError:
     return PlanFileError(f"cannot write the plan to {out} ({reason}); free some space or choose another --out")
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in blocks (a plan's manifest and a checkpoint's record hold these)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -218,7 +219,7 @@ def _ours(out: Path, name: str, manifest: dict[str, str | None] | None) -> bool:
         return True
     path = out / name
     want = manifest.get(name)
-    return want is not None and path.is_file() and not path.is_symlink() and _sha256(path) == want
+    return want is not None and path.is_file() and not path.is_symlink() and sha256_file(path) == want
 
 
 def _foreign_line(out: Path, names: list[str]) -> str:
@@ -442,7 +443,7 @@ def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch
                             "reads; re-run fxpipe compile")
     for key in ("graph", "weights"):
         name = spec[key]
-        if sums.get(name) != _sha256(path / name):
+        if sums.get(name) != sha256_file(path / name):
             raise PlanFileError(f"{path / name} does not match the checksum in {PLAN_FILE} (edited, or a write was "
                                 "cut short); re-run fxpipe compile")
     graph_file = path / spec["graph"]

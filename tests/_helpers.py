@@ -12,13 +12,14 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -536,3 +537,16 @@ def shared_case(world: int, name: str) -> Path:
     codes = json.loads((out / "results.json").read_text())
     assert_ranks_ok([subprocess.CompletedProcess([], code, "", err) for code, err in codes])
     return out / name
+
+
+def tree(root: Path, digest: Callable[[Path], str] | None = None) -> dict[str, str]:
+    """Every entry under ``root`` without following links: a file's digest (its sha256 unless ``digest`` says
+    otherwise), a link's target, a folder's mark. Two trees compare equal when nothing under them changed."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            key = path.relative_to(root).as_posix()
+            found[key] = ("-> " + os.readlink(path) if path.is_symlink() else "dir" if path.is_dir()
+                          else digest(path) if digest is not None else hashlib.sha256(path.read_bytes()).hexdigest())
+    return found

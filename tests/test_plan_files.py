@@ -17,23 +17,8 @@ import fxpipe
 from fxpipe import models
 from fxpipe.errors import PlanFileError
 from fxpipe.plan_dir import MAX_JSON_DEPTH, check_depth, read_json
-from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, ok, one_line_error, tree
 
-
-def tree(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` (links not followed): a file's sha256, a link's target, a folder's mark."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            key = path.relative_to(root).as_posix()
-            if path.is_symlink():
-                found[key] = "-> " + os.readlink(path)
-            elif path.is_dir():
-                found[key] = "dir"
-            else:
-                found[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ holding only regular files its record lists. docs/internals/checkpoints.md draws
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import os
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import CheckpointError, OptionError, first_line
-from fxpipe.plan_dir import read_json
+from fxpipe.plan_dir import read_json, sha256_file
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs 0.5 s to import: only when a checkpoint is read or written
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -320,15 +319,6 @@ def _numbered(root: Path, pattern: re.Pattern[str], *, links: bool = False) -> l
         return []
     return [(int(m.group(1)), p) for p in root.iterdir()
             if (m := pattern.match(p.name)) and ((links and p.is_symlink()) or (p.is_dir() and not p.is_symlink()))]
-
-
-def sha256_file(file: Path) -> str:
-    """The file's sha256, read in blocks."""
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- finding the step to resume -------------------------------------------------------------

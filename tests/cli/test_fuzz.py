@@ -130,20 +130,16 @@ import resource  # noqa: E402
 import shutil  # noqa: E402
 import struct  # noqa: E402
 
+from tests._helpers import tree as _tree  # noqa: E402
+
 BOUNDS = {"plan.json": 256 * 2**20, "fxpipe-checkpoint.json": 64 * 2**20}
 MEMORY_BOUND_MIB = 3 * 1024  # far above what these small plans need; a claimed 10^13 elements would pass it
 
 
+
 def tree(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` without following links: a file's sha256, a link's target, a folder."""
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            key = path.relative_to(root).as_posix()
-            found[key] = ("-> " + os.readlink(path) if path.is_symlink() else "dir" if path.is_dir()
-                          else f"{path.stat().st_size} {_head_sha256(path)}")
-    return found
+    """Every entry under ``root`` without following links; a file by its size and the sha256 of its head."""
+    return _tree(root, lambda path: f"{path.stat().st_size} {_head_sha256(path)}")
 
 
 def _head_sha256(path: Path) -> str:

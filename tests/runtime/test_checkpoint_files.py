@@ -19,17 +19,8 @@ from fxpipe.runtime import checkpoint
 from tests._helpers import OneRank as _OneRank
 from tests._helpers import load_checkpoints as _load
 from tests._helpers import saved_checkpoints as _saved
+from tests._helpers import tree
 
-
-def tree(root: Path) -> dict[str, str]:
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            key = path.relative_to(root).as_posix()
-            found[key] = ("-> " + os.readlink(path) if path.is_symlink() else "dir" if path.is_dir()
-                          else hashlib.sha256(path.read_bytes()).hexdigest())
-    return found
 
 
 def xor_same_size(file: Path, start: int = 0, length: int = 10_000) -> None:
