@@ -169,9 +169,7 @@ def check_options(options: CompileOptions) -> None:
     stages = LIMITS.whole("--stages", options.stages, LIMITS.stages, "each stage is a graph and a rank of its own",
                           error=PlanError)
     dp = LIMITS.whole("--dp", options.dp, LIMITS.ranks, "each replica is a rank (a process) of its own")
-    if stages * dp > LIMITS.ranks:
-        raise OptionError(f"--stages {stages} x --dp {dp} = {stages * dp:,} ranks, more than the {LIMITS.ranks:,} "
-                          "one run starts (each is a process); lower --stages or --dp")
+    LIMITS.grid(f"--stages {stages}", stages, dp, "lower --stages or --dp")
     for name in ("devices", "max_stages", "cores"):
         value = getattr(options, name)
         if value is not None:

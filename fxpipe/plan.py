@@ -92,6 +92,12 @@ class Limits:
             raise kind(f"{name} must be at most {most:,} (got {shown}): {why}")
         return value
 
+    def grid(self, pipeline: str, pp: int, dp: int, fix: str) -> None:
+        """``pp`` pipeline ranks (``pipeline`` names them) times ``dp`` replicas within ``ranks``; else one line."""
+        if pp * dp > self.ranks:
+            raise OptionError(f"{pipeline} x --dp {dp} = {pp * dp:,} ranks, more than the {self.ranks:,} one run "
+                              f"starts (each is a process); {fix}")
+
     def positive(self, name: str, value: Any, example: float, *, error: type[Exception] | None = None) -> float:
         """``value`` as a finite number above 0; else one line naming ``name``."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

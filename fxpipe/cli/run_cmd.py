@@ -429,9 +429,7 @@ def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: fl
 
     why = "each rank is a process of its own, started before any can fail"
     LIMITS.whole("--dp", dp, LIMITS.ranks, why)
-    if pp * dp > LIMITS.ranks:
-        raise OptionError(f"the schedule's {pp} ranks x --dp {dp} = {pp * dp:,} ranks, more than the {LIMITS.ranks:,} "
-                          "one run starts (each is a process); lower --dp")
+    LIMITS.grid(f"the schedule's {pp} ranks", pp, dp, "lower --dp")
     LIMITS.whole("--nnodes", nnodes, LIMITS.ranks, why)
     if nproc is not None:
         LIMITS.whole("--nproc", nproc, LIMITS.ranks, why)
