@@ -614,22 +614,28 @@ def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: S
 
 
 def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, dict[int, int]]:
-    """``fn(*inputs)``'s output and, for each integer input that an embedding indexes as it is, the table's rows:
-    that input's values must lie in ``[0, rows)`` (a GPT's token ids and its vocabulary).
+    """``fn(*inputs)``'s output and, for each integer input that an embedding indexes as it is (or through views
+    of it: a Hugging Face model's ``input_ids.view(-1, T)``), the table's rows: that input's values must lie in
+    ``[0, rows)`` (a GPT's token ids and its vocabulary).
 
-    Cheap on the meta device (nothing is computed); an input that feeds no embedding directly is absent.
+    Cheap on the meta device (nothing is computed); an input that feeds no embedding this way is absent.
     """
     from fxpipe._compat import TorchDispatchMode
 
     positions = {id(x): i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()}
     bounds: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
 
     class _Embeddings(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is torch.ops.aten.embedding.default and len(args) >= 2 and id(args[1]) in positions:
                 i = positions[id(args[1])]
                 bounds[i] = min(bounds.get(i, args[0].shape[0]), int(args[0].shape[0]))
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func.is_view and args and isinstance(out, torch.Tensor) and id(args[0]) in positions:
+                positions[id(out)] = positions[id(args[0])]  # a view of an input holds its values
+                keep.append(out)  # alive, so that its id is not reused
+            return out
 
     with torch.no_grad(), _Embeddings():
         output = fn(*inputs)

@@ -15,6 +15,7 @@ float target shaped like the output), ``text:``, ``jsonl:`` (a language model) o
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,12 +73,11 @@ def check_feed(plan_dir: Path, plan: Any, data_spec: str, loss_spec: str | None,
     elif isinstance(source, data.Synthetic):
         if zoo is not None:
             target = torch.zeros(zoo.example_target.shape, dtype=zoo.example_target.dtype)
-        else:
-            leaf = _logits(output)
-            spec = {"bounds": {str(i): n for i, n in bounds.items()},
-                    "target": [list(leaf.shape), str(leaf.dtype).removeprefix("torch.")]}
-            rank_args = ["--synthetic", json.dumps(spec)]
-            target = torch.zeros(leaf.shape, dtype=leaf.dtype)
+        else:  # the user's model: the first synthetic target its loss takes
+            assert loss_fn is not None and loss_spec is not None
+            found = _synthetic_target(loss_fn, loss_spec, output, rows)
+            spec = {"bounds": {str(i): n for i, n in bounds.items()}, "target": found}
+            return Feed(source, None, ["--synthetic", json.dumps(spec)])
     else:
         fit = data.check_fit(source, example, tuple(_logits(output).shape))
         if loss_fn is not None and isinstance(source, data.Digits):
@@ -139,7 +139,7 @@ def rank_batches(spec: str, plan: Any, zoo: Any, ctx: Any, synthetic: str | None
 def synthetic_batches(plan: Any, zoo: Any, m: int, synthetic: str | None) -> tuple[tuple[Any, ...], Any]:
     """``--data synthetic``'s one batch of m microbatches: the built-in model's (``synthetic_batch``), or for the
     user's own model random inputs shaped like the plan's (an integer input below the embedding rows it indexes,
-    else 0) and a random float target shaped like the output, as the launcher found them (``synthetic``)."""
+    else 0) and a random target its loss takes, as the launcher found them (``synthetic``: JSON)."""
     import torch
 
     from fxpipe.cli.rank import synthetic_batch
@@ -156,8 +156,7 @@ def synthetic_batches(plan: Any, zoo: Any, m: int, synthetic: str | None) -> tup
         else:
             inputs.append(torch.randint(0, int(found.get("bounds", {}).get(str(i), 1)), shape, generator=gen,
                                         dtype=x.dtype))
-    shape, dtype = found.get("target", [[1], "float32"])
-    return tuple(inputs), torch.randn((shape[0] * m, *shape[1:]), generator=gen, dtype=getattr(torch, dtype))
+    return tuple(inputs), _draw_target(found.get("target", [[1], "float32", None]), m, gen)
 
 
 def scored(spec: str) -> bool:
@@ -244,6 +243,43 @@ def _logits(output: Any) -> Any:
 
     raise OptionError(f"the model returns a {type(output).__name__}, and fxpipe run's built-in data feeds a model "
                       "that returns a tensor (or .logits); pass --data FILE.py:FUNCTION")
+
+
+def _draw_target(found: list[Any], m: int, gen: Any) -> Any:
+    """A random target of m microbatches: ``[shape of one, dtype, high]``, class ids below ``high`` (int64) or
+    normal floats (high None)."""
+    import torch
+
+    shape, dtype, high = found
+    shape = (shape[0] * m, *shape[1:]) if shape else ()
+    if high is not None:
+        return torch.randint(0, int(high), shape, generator=gen, dtype=getattr(torch, dtype))
+    return torch.randn(shape, generator=gen, dtype=getattr(torch, dtype))
+
+
+def _synthetic_target(fn: Callable[..., Any], spec: str, output: Any, rows: int) -> list[Any]:
+    """The synthetic target a user model's loss takes, tried in turn on one microbatch: class ids below the
+    output's last dimension, shaped like the output without it (a classifier, a language model), then floats
+    shaped like the output (a regression)."""
+    import torch
+
+    from fxpipe.errors import TargetError, first_line
+
+    leaf = _logits(output)
+    tries = [[list(leaf.shape[:-1]), "int64", int(leaf.shape[-1])]] if leaf.dim() >= 2 else []
+    tries.append([list(leaf.shape), str(leaf.dtype).removeprefix("torch."), None])
+    why = ""
+    for found in tries:
+        try:
+            with warnings.catch_warnings():  # a try that does not fit may warn before it raises (mse_loss's sizes)
+                warnings.simplefilter("ignore")
+                _check_loss(fn, spec, output, _draw_target(found, 1, torch.Generator().manual_seed(0)), rows)
+            return found
+        except TargetError as exc:
+            why = first_line(exc.__cause__ or exc)
+    shapes = " or ".join(f"{'class ids' if h is not None else 'floats'} {s}" for s, _, h in tries)
+    raise TargetError(f"--loss {spec} takes no synthetic target ({shapes}; last: {why}); pass --data "
+                      "FILE.py:FUNCTION with your targets")
 
 
 def _check_batch(batch: tuple[Any, Any], plan: Any, ctx: Any, spec: str) -> None:

@@ -157,7 +157,9 @@ def test_a_user_model_trains_as_one_process_does(user: dict[str, Path], launched
     (["--loss", "loss"], "--loss 'loss' is not FILE.py:FUNCTION"),
     (["--loss", "{file}:vector_loss"], "returned a tensor of shape [2, 3], not a scalar tensor"),
     (["--loss", "{file}:constant_loss"], "does not depend on the model's outputs"),
-    (["--loss", "{file}:raising_loss"], "raised ValueError: no loss here"),
+    (["--loss", "{file}:raising_loss"], "raising_loss takes no synthetic target (class ids [2] or floats [2, 3]; "
+                                        "last: ValueError: no loss here); pass --data FILE.py:FUNCTION"),
+    (["--loss", "{file}:raising_loss", "--data", "{file}:batches"], "raised ValueError: no loss here"),
     (["--loss", "{file}:loss", "--data", "{file}:nope"], "--data {file}:nope: {file} has no callable 'nope'"),
     (["--loss", "{file}:loss", "--data", "{file}:wide"],
      "gave input input_1 as [6, 5] float32, and the plan expects [6, 4] float32 (3 microbatches x 2 rows"),
@@ -263,3 +265,27 @@ def test_user_batches_index_a_sequence_and_stream_an_iterable() -> None:
         stream(2)
     with pytest.raises(OptionError, match="not a pair"):
         data.user_batches([torch.zeros(2)], both, "f.py:g")(0)
+
+
+def test_a_rank_that_needs_inputs_or_targets_refuses_none(user: dict[str, Path], tmp_path: Path) -> None:
+    """One rank holding every stage needs both; a rank's batch may leave out only what it does not need."""
+    from tests.runtime._one_rank import run_one_rank
+
+    stdout = run_one_rank(tmp_path, f"""
+        from fxpipe.schedules.generators import interleaved_1f1b
+
+        rt = PipelineRuntime({str(user['plan'])!r}, loss_fn=lambda out, t: out.sum(),
+                             schedule=interleaved_1f1b(3, 2, stages_per_rank=3))
+        print('needs:', rt.needs_inputs, rt.needs_targets)
+        x, t = torch.randn(4, 4), torch.randn(4, 3)
+        for inputs, target in ((None, t), (x, None)):
+            try:
+                rt.step(inputs, target, shard=True)
+            except OptionError as exc:
+                print('refused:', exc)
+        print('loss:', float(rt.step(x, t, shard=True)) > 0)
+        """)
+    assert "needs: True True" in stdout
+    assert "refused: rank 0 runs stages [0, 1, 2], which need the model's inputs, and got None" in stdout
+    assert "refused: rank 0 runs stages [0, 1, 2], which need the target, and got None" in stdout
+    assert "loss: True" in stdout

@@ -90,3 +90,19 @@ def test_a_hugging_face_gpt2_from_a_user_file_trains_as_one_process(hf: dict[str
     assert (doc["ranks"], doc["dp"], doc["batch"]) == (2 * dp, dp, ROWS * MICROBATCHES * dp)
     torch.testing.assert_close(doc["losses"], reference_hf(hf, dp), rtol=1e-5, atol=0)
     assert doc["held_out"]["held-out loss"] > 0  # the text's held-out split, scored with every stage's weights
+
+
+def test_a_user_models_synthetic_data_is_shaped_from_the_plan(hf: dict[str, Path]) -> None:
+    """Without --data, a user model's batch is drawn from what the launcher found on the meta device: token ids
+    below the embedding's 256 rows, and the first target its loss takes (class ids below the logits' 256)."""
+    from fxpipe.cli.feed import check_feed, synthetic_batches
+    from fxpipe.plan_dir import read_plan
+
+    plan = read_plan(hf["plan"])
+    feed = check_feed(hf["plan"], plan, "synthetic", f"{hf['file']}:loss", MICROBATCHES, 1, 0, STEPS)
+    assert feed.rank_args[0] == "--synthetic"
+    assert json.loads(feed.rank_args[1]) == {"bounds": {"0": 256}, "target": [[ROWS, SEQ], "int64", 256]}
+    (idx,), target = synthetic_batches(plan, None, MICROBATCHES, feed.rank_args[1])
+    for ids in (idx, target):  # token ids over the whole vocabulary (the embedding's rows, the logits' width)
+        assert ids.shape == (ROWS * MICROBATCHES, SEQ) and ids.dtype == torch.int64
+        assert 0 <= int(ids.min()) and 200 < int(ids.max()) < 256
