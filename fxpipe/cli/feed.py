@@ -8,8 +8,8 @@ a rank ``batch(step)``: that replica's rows only, the inputs only where the rank
 the target only where it computes the loss, and nothing (no data read, no function called) elsewhere.
 
 A plan of a built-in model keeps its zoo loss and data; a plan of the user's own model needs ``--loss`` and
-trains on ``synthetic`` data shaped from the plan's inputs (integer inputs below the embedding they index, a
-float target shaped like the output), ``text:``, ``jsonl:`` (a language model) or a data function.
+trains on ``synthetic`` data shaped from the plan's inputs (integer inputs below the embedding they index, the
+first random target its loss takes), ``text:``, ``jsonl:`` (a language model) or a data function.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def check_feed(plan_dir: Path, plan: Any, data_spec: str, loss_spec: str | None,
         if zoo is not None:
             target = torch.zeros(zoo.example_target.shape, dtype=zoo.example_target.dtype)
         else:  # the user's model: the first synthetic target its loss takes
-            assert loss_fn is not None and loss_spec is not None
-            found = _synthetic_target(loss_fn, loss_spec, output, rows)
+            assert loss_fn is not None
+            found = _synthetic_target(loss_fn, f"--loss {loss_spec}", output, rows)
             spec = {"bounds": {str(i): n for i, n in bounds.items()}, "target": found}
             return Feed(source, None, ["--synthetic", json.dumps(spec)])
     else:
@@ -85,8 +85,10 @@ def check_feed(plan_dir: Path, plan: Any, data_spec: str, loss_spec: str | None,
         elif loss_fn is not None:
             target = source.batch(0, rows, fit.seq_len, seed=seed)[1]
     if loss_fn is not None:
-        assert loss_spec is not None
-        _check_loss(loss_fn, loss_spec, output, target, rows)
+        _check_loss(loss_fn, f"--loss {loss_spec}", output, target, rows)
+    elif fn is not None:  # the built-in model's own loss, on the data function's target
+        _check_loss(zoo.loss_fn, f"{name}'s own loss (no --loss)", output, target, rows,
+                    fix=f"give the targets {name}'s loss takes (fxpipe inspect PLAN shows them), or pass --loss")
     return Feed(source, fit, rank_args)
 
 
@@ -257,7 +259,7 @@ def _draw_target(found: list[Any], m: int, gen: Any) -> Any:
     return torch.randn(shape, generator=gen, dtype=getattr(torch, dtype))
 
 
-def _synthetic_target(fn: Callable[..., Any], spec: str, output: Any, rows: int) -> list[Any]:
+def _synthetic_target(fn: Callable[..., Any], what: str, output: Any, rows: int) -> list[Any]:
     """The synthetic target a user model's loss takes, tried in turn on one microbatch: class ids below the
     output's last dimension, shaped like the output without it (a classifier, a language model), then floats
     shaped like the output (a regression)."""
@@ -273,13 +275,13 @@ def _synthetic_target(fn: Callable[..., Any], spec: str, output: Any, rows: int)
         try:
             with warnings.catch_warnings():  # a try that does not fit may warn before it raises (mse_loss's sizes)
                 warnings.simplefilter("ignore")
-                _check_loss(fn, spec, output, _draw_target(found, 1, torch.Generator().manual_seed(0)), rows)
+                _check_loss(fn, what, output, _draw_target(found, 1, torch.Generator().manual_seed(0)), rows)
             return found
         except TargetError as exc:
             why = first_line(exc.__cause__ or exc)
     shapes = " or ".join(f"{'class ids' if h is not None else 'floats'} {s}" for s, _, h in tries)
-    raise TargetError(f"--loss {spec} takes no synthetic target ({shapes}; last: {why}); pass --data "
-                      "FILE.py:FUNCTION with your targets")
+    raise TargetError(f"{what} takes no synthetic target ({shapes}; last: {why}); pass --data FILE.py:FUNCTION "
+                      "with your targets")
 
 
 def _check_batch(batch: tuple[Any, Any], plan: Any, ctx: Any, spec: str) -> None:
@@ -307,9 +309,10 @@ def _check_batch(batch: tuple[Any, Any], plan: Any, ctx: Any, spec: str) -> None
                           "row per input row")
 
 
-def _check_loss(fn: Callable[..., Any], spec: str, output: Any, target: Any, rows: int) -> None:
-    """The loss on an output of the plan's shape (random, on the CPU) and one microbatch's target: a scalar that
-    depends on the output."""
+def _check_loss(fn: Callable[..., Any], what: str, output: Any, target: Any, rows: int, *,
+                fix: str = "fix the loss: it is called as loss(outputs, target) on one microbatch") -> None:
+    """The loss (``what`` names it) on an output of the plan's shape (random, on the CPU) and one microbatch's
+    target: a scalar that depends on the output."""
     import torch
 
     from fxpipe._compat import pytree
@@ -325,11 +328,10 @@ def _check_loss(fn: Callable[..., Any], spec: str, output: Any, target: Any, row
     if isinstance(target, torch.Tensor) and target.dim() > 0:
         target = target[:rows]
     with torch.enable_grad():
-        loss = call_user(lambda: fn(out, target), f"--loss {spec}", "fix the loss: it is called as "
-                         "loss(outputs, target) on one microbatch")
+        loss = call_user(lambda: fn(out, target), what, fix)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
         got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
-        raise OptionError(f"--loss {spec} returned {got}, not a scalar tensor; reduce it to one value (e.g. .mean())")
+        raise OptionError(f"{what} returned {got}, not a scalar tensor; reduce it to one value (e.g. .mean())")
     if not loss.requires_grad:
-        raise OptionError(f"--loss {spec} returned a scalar that does not depend on the model's outputs; compute it "
+        raise OptionError(f"{what} returned a scalar that does not depend on the model's outputs; compute it "
                           "from the outputs it is given")

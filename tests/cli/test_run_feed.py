@@ -183,6 +183,18 @@ def test_a_zoo_plan_takes_a_user_loss_and_checks_it(user: dict[str, Path], no_ra
     assert "constant_loss returned a scalar that does not depend on the model's outputs" in line, line
 
 
+def test_a_zoo_plan_checks_its_own_loss_on_a_data_functions_target(user: dict[str, Path], tmp_path: Path,
+                                                                  no_rank_starts: list[list[str]]) -> None:
+    from tests._helpers import MLP_PLAN, cli_plan
+
+    """mlp-tiny's loss takes class ids; a data function giving float targets (3 per row) is refused."""
+    (tmp_path / "zoo_data.py").write_text("import torch\n\n\ndef floats(ctx):\n"
+                                          "    return [(torch.randn(ctx.batch_size, 32), torch.randn(ctx.batch_size, 3))]\n")
+    line = one_line_error(fxpipe_cli("run", cli_plan(*MLP_PLAN), "--data", f"{tmp_path / 'zoo_data.py'}:floats"))
+    assert "mlp-tiny's own loss (no --loss) raised RuntimeError" in line, line
+    assert line.endswith("give the targets mlp-tiny's loss takes (fxpipe inspect PLAN shows them), or pass --loss"), line
+
+
 def test_resolve_function() -> None:
     assert resolve_function("json:dumps", "--loss", "x.py:f") is json.dumps
     with pytest.raises(TargetError, match="is not FILE.py:FUNCTION"):
