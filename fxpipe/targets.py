@@ -121,7 +121,7 @@ def _import(where: str, target: str, example: str = "my_model.py:build") -> Any:
     try:
         with _no_exit(f"importing {where}"):
             return importlib.import_module(where)
-    except ImportError as exc:
+    except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name ('.x'); ValueError: an empty one
         raise TargetError(f"cannot import module {where!r} ({exc}); give a path ending in .py or an importable module") from exc
 
 

@@ -155,6 +155,7 @@ def test_a_user_model_trains_as_one_process_does(user: dict[str, Path], launched
     (["--loss", "{file}:NOT_A_FUNCTION"], "has no callable 'NOT_A_FUNCTION' (a int)"),
     (["--loss", "no_such_module_anywhere:loss"], "cannot import module 'no_such_module_anywhere'"),
     (["--loss", "loss"], "--loss 'loss' is not FILE.py:FUNCTION"),
+    (["--loss", ".relative:loss"], "cannot import module '.relative' (the 'package' argument is required"),
     (["--loss", "{file}:vector_loss"], "returned a tensor of shape [2, 3], not a scalar tensor"),
     (["--loss", "{file}:constant_loss"], "does not depend on the model's outputs"),
     (["--loss", "{file}:raising_loss"], "raising_loss takes no synthetic target (class ids [2] or floats [2, 3]; "
