@@ -197,7 +197,7 @@ def test_adamw_cosine_and_clipping_train_like_one_process(world1: None) -> None:
 
 def test_bf16_trains_like_one_process_under_autocast(world1: None) -> None:
     """bf16 autocast in the stage graphs: the losses and norms of one process's autocast training within 2^-8
-    (the module docstring derives it); the weights and AdamW's state stay fp32, the activations between stages bf16."""
+    (the module docstring derives it); the weights, gradients and AdamW's state stay fp32."""
     zoo, rt = _runtime("gpt-tiny", optimizer=OptimizerSpec("adamw", lr=1e-2, weight_decay=0.1), lr_schedule=SCHEDULE,
                        clip_grad_norm=0.5, precision="bf16")
     got = _train(zoo, rt, 3)
@@ -209,30 +209,35 @@ def test_bf16_trains_like_one_process_under_autocast(world1: None) -> None:
     for s in rt.mine:
         for p in rt.stages[s].module.parameters():
             assert p.dtype == p.grad.dtype == torch.float32
-            assert all(v.dtype == torch.float32 for v in rt.optimizers[s].state[p].values() if v.dim() > 0)
-    out = [v for v in rt.core.graphs[0].forward.graph.find_nodes(op="output")[0].args[0][:1]]
-    assert out[0].meta["val"].dtype == torch.bfloat16
+            state = rt.optimizers[s].state[p] if s in rt.optimizers else {}  # a tied weight: its first stage's
+            assert all(v.dtype == torch.float32 for v in state.values() if v.dim() > 0)
+    casts = [sum(n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bfloat16
+                 for n in rt.graphs[s].forward.graph.nodes) for s in rt.mine]
+    assert sum(casts) > 0, casts  # autocast's casts are ops of the F graphs
 
 
 def test_fp16_skips_overflowing_steps_like_grad_scaler(world1: None) -> None:
-    """fp16: the loss scale starts at 2^24, where the gradients overflow fp16; those steps are skipped on every
-    stage and the scale halves, as torch.amp.GradScaler does in one process."""
+    """fp16 from a loss scale of 2^20: the first and the last step overflow fp16 somewhere, and are skipped on
+    every stage while the scale halves, exactly where torch.amp.GradScaler skips in one process; the losses and
+    norms agree within fp16's 2^-11 (the same argument as bf16's)."""
     zoo, rt = _runtime("mlp-tiny", optimizer=OptimizerSpec("adamw", lr=1e-2, weight_decay=0.1), lr_schedule=SCHEDULE,
                        clip_grad_norm=0.5, precision="fp16")
-    rt.scaler.scale = 2.0**24
-    before = {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
-    got, scales = [], []
+    rt.scaler.scale = 2.0**20
     inputs, target = synthetic_batch(zoo, M)
+    got, scales = [], []
     for _ in range(4):
         got.append((float(rt.step(inputs, target)), rt.lr, rt.last_grad_norm))
         scales.append(rt.scaler.scale)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
     want, _ = _reference(zoo, 4, schedule=SCHEDULE, clip=0.5, precision="fp16", scaler=scaler)
-    assert not math.isfinite(got[0][2])  # the first step overflowed
-    assert scales[-1] == scaler.get_scale() < 2.0**24
-    assert [r[0] for r in got] == pytest.approx([r[0] for r in want], rel=1e-3)
-    assert got[0][0] == got[1][0] or not math.isfinite(got[1][2])  # a skipped step leaves the weights
-    assert any(not torch.equal(before[n], p) for s in rt.mine for n, p in rt.stages[s].module.named_parameters())
+    assert [math.isfinite(n) for _, _, n in got] == [math.isfinite(n) for _, _, n in want] == [False, True, True, False]
+    assert scales == [2.0**19, 2.0**19, 2.0**19, 2.0**18] and scaler.get_scale() == 2.0**18
+    finite = [0, 1, 2]  # losses (step 3's too: computed before its overflow); norms where finite
+    torch.testing.assert_close(torch.tensor([r[0] for r in got]), torch.tensor([r[0] for r in want]), rtol=2.0**-11,
+                               atol=0)
+    torch.testing.assert_close(torch.tensor([got[k][2] for k in finite[1:]]),
+                               torch.tensor([want[k][2] for k in finite[1:]]), rtol=2.0**-11, atol=0)
+    assert got[1][0] == got[0][0] != got[2][0]  # the skipped first step left the weights, the second moved them
 
 
 def test_a_resumed_run_continues_the_schedule_exactly(world1: None, tmp_path: Path) -> None:
