@@ -15,6 +15,7 @@ others stop at the timeout with an error naming the peer and the message they wa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpipe._compat import pytree
+from fxpipe._compat import autocast_forward, pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
@@ -748,7 +749,8 @@ class PipelineRuntime:
         for s, k in wanted:
             if s in self.batched_w:  # refused already
                 continue
-            built = batched_weight_graphs(self.pipe, s, self.graphs[s], k, example)
+            with autocast_forward(*self.autocast) if self.autocast is not None else contextlib.nullcontext():
+                built = batched_weight_graphs(self.pipe, s, self.graphs[s], k, example)  # as the stages were traced
             if isinstance(built, str):
                 self._refuse(s, built)
             else:
