@@ -14,6 +14,7 @@ of the values it touches and no more, so every loss and norm agrees to rtol 2^-8
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,12 +120,18 @@ def world1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     dist.destroy_process_group()
 
 
+@functools.cache
+def _compiled(name: str) -> tuple[object, fxpipe.Pipeline]:
+    """The zoo model and its 3-stage pipeline, compiled once for the module (each runtime trains a copy)."""
+    zoo = models.build(name)
+    return zoo, fxpipe.compile(copy.deepcopy(zoo.model), zoo.example_inputs, stages=3)
+
+
 def _runtime(name: str, **options):  # type: ignore[no-untyped-def]
     from fxpipe.runtime import PipelineRuntime
 
-    zoo = models.build(name)
-    pipe = fxpipe.compile(copy.deepcopy(zoo.model), zoo.example_inputs, stages=3)
-    return zoo, PipelineRuntime(pipe, one_rank(3, M), zoo.loss_fn, **options)
+    zoo, pipe = _compiled(name)
+    return zoo, PipelineRuntime(copy.deepcopy(pipe), one_rank(3, M), zoo.loss_fn, **options)
 
 
 def _reference(zoo, steps: int, *, schedule: LRSchedule, clip: float, precision: str = "fp32",
