@@ -253,12 +253,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
-    from fxpipe.cli.run_log import StepLog
+    from fxpipe.cli.run_log import StepLog, token_ids
 
     spec = pipe.plan.inputs[0] if pipe.plan.inputs else None
     samples = (int(spec.shape[0]) if spec is not None and spec.shape else 0) * m * rt.dp
     log = StepLog(Path(args.log_dir) if args.log_dir else None, rank=rank, world=world, device=device, samples=samples,
-                  tokens=samples * int(spec.shape[1]) if spec is not None and _token_ids(spec) else None, first=first)
+                  tokens=samples * int(spec.shape[1]) if spec is not None and token_ids(spec) else None, first=first)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # faults fire in the first attempt only
     fault_at = first + args.fault_step if sched.synchronous else first
     losses, step_ms = [], []
@@ -467,11 +467,6 @@ def _resumes(args: argparse.Namespace, world: int) -> bool:
     every: list[Any] = [None] * world
     dist.all_gather_object(every, seen)
     return any(every)
-
-
-def _token_ids(spec: Any) -> bool:
-    """Whether a model input (``plan.TensorSpec``) is token ids: integers of (batch, sequence, ...)."""
-    return len(spec.shape) >= 2 and any(t in str(spec.dtype) for t in ("int64", "int32", "long"))
 
 
 def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:

@@ -60,13 +60,12 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
                          stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
                          timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
-    from fxpipe.cli.rank import _token_ids
-    from fxpipe.cli.run_log import StepLog
+    from fxpipe.cli.run_log import StepLog, token_ids
 
     samples = int(inputs[0].shape[0])
     log = StepLog(Path(args.log_dir) if getattr(args, "log_dir", None) else None, rank=rank, world=world,
                   device=torch.device("cpu"), samples=samples, tokens=samples * int(inputs[0].shape[1])
-                  if pipe.plan.inputs and _token_ids(pipe.plan.inputs[0]) else None, first=0)
+                  if pipe.plan.inputs and token_ids(pipe.plan.inputs[0]) else None, first=0)
     losses, step_ms = [], []
     for step in range(args.steps):
         if rank == args.fail_rank and step == 1:

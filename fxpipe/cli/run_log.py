@@ -288,6 +288,11 @@ class StepLog:
             self.board.close()
 
 
+def token_ids(spec: Any) -> bool:
+    """Whether a model input (``plan.TensorSpec``) is token ids: integers of (batch, sequence, ...)."""
+    return len(spec.shape) >= 2 and any(t in str(spec.dtype) for t in ("int64", "int32", "long"))
+
+
 def _number(value: Any) -> float | None:
     """A float for JSON (a tensor's item), or None when absent or not finite."""
     if value is None:
