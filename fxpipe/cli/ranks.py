@@ -156,9 +156,10 @@ EARLIER = ".attempt"  # rank{R}.error of attempt k is kept as rank{R}.error.atte
 def restarts(out_dir: Path, results: list[dict[str, Any]] | None) -> str | None:
     """A line on the restarts torchrun made (the ranks' restart count, and why each earlier attempt stopped as
     its ranks reported it), or None when the run went through in one attempt."""
-    count = max((int(r.get("restarts", 0)) for r in results or ()), default=0)
     earlier = sorted(out_dir.glob(f"rank*.error{EARLIER}*"), key=lambda p: (int(p.name.rsplit(EARLIER, 1)[1]),
                                                                           int(p.name[4:p.name.index(".")])))
+    count = max([int(r.get("restarts", 0)) for r in results or ()]  # the last attempt's count, else the reports'
+                + [int(p.name.rsplit(EARLIER, 1)[1]) + 1 for p in earlier], default=0)
     if not count and not earlier:
         return None
     said = "; ".join(f"attempt {p.name.rsplit(EARLIER, 1)[1]}: rank {p.name[4:p.name.index('.')]}: "

@@ -231,14 +231,14 @@ def run_cmd(
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
                                      local=proc.local)
+            results = ranks.rank_results(out_dir)
+            restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
+            if restarted is not None:
+                say(f"note: {restarted}")
             if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
                 say(f"warning: {failure.message}")
             elif failure is not None:
                 raise RankFailedError(failure.message)
-            results = ranks.rank_results(out_dir)
-            restarted = ranks.restarts(out_dir, results)
-            if restarted is not None:
-                say(f"note: {restarted}")
             if results is None and meeting.standalone:
                 raise RankFailedError("the ranks finished, but rank 0 wrote no results (its gather of every rank's "
                                       "result did not complete); re-run")
