@@ -85,8 +85,8 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     for i in range(len(damaged) // 4, min(len(damaged), len(damaged) // 4 + 10_000)):
         damaged[i] ^= 0x5A
     data.write_bytes(bytes(damaged))
-    result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "always", "--json",
-                           "--keep-checkpoints", "2"))
+    result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "always",
+                           "--json", "--keep-checkpoints", "2"))
     assert json.loads(result.stdout)["losses"] == straight[2:4]  # from the good step 2, not the damaged step 3
     assert result.stderr.splitlines() == ["note: step_000003 is corrupt (__1_0.distcp does not match the checksum "
                                           "recorded when it was written); resuming from step_000002"]
@@ -113,9 +113,10 @@ def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_p
     empty = tmp_path / "empty"
     assert one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", empty, "--resume", "always")) == (
         f"error: no complete checkpoint in {empty} ({empty} does not exist); start without --resume")
-    assert one_line_error(fxpipe_cli("run", plan, "--resume", "always")) == "error: --resume always needs --checkpoint-dir"
-    assert "pass one of them" in one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", ckpt, "--resume", "always",
-                                                           "--overwrite"))
+    assert one_line_error(fxpipe_cli("run", plan, "--resume", "always")) == (
+        "error: --resume always needs --checkpoint-dir")
+    assert "pass one of them" in one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", ckpt, "--resume",
+                                                           "always", "--overwrite"))
     # A pickle payload in place of .metadata, then of every file of every step: one line, no code run.
     ran = tmp_path / "code-ran"
     (ckpt / "step_000003" / ".metadata").write_bytes(payload(ran))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from fxpipe.cli import ranks, run_log
 from fxpipe.errors import RankFailedError
 from tests._helpers import MLP_PLAN, fxpipe_cli, one_line_error, plan_fixture
 
+tomllib = pytest.importorskip("tomllib")  # Python 3.11: --config reads TOML with it
 plan = plan_fixture(*MLP_PLAN)
 
 _values = st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True),
