@@ -157,6 +157,14 @@ def test_each_finished_step_is_one_line_and_a_resumed_log_keeps_each_step_once(t
     assert run_log.StepLog(None, rank=0, world=1, device=None, samples=8, tokens=None, first=0).share(1.0) is None
 
 
+def test_tokens_are_counted_for_token_id_inputs_only() -> None:
+    from fxpipe.plan import TensorSpec
+
+    assert run_log.token_ids(TensorSpec("idx", (2, 16), "int64"))
+    assert not run_log.token_ids(TensorSpec("x", (2, 16), "float32"))
+    assert not run_log.token_ids(TensorSpec("labels", (2,), "int64"))
+
+
 def test_restarts_are_reported_with_each_earlier_attempt_s_errors(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     assert ranks.restarts(tmp_path, [{"restarts": 0}]) is None
