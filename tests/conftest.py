@@ -20,6 +20,16 @@ _SHARED_LAUNCHES = {"tests/runtime/test_distributed.py": "dist", "tests/runtime/
                     "tests/cli/test_run_dp.py": "dp", "tests/cli/test_multinode.py": "dp"}
 
 
+@pytest.hookimpl
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist each worker computes on one thread: two workers of two threads each on two cores spend
+    # their time waiting on each other's spinning threads. (Ranks are processes of their own and keep theirs.)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
