@@ -125,7 +125,8 @@ class PipelineRuntime:
         self.precision, self.autocast = precision, autocast_of(precision, kind)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise OptionError(f"clip_grad_norm is the largest global gradient norm, > 0 (clip_grad_norm: {clip_grad_norm})")
-        if not schedule.synchronous and (clip_grad_norm is not None or precision == "fp16" or lr_schedule is not None):
+        if not schedule.synchronous and (clip_grad_norm is not None or precision == "fp16"
+                                         or lr_schedule not in (None, "constant", LRSchedule())):
             raise OptionError(f"{schedule.name} steps each stage after every microbatch, with no step of the whole "
                               "model to clip, unscale or schedule at: use a synchronous schedule for clip_grad_norm, "
                               "fp16 or an lr schedule")

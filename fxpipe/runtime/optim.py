@@ -161,11 +161,13 @@ def autocast_loss(loss_fn: Callable[[Any, Any], torch.Tensor],
 def squared_norm(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
     """The sum of the squares of ``grads`` (None skipped), in float64 on the CPU: inf or nan when one is not finite.
     Float64, so that finite fp32 gradients never overflow the sum, and adding the ranks' sums loses nothing."""
-    total = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        if g is not None:
-            total += torch.linalg.vector_norm(g, dtype=torch.float64).square().cpu()
-    return total
+    parts = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads if g is not None]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, torch.Tensor] = {}
+    for part in parts:  # summed where the gradients are: one copy to the CPU per device, not one per tensor
+        by_device[part.device] = by_device[part.device] + part if part.device in by_device else part
+    return sum((t.cpu() for t in by_device.values()), torch.zeros((), dtype=torch.float64))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

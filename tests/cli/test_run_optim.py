@@ -14,7 +14,7 @@ import torch
 from fxpipe import models
 from fxpipe.cli.rank import synthetic_batch
 from fxpipe.runtime.optim import LRSchedule
-from tests._helpers import cli_plan, fxpipe_cli, ok, one_line_error
+from tests._helpers import MLP_PLAN, cli_plan, fxpipe_cli, ok, one_line_error
 
 STEPS, M, DP = 3, 4, 2
 FLAGS = ("--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1", "--betas", "0.9,0.95",
@@ -69,6 +69,6 @@ def test_adamw_cosine_and_global_clipping_on_2x2_ranks_train_like_one_process() 
 ])
 def test_bad_optimizer_flags_are_one_line_before_any_rank_starts(flags: tuple[str, ...], match: str,
                                                                   no_rank_starts: list) -> None:
-    plan = cli_plan("mlp-tiny", "--stages", "2")
+    plan = cli_plan(*MLP_PLAN)  # the plan most CLI tests run (compiled once per session)
     line = one_line_error(fxpipe_cli("run", plan, *flags))
     assert match in line, line
