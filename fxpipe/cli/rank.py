@@ -300,8 +300,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             step_ms.append((time.perf_counter() - t0) * 1e3)
             if start > first:  # its actions' times (summed after the run), every step after the first (which faults
                 timed_steps.append((rt.events, rt.optimizer_steps))  # its buffers in); each step makes new lists
-            in_flight.append((start, pending, step_ms[-1], (getattr(rt, "lr", None), getattr(rt, "last_grad_norm", None),
-                                                             log.share(step_ms[-1]))))
+            in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]))))
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
@@ -312,7 +311,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                 with open(out_progress(args), "a") as f:
                     f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
             for k, loss in zip(chunk, done):
-                log.write(k + 1, loss, getattr(rt, "lr", None), getattr(rt, "last_grad_norm", None), log.share(ms))
+                log.write(k + 1, loss, rt.lr, rt.last_grad_norm, log.share(ms))
         if args.checkpoint_dir and (not sched.synchronous or (chunk[-1] + 1) % args.checkpoint_every == 0
                                     or chunk[-1] + 1 == args.steps):
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
