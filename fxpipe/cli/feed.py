@@ -34,18 +34,17 @@ class Feed:
     rank_args: list[str]
 
 
-def check_feed(plan_dir: Path, plan: Any, data_spec: str, loss_spec: str | None, microbatches: int, dp: int,
-               seed: int, steps: int) -> Feed:
+def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: str, loss_spec: str | None, microbatches: int,
+               dp: int, seed: int, steps: int) -> Feed:
     """``--data`` and ``--loss`` against the plan, before any rank starts (see the module's docstring); one line
-    (an FxpipeError) for the first thing wrong."""
+    (an FxpipeError) for the first thing wrong. ``zoo``: the plan's built-in model built on the meta device
+    (``fxpipe.cli.rank.zoo_of``), or None for the user's own."""
     import torch
 
     from fxpipe import data
-    from fxpipe.cli.rank import zoo_of
     from fxpipe.errors import OptionError
     from fxpipe.targets import resolve_function
 
-    zoo = zoo_of(plan, device="meta")
     source = data.parse_data(data_spec)
     name = plan.provenance.model or "a model compiled through the Python API"
     if plan.strategy is not None and (zoo is None or loss_spec is not None or isinstance(source, data.UserData)):
@@ -101,11 +100,12 @@ def loss_of(zoo: Any, spec: str | None) -> Callable[[Any, Any], Any]:
     return resolve_function(spec, "--loss", "my_model.py:loss")
 
 
-def rank_batches(spec: str, plan: Any, zoo: Any, ctx: Any, synthetic: str | None = None,
-                 ) -> Callable[[int], tuple[Any, Any]]:
+def rank_batches(spec: str, plan: Any, ctx: Any, zoo_batch: Callable[[int], tuple[Any, Any]] | None,
+                 synthetic: str | None = None) -> Callable[[int], tuple[Any, Any]]:
     """``batch(step)`` for the rank ``ctx`` (a ``fxpipe.data.DataContext``) describes: its replica's rows, the
     inputs only with ``ctx.needs_inputs``, the target only with ``ctx.needs_targets``; a rank that needs
-    neither reads nothing (and calls no data function)."""
+    neither reads nothing (and calls no data function). ``zoo_batch(m)``: a built-in model's synthetic batch of
+    m microbatches (None: the user's own model, whose batch ``synthetic`` describes)."""
     from fxpipe import data
     from fxpipe.targets import resolve_function
 
@@ -121,7 +121,8 @@ def rank_batches(spec: str, plan: Any, zoo: Any, ctx: Any, synthetic: str | None
         fn = resolve_function(source.spec, "--data", "my_data.py:batches")
         return data.user_batches(_call_data(fn, ctx, source.spec), ctx, source.spec)
     if isinstance(source, data.Synthetic):
-        fixed = synthetic_batches(plan, zoo, ctx.microbatches * ctx.replicas, synthetic)
+        m = ctx.microbatches * ctx.replicas
+        fixed = zoo_batch(m) if zoo_batch is not None else synthetic_batches(plan, m, synthetic)
         shard = mine((tuple(_replica(x, ctx) for x in fixed[0]), _replica(fixed[1], ctx)))
         return lambda k: shard
     fit = data.check_fit(source, _example_zeros(plan), None)
@@ -138,16 +139,12 @@ def rank_batches(spec: str, plan: Any, zoo: Any, ctx: Any, synthetic: str | None
     return tokens
 
 
-def synthetic_batches(plan: Any, zoo: Any, m: int, synthetic: str | None) -> tuple[tuple[Any, ...], Any]:
-    """``--data synthetic``'s one batch of m microbatches: the built-in model's (``synthetic_batch``), or for the
-    user's own model random inputs shaped like the plan's (an integer input below the embedding rows it indexes,
-    else 0) and a random target its loss takes, as the launcher found them (``synthetic``: JSON)."""
+def synthetic_batches(plan: Any, m: int, synthetic: str | None) -> tuple[tuple[Any, ...], Any]:
+    """``--data synthetic``'s one batch of m microbatches for the user's own model: random inputs shaped like the
+    plan's (an integer input below the embedding rows it indexes, else 0) and a random target its loss takes, as
+    the launcher found them (``synthetic``: JSON)."""
     import torch
 
-    from fxpipe.cli.rank import synthetic_batch
-
-    if zoo is not None:
-        return synthetic_batch(zoo, m)  # type: ignore[return-value]
     found = json.loads(synthetic or "{}")
     gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
     inputs = []

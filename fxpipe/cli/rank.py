@@ -292,7 +292,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
                       args.steps, input_specs(pipe.plan, m))
-    batch_of = rank_batches(args.data, pipe.plan, zoo, ctx, args.synthetic)
+    batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
+                            args.synthetic)
     for start in range(first, args.steps, every):
         chunk = range(start, min(start + every, args.steps))
         if rank == args.fail_rank and start == fault_at and attempt == 0:

@@ -231,8 +231,10 @@ def run_cmd(
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
         from fxpipe.cli.feed import check_feed
+        from fxpipe.cli.rank import zoo_of
 
-        feed = check_feed(plan_dir, plan, data, loss, sched.num_microbatches, replicas, seed, steps)
+        feed = check_feed(plan_dir, plan, zoo_of(plan, device="meta"), data, loss, sched.num_microbatches, replicas,
+                          seed, steps)
         source, fit = feed.source, feed.fit
         _check_model(plan_dir, plan)  # before any rank builds the model the plan names
         if trace is not None:

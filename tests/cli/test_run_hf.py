@@ -99,10 +99,10 @@ def test_a_user_models_synthetic_data_is_shaped_from_the_plan(hf: dict[str, Path
     from fxpipe.plan_dir import read_plan
 
     plan = read_plan(hf["plan"])
-    feed = check_feed(hf["plan"], plan, "synthetic", f"{hf['file']}:loss", MICROBATCHES, 1, 0, STEPS)
+    feed = check_feed(hf["plan"], plan, None, "synthetic", f"{hf['file']}:loss", MICROBATCHES, 1, 0, STEPS)
     assert feed.rank_args[0] == "--synthetic"
     assert json.loads(feed.rank_args[1]) == {"bounds": {"0": 256}, "target": [[ROWS, SEQ], "int64", 256]}
-    (idx,), target = synthetic_batches(plan, None, MICROBATCHES, feed.rank_args[1])
+    (idx,), target = synthetic_batches(plan, MICROBATCHES, feed.rank_args[1])
     for ids in (idx, target):  # token ids over the whole vocabulary (the embedding's rows, the logits' width)
         assert ids.shape == (ROWS * MICROBATCHES, SEQ) and ids.dtype == torch.int64
         assert 0 <= int(ids.min()) and 200 < int(ids.max()) < 256
