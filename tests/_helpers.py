@@ -550,3 +550,15 @@ def tree(root: Path, digest: Callable[[Path], str] | None = None) -> dict[str, s
             found[key] = ("-> " + os.readlink(path) if path.is_symlink() else "dir" if path.is_dir()
                           else digest(path) if digest is not None else hashlib.sha256(path.read_bytes()).hexdigest())
     return found
+
+
+@pytest.fixture(scope="module")
+def world1() -> Iterator[None]:
+    """A gloo process group of one rank in this process (a HashStore: nothing leaves it), for a module whose
+    ``PipelineRuntime`` runs every stage on rank 0 (a one-rank schedule): the distributed runtime without a launch."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
