@@ -364,12 +364,11 @@ DIST_WORKER = ROOT / "tests" / "runtime" / "_dist_worker.py"
 def launch_ranks(tmp_path: Path, world: int, cfg: dict[str, Any], worker: Path = DIST_WORKER,
                  timeout: float = HANG_S) -> list[subprocess.CompletedProcess[str]]:
     """``world`` processes of ``worker`` (argv: rank, world, init method, ``tmp_path``, ``cfg`` as JSON), meeting
-    over a file in ``tmp_path``; each one's exit code, stdout and stderr."""
+    over a file in ``tmp_path`` (forked from the preloaded forkserver: :class:`Forked`); each one's exit code, stdout
+    and stderr."""
     init = f"file://{tmp_path / 'pg'}"
     (tmp_path / "pg").unlink(missing_ok=True)
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), init, str(tmp_path), json.dumps(cfg)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+    procs = [Forked([str(worker), str(r), str(world), init, str(tmp_path), json.dumps(cfg)]) for r in range(world)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -552,6 +551,101 @@ def tree(root: Path, digest: Callable[[Path], str] | None = None) -> dict[str, s
     return found
 
 
+# -- Python processes forked from one that has already imported torch ------------------------------------------------
+
+# What every rank of a worker script imports first: the forkserver imports it once, and each process forked from it
+# starts there instead of paying Python's and torch's start-up (seconds of CPU per process on this machine) again.
+_PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "fxpipe", "fxpipe.runtime.executor",
+            "fxpipe.models", "tests._helpers"]
+
+
+def _forked_main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """The child: the environment, working directory and output files it would have had as ``python ARGV``, then
+    the script, ``-c`` code or ``-m`` module run as ``__main__``; its exit status is the script's."""
+    import runpy
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    code = 0
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (as Python reports an uncaught exception: its traceback, exit 1)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Forked:
+    """``python ARGV`` as a process forked from the preloaded forkserver: what the tests use of ``subprocess.Popen``
+    (``pid``, ``poll``, ``wait``, ``kill``, ``communicate`` and ``returncode``, a signal's as its negative number).
+    Its stdout and stderr go to files, read when it has exited."""
+
+    def __init__(self, argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        self._dir = tempfile.mkdtemp(prefix="fxpipe-test-forked-")
+        self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
+        self.args = argv
+        self._proc = ctx.Process(target=_forked_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
+                                                            self._out, self._err), daemon=False)
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        texts = tuple(Path(p).read_text(errors="replace") for p in (self._out, self._err))
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return texts  # type: ignore[return-value]
+
+
+def run_forked(argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+               timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True)``, forked from the forkserver."""
+    proc = Forked(argv, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess([sys.executable, *argv], proc.returncode, out, err)  # type: ignore[arg-type]
 @pytest.fixture(scope="module")
 def world1() -> Iterator[None]:
     """A gloo process group of one rank in this process (a HashStore: nothing leaves it), for a module whose

@@ -14,6 +14,19 @@ os.environ["FXPIPE_CALIBRATION"] = "off"
 from tests._helpers import assert_composes, no_rank_starts  # noqa: E402, F401 (no_rank_starts: a fixture)
 
 
+# Test modules that share a session-cached launch (tests/_helpers.py: shared_launch, four_rank_run) run in one pytest-xdist
+# worker, so the launch runs once; every other module is a group of its own (its module fixtures are made once).
+_SHARED_LAUNCHES = {"tests/runtime/test_distributed.py": "dist", "tests/runtime/test_replicas.py": "dist",
+                    "tests/cli/test_run_dp.py": "dp", "tests/cli/test_multinode.py": "dp"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(_SHARED_LAUNCHES.get(module, module)))
+
+
 @pytest.fixture
 def composes():  # type: ignore[no-untyped-def]
     return assert_composes

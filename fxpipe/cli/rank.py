@@ -292,23 +292,26 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.schedules.simulate import simulate
     from fxpipe.schedules.versions import held_peaks_with_versions
 
-    # collective: this machine's link and compute contention, measured now (< 2 s); one rank has no link to measure
-    cal = calibrate() if world > 1 else None
+    # Collectives: this machine's link and compute contention, measured now (< 2 s; one rank has no link to
+    # measure), and the all-reduces below. FXPIPE_CALIBRATION=off (every rank reads the same environment) keeps the
+    # plan's fixed model, as fxpipe compile does, and measures nothing.
+    measure = calibration_enabled()
+    cal = calibrate() if world > 1 and measure else None
     simulated = cal.apply(costs) if cal is not None else costs
     cores = os.cpu_count() or 1
     if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
     compute = pipe.plan.options.compute
-    if compute is not None and calibration_enabled():  # this machine's memory bandwidth: each stage's optimizer step
+    if compute is not None and measure:  # this machine's memory bandwidth: each stage's optimizer step
         simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw,
                                              overheads)
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
         simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
-    if rt.dp > 1:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
+    if rt.dp > 1 and measure:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
         simulated = calibrate_allreduce(group=rt.mesh.get_group("dp")).apply(simulated)
     tied = tied_costs(pipe, rt.where)
     if tied:  # each weight tied across ranks is summed at the step's end (GPT's wte and lm_head)
-        if rt.dp == 1:  # collective: the all-reduce's link, over every rank, measured now (< 1 s)
+        if rt.dp == 1 and measure:  # collective: the all-reduce's link, over every rank, measured now (< 1 s)
             simulated = calibrate_allreduce().apply(simulated)
         simulated = dataclasses.replace(simulated, tied=tied)
     ran = sched if sched.synchronous else rt.stream  # what the counted step (stream) ran

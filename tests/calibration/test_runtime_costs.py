@@ -1,7 +1,7 @@
 """Calibration: the link and contention measured on two real gloo ranks, and how it rescales the simulator's Costs.
 
 Run as a script, this file is one rank of the two-process tests:
-``python test_runtime_costs.py RANK WORLD INIT OUT link|allreduce``.
+``python test_runtime_costs.py RANK WORLD INIT OUT link,allreduce``.
 """
 
 from __future__ import annotations
@@ -15,23 +15,29 @@ from typing import Any
 
 import pytest
 
+from tests._helpers import HANG_S, Forked
+
 ROOT = Path(__file__).parents[2]
 
 
-def _launch(tmp_path: Path, world: int, what: str = "link") -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """One launch of two gloo ranks measuring the link (calibrate) and then the all-reduce (calibrate_allreduce):
+    each measurement's result on every rank."""
+    tmp_path = tmp_path_factory.mktemp("calibrate")
     init = f"file://{tmp_path / 'pg'}"
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), init, str(tmp_path), what], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [Forked([__file__, str(r), "2", init, str(tmp_path), "link,allreduce"]) for r in range(2)]
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return {what: [json.loads((tmp_path / f"rank{r}-{what}.json").read_text()) for r in range(2)]
+            for what in ("link", "allreduce")}
 
 
-def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> None:
+def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(measured: dict[str, list[dict[str, Any]]]) -> None:
     from fxpipe.calibration.runtime_costs import Calibration, fit_link
 
-    docs = _launch(tmp_path, 2)
+    docs = measured["link"]
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # every rank returns rank 0's measurement
     cal = Calibration.from_json(docs[0])
     # Real measurements, whatever the machine's speed (how well a fit follows its points is tested on fixed
@@ -43,18 +49,6 @@ def test_calibrate_on_two_gloo_ranks_fits_its_own_ping_pong(tmp_path: Path) -> N
     assert cal.latency >= 0 and cal.bandwidth > 0
     assert cal.contention > 0 and cal.memory_contention > 0 and math.isfinite(cal.memory_contention)
     assert cal.transfer(cal.sizes[-1]) > cal.transfer(cal.sizes[0])
-
-
-def test_the_runtime_overheads_measured_on_two_gloo_ranks(tmp_path: Path) -> None:
-    """A real PipelineRuntime on two ranks: every rank gets the same eight costs, each a time a step can hold."""
-    docs = _launch(tmp_path, 2, "overheads")
-    assert docs[0] == docs[1]
-    for name in docs[0]:
-        assert docs[0][name] >= 0 and math.isfinite(docs[0][name]), docs[0]
-    # Timed where they run: a Python runtime never runs a loss and its gradient, an isend or an optimizer step in
-    # 0 s. The step's cost is what the others leave of the measured step (step_residual): 0 where they simulate all
-    # of it. (How the optimizer's costs are read from its timings: test_optimizer_costs_*, on an injected clock.)
-    assert all(docs[0][k] > 0 for k in ("loss", "send", "optimizer")), docs[0]
 
 
 _MEASURE = """
@@ -73,11 +67,16 @@ def test_measure_overheads_spawns_two_ranks_that_leave_without_gloos_teardown() 
     after rank 0 wrote every result, skipping gloo's teardown, which can abort) with status 0, the costs come back
     whole, and the parent's exit says nothing: a rank's exit leaves no multiprocessing semaphore registered (tqdm's
     lock, when tqdm is installed, as the dev extra installs it, made one and the resource tracker warned of it)."""
-    done = subprocess.run([sys.executable, "-c", _MEASURE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _MEASURE], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["machine"].startswith("test|") and got["threads"] == 1
+    # Timed where they run: a Python runtime never runs a loss and its gradient, an isend or an optimizer step in
+    # 0 s. The step's cost is what the others leave of the measured step (step_residual): 0 where they simulate all
+    # of it. (How the optimizer's costs are read from its timings: test_optimizer_costs_*, on an injected clock.)
+    costs = {k: v for k, v in got.items() if k not in ("machine", "threads")}
+    assert all(v >= 0 and math.isfinite(v) for v in costs.values()), got
     assert got["step"] >= 0 and got["loss"] > 0 and got["send"] > 0 and got["optimizer"] > 0, got
 
 
@@ -177,10 +176,10 @@ def test_messages_on_one_link_queue_behind_each_other() -> None:
     assert sorted(recv_b) == pytest.approx([send_b[0] + 2.5, send_b[0] + 5.0, send_b[0] + 7.5])
 
 
-def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(tmp_path: Path) -> None:
+def test_calibrate_allreduce_on_two_gloo_ranks_fits_the_ring(measured: dict[str, list[dict[str, Any]]]) -> None:
     from fxpipe.calibration.runtime_costs import AllReduceCalibration, fit_allreduce
 
-    docs = _launch(tmp_path, 2, "allreduce")
+    docs = measured["allreduce"]
     assert docs[0] == {**docs[1], "seconds": docs[0]["seconds"]}  # the slowest rank's times, on every rank
     ar = AllReduceCalibration.from_json(docs[0])
     # Real measurements, whatever the machine's speed (the fit's quality on fixed readings: the fit_allreduce
@@ -246,18 +245,9 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
     try:
         from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
 
-        if what == "overheads":
-            from fxpipe.plan import ComputeRates
-            from fxpipe.calibration.runtime_costs import overheads_on_ranks
-
-            rates = ComputeRates(gemm_flops=1e11, conv_flops=5e10, mem_bw=1e10, op_fwd=1e-5, op_bwd=1.5e-5, threads=1)
-            names = ("action", "message", "step", "loss", "send", "optimizer", "optimizer_tensor",
-                     "optimizer_tensor_momentum")
-            (Path(out) / f"rank{rank}.json").write_text(json.dumps(dict(zip(names, overheads_on_ranks(rates, steps=6),
-                                                                            strict=True))))
-            return
-        cal = calibrate() if what == "link" else calibrate_allreduce()
-        (Path(out) / f"rank{rank}.json").write_text(json.dumps(cal.to_json()))
+        for one in what.split(","):
+            cal = calibrate() if one == "link" else calibrate_allreduce()
+            (Path(out) / f"rank{rank}-{one}.json").write_text(json.dumps(cal.to_json()))
     finally:
         dist.destroy_process_group()
 

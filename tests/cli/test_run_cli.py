@@ -18,7 +18,8 @@ from tests.runtime._dist_worker import payload
 plan = plan_fixture("gpt-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4")
 
 
-def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path) -> None:
+def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXPIPE_CALIBRATION", "on")  # the ranks measure the link they ran on (the plan stays fixed)
     trace = tmp_path / "measured.json"
     doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--json", "--trace", trace)).stdout)
     assert doc["schema"] == "fxpipe.run/v1" and doc["schedule"] == "zb-h1" and doc["microbatches"] == 4

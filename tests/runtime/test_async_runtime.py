@@ -4,8 +4,6 @@ the one-process reference executor's asynchronous run, and reads exactly the ver
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +14,9 @@ from fxpipe import models
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.generators import async_1f1b
 from fxpipe.schedules.versions import reads
-from tests._helpers import HANG_S, stream
+from tests._helpers import HANG_S, Forked, stream
 
 WORKER = Path(__file__).with_name("_async_worker.py")
-ROOT = Path(__file__).parents[2]
 POLICIES = ("stale", "stash", "predict")
 
 
@@ -29,9 +26,8 @@ def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, wor
     zoo = models.build("mlp-tiny", dtype=torch.float64)
     plan = fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=world), tmp_path / "plan")
     cfg = {"model": "mlp-tiny", "policies": list(POLICIES), "batches": 3, "microbatches": 2}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}",
-                               str(plan), str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [Forked([str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}", str(plan), str(tmp_path),
+                     json.dumps(cfg)]) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._helpers import HANG_S, with_plans
+from tests._helpers import HANG_S, Forked, with_plans
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
-ROOT = Path(__file__).parents[2]
 TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs
 # A rank still running HANG_S after the launch (start-up included, which alone can take minutes on a loaded machine)
 # is hung: the test kills it and fails.
@@ -35,9 +32,7 @@ def _launch(tmp_path: Path, world: int, cfg: dict[str, Any]) -> tuple[list[tuple
     compiling on every rank is tests/runtime/test_distributed.py's failing-rank case and test_checkpoint.py's)."""
     init = f"file://{tmp_path / 'pg'}"
     cfg = with_plans(world, {"timeout": TIMEOUT_S, "pg_timeout": TIMEOUT_S, **cfg})
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), init, str(tmp_path), json.dumps(cfg)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+    procs = [Forked([str(WORKER), str(r), str(world), init, str(tmp_path), json.dumps(cfg)]) for r in range(world)]
     deadline = time.time() + HANG_S
     ended: dict[int, float] = {}
     try:

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from fxpipe import models
 from fxpipe.cli.main import app
 from fxpipe.cli.rank import synthetic_batch
-from tests._helpers import HANG_S
+from tests._helpers import HANG_S, Forked
 from tests.runtime._one_rank import run_one_rank
 
 WORKER = Path(__file__).with_name("_api_worker.py")
@@ -24,9 +24,8 @@ ROOT = Path(__file__).parents[2]
 
 
 def _run(tmp_path: Path, plan: Path, world: int, cfg: dict) -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}", str(plan),
-                               str(tmp_path), json.dumps(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [Forked([str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}", str(plan), str(tmp_path),
+                     json.dumps(cfg)]) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=HANG_S)
         assert p.returncode == 0, err[-3000:]
