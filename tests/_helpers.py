@@ -646,6 +646,8 @@ def run_forked(argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None 
         proc.kill()
         raise
     return subprocess.CompletedProcess([sys.executable, *argv], proc.returncode, out, err)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def world1() -> Iterator[None]:
     """A gloo process group of one rank in this process (a HashStore: nothing leaves it), for a module whose
