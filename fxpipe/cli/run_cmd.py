@@ -142,6 +142,17 @@ def run_cmd(
             sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
+        from fxpipe.schedules.auto import plan_recompute
+
+        # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
+        recomputed, recompute_note = plan_recompute(plan, sched, recompute)
+        if recomputed and plan.strategy is not None:
+            raise OptionError(f"--recompute {recompute} recomputes pipeline stages; this plan is a per-layer strategy "
+                              "(DTensor layers): use --recompute none")
+        if recomputed and not sched.synchronous:
+            raise OptionError(f"--recompute {recompute}: {sched.name} is asynchronous, and its phases read weight "
+                              "versions a recomputed forward would not see; use --recompute none, or a synchronous "
+                              "schedule")
         from fxpipe.runtime.codegen import check_codegen
 
         fallback = check_codegen(codegen)
@@ -164,17 +175,6 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
-        from fxpipe.schedules.auto import plan_recompute
-
-        # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
-        recomputed, recompute_note = plan_recompute(plan, sched, recompute)
-        if recomputed and plan.strategy is not None:
-            raise OptionError(f"--recompute {recompute} recomputes pipeline stages; this plan is a per-layer strategy "
-                              "(DTensor layers): use --recompute none")
-        if recomputed and not sched.synchronous:
-            raise OptionError(f"--recompute {recompute}: {sched.name} is asynchronous, and its phases read weight "
-                              "versions a recomputed forward would not see; use --recompute none, or a synchronous "
-                              "schedule")
         from fxpipe.calibration.host import HostTuning
 
         host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
