@@ -73,8 +73,8 @@ class PipelineRuntime:
     the last step counted (of :meth:`train`: the whole stream's).
     ``host``: the process-wide settings this rank asks for (:class:`fxpipe.calibration.host.HostTuning`: CPU
     pinning, gloo's socket threads' priority, a yield after each send, freed memory kept); None changes none.
-    ``recompute``: ``none``, ``stage`` (every stage keeps only its inputs from F to B, and B runs F again on them
-    first), ``auto`` (the stages the plan's memory cap needs: :func:`fxpipe.schedules.auto.plan_recompute`), or
+    ``recompute``: ``none``, ``stage`` (every stage whose inputs are smaller than what its F saves keeps only them
+    from F to B, and B runs F again on them first), ``auto`` (the stages the plan's memory cap needs: :func:`fxpipe.schedules.auto.plan_recompute`), or
     stage indices; :attr:`recompute` holds the stages chosen (every rank's), :attr:`recompute_note` why.
     Synchronous schedules; the recomputed forward runs the eager F graph.
     """
