@@ -75,6 +75,26 @@ def one_line_errors() -> Iterator[None]:
 
 TORCH_LOG = "FXPIPE_TORCH_LOG"  # a file for torch's own logged errors, which the CLI keeps off the terminal
 
+# Every environment setting fxpipe reads (tests/cli/test_help.py finds each "FXPIPE_*" name of fxpipe/ here), shown
+# under fxpipe run --help with the launcher's host flags, which reach the ranks as options, never as settings.
+ENVIRONMENT = (
+    ("FXPIPE_CALIBRATION", "on or off (default on): compile measures this machine's compute and the ranks their "
+                           "link; off keeps the fixed cost model (compile --calibration overrides it)."),
+    (TORCH_LOG, "a file for torch's own logged errors and tracebacks, which the CLI keeps off the terminal "
+                "(default: dropped)."),
+    ("FXPIPE_LAUNCHER_PID", "set by fxpipe run for its ranks, which leave when that process is gone; not a user "
+                            "setting."),
+)
+HOST_FLAGS = ("--pin-ranks", "--gloo-loop-nice", "--send-yield", "--keep-freed-memory")
+
+
+def run_epilog() -> str:
+    """fxpipe run --help's last section: the environment settings and the launcher's host flags."""
+    settings = "\n\n".join(f"{name}: {what}" for name, what in ENVIRONMENT)
+    return (f"Environment settings:\n\n{settings}\n\nHost flags ({', '.join(HOST_FLAGS)}, under Host tuning) are "
+            "the launcher's: fxpipe run hands them to each rank as options, and sets nothing in the environment but "
+            "OMP_NUM_THREADS=1 and FXPIPE_LAUNCHER_PID for the ranks it starts.")
+
 
 class _NoTorchTracebacks(logging.Filter):
     """Drops torch's logged errors and tracebacks (a failed fake-tensor run, a Dynamo guard) from the terminal:

@@ -41,14 +41,14 @@ def compile_cmd(
     target: Annotated[str, typer.Argument(help="A zoo model (gpt, gpt-tiny, resnet-50, ...) or file.py:build.")],
     stages: Annotated[Optional[str], typer.Option("--stages", "-s", help="Number of pipeline stages, or auto: "
                                                   "every count up to --devices / --dp (default 8) partitioned, "
-                                                  "simulated, and the one --objective picks [default: 2].",
+                                                  "simulated, and the one --objective picks \\[default: 2].",
                                                   rich_help_panel="Partitioning")] = None,
     objective: Annotated[Optional[str], typer.Option(help="With --stages auto: fastest (the most speedup), "
                                                      "efficiency:E (the most speedup with speedup / stages >= E) or "
-                                                     "speedup:X (the fewest stages reaching X) [default: fastest].",
+                                                     "speedup:X (the fewest stages reaching X) \\[default: fastest].",
                                                      rich_help_panel="Partitioning")] = None,
     devices: Annotated[Optional[int], typer.Option(min=1, help="With --stages auto or --plan auto: the devices to "
-                                                   "use at most (stages x dp) [default: 8 stages].",
+                                                   "use at most (stages x dp) \\[default: 8 stages].",
                                                    rich_help_panel="Partitioning")] = None,
     plan: Annotated[Optional[str], typer.Option("--plan", help="auto: search stages x dp replicas x schedule x "
                                                 "microbatches on --devices (under --memory-per-device), simulate "
@@ -61,7 +61,7 @@ def compile_cmd(
                                                  "share its cache: dp replicas hold dp copies of the model, so more "
                                                  "of each weight is read from memory (calibrated). Give it when "
                                                  "the plan will run as CPU ranks on that many cores (auto: fxpipe "
-                                                 "run here); the plan records it. [default: none: a core, or device, "
+                                                 "run here); the plan records it. \\[default: none: a core, or device, "
                                                  "per rank, as for a plan compiled here for other machines]",
                                                  rich_help_panel="Partitioning")] = None,
     dp: Annotated[int, typer.Option("--dp", min=1, help="Replicas of every stage (data parallel): the plan's mesh "
@@ -75,8 +75,8 @@ def compile_cmd(
     granularity: Annotated[str, typer.Option(help="Layers: auto (repeating blocks), node, or a module depth (1, 2, ...).",
                                              rich_help_panel="Partitioning")] = "auto",
     bandwidth: Annotated[Optional[str], typer.Option(help="Link bandwidth per second between stages, e.g. 1.5GB "
-                                                     "[default: 1.5GB].", rich_help_panel="Partitioning")] = None,
-    latency: Annotated[Optional[float], typer.Option(help="Seconds per transfer [default: 0.0001].",
+                                                     "\\[default: 1.5GB].", rich_help_panel="Partitioning")] = None,
+    latency: Annotated[Optional[float], typer.Option(help="Seconds per transfer \\[default: 0.0001].",
                                                      rich_help_panel="Partitioning")] = None,
     memory_per_stage: Annotated[Optional[str], typer.Option("--memory-per-stage", "--memory-per-device",
                                                              help="Memory cap per stage (one stage per device), "
@@ -94,10 +94,10 @@ def compile_cmd(
              "--stages P > 1 (default 1 with --strategy) each stage's --dp ranks get their own, searched on the "
              "stage's graph where the plan cuts, run under any synchronous --schedule (default gpipe) over "
              "--microbatches. Costed for gloo: no "
-             "all-to-all; height splits stay in the cost model only (fxpipe strategy --heights). [default: none]",
+             "all-to-all; height splits stay in the cost model only (fxpipe strategy --heights). \\[default: none]",
         rich_help_panel="Strategy")] = None,
     group: Annotated[Optional[int], typer.Option(min=1, help="SplitBrain's group of ranks (divides --dp) "
-                                                 "[default: 2].", rich_help_panel="Strategy")] = None,
+                                                 "\\[default: 2].", rich_help_panel="Strategy")] = None,
     profile: Annotated[bool, typer.Option(help="Measure each layer's time on real tensors instead of estimating.",
                                           rich_help_panel="Costs")] = False,
     profile_runs: Annotated[int, typer.Option(min=1, help="Runs per layer with --profile (median).",
@@ -105,13 +105,13 @@ def compile_cmd(
     profile_threads: Annotated[Optional[int], typer.Option(
         min=1, help="Threads to profile with (default: torch's); fxpipe run's ranks use 1 each.",
         rich_help_panel="Costs")] = None,
-    device_flops: Annotated[Optional[float], typer.Option(help="FLOP/s for estimated times [default: 1e11].",
+    device_flops: Annotated[Optional[float], typer.Option(help="FLOP/s for estimated times \\[default: 1e11].",
                                                           rich_help_panel="Costs")] = None,
     device_mem_bw: Annotated[Optional[str], typer.Option(help="Memory bandwidth per second for estimated times "
-                                                         "[default: 10GB].", rich_help_panel="Costs")] = None,
+                                                         "\\[default: 10GB].", rich_help_panel="Costs")] = None,
     calibration: Annotated[Optional[str], typer.Option(help="on: estimate with this machine's GEMM, memory and "
                                                        "per-node times (measured once, cached); off: the fixed "
-                                                       "--device-flops/--device-mem-bw model [default: "
+                                                       "--device-flops/--device-mem-bw model \\[default: "
                                                        "$FXPIPE_CALIBRATION, else on].",
                                                        rich_help_panel="Costs")] = None,
     device: Annotated[Device, typer.Option(help="Build the model on cpu, or on meta (no weights allocated).",

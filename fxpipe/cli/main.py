@@ -14,6 +14,7 @@ import sys
 try:  # a Ctrl-C before a command takes over (common.one_line_errors) has nothing to clean up: no traceback
     import typer
 
+    from fxpipe.cli.common import run_epilog
     from fxpipe.cli.compile_cmd import compile_cmd
     from fxpipe.cli.inspect_cmd import inspect_cmd, models_cmd
     from fxpipe.cli.run_cmd import run_cmd
@@ -33,13 +34,25 @@ app = typer.Typer(
 )
 app.command("compile")(compile_cmd)
 app.command("simulate")(simulate_cmd)
-app.command("run")(run_cmd)
+app.command("run", epilog=run_epilog())(run_cmd)
 app.command("strategy")(strategy_cmd)
 app.command("inspect")(inspect_cmd)
 app.command("models")(models_cmd)
 
 
+def _old_resume_flag(argv: list[str]) -> bool:
+    """``fxpipe run ... --resume`` with no value (the flag it once was): click would take the next option as the
+    value, or print a usage box."""
+    if "run" not in argv or "--resume" not in argv:
+        return False
+    i = argv.index("--resume")
+    return i + 1 == len(argv) or argv[i + 1].startswith("-")
+
+
 def main() -> None:
+    if _old_resume_flag(sys.argv[1:]):
+        sys.stderr.write("error: --resume takes never, auto or always; the old flag --resume is --resume always\n")
+        raise SystemExit(2)
     try:
         app()
     except KeyboardInterrupt:  # between the command line's parsing and the command's own handling

@@ -51,12 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", choices=("never", "auto", "always"), default="never")
     parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
     parser.add_argument("--momentum", type=float, default=0.0)
+    # optimizer, lr schedule, clipping, precision (fxpipe.runtime.optim; fxpipe run checked them)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--betas", default="0.9,0.999")
+    parser.add_argument("--lr-schedule", default="constant")
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--clip-grad-norm", type=float, default=None)
+    parser.add_argument("--precision", default="fp32")
     parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
     parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
     parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
@@ -64,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", choices=("none", "stage", "auto"), default="none")  # PipelineRuntime(recompute=)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
+    parser.add_argument("--fault-step", type=int, default=1)  # the step (from the run's first) the faults fire in
+    parser.add_argument("--log-dir", default=None)  # metrics.jsonl (rank 0), fxpipe.cli.run_log
     # The process-wide settings fxpipe run asks for (ranks.host_args; the defaults touch nothing)
     parser.add_argument("--pin-cpus", type=int, choices=(0, 1), default=0)
     parser.add_argument("--gloo-loop-nice", type=int, default=0)
@@ -76,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     try:
+        from fxpipe.cli.ranks import keep_earlier_error
+
+        keep_earlier_error(out, rank)  # a restarted attempt: the last one's report is not this one's
         from fxpipe.cli.ranks import host_tuning
 
         args.host = host_tuning(args)
@@ -208,6 +221,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
     from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
@@ -229,7 +243,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x
                                               for x in zoo.example_inputs),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
+                         optimizer=OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum,
+                                                 weight_decay=args.weight_decay, betas=parse_betas(args.betas)),
+                         lr_schedule=LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)
+                         if args.lr_schedule != "constant" or args.warmup_steps else None,
+                         clip_grad_norm=args.clip_grad_norm, precision=args.precision,
                          timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
                          device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
                          host=args.host, recompute=args.recompute)
@@ -246,35 +264,48 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     batch_of = training_batches(args.data, zoo, pipe.plan, m * rt.dp, args.seed)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     inputs, target = batch_of(0)
-    first = rt.load_checkpoint(args.checkpoint_dir) if args.resume and args.checkpoint_dir else 0
+    first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
         from fxpipe.errors import CheckpointError
 
         raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
                               f"asks for no more; pass --steps {first + 1} or more to train further")
+    from fxpipe.cli.run_log import StepLog, token_ids
+
+    spec = pipe.plan.inputs[0] if pipe.plan.inputs else None
+    samples = (int(spec.shape[0]) if spec is not None and spec.shape else 0) * m * rt.dp
+    log = StepLog(Path(args.log_dir) if args.log_dir else None, rank=rank, world=world, device=device, samples=samples,
+                  tokens=samples * int(spec.shape[1]) if spec is not None and token_ids(spec) else None, first=first)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # faults fire in the first attempt only
+    fault_at = first + args.fault_step if sched.synchronous else first
     losses, step_ms = [], []
+    lrs: list[float | None] = []  # per step: the learning rate it used, and the global gradient norm (clipping, fp16)
+    grad_norms: list[float | None] = []
     timed_steps: list[tuple[Any, Any]] = []  # (events, optimizer steps) of each step after the first
-    in_flight: list[tuple[int, Any, float]] = []  # synchronous steps whose loss is still being summed over the ranks
+    in_flight: list[tuple[int, Any, float, tuple[Any, ...]]] = []  # synchronous steps whose loss is still in flight
     # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
     # one schedule (all of them, or --checkpoint-every with --checkpoint-dir): its pipeline drains only at
-    # a chunk's end, where it checkpoints, and a resumed run restarts the pipeline at the same place.
+    # a chunk's end, where it checkpoints, and a resumed run restarts the pipeline at the same place. Both
+    # checkpoint every --checkpoint-every steps and after the last.
     every = 1 if sched.synchronous else (args.checkpoint_every if args.checkpoint_dir else args.steps - first)
     for start in range(first, args.steps, every):
         chunk = range(start, min(start + every, args.steps))
-        if rank == args.fail_rank and start == (first + 1 if sched.synchronous else first):
+        if rank == args.fail_rank and start == fault_at and attempt == 0:
             raise RuntimeError(f"injected failure on rank {rank} at step {start}")
-        if rank == args.kill_rank and start == (first + 1 if sched.synchronous else first):
+        if rank == args.kill_rank and start == fault_at and attempt == 0:
             _die_after_first_compute(rt.graphs)
         t0 = time.perf_counter()
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)
             pending = rt.step_async(inputs, target)
+            lrs.append(rt.lr)
+            grad_norms.append(rt.last_grad_norm)
             rt.track_memory = False
             step_ms.append((time.perf_counter() - t0) * 1e3)
             if start > first:  # its actions' times (summed after the run), every step after the first (which faults
                 timed_steps.append((rt.events, rt.optimizer_steps))  # its buffers in); each step makes new lists
-            in_flight.append((start, pending, step_ms[-1]))
-            losses += _arrived(in_flight, args, reports, last=False)
+            in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]))))
+            losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
             ms = (time.perf_counter() - t0) * 1e3 / len(done)
@@ -283,9 +314,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
                 with open(out_progress(args), "a") as f:
                     f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
-        if args.checkpoint_dir:
+            for k, loss in zip(chunk, done):
+                log.write(k + 1, loss, rt.lr, rt.last_grad_norm, log.share(ms))
+        if args.checkpoint_dir and (not sched.synchronous or (chunk[-1] + 1) % args.checkpoint_every == 0
+                                    or chunk[-1] + 1 == args.steps):
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
-    losses += _arrived(in_flight, args, reports, last=True)
+    losses += _arrived(in_flight, args, reports, last=True, log=log)
+    log.close()
     from fxpipe.calibration.compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
@@ -333,7 +368,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
                                                           "fallbacks": rt.graph_set.fallbacks},
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
-        "losses": losses, "step_ms": step_ms, "first_step": first,
+        "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
+        "grad_norms": grad_norms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
         "runtime_costs_missing": runtime_costs_missing(pipe.plan, overheads),
@@ -420,18 +456,42 @@ def calibrate_contention_free(costs: Any, calibrated: Any) -> Any:
     return dataclasses.replace(calibrated, f=costs.f, b=costs.b, w=costs.w)
 
 
-def _arrived(in_flight: list[tuple[int, Any, float]], args: argparse.Namespace, reports: bool, *,
-             last: bool) -> list[float]:
+def _arrived(in_flight: list[tuple[int, Any, float, tuple[Any, ...]]], args: argparse.Namespace, reports: bool, *,
+             last: bool, log: Any = None) -> list[float]:
     """The losses of the oldest steps whose all-reduce has arrived (all of them with ``last``), in order, each
-    written to the progress file; they leave ``in_flight`` (entries: step, pending loss, step ms)."""
+    written to the progress file and ``log`` (``run_log.StepLog``); they leave ``in_flight`` (entries: step,
+    pending loss, step ms, and the step's learning rate, gradient norm and shared numbers for the log)."""
     out = []
     while in_flight and (last or in_flight[0][1].done()):
-        step, pending, ms = in_flight.pop(0)
+        step, pending, ms, extra = in_flight.pop(0)
         out.append(float(pending.wait()))
+        if log is not None:
+            log.write(step + 1, out[-1], *extra)
         if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
             with open(out_progress(args), "a") as f:
                 f.write(f"step {step + 1} loss {out[-1]:.6f} ms {ms:.1f}\n")
     return out
+
+
+def _resumes(args: argparse.Namespace, world: int) -> bool:
+    """Whether this run loads a checkpoint: ``--resume always``, or ``auto`` when any rank sees a complete one
+    (every rank learns what each saw, so all of them load or none does)."""
+    if not args.checkpoint_dir or args.resume == "never":
+        return False
+    if args.resume == "always":
+        return True
+    import torch.distributed as dist
+
+    from fxpipe.errors import CheckpointError
+    from fxpipe.runtime import checkpoint
+
+    try:
+        seen = checkpoint.scan(args.checkpoint_dir).found is not None
+    except CheckpointError:
+        seen = True  # a tampered file: loading says so in one line
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, seen)
+    return any(every)
 
 
 def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:

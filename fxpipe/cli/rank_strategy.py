@@ -60,6 +60,12 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
                          stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
                          timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
+    from fxpipe.cli.run_log import StepLog, token_ids
+
+    samples = int(inputs[0].shape[0])
+    log = StepLog(Path(args.log_dir) if getattr(args, "log_dir", None) else None, rank=rank, world=world,
+                  device=torch.device("cpu"), samples=samples, tokens=samples * int(inputs[0].shape[1])
+                  if pipe.plan.inputs and token_ids(pipe.plan.inputs[0]) else None, first=0)
     losses, step_ms = [], []
     for step in range(args.steps):
         if rank == args.fail_rank and step == 1:
@@ -71,6 +77,8 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         if rank == 0:
             with open(progress, "a") as f:
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
+        log.write(step + 1, losses[-1], args.lr, None, log.share(step_ms[-1]))
+    log.close()
     params = None
     group_rank = rank % record.ranks  # ranks = pp x group, row-major: a stage's group is neighbouring ranks
     if args.data != "synthetic":  # the launcher scores the held-out data with the whole model

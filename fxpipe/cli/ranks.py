@@ -119,22 +119,63 @@ class RankFailure:
 
 def torchrun_command(plan_dir: Path, out_dir: Path, nproc: int, *, steps: int, lr: float, timeout: float,
                      schedule: str | None = None, microbatches: int | None = None,
-                     checkpoint_dir: Path | None = None, resume: bool = False, fail_rank: int = -1,
-                     kill_rank: int = -1, rendezvous: Rendezvous | None = None) -> list[str]:
+                     checkpoint_dir: Path | None = None, resume: str = "never", fail_rank: int = -1,
+                     kill_rank: int = -1, rendezvous: Rendezvous | None = None, max_restarts: int = 0,
+                     log_dir: Path | None = None, fault_step: int = 1) -> list[str]:
     """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` on this machine, reporting to
-    ``out_dir``; with a multi-node ``rendezvous`` they join the other nodes' ranks in one world."""
+    ``out_dir``; with a multi-node ``rendezvous`` they join the other nodes' ranks in one world. With
+    ``max_restarts``, torchrun's elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
-    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, f"--nproc-per-node={nproc}",
+    restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, *restart, f"--nproc-per-node={nproc}",
            "-m", RANK_MODULE, str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
            "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank),
            "--kill-rank", str(kill_rank)]
     for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
-                        ("--checkpoint-dir", checkpoint_dir)):
+                        ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)):
         if value is not None:
             cmd += [flag, str(value)]
-    if resume:
-        cmd.append("--resume")
+    if fault_step != 1:
+        cmd += ["--fault-step", str(fault_step)]
+    if resume != "never":
+        cmd += ["--resume", resume]
     return cmd
+
+
+def restart_env(max_restarts: int) -> dict[str, str]:
+    """torchrun's environment for restarts: the rendezvous store is not shared with the ranks, so each attempt's
+    rank 0 hosts a new one. A shared store keeps the last attempt's keys, and gloo would read a dead rank's
+    address from them."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else {}
+
+
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun's: 0 in the first attempt, k after k restarts
+EARLIER = ".attempt"  # rank{R}.error of attempt k is kept as rank{R}.error.attempt{k} when the ranks restart
+
+
+def restarts(out_dir: Path, results: list[dict[str, Any]] | None) -> str | None:
+    """A line on the restarts torchrun made (the ranks' restart count, and why each earlier attempt stopped as
+    its ranks reported it), or None when the run went through in one attempt."""
+    earlier = sorted(out_dir.glob(f"rank*.error{EARLIER}*"), key=lambda p: (int(p.name.rsplit(EARLIER, 1)[1]),
+                                                                          int(p.name[4:p.name.index(".")])))
+    count = max([int(r.get("restarts", 0)) for r in results or ()]  # the last attempt's count, else the reports'
+                + [int(p.name.rsplit(EARLIER, 1)[1]) + 1 for p in earlier], default=0)
+    if not count and not earlier:
+        return None
+    said = "; ".join(f"attempt {p.name.rsplit(EARLIER, 1)[1]}: rank {p.name[4:p.name.index('.')]}: "
+                     f"{p.read_text().strip()}" for p in earlier[:4])
+    return (f"torchrun restarted the ranks {count} time{'s' * (count != 1)} (--max-restarts)"
+            + (f"; {said}" if said else "") + "; each attempt went on from the newest checkpoint it found "
+            "(--resume auto) or from step 0")
+
+
+def keep_earlier_error(out_dir: Path, rank: int) -> None:
+    """A restarted rank (``TORCHELASTIC_RESTART_COUNT`` > 0) keeps its previous attempt's error report under
+    another name, so that the launcher does not take it for this attempt's."""
+    attempt = int(os.environ.get(RESTART_COUNT, "0") or 0)
+    stale = out_dir / f"rank{rank}.error"
+    if attempt and stale.exists():
+        os.replace(stale, out_dir / f"rank{rank}.error{EARLIER}{attempt - 1}")
 
 
 def host_args(host: Any) -> list[str]:
@@ -194,7 +235,7 @@ def signals_held() -> Iterator[None]:
 
 
 def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
-              grace: float = 3.0, stopped_s: float = STOPPED_S) -> RanksExit:
+              grace: float = 3.0, stopped_s: float = STOPPED_S, env: Mapping[str, str] | None = None) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
@@ -205,7 +246,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     A rank stopped (SIGSTOP) for ``stopped_s`` seconds, or while another has reported an error, cannot
     let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
     wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
-    (which watch it, see ``fxpipe.cli.rank``) down with it.
+    (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
@@ -222,7 +263,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                                          LAUNCHER_PID: str(os.getpid()),
                                          # `python -m` puts the working directory first on sys.path, where a
                                          # folder named fxpipe would shadow an editable install (3.11+ honours it)
-                                         "PYTHONSAFEPATH": "1"})
+                                         "PYTHONSAFEPATH": "1", **(env or {})})
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))

@@ -16,14 +16,16 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli import ranks
+from fxpipe.cli import ranks, run_log
 from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress,
                                quiet_torch_logs, say, write_output)
 from fxpipe.errors import OptionError, RankFailedError
 
 
 def run_cmd(
-    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model).")],
+    ctx: typer.Context,
+    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model); "
+                                                  "may come from --config's plan-dir key.")],
     nproc: Annotated[Optional[int], typer.Option(min=1, help="Ranks to start on this machine (torchrun's "
                                                  "--nproc-per-node; default: the schedule's ranks x --dp / --nnodes).")
                      ] = None,
@@ -48,7 +50,7 @@ def run_cmd(
                                                 rich_help_panel="Across machines")] = 300.0,
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
     schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
-    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step [default: the plan's: "
+    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step \\[default: the plan's: "
                                                          "its recorded schedule's, or compile --microbatches; else "
                                                          "2 x stages].")] = None,
     data: Annotated[str, typer.Option(help="Training data: synthetic (one random batch shaped like the example), "
@@ -56,8 +58,22 @@ def run_cmd(
                                            "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "
                                            "Real data reports held-out accuracy or loss.")] = "synthetic",
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
-    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.01).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
+    optimizer: Annotated[str, typer.Option(help="sgd (with --momentum) or adamw (with --betas); one per stage, "
+                                                "fp32 state.")] = "sgd",
+    weight_decay: Annotated[float, typer.Option(min=0.0, help="Weight decay (AdamW's decoupled).")] = 0.0,
+    betas: Annotated[str, typer.Option(help="AdamW's B1,B2.")] = "0.9,0.999",
+    lr_schedule: Annotated[str, typer.Option(help="constant, cosine or linear: after --warmup-steps rising "
+                                                  "linearly from 0, constant or decaying to 0 at --steps; stepped "
+                                                  "once per step.")] = "constant",
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warmup from 0.")] = 0,
+    clip_grad_norm: Annotated[Optional[float], typer.Option(help="Clip the gradients to this global norm (over "
+                                                            "every stage and replica; one all-reduce per step, and "
+                                                            "the norm is reported per step).",
+                                                            show_default=False)] = None,
+    precision: Annotated[str, typer.Option(help="fp32, or bf16 / fp16: autocast in the stage graphs, fp32 weights "
+                                                "and optimizer state (fp16 with a dynamic loss scale).")] = "fp32",
     codegen: Annotated[str, typer.Option(help="eager, or inductor: each stage's F, B and W graphs compiled "
                                          "(torch.compile, Inductor; a C++ compiler for CPU, else eager with one "
                                          "line; compiled code cached in ~/.cache/fxpipe/inductor, never in the "
@@ -79,14 +95,31 @@ def run_cmd(
                                            "--memory-per-stage cap needs (none without a cap). Synchronous "
                                            "schedules.")] = "none",
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
-    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here after each step (one "
-                                                                "directory per step).")] = None,
-    resume: Annotated[bool, typer.Option(help="Start from the newest complete checkpoint in --checkpoint-dir.")] = False,
+    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here every --checkpoint-every "
+                                                                "steps and after the last (one directory per step).")
+                              ] = None,
+    resume: Annotated[str, typer.Option(help="never: start from step 0 (a non-empty --checkpoint-dir is refused); "
+                                             "always: from the newest complete checkpoint in --checkpoint-dir (none "
+                                             "is an error; the old flag --resume); auto: from it if there is one, "
+                                             "else from step 0, so one command line restarts a job.")] = "never",
     overwrite: Annotated[bool, typer.Option(help="Replace the checkpoints in --checkpoint-dir (other files stay).")] = False,
     keep_checkpoints: Annotated[int, typer.Option(min=1, help="Complete checkpoints (steps) to keep.")] = 3,
-    checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints of an asynchronous schedule: "
-                                                              "its pipeline drains at each (and a resumed run restarts "
-                                                              "it there), so larger is faster.")] = 1,
+    checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints (every schedule; an "
+                                                              "asynchronous one's pipeline drains at each, and a "
+                                                              "resumed run restarts it there, so larger is faster).")
+                                ] = 1,
+    max_restarts: Annotated[int, typer.Option(min=0, help="Times torchrun's elastic agent restarts every rank when one "
+                                                          "fails (torchrun's --max-restarts); with --resume auto they "
+                                                          "go on from the newest checkpoint.")] = 0,
+    log_dir: Annotated[Optional[Path], typer.Option(help="Write DIR/metrics.jsonl (one JSON line per step: loss, lr, "
+                                                         "gradient norm, step ms, samples/s, tokens/s, each rank's "
+                                                         "peak memory), DIR/config.toml (every option's value, for "
+                                                         "--config) and TensorBoard events if tensorboard is "
+                                                         "installed.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="A TOML file of options: keys are the flags without their "
+                                                        "dashes (checkpoint-every = 2, plan-dir = \"plan\"); flags "
+                                                        "on the command line override it.", is_eager=True,
+                                                   callback=run_log.load_config)] = None,
     pin_ranks: Annotated[bool, typer.Option(help="Run each local rank on CPUs of its own (its equal share of this "
                                             "process's CPUs; none where there are fewer CPUs than ranks).",
                                             rich_help_panel="Host tuning")] = True,
@@ -106,6 +139,9 @@ def run_cmd(
     fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
     kill_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank is SIGKILLed "
                                                              "mid-step.")] = -1,
+    fault_step: Annotated[int, typer.Option(hidden=True, min=0, help="Fault injection for tests: the step, counted "
+                                            "from the run's first, in which --fail-rank or --kill-rank fires (the "
+                                            "first attempt's only).")] = 1,
 ) -> None:
     """Train the plan on its schedule's ranks x --dp (torch.distributed.run, gloo), on this machine or across
     --nnodes machines: per-step table, measured vs simulated."""
@@ -122,8 +158,8 @@ def run_cmd(
         from fxpipe.report import Report
 
         text = Path(data[len("text:"):]) if data.startswith("text:") and data != "text:stdlib" else None
-        check_outputs([("the plan directory", plan_dir), ("the --data file", text)],
-                      [("--trace", trace), ("--checkpoint-dir", checkpoint_dir)])
+        check_outputs([("the plan directory", plan_dir), ("the --data file", text), ("the --config file", config)],
+                      [("--trace", trace), ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)])
         plan = read_plan(plan_dir)
         from fxpipe.plan import DEFAULTS
         from fxpipe.schedules.auto import plan_schedule
@@ -175,6 +211,24 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
+        from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, autocast_of, parse_betas
+
+        OptimizerSpec(optimizer, lr=lr if lr is not None else DEFAULTS.lr, momentum=momentum,
+                      weight_decay=weight_decay, betas=parse_betas(betas))  # each refusal is one line, here
+        LRSchedule(lr_schedule, warmup_steps, steps)
+        autocast_of(precision, device)
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise OptionError(f"--clip-grad-norm is the largest global gradient norm, > 0 (got {clip_grad_norm})")
+        if plan.strategy is not None and (optimizer != "sgd" or weight_decay or lr_schedule != "constant" or warmup_steps
+                                          or clip_grad_norm is not None or precision != "fp32"):
+            raise OptionError("a per-layer strategy plan trains with SGD in fp32 (--lr, --momentum); --optimizer, "
+                              "--weight-decay, --lr-schedule, --warmup-steps, --clip-grad-norm and --precision are "
+                              "for pipeline plans")
+        if not sched.synchronous and (clip_grad_norm is not None or precision == "fp16"
+                                      or lr_schedule != "constant" or warmup_steps):
+            raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "
+                              "to clip, unscale or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
+                              "for --clip-grad-norm, --precision fp16 or --lr-schedule")
         from fxpipe.calibration.host import HostTuning
 
         host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
@@ -187,6 +241,11 @@ def run_cmd(
         _check_model(plan_dir, plan)  # before any rank builds the model the plan names
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
+        if resume not in ("never", "auto", "always"):
+            raise OptionError(f"--resume takes never, auto or always (got {resume!r}); the old flag --resume is "
+                              "--resume always")
+        if log_dir is not None:
+            run_log.check_log_dir(log_dir, continuing=resume != "never")
         ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
                                           lock=nnodes == 1)
         out_dir: Path | None = None
@@ -194,9 +253,24 @@ def run_cmd(
             out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
             cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
                                          microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
-                                         fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting)
+                                         fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting,
+                                         max_restarts=max_restarts, log_dir=log_dir, fault_step=fault_step)
+            if log_dir is not None:  # every option's final value, before the ranks start (a killed run keeps it)
+                resolved = {"nproc": nproc, "dp": replicas, "lr": lr if lr is not None else DEFAULTS.lr,
+                            "microbatches": sched.num_microbatches,
+                            "schedule": schedule if schedule is not None or plan.strategy is not None else sched.name}
+                write_output(log_dir, "--log-dir", lambda d: run_log.write_config(d, run_log.config_values(
+                    ctx, {**ctx.params, **{k: v for k, v in resolved.items() if k in ctx.params}},
+                    plan_dir=plan_dir)))
+                if run_log.tensorboard_missing():
+                    say("note: tensorboard is not installed, so --log-dir gets no TensorBoard events (pip install "
+                        "'fxpipe[tensorboard]'); metrics.jsonl and config.toml are written")
             if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
                 cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
+            cmd += ["--optimizer", optimizer, "--weight-decay", str(weight_decay), "--betas", betas,
+                    "--lr-schedule", lr_schedule, "--warmup-steps", str(warmup_steps), "--precision", precision]
+            if clip_grad_norm is not None:
+                cmd += ["--clip-grad-norm", str(clip_grad_norm)]
             cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
                     "--codegen", codegen, "--device", device, "--recompute", recompute,
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
@@ -205,15 +279,18 @@ def run_cmd(
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
                 proc = ranks.run_ranks(cmd, out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps))
+                                                      s.step, steps), env=ranks.restart_env(max_restarts))
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
                                      local=proc.local)
+            results = ranks.rank_results(out_dir)
+            restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
+            if restarted is not None:
+                say(f"note: {restarted}")
             if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
                 say(f"warning: {failure.message}")
             elif failure is not None:
                 raise RankFailedError(failure.message)
-            results = ranks.rank_results(out_dir)
             if results is None and meeting.standalone:
                 raise RankFailedError("the ranks finished, but rank 0 wrote no results (its gather of every rank's "
                                       "result did not complete); re-run")
@@ -238,7 +315,11 @@ def run_cmd(
         doc = {
             "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
             "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": nnodes, "batch": batch,
-            "losses": results[0]["losses"], "step_ms": step_ms,
+            "losses": results[0]["losses"], "step_ms": step_ms, "first_step": results[0].get("first_step", 0),
+            "restarts": results[0].get("restarts", 0),
+            # per step: the learning rate it used, and the global gradient norm before clipping (None without
+            # --clip-grad-norm or fp16)
+            "lrs": results[0].get("lrs", []), "grad_norms": results[0].get("grad_norms", []),
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
@@ -554,26 +635,28 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bool, steps: int,
+def _check_checkpoint_dir(directory: Path | None, *, resume: str, overwrite: bool, steps: int,
                           lock: bool = True) -> Any:
-    """Before any rank starts: a checkpoint directory is resumed from, overwritten or new, as the options say.
+    """Before any rank starts: a checkpoint directory is resumed from (``resume`` always, or auto when it holds a
+    complete checkpoint), overwritten or new, as the options say.
 
     With ``lock`` (one machine: the nodes of a run across machines share the directory), returns its
     lock (an open file; closing it lets another run in), held for the whole run; else None.
     """
     if directory is None:
-        if resume or overwrite:
-            raise OptionError(f"--{'resume' if resume else 'overwrite'} needs --checkpoint-dir")
+        if resume != "never" or overwrite:
+            raise OptionError(f"--{f'resume {resume}' if resume != 'never' else 'overwrite'} needs --checkpoint-dir")
         return None
     from fxpipe.runtime import checkpoint
 
-    if resume and overwrite:
-        raise OptionError("--resume continues from the checkpoints that --overwrite would remove; pass one of them")
+    if resume != "never" and overwrite:
+        raise OptionError(f"--resume {resume} continues from the checkpoints that --overwrite would remove; pass one "
+                          "of them")
     if directory.exists() and not directory.is_dir():
         raise OptionError(f"--checkpoint-dir {directory} is a file; name a directory")
     if directory.is_symlink():
         raise OptionError(f"--checkpoint-dir {directory} is a symbolic link; give the directory it points to")
-    if resume and not directory.exists():
+    if resume == "always" and not directory.exists():
         checkpoint.newest(directory)  # refuses: nothing to resume (before the lock would make the directory)
     held = checkpoint.lock(directory) if lock else None
     try:
@@ -585,9 +668,11 @@ def _check_checkpoint_dir(directory: Path | None, *, resume: bool, overwrite: bo
     return held
 
 
-def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: bool, overwrite: bool, steps: int) -> None:
+def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwrite: bool, steps: int) -> None:
     held = sorted(p.name for p in directory.iterdir() if p.name != checkpoint.LOCK_FILE)
-    if resume:
+    if resume == "auto" and checkpoint.scan(directory).found is None:
+        return  # nothing complete to resume: a fresh start (a step it saves replaces a leftover of the same number)
+    if resume != "never":
         found, skipped = checkpoint.newest(directory)
         if found.step >= steps:
             raise OptionError(f"the newest checkpoint in {directory} is of step {found.step}, and --steps {steps} "
@@ -599,8 +684,8 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: bool, overwr
         checkpoint.clear(directory)
     elif held:
         raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
-                          f"{', ...' if len(held) > 3 else ''}); pass --resume to continue from its newest checkpoint, "
-                          "--overwrite to replace its checkpoints, or another --checkpoint-dir")
+                          f"{', ...' if len(held) > 3 else ''}); pass --resume always (or auto) to continue from its "
+                          "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
 
 
 def _data_fit(plan: object, spec: str) -> tuple[object, object]:

@@ -18,7 +18,7 @@ def simulate_cmd(
     target: Annotated[Optional[str], typer.Argument(help="A plan directory, a zoo model or file.py:build; optional "
                                                      "with --uniform-costs.")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, "
-                                                    "layerpipe, batched-w, async-1f1b, or auto [default: 1f1b].")] = None,
+                                                    "layerpipe, batched-w, async-1f1b, or auto \\[default: 1f1b].")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (default: 2 x stages; "
                                                          "auto tries 1, 2 and 4 x stages).")] = None,
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Stages (for a model target or "
@@ -27,7 +27,7 @@ def simulate_cmd(
                                                          "are free (for checking closed forms).")] = None,
     memory_per_stage: Annotated[Optional[str], typer.Option(help="Activation memory cap per rank for auto, e.g. 2GiB.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Replicas of every stage (data parallel); each "
-                                              "stage's gradients are all-reduced over them [default: the plan's "
+                                              "stage's gradients are all-reduced over them \\[default: the plan's "
                                               "mesh, else 1].")] = None,
     allreduce: Annotated[Optional[float], typer.Option("--allreduce", min=0.0, help="Seconds (with --uniform-costs: "
                                                        "units) of every stage's all-reduce, instead of its "

@@ -302,7 +302,7 @@ def test_mutated_checkpoint_directories(places: Places, user_dir: Path, tmp_path
     # it is always refused, in one line; with the lock held by another run, refused before reading anything
     held = checkpoint.lock(root) if data.draw(st.booleans()) else None
     try:
-        result = check(["run", str(places.plan), "--checkpoint-dir", str(root), "--resume", "--steps", "1"])
+        result = check(["run", str(places.plan), "--checkpoint-dir", str(root), "--resume", "always", "--steps", "1"])
         assert result.exit_code == 2 and (held is None or "in use by another fxpipe run" in result.output), done
     finally:
         if held is not None:

@@ -32,6 +32,8 @@ def test_outputs_that_would_overwrite_the_plan_or_each_other_are_refused(plan: P
         (["run", plan, "--trace", plan / "plan.json"], f"--trace '{plan / 'plan.json'}' would overwrite the plan "
                                                         f"directory '{plan}', which this command reads"),
         (["run", plan, "--checkpoint-dir", plan], "--checkpoint-dir"),
+        (["run", plan, "--log-dir", plan / "logs"], f"--log-dir '{plan / 'logs'}' would overwrite the plan directory"),
+        (["run", plan, "--log-dir", tmp_path / "ck", "--checkpoint-dir", tmp_path / "ck"], "are the same place"),
         (["run", plan, "--checkpoint-dir", tmp_path / "ck", "--trace", tmp_path / "ck" / "t.json"],
          "are the same place (or one is inside the other)"),
         (["simulate", plan, "--trace", plan / "stage_0.json"], "would overwrite the target"),

@@ -25,10 +25,10 @@ def _summary(*failures: tuple[int, int]) -> str:
 
 def test_the_command_runs_the_rank_program_under_torchrun(tmp_path: Path) -> None:
     cmd = torchrun_command(tmp_path / "plan", tmp_path / "out", 2, steps=3, lr=0.01, timeout=60.0, microbatches=4,
-                           resume=True, checkpoint_dir=tmp_path / "ckpt")
+                           resume="always", checkpoint_dir=tmp_path / "ckpt")
     assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
     assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7] == str(tmp_path / "plan")
-    assert cmd[cmd.index("--microbatches") + 1] == "4" and cmd[-1] == "--resume"
+    assert cmd[cmd.index("--microbatches") + 1] == "4" and cmd[-2:] == ["--resume", "always"]
     assert "--schedule" not in cmd  # not given: the rank takes the plan's
 
 

@@ -78,15 +78,15 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     for late in ("step_000003", "step_000004"):  # as if the run had stopped after step 2
         shutil.rmtree(ckpt / late)
     resumed = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "3", "--checkpoint-dir", ckpt,
-                                       "--resume", "--json")).stdout)["losses"]
+                                       "--resume", "always", "--json")).stdout)["losses"]
     assert resumed == [straight[2]]  # bit for bit: the same float
     data = ckpt / "step_000003" / "__1_0.distcp"
     damaged = bytearray(data.read_bytes())  # the newest step's tensors changed at the same size (10 KB XORed)
     for i in range(len(damaged) // 4, min(len(damaged), len(damaged) // 4 + 10_000)):
         damaged[i] ^= 0x5A
     data.write_bytes(bytes(damaged))
-    result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "--json",
-                           "--keep-checkpoints", "2"))
+    result = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", "--checkpoint-dir", ckpt, "--resume", "always",
+                           "--json", "--keep-checkpoints", "2"))
     assert json.loads(result.stdout)["losses"] == straight[2:4]  # from the good step 2, not the damaged step 3
     assert result.stderr.splitlines() == ["note: step_000003 is corrupt (__1_0.distcp does not match the checksum "
                                           "recorded when it was written); resuming from step_000002"]
@@ -95,8 +95,8 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     (ckpt / "NOTES.txt").write_text("mine")
     line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt))
     assert line == (f"error: --checkpoint-dir {ckpt} is not empty (it holds NOTES.txt, step_000003, step_000004); pass "
-                    "--resume to continue from its newest checkpoint, --overwrite to replace its checkpoints, or another "
-                    "--checkpoint-dir")
+                    "--resume always (or auto) to continue from its newest checkpoint, --overwrite to replace its "
+                    "checkpoints, or another --checkpoint-dir")
     ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt, "--overwrite", "--json"))
     assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", "NOTES.txt", "step_000001"]
     assert (ckpt / "NOTES.txt").read_text() == "mine"
@@ -106,25 +106,26 @@ def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_p
                                                               no_rank_starts: list[list[str]]) -> None:
     ckpt = saved_checkpoints(tmp_path / "ckpt", range(1, 4))
     assert "the newest checkpoint in" in one_line_error(fxpipe_cli("run", plan, "--steps", "3", "--checkpoint-dir", ckpt,
-                                                                   "--resume"))
-    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--checkpoint-dir", ckpt, "--resume"))
+                                                                   "--resume", "always"))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--checkpoint-dir", ckpt, "--resume", "always"))
     assert line == (f"error: the newest checkpoint in {ckpt} is of step 3, and --steps 2 (counted from the start of "
                     "training) asks for no more; pass --steps 4 or more to train further")
     empty = tmp_path / "empty"
-    assert one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", empty, "--resume")) == (
+    assert one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", empty, "--resume", "always")) == (
         f"error: no complete checkpoint in {empty} ({empty} does not exist); start without --resume")
-    assert one_line_error(fxpipe_cli("run", plan, "--resume")) == "error: --resume needs --checkpoint-dir"
+    assert one_line_error(fxpipe_cli("run", plan, "--resume", "always")) == (
+        "error: --resume always needs --checkpoint-dir")
     assert "pass one of them" in one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", ckpt, "--resume",
-                                                           "--overwrite"))
+                                                           "always", "--overwrite"))
     # A pickle payload in place of .metadata, then of every file of every step: one line, no code run.
     ran = tmp_path / "code-ran"
     (ckpt / "step_000003" / ".metadata").write_bytes(payload(ran))
-    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume", "always"))
     assert line == (f"error: {ckpt}/step_000003/.metadata refers to posix.system, which DCP's metadata never does; it "
                     f"was not loaded (it could run code); remove {ckpt}/step_000003 to resume from the step before")
     for file in ckpt.glob("step_*/*"):
         file.write_bytes(payload(ran).ljust(file.stat().st_size, b"\0"))
-    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume"))
+    line = one_line_error(fxpipe_cli("run", plan, "--steps", "5", "--checkpoint-dir", ckpt, "--resume", "always"))
     assert line.startswith(f"error: no complete checkpoint in {ckpt} (step_000003 is corrupt (") and not ran.exists()
 
 

@@ -57,7 +57,7 @@ def test_async_checkpoints_drain_the_pipeline_and_resume_exactly(digits_plan: Pa
     import shutil
 
     shutil.rmtree(ck / "step_000004")
-    result = CliRunner().invoke(app, [*common, "--steps", "4", "--checkpoint-dir", str(ck), "--resume"])
+    result = CliRunner().invoke(app, [*common, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "always"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["losses"] == straight[2:]
 

@@ -48,7 +48,7 @@ def test_cuda_ranks_train_like_cpu_ranks(tmp_path: Path, name: str, schedules: t
                 assert doc["cuda_graph_calls"]["captured"] > 0, (where, doc["cuda_graph_calls"])
                 assert doc["cuda_graph_calls"]["fallbacks"] == 0, (where, doc["cuda_graph_calls"])
     resumed = _run(plan, "--steps", "6", "--schedule", schedules[-1], "--device", "cuda", "--checkpoint-dir", ckpt,
-                   "--resume")
+                   "--resume", "always")
     torch.testing.assert_close(resumed["losses"], cpu["losses"][5:], **TOL)
 
 

@@ -1,0 +1,309 @@
+"""``fxpipe run --config FILE`` and ``--log-dir DIR``: the run's options as TOML, and its per-step metrics.
+
+A config file's keys are ``fxpipe run``'s flag names without the leading dashes (``checkpoint-every = 2``,
+``pin-ranks = false``, ``plan-dir = "plan/"``); a flag given on the command line wins over the file
+(click's ``default_map``, filled by the eager ``--config`` option before any other is read). ``DIR/config.toml``
+is written in that form, so ``--config DIR/config.toml`` runs the same training again. Python reads TOML
+(``tomllib``) but has no writer: :func:`toml_text` writes the four value types options have.
+
+``DIR/metrics.jsonl`` gets one JSON line per finished step from rank 0 (:class:`StepLog`): every rank's
+peak memory and step time reach it in one all-reduce per step, issued right after the step and read when
+its loss is. TensorBoard scalars go beside it when ``tensorboard`` is installed (``fxpipe[tensorboard]``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.toml"
+METRICS = "metrics.jsonl"
+MARK = "# written by fxpipe run"  # the first line of every config.toml fxpipe writes (one it may replace)
+SKIP = ("config",)  # options that are not keys of a config file
+
+
+def option_key(param: Any) -> str:
+    """The config key of a click parameter: its first long flag without dashes, or an argument's name with dashes."""
+    longs = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
+    return longs[0][2:] if longs and param.param_type_name == "option" else param.name.replace("_", "-")
+
+
+def keyed_params(command: Any) -> dict[str, Any]:
+    """key -> click parameter, for every parameter a config file may set (not --help, hidden ones or --config)."""
+    return {option_key(p): p for p in command.params
+            if p.name not in SKIP and not getattr(p, "hidden", False) and p.expose_value}
+
+
+def _kind(param: Any) -> str:
+    """bool, int, float or str: what TOML value a parameter takes (typer records its annotation)."""
+    if getattr(param, "is_flag", False):
+        return "bool"
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if annotation is None:  # a click-built parameter
+        annotation = {"boolean": bool, "integer": int, "float": float}.get(getattr(param.type, "name", ""), str)
+        annotation = int if "range" in getattr(param.type, "name", "") and "integer" in str(param.type) else annotation
+    return {bool: "bool", int: "int", float: "float"}.get(annotation, "str")
+
+
+def _convert(param: Any, value: Any, ctx: Any) -> Any:
+    """``value`` as the flag's own parsing would make it (its range checked): typer's coercion, else click's."""
+    if hasattr(param, "get_runtime_param"):
+        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
+    return param.type.convert(value, param, ctx)
+
+
+_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+
+
+def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
+    """``path``'s values by parameter name, each checked and converted as its flag would be; OptionError (one line)
+    for an unreadable file, an unknown key or a wrong type or value."""
+    import typer
+
+    from fxpipe.errors import OptionError
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise OptionError("--config reads TOML with Python 3.11's tomllib; run fxpipe with Python 3.11 or later, or "
+                          "pass the options as flags") from None
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise OptionError(f"--config {str(path)!r} cannot be read ({exc.strerror or exc}); give a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise OptionError(f"--config {str(path)!r} is not TOML ({exc}); write one key = value per line") from None
+    params = keyed_params(command)
+    values: dict[str, Any] = {}
+    for key, value in doc.items():
+        param = params.get(key) or params.get(key.replace("_", "-"))
+        if param is None or key not in params:
+            hint = (f"write it {key.replace('_', '-')}" if param is not None else
+                    "the keys are fxpipe run's flags without the dashes, e.g. steps, checkpoint-every")
+            raise OptionError(f"--config {str(path)!r}: unknown key {key!r}; {hint}")
+        kind = _kind(param)
+        ok = (isinstance(value, bool) if kind == "bool" else
+              isinstance(value, int) and not isinstance(value, bool) if kind == "int" else
+              isinstance(value, (int, float)) and not isinstance(value, bool) if kind == "float" else
+              isinstance(value, str))
+        if not ok:
+            shown = toml_value(value) if _plain(value) else repr(value)
+            what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+                type(value), f"a TOML {type(value).__name__}")
+            raise OptionError(f"--config {str(path)!r}: {key} = {shown} is {what}; {key} takes {_NAMES[kind]}")
+        try:
+            values[param.name] = _convert(param, value, ctx) if kind != "bool" else value
+        except typer.BadParameter as exc:
+            raise OptionError(f"--config {str(path)!r}: {key} = {toml_value(value)}: {exc.message}") from None
+    return values
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str)) and not isinstance(value, os.PathLike)
+
+
+def load_config(ctx: Any, param: Any, value: Path | None) -> Path | None:
+    """The eager ``--config`` option's callback: the file's values become the defaults of every other option, so
+    the command line's flags override them. An error is one line and exit code 2."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from fxpipe.cli.common import one_line_errors
+
+    with one_line_errors():
+        values = read_config(value, ctx.command, ctx)
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return value
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value: a bool, an int, a float (inf and nan included) or a string (escaped as TOML needs)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str):
+        escaped = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+        return '"' + "".join(escaped.get(c, f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                             for c in value) + '"'
+    raise TypeError(f"no TOML form for {type(value).__name__} (options are bools, numbers, strings and paths)")
+
+
+def toml_text(values: dict[str, Any], comment: str = "") -> str:
+    """``key = value`` lines (keys sorted); a None value is left out as a comment (TOML has no null)."""
+    lines = [MARK + (f": {comment}" if comment else "")]
+    for key in sorted(values):
+        value = values[key]
+        lines.append(f"# {key}: not set (its default)" if value is None else f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def check_log_dir(log_dir: Path, *, continuing: bool) -> None:
+    """Before any rank starts: ``log_dir`` may be made, and holds no file fxpipe run may not replace (a config.toml
+    it did not write; a metrics.jsonl of another run, unless this one resumes it)."""
+    from fxpipe.cli.common import check_writable_dir
+    from fxpipe.errors import OptionError
+
+    if log_dir.exists() and not log_dir.is_dir():
+        raise OptionError(f"--log-dir {str(log_dir)!r} is a file; name a directory")
+    check_writable_dir(log_dir, "--log-dir")
+    config = log_dir / CONFIG
+    if config.is_symlink() or (config.exists() and not _ours(config)):
+        raise OptionError(f"--log-dir {str(log_dir)!r} holds a {CONFIG} that fxpipe run did not write; move it, or "
+                          "choose another --log-dir")
+    metrics = log_dir / METRICS
+    if (metrics.exists() or metrics.is_symlink()) and not continuing:
+        raise OptionError(f"--log-dir {str(log_dir)!r} holds the {METRICS} of an earlier run; choose another "
+                          "--log-dir, or resume that run (--checkpoint-dir with --resume auto) to continue its log")
+
+
+def _ours(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(MARK)
+    except OSError:
+        return False
+
+
+def config_values(ctx: Any, params: dict[str, Any], *, plan_dir: Path) -> dict[str, Any]:
+    """key -> final value of every option a config file may set (paths made absolute, so the file runs from any
+    directory); ``params`` by parameter name, with the values the command resolved (its defaults made concrete)."""
+    out: dict[str, Any] = {}
+    for key, param in keyed_params(ctx.command).items():
+        value = plan_dir if param.name == "plan_dir" else params.get(param.name)
+        if isinstance(value, os.PathLike):
+            value = os.path.abspath(os.fspath(value))
+        out[key] = value
+    return out
+
+
+def write_config(log_dir: Path, values: dict[str, Any]) -> Path:
+    """``log_dir/config.toml`` (made with its directory), replaced whole: a reader never sees half of it."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / CONFIG
+    tmp = log_dir / f".{CONFIG}.tmp"
+    tmp.write_text(toml_text(values, "fxpipe run --config FILE runs it again"), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def tensorboard_missing() -> bool:
+    """Whether TensorBoard's writer cannot be imported (the ``tensorboard`` extra is not installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is None
+
+
+class StepLog:
+    """Rank 0's record of a run, one line per finished step; every rank takes part in :meth:`share`.
+
+    ``samples`` and ``tokens`` (None: the inputs are not token ids) are one step's, the whole batch's over
+    every replica. ``first`` is the step the run starts after (a resumed run's checkpoint): lines of later
+    steps left by a killed attempt are dropped, so the file holds each step once.
+    """
+
+    def __init__(self, log_dir: Path | None, *, rank: int, world: int, device: Any, samples: int,
+                 tokens: int | None, first: int) -> None:
+        self.dir, self.rank, self.world, self.device = log_dir, rank, world, device
+        self.samples, self.tokens = samples, tokens
+        self.board: Any = None
+        if log_dir is None or rank != 0:
+            return
+        metrics = log_dir / METRICS
+        if metrics.exists():  # this run's own log: keep the steps up to the checkpoint it resumes from
+            kept = [ln for ln in metrics.read_text().splitlines() if _step_of(ln) is not None
+                    and _step_of(ln) <= first]  # type: ignore[operator]
+            tmp = log_dir / f".{METRICS}.tmp"
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, metrics)
+        if not tensorboard_missing():
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(log_dir), purge_step=first + 1 if first else None)
+
+    @property
+    def on(self) -> bool:
+        return self.dir is not None
+
+    def peak_bytes(self) -> int:
+        """This rank's peak memory so far: the process's peak RSS on the CPU, the allocator's peak on CUDA."""
+        import torch
+
+        if getattr(self.device, "type", "cpu") == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    def share(self, ms: float) -> Any:
+        """Start the all-reduce that brings every rank's peak memory and ``ms`` to every rank (None when not
+        logging); collective, in the same place on every rank."""
+        if self.dir is None:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        shared = torch.zeros(2 * self.world, dtype=torch.float64)
+        shared[self.rank], shared[self.world + self.rank] = float(self.peak_bytes()), ms
+        work = dist.all_reduce(shared, async_op=True) if dist.is_initialized() and self.world > 1 else None
+        return work, shared
+
+    def write(self, step: int, loss: float, lr: Any, grad_norm: Any, shared: Any) -> None:
+        """Rank 0 appends step ``step``'s line (and its TensorBoard scalars); the others only wait for ``shared``."""
+        if shared is None:
+            return
+        work, values = shared
+        if work is not None:
+            work.wait()
+        if self.rank != 0 or self.dir is None:
+            return
+        vals = values.tolist()
+        ms = max(vals[self.world:])
+        per_s = 1e3 / ms if ms > 0 else None
+        record = {"step": step, "loss": _number(loss), "lr": _number(lr), "grad_norm": _number(grad_norm),
+                  "step_ms": ms, "samples_per_s": self.samples * per_s if per_s else None,
+                  "tokens_per_s": self.tokens * per_s if per_s and self.tokens else None,
+                  "peak_memory_mib": [v / 2**20 for v in vals[:self.world]],
+                  "memory": "cuda_max_allocated" if getattr(self.device, "type", "cpu") == "cuda" else "rss"}
+        with open(self.dir / METRICS, "a") as f:  # one write per line: a killed run keeps every finished step
+            f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        if self.board is not None:
+            for name in ("loss", "lr", "grad_norm", "step_ms", "samples_per_s", "tokens_per_s"):
+                if record[name] is not None:
+                    self.board.add_scalar(f"train/{name}", record[name], step)
+            self.board.add_scalar("train/peak_memory_mib_max", max(record["peak_memory_mib"]), step)
+            self.board.flush()
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+
+
+def token_ids(spec: Any) -> bool:
+    """Whether a model input (``plan.TensorSpec``) is token ids: integers of (batch, sequence, ...)."""
+    return len(spec.shape) >= 2 and any(t in str(spec.dtype) for t in ("int64", "int32", "long"))
+
+
+def _number(value: Any) -> float | None:
+    """A float for JSON (a tensor's item), or None when absent or not finite."""
+    if value is None:
+        return None
+    x = float(value)
+    return x if math.isfinite(x) else None
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None

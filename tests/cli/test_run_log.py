@@ -1,0 +1,183 @@
+"""``fxpipe run --config`` and ``--log-dir`` in this process: the TOML writer, the config file's checks and precedence,
+the log directory's refusals, the per-step log's lines, and the restart report. No rank starts here; the launches
+that train are in test_run_restart.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.cli import ranks, run_log
+from fxpipe.errors import RankFailedError
+from tests._helpers import MLP_PLAN, fxpipe_cli, one_line_error, plan_fixture
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11: --config reads TOML with it
+plan = plan_fixture(*MLP_PLAN)
+
+_values = st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True),
+                    st.text(st.characters(blacklist_categories=("Cs",)), max_size=20))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.dictionaries(st.from_regex(r"[a-z][a-z0-9-]{0,12}", fullmatch=True), _values, max_size=6))
+def test_the_toml_writer_reads_back_as_written(values: dict[str, Any]) -> None:
+    back = tomllib.loads(run_log.toml_text(values))
+    assert set(back) == set(values)
+    for key, value in values.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert math.isnan(back[key])
+        else:
+            assert back[key] == value and type(back[key]) is type(value), key
+
+
+def test_a_none_is_a_comment_and_other_types_are_refused() -> None:
+    text = run_log.toml_text({"trace": None, "steps": 3, "plan-dir": Path("a b/\"c\"")})
+    assert tomllib.loads(text) == {"steps": 3, "plan-dir": 'a b/"c"'}
+    assert "# trace: not set" in text and text.startswith(run_log.MARK)
+    with pytest.raises(TypeError, match="no TOML form for list"):
+        run_log.toml_value([1])
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("stepz = 3", "unknown key 'stepz'; the keys are fxpipe run's flags without the dashes, e.g. steps, "
+                  "checkpoint-every"),
+    ("checkpoint_every = 2", "unknown key 'checkpoint_every'; write it checkpoint-every"),
+    ("kill-rank = 1", "unknown key 'kill-rank'"),  # hidden fault injection is no key
+    ('steps = "3"', 'steps = "3" is a string; steps takes an integer'),
+    ("steps = 0", "steps = 0: Input should be greater than or equal to 1"),
+    ("pin-ranks = 1", "pin-ranks = 1 is an integer; pin-ranks takes true or false"),
+    ("lr = true", "lr = true is true or false; lr takes a number"),
+    ("data = [1]", "data = [1] is a TOML list; data takes a string"),
+    ("steps = [", "is not TOML ("),
+])
+def test_a_bad_config_file_is_one_line(plan: Path, tmp_path: Path, text: str, expected: str,
+                                       no_rank_starts: list[list[str]]) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    line = one_line_error(fxpipe_cli("run", plan, "--config", config))
+    assert line.startswith(f"error: --config '{config}'") and expected in line, line
+
+
+def test_flags_override_the_config_file_and_config_toml_holds_the_final_values(
+        plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--steps on the command line wins over the file's; the file's other keys reach the ranks; the plan directory
+    may come from the file; DIR/config.toml, written before the ranks start, holds every option's final value."""
+    started: list[list[str]] = []
+
+    def stop(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
+        started.append(cmd)
+        raise RankFailedError("stopped before any rank started")
+
+    monkeypatch.setattr(ranks, "run_ranks", stop)
+    config = tmp_path / "run.toml"
+    config.write_text(f'plan-dir = "{plan}"\nsteps = 9\ncheckpoint-every = 2\nseed = 5\nresume = "auto"\n'
+                      f'checkpoint-dir = "{tmp_path / "ck"}"\n')
+    logs = tmp_path / "logs"
+    result = fxpipe_cli("run", "--config", config, "--steps", "4", "--log-dir", logs)
+    assert result.exit_code == 2 and result.stderr.splitlines()[-1] == "error: stopped before any rank started"
+    cmd = started[0]
+    assert cmd[cmd.index("--steps") + 1] == "4" and cmd[cmd.index("--seed") + 1] == "5"
+    assert cmd[cmd.index("--checkpoint-every") + 1] == "2" and cmd[cmd.index("--resume") + 1] == "auto"
+    written = tomllib.loads((logs / "config.toml").read_text())
+    assert written["steps"] == 4 and written["seed"] == 5 and written["checkpoint-every"] == 2
+    assert written["plan-dir"] == os.path.abspath(plan) and written["log-dir"] == os.path.abspath(logs)
+    # resolved, not left to a default: the ranks, replicas, microbatches, schedule and learning rate
+    assert (written["nproc"], written["dp"], written["microbatches"], written["schedule"], written["lr"]) == (
+        2, 1, 4, "zb-h1", 0.01)
+    assert "config" not in written and "fail-rank" not in written
+    params = run_log.keyed_params(_run_command())
+    assert set(written) <= set(params)  # every key reads back as a key (test_run_restart.py runs it again)
+
+
+def _run_command() -> Any:
+    import typer.main
+
+    from fxpipe.cli.main import app
+
+    return typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+
+
+def test_the_log_and_resume_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path,
+                                                                      no_rank_starts: list[list[str]]) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "metrics.jsonl").write_text("")
+    assert one_line_error(fxpipe_cli("run", plan, "--log-dir", logs)) == (
+        f"error: --log-dir '{logs}' holds the metrics.jsonl of an earlier run; choose another --log-dir, or resume "
+        "that run (--checkpoint-dir with --resume auto) to continue its log")
+    (logs / "metrics.jsonl").unlink()
+    (logs / "config.toml").write_text("steps = 3\n")  # the user's own
+    assert "holds a config.toml that fxpipe run did not write" in one_line_error(fxpipe_cli("run", plan, "--log-dir",
+                                                                                           logs))
+    assert one_line_error(fxpipe_cli("run", plan, "--resume", "sometimes")) == (
+        "error: --resume takes never, auto or always (got 'sometimes'); the old flag --resume is --resume always")
+    assert one_line_error(fxpipe_cli("run", plan, "--resume", "auto")) == "error: --resume auto needs --checkpoint-dir"
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "NOTES.txt").write_text("mine")  # auto with no complete checkpoint starts fresh beside it: allowed
+    assert "pass one of them" in one_line_error(fxpipe_cli("run", plan, "--checkpoint-dir", ckpt, "--resume", "auto",
+                                                           "--overwrite"))
+
+
+def test_the_old_resume_flag_is_named() -> None:
+    from fxpipe.cli.main import _old_resume_flag
+
+    assert _old_resume_flag(["run", "plan", "--resume"]) and _old_resume_flag(["run", "p", "--resume", "--json"])
+    assert not _old_resume_flag(["run", "plan", "--resume", "auto"]) and not _old_resume_flag(["compile", "x"])
+
+
+def test_each_finished_step_is_one_line_and_a_resumed_log_keeps_each_step_once(tmp_path: Path) -> None:
+    """One rank, no process group: the lines are valid JSON with every field; a log resumed from step 2 drops the
+    lines a killed attempt wrote after it."""
+    log = run_log.StepLog(tmp_path, rank=0, world=1, device=None, samples=8, tokens=8 * 16, first=0)
+    for step, ms in ((1, 4.0), (2, 2.0), (3, 8.0)):
+        log.write(step, 1.0 / step, 0.01, None, log.share(ms))
+    log.close()
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3]
+    first = lines[0]
+    assert first["loss"] == 1.0 and first["lr"] == 0.01 and first["grad_norm"] is None and first["step_ms"] == 4.0
+    assert first["samples_per_s"] == 8 / 4e-3 and first["tokens_per_s"] == 8 * 16 / 4e-3
+    assert len(first["peak_memory_mib"]) == 1 and first["peak_memory_mib"][0] > 0 and first["memory"] == "rss"
+    again = run_log.StepLog(tmp_path, rank=0, world=1, device=None, samples=8, tokens=None, first=2)
+    again.write(3, 0.5, float("nan"), 2.0, again.share(1.0))
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(ln["step"], ln["loss"]) for ln in lines] == [(1, 1.0), (2, 0.5), (3, 0.5)]
+    assert lines[-1]["lr"] is None and lines[-1]["grad_norm"] == 2.0 and lines[-1]["tokens_per_s"] is None
+    # another rank writes nothing; without --log-dir nothing is shared
+    run_log.StepLog(tmp_path / "other", rank=1, world=2, device=None, samples=8, tokens=None, first=0)
+    assert not (tmp_path / "other").exists()
+    assert run_log.StepLog(None, rank=0, world=1, device=None, samples=8, tokens=None, first=0).share(1.0) is None
+
+
+def test_tokens_are_counted_for_token_id_inputs_only() -> None:
+    from fxpipe.plan import TensorSpec
+
+    assert run_log.token_ids(TensorSpec("idx", (2, 16), "int64"))
+    assert not run_log.token_ids(TensorSpec("x", (2, 16), "float32"))
+    assert not run_log.token_ids(TensorSpec("labels", (2,), "int64"))
+
+
+def test_restarts_are_reported_with_each_earlier_attempt_s_errors(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ranks.restarts(tmp_path, [{"restarts": 0}]) is None
+    (tmp_path / "rank1.error").write_text("RuntimeError: boom")
+    monkeypatch.setenv(ranks.RESTART_COUNT, "0")
+    ranks.keep_earlier_error(tmp_path, 1)  # the first attempt: its own report stays
+    assert (tmp_path / "rank1.error").exists()
+    monkeypatch.setenv(ranks.RESTART_COUNT, "1")
+    ranks.keep_earlier_error(tmp_path, 1)
+    assert ranks.rank_errors(tmp_path) == {} and (tmp_path / "rank1.error.attempt0").exists()
+    assert ranks.restarts(tmp_path, [{"restarts": 1}, {"restarts": 1}]) == (
+        "torchrun restarted the ranks 1 time (--max-restarts); attempt 0: rank 1: RuntimeError: boom; each attempt "
+        "went on from the newest checkpoint it found (--resume auto) or from step 0")
+    assert ranks.restarts(tmp_path, None).startswith("torchrun restarted the ranks 1 time")  # the last attempt failed
+    cmd = ranks.torchrun_command(tmp_path, tmp_path, 2, steps=3, lr=0.1, timeout=9.0, max_restarts=2)
+    assert "--max-restarts=2" in cmd[:cmd.index("-m", 3)] and ranks.restart_env(2) and not ranks.restart_env(0)

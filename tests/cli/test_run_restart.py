@@ -1,0 +1,57 @@
+"""A restartable job: one ``fxpipe run`` survives a killed rank (torchrun restarts every rank, which resume from the
+newest checkpoint) and ends with the losses of an unbroken run, which its own ``config.toml`` reproduces. Two
+launches of mlp-tiny's 2 ranks, 4 steps, shared by every check here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests._helpers import MLP_PLAN, fxpipe_cli, ok, plan_fixture, reference_losses
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11: --config reads TOML with it
+plan = plan_fixture(*MLP_PLAN)
+STEPS = 4
+FIELDS = {"step", "loss", "lr", "grad_norm", "step_ms", "samples_per_s", "tokens_per_s", "peak_memory_mib", "memory"}
+
+
+def _metrics(log_dir: Path) -> list[dict[str, object]]:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]  # every line valid JSON
+
+
+def test_a_killed_rank_restarts_resumes_and_ends_like_an_unbroken_run(plan: Path, tmp_path: Path) -> None:
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    # Rank 1 is SIGKILLed in step 4 (its first attempt only), after the checkpoint of step 2: torchrun restarts both
+    # ranks, which resume from step 2 (--resume auto) and train steps 3 and 4 again.
+    killed = ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", STEPS, "--checkpoint-dir", ckpt,
+                           "--checkpoint-every", "2", "--resume", "auto", "--max-restarts", "1", "--kill-rank", "1",
+                           "--fault-step", "3", "--timeout", "30", "--log-dir", logs, "--json"))
+    doc = json.loads(killed.stdout)
+    assert doc["restarts"] == 1 and doc["first_step"] == 2 and len(doc["losses"]) == 2
+    assert "note: torchrun restarted the ranks 1 time (--max-restarts); attempt 0: rank 0: " in killed.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", "step_000002", "step_000004"]  # every 2, last
+    lines = _metrics(logs)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # each step once: the killed attempt's 3 dropped
+    for m in lines:
+        assert set(m) == FIELDS and m["step_ms"] > 0 and m["samples_per_s"] > 0  # type: ignore[operator]
+        assert len(m["peak_memory_mib"]) == 2 and all(x > 0 for x in m["peak_memory_mib"])  # type: ignore[arg-type]
+        assert m["memory"] == "rss" and m["tokens_per_s"] is None  # mlp-tiny's inputs are not token ids
+    losses = [m["loss"] for m in lines]
+    assert losses[2:] == doc["losses"]
+    assert losses == pytest.approx(reference_losses(STEPS, m=4, model="mlp-tiny"), rel=1e-5)
+
+    # The job again from its config.toml, into fresh directories (flags override the file), with no rank killed
+    # (fault injection is no config key): the same losses, bit for bit, in one attempt.
+    config = logs / "config.toml"
+    again_logs, again_ckpt = tmp_path / "again-logs", tmp_path / "again-ckpt"
+    again = json.loads(ok(fxpipe_cli("run", "--config", config, "--log-dir", again_logs, "--checkpoint-dir",
+                                     again_ckpt)).stdout)
+    assert again["restarts"] == 0 and again["first_step"] == 0
+    assert again["losses"] == losses
+    assert [m["loss"] for m in _metrics(again_logs)] == losses
+    first, second = (tomllib.loads(p.read_text()) for p in (config, again_logs / "config.toml"))
+    assert first.pop("log-dir") != second.pop("log-dir") and first.pop("checkpoint-dir") != second.pop("checkpoint-dir")
+    assert first == second
