@@ -1,19 +1,24 @@
-"""data: real training data with no download (scikit-learn's digits, any text file as bytes), split, batched, scored.
+"""data: training data for ``fxpipe run``: built-in sources with no download, split, batched, scored; and the
+context a user's data function (``--data file.py:function``) is called with.
 
 ``parse_data(spec)`` turns ``--data`` into a source:
 
-    parse_data("digits")          # 1797 8x8 images, 10 classes: 1438 train, 359 held out
-    parse_data("text:notes.txt")  # the file's bytes (vocabulary 256), the last 10% held out
-    parse_data("text:stdlib")     # a few of Python's own source files, 1 MiB at most
+    parse_data("digits")           # 1797 8x8 images, 10 classes: 1438 train, 359 held out
+    parse_data("text:notes.txt")   # the file's bytes (vocabulary 256), the last 10% held out
+    parse_data("text:stdlib")      # a few of Python's own source files, 1 MiB at most
+    parse_data("jsonl:ids.jsonl")  # token ids, one JSON document a line, the last 10% held out
+    parse_data("my_data.py:batches")  # UserData: the CLI imports the function and calls it with a DataContext
 
 Every batch has the same shape (pipeline stages are compiled for fixed shapes), and batch ``step`` is a pure
 function of ``(seed, step)``, so a resumed run or another rank draws the same batch without replaying earlier
-ones. ``check_fit(source, example_inputs, output_shape)`` says in one line when a model cannot take the data.
+ones; ``shard=(d, dp)`` draws only replica d's rows of it. ``check_fit(source, example_inputs, output_shape)``
+says in one line when a model cannot take the data.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
@@ -32,18 +37,22 @@ __all__ = [
     "STDLIB_MAX_BYTES",
     "TEXT_ZOO",
     "Accuracy",
+    "DataContext",
     "DataSource",
     "Digits",
     "Fit",
     "Synthetic",
     "Text",
     "TextLoss",
+    "UserData",
     "check_fit",
     "index_bounds",
     "load_digits",
+    "load_jsonl",
     "load_stdlib_text",
     "load_text",
     "parse_data",
+    "user_batches",
 ]
 
 DIGITS_FEATURES = 64  # 8 x 8 pixels
@@ -133,16 +142,17 @@ class Digits:
         return len(self.train_y) // batch_size
 
     def batch(self, step: int, batch_size: int, *, seed: int = 0, layout: DigitsLayout = "flat",
-              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype = torch.float32, shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch ``step``: ``(x, y)``, x ``(B, 64)`` for ``flat`` or ``(B, 1, 8, 8)`` for ``image``, y ``(B,)`` int64.
 
         Epoch ``step // steps_per_epoch`` visits the training set in its own seeded order, so the samples
-        dropped to keep batches full differ from epoch to epoch.
+        dropped to keep batches full differ from epoch to epoch. ``shard=(d, n)``: only the d-th of n equal
+        parts of the batch's rows (replica d's), read alone.
         """
         per_epoch = self.steps_per_epoch(batch_size)
         _check_start(step)
         epoch, pos = divmod(step, per_epoch)
-        rows = _epoch_order(len(self.train_y), seed, epoch)[pos * batch_size:(pos + 1) * batch_size]
+        rows = _shard(_epoch_order(len(self.train_y), seed, epoch)[pos * batch_size:(pos + 1) * batch_size], shard)
         return _shape(self.train_x[rows], layout, dtype), self.train_y[rows]
 
     def batches(self, batch_size: int, *, seed: int = 0, start: int = 0, steps: int | None = None,
@@ -188,9 +198,10 @@ class Digits:
 
 @dataclass(frozen=True, eq=False)
 class Text:
-    """A byte string (vocab 256, the same for every file) split into train and the last 10% held out.
+    """A token stream split into train and the last 10% held out: a file's bytes (``text:``, vocabulary 256, the
+    same for every file) or the token ids of a JSON-lines file (``jsonl:``, vocabulary its largest id + 1).
 
-    ``train`` and ``heldout`` are uint8 tensors; batches hold int64 ids. Compared by identity.
+    ``train`` and ``heldout`` are uint8 (bytes) or int64 tensors; batches hold int64 ids. Compared by identity.
     """
 
     spec: str
@@ -202,26 +213,29 @@ class Text:
     def check_seq_len(self, seq_len: int) -> None:
         """Raise OptionError unless train and held-out each hold one sequence of ``seq_len`` plus its target."""
         if seq_len < 1:
-            raise OptionError(f"a sequence holds at least one byte (seq_len: {seq_len}); pass seq_len >= 1")
+            raise OptionError(f"a sequence holds at least one token (seq_len: {seq_len}); pass seq_len >= 1")
         need = seq_len + 1
         if len(self.heldout) < need:
             size = len(self.train) + len(self.heldout)
+            unit = "bytes" if self.spec.startswith("text:") else "tokens"
             raise OptionError(
-                f"{self.spec} is too short for one held-out sequence (bytes: {size}, held out (last 10%): "
+                f"{self.spec} is too short for one held-out sequence ({unit}: {size}, held out (last 10%): "
                 f"{len(self.heldout)}, seq_len {seq_len} needs {need}); use a text of at least "
-                f"{need * TEXT_HELDOUT} bytes or a shorter sequence"
+                f"{need * TEXT_HELDOUT} {unit} or a shorter sequence"
             )
 
-    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``step``: ``(idx, target)``, both ``(B, seq_len)`` int64, target = idx shifted left by one byte.
+    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int = 0,
+              shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step``: ``(idx, target)``, both ``(B, seq_len)`` int64, target = idx shifted left by one token.
 
-        Each row starts at its own random offset in the training bytes, drawn from ``(seed, step)``.
+        Each row starts at its own random offset in the training tokens, drawn from ``(seed, step)``.
+        ``shard=(d, n)``: only the d-th of n equal parts of the batch's rows (replica d's), read alone.
         """
         self.check_seq_len(seq_len)
         _check_batch_size(batch_size, None, self.spec)
         _check_start(step)
         generator = torch.Generator().manual_seed(_mix(seed, step))
-        starts = torch.randint(0, len(self.train) - seq_len, (batch_size,), generator=generator)
+        starts = _shard(torch.randint(0, len(self.train) - seq_len, (batch_size,), generator=generator), shard)
         windows = self.train[starts[:, None] + torch.arange(seq_len + 1)].to(torch.int64)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
@@ -278,14 +292,100 @@ class Text:
         return float(-log_p[self.heldout.to(torch.int64)].mean())
 
 
+@dataclass(frozen=True)
+class UserData:
+    """``--data file.py:function`` or ``package.module:function``: the CLI imports the function (``fxpipe.targets``)
+    and each rank calls it once with its :class:`DataContext`."""
+
+    spec: str
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """What one rank of ``fxpipe run`` asks of a data function: ``function(ctx)`` returns the rank's batches.
+
+    The return value is a sequence (batch of step k: item ``k % len``) or an iterable (one item per step, the
+    first for step ``start``). Each item is ``(inputs, target)``: ``inputs`` a tensor or a tuple of them (the
+    model's positional inputs, each with ``batch_size`` rows: ``microbatches`` x ``rows``), ``target`` what the
+    loss takes for those rows (a tensor whose first dimension is ``batch_size``). A rank reads only what its
+    stages consume: ``needs_inputs`` (it runs the first stage) and ``needs_targets`` (it computes the loss);
+    the part it does not need may be None, and a rank that needs neither is never called. Replica ``replica``
+    of ``replicas`` reads its own rows: shard the data by it. ``inputs`` lists each input's (name, shape of
+    one replica's batch, dtype). The launcher calls the function once before any rank starts (with
+    ``rank`` -1, needing both) to check the first batch's shapes.
+    """
+
+    rank: int
+    needs_inputs: bool
+    needs_targets: bool
+    replica: int
+    replicas: int
+    microbatches: int
+    rows: int
+    seed: int
+    start: int
+    steps: int
+    inputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        """Rows of one step's batch on this replica: its microbatches x one microbatch's rows."""
+        return self.microbatches * self.rows
+
+
+def user_batches(made: Any, ctx: DataContext, spec: str) -> Callable[[int], tuple[Any, Any]]:
+    """``batch(step)`` of what a data function returned for ``ctx``: ``(inputs, target)`` with ``inputs`` a
+    tuple, the part this rank does not need None. One line (OptionError) when it is neither a sequence nor an
+    iterable, ends before the last step, or an item is not a pair."""
+    if isinstance(made, Sequence) and not isinstance(made, (str, bytes)):
+        if len(made) == 0:
+            raise OptionError(f"--data {spec} returned an empty {type(made).__name__}; return at least one "
+                              "(inputs, target) batch")
+
+        def indexed(k: int) -> tuple[Any, Any]:
+            return _item(made[k % len(made)], ctx, spec, k)
+        return indexed
+    try:
+        it = iter(made)
+    except TypeError:
+        raise OptionError(f"--data {spec} returned a {type(made).__name__}; return a list or an iterable of "
+                          "(inputs, target) batches") from None
+    at = [ctx.start]
+
+    def streamed(k: int) -> tuple[Any, Any]:
+        if k != at[0]:
+            raise OptionError(f"--data {spec} is an iterable, read in order from step {ctx.start}, and step {k} was "
+                              f"asked after step {at[0] - 1}; return a sequence to read steps out of order")
+        try:
+            item = next(it)
+        except StopIteration:
+            raise OptionError(f"--data {spec} ran out of batches at step {k} (--steps {ctx.steps}); yield one "
+                              "batch per step, or return a sequence (it repeats)") from None
+        at[0] += 1
+        return _item(item, ctx, spec, k)
+    return streamed
+
+
+def _item(item: Any, ctx: DataContext, spec: str, step: int) -> tuple[Any, Any]:
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise OptionError(f"--data {spec} gave a {type(item).__name__} for step {step}, not a pair; give "
+                          "(inputs, target) per step")
+    inputs, target = item
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    return (tuple(inputs) if ctx.needs_inputs and inputs is not None else None,
+            target if ctx.needs_targets else None)
+
+
 DataSource = Synthetic | Digits | Text
 
 
 # --------------------------------------------------------------------------------------------- loading
 
 
-def parse_data(spec: str, *, seq_len: int | None = None) -> DataSource:
-    """The source ``--data`` names: ``synthetic``, ``digits``, ``text:PATH`` or ``text:stdlib``.
+def parse_data(spec: str, *, seq_len: int | None = None) -> DataSource | UserData:
+    """The source ``--data`` names: ``synthetic``, ``digits``, ``text:PATH``, ``text:stdlib``, ``jsonl:PATH``, or
+    a function (``file.py:function``, ``package.module:function``: a :class:`UserData` the caller resolves).
 
     A text must hold one held-out sequence of ``seq_len`` bytes (1 when not given) and its target
     (``Text.check_seq_len``). A file named ``stdlib`` is ``text:./stdlib``.
@@ -300,14 +400,16 @@ def parse_data(spec: str, *, seq_len: int | None = None) -> DataSource:
         return Synthetic()
     if not colon and kind == "digits":
         return load_digits()
-    if colon and kind == "text":
+    if colon and kind in ("text", "jsonl"):
         if not rest:
-            raise OptionError("--data text: needs a file after the colon (spec: 'text:'); "
-                              "use text:PATH or text:stdlib")
-        source = load_stdlib_text() if rest == "stdlib" else load_text(rest)
+            raise OptionError(f"--data {kind}: needs a file after the colon (spec: '{kind}:'); "
+                              + ("use text:PATH or text:stdlib" if kind == "text" else "use jsonl:PATH"))
+        source = load_jsonl(rest) if kind == "jsonl" else load_stdlib_text() if rest == "stdlib" else load_text(rest)
         source.check_seq_len(1 if seq_len is None else seq_len)
         return source
-    known = ["synthetic", "digits", "text:PATH", "text:stdlib"]
+    if colon and rest and kind:
+        return UserData(text)
+    known = ["synthetic", "digits", "text:PATH", "text:stdlib", "jsonl:PATH", "FILE.py:FUNCTION"]
     close = difflib.get_close_matches(text.lower(), ["synthetic", "digits", "text:stdlib"], n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     raise OptionError(f"unknown --data {spec!r} (known: {', '.join(known)}); use one of them{hint}")
@@ -352,6 +454,61 @@ def load_text(path: str | Path, *, max_bytes: int | None = None) -> Text:
     if not raw:
         raise OptionError(f"--data {spec} is empty (bytes: 0); use a file with text in it")
     return _split_text(spec, (str(file),), raw)
+
+
+#: The fields of a JSON-lines object that hold its token ids (the first present is read)
+JSONL_FIELDS = ("input_ids", "tokens", "ids")
+
+
+def load_jsonl(path: str | Path) -> Text:
+    """Token ids from a JSON-lines file: each line a list of ids (``[5, 17, 3]``) or an object holding them under
+    one of ``JSONL_FIELDS`` (``{"input_ids": [5, 17, 3], ...}``; other fields are ignored). The documents are
+    concatenated in order into one stream, the last 10% held out; the vocabulary is the largest id + 1.
+
+    Raises: OptionError for a missing or unreadable file, a line that is not such a document (naming its
+    number), a negative id, or no ids at all.
+    """
+    file = Path(path).expanduser()
+    spec = f"jsonl:{path}"
+    if not file.is_file():
+        raise OptionError(f"--data {spec}: no such file ({file.absolute()}); check the path")
+    ids: list[int] = []
+    try:
+        with file.open("r", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if line.strip():
+                    ids += _jsonl_ids(line, spec, number)
+    except OSError as error:
+        raise OptionError(f"--data {spec} cannot be read ({error.strerror}); check its permissions") from None
+    except UnicodeDecodeError as error:
+        raise OptionError(f"--data {spec} is not UTF-8 text ({error.reason}); write one JSON document per line") \
+            from None
+    if not ids:
+        raise OptionError(f"--data {spec} holds no token ids (lines: 0 with ids); write one JSON list of ids per line")
+    tokens = torch.tensor(ids, dtype=torch.int64)
+    held = len(tokens) // TEXT_HELDOUT
+    cut = len(tokens) - held
+    return Text(spec, (str(file),), tokens[:cut], tokens[cut:], vocab_size=int(tokens.max()) + 1)
+
+
+def _jsonl_ids(line: str, spec: str, number: int) -> list[int]:
+    where = f"--data {spec} line {number}"
+    try:
+        doc = json.loads(line)
+    except ValueError as error:
+        raise OptionError(f"{where} is not JSON ({error}); write one JSON document per line") from None
+    if isinstance(doc, dict):
+        field = next((f for f in JSONL_FIELDS if f in doc), None)
+        if field is None:
+            raise OptionError(f"{where} has no token ids (fields: {', '.join(sorted(doc)[:5]) or 'none'}); put them "
+                              f"under one of {', '.join(JSONL_FIELDS)}")
+        doc = doc[field]
+    if not isinstance(doc, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in doc):
+        raise OptionError(f"{where} is not a list of integer token ids (got {type(doc).__name__}); write e.g. "
+                          "[5, 17, 3] or {\"input_ids\": [5, 17, 3]}")
+    if any(t < 0 for t in doc):
+        raise OptionError(f"{where} has a negative token id ({min(doc)}); ids index a vocabulary from 0")
+    return doc
 
 
 def load_stdlib_text(*, max_bytes: int = STDLIB_MAX_BYTES) -> Text:
@@ -400,7 +557,7 @@ class Fit:
     seq_len: int | None = None
 
 
-def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: Sequence[int]) -> Fit:
+def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: Sequence[int] | None) -> Fit:
     """How ``source`` feeds a model compiled for ``example_inputs`` whose output is ``output_shape``.
 
     digits takes one float input ``(B, 64)`` (an MLP) or ``(B, 1, 8, 8)`` (a CNN) and 10 outputs ``(B, 10)``;
@@ -410,13 +567,15 @@ def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: S
         zoo = fxpipe.models.build("mlp-small", device="meta")
         check_fit(parse_data("digits"), zoo.example_inputs, zoo.model(*zoo.example_inputs).shape)
 
+    ``output_shape`` None checks the inputs only (a rank, after the launcher checked the whole).
+
     Raises: OptionError, one line naming what the model takes and the zoo models to use instead.
     """
     if isinstance(source, Synthetic):
         return Fit(source.spec, "synthetic", _first_dtype(example_inputs))
     inputs = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in example_inputs]
     takes = f"takes {', '.join(map(str, inputs)) or 'no inputs'}"
-    out = tuple(int(d) for d in output_shape)
+    out = tuple(int(d) for d in output_shape) if output_shape is not None else None
     if isinstance(source, Digits):
         instead = (f"use {' or '.join(DIGITS_ZOO)}; the zoo has no CNN for 1x8x8 images yet (a model of your "
                    "own that takes (B, 1, 8, 8) works)")
@@ -428,43 +587,55 @@ def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: S
         if shape not in ((DIGITS_FEATURES,), (1, 8, 8)):
             raise OptionError(f"digits gives (B, 64) features or (B, 1, 8, 8) images, but the model {takes}; "
                               f"{instead}")
-        if out[1:] != (DIGITS_CLASSES,):
+        if out is not None and out[1:] != (DIGITS_CLASSES,):
             raise OptionError(f"digits has 10 classes and needs logits (B, 10), but the model gives {out}; "
                               f"{instead}")
         return Fit(source.spec, "flat" if len(shape) == 1 else "image", x.dtype)
-    instead = f"use {', '.join(TEXT_ZOO)} (vocabulary 256 or more)"
+    byte = source.spec.startswith("text:")
+    instead = f"use {', '.join(TEXT_ZOO)} (vocabulary 256 or more)" if byte else \
+        f"use a language model with {source.vocab_size} or more logits per token"
     x = example_inputs[0] if len(example_inputs) == 1 else None
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point() or x.dtype == torch.bool:
-        raise OptionError(f"{source.spec} gives one int64 input of byte ids (B, T), but the model {takes}"
-                          f"{_dtypes(example_inputs)}; {instead}")
+        raise OptionError(f"{source.spec} gives one int64 input of {'byte' if byte else 'token'} ids (B, T), but the "
+                          f"model {takes}{_dtypes(example_inputs)}; {instead}")
     seq_len = int(x.shape[1])
+    if output_shape is None:  # a rank: the launcher checked the output
+        source.check_seq_len(seq_len)
+        return Fit(source.spec, "tokens", torch.int64, seq_len)
     if len(out) != 3 or out[1] != seq_len:
-        raise OptionError(f"{source.spec} needs next-byte logits (B, {seq_len}, V), but the model gives {out}; "
-                          f"{instead}")
+        raise OptionError(f"{source.spec} needs next-{'byte' if byte else 'token'} logits (B, {seq_len}, V), but the "
+                          f"model gives {out}; {instead}")
     if out[2] < source.vocab_size:
-        raise OptionError(f"{source.spec} is bytes (vocabulary {source.vocab_size}), but the model's vocabulary is "
-                          f"{out[2]}; {instead}")
+        what = f"is bytes (vocabulary {source.vocab_size})" if source.spec.startswith("text:") else \
+            f"has token ids up to {source.vocab_size - 1} (vocabulary {source.vocab_size})"
+        raise OptionError(f"{source.spec} {what}, but the model's vocabulary is {out[2]}; {instead}")
     source.check_seq_len(seq_len)
     return Fit(source.spec, "tokens", torch.int64, seq_len)
 
 
 def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, dict[int, int]]:
-    """``fn(*inputs)``'s output and, for each integer input that an embedding indexes as it is, the table's rows:
-    that input's values must lie in ``[0, rows)`` (a GPT's token ids and its vocabulary).
+    """``fn(*inputs)``'s output and, for each integer input that an embedding indexes as it is (or through views
+    of it: a Hugging Face model's ``input_ids.view(-1, T)``), the table's rows: that input's values must lie in
+    ``[0, rows)`` (a GPT's token ids and its vocabulary).
 
-    Cheap on the meta device (nothing is computed); an input that feeds no embedding directly is absent.
+    Cheap on the meta device (nothing is computed); an input that feeds no embedding this way is absent.
     """
     from fxpipe._compat import TorchDispatchMode
 
     positions = {id(x): i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not x.is_floating_point()}
     bounds: dict[int, int] = {}
+    keep: list[torch.Tensor] = []
 
     class _Embeddings(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is torch.ops.aten.embedding.default and len(args) >= 2 and id(args[1]) in positions:
                 i = positions[id(args[1])]
                 bounds[i] = min(bounds.get(i, args[0].shape[0]), int(args[0].shape[0]))
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func.is_view and args and isinstance(out, torch.Tensor) and id(args[0]) in positions:
+                positions[id(out)] = positions[id(args[0])]  # a view of an input holds its values
+                keep.append(out)  # alive, so that its id is not reused
+            return out
 
     with torch.no_grad(), _Embeddings():
         output = fn(*inputs)
@@ -512,6 +683,16 @@ def _check_batch_size(batch_size: int, size: int | None, what: str) -> None:
         raise OptionError(f"batch size must be at least 1 (batch_size: {batch_size}); raise it")
     if size is not None and batch_size > size:
         raise OptionError(f"batch size exceeds {what} (batch_size: {batch_size}, samples: {size}); lower it")
+
+
+def _shard(rows: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
+    """The d-th of n equal parts of ``rows`` (``shard=(d, n)``)."""
+    d, n = shard
+    if not 0 <= d < n or len(rows) % n:
+        raise OptionError(f"a batch of {len(rows)} rows does not split into {n} equal shards with shard {d} among "
+                          f"them; pass a batch that is a multiple of {n} and 0 <= shard < {n}")
+    size = len(rows) // n
+    return rows[d * size:(d + 1) * size]
 
 
 def _check_start(step: int) -> None:

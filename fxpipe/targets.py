@@ -1,4 +1,5 @@
-"""Resolve a CLI target, a zoo name (``gpt-small``) or a builder (``path/to/file.py:build``), to a model and inputs."""
+"""Resolve a CLI target, a zoo name (``gpt-small``) or a builder (``path/to/file.py:build``), to a model and inputs;
+and a function spec (``fxpipe run --loss file.py:loss``, ``--data package.module:batches``) to the function."""
 
 from __future__ import annotations
 
@@ -68,11 +69,42 @@ def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.floa
     return Target(target, model, inputs, kwargs)
 
 
-def _import(where: str, target: str) -> Any:
+def resolve_function(spec: str, option: str, example: str) -> Callable[..., Any]:
+    """``file.py:function`` or ``package.module:function`` -> the function, imported as :func:`resolve` imports a
+    builder (the file runs once per process). ``option`` and ``example`` name the flag and a spec in its errors.
+
+    Raises: TargetError (one line) for a spec without ``:``, a missing file or module, a file that fails to import,
+    or a name that is absent or not callable.
+    """
+    where, colon, attr = spec.rpartition(":")
+    if not colon or not where or not attr:
+        raise TargetError(f"{option} {spec!r} is not FILE.py:FUNCTION or package.module:FUNCTION; write e.g. "
+                          f"{option} {example}")
+    module = _import(where, f"{option} {spec}", example)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        found = "absent" if fn is None else f"a {type(fn).__name__}"
+        raise TargetError(f"{option} {spec}: {where} has no callable {attr!r} ({found}); name a function defined "
+                          f"there, e.g. {where}:{example.rpartition(':')[2]}")
+    return fn  # type: ignore[no-any-return]
+
+
+def call_user(fn: Callable[[], Any], spec: str, fix: str) -> Any:
+    """``fn()``, a call into the user's code named by ``spec``: an exception or an exit becomes one line."""
+    try:
+        with _no_exit(f"calling {spec}"):
+            return fn()
+    except TargetError:
+        raise
+    except Exception as exc:
+        raise TargetError(f"{spec} raised {first_line(exc)}; {fix}") from exc
+
+
+def _import(where: str, target: str, example: str = "my_model.py:build") -> Any:
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
-            raise TargetError(f"no such file {where} (target {target}); give an existing path, e.g. my_model.py:build")
+            raise TargetError(f"no such file {where} (target {target}); give an existing path, e.g. {example}")
         spec = importlib.util.spec_from_file_location(f"fxpipe_user_{path.stem}", path)
         if spec is None or spec.loader is None:
             raise TargetError(f"cannot import {where}; give a .py file")
@@ -89,7 +121,7 @@ def _import(where: str, target: str) -> Any:
     try:
         with _no_exit(f"importing {where}"):
             return importlib.import_module(where)
-    except ImportError as exc:
+    except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name ('.x'); ValueError: an empty one
         raise TargetError(f"cannot import module {where!r} ({exc}); give a path ending in .py or an importable module") from exc
 
 

@@ -210,7 +210,7 @@ def test_parse_data_names_each_source(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    ("mnist", r"unknown --data 'mnist' \(known: synthetic, digits, text:PATH, text:stdlib\)"),
+    ("mnist", r"unknown --data 'mnist' \(known: synthetic, digits, text:PATH, text:stdlib, jsonl:PATH, FILE.py:FUNCTION\)"),
     ("digit", r"did you mean 'digits'\?"),
     ("text:", r"needs a file after the colon"),
     ("text:/no/such/file.txt", r"no such file .*; check the path"),

@@ -154,7 +154,8 @@ def _batch_report(batch: dict) -> Report:
         note = (f"loss: {loss['loss']}, on the output {tuple(loss['output_shape'] or ())} and the target; "
                 f"fxpipe run builds these batches itself")
     else:
-        note = "loss: the one you pass (PipelineRuntime(loss_fn=...)); the plan does not record it"
+        note = ("loss: the one you pass (fxpipe run --loss FILE.py:FUNCTION, or PipelineRuntime(loss_fn=...)); the "
+                "plan does not record it")
     return Report(title="one microbatch: the inputs as compiled, and the target (a step's batch stacks "
                         "microbatches along the first dimension)",
                   columns=("tensor", "shape", "dtype", "values"), rows=tuple(rows), notes=(note,))

@@ -1,4 +1,4 @@
-"""One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on synthetic data, write results.
+"""One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on its data, write results.
 
 ``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees), several ranks sharing a GPU where there
 are more ranks than GPUs (gloo stages every message through pinned host memory): the plan, loaded on the
@@ -9,7 +9,8 @@ rank running a synchronous schedule's eager graphs).
 Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
 ``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
 ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
-and the runtime does not import the zoo.
+and the runtime does not import the zoo; ``--loss`` / ``--data FILE.py:FUNCTION`` replace them
+(``fxpipe.cli.feed``: this rank reads only what its stages consume, its replica's rows).
 
 Writes ``OUT/rank{R}.json`` (losses, step times, peak RSS, the last step's measured actions) or, on
 failure, ``OUT/rank{R}.error`` with one line saying why, then exits non-zero; each node's first rank
@@ -19,8 +20,8 @@ weights) over the process group into its own ``OUT/results.json`` (and ``OUT/par
 node that holds rank 0 has the whole run.
 
 With more ranks than the schedule's (``WORLD_SIZE`` = pipeline ranks x dp), the runtime runs dp
-replicas of the pipeline; every rank builds the same global batch (dp x microbatches x one compiled
-microbatch's rows) from the seed and the runtime gives replica d the d-th slice.
+replicas of the pipeline; the global batch is dp x microbatches x one compiled microbatch's rows, and
+replica d reads only its d-th slice (the inputs on the first stage's rank, the target on the last's).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--loss", default=None)  # FILE.py:FUNCTION; default: the built-in model's
+    parser.add_argument("--synthetic", default=None)  # a user model's synthetic data, as the launcher found it
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
     parser.add_argument("--momentum", type=float, default=0.0)
     # optimizer, lr schedule, clipping, precision (fxpipe.runtime.optim; fxpipe run checked them)
@@ -220,16 +223,17 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     import fxpipe
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
+    from fxpipe.cli.feed import input_specs, loss_of, rank_batches, scored
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
     pipe = fxpipe.load(args.plan)  # on the CPU; moved to the rank's device below
-    zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed)
-    if zoo is None:
-        raise PlanFileError(f"fxpipe run trains plans of built-in models (this plan is of {pipe.plan.provenance.model!r}); "
-                            "for your own model use fxpipe.runtime.PipelineRuntime in your torchrun script")
+    zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed); None: the user's own model
+    if zoo is None and pipe.plan.strategy is not None:  # fxpipe run refuses it before starting the ranks
+        raise PlanFileError(f"a per-layer strategy plan trains a built-in model (this plan is of "
+                            f"{pipe.plan.provenance.model!r}); compile it without --strategy")
     if pipe.plan.strategy is not None:  # a per-layer strategy: DTensor on the plan's ranks, not a pipeline
         from fxpipe.cli.rank_strategy import run_strategy
         from fxpipe.errors import OptionError
@@ -240,9 +244,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed),
                             out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
-    rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
-                         example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x
-                                              for x in zoo.example_inputs),
+    rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches,
+                         loss_fn=loss_of(zoo, args.loss),
+                         example_inputs=None if zoo is None else tuple(x.to(device) if isinstance(x, torch.Tensor)
+                                                                       else x for x in zoo.example_inputs),
                          optimizer=OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum,
                                                  weight_decay=args.weight_decay, betas=parse_betas(args.betas)),
                          lr_schedule=LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)
@@ -260,10 +265,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     if rt.recompute:  # B runs F first, and F keeps only the stage's inputs (before the loss's time joins the last F)
         costs = dataclasses.replace(costs, held_in=costs.held_in or rt.held_in).recomputing(rt.recompute)
     costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp)
-    # The global batch: every replica's microbatches, the same on every rank (the runtime slices it).
-    batch_of = training_batches(args.data, zoo, pipe.plan, m * rt.dp, args.seed)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
-    inputs, target = batch_of(0)
     first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
         from fxpipe.errors import CheckpointError
@@ -288,6 +290,14 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     # a chunk's end, where it checkpoints, and a resumed run restarts the pipeline at the same place. Both
     # checkpoint every --checkpoint-every steps and after the last.
     every = 1 if sched.synchronous else (args.checkpoint_every if args.checkpoint_dir else args.steps - first)
+    # This replica's rows of each step's batch, and of them only what this rank's stages consume (fxpipe.cli.feed).
+    rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
+    from fxpipe.data import DataContext
+
+    ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
+                      args.steps, input_specs(pipe.plan, m))
+    batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
+                            args.synthetic)
     for start in range(first, args.steps, every):
         chunk = range(start, min(start + every, args.steps))
         if rank == args.fail_rank and start == fault_at and attempt == 0:
@@ -297,7 +307,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         t0 = time.perf_counter()
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)
-            pending = rt.step_async(inputs, target)
+            pending = rt.step_async(inputs, target, shard=True)
             lrs.append(rt.lr)
             grad_norms.append(rt.last_grad_norm)
             rt.track_memory = False
@@ -356,7 +366,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
                           simulated.held_bw)
     params = None
-    if args.data != "synthetic" and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
+    if scored(args.data) and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
         params = {n: p.detach().to("cpu", copy=True)  # gathered as objects and saved: CPU tensors
                   for s in rt.mine for n, p in rt.stages[s].module.named_parameters()}
     return {
@@ -367,7 +377,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         # CUDA graphs: the call slots captured, and the calls that ran eagerly after all (fxpipe.runtime.cuda_graphs)
         "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
                                                           "fallbacks": rt.graph_set.fallbacks},
-        "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
+        "batch": rows * m * rt.dp,  # the global batch's rows
         "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
         "grad_norms": grad_norms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

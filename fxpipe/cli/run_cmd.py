@@ -24,8 +24,9 @@ from fxpipe.errors import OptionError, RankFailedError
 
 def run_cmd(
     ctx: typer.Context,
-    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model); "
-                                                  "may come from --config's plan-dir key.")],
+    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model, "
+                                                  "or of your own with --loss); may come from --config's plan-dir "
+                                                  "key.")],
     nproc: Annotated[Optional[int], typer.Option(min=1, help="Ranks to start on this machine (torchrun's "
                                                  "--nproc-per-node; default: the schedule's ranks x --dp / --nnodes).")
                      ] = None,
@@ -55,8 +56,15 @@ def run_cmd(
                                                          "2 x stages].")] = None,
     data: Annotated[str, typer.Option(help="Training data: synthetic (one random batch shaped like the example), "
                                            "digits (scikit-learn's handwritten digits; mlp-small), text:PATH or "
-                                           "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "
-                                           "Real data reports held-out accuracy or loss.")] = "synthetic",
+                                           "text:stdlib (bytes of a file or of Python's own sources; gpt-small), "
+                                           "jsonl:PATH (token ids, one JSON list or {\"input_ids\": [...]} a line), "
+                                           "or FILE.py:FUNCTION / package.module:FUNCTION: called once per rank "
+                                           "with a fxpipe.data.DataContext, it returns that rank's (inputs, target) "
+                                           "batches. Built-in real data reports held-out accuracy or loss.")
+                     ] = "synthetic",
+    loss: Annotated[Optional[str], typer.Option(help="FILE.py:FUNCTION or package.module:FUNCTION: the loss, "
+                                                "(outputs, target) -> scalar tensor, on each microbatch (default: "
+                                                "the built-in model's; required for your own model).")] = None,
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
@@ -237,7 +245,13 @@ def run_cmd(
         _check_sizes(replicas, nproc, nnodes, seed, timeout, sched.num_ranks)
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
-        source, fit = _data_fit(plan, data)
+        # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
+        from fxpipe.cli.feed import check_feed
+        from fxpipe.cli.rank import zoo_of
+
+        feed = check_feed(plan_dir, plan, zoo_of(plan, device="meta"), data, loss, sched.num_microbatches, replicas,
+                          seed, steps)
+        source, fit = feed.source, feed.fit
         _check_model(plan_dir, plan)  # before any rank builds the model the plan names
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
@@ -274,6 +288,7 @@ def run_cmd(
             cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
                     "--codegen", codegen, "--device", device, "--recompute", recompute,
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
+            cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
@@ -686,15 +701,6 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwri
         raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
                           f"{', ...' if len(held) > 3 else ''}); pass --resume always (or auto) to continue from its "
                           "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
-
-
-def _data_fit(plan: object, spec: str) -> tuple[object, object]:
-    """``--data``, checked against the plan's built-in model before any rank starts: (source, fit or None)."""
-    from fxpipe import data
-    from fxpipe.cli.rank import fit_of
-
-    source = data.parse_data(spec)
-    return source, None if isinstance(source, data.Synthetic) else fit_of(source, plan)
 
 
 def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object) -> dict[str, float]:

@@ -152,6 +152,10 @@ class PipelineRuntime:
             if n is not None and n in producer and self.where[producer[n]] != last_rank:
                 raise OptionError(f"model output {n} is made on rank {self.where[producer[n]]}, not on the last "
                                   "stage's rank; the runtime computes the loss on the last stage")
+        # What this rank's batches must hold: the model's inputs where a stage of its reads one (the first stage),
+        # the targets where the loss is computed (the last stage's rank); a rank that needs neither gets None.
+        self.needs_inputs = any(n in pipe.input_names for s in self.mine for n in self.stages[s].inputs)
+        self.needs_targets = self.pp_rank == last_rank
         # How many of this rank's stages read each value: a microbatch's value is dropped once the last has.
         self.readers: dict[str, int] = defaultdict(int)
         for s in self.mine:
@@ -353,19 +357,21 @@ class PipelineRuntime:
 
     # -- one step -------------------------------------------------------------------------
 
-    def step(self, inputs: Sequence[Any], target: Any) -> torch.Tensor:
+    def step(self, inputs: Sequence[Any] | None, target: Any, *, shard: bool = False) -> torch.Tensor:
         """One mini-batch: every microbatch's F, B and W on this rank's stages, then the optimizer step.
 
         With replicas (dp > 1), ``inputs`` and ``target`` are the whole batch on every rank (dp x the
         microbatch count x one compiled microbatch's rows): replica d takes the d-th of dp equal
         slices, and each stage's gradients are averaged over its replicas (summed over its dp group,
-        each bucket as soon as its last W has run) before the optimizer steps. Returns the mean loss
-        over the whole batch (the same value on every rank). Asynchronous schedules have no step: use
-        :meth:`train`.
+        each bucket as soon as its last W has run) before the optimizer steps. ``shard=True``: they are
+        this replica's own rows only (the microbatch count x one microbatch's rows). A rank whose stages
+        read no model input (``needs_inputs`` False) may pass None inputs, and one that computes no loss
+        (``needs_targets`` False) a None target. Returns the mean loss over the whole batch (the same
+        value on every rank). Asynchronous schedules have no step: use :meth:`train`.
         """
-        return self.step_async(inputs, target).wait()
+        return self.step_async(inputs, target, shard=shard).wait()
 
-    def step_async(self, inputs: Sequence[Any], target: Any) -> PendingLoss:
+    def step_async(self, inputs: Sequence[Any] | None, target: Any, *, shard: bool = False) -> PendingLoss:
         """:meth:`step` without the step's barrier: each stage's optimizer steps as soon as its last W has run
         (with replicas or tied weights across ranks, once their gradients are summed), and the loss's
         all-reduce over every rank is left in flight: ``.wait()`` on the result gives the mean loss. The
@@ -375,7 +381,7 @@ class PipelineRuntime:
             raise OptionError(f"{self.schedule.name} is asynchronous: there is no step boundary to stop at; "
                               "pass the batches to rt.train(batches), which streams them without a flush")
         m = self.schedule.num_microbatches
-        micro, targets = self._microbatches(inputs, target, m)
+        micro, targets = self._microbatches(inputs, target, m, shard=shard)
         self.core.loss_divisor = m * self.dp  # the replicas' gradients are summed: each is 1/dp of the mean
         self.core.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         self._stepped = set()
@@ -480,8 +486,20 @@ class PipelineRuntime:
         self._collective(partial(dist.all_reduce, mine), "the losses (every rank)")
         return list(mine.view(len(batches), m).mean(dim=1))
 
-    def _microbatches(self, inputs: Sequence[Any], target: Any, m: int) -> tuple[list[dict[str, Any]], list[Any]]:
-        """One batch cut into m microbatches: each one's model inputs by name, and its target."""
+    def _microbatches(self, inputs: Sequence[Any] | None, target: Any, m: int,
+                      shard: bool = False) -> tuple[list[dict[str, Any]], list[Any]]:
+        """One batch (``shard``: this replica's) cut into m microbatches: each one's model inputs by name, and its
+        target; empty and None where the batch holds none (a rank that needs none)."""
+        for given, needed, what in ((inputs, self.needs_inputs, "the model's inputs"),
+                                    (target, self.needs_targets, "the target")):
+            if given is None and needed:
+                raise OptionError(f"rank {self.rank} runs stages {sorted(self.mine)}, which need {what}, and got "
+                                  "None; pass them on the ranks where rt.needs_inputs / rt.needs_targets says so")
+        n, d = (m, 0) if shard else (m * self.dp, self.dp_rank)  # replicas: this one's m of dp x m microbatches
+        fix = f"pick a batch that is a multiple of {n}" + (f" ({self.dp} replicas x {m} microbatches)" if n != m else "")
+        targets = [None] * m if target is None else split_batch(self._here(target), n, fix=fix)[d * m:(d + 1) * m]
+        if inputs is None:
+            return [{} for _ in range(m)], list(targets)
         if not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
         # The batch's structure is checked once, on the whole batch: its leaves in the graph's placeholder order are
@@ -492,10 +510,7 @@ class PipelineRuntime:
             flat, spec = pytree.tree_flatten(tuple(inputs))
         else:
             flat = flatten_inputs(self.pipe.in_spec, tuple(inputs), {})
-        n, d = m * self.dp, self.dp_rank  # with replicas, this replica's m of the batch's dp x m microbatches
-        fix = f"pick a batch that is a multiple of {n}" + (f" ({self.dp} replicas x {m} microbatches)" if self.dp > 1 else "")
         parts = [split_batch(self._here(x), n, fix=fix)[d * m:(d + 1) * m] for x in flat]
-        targets = split_batch(self._here(target), n, fix=fix)[d * m:(d + 1) * m]
         pieces = [[p[i] for p in parts] for i in range(m)]
         micro = [dict(zip(self.pipe.input_names, pytree.tree_unflatten(piece, spec) if spec is not None else piece))
                  for piece in pieces]
