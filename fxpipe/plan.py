@@ -460,6 +460,9 @@ class StageCost:
     # Profiled plans: its W over 4 microbatches at once against the 4 one by one (batched W,
     # fxpipe.graphs.batched); 1.0: not measured, or the stage cannot batch
     w_batched: float = 1.0
+    # Bytes of one microbatch's inputs: all it keeps from F to B when it recomputes its forward (--recompute); None in
+    # plans written before recomputation, and for a stage without split graphs
+    held_in: float | None = None
 
 
 @dataclass(frozen=True)

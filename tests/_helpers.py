@@ -646,3 +646,15 @@ def run_forked(argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None 
         proc.kill()
         raise
     return subprocess.CompletedProcess([sys.executable, *argv], proc.returncode, out, err)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def world1() -> Iterator[None]:
+    """A gloo process group of one rank in this process (a HashStore: nothing leaves it), for a module whose
+    ``PipelineRuntime`` runs every stage on rank 0 (a one-rank schedule): the distributed runtime without a launch."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

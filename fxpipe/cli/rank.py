@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
     parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")  # PipelineRuntime(cuda_graphs=)
+    parser.add_argument("--recompute", choices=("none", "stage", "auto"), default="none")  # PipelineRuntime(recompute=)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     parser.add_argument("--fault-step", type=int, default=1)  # the step (from the run's first) the faults fire in
@@ -254,13 +255,16 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                          clip_grad_norm=args.clip_grad_norm, precision=args.precision,
                          timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
                          device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
-                         host=args.host)
+                         host=args.host, recompute=args.recompute)
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
     sched, m = rt.schedule, rt.schedule.num_microbatches
     overheads = plan_overheads(pipe.plan)
-    costs = dataclasses.replace(Costs.from_plan(pipe.plan, overheads), dp=rt.dp)
+    costs = Costs.from_plan(pipe.plan)
+    if rt.recompute:  # B runs F first, and F keeps only the stage's inputs (before the loss's time joins the last F)
+        costs = dataclasses.replace(costs, held_in=costs.held_in or rt.held_in).recomputing(rt.recompute)
+    costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
@@ -392,6 +396,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.
+        "recompute": list(rt.recompute), "recompute_note": rt.recompute_note,
         "peak_held_bytes_per_stage": [rt.peak_held_bytes[s] for s in sorted(rt.mine)],
         "simulated_held_bytes_per_stage": [held[s] for s in sorted(rt.mine)],
     }, params

@@ -97,6 +97,11 @@ def run_cmd(
     weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
                                               "(SpecTrain: extrapolated; needs --momentum).")] = "stash",
+    recompute: Annotated[str, typer.Option(help="none, stage or auto: with stage, every stage keeps only its "
+                                           "inputs from F to B and B runs its forward again first (less activation "
+                                           "memory, F's time again in B); auto, the stages the plan's "
+                                           "--memory-per-stage cap needs (none without a cap). Synchronous "
+                                           "schedules.")] = "none",
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here every --checkpoint-every "
                                                                 "steps and after the last (one directory per step).")
@@ -181,6 +186,17 @@ def run_cmd(
             sched = plan_schedule(plan, schedule, microbatches)
         if weights not in ("stale", "stash", "predict"):
             raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
+        from fxpipe.schedules.auto import plan_recompute
+
+        # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
+        recomputed, recompute_note = plan_recompute(plan, sched, recompute)
+        if recomputed and plan.strategy is not None:
+            raise OptionError(f"--recompute {recompute} recomputes pipeline stages; this plan is a per-layer strategy "
+                              "(DTensor layers): use --recompute none")
+        if recomputed and not sched.synchronous:
+            raise OptionError(f"--recompute {recompute}: {sched.name} is asynchronous, and its phases read weight "
+                              "versions a recomputed forward would not see; use --recompute none, or a synchronous "
+                              "schedule")
         from fxpipe.runtime.codegen import check_codegen
 
         fallback = check_codegen(codegen)
@@ -270,7 +286,7 @@ def run_cmd(
             if clip_grad_norm is not None:
                 cmd += ["--clip-grad-norm", str(clip_grad_norm)]
             cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
-                    "--codegen", codegen, "--device", device,
+                    "--codegen", codegen, "--device", device, "--recompute", recompute,
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
             with progress(disable=as_json) as step:
@@ -329,6 +345,7 @@ def run_cmd(
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
+            "recompute": results[0].get("recompute", []), "recompute_note": recompute_note,
             **_held_per_stage(results),
             # batched-w: how each stage's W ran (one call over the microbatches, or per microbatch and why)
             "batched_w": {s: how for r in results for s, how in r.get("batched_w", {}).items()} or None,
@@ -394,7 +411,7 @@ def run_cmd(
         if doc["actions"]:
             reports.append(_actions_report(doc))
         if doc.get("peak_held_bytes_per_stage"):
-            reports.append(_held_report(doc, results))
+            reports.append(_held_report(doc, results, recompute_note))
         if heldout is not None:
             reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
                                   (f"{data} held-out split, after the last step, with every rank's weights",)))
@@ -501,7 +518,7 @@ def _held_per_stage(results: list[dict[str, Any]]) -> dict[str, list[int]]:
             "simulated_held_bytes_per_stage": [simulated[s] for s in stages]}
 
 
-def _held_report(doc: dict[str, Any], results: list[dict[str, Any]]) -> Any:
+def _held_report(doc: dict[str, Any], results: list[dict[str, Any]], recompute_note: str) -> Any:
     from fxpipe.report import Report
 
     rank_of = {s: r.get("pp_rank", r["rank"]) for r in results for s in r.get("stages", [])}
@@ -514,7 +531,7 @@ def _held_report(doc: dict[str, Any], results: list[dict[str, Any]]) -> Any:
                   ("held: the bytes a stage keeps between actions for later ones of the same microbatch (F's saved "
                    "tensors until B, what W reads until W), each storage once, parameters not counted; the peak "
                    "in the run's first step, measured in the runtime and as the schedule's simulation holds the "
-                   "plan's F->B and B->W bytes",))
+                   "plan's F->B and B->W bytes", recompute_note))
 
 
 def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: float, pp: int) -> None:

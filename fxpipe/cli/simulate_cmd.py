@@ -37,6 +37,10 @@ def simulate_cmd(
                                                  "(approximate time-sharing).")] = None,
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, momentum or adam: the state counted in "
                                            "memory per rank with --dp.")] = "sgd",
+    recompute: Annotated[str, typer.Option(help="none, stage or auto (a plan's stages): stages that recompute their "
+                                           "forward in B, so each B takes F's time too and F keeps only the "
+                                           "stage's inputs until B; auto: those the plan's memory cap needs.")
+                         ] = "none",
     trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome-trace JSON (Perfetto, chrome://tracing).")] = None,
     svg: Annotated[Optional[Path], typer.Option(help="Write an SVG Gantt chart.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
@@ -45,7 +49,8 @@ def simulate_cmd(
     """Simulate a schedule on a plan's costs: per-rank table, ASCII timeline, optional trace and SVG."""
     with one_line_errors():
         from fxpipe.schedules.auto import choose
-        from fxpipe.schedules.simulate import Costs, dp_report, report
+        from fxpipe.report import Report
+        from fxpipe.schedules.simulate import Costs, dp_report, report, simulate
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
         source = Path(target.split(":")[0]) if target else None
@@ -87,7 +92,23 @@ def simulate_cmd(
                                                  else DEFAULTS.microbatches(num_stages)),
                     sum(values) if uniform_costs is not None else 0.0,
                     **({} if schedule == "auto" else {"max_slots": MAX_SIMULATE_SLOTS}))
+        from fxpipe.schedules.auto import RECOMPUTE, plan_recompute
+
+        if recompute not in RECOMPUTE:
+            raise OptionError(f"--recompute takes none, stage or auto (got {recompute!r})")
+        if recompute != "none" and uniform_costs is not None:
+            raise OptionError(f"--recompute {recompute} needs a plan's stage input bytes; --uniform-costs has none: "
+                              "give a plan directory or a model")
         sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
+        if recompute != "none":
+            again, note = plan_recompute(plan, sched, recompute)
+            if again:  # before the runtime's costs: the loss's time is no part of the recomputed F
+                base = Costs.from_plan(plan).recomputing(again).with_runtime(plan_overheads(plan))
+                costs = dataclasses.replace(base, dp=costs.dp, allreduce_s=costs.allreduce_s, cores=costs.cores)
+                result = simulate(sched, costs)
+            extra = [*extra, Report("simulate: recompute", ("stage", "recomputes", "held F->B MiB"),
+                                    tuple((k, k in again, round(costs.held_fb[k] / 2**20, 4))
+                                          for k in range(num_stages)), (note,))]
         if not math.isfinite(result.makespan):
             raise OptionError(f"the simulated step does not add up to a finite time (makespan: {result.makespan}); "
                               "the costs are too large: use smaller --uniform-costs, or recompile the plan")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fxpipe.graphs.convention import flatten_inputs
+from fxpipe.graphs.recompute import input_bytes
 from fxpipe.passes.annotate_costs import annotate_costs, verify_costs
 from fxpipe.passes.driver import History, Step
 from fxpipe.passes.group_layers import group_layers, verify_layers
@@ -128,7 +129,9 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
     for c, g, timed, w_batched in zip(raw, graphs or [None] * len(raw), timings, batched or [1.0] * len(raw)):
         f, b, w = float(c["f"]), float(c["b"]), float(c["w"])
         held_fb = held_bw = float(c["saved_bytes"])
+        held_in = None
         if g is not None and not g.fused:
+            held_in = float(input_bytes(g))
             if not g.grad_inputs:
                 w, b = w + b, 0.0
             held_fb, held_bw = float(g.bytes_f_to_b), float(g.bytes_b_to_w)
@@ -136,7 +139,7 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
             f, b, w = (float(t) for t in timed)
         costs.append({"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]),
                       "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw,
-                      "w_batched": float(w_batched)})
+                      "w_batched": float(w_batched), "held_in": held_in})
     return costs
 
 

@@ -18,6 +18,8 @@ Data parallelism (dp replicas of every stage) adds two things: each stage's grad
 all-reduced over its dp group once per step, in buckets, by a ring (``allreduce_seconds``), and a
 rank holds its stages' parameters, gradients and optimizer state besides the activations in flight
 (``static_memory``, ``rank_memory``); the microbatch shape, so the activations, do not change with dp.
+A stage that recomputes its forward keeps only its inputs from F to B (``recomputed``);
+``recompute_stages`` picks the fewest such stages that bring every stage under a memory cap.
 Pure functions on plain values; no torch.
 """
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, PlanError
 
 __all__ = [
     "BUCKET_BYTES",
@@ -41,6 +43,8 @@ __all__ = [
     "held_peaks",
     "optimizer_step_seconds",
     "in_flight",
+    "recompute_stages",
+    "recomputed",
     "limited_in_flight",
     "rank_memory",
     "static_memory",
@@ -347,6 +351,56 @@ def held_peaks(actions: Iterable[tuple[int, str]], held_fb: Sequence[float],
             level[s] -= held_fb[s]
         peak[s] = max(peak[s], level[s])
     return tuple(peak)
+
+
+def recomputed(held_fb: Sequence[float], held_in: Sequence[float], stages: Iterable[int]) -> tuple[float, ...]:
+    """``held_fb`` with each of ``stages`` keeping only its inputs (``held_in[s]``) from F to B: its forward is
+    recomputed just before its B, so F keeps nothing else. B to W is unchanged (W reads what the recompute made).
+
+    >>> recomputed([10.0, 8.0], [2.0, 3.0], [1])
+    (10.0, 3.0)
+    """
+    again = set(stages)
+    bad = sorted(s for s in again if not 0 <= s < len(held_fb))
+    if bad:
+        raise OptionError(f"stage {bad[0]} cannot recompute: there are {len(held_fb)} stages; name stages 0 .. "
+                          f"{len(held_fb) - 1}")
+    if again and len(held_in) != len(held_fb):
+        raise OptionError(f"held_in needs one value per stage (values: {len(held_in)}, stages: {len(held_fb)}); "
+                          "pass the stages' input bytes")
+    return tuple(float(held_in[s]) if s in again else float(x) for s, x in enumerate(held_fb))
+
+
+def recompute_stages(actions: Sequence[tuple[int, str]], held_fb: Sequence[float], held_bw: Sequence[float],
+                     held_in: Sequence[float], cap: float | None, static: Sequence[float] = ()) -> tuple[int, ...]:
+    """The fewest stages to recompute so that every stage fits ``cap`` bytes when the stages run ``actions``:
+    its ``static[s]`` bytes (parameters, gradients, optimizer state; none if not given) plus its held peak
+    (``held_peaks``). A stage's peak depends on its own held bytes alone, so exactly the stages over the cap
+    recompute, and only those whose peak recomputing lowers. No cap: none.
+
+    >>> acts = [(0, "F"), (0, "F"), (0, "B"), (0, "W"), (0, "B"), (0, "W")]
+    >>> recompute_stages(acts, [10.0], [4.0], [2.0], 15.0), recompute_stages(acts, [10.0], [4.0], [2.0], 25.0)
+    ((0,), ())
+
+    Raises: PlanError naming the first stage over the cap even when it recomputes.
+    """
+    if cap is None:
+        return ()
+    actions = list(actions)
+    static = static or (0.0,) * len(held_fb)
+    plain = held_peaks(actions, held_fb, held_bw)
+    again = held_peaks(actions, recomputed(held_fb, held_in, range(len(held_fb))), held_bw)
+    chosen = []
+    for s, (kept, less, fixed) in enumerate(zip(plain, again, static)):
+        if fixed + kept <= cap:
+            continue
+        if fixed + less > cap:
+            raise PlanError(f"stage {s} needs {fixed + min(kept, less):.0f} bytes even with its forward recomputed "
+                            f"({fixed:.0f} of parameters and optimizer state, {min(kept, less):.0f} of activations), "
+                            f"over the memory cap of {cap:.0f} bytes; raise the cap, or use more stages or fewer "
+                            "microbatches in flight")
+        chosen.append(s)
+    return tuple(chosen)
 
 
 def _check_counts(num_stages: int, microbatches: int) -> None:

@@ -20,7 +20,8 @@ policy gives, and each stage steps its optimizer after every microbatch's W (or 
     BW(s, m): B then W (a stage without split graphs: one autograd backward)
 
 Once B ran, only what W reads stays; :class:`HeldBytes` counts per stage the bytes kept between
-actions and the step's peak.
+actions and the step's peak. A stage in ``recompute`` (:meth:`ActionRunner.recomputing`) keeps only its
+inputs from F to B, and its B first runs F again on them (:mod:`fxpipe.graphs.recompute`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from fxpipe._compat import boxed
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
+from fxpipe.graphs.recompute import draws_random, recompute_graph
 from fxpipe.schedules.ir import Action, Kind
 
 
@@ -56,6 +58,8 @@ class ActionRunner:
         self.w_grads = [frozenset(i for k, i in g.w_slots if k == "grad") for g in self.graphs]
         self.w_saved_list = [sorted(w) for w in self.w_saved]
         self.held: HeldBytes | None = None  # set to count the bytes kept between actions (off: no cost)
+        # Recomputing stages: stage -> its F again (inputs -> saved), and whether F draws random numbers
+        self.again: dict[int, tuple[Any, bool]] = {}
         self._boxes: dict[tuple[int, str], Any] = {}  # (stage, graph) -> its boxed form (see ``boxed``)
         self.begin([], [])
 
@@ -69,6 +73,7 @@ class ActionRunner:
         self.handover: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.out_grads: dict[tuple[int, int], list[Any]] = {}  # None where W reads no gradient
         self.autograd: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}  # fused stages: outputs, leaves
+        self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}  # recomputing stages: F's inputs, its RNG state
         if self.held is not None:
             self.held.reset(x for d in self.values for x in d.values())
 
@@ -109,13 +114,21 @@ class ActionRunner:
             self.autograd[(s, m)] = (outs, leaves)
             outputs: Sequence[Any] = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
         elif self.versions is None:
+            again = self.again.get(s)
+            rng = rng_state(self.stage_device(s)) if again is not None and again[1] else None
             outputs, self.saved[(s, m)] = g.run_forward(args)
+            if again is not None:  # only the inputs stay until B, which remakes the rest
+                del self.saved[(s, m)]
+                self.kept[(s, m)] = (args, rng)
         else:
+            if s in self.again:
+                raise OptionError(f"stage {s} recomputes its forward, and asynchronous schedules read weight versions "
+                                  "a recomputed forward would not see; recompute none, or pick a synchronous schedule")
             weights = self.versions.weights(s, m, "F")
             outputs, self.saved[(s, m)] = g.run_forward(args, weights)
             self.versions.remember_aliases(s, weights, self.saved[(s, m)])
         if self.held is not None and not g.fused:
-            self.held.hold(s, ("F", m), self.saved[(s, m)])
+            self.held.hold(s, ("F", m), self.kept[(s, m)][0] if (s, m) in self.kept else self.saved[(s, m)])
             if self.versions is not None and weights:
                 # the copy of the weights F read: stash's snapshot (until W; shared storages count once) or
                 # predict's prediction (until B)
@@ -136,6 +149,8 @@ class ActionRunner:
 
     def backward_input(self, s: int, m: int) -> None:
         st, g = self.stages[s], self.graphs[s]
+        if (s, m) in self.kept:
+            self.forward_again(s, m)
         grad_outs = [self.output_grad(s, m, j) for j in g.grad_outputs]
         box = self.boxed(s, "backward_input") if self.versions is None else None
         if box is not None:
@@ -166,6 +181,29 @@ class ActionRunner:
             self.held.release(s, ("F", m))
         for pos, grad in zip(g.grad_inputs, input_grads):
             self.deliver(s, m, st.inputs[pos], grad)
+
+    def recomputing(self, stages: Iterable[int]) -> None:
+        """From now on, ``stages`` recompute: F keeps only their inputs, and B runs F again on them first (with the
+        RNG state F started from, where F draws random numbers). Synchronous schedules, split stages."""
+        self.again = recompute_graphs(self.graphs, stages)
+
+    def forward_again(self, s: int, m: int) -> None:
+        """Stage s recomputes microbatch m's forward from its kept inputs: F's saved tensors, for B and W."""
+        args, rng = self.kept.pop((s, m))
+        graph = self.again[s][0]
+        if rng is None:
+            saved = list(graph(*args))
+        else:
+            now = rng_state(self.stage_device(s))
+            set_rng_state(rng)
+            try:
+                saved = list(graph(*args))
+            finally:
+                set_rng_state(now)
+        self.saved[(s, m)] = saved
+        if self.held is not None:
+            self.held.release(s, ("F", m))
+            self.held.hold(s, ("F", m), saved)
 
     def backward_weight(self, s: int, m: int) -> None:
         if self.versions is None:
@@ -360,6 +398,31 @@ class HeldBytes:
         """After an action of stage s: its peak so far."""
         if self.now[s] > self.peak[s]:
             self.peak[s] = self.now[s]
+
+
+def recompute_graphs(graphs: Sequence[StageGraphs], stages: Iterable[int]) -> dict[int, tuple[Any, bool]]:
+    """Per stage of ``stages``: its recompute graph (``fxpipe.graphs.recompute``, from its eager F) and whether F draws
+    random numbers; what :attr:`ActionRunner.again` holds."""
+    out = {}
+    for s in sorted(set(stages)):
+        if not 0 <= s < len(graphs):
+            raise OptionError(f"stage {s} cannot recompute: there are {len(graphs)} stages; name stages 0 .. "
+                              f"{len(graphs) - 1}")
+        out[s] = (recompute_graph(graphs[s]), draws_random(graphs[s].forward))
+    return out
+
+
+def rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.device]:
+    """The RNG state a stage's random ops draw from on ``device``: the CPU generator's, and the device's own."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None, device
+
+
+def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None, torch.device]) -> None:
+    """Put back a state :func:`rng_state` took."""
+    cpu, cuda, device = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:

@@ -84,6 +84,10 @@ class PipelineRuntime:
     with fp32 weights (fp16 with a loss scale). After each step, :attr:`lr` is the learning rate it used and
     :attr:`last_grad_norm` the global gradient norm before clipping (None unless clipping or fp16 needs it).
     See :mod:`fxpipe.runtime.optim`.
+    ``recompute``: ``none``, ``stage`` (every stage whose inputs are smaller than what its F saves keeps only them
+    from F to B, and B runs F again on them first), ``auto`` (the stages the plan's memory cap needs:
+    :func:`fxpipe.schedules.auto.plan_recompute`), or stage indices; :attr:`recompute` holds the stages chosen
+    (every rank's), :attr:`recompute_note` why. Synchronous schedules; the recomputed forward runs the eager F graph.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
@@ -95,7 +99,7 @@ class PipelineRuntime:
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
                  track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
-                 host: HostTuning | None = None) -> None:
+                 host: HostTuning | None = None, recompute: str | Iterable[int] = "none") -> None:
         if microbatches is not None:  # before the process group: a wrong count is one line, not a hang
             LIMITS.whole("microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's "
                          "actions")
@@ -185,6 +189,8 @@ class PipelineRuntime:
         self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
         self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
         self.core = _RankRunner(self, loss_fn)
+        self.recompute, self.recompute_note = self._recompute_stages(recompute)
+        self.core.recomputing(s for s in self.recompute if s in self.mine)  # before the graphs are compiled
         self.held = HeldBytes([st.module for st in self.stages])
         self.track_memory = track_memory
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
@@ -240,6 +246,26 @@ class PipelineRuntime:
         self.events: list[tuple[Action, float, float]] = []
         self.optimizer_steps: list[tuple[float, float]] = []
         self.started = 0.0
+
+    def _recompute_stages(self, recompute: str | Iterable[int]) -> tuple[tuple[int, ...], str]:
+        """The stages that recompute their forward (``recompute=``), and one line saying why."""
+        from fxpipe.graphs.recompute import input_bytes
+        from fxpipe.schedules.auto import plan_recompute
+
+        self.held_in = tuple(float(input_bytes(g)) for g in self.graphs)  # each stage's inputs: F to B, recomputing
+        if isinstance(recompute, str):
+            stages, note = plan_recompute(self.pipe.plan, self.schedule, recompute, held_in=self.held_in)
+        else:
+            stages = tuple(sorted({int(s) for s in recompute}))
+            bad = [s for s in stages if not 0 <= s < self.pipe.num_stages]
+            if bad:
+                raise OptionError(f"recompute names stage {bad[0]}, and the plan has {self.pipe.num_stages} stages; "
+                                  f"name stages 0 .. {self.pipe.num_stages - 1}")
+            note = f"recompute: stages {', '.join(map(str, stages))}" if stages else "recompute: none"
+        if stages and not self.schedule.synchronous:
+            raise OptionError(f"{self.schedule.name} is asynchronous: its phases read weight versions a recomputed "
+                              "forward would not see; use recompute none, or a synchronous schedule")
+        return stages, note
 
     def _compile_stages(self, codegen: str) -> str:
         """``codegen="inductor"``: this rank's F, B, W, W_acc and W_set graphs compiled (``runtime.codegen``); the

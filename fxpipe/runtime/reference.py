@@ -12,7 +12,7 @@ parameters (``param.grad``), so after a step they equal eager autograd on the sa
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import warnings
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 
 from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
-from fxpipe.runtime.core import ActionRunner, HeldBytes, InPlaceW
+from fxpipe.runtime.core import ActionRunner, HeldBytes, InPlaceW, recompute_graphs
 from fxpipe.schedules.ir import Action, Kind
 
 Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
@@ -30,7 +30,8 @@ class ReferenceExecutor:
     """Runs a Pipeline's stages action by action; see the module docstring."""
 
     def __init__(self, pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float | None = None,
-                 track_memory: bool = False, codegen: str = "eager", w_in_place: bool = False) -> None:
+                 track_memory: bool = False, codegen: str = "eager", w_in_place: bool = False,
+                 recompute: Iterable[int] = ()) -> None:
         graphs = getattr(pipe, "stage_graphs", None)
         if graphs is None:
             raise FxpipeError("this pipeline has no F/B/W graphs; compile it with split_backward=True")
@@ -49,6 +50,8 @@ class ReferenceExecutor:
             stages = pipe.stage_list()
             self.w_in_place = {s: InPlaceW(g, [stages[s].module.get_parameter(n) for n in g.param_names])
                                for s, g in enumerate(self.graphs) if not g.fused}
+        # recompute: these stages keep only their inputs from F to B, where B runs their eager F again first
+        self.recompute = recompute_graphs(self.graphs, recompute)
         self.codegen = self._compile(codegen)
 
     def _compile(self, codegen: str) -> str:
@@ -106,6 +109,9 @@ class ReferenceExecutor:
                                      f"microbatches, the pipeline has {len(self.graphs)} stages and "
                                      f"{len(microbatches)} microbatches were given")
         check_async(self.pipe, self.graphs)
+        if self.recompute:
+            raise OptionError("asynchronous schedules read weight versions a recomputed forward would not see; "
+                              "make the executor with recompute=()")
         run = self._runner(1.0)
         stages = {s: st.module for s, st in enumerate(self.pipe.stage_list())}
         run.optimizers = {s: optimizer(list(mod.parameters())) for s, mod in stages.items()
@@ -124,6 +130,7 @@ class ReferenceExecutor:
     def _runner(self, loss_scale: float) -> "_Checked":
         run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale)
         run.w_in_place = self.w_in_place
+        run.again = self.recompute
         if self.track_memory:
             run.held = HeldBytes([st.module for st in run.stages])
         return run

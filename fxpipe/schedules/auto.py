@@ -1,11 +1,13 @@
-"""auto: search schedule x microbatch count x W placement with the simulator, under a per-rank memory cap."""
+"""auto: search schedule x microbatch count x W placement with the simulator, under a per-rank memory cap; the plan's
+schedule (``plan_schedule``) and the stages that recompute their forward under the plan's cap (``plan_recompute``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.errors import PlanError
+from fxpipe.errors import OptionError, PlanError
 from fxpipe.plan import DEFAULTS, LIMITS, Plan, check_schedule_size
 from fxpipe.report import Report
 from fxpipe.schedules.generators import generate, zero_bubble
@@ -114,3 +116,51 @@ def plan_schedule(plan: Plan, schedule: str | None, microbatches: int | None) ->
     if microbatches is None and name != "auto":  # the batch the plan was compiled for, not a default one
         microbatches = recorded.microbatches if recorded is not None else plan.options.microbatches
     return choose(name, plan.num_stages, microbatches, Costs.from_plan(plan))[0]
+
+
+RECOMPUTE = ("none", "stage", "auto")
+"""``--recompute``'s choices: no stage recomputes its forward, every stage does, or those the memory cap needs."""
+
+
+def plan_recompute(plan: Plan, schedule: Schedule, how: str,
+                   held_in: Sequence[float] | None = None) -> tuple[tuple[int, ...], str]:
+    """The stages that recompute their forward just before B when ``plan`` runs ``schedule``, and one line saying why.
+
+    ``how``: ``none``; ``stage``, every stage whose inputs are smaller than what its F saves (the others would hold as
+    much and pay F again); or ``auto``, the fewest stages whose recomputing brings every stage's memory (4 x its
+    parameter bytes, as the partitioner counts parameters, gradients and Adam's two moments, plus its simulated held
+    peak: ``fxpipe.planning.cost.recompute_stages``) under the plan's cap (``compile --memory-per-stage``); with no
+    cap, none. ``held_in``: each stage's input bytes where the plan has none.
+    Raises OptionError for another ``how``, PlanError where a stage cannot fit even recomputing.
+    """
+    from fxpipe.planning.cost import recompute_stages, static_memory
+
+    if how not in RECOMPUTE:
+        raise OptionError(f"--recompute takes none, stage or auto (got {how!r})")
+    if how == "none":
+        return (), "recompute none: every stage keeps its saved activations from F to B"
+    cap = plan.options.memory_per_stage
+    if how == "auto" and cap is None:
+        return (), ("recompute auto: the plan has no memory cap (compile --memory-per-stage), so no stage "
+                    "recomputes")
+    costs = Costs.from_plan(plan)
+    if not costs.held_in:
+        if held_in is None:
+            raise OptionError(f"--recompute {how} needs the stages' input bytes, which this plan (written before "
+                              "recomputation) lacks; recompile it")
+        costs = dataclasses.replace(costs, held_in=tuple(float(x) for x in held_in))
+    if how == "stage":  # a stage whose inputs are no smaller than what its F saves would hold as much, and pay F again
+        stages = tuple(s for s in range(plan.num_stages) if costs.held_in[s] < costs.held_fb[s])
+        rest = [s for s in range(plan.num_stages) if s not in stages]
+        return stages, ("recompute stage: " + (f"stages {', '.join(map(str, stages))} keep only their inputs from F "
+                                               "to B" if stages else "no stage")
+                        + (f"; stages {', '.join(map(str, rest))} save no more than their inputs, and keep what "
+                           "they save" if len(rest) > 1 else f"; stage {rest[0]} saves no more than its inputs, and "
+                           "keeps what it saves" if rest else ""))
+    static = [static_memory(g, "adam") for g in costs.grad_bytes]
+    stages = recompute_stages([(a.stage, a.kind.value) for acts in schedule.ranks for a in acts], costs.held_fb,
+                              costs.held_bw, costs.held_in, cap, static)
+    if not stages:
+        return (), f"recompute auto: every stage fits the memory cap of {cap:.0f} bytes without recomputing"
+    return stages, (f"recompute auto: stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} "
+                    f"recompute{'s' if len(stages) == 1 else ''} to fit the memory cap of {cap:.0f} bytes")

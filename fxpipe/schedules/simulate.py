@@ -22,7 +22,7 @@ from typing import Any
 from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
 from fxpipe.planning.cost import (BUCKET_BYTES, allreduce_bucket_seconds, allreduce_seconds, optimizer_step_seconds,
-                                  transfer_time)
+                                  recomputed, transfer_time)
 from fxpipe.report import Report
 from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
 
@@ -80,6 +80,31 @@ class Costs:
     dram_f: tuple[float, ...] = ()
     dram_b: tuple[float, ...] = ()
     dram_w: tuple[float, ...] = ()
+    # Per stage, the bytes of one microbatch's inputs: all a stage that recomputes its forward keeps from F to B
+    # (``recomputing``). Empty: not known (a plan written before recomputation).
+    held_in: tuple[float, ...] = ()
+    # The stages that recompute their forward just before B (``recomputing``: already in ``b`` and ``held_fb``).
+    recompute: tuple[int, ...] = ()
+
+    def recomputing(self, stages: Sequence[int]) -> "Costs":
+        """These costs with ``stages`` recomputing their forward: each B runs F first (B's time plus F's, and F's
+        weight reads again) and F keeps only the stage's inputs (``held_in``) until B; B to W is unchanged. Apply it
+        before ``with_runtime``, whose loss time is no part of the recomputed F."""
+        again = tuple(sorted(set(stages) | set(self.recompute)))
+        if not again or again == self.recompute:
+            return self
+        if not self.held_in:
+            raise OptionError("these costs do not know the stages' input bytes (a plan written before recomputation); "
+                              "recompile the plan with this fxpipe")
+        new = [s for s in again if s not in self.recompute]
+        b = list(self.b)
+        dram_b = list(self.dram_b)
+        for s in new:
+            b[s] += self.f[s]
+            if dram_b:
+                dram_b[s] += self.dram_f[s]
+        return dataclasses.replace(self, b=tuple(b), dram_b=tuple(dram_b), recompute=again,
+                                   held_fb=recomputed(self.held_fb or (1.0,) * len(self.f), self.held_in, new))
 
     def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
         """These costs with the runtime's fixed costs per compute action, per message (its latency, and its
@@ -119,6 +144,7 @@ class Costs:
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads, grad_tensors=tensors,
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth,
                    w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else (),
+                   held_in=tuple(float(c.held_in or 0.0) for c in st) if all(c.held_in is not None for c in st) else (),
                    **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan, grads))))
         return costs.with_runtime(overheads)
 

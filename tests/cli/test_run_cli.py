@@ -250,3 +250,34 @@ def test_a_calibrated_plan_simulated_without_its_runtime_costs_is_said(monkeypat
     monkeypatch.setenv("FXPIPE_CALIBRATION", "off")
     assert not runtime_costs_missing(calibrated, None)  # calibration off: left out on purpose
     assert "fxpipe compile" in RUNTIME_COSTS_MISSING and "runtime's fixed costs" in RUNTIME_COSTS_MISSING
+
+
+def test_recompute_stage_trains_the_same_and_holds_less(plan: Path) -> None:
+    """``--recompute stage`` (issue 42): one launch under 1F1B, every stage recomputing: the one-process losses, and
+    each stage's measured peak held bytes equal to the memory model's and below what it holds without recomputing."""
+    from fxpipe.plan_dir import read_plan
+    from fxpipe.planning.cost import held_peaks
+    from fxpipe.schedules.auto import plan_schedule
+    from fxpipe.schedules.simulate import Costs
+
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "2", "--schedule", "1f1b",
+                                   "--recompute", "stage", "--json")).stdout)
+    assert doc["schedule"] == "1f1b" and doc["recompute"] == [0, 1], doc["recompute_note"]
+    assert doc["losses"] == pytest.approx(reference_losses(2), rel=1e-5)
+    p = read_plan(plan)
+    acts = [(a.stage, a.kind.value) for r in plan_schedule(p, "1f1b", 4).ranks for a in r]
+    costs = Costs.from_plan(p)
+    without = held_peaks(acts, costs.held_fb, costs.held_bw)
+    assert doc["simulated_held_bytes_per_stage"] == [int(x) for x in held_peaks(acts, costs.recomputing([0, 1]).held_fb,
+                                                                                   costs.held_bw)]
+    assert doc["peak_held_bytes_per_stage"] == doc["simulated_held_bytes_per_stage"]  # measured on the ranks
+    assert all(got < before for got, before in zip(doc["peak_held_bytes_per_stage"], without)), (doc, without)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--recompute", "some"], "--recompute takes none, stage or auto (got 'some')"),
+    (["--schedule", "async-1f1b", "--recompute", "stage"], "async-1f1b is asynchronous, and its phases read weight"),
+])
+def test_recompute_is_checked_before_any_rank_starts(plan: Path, args: list[str], expected: str,
+                                                     no_rank_starts: list[list[str]]) -> None:
+    assert expected in one_line_error(fxpipe_cli("run", plan, *args))

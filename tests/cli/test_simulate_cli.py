@@ -40,6 +40,14 @@ def test_simulate_a_plan_directory_writes_trace_and_svg(tmp_path: Path) -> None:
     # The same plan and schedule simulate to the makespan compile recorded.
     again = json.loads(ok(fxpipe_cli("simulate", plan, "--schedule", "zb-h1", "--microbatches", "4", "--json")).stdout)
     assert again["makespan"] == pytest.approx(recorded["makespan_s"])
+    # --recompute stage: each B also takes F's time, and each stage holds only its inputs from F to B (under 1F1B,
+    # whose peaks are F to B; zb-h1's deferred Ws hold what W reads, which recomputation leaves as it is).
+    args = ("simulate", plan, "--schedule", "1f1b", "--microbatches", "4", "--json")
+    more, less = (json.loads(ok(fxpipe_cli(*args, "--recompute", how)).stdout) for how in ("none", "stage"))
+    assert less["makespan"] > more["makespan"]
+    assert all(r["peak_memory"] < r0["peak_memory"] for r, r0 in zip(less["per_rank"], more["per_rank"]))
+    table = next(r for r in less["reports"] if r["title"] == "simulate: recompute")
+    assert [row[1] for row in table["rows"]] == [True, True] and "stages 0, 1 keep only their inputs" in table["notes"][0]
 
 
 def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
@@ -59,6 +67,8 @@ def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
     (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "nope"], "unknown schedule 'nope'"),
     (["simulate", "--uniform-costs", "1,1,1", "--stages", "3", "--schedule", "interleaved-1f1b"],
      "stage count must be a multiple of 2"),
+    (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--recompute", "stage"],
+     "--recompute stage needs a plan's stage input bytes"),
 ])
 def test_bad_simulate_input_is_one_line(args: list[str], match: str) -> None:
     assert match in one_line_error(fxpipe_cli(*args))

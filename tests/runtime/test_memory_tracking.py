@@ -5,7 +5,8 @@ the schedule's order (``fxpipe.planning.cost.held_peaks``: the simulator's accou
 the measured one from ``fxpipe.runtime.core.HeldBytes`` in the core every executor shares, here the
 reference executor running every stage in one process in the schedule's order (a stage's actions
 run in its rank's order in any valid execution, so it holds what a rank of ``fxpipe run`` holds:
-tests/cli/test_run_cli.py checks that on two ranks). Issue 15: within 15% for every schedule.
+tests/cli/test_run_cli.py checks that on two ranks). Issue 15: within 15% for every schedule. With recomputation
+(issue 42) the distributed runtime's core, in one process, holds less, to the byte of the model.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.planning.cost import held_peaks
+from fxpipe.runtime import PipelineRuntime
 from fxpipe.runtime.core import HeldBytes
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.simulate import Costs, simulate
 from fxpipe.schedules.versions import held_peaks_with_versions, versions_kept
+from tests._helpers import world1  # noqa: F401 (a fixture)
 
 SYNCHRONOUS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "layerpipe")
 TOLERANCE = 0.15
@@ -155,3 +158,67 @@ def test_held_bytes_keeps_a_counted_storage_until_released() -> None:
     assert held.peak == [1024]
     held.release(0, ("V", 0))
     assert ref.expired() and held.now == [512]
+
+
+# -- activation recomputation (recompute="stage"): the same losses and gradients, less held, as the model says ---------
+
+def _train(pipe: fxpipe.Pipeline, zoo: models.ZooModel, sched: Schedule, recompute: str,
+           steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[int, int], PipelineRuntime]:
+    """``steps`` SGD steps of the distributed runtime at world 1 (every stage on rank 0), then the weights put back."""
+    start = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    rt = PipelineRuntime(pipe, sched, zoo.loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                         track_memory=True, recompute=recompute)
+    m = sched.num_microbatches  # the microbatches differ: each one's tokens rolled by its index
+    inputs = tuple(torch.cat([x.roll(i) for i in range(m)]) for x in zoo.example_inputs)
+    target = torch.cat([zoo.example_target.roll(i) for i in range(m)])
+    losses = [float(rt.step(inputs, target)) for _ in range(steps)]
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    peaks = dict(rt.peak_held_bytes)
+    with torch.no_grad():
+        for n, p in pipe.named_parameters():
+            p.copy_(start[n])
+            p.grad = None
+    return losses, grads, peaks, rt
+
+
+def test_recompute_same_losses_and_gradients_and_the_modelled_smaller_peak(
+        world1: None, gpt: tuple[fxpipe.Pipeline, models.ZooModel]) -> None:
+    """The distributed runtime's core in one process, with and without recomputation from the same weights: equal
+    losses over two steps and every parameter's gradient; every stage's peak lower, and equal to the memory model's
+    (``Costs.recomputing``: each stage's inputs held from F to B) to the byte."""
+    from fxpipe.graphs.recompute import input_bytes
+    from fxpipe.schedules.generators import one_rank
+
+    pipe, zoo = gpt
+    sched = one_rank(4, 2, defer_w=False)  # gpipe-one-rank: every F first, each W right after its B
+    losses, grads, peaks, plain = _train(pipe, zoo, sched, "none", steps=2)
+    losses_rc, grads_rc, peaks_rc, rt = _train(pipe, zoo, sched, "stage", steps=2)
+    costs = Costs.from_plan(pipe.plan)
+    assert costs.held_in == tuple(float(input_bytes(g)) for g in pipe.stage_graphs)
+    # every stage whose inputs are smaller than what its F saves: gpt-tiny's 4 stages but the one that saves nothing
+    # (a split alone), which would hold its inputs instead and pay F again
+    held = [s for s in range(4) if peaks[s] > 0]
+    assert plain.recompute == () and rt.recompute == tuple(held) and len(held) == 3, (rt.recompute, peaks)
+    skipped = next(s for s in range(4) if s not in held)
+    assert f"stage {skipped} saves no more than its inputs" in rt.recompute_note, rt.recompute_note
+    torch.testing.assert_close(losses_rc, losses, rtol=0, atol=0)  # the same ops on the same values: bit for bit
+    assert grads_rc.keys() == grads.keys() and len(grads) == len(list(pipe.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads_rc[name], grads[name], msg=name)
+    again = costs.recomputing(rt.recompute)
+    assert [peaks_rc[s] for s in range(4)] == [int(x) for x in _simulated(sched, again)], (peaks_rc, again.held_fb)
+    assert all(peaks_rc[s] < peaks[s] for s in held) and all(peaks_rc[s] == peaks[s] for s in range(4) if s not in held)
+    _check("gpipe-one-rank", [peaks[s] for s in range(4)], _simulated(sched, costs))
+
+
+def test_recompute_refusals_and_auto_without_a_cap(world1: None, gpt: tuple[fxpipe.Pipeline, models.ZooModel]) -> None:
+    from fxpipe.errors import OptionError
+    from fxpipe.schedules.generators import one_rank
+
+    pipe, zoo = gpt
+    with pytest.raises(OptionError, match="--recompute takes none, stage or auto"):
+        PipelineRuntime(pipe, one_rank(4, 2), zoo.loss_fn, recompute="some")
+    with pytest.raises(OptionError, match="names stage 5, and the plan has 4 stages"):
+        PipelineRuntime(pipe, one_rank(4, 2), zoo.loss_fn, recompute=[5])
+    rt = PipelineRuntime(pipe, one_rank(4, 2), zoo.loss_fn, recompute="auto")  # compiled with no memory cap
+    assert rt.recompute == () and "no memory cap" in rt.recompute_note
