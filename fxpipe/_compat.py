@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ from torch.utils import _pytree as pytree  # no public pytree module in torch 2.
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
-__all__ = ["TorchDispatchMode", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
+__all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
            "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_group_size", "pytree"]
 
 
@@ -68,6 +70,17 @@ def joint_graph(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, An
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, module, args)
         return joint.graph_module, joint.fake_mode
+
+
+@contextlib.contextmanager
+def autocast_forward(device_type: str, dtype: Any) -> Iterator[None]:
+    """``torch.autocast`` for tracing joint graphs whose forward autocasts and whose backward does not, as eager's
+    ``loss.backward()`` after an autocast region (AOTAutograd's ``backward_pass_autocast="off"``; its default
+    traces the backward under the ambient autocast too)."""
+    from torch._functorch import config
+
+    with torch.autocast(device_type, dtype=dtype), config.patch(backward_pass_autocast="off"):
+        yield
 
 
 def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

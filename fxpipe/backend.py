@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from fxpipe import api
-from fxpipe._compat import dynamo_frame, outside_dynamo_tracing, pytree
+from fxpipe._compat import autocast_forward, dynamo_frame, outside_dynamo_tracing, pytree
 from fxpipe.errors import FxpipeError, OptionError, TraceError, first_line
 from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.plan import DEFAULTS, LIMITS, check_schedule_size
@@ -41,7 +41,9 @@ _LAST_RUNNER: list[Any] = []  # and its _Runner (tests read whether its step ran
 # devices: where stage k runs (devices[k % len]); a stage away from its parameters runs on copies of
 # them there (the model's parameters stay put: see _place). Unset: each stage runs where its
 # parameters are (the whole model's device, unless the user placed layers).
-OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose")
+# precision: "fp32", or "bf16"/"fp16": every stage's F, B and W traced under autocast (fxpipe.runtime.optim), as
+# the module would run inside ``torch.autocast``; its parameters and their gradients stay fp32.
+OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose", "precision")
 
 
 def last_report() -> list[Report]:
@@ -92,6 +94,7 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     input_grads = any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter)
                       for a in flat_args)
 
+    autocast = _autocast(opts.get("precision", "fp32"), module, devices)
     # Our compile is a separate trace of real tensors, not part of the frame Dynamo is compiling:
     # see _outside_dynamo.
     with _outside_dynamo():
@@ -99,7 +102,14 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                            verify_each=False)
         if pipe.stage_graphs is None:
             raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
-        placement = _place(pipe, devices, pytree.tree_unflatten(first, spec), input_grads)
+        if autocast is not None:  # the same stages, their graphs traced again under autocast
+            for stage, g in zip(pipe.stage_list(), pipe.build_backward(m_args, autocast=autocast, input_grads=input_grads,
+                                                                       example_kwargs=m_kwargs)):
+                stage.graphs = g
+                if g.forward is not None:
+                    object.__setattr__(stage, "forward", g.forward)
+        with autocast_forward(*autocast) if autocast is not None else contextlib.nullcontext():
+            placement = _place(pipe, devices, pytree.tree_unflatten(first, spec), input_grads)
     # Which of Dynamo's inputs are the call's tensors (by identity), and which are parameters.
     placeholders = list(example_inputs)
     arg_pos = {id(a): i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)}
@@ -300,6 +310,20 @@ def _stage_copy(module: torch.fx.GraphModule, home: torch.device, device: torch.
             attrs[str(node.target)] = copy.deepcopy(get_path(module, str(node.target))).to(device)
     rename_device(graph, home, device)
     return torch.fx.GraphModule(attrs, graph, class_name=type(module).__name__)
+
+
+def _autocast(precision: Any, module: torch.nn.Module, devices: list[torch.device] | None) -> tuple[str, Any] | None:
+    """``options['precision']``: autocast's (device type, dtype) for the stages, or None (fp32)."""
+    from fxpipe.runtime.optim import PRECISIONS, autocast_of
+
+    if precision not in PRECISIONS:
+        raise OptionError(f"options 'precision' must be one of {', '.join(PRECISIONS)} (precision: {str(precision)[:40]!r})")
+    kinds = {d.type for d in devices} if devices else \
+        {next((p.device.type for p in module.parameters()), "cpu")}
+    if precision != "fp32" and len(kinds) > 1:
+        raise OptionError(f"options 'precision' {precision} autocasts on one kind of device, and options 'devices' "
+                          f"mixes {' and '.join(sorted(kinds))}; place every stage on one kind")
+    return autocast_of(precision, kinds.pop())
 
 
 def _count(opts: dict[str, Any], name: str, default: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import torch
 import torch.fx
-from fxpipe._compat import pytree
+from fxpipe._compat import autocast_forward, pytree
 
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs, StageInterface, flatten_inputs
@@ -114,7 +114,8 @@ class Pipeline(torch.nn.Module):
         return None if any(g is None for g in graphs) else graphs  # type: ignore[return-value]
 
     def build_backward(self, example_inputs: Sequence[Any], *, only: Collection[int] | None = None,
-                       ) -> list[StageGraphs]:
+                       autocast: tuple[str, torch.dtype] | None = None, input_grads: bool = False,
+                       example_kwargs: dict[str, Any] | None = None) -> list[StageGraphs]:
         """Build each stage's F, B and W graphs (split_backward) on a pipeline that has none, e.g. one loaded from disk.
 
         ``only``: the stages one rank runs. Of the others, where the plan records their interface
@@ -124,7 +125,23 @@ class Pipeline(torch.nn.Module):
         ``--balance-backward`` moves (``Plan.backward_moves``) are made again on the graphs split here:
         a move changes the stages on both sides of its cut, so a rank splits its neighbours across
         moved cuts too. Returns every stage's graphs, interface-only ones included.
+
+        ``autocast`` (device type, dtype): mixed precision. Every needed stage is traced afresh under
+        ``torch.autocast``, so F holds the casts autocast makes and B/W their gradients (back to the fp32
+        parameters), and the other stages' interfaces carry the dtypes they send; the graphs are returned,
+        not kept (the stages keep their fp32 ones). ``input_grads`` and ``example_kwargs`` as compile's.
         """
+        if autocast is not None:
+            if self.plan is not None and self.plan.backward_moves:
+                raise OptionError("this plan was compiled with --balance-backward, whose moves are made on fp32 "
+                                  "graphs; train it in fp32, or compile it again without --balance-backward")
+            stages = self.stage_list()
+            wiring = {"inputs": list(self.input_names),
+                      "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
+            with autocast_forward(*autocast):
+                return build_stage_graphs([s.module for s in stages], wiring,
+                                          flatten_inputs(self.in_spec, tuple(example_inputs), dict(example_kwargs or {})),
+                                          only=only, interfaces=[s.interface for s in stages], input_grads=input_grads)
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),
                   "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}

@@ -30,11 +30,23 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# The longest groups first (from --durations; longest-first keeps one worker from finishing alone on a long module).
+_LONGEST = ("dist", "tests/test_docs.py", "tests/cli/test_run_cli.py", "tests/cli/test_run_strategy.py", "dp",
+            "tests/cli/test_signals.py", "tests/calibration/test_compute.py", "tests/cli/test_run_restart.py",
+            "tests/runtime/test_strategy_runtime.py", "tests/cli/test_run_data.py", "tests/runtime/test_faults.py")
+
+
+def _group(item: pytest.Item) -> str:
+    module = item.nodeid.split("::", 1)[0]
+    return _SHARED_LAUNCHES.get(module, module)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(_LONGEST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: each module keeps its own order
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(_SHARED_LAUNCHES.get(module, module)))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
 
 
 @pytest.fixture

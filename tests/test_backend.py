@@ -334,3 +334,33 @@ def test_cuda_graphs_a_second_backward_is_a_clear_error() -> None:
         loss.backward(retain_graph=True)
     with pytest.raises(Exception, match="backward ran twice"):
         loss.backward()
+
+
+def test_bf16_precision_trains_like_eager_autocast() -> None:
+    """options precision='bf16': the stages' graphs are traced under autocast, so outputs, loss and every fp32
+    parameter's gradient equal eager run under ``torch.autocast`` microbatch by microbatch (each microbatch its own
+    region, as the backend runs them), within bf16's 2^-8 (tests/runtime/test_optim.py derives it)."""
+    torch._dynamo.reset()
+    zoo = models.build("mlp-tiny")
+    model, ref = zoo.model, copy.deepcopy(zoo.model)
+    x = torch.randn(8, *zoo.example_inputs[0].shape[1:])
+    target = torch.randint(0, 10, (8,))
+    compiled = torch.compile(model, backend="fxpipe", fullgraph=True,
+                             options={"stages": 2, "microbatches": 2, "precision": "bf16"})
+    out = compiled(x)
+    parts = []
+    for part in x.tensor_split(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            parts.append(ref(part))
+    out_ref = torch.cat(parts)
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    torch.nn.functional.cross_entropy(out.float(), target).backward()
+    torch.nn.functional.cross_entropy(out_ref.float(), target).backward()
+    torch.testing.assert_close(out, out_ref, rtol=2.0**-8, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.dtype == p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=2.0**-8, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(Exception, match="options 'precision' must be one of fp32, bf16, fp16"):
+        torch._dynamo.reset()
+        torch.compile(copy.deepcopy(ref), backend="fxpipe", options={"precision": "fp8"})(x)

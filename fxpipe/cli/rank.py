@@ -57,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="synthetic")
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
     parser.add_argument("--momentum", type=float, default=0.0)
+    # optimizer, lr schedule, clipping, precision (fxpipe.runtime.optim; fxpipe run checked them)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--betas", default="0.9,0.999")
+    parser.add_argument("--lr-schedule", default="constant")
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--clip-grad-norm", type=float, default=None)
+    parser.add_argument("--precision", default="fp32")
     parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
     parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
     parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
@@ -212,6 +220,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
     from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
@@ -233,7 +242,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches, loss_fn=zoo.loss_fn,
                          example_inputs=tuple(x.to(device) if isinstance(x, torch.Tensor) else x
                                               for x in zoo.example_inputs),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum),
+                         optimizer=OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum,
+                                                 weight_decay=args.weight_decay, betas=parse_betas(args.betas)),
+                         lr_schedule=LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)
+                         if args.lr_schedule != "constant" or args.warmup_steps else None,
+                         clip_grad_norm=args.clip_grad_norm, precision=args.precision,
                          timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
                          device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
                          host=args.host)
@@ -262,6 +275,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # faults fire in the first attempt only
     fault_at = first + args.fault_step if sched.synchronous else first
     losses, step_ms = [], []
+    lrs: list[float | None] = []  # per step: the learning rate it used, and the global gradient norm (clipping, fp16)
+    grad_norms: list[float | None] = []
     timed_steps: list[tuple[Any, Any]] = []  # (events, optimizer steps) of each step after the first
     in_flight: list[tuple[int, Any, float, tuple[Any, ...]]] = []  # synchronous steps whose loss is still in flight
     # Synchronous schedules run one step at a time. An asynchronous one streams a chunk of steps through
@@ -279,12 +294,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)
             pending = rt.step_async(inputs, target)
+            lrs.append(rt.lr)
+            grad_norms.append(rt.last_grad_norm)
             rt.track_memory = False
             step_ms.append((time.perf_counter() - t0) * 1e3)
             if start > first:  # its actions' times (summed after the run), every step after the first (which faults
                 timed_steps.append((rt.events, rt.optimizer_steps))  # its buffers in); each step makes new lists
-            in_flight.append((start, pending, step_ms[-1], (getattr(rt, "lr", None), getattr(rt, "last_grad_norm", None),
-                                                             log.share(step_ms[-1]))))
+            in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]))))
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
@@ -295,7 +311,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                 with open(out_progress(args), "a") as f:
                     f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
             for k, loss in zip(chunk, done):
-                log.write(k + 1, loss, getattr(rt, "lr", None), getattr(rt, "last_grad_norm", None), log.share(ms))
+                log.write(k + 1, loss, rt.lr, rt.last_grad_norm, log.share(ms))
         if args.checkpoint_dir and (not sched.synchronous or (chunk[-1] + 1) % args.checkpoint_every == 0
                                     or chunk[-1] + 1 == args.steps):
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
@@ -348,7 +364,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
                                                           "fallbacks": rt.graph_set.fallbacks},
         "batch": int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) else 0,
-        "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt,
+        "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
+        "grad_norms": grad_norms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
         "runtime_costs_missing": runtime_costs_missing(pipe.plan, overheads),

@@ -58,8 +58,22 @@ def run_cmd(
                                            "text:stdlib (bytes of a file or of Python's own sources; gpt-small). "
                                            "Real data reports held-out accuracy or loss.")] = "synthetic",
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
-    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.01).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
+    optimizer: Annotated[str, typer.Option(help="sgd (with --momentum) or adamw (with --betas); one per stage, "
+                                                "fp32 state.")] = "sgd",
+    weight_decay: Annotated[float, typer.Option(min=0.0, help="Weight decay (AdamW's decoupled).")] = 0.0,
+    betas: Annotated[str, typer.Option(help="AdamW's B1,B2.")] = "0.9,0.999",
+    lr_schedule: Annotated[str, typer.Option(help="constant, cosine or linear: after --warmup-steps rising "
+                                                  "linearly from 0, constant or decaying to 0 at --steps; stepped "
+                                                  "once per step.")] = "constant",
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warmup from 0.")] = 0,
+    clip_grad_norm: Annotated[Optional[float], typer.Option(help="Clip the gradients to this global norm (over "
+                                                            "every stage and replica; one all-reduce per step, and "
+                                                            "the norm is reported per step).",
+                                                            show_default=False)] = None,
+    precision: Annotated[str, typer.Option(help="fp32, or bf16 / fp16: autocast in the stage graphs, fp32 weights "
+                                                "and optimizer state (fp16 with a dynamic loss scale).")] = "fp32",
     codegen: Annotated[str, typer.Option(help="eager, or inductor: each stage's F, B and W graphs compiled "
                                          "(torch.compile, Inductor; a C++ compiler for CPU, else eager with one "
                                          "line; compiled code cached in ~/.cache/fxpipe/inductor, never in the "
@@ -181,6 +195,24 @@ def run_cmd(
             if weights == "predict" and momentum == 0:
                 raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
+        from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, autocast_of, parse_betas
+
+        OptimizerSpec(optimizer, lr=lr if lr is not None else DEFAULTS.lr, momentum=momentum,
+                      weight_decay=weight_decay, betas=parse_betas(betas))  # each refusal is one line, here
+        LRSchedule(lr_schedule, warmup_steps, steps)
+        autocast_of(precision, device)
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise OptionError(f"--clip-grad-norm is the largest global gradient norm, > 0 (got {clip_grad_norm})")
+        if plan.strategy is not None and (optimizer != "sgd" or weight_decay or lr_schedule != "constant" or warmup_steps
+                                          or clip_grad_norm is not None or precision != "fp32"):
+            raise OptionError("a per-layer strategy plan trains with SGD in fp32 (--lr, --momentum); --optimizer, "
+                              "--weight-decay, --lr-schedule, --warmup-steps, --clip-grad-norm and --precision are "
+                              "for pipeline plans")
+        if not sched.synchronous and (clip_grad_norm is not None or precision == "fp16"
+                                      or lr_schedule != "constant" or warmup_steps):
+            raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "
+                              "to clip, unscale or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
+                              "for --clip-grad-norm, --precision fp16 or --lr-schedule")
         from fxpipe.calibration.host import HostTuning
 
         host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
@@ -219,6 +251,10 @@ def run_cmd(
                         "'fxpipe[tensorboard]'); metrics.jsonl and config.toml are written")
             if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
                 cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
+            cmd += ["--optimizer", optimizer, "--weight-decay", str(weight_decay), "--betas", betas,
+                    "--lr-schedule", lr_schedule, "--warmup-steps", str(warmup_steps), "--precision", precision]
+            if clip_grad_norm is not None:
+                cmd += ["--clip-grad-norm", str(clip_grad_norm)]
             cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
                     "--codegen", codegen, "--device", device,
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
@@ -265,6 +301,9 @@ def run_cmd(
             "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": nnodes, "batch": batch,
             "losses": results[0]["losses"], "step_ms": step_ms, "first_step": results[0].get("first_step", 0),
             "restarts": results[0].get("restarts", 0),
+            # per step: the learning rate it used, and the global gradient norm before clipping (None without
+            # --clip-grad-norm or fp16)
+            "lrs": results[0].get("lrs", []), "grad_norms": results[0].get("grad_norms", []),
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),

@@ -178,6 +178,8 @@ def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[
     if rt.dp_rank != 0:  # a stage's replicas hold the same state: replica 0 saves it, once per stage
         return flat, []
     state = rt.state_dict()
+    for key, number in state.get("runtime", {}).items():  # the lr schedule's step, fp16's scale: rank 0's is read
+        flat[f"fxpipe.runtime.rank{rt.rank}.{key}"] = torch.tensor(number, dtype=torch.float64)
     # A parameter several pipeline ranks hold (tied) is saved by the first of them.
     skip = {name for name, holders in rt.pipe.shared_params.items()
             if rt.pp_rank != min(rt.where[k] for k in holders)}
@@ -557,6 +559,9 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
     mine = {**state["params"], **state["buffers"]}
     for fqn, tensor in mine.items():
         want[f"model.{fqn}"] = torch.empty_like(tensor, device="cpu")
+    runtime = [k for k in md if k.startswith("fxpipe.runtime.rank0.")]  # none in a checkpoint saved without them
+    for key in runtime:
+        want[key] = torch.zeros((), dtype=torch.float64)
     optim_keys = _optim_keys(md)
     optimized = [fqn for group in state["param_groups"] for fqn in group["params"]]
     for fqn in optimized:
@@ -577,7 +582,8 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
     if any(s != found.step for s in steps):
         raise CheckpointError(f"{found.path} mixes steps: its rank files are of steps {_by_rank(steps)}, its index of "
                               f"step {found.step}; it was not loaded; remove it to resume from the step before")
-    nested: dict[str, Any] = {"params": {}, "buffers": {}, "optim": {}, "param_groups": info["param_groups"]}
+    nested: dict[str, Any] = {"params": {}, "buffers": {}, "optim": {}, "param_groups": info["param_groups"],
+                              "runtime": {key.rsplit(".", 1)[1]: float(want[key]) for key in runtime}}
     for fqn in state["params"]:
         nested["params"][fqn] = want[f"model.{fqn}"]
     for fqn in state["buffers"]:

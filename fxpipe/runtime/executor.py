@@ -15,7 +15,9 @@ others stop at the timeout with an error naming the peer and the message they wa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fxpipe._compat import pytree
+from fxpipe._compat import autocast_forward, pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
@@ -44,6 +46,8 @@ from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
+from fxpipe.runtime.optim import (LossScaler, LRSchedule, SchedulerFactory, autocast_loss, autocast_of,
+                                  clip_coefficient, optimizer_factory, scheduler_factory, squared_norm)
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.versions import POLICIES
@@ -73,11 +77,20 @@ class PipelineRuntime:
     the last step counted (of :meth:`train`: the whole stream's).
     ``host``: the process-wide settings this rank asks for (:class:`fxpipe.calibration.host.HostTuning`: CPU
     pinning, gloo's socket threads' priority, a yield after each send, freed memory kept); None changes none.
+    ``optimizer`` may also be ``"sgd"``/``"adamw"`` or an :class:`fxpipe.runtime.optim.OptimizerSpec`;
+    ``lr_schedule`` an :class:`fxpipe.runtime.optim.LRSchedule` (or a factory of an optimizer's
+    ``LRScheduler``), stepped once per step; ``clip_grad_norm``: clip the gradients to this global norm
+    (``math.inf``: only measure it); ``precision``: ``fp32``, or ``bf16``/``fp16`` autocast in the stage graphs
+    with fp32 weights (fp16 with a loss scale). After each step, :attr:`lr` is the learning rate it used and
+    :attr:`last_grad_norm` the global gradient norm before clipping (None unless clipping or fp16 needs it).
+    See :mod:`fxpipe.runtime.optim`.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
-                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 optimizer: str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 lr_schedule: str | LRSchedule | SchedulerFactory | None = None,
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
                  microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
@@ -108,7 +121,17 @@ class PipelineRuntime:
             ranks = f"{schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}"
             raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
                               f"stage (here {self.dp}); start {ranks}, or pick a synchronous schedule")
-        graphs = _stage_graphs(pipe, example_inputs, schedule.rank_of_stage, self.pp_rank)
+        # Mixed precision: the stage graphs traced under autocast, the loss computed under it (fxpipe.runtime.optim).
+        self.precision, self.autocast = precision, autocast_of(precision, kind)
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise OptionError(f"clip_grad_norm is the largest global gradient norm, > 0 (clip_grad_norm: {clip_grad_norm})")
+        if not schedule.synchronous and (clip_grad_norm is not None or precision == "fp16"
+                                         or lr_schedule not in (None, "constant", LRSchedule())):
+            raise OptionError(f"{schedule.name} steps each stage after every microbatch, with no step of the whole "
+                              "model to clip, unscale or schedule at: use a synchronous schedule for clip_grad_norm, "
+                              "fp16 or an lr schedule")
+        loss_fn = autocast_loss(loss_fn, self.autocast)
+        graphs = _stage_graphs(pipe, example_inputs, schedule.rank_of_stage, self.pp_rank, self.autocast)
         if any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
         if not schedule.synchronous:
@@ -132,7 +155,7 @@ class PipelineRuntime:
                 self.readers[n] += 1
         # One optimizer per stage, over the parameters that stage is first on this rank to hold (a
         # parameter two of this rank's stages share is stepped once).
-        make = optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.01))
+        make = optimizer_factory(optimizer)
         owned: set[int] = set()
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         for s in self.mine:
@@ -140,6 +163,13 @@ class PipelineRuntime:
             owned.update(id(p) for p in ps)
             if ps:  # a stage with no parameters (an activation alone) has nothing to step
                 self.optimizers[s] = make(ps)
+        schedule_of = scheduler_factory(lr_schedule)
+        self.schedulers = {s: schedule_of(opt) for s, opt in self.optimizers.items()} if schedule_of else {}
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = LossScaler() if precision == "fp16" else None
+        self.last_grad_norm: float | None = None
+        self._counted: set[int] | None = None  # the parameters whose gradients this rank adds to the global norm
+        self.lr: float | None = self._current_lr()
         # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place.
         self.stage_params = {s: [self.stages[s].module.get_parameter(n) for n in graphs[s].param_names]
                              for s in self.mine}
@@ -265,8 +295,9 @@ class PipelineRuntime:
     def _early_steps(self) -> dict[int, list[int]]:
         """Program index -> the stages whose optimizer steps right after it: after the last W (or BW) of every
         stage whose W writes that optimizer's parameters. None without replicas or tied weights across
-        ranks: their gradients are summed after the last W (``step`` steps those optimizers then)."""
-        if self.dp > 1 or self.shared:
+        ranks: their gradients are summed after the last W (``step`` steps those optimizers then). None either
+        with clipping or fp16: every optimizer waits for the global gradient norm (``_global_update``)."""
+        if self.dp > 1 or self.shared or self.clip_grad_norm is not None or self.scaler is not None:
             return {}
         ids = {s: {id(p) for p in self.stage_params[s]} for s in self.mine}
         last: dict[int, int] = {}
@@ -320,6 +351,7 @@ class PipelineRuntime:
         m = self.schedule.num_microbatches
         micro, targets = self._microbatches(inputs, target, m)
         self.core.loss_divisor = m * self.dp  # the replicas' gradients are summed: each is 1/dp of the mean
+        self.core.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         self._stepped = set()
         losses = self._execute(self.program, micro, targets, ahead=self.prefetch)
         if self.sync is not None:
@@ -329,9 +361,15 @@ class PipelineRuntime:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
                                  f"the tied weight's gradient (ranks {ranks})")
         t0 = time.perf_counter() - self.started
-        for s, opt in self.optimizers.items():
-            if s not in self._stepped:
-                opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        self.lr = self._current_lr()
+        if self.clip_grad_norm is None and self.scaler is None:
+            for s, opt in self.optimizers.items():
+                if s not in self._stepped:
+                    opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
+        else:
+            self._global_update()
+        for scheduler in self.schedulers.values():
+            scheduler.step()
         self.optimizer_steps.append((t0, time.perf_counter() - self.started))
         if self.sync is not None:
             group = self.sync.group
@@ -343,6 +381,46 @@ class PipelineRuntime:
                 total += loss.double()
         total = total.cpu()
         return PendingLoss(self, dist.all_reduce(total, async_op=True), total, m * self.dp)
+
+    def _global_update(self) -> None:
+        """The optimizer steps of a step that needs the global gradient norm (clipping, fp16): unscale, one
+        all-reduce of the squared norm over every rank, then clip and step, or (fp16, not finite) skip the step.
+
+        Each parameter counts once: on this rank once however many of its stages hold it (its optimizers own
+        each once), on the first of the pipeline ranks a tied weight is on, and on replica 0 only (after the dp
+        all-reduce every replica holds the same gradients). The other ranks add 0, so the sum is the one
+        process's sum of squares on every rank, and every rank decides alike."""
+        params = [p for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]
+                  if p.grad is not None]
+        if self.scaler is not None:
+            inverse = 1.0 / self.scaler.scale  # a power of two: exact
+            for p in params:
+                p.grad.mul_(inverse)  # type: ignore[union-attr]
+        if self._counted is None:
+            elsewhere = {id(p) for p, _, ranks in self.shared if self.rank != min(ranks)}
+            self._counted = {id(p) for opt in self.optimizers.values() for g in opt.param_groups
+                             for p in g["params"] if id(p) not in elsewhere} if self.dp_rank == 0 else set()
+        total = squared_norm(p.grad for p in params if id(p) in self._counted)
+        self._collective(partial(dist.all_reduce, total), "the gradient norm (every rank)")
+        norm = math.sqrt(float(total))
+        self.last_grad_norm = norm
+        finite = math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=not finite)
+            if not finite:
+                return  # fp16 overflowed somewhere: no rank steps, and the scale is halved
+        if self.clip_grad_norm is not None and finite:
+            coefficient = clip_coefficient(norm, self.clip_grad_norm)
+            if coefficient < 1.0:
+                for p in params:
+                    p.grad.mul_(coefficient)  # type: ignore[union-attr]
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def _current_lr(self) -> float | None:
+        """The learning rate this rank's optimizers use now (the first group's; one schedule steps them all)."""
+        opt = next(iter(self.optimizers.values()), None)
+        return float(opt.param_groups[0]["lr"]) if opt is not None else None
 
     def train(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> list[torch.Tensor]:
         """Asynchronous training over ``batches`` (each split into the schedule's microbatch count): one schedule
@@ -527,7 +605,8 @@ class PipelineRuntime:
 
         ``params`` and ``buffers``: name -> tensor (copies); ``optim``: parameter name -> its optimizer
         state (e.g. ``{"momentum_buffer": tensor}``); ``param_groups``: each optimizer group's
-        hyperparameters (plain values) with the names of its parameters.
+        hyperparameters (plain values) with the names of its parameters; ``runtime``: the steps the lr schedule
+        has taken (``lr_step``) and fp16's loss scale (numbers, the same on every rank).
         """
         names = {id(p): n for n, p in self._named(lambda mod: mod.named_parameters())}
         optim: dict[str, dict[str, Any]] = {}
@@ -544,7 +623,16 @@ class PipelineRuntime:
         return {"rank": self.rank,
                 "params": {n: p.detach().clone() for n, p in self._named(lambda mod: mod.named_parameters())},
                 "buffers": {n: b.detach().clone() for n, b in self._named(lambda mod: mod.named_buffers())},
-                "optim": optim, "param_groups": groups}
+                "optim": optim, "param_groups": groups, "runtime": self._runtime_state()}
+
+    def _runtime_state(self) -> dict[str, float]:
+        state: dict[str, float] = {}
+        first = next(iter(self.schedulers.values()), None)
+        if first is not None:
+            state["lr_step"] = float(first.last_epoch)
+        if self.scaler is not None:
+            state.update(self.scaler.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` of any plan of the same model: this rank takes the entries of its own
@@ -573,6 +661,16 @@ class PipelineRuntime:
                     index += 1
                 packed.update(_hyperparameters(fqns, saved_groups, packed))
             opt.load_state_dict(sd)
+        run = state.get("runtime", {})
+        if "lr_step" in run:  # the schedule goes on from the saved step (the groups' lr were loaded just above)
+            for scheduler in self.schedulers.values():
+                sd = scheduler.state_dict()
+                groups = scheduler.optimizer.param_groups
+                sd.update(last_epoch=int(run["lr_step"]), _last_lr=[g["lr"] for g in groups],
+                          base_lrs=[g.get("initial_lr", g["lr"]) for g in groups])
+                scheduler.load_state_dict(sd)
+        if self.scaler is not None and "loss_scale" in run:
+            self.scaler.load_state_dict(run)
 
     def _named(self, items: Callable[[torch.nn.Module], Any]) -> list[tuple[str, torch.Tensor]]:
         return [(n, t) for s in self.mine for n, t in items(self.stages[s].module)]
@@ -652,7 +750,8 @@ class PipelineRuntime:
         for s, k in wanted:
             if s in self.batched_w:  # refused already
                 continue
-            built = batched_weight_graphs(self.pipe, s, self.graphs[s], k, example)
+            with autocast_forward(*self.autocast) if self.autocast is not None else contextlib.nullcontext():
+                built = batched_weight_graphs(self.pipe, s, self.graphs[s], k, example)  # as the stages were traced
             if isinstance(built, str):
                 self._refuse(s, built)
             else:
@@ -822,19 +921,21 @@ def _resolve_plan(plan: Any) -> Pipeline:
 
 
 def _stage_graphs(pipe: Pipeline, example_inputs: Sequence[Any] | None, rank_of_stage: Sequence[int],
-                  rank: int) -> list[StageGraphs]:
+                  rank: int, autocast: tuple[str, torch.dtype] | None = None) -> list[StageGraphs]:
     """Every stage's F/B/W graphs as this rank needs them: the pipeline's own, or built now.
 
     A plan directory holds no F/B/W graphs yet: they are rebuilt from ``example_inputs``, or from
     zeros shaped like the inputs the plan was compiled with (``Plan.inputs``: the graphs depend on
     shapes and dtypes only). Where plan.json records each stage's interface, this rank splits only
-    the stages it runs; of the others it builds the interface (``StageGraphs.remote``).
+    the stages it runs; of the others it builds the interface (``StageGraphs.remote``). ``autocast``: graphs
+    traced afresh under it (``Pipeline.build_backward``), whatever the pipeline holds.
     """
     graphs = pipe.stage_graphs
-    if graphs is not None:
+    if graphs is not None and autocast is None:
         return list(graphs)
     mine = {s for s, r in enumerate(rank_of_stage) if r == rank}
-    return pipe.build_backward(example_inputs if example_inputs is not None else _example_inputs(pipe), only=mine)
+    return pipe.build_backward(example_inputs if example_inputs is not None else _example_inputs(pipe), only=mine,
+                               autocast=autocast)
 
 
 def _example_inputs(pipe: Pipeline) -> tuple[Any, ...]:

@@ -232,6 +232,15 @@ def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed
     caches = iter([20e6, 60e6, 50e6])
     monkeypatch.setattr(cc, "_noisy_round", lambda runs, stream_bytes: next(rounds))
     monkeypatch.setattr(cc, "effective_cache_bytes", lambda probe, runs: next(caches))
+    # every other reading fixed too (test_measure_compute_gives_positive_finite_rates runs them for real)
+    monkeypatch.setattr(cc, "_gemm_rate", lambda n, runs: 1e10)
+    monkeypatch.setattr(cc, "_skinny_rate", lambda m, runs, **kw: 1e10)
+    monkeypatch.setattr(cc, "_cold_conv_seconds", lambda *a: (1e-3, 2e-3))
+    monkeypatch.setattr(cc, "_node_times", lambda runs, **kw: (1e-5, 2e-5, 1e-5, 2e-5, 5e-6, 1e-5))
+    monkeypatch.setattr(cc, "_sdpa_point", lambda shape, runs: None)
+    monkeypatch.setattr(cc, "_kernel_point", lambda name, shape, runs: (name, 1e9, 1e9))
+    monkeypatch.setattr(cc, "_conv_grad_point", lambda *a: (1.0, 1.0, 1e10, 1e10))
+    monkeypatch.setattr(cc, "_conv_rate", lambda runs, **kw: (1e10, 1e-4, 2e-4))
     rates = cc.measure_compute(1, gemm_sizes=(64,), stream_bytes=1 << 20, runs=2)
     assert rates.conv_curve == ((1e7, 9e10), (1e9, 1.6e11)) and rates.mem_bw == 2.8e10 and rates.sustained == 1.2
     assert rates.cache_bytes == 50e6
