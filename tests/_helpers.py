@@ -658,3 +658,32 @@ def world1() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def forked_ranks(nproc: int, argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                 timeout: float = HANG_S) -> list[subprocess.CompletedProcess[str]]:
+    """``torchrun --standalone --nproc-per-node NPROC ARGV`` without torchrun's agent: ``nproc`` processes forked
+    from the forkserver (:class:`Forked`), each with the environment torchrun gives a rank (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT; OMP_NUM_THREADS=1), for a script that starts
+    its process group from ``env://``; each rank's exit code, stdout and stderr. (docs/*.md's torchrun commands run
+    under torchrun itself in tests/test_docs.py.)"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in (os.environ if env is None else env).items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "GROUP_", "ROLE_", "TORCHELASTIC_"))}
+    base.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc))
+    procs = [Forked(argv, cwd=cwd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess([sys.executable, *argv], p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results  # type: ignore[return-value]

@@ -7,8 +7,6 @@ import dataclasses
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.errors import PlanFileError
-from tests._helpers import HANG_S
+from tests._helpers import run_forked
 
 
 @dataclasses.dataclass
@@ -320,7 +318,7 @@ def test_load_does_not_need_the_model_source(tmp_path: Path) -> None:
         assert not any("my_model" in name for name in sys.modules), "the model's module was imported"
         print("ok", len(pipe.stages))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_forked(["-c", script], cwd=tmp_path)  # forked from a process that never imported my_model
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok 2"
 

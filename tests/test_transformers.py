@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fxpipe
-from tests._helpers import HANG_S, assert_composes, hf_gpt2 as _gpt2, hf_loss as _loss
+from tests._helpers import assert_composes, hf_gpt2 as _gpt2, hf_loss as _loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,8 +47,7 @@ def test_hf_llama_with_a_nested_graph_composes_and_round_trips(tmp_path) -> None
 
 
 def test_a_hf_plan_loads_without_transformers_as_a_record(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
+    from tests._helpers import run_forked
 
     idx = torch.randint(0, 96, (2, 16))
     model = _gpt2()
@@ -68,7 +67,7 @@ torch.testing.assert_close(out["logits"], io["logits"])
 assert "transformers" not in sys.modules
 print([str(w.message) for w in caught])
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S)
+    proc = run_forked(["-c", script])  # a process of its own, forked from one that never imported transformers
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CausalLMOutputWithCrossAttentions; loaded as fxpipe.Record" in proc.stdout
     assert "Import transformers before loading" in proc.stdout

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests._helpers import DP_STEPS as STEPS, dp_plan, four_rank_run
+from tests._helpers import DP_STEPS as STEPS, Forked, dp_plan, four_rank_run
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
 
@@ -24,11 +23,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_node(*args: str | int | Path) -> subprocess.Popen[str]:
-    """``fxpipe run ARGS`` as its own process (a node), outside any torchrun environment."""
+def start_node(*args: str | int | Path) -> Forked:
+    """``fxpipe run ARGS`` as its own process (a node; forked from the preloaded forkserver, as ``python -m
+    fxpipe.cli.main run ARGS`` would run), outside any torchrun environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    return subprocess.Popen([sys.executable, "-m", "fxpipe.cli.main", "run", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return Forked(["-m", "fxpipe.cli.main", "run", *map(str, args)], env=env)
 
 
 def two_nodes(*args: str | int | Path, timeout: float = 600) -> list[tuple[int, str, str]]:
@@ -43,7 +42,7 @@ def two_nodes(*args: str | int | Path, timeout: float = 600) -> list[tuple[int, 
     finally:
         for p in procs:  # a node that hangs fails the test, and leaves nothing behind (fxpipe run stops its ranks)
             if p.poll() is None:
-                p.terminate()
+                os.kill(p.pid, signal.SIGTERM)
                 p.wait(30)
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
 

@@ -26,7 +26,8 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_outputs_that_would_overwrite_the_plan_or_each_other_are_refused(plan: Path, tmp_path: Path) -> None:
+def test_outputs_that_would_overwrite_the_plan_or_each_other_are_refused(plan: Path, tmp_path: Path,
+                                                                        no_rank_starts: list[list[str]]) -> None:
     before = tree(plan)
     for args, says in [
         (["run", plan, "--trace", plan / "plan.json"], f"--trace '{plan / 'plan.json'}' would overwrite the plan "
@@ -57,7 +58,8 @@ def test_outputs_that_would_overwrite_the_plan_or_each_other_are_refused(plan: P
     assert tree(plan) == before
 
 
-def test_a_checkpoint_directory_in_use_is_refused_before_any_rank_starts(plan: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_directory_in_use_is_refused_before_any_rank_starts(plan: Path, tmp_path: Path,
+                                                                         no_rank_starts: list[list[str]]) -> None:
     from tests._helpers import saved_checkpoints as _saved
 
     ck = _saved(tmp_path / "ck", range(1, 3))
@@ -72,7 +74,8 @@ def test_a_checkpoint_directory_in_use_is_refused_before_any_rank_starts(plan: P
     assert tree(ck) == {**before, ".fxpipe.lock": hashlib.sha256(b"").hexdigest()}
 
 
-def test_overwrite_leaves_a_symlinked_steps_target_untouched(plan: Path, tmp_path: Path) -> None:
+def test_overwrite_leaves_a_symlinked_steps_target_untouched(plan: Path, tmp_path: Path,
+                                                             no_rank_starts: list[list[str]]) -> None:
     from tests._helpers import saved_checkpoints as _saved
 
     ck, user = _saved(tmp_path / "ck", range(1, 3)), _saved(tmp_path / "user", range(5, 6))

@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,16 +173,14 @@ def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
 def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_package(
-        plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        batched_w_run: dict[str, object]) -> None:
     # torchrun starts each rank with `python -m`, which puts the working directory first on sys.path; a folder
     # named fxpipe there (no __init__.py) was imported as a namespace package instead of an editable install's
     # fxpipe, and every rank failed. The ranks run with PYTHONSAFEPATH=1 (Python 3.11+: no working directory).
-    (tmp_path / "fxpipe").mkdir()
-    monkeypatch.chdir(tmp_path)
-    # (and, sharing this launch, --no-pin-ranks: the ranks are left where the system puts them)
-    doc = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--json", "--no-pin-ranks")).stdout)
-    assert len(doc["losses"]) == 1
-    assert doc["cpus_per_rank"] == [[], []]
+    # (batched_w_run's launch: started in a working directory holding a folder named fxpipe, with --no-pin-ranks:
+    # the ranks are left where the system puts them)
+    assert len(batched_w_run["losses"]) == 3  # type: ignore[arg-type]
+    assert batched_w_run["cpus_per_rank"] == [[], []]
 
 
 @pytest.mark.parametrize(("args", "expected"), [
@@ -206,15 +205,30 @@ def test_device_options_are_refused_before_any_rank_starts(plan: Path, args: lis
     assert one_line_error(fxpipe_cli("run", plan, *args, "--steps", "1")) == expected
 
 
-def test_batched_w_runs_each_stage_s_w_once_and_says_so(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def batched_w_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """``compile --schedule batched-w`` on mlp-tiny, then one run of 3 steps (its --json report), shared by the two
+    tests that read it: started in a working directory holding a folder named fxpipe (Python 3.11+), with
+    --no-pin-ranks."""
+    tmp = tmp_path_factory.mktemp("batched-w")
+    out = tmp / "plan"
+    # the schedule as the plan records it (compile --schedule), which run takes when given none
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches", "8"))
+    cwd = tmp / "cwd"
+    cwd.mkdir()
+    if sys.version_info >= (3, 11):  # PYTHONSAFEPATH is Python 3.11's
+        (cwd / "fxpipe").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        return json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--json", "--no-pin-ranks")).stdout)
+
+
+def test_batched_w_runs_each_stage_s_w_once_and_says_so(batched_w_run: dict[str, object]) -> None:
     """``compile --schedule batched-w`` on mlp-tiny, then run: trains like one process, and each stage's Ws ran as one
     call per batch
     of 4 microbatches (8 microbatches: two batches), with its measured time against the 4 one by one (what the
     simulated step charges)."""
-    out = tmp_path / "plan"
-    # the schedule as the plan records it (compile --schedule), which run takes when given none
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches", "8"))
-    doc = json.loads(ok(fxpipe_cli("run", out, "--nproc", "2", "--steps", "3", "--json")).stdout)
+    doc: dict[str, Any] = batched_w_run
     assert doc["schedule"] == "batched-w" and doc["microbatches"] == 8
     assert doc["losses"] == pytest.approx(reference_losses(3, m=8, model="mlp-tiny"), rel=1e-5)
     assert sorted(doc["batched_w"]) == ["0", "1"]

@@ -45,7 +45,8 @@ def test_a_strategy_plan_trains_like_one_process(tmp_path: Path, name: str, rank
     assert doc["losses"][-1] < doc["losses"][0]
 
 
-def test_what_a_strategy_plan_cannot_run_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+def test_what_a_strategy_plan_cannot_run_is_refused_before_any_rank_starts(tmp_path: Path,
+                                                                            no_rank_starts: list[list[str]]) -> None:
     plan = tmp_path / "plan"
     ok(fxpipe_cli("compile", "vgg-tiny", "--stages", "1", "--dp", "2", "--strategy", "dp", "--out", plan))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--schedule", "async-1f1b"))
@@ -105,7 +106,8 @@ def test_a_pipelined_strategy_plan_trains_like_one_process(pipelined_plan: Path,
     assert doc["losses"][-1] < doc["losses"][0]
 
 
-def test_microbatches_that_do_not_split_the_batch_over_a_stage_are_refused(pipelined_plan: Path) -> None:
+def test_microbatches_that_do_not_split_the_batch_over_a_stage_are_refused(pipelined_plan: Path,
+                                                                           no_rank_starts: list[list[str]]) -> None:
     line = one_line_error(fxpipe_cli("run", pipelined_plan, "--steps", "1", "--microbatches", "3"))
     assert "--microbatches 3 cuts the plan's 8-row batch over 2 ranks a stage unevenly" in line, line
 

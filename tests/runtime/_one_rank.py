@@ -1,13 +1,12 @@
-"""A user's one-rank script (gloo, world size 1) run in a fresh interpreter: for refusals that need a process group."""
+"""A user's one-rank script (gloo, world size 1) run in a process of its own (forked from the tests' preloaded
+forkserver): for refusals that need a process group."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-from tests._helpers import HANG_S
+from tests._helpers import run_forked
 
 ROOT = Path(__file__).parents[2]
 
@@ -21,6 +20,6 @@ def run_one_rank(tmp_path: Path, body: str) -> str:
               "try:\n" + textwrap.indent(textwrap.dedent(body), "    ") +
               "finally:\n"
               "    dist.destroy_process_group()\n")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_forked(["-c", script], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout

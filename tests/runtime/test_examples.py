@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from tests._helpers import HANG_S
+from tests._helpers import forked_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_pipeline_dp.py"
@@ -44,18 +42,18 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def _torchrun(nproc: int, *args: str | Path) -> list[float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(EXAMPLE), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=HANG_S)
-    finished = re.search(rf"on {nproc} ranks: pp 2 x dp {nproc // 2}, global batch 64 rows", proc.stdout)
-    if proc.returncode != 0 and finished and TEARDOWN_ABORT in proc.stderr:
+    """The example on ``nproc`` ranks started as torchrun starts them (forked, without torchrun's agent: the docs'
+    own torchrun command runs in tests/test_docs.py); rank 0's losses."""
+    ranks = forked_ranks(nproc, [str(EXAMPLE), *map(str, args)])
+    stdout, stderr = "".join(r.stdout for r in ranks), "".join(r.stderr for r in ranks)
+    returncode = next((r.returncode for r in ranks if r.returncode != 0), 0)
+    finished = re.search(rf"on {nproc} ranks: pp 2 x dp {nproc // 2}, global batch 64 rows", stdout)
+    if returncode != 0 and finished and TEARDOWN_ABORT in stderr:
         warnings.warn(f"a rank aborted in gloo/c10d at its end, after training ({TEARDOWN_ABORT!r})", stacklevel=2)
     else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert finished, proc.stdout
-    return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", proc.stdout, re.M)]
+        assert returncode == 0, stderr[-3000:]
+    assert finished, stdout
+    return [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", stdout, re.M)]
 
 
 def test_the_example_trains_2x2_like_one_process_and_resumes_onto_dp_1(tmp_path: Path) -> None:
@@ -136,20 +134,12 @@ STRATEGY = ROOT / "examples" / "train_strategy.py"
 def test_the_strategy_example_trains_two_searched_stages_on_four_ranks() -> None:
     """examples/train_strategy.py as documented (its env:// rendezvous, started here without torchrun's agent):
     VGG-tiny in 2 stages of 2 ranks, each stage's strategy searched; both tables print and the loss falls."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4")
-    procs = [subprocess.Popen([sys.executable, str(STRATEGY), "--model", "vgg-tiny", "--stages", "2", "--cut", "flatten",
-                               "--steps", "6", "--lr", "0.05"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in range(4)]
-    outs = [p.communicate(timeout=HANG_S) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    stdout = outs[0][0]
+    # (the 4 ranks forked from the preloaded forkserver, each with the environment torchrun would give it)
+    ranks = forked_ranks(4, [str(STRATEGY), "--model", "vgg-tiny", "--stages", "2", "--cut", "flatten", "--steps", "6",
+                             "--lr", "0.05"], cwd=ROOT)
+    for r in ranks:
+        assert r.returncode == 0, r.stderr[-3000:]
+    stdout = ranks[0].stdout
     assert stdout.count("strategy (elimination)") == 2, stdout  # one table per stage
     assert re.search(r"^classifier_0\s+\S+", stdout, re.M)
     losses = [float(x) for x in re.findall(r"^step \d+ loss (\S+)$", stdout, re.M)]
