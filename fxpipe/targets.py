@@ -61,7 +61,7 @@ def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.floa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            built = _call(builder, target)
+            built = call_user(builder, target, "fix the builder")
             model, inputs, kwargs = _unpack(built, module, target)
     if dtype != torch.float32:
         model = model.to(dtype)
@@ -148,16 +148,6 @@ def _no_exit(doing: str) -> Iterator[None]:
                           "`if __name__ == \"__main__\":`") from None
     finally:
         os._exit = real
-
-
-def _call(builder: Callable[[], Any], target: str) -> Any:
-    try:
-        with _no_exit(f"calling {target}"):
-            return builder()
-    except TargetError:
-        raise
-    except Exception as exc:
-        raise TargetError(f"{target} raised {type(exc).__name__}: {exc}; fix the builder") from exc
 
 
 def _unpack(built: Any, module: Any, target: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
