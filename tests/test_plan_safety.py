@@ -182,7 +182,9 @@ def test_tampered_plans_run_no_code_in_the_cli(plan: Path, marker: Path) -> None
     assert not marker.exists()
     (plan / "stage_1.pt").write_bytes(pickle.dumps(_Payload(marker)))
     _rehash(plan, "stage_1.pt")
-    result = runner.invoke(app, ["run", str(plan), "--steps", "1", "--timeout", "20"])
+    loss = plan.parent / "loss.py"  # a plan compiled through the Python API: fxpipe run needs its loss
+    loss.write_text("import torch\n\ndef loss(out, target):\n    return torch.nn.functional.cross_entropy(out, target)\n")
+    result = runner.invoke(app, ["run", str(plan), "--steps", "1", "--timeout", "20", "--loss", f"{loss}:loss"])
     assert result.exit_code == 2, result.output
     assert "stage_1.pt does not load" in result.output and "Traceback" not in result.output
     assert not marker.exists()

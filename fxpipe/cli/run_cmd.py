@@ -245,14 +245,6 @@ def run_cmd(
         _check_sizes(replicas, nproc, nnodes, seed, timeout, sched.num_ranks)
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
-        # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
-        from fxpipe.cli.feed import check_feed
-        from fxpipe.cli.rank import zoo_of
-
-        feed = check_feed(plan_dir, plan, zoo_of(plan, device="meta"), data, loss, sched.num_microbatches, replicas,
-                          seed, steps)
-        source, fit = feed.source, feed.fit
-        _check_model(plan_dir, plan)  # before any rank builds the model the plan names
         if trace is not None:
             check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
         if resume not in ("never", "auto", "always"):
@@ -261,7 +253,20 @@ def run_cmd(
         if log_dir is not None:
             run_log.check_log_dir(log_dir, continuing=resume != "never")
         ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
-                                          lock=nnodes == 1)
+                                          lock=nnodes == 1)  # first: another run's directory is refused unread
+        try:
+            # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
+            from fxpipe.cli.feed import check_feed
+            from fxpipe.cli.rank import zoo_of
+
+            feed = check_feed(plan_dir, plan, zoo_of(plan, device="meta"), data, loss, sched.num_microbatches,
+                              replicas, seed, steps)
+            source, fit = feed.source, feed.fit
+            _check_model(plan_dir, plan)  # before any rank builds the model the plan names
+        except BaseException:
+            if ckpt_lock is not None:
+                ckpt_lock.close()
+            raise
         out_dir: Path | None = None
         try:  # from the report directory's creation on, a signal at any moment removes it (and frees the lock)
             out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
