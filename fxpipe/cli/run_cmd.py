@@ -259,10 +259,10 @@ def run_cmd(
             from fxpipe.cli.feed import check_feed
             from fxpipe.cli.rank import zoo_of
 
-            feed = check_feed(plan_dir, plan, zoo_of(plan, device="meta"), data, loss, sched.num_microbatches,
-                              replicas, seed, steps)
+            zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
+            feed = check_feed(plan_dir, plan, zoo, data, loss, sched.num_microbatches, replicas, seed, steps)
             source, fit = feed.source, feed.fit
-            _check_model(plan_dir, plan)  # before any rank builds the model the plan names
+            _check_model(plan_dir, plan, zoo)  # before any rank builds the model the plan names
         except BaseException:
             if ckpt_lock is not None:
                 ckpt_lock.close()
@@ -557,17 +557,15 @@ def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: fl
                           "e.g. --timeout 60")
 
 
-def _check_model(plan_dir: Path, plan: Any) -> None:
-    """The built-in model the plan names must have the parameters its stage files hold (names, shapes, count):
-    every rank builds that model, and a plan.json naming gpt-1.5b over tiny stages would have each build 1.5 B
-    parameters first. The model is built on the meta device here (no memory)."""
+def _check_model(plan_dir: Path, plan: Any, zoo: Any) -> None:
+    """The built-in model the plan names (``zoo``, built on the meta device: no memory) must have the parameters
+    its stage files hold (names, shapes, count): every rank builds that model, and a plan.json naming gpt-1.5b over
+    tiny stages would have each build 1.5 B parameters first."""
     import math
 
-    from fxpipe.cli.rank import zoo_of
     from fxpipe.errors import PlanFileError
     from fxpipe.plan_dir import read_plan_json
 
-    zoo = zoo_of(plan, device="meta")
     if zoo is None:
         return  # not a built-in model: the ranks refuse it in one line before building anything
     stored = {p["name"]: tuple(p["shape"]) for s in read_plan_json(plan_dir)["stages"] for p in s["parameters"]}
