@@ -92,13 +92,11 @@ def _best_cuts(units: Sequence[int], pre: Sequence[float], cuts: Sequence[float]
     cut_at = [cuts[units[a] - 1] if 0 < a < u else 0.0 for a in range(u + 1)]
     total = pre[units[-1]]
     candidates = sorted({span(a, b) for a in range(u) for b in range(a + 1, u + 1)} | {cuts[b - 1] for b in inner})
-    best: tuple[float, tuple[int, ...]] | None = None
-    for cap in candidates:
-        if best is not None and total + (m - 1) * cap > best[0] * (1 + _TIE):
-            break  # the pace alone now costs more than the best step: no larger cap can win
-        slack = cap * (1 + 1e-12)
-        inf = math.inf
+    inf = math.inf
+
+    def table(cap: float) -> tuple[list[list[float]], list[list[int]]]:
         # cost[k][b]: least 2 x kept-cut seconds for units 0..b-1 in k partitions, every span and kept cut <= cap.
+        slack = cap * (1 + 1e-12)
         cost = [[inf] * (u + 1) for _ in range(max_parts + 1)]
         back = [[-1] * (u + 1) for _ in range(max_parts + 1)]
         cost[0][0] = 0.0
@@ -112,6 +110,21 @@ def _best_cuts(units: Sequence[int], pre: Sequence[float], cuts: Sequence[float]
                     c = cost[k - 1][a] + 2 * cut_at[a]
                     if c < cost[k][b] - 1e-15 * max(1.0, abs(c)):
                         cost[k][b], back[k][b] = c, a
+        return cost, back
+
+    # Feasibility only grows with the cap: bisect for the least cap any partition meets, and start there.
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if all(row[u] == inf for row in table(candidates[mid])[0]):
+            lo = mid + 1
+        else:
+            hi = mid
+    best: tuple[float, tuple[int, ...]] | None = None
+    for cap in candidates[lo:]:
+        if best is not None and total + (m - 1) * cap > best[0] * (1 + _TIE):
+            break  # the pace alone now costs more than the best step: no larger cap can win
+        cost, back = table(cap)
         for k in range(1, max_parts + 1):  # fewer partitions first: a tie keeps the fewer
             if cost[k][u] == inf:
                 continue
