@@ -86,9 +86,10 @@ def verdict(rows: list[tuple]) -> str:
             f"parallelism in {beats_dp} of {multi} rows with N > 1; at N = {top} its efficiency S/N is "
             f"{worst:.2f}-{best:.2f}, against the paper's 'almost linear' (taken as >= 0.8). A synchronous 1F1B pipeline "
             f"of m = {MICROBATCHES} microbatches caps S/N at m / (m + N - 1) = {MICROBATCHES / (MICROBATCHES + top - 1):.2f}"
-            "; merging uses fewer devices where a cut costs more than the balance it buys; where compute dwarfs the "
-            "link (CPU profiles) merging changes nothing and data parallelism is near-linear. The paper's own models, "
-            "devices and numbers were not readable (PAPERS.md 1b).")
+            "; merging uses fewer devices where a cut costs more than the balance it buys"
+            + ("; here compute dwarfs every link (CPU profiles: try --compute-scale), so merging changes nothing and "
+               "data parallelism is near-linear" if helped == 0 else "")
+            + ". The paper's own models, devices and numbers were not readable (PAPERS.md 1b).")
 
 
 def main(quick: bool = False) -> str:

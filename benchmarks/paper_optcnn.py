@@ -30,7 +30,7 @@ LINK = "pcie4"
 def _specs(p: paper_profiles.Profile) -> tuple[list[LayerSpec], list[tuple[int, int]]]:
     if not p.doc.get("specs"):
         raise ValueError(f"{p.source} has no strategy graph")
-    specs = [LayerSpec(**{**s, "shape": tuple(s["shape"])}) for s in p.doc["specs"]]
+    specs = [LayerSpec(**s) for s in p.specs]
     return specs, [(u, v) for u, v in p.doc["edges"]]
 
 

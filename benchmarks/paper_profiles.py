@@ -15,6 +15,10 @@ from typing import Any
 DIR = Path(__file__).parent / "profiles"
 """Where profiles are read from; papers.py --profiles sets it."""
 
+COMPUTE_SCALE = 1.0
+"""papers.py --compute-scale X: every profiled compute time divided by X (a device X times faster, the same bytes);
+a what-if for CPU profiles, whose compute dwarfs every link."""
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -29,19 +33,27 @@ class Profile:
     @property
     def times(self) -> list[float]:
         """Per layer, one microbatch's F + B + W seconds."""
-        return [x["f"] + x["b"] + x["w"] for x in self.doc["layers"]]
+        return [(x["f"] + x["b"] + x["w"]) / COMPUTE_SCALE for x in self.doc["layers"]]
 
     def field(self, name: str) -> list[float]:
-        return [float(x[name]) for x in self.doc["layers"]]
+        scale = 1.0 / COMPUTE_SCALE if name in ("f", "b", "w") else 1.0
+        return [float(x[name]) * scale for x in self.doc["layers"]]
 
     @property
     def cut_bytes(self) -> list[float]:
         return [float(b) for b in self.doc["cut_bytes"]]
 
     @property
+    def specs(self) -> list[dict[str, Any]]:
+        """The strategy graph's layers (LayerSpec fields), compute divided by COMPUTE_SCALE."""
+        return [dict(s, shape=tuple(s["shape"]), seconds=s["seconds"] / COMPUTE_SCALE,
+                     fixed_seconds=s["fixed_seconds"] / COMPUTE_SCALE) for s in self.doc["specs"] or ()]
+
+    @property
     def device(self) -> str:
-        return f"{self.doc['device']} ({self.doc['device_name']}, {self.doc['threads']} thread(s))" \
+        text = f"{self.doc['device']} ({self.doc['device_name']}, {self.doc['threads']} thread(s))" \
             if self.doc["device"] == "cpu" else f"{self.doc['device_name']}"
+        return text if COMPUTE_SCALE == 1.0 else f"{text}, compute / {COMPUTE_SCALE:g}"
 
 
 def load(model: str) -> Profile:

@@ -1,7 +1,7 @@
 """The five papers' comparisons, each in its own paper's terms, from the committed cost profiles: one table each.
 
     python benchmarks/papers.py [--paper akintoye|optcnn|splitbrain|spectrain|layerpipe] [--quick]
-                                [--profiles benchmarks/profiles]
+                                [--profiles benchmarks/profiles] [--compute-scale X]
 
 Each paper is a module ``benchmarks/paper_<name>.py`` exposing ``main(quick: bool = False) -> str`` (markdown: a
 table and a verdict line). A missing module prints one line and the others still run. Costs come from
@@ -43,8 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer models and points (a smoke test)")
     parser.add_argument("--profiles", type=Path, default=paper_profiles.DIR,
                         help="the profiles directory (gpu-*.json preferred to cpu-*.json)")
+    parser.add_argument("--compute-scale", type=float, default=1.0,
+                        help="divide every profiled compute time by this (a what-if: a device X times faster)")
     args = parser.parse_args(argv)
     paper_profiles.DIR = args.profiles
+    paper_profiles.COMPUTE_SCALE = args.compute_scale
     for name in args.paper or PAPERS:
         print(run(name, args.quick))
         sys.stdout.flush()
