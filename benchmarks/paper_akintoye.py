@@ -75,18 +75,19 @@ def verdict(rows: list[tuple]) -> str:
     top = max(x[2] for x in rows)
     at_top = [r for r in rows if r[2] == top]
     worst, best = min(r[4] for r in at_top), max(r[4] for r in at_top)
-    beats_plain = all(r[3] >= r[7] * 0.995 for r in rows)
+    loss = max(1 - r[3] / r[7] for r in rows)
     helped = sum(r[3] > r[7] * 1.01 for r in rows)
     beats_dp = sum(r[3] > r[9] * 1.001 for r in rows if r[2] > 1)
     multi = sum(r[2] > 1 for r in rows)
-    held = [beats_plain and helped > 0, worst >= 0.8, beats_dp * 2 > multi]
+    held = [helped > 0 and loss <= 0.01, worst >= 0.8, beats_dp * 2 > multi]
     word = "reproduced" if all(held) else "partly" if any(held) else "not"
-    return (f"**Verdict: {word}.** Merging {'never loses to' if beats_plain else 'sometimes loses to'} partitioning "
-            f"without merging (within 0.5%) and is more than 1% faster in {helped} of {len(rows)} rows; it beats data "
-            f"parallelism in {beats_dp} of {multi} rows with N > 1; at N = {top} its efficiency S/N is "
-            f"{worst:.2f}-{best:.2f}, against the paper's 'almost linear' (taken as >= 0.8). A synchronous 1F1B pipeline "
-            f"of m = {MICROBATCHES} microbatches caps S/N at m / (m + N - 1) = {MICROBATCHES / (MICROBATCHES + top - 1):.2f}"
-            "; merging uses fewer devices where a cut costs more than the balance it buys"
+    return (f"**Verdict: {word}.** Merging is more than 1% faster than partitioning without merging in {helped} of "
+            f"{len(rows)} rows and at most {max(loss, 0.0):.1%} slower in any (the simulator judges; merging optimises "
+            f"the step model); it beats data parallelism in {beats_dp} of {multi} rows with N > 1; at N = {top} its "
+            f"efficiency S/N is {worst:.2f}-{best:.2f}, against the paper's 'almost linear' (taken as >= 0.8). A "
+            f"synchronous 1F1B pipeline of m = {MICROBATCHES} microbatches caps S/N at m / (m + N - 1) = "
+            f"{MICROBATCHES / (MICROBATCHES + top - 1):.2f}, and the layers' granularity caps the balance; merging uses "
+            "fewer devices where a cut costs more than the balance it buys"
             + ("; here compute dwarfs every link (CPU profiles: try --compute-scale), so merging changes nothing and "
                "data parallelism is near-linear" if helped == 0 else "")
             + ". The paper's own models, devices and numbers were not readable (PAPERS.md 1b).")
