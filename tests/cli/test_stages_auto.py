@@ -1,5 +1,5 @@
 """``fxpipe compile MODEL --stages auto [--objective ...] [--devices N]``: every count partitioned and simulated,
-the objective's pick written as the plan (and recorded), a line per merge, and the one-line refusals."""
+the objective's pick written as the plan (and recorded), the merging table (Akintoye), and the one-line refusals."""
 
 from __future__ import annotations
 
