@@ -19,7 +19,7 @@ from tabulate import tabulate
 
 import paper_profiles
 from fxpipe.planning.cost import transfer_time
-from fxpipe.planning.merge import merge_partitions
+from fxpipe.planning.merge import merge_partitions, merge_rows
 from fxpipe.planning.stage_count import best_partition
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.simulate import Costs, simulate
@@ -93,6 +93,18 @@ def verdict(rows: list[tuple]) -> str:
             + ". The paper's own models, devices and numbers were not readable (PAPERS.md 1b).")
 
 
+def merge_table(p: paper_profiles.Profile, link_name: str, n: int) -> str:
+    """Every merge of ``p`` on ``link_name`` at ``n`` devices: which two partitions, what it saves and adds, why."""
+    link = paper_profiles.links()[link_name]
+    cut_s = [transfer_time(x, bandwidth=link["bandwidth"], latency=link["latency"]) for x in p.cut_bytes]
+    plan = merge_partitions(p.times, cut_s, MICROBATCHES, max_stages=n, cut_bytes=p.cut_bytes)
+    headers = ("#", "partitions", "cut", "MiB saved", "comm saved ms", "imbalance added ms", "step ms",
+               "partitions after", "why")
+    return (f"Merges of {p.model} on {link_name} at N = {n} (from {len(p.times)} partitions, one per layer, to "
+            f"{plan.stages}; cuts {' '.join(map(str, plan.bounds[1:-1])) or '-'}):\n\n"
+            + tabulate(merge_rows(plan, p.names), headers=headers, tablefmt="github"))
+
+
 def main(quick: bool = False) -> str:
     models = MODELS[:1] if quick else MODELS
     links = LINKS[:1] if quick else LINKS
@@ -107,4 +119,5 @@ def main(quick: bool = False) -> str:
     link_text = "; ".join(f"{k}: {paper_profiles.links()[k]['what']}" for k in links)
     return (f"## Akintoye et al.: layer-wise partitioning and merging, S(N) for N = 1..{counts[-1]}\n\n"
             f"Simulated 1F1B, {MICROBATCHES} microbatches per step for every N; profiles: {', '.join(sources)}; "
-            f"links: {link_text}.\n\n{table}\n\n{verdict(rows)}\n")
+            f"links: {link_text}.\n\n{table}\n\n{merge_table(paper_profiles.load(models[-1]), links[-1], counts[-1])}"
+            f"\n\n{verdict(rows)}\n")
