@@ -66,14 +66,14 @@ class Channel:
         self.tag_blind = nccl if tag_blind is None else tag_blind
         self.batched = self.tag_blind and not self.staged
         self.pending: list[tuple[dist.P2POp, Received | None, int]] = []  # batched: (op, its receive, dst)
-        if self.batched and nccl:
-            dist.barrier()  # batch_isend_irecv must not be the group's first collective unless every rank takes part
+        if self.batched and nccl:  # every rank starts the group's NCCL communicator here, not in its first batch of
+            dist.all_reduce(torch.zeros(1, device=device))  # sends and receives (batch_isend_irecv's caveat)
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
         self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
         # gloo, where asked: yield the core once after each isend, so the socket thread can send it now rather than
         # when this rank next blocks (HostTuning.send_yield, fxpipe.calibration.threads.send_yields)
-        self.yield_after_send = yield_after_send and dist.get_backend() == "gloo"
+        self.yield_after_send = yield_after_send and not nccl
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
              buf: torch.Tensor | None = None) -> Received:

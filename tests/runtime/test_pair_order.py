@@ -91,3 +91,26 @@ def test_a_perturbed_order_is_refused_with_the_pair_and_message() -> None:
         check_pair_order(programs)
     posts.append(last)
     check_pair_order(programs)
+
+
+def test_fxpipe_run_takes_nccl_only_where_every_rank_has_a_gpu_of_its_own() -> None:
+    from fxpipe.cli.rank import process_group_backend
+
+    assert process_group_backend("cuda", 2, 2) == "nccl"
+    assert process_group_backend("cuda", 8, 4) == "nccl"
+    assert process_group_backend("cuda", 1, 2) == "gloo"  # two ranks on one GPU: NCCL refuses, gloo stages
+    assert process_group_backend("cuda", 0, 1) == "gloo"
+    assert process_group_backend("cpu", 8, 2) == "gloo"
+
+
+def test_the_channel_reads_the_backend_of_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group started without a backend runs gloo for CPU tensors and NCCL for CUDA ones."""
+    import torch
+
+    from fxpipe.runtime import channel
+
+    monkeypatch.setattr(channel.dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    assert channel.backend_of(torch.device("cuda", 1)) == "nccl"
+    assert channel.backend_of(torch.device("cpu")) == "gloo"
+    monkeypatch.setattr(channel.dist, "get_backend", lambda: "gloo")
+    assert channel.backend_of(torch.device("cuda", 0)) == "gloo"
