@@ -2,8 +2,9 @@
 
 Every rank builds the same plan and schedule, lowers them to its own program
 (:func:`fxpipe.runtime.lower.lower`: its compute actions, each with the messages it waits for and
-the messages it sends), and runs only that. Receives are posted at the start of the step into
-buffers shaped from the stage graphs and waited for right before the compute that reads them;
+the messages it sends), and runs only that. Receives are posted at the start of the step, in the
+lowering's posting order (each sender's order, as NCCL needs), into buffers shaped from the stage
+graphs, and waited for right before the compute that reads them;
 sends go out right after the compute that makes them and are completed at the end of the step
 (:class:`fxpipe.runtime.channel.Channel`, which also owns the CUDA streams). A microbatch's values
 are dropped once no stage of the rank reads them again, its saved tensors once W ran. Gradients
@@ -89,8 +90,8 @@ class PipelineRuntime:
     :func:`fxpipe.schedules.auto.plan_recompute`), or stage indices; :attr:`recompute` holds the stages chosen
     (every rank's), :attr:`recompute_note` why. Synchronous schedules; the recomputed forward runs the eager F graph.
     ``tag_blind``: one tag for all of a pair of ranks' messages, matched first in, first out, as NCCL does
-    (None: under NCCL only; True on gloo tests the order NCCL needs); its receives are posted one action ahead
-    (``prefetch`` 0) unless ``prefetch`` says otherwise. See :mod:`fxpipe.runtime.channel`.
+    (None: under NCCL only; True on gloo tests the order NCCL needs); its receives are posted right before the
+    action that reads them (``prefetch`` 0) unless ``prefetch`` says otherwise. See :mod:`fxpipe.runtime.channel`.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
