@@ -3,10 +3,12 @@ from A. The lowering derives every rank's posting order from its senders' and re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fxpipe.errors import LoweringError
-from fxpipe.runtime.lower import check_pair_order, lower_all
+from fxpipe.runtime.lower import Message, RankProgram, check_pair_order, lower_all
 from fxpipe.schedules.generators import GENERATORS, generate
 from fxpipe.schedules.simulate import Costs
 from tests._helpers import zoo_pipe
@@ -15,7 +17,7 @@ from tests._helpers import zoo_pipe
 PIPES = [("mlp-tiny", 2), ("gpt-tiny", 4), ("gpt-tiny", 8)]
 
 
-def _programs(model: str, stages: int, schedule: str, m: int) -> list:
+def _programs(model: str, stages: int, schedule: str, m: int) -> list[RankProgram]:
     pipe = zoo_pipe(model, stages)
     return lower_all(pipe, generate(schedule, stages, m, Costs.from_plan(pipe.plan)))
 
@@ -59,9 +61,7 @@ def test_interleaved_needs_the_derived_order() -> None:
         check_pair_order(read_order)
 
 
-def _with_posts(p, posts):  # noqa: ANN001, ANN202
-    import dataclasses
-
+def _with_posts(p: RankProgram, posts: list[Message]) -> RankProgram:
     return dataclasses.replace(p, posts=list(posts))
 
 
