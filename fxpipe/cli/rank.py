@@ -6,8 +6,8 @@ through pinned host memory). The plan, loaded on the CPU, is moved there first (
 parameters, constants and the graphs' device literals). ``--cuda-graphs auto|on|off`` is
 ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: on a CUDA rank running a synchronous schedule's eager graphs).
 
-Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
-``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
+Run as :func:`entry`, forked by ``fxpipe.cli.agent`` (torchrun's agent; ``fxpipe run`` starts it, see
+``fxpipe.cli.ranks``), or as ``python -m fxpipe.cli.rank`` under torchrun itself; reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
 ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
 and the runtime does not import the zoo; ``--loss`` / ``--data FILE.py:FUNCTION`` replace them
 (``fxpipe.cli.feed``: this rank reads only what its stages consume, its replica's rows).
@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-yield", choices=("auto", "on", "off"), default="off")
     parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=0)
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(args.out)
+    try:  # which process runs this rank, for fxpipe run (fxpipe.cli.ranks.rank_pids)
+        (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    except OSError:
+        pass
     watch_launcher()
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", "0"))
-    out = Path(args.out)
     try:
         from fxpipe.cli.ranks import keep_earlier_error
 
@@ -599,6 +603,17 @@ def zoo_of(plan: Any, device: str = "cpu") -> Any:
                             device=device)
     except FxpipeError:  # not a zoo name: the user's own model
         return None
+
+
+def entry(*argv: str) -> int:
+    """The rank as the function ``fxpipe.cli.agent`` forks: :func:`main` of ``argv``; a failure exits with its code
+    (torchrun's agent reads a function's failure from its exit code)."""
+    code = main(list(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+    return 0
 
 
 if __name__ == "__main__":

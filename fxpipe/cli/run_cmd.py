@@ -151,7 +151,7 @@ def run_cmd(
                                             "from the run's first, in which --fail-rank or --kill-rank fires (the "
                                             "first attempt's only).")] = 1,
 ) -> None:
-    """Train the plan on its schedule's ranks x --dp (torch.distributed.run, gloo), on this machine or across
+    """Train the plan on its schedule's ranks x --dp (torchrun's elastic agent, gloo), on this machine or across
     --nnodes machines: per-step table, measured vs simulated."""
     with one_line_errors():
         import shutil
