@@ -94,7 +94,7 @@ def run_cmd(
                                                         "for synchronous schedules with --codegen eager; a call "
                                                         "that cannot be captured runs op by op).",
                                                         show_default=False)] = None,
-    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
+    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b, layerpipe-async): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
                                               "(SpecTrain's paper version: F and B each extrapolated to the "
                                               "version current when the microbatch completes; needs --momentum) "

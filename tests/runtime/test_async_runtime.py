@@ -19,7 +19,8 @@ from tests._helpers import HANG_S, Forked, stream
 
 WORKER = Path(__file__).with_name("_async_worker.py")
 # every policy on PipeDream's async-1f1b, and LayerPipe's delayed-gradient schedule (W apart from B) with prediction
-RUNS = [("async-1f1b", p) for p in ("stale", "stash", "predict", "predict-consistent")] + [("layerpipe-async", "predict")]
+RUNS = [("async-1f1b", p) for p in ("stale", "stash", "predict", "predict-consistent")] + \
+    [("layerpipe-async", "predict")]
 
 
 # one launch (~30 s: every rank builds its graphs); 2 and 4 stages: test_async_reference.py
