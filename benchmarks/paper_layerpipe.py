@@ -9,7 +9,7 @@ rate (``GPU_FLOPS``, ``GPU_MEM_BW``: data, below) and three links (``LINKS``). S
 microbatch updates per second. Communication = bytes sent between stages per microbatch (each cut's
 activation forward and its gradient back).
 
-    python benchmarks/paper_layerpipe.py [--quick]
+    python benchmarks/paper_layerpipe.py [--quick]     (the full run writes results/paper_layerpipe/summary.md)
 
 Departures: the paper assigns layer tasks (F, the two halves of the input gradient, the weight
 gradient) to processors freely; here W stays on its stage's rank, in the rank's order (a second CUDA
@@ -165,7 +165,12 @@ def main(quick: bool = False) -> str:
     head = (f"### LayerPipe against PipeDream (simulated; per-layer FLOPs at {GPU_FLOPS / 1e12:.0f} TFLOP/s, "
             f"{GPU_MEM_BW / 1e12:.1f} TB/s; 16 x stages microbatches streamed; PipeDream's best contiguous "
             f"partition per link)\n\n")
-    return head + table(data) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
+    text = head + table(data) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
+    if not quick:
+        out = HERE / "results" / "paper_layerpipe"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -216,5 +216,6 @@ def memory_report(schedule: Schedule, param_bytes: Sequence[float]) -> Report:
         rows=tuple(rows),
         notes=(f"{schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches: besides the "
                "live weights, stash keeps the version each microbatch in flight read in its F (shared by microbatches "
-               "that read the same one) and predict one predicted copy per microbatch whose F or B looks ahead",),
+               "that read the same one); the predicting policies one prediction while a phase that looks ahead "
+               "runs, none between actions",),
     )
