@@ -96,7 +96,7 @@ def run_cmd(
                                                         show_default=False)] = None,
     weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b, layerpipe-async): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
-                                              "(SpecTrain's paper version: F and B each extrapolated to the "
+                                              "(SpecTrain as the paper has it, so the default prediction: F and B each extrapolated to the "
                                               "version current when the microbatch completes; needs --momentum) "
                                               "or predict-consistent (its variant: F extrapolated to the version "
                                               "its update applies to, B the same version).")] = "stash",
