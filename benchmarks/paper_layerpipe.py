@@ -3,11 +3,12 @@
 PipeDream: ``async-1f1b`` (1F1B's order, no flush, each stage's backward one fused B+W action: weight
 stashing). LayerPipe: ``layerpipe-async`` (the same order with B and W split, each W one backward
 slot after its B: the delayed weight gradient; the input gradient leaves for the stage before as
-soon as B ends). Both on the partition fxpipe's partitioner picks for the stage count, with a stream
-of 16 x stages microbatches (the steady state dominates), the zoo's per-layer FLOPs at a GPU-class
-rate (``GPU_FLOPS``, ``GPU_MEM_BW``: data, below) and three links (``LINKS``). Steps per second =
-microbatch updates per second. Communication = bytes sent between stages per microbatch (each cut's
-activation forward and its gradient back).
+soon as B ends). Both on the partitioner DP's best contiguous partition for the stage count and link,
+a stream of 16 x stages microbatches. Per-layer costs: the committed profiles (benchmarks/profiles/,
+read through paper_profiles, so papers.py's --profiles and --compute-scale apply) and fxpipe's
+FLOP/byte roofline at a GPU-class rate (``GPU_FLOPS``, ``GPU_MEM_BW``) for full-size models; links
+from profiles/links.json. Steps per second = microbatch updates per second; communication = bytes
+sent between stages per microbatch (each cut's activation and its gradient).
 
     python benchmarks/paper_layerpipe.py [--quick]     (the full run writes results/paper_layerpipe/summary.md)
 
@@ -22,23 +23,32 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
-# Link models: name -> (bytes per second, seconds of latency per message). Used for the stage-to-stage sends.
-LINKS: dict[str, tuple[float, float]] = {
-    "NVLink (300 GB/s)": (300e9, 5e-6),
-    "PCIe 4 x16 (25 GB/s)": (25e9, 10e-6),
-    "25 GbE (3 GB/s)": (3e9, 30e-6),
-}
+sys.path.insert(0, str(HERE))
+import paper_profiles  # noqa: E402  (the committed profiles and links.json, as papers.py sets them)
+
+
+def _links() -> dict[str, tuple[float, float]]:
+    """Link models: name -> (bytes per second, seconds of latency per message), from ``profiles/links.json``."""
+    names = {"nvlink": "NVLink", "pcie4": "PCIe 4 x16", "25gbe": "25 GbE"}
+    return {f"{names.get(k, k)} ({v['bandwidth'] / 1e9:.0f} GB/s)": (float(v["bandwidth"]), float(v["latency"]))
+            for k, v in paper_profiles.links().items()}
+
+
+LINKS = _links()
 # A GPU-class device (H100-like, sustained, not peak): what the zoo's FLOP and byte counts are timed at.
 GPU_FLOPS = 300e12
 GPU_MEM_BW = 2.0e12
 STAGES = (4, 7, 8, 9)
-# (zoo model, microbatch rows): VGG-16 is the paper's kind of network (a CNN); GPT and ResNet for contrast.
+# Costs of two kinds: the committed profiles (benchmarks/profiles/, measured per layer; papers.py --profiles and
+# --compute-scale apply), and fxpipe's FLOP/byte roofline at GPU_FLOPS / GPU_MEM_BW for (zoo model, microbatch
+# rows) at full size (VGG-16 at 224^2, ResNet-50, a GPT), kept in results/paper_layers/. VGG is the paper's kind.
+PROFILED = ("vgg-16-512", "resnet-small", "gpt-small")
+QUICK_PROFILED = ("vgg-16-512",)
 MODELS = (("vgg-16", 32), ("resnet-50", 32), ("gpt-base", 8))
 QUICK_MODELS = (("vgg-16", 32),)
 CLAIM_AVG, CLAIM_PEAK = 0.25, 0.80
@@ -102,13 +112,32 @@ def stage_costs(layers: list[dict[str, float]], stages: int, bandwidth: float, l
                  allreduce_bandwidth=bandwidth)
 
 
-def rows(models: tuple[tuple[str, int], ...]) -> list[dict[str, Any]]:
+def profile_table(model: str) -> tuple[list[dict[str, float]], str]:
+    """The committed profile of ``model`` as :func:`layer_table`'s rows (compute scaled as papers.py says), and
+    where it came from."""
+    prof = paper_profiles.load(model)
+    f, b, w = prof.field("f"), prof.field("b"), prof.field("w")
+    cuts = prof.cut_bytes + [0.0]
+    out = [{"name": x["name"], "f": f[i], "b": b[i], "w": w[i], "send_bytes": cuts[i],
+            "saved_bytes": float(x["saved_bytes"]), "param_bytes": float(x["param_bytes"])}
+           for i, x in enumerate(prof.doc["layers"])]
+    return out, f"{prof.source}: {prof.device}, microbatch {prof.doc['microbatch']}"
+
+
+def tables(quick: bool) -> list[tuple[str, list[dict[str, float]], str]]:
+    """(model, per-layer rows, source) for the profiled models and the roofline ones."""
+    out = [(m, *profile_table(m)) for m in (QUICK_PROFILED if quick else PROFILED)]
+    out += [(m, layer_table(m, r), f"roofline at {GPU_FLOPS / 1e12:.0f} TFLOP/s, {GPU_MEM_BW / 1e12:.1f} TB/s, "
+             f"microbatch {r}") for m, r in (QUICK_MODELS if quick else MODELS)]
+    return out
+
+
+def rows(models: list[tuple[str, list[dict[str, float]], str]]) -> list[dict[str, Any]]:
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import simulate
 
     out = []
-    for model, mb_rows in models:
-        layers = layer_table(model, mb_rows)
+    for model, layers, source in models:
         for p in STAGES:
             if p > len(layers):
                 continue
@@ -119,7 +148,8 @@ def rows(models: tuple[tuple[str, int], ...]) -> list[dict[str, Any]]:
                 lp = simulate(generate("layerpipe-async", p, m), costs)
                 # a bound, not a simulation of two streams: W entirely hidden behind the next B or F
                 hidden = simulate(generate("layerpipe-async", p, m), dataclasses.replace(costs, w=(0.0,) * p))
-                out.append({"model": model, "stages": p, "link": link, "pd": m / pd.makespan, "lp": m / lp.makespan,
+                out.append({"model": model, "source": source, "stages": p, "link": link, "pd": m / pd.makespan,
+                            "lp": m / lp.makespan,
                             "bound": m / hidden.makespan,
                             "pd_bytes": sum(r.bytes_sent for r in pd.ranks) / m,
                             "lp_bytes": sum(r.bytes_sent for r in lp.ranks) / m})
@@ -133,17 +163,22 @@ def table(data: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['stages']} | {r['link']} | {r['pd']:.1f} | {r['lp']:.1f} | "
                      f"{r['lp'] / r['pd'] - 1:+.1%} | {r['bound'] / r['pd'] - 1:+.1%} | "
                      f"{r['pd_bytes'] / 1e6:.2f} / {r['lp_bytes'] / 1e6:.2f} |")
-    lines += ["", "Speedup of LayerPipe over PipeDream at 7-9 stages (the paper's range), per link:", ""]
     verdicts = []
-    for link in LINKS:
-        gains = [r["lp"] / r["pd"] - 1 for r in data if r["link"] == link and 7 <= r["stages"] <= 9]
-        avg, peak = statistics.mean(gains), max(gains)
-        holds = avg >= CLAIM_AVG and peak >= CLAIM_PEAK
-        verdicts.append((link, avg, peak, holds))
-        bound = [r["bound"] / r["pd"] - 1 for r in data if r["link"] == link and 7 <= r["stages"] <= 9]
-        lines.append(f"- {link}: average {avg:+.1%}, peak {peak:+.1%}: "
-                     f"{'holds' if holds else 'does not hold'} (claim: 25% average, 80% peak); with W hidden "
-                     f"(a bound): average {statistics.mean(bound):+.1%}, peak {max(bound):+.1%}")
+    for kind in ("profiled", "roofline"):
+        mine = [r for r in data if r["source"].startswith("roofline") == (kind == "roofline")]
+        if not mine:
+            continue
+        lines += ["", f"Speedup of LayerPipe over PipeDream at 7-9 stages (the paper's range), {kind} costs, per link:",
+                  ""]
+        for link in LINKS:
+            gains = [r["lp"] / r["pd"] - 1 for r in mine if r["link"] == link and 7 <= r["stages"] <= 9] or [0.0]
+            bound = [r["bound"] / r["pd"] - 1 for r in mine if r["link"] == link and 7 <= r["stages"] <= 9] or [0.0]
+            avg, peak = statistics.mean(gains), max(gains)
+            holds = avg >= CLAIM_AVG and peak >= CLAIM_PEAK
+            verdicts.append((f"{link} ({kind})", avg, peak, holds))
+            lines.append(f"- {link}: average {avg:+.1%}, peak {peak:+.1%}: "
+                         f"{'holds' if holds else 'does not hold'} (claim: 25% average, 80% peak); with W hidden "
+                         f"(a bound): average {statistics.mean(bound):+.1%}, peak {max(bound):+.1%}")
     same = all(abs(r["pd_bytes"] - r["lp_bytes"]) <= 1e-9 * max(1.0, r["pd_bytes"]) for r in data)
     held = [v for v in verdicts if v[3]]
     some = [v for v in verdicts if v[1] > 0.01]
@@ -155,17 +190,17 @@ def table(data: list[dict[str, Any]]) -> str:
             "on a second stream (the bound column), which the simulator does not model")
     why += ("; communication is the same bytes (the cut's activation and its gradient), so 'less communication' "
             "is not reproduced" if same else "; communication differs between the two")
-    lines += ["", f"Verdict: {word}: {why}."]
+    lines += ["", f"**Verdict: {word}.** {why[0].upper()}{why[1:]}."]
     return "\n".join(lines)
 
 
 def main(quick: bool = False) -> str:
-    t0 = time.perf_counter()
-    data = rows(QUICK_MODELS if quick else MODELS)
-    head = (f"### LayerPipe against PipeDream (simulated; per-layer FLOPs at {GPU_FLOPS / 1e12:.0f} TFLOP/s, "
-            f"{GPU_MEM_BW / 1e12:.1f} TB/s; 16 x stages microbatches streamed; PipeDream's best contiguous "
-            f"partition per link)\n\n")
-    text = head + table(data) + f"\n\n({time.perf_counter() - t0:.0f} s)\n"
+    models = tables(quick)
+    data = rows(models)
+    sources = "\n".join(f"- {m}: {src}" for m, _, src in models)
+    head = ("## LayerPipe against PipeDream (simulated; 16 x stages microbatches streamed; PipeDream's best "
+            f"contiguous partition per link)\n\nCosts per layer:\n\n{sources}\n\n")
+    text = head + table(data) + "\n"
     if not quick:
         out = HERE / "results" / "paper_layerpipe"
         out.mkdir(parents=True, exist_ok=True)
