@@ -1,10 +1,10 @@
 """One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on its data, write results.
 
-``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees), several ranks sharing a GPU where there
-are more ranks than GPUs (gloo stages every message through pinned host memory): the plan, loaded on the
-CPU, is moved there first (``Pipeline.to_device``: parameters, constants and the graphs' device literals);
-``--cuda-graphs auto|on|off`` is ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: CUDA graphs on a CUDA
-rank running a synchronous schedule's eager graphs).
+``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees): over NCCL where each rank of the node has a
+GPU of its own (``process_group_backend``), else over gloo, several ranks sharing a GPU (every message staged
+through pinned host memory). The plan, loaded on the CPU, is moved there first (``Pipeline.to_device``:
+parameters, constants and the graphs' device literals). ``--cuda-graphs auto|on|off`` is
+``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: on a CUDA rank running a synchronous schedule's eager graphs).
 
 Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
 ``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
@@ -97,8 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         args.host = host_tuning(args)
         # before the process group, so that gloo's threads start on this rank's CPUs too
         cpus = args.host.pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = process_group_backend(args.device, _gpus(args.device), local_world)
+        if backend == "nccl":  # this rank's own GPU, before NCCL starts on it; CPU tensors (results, losses) take gloo
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+            dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
+                                    timeout=timedelta(seconds=args.timeout))
         except Exception as exc:  # across machines: a port the firewall blocks, or a host name that resolves locally
             from fxpipe.errors import RankFailedError
 
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "GLOO_SOCKET_IFNAME picks the network interface)") from exc
         result, params = _run(args, rank, dist.get_world_size())
         result["cpus"] = list(cpus)  # the CPUs this rank ran on (none: wherever the system put it)
+        result["backend"] = backend  # what carried the pipeline's messages
         _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # every rank is done talking before any tears its connections down
@@ -439,6 +447,22 @@ def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: 
     return [[stage, kind, statistics.median(step[(stage, kind)] for step in steps if (stage, kind) in step) * 1e3,
              timed.time(Action(stage, Kind(kind), 0)) * 1e3]
             for stage, kind in sorted({k for step in steps for k in step})]
+
+
+def process_group_backend(device: str, gpus: int, local_world: int) -> str:
+    """``nccl`` where every rank of this node has a GPU of its own (``--device cuda``, ``gpus`` >= the node's ranks):
+    messages go GPU to GPU, one tag per pair (the runtime's tag-blind order). Else ``gloo``: on the CPU, or ranks
+    sharing a GPU (NCCL refuses two ranks on one device), each message staged through pinned host memory."""
+    return "nccl" if device == "cuda" and local_world >= 1 and gpus >= local_world else "gloo"
+
+
+def _gpus(device: str) -> int:
+    """The GPUs torch sees here (0 without ``--device cuda``: torch.cuda is not touched)."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def rank_device(name: str) -> Any:

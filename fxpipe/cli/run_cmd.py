@@ -351,6 +351,8 @@ def run_cmd(
             # each rank's CPUs (--pin-ranks; empty: placed by the system)
             "cpus_per_rank": [r.get("cpus", []) for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
+            # what carried the messages: nccl where each rank had a GPU of its own, else gloo (fxpipe.cli.rank)
+            "backend": ", ".join(sorted({str(r.get("backend", "gloo")) for r in results})),
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
             "recompute": results[0].get("recompute", []), "recompute_note": recompute_note,
