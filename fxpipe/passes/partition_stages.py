@@ -424,7 +424,7 @@ def _held_per_microbatch(stats: Sequence[LayerStats], schedule: str) -> list[flo
     return [float(s.saved_bytes) for s in stats]
 
 
-_ASYNC = frozenset({"async-1f1b"})
+_ASYNC = frozenset({"async-1f1b", "layerpipe-async"})
 
 
 def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tuple[list[int], str]:
