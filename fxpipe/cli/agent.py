@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fxpipe import _compat
-from fxpipe.cli.ranks import rank_pids
+from fxpipe.cli.ranks import RANK_MODULE, rank_pids  # no torch: the fork server starts before this process imports it
 
 # What the fork server imports once, for every rank (see fxpipe.cli.rank.entry).
 PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "fxpipe.cli.rank"]
@@ -26,12 +25,29 @@ PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "fxpip
 
 def main(argv: list[str] | None = None) -> None:
     import multiprocessing
+    from multiprocessing import forkserver
 
+    argv = sys.argv[1:] if argv is None else argv
+    at = argv.index(RANK_MODULE) if RANK_MODULE in argv else 0
+    if at == 0 or argv[at - 1] not in ("-m", "--module"):
+        raise SystemExit(f"fxpipe.cli.agent starts -m {RANK_MODULE} only (got {' '.join(argv)[:200]!r})")
+    # The fork server first: it imports torch and the rank program while this process imports torch's launcher
+    # and meets the other nodes.
+    os.environ["PYTHONUNBUFFERED"] = "1"  # torchrun's "python -u": this process's children (the fork server) only
+    _short_socket_dir()
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_launch)(argv)  # as torchrun's main: a failure's summary on stderr, and the exit code
+
+
+def _launch(argv: list[str]) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
     from fxpipe.cli.rank import entry
-    from fxpipe.cli.ranks import RANK_MODULE
 
     args = torchrun.parse_args(argv)
     if not args.module or args.training_script != RANK_MODULE or args.no_python or args.run_path:
@@ -45,9 +61,6 @@ def main(argv: list[str] | None = None) -> None:
         args.master_port = 29500
     config, _python, cmd_args = torchrun.config_from_args(args)
     config.start_method = "forkserver"
-    os.environ["PYTHONUNBUFFERED"] = "1"  # torchrun's "python -u": this process's children (the fork server) only
-    _short_socket_dir()
-    multiprocessing.set_forkserver_preload(PRELOAD)
     rank_args = cmd_args[cmd_args.index(RANK_MODULE) + 1:]  # after torchrun's "-u -m fxpipe.cli.rank"
     with _exits(Path(rank_args[rank_args.index("--out") + 1])):
         elastic_launch(config=config, entrypoint=entry)(*rank_args)
@@ -61,6 +74,8 @@ def _exits(out_dir: Path) -> Iterator[None]:
     it finds, and the summary names that one alone; torchrun's command entrypoints list every failure. A rank that was
     killed (SIGKILL: the out-of-memory killer) while a peer failed at once, reporting that it lost it, would go unnamed.
     """
+    from fxpipe import _compat
+
     contexts: list[Any] = []
     with _compat.process_contexts(contexts.append):
         try:
@@ -95,6 +110,4 @@ def _short_socket_dir() -> None:
 
 
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(main)(sys.argv[1:])
+    main()
