@@ -1,13 +1,16 @@
-"""Compiled stages (``codegen="inductor"``): each stage's F, B and W graphs, and W's accumulating variants, through
-``torch.compile`` (Inductor), with static shapes and one graph each (``fullgraph``).
+"""Compiled stages (``codegen="inductor"``, and ``backend="fxpipe"``'s ``inductor`` option): each stage's F, B and W
+graphs, and W's accumulating variants, through Inductor, called on the graphs directly (no Dynamo: a Dynamo
+backend's callable runs with Dynamo disabled, and the graphs have no Python to trace).
 
 The graphs are the same ATen graphs the eager runtime calls, so what is computed does not change; Inductor fuses
-their element-wise work and, on CPU, emits C++ that a compiler builds. Without a C++ compiler (``g++``/``clang``
-on PATH, what Inductor looks for) the stages run eagerly and one line says so. Compiled code is cached by
-Inductor in ``$XDG_CACHE_HOME/fxpipe/inductor`` (else ``~/.cache/fxpipe/inductor``): a cache of this user on this
-machine, shared by its ranks, never beside the plan: a plan directory is data someone may have handed over, and
-fxpipe never executes code from one. Asynchronous schedules read weight versions through
-``torch.func.functional_call`` and stay eager.
+their element-wise work (Triton on CUDA; on CPU, C++ that a compiler builds). A graph compiles on its first call,
+for that call's shapes, strides and dtypes, and again for each new set; a graph Inductor cannot compile (no C++
+compiler for CPU code, an op it refuses) runs eagerly, with one warning per :class:`Inductor`. Compiled code
+is cached by Inductor's FX graph cache; ``check_codegen`` (the runtime's ranks) points it at
+``$XDG_CACHE_HOME/fxpipe/inductor`` (else ``~/.cache/fxpipe/inductor``): a cache of this user on this machine,
+shared by its ranks, never beside the plan: a plan directory is data someone may have handed over, and fxpipe
+never executes code from one. Asynchronous schedules read weight versions through ``torch.func.functional_call``
+and stay eager.
 """
 
 from __future__ import annotations
@@ -46,17 +49,80 @@ def use_cache_dir() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
 
 
-def compiled(gm: Any) -> Any:
-    """``gm`` through Inductor: static shapes, one graph (the graphs have no Python control flow to break on)."""
+class Inductor:
+    """The graphs one executor compiles: the first that Inductor cannot compile warns, later ones run eagerly quietly."""
+
+    def __init__(self) -> None:
+        self.compiled = 0  # graphs compiled (one per graph and input signature)
+        self.failed: list[str] = []  # why each graph that runs eagerly could not compile
+
+    def graph(self, gm: Any) -> InductorGraph:
+        return InductorGraph(gm, self)
+
+    def give_up(self, gm: Any, exc: Exception) -> None:
+        import warnings
+
+        from fxpipe.errors import first_line
+
+        self.failed.append(f"{type(exc).__name__}: {first_line(exc)}")
+        if len(self.failed) == 1:
+            warnings.warn(f"Inductor could not compile a stage graph ({self.failed[0][:300]}); it runs eagerly "
+                          "(op by op), as do any others that fail", stacklevel=4)
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     import torch
 
-    use_cache_dir()
-    return torch.compile(gm, backend="inductor", dynamic=False, fullgraph=True)
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                 else a if isinstance(a, (int, float, bool, str, type(None))) else type(a) for a in args)
 
 
-def compile_stage(g: Any) -> Any:
+class InductorGraph:
+    """``gm`` through Inductor, compiled at its first call for that call's input signature (see the module docstring).
+
+    The graph Inductor gets is a copy of ``gm``'s graph on ``gm`` itself (Inductor may rewrite the graph it is
+    given), so it reads ``gm``'s parameters and buffers, where an optimizer updates them in place.
+    """
+
+    def __init__(self, gm: Any, owner: Inductor) -> None:
+        self.gm = gm
+        self.owner = owner
+        self.by_signature: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = _signature(args)
+        fn = self.by_signature.get(key)
+        if fn is None:
+            fn = self.by_signature[key] = self._compile(args)
+        return fn(*args)
+
+    def _compile(self, args: tuple[Any, ...]) -> Any:
+        import torch
+
+        from fxpipe._compat import inductor_compile
+        from fxpipe.graphs.fx import copy_graph
+
+        copy = torch.fx.GraphModule(self.gm, copy_graph(self.gm.graph), class_name=type(self.gm).__name__)
+        try:
+            # The graphs carry their own casts (autocast was applied when they were traced): none again here.
+            with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                fn = inductor_compile(copy, list(args))
+        except Exception as exc:  # noqa: BLE001  (whatever Inductor refuses, the graph runs as it is)
+            self.owner.give_up(self.gm, exc)
+            return self.gm
+        self.owner.compiled += 1
+        return fn
+
+
+def compiled(gm: Any, inductor: Inductor | None = None) -> InductorGraph:
+    """``gm`` through Inductor (compiled at its first call; see :class:`InductorGraph`)."""
+    return (inductor or Inductor()).graph(gm)
+
+
+def compile_stage(g: Any, inductor: Inductor | None = None) -> Any:
     """A stage's ``StageGraphs`` with its F, B and W compiled (a fused stage, without them, is returned as it is)."""
     if g.fused:
         return g
-    return dataclasses.replace(g, forward=compiled(g.forward), backward_input=compiled(g.backward_input),
-                               backward_weight=compiled(g.backward_weight))
+    inductor = inductor or Inductor()
+    return dataclasses.replace(g, forward=compiled(g.forward, inductor), backward_input=compiled(g.backward_input, inductor),
+                               backward_weight=compiled(g.backward_weight, inductor))
