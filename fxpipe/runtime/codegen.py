@@ -102,7 +102,9 @@ class InductorGraph:
         from fxpipe._compat import inductor_compile
         from fxpipe.graphs.fx import copy_graph
 
-        copy = torch.fx.GraphModule(self.gm, copy_graph(self.gm.graph), class_name=type(self.gm).__name__)
+        graph = copy_graph(self.gm.graph)
+        rebuild = _flat_outputs(graph)
+        copy = torch.fx.GraphModule(self.gm, graph, class_name=type(self.gm).__name__)
         try:
             # The graphs carry their own casts (autocast was applied when they were traced): none again here.
             with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -111,7 +113,50 @@ class InductorGraph:
             self.owner.give_up(self.gm, exc)
             return self.gm
         self.owner.compiled += 1
-        return fn
+        return lambda *a: rebuild(fn(*a))
+
+
+def _flat_outputs(graph: Any) -> Any:
+    """Make ``graph`` return a flat tuple of tensors (what AOTAutograd compiles), in place, and return the function
+    that rebuilds the original outputs from it. B's handover may name a multi-output op's whole result (a tuple),
+    and an output may be a constant (None)."""
+    import operator
+
+    from fxpipe._compat import pytree
+
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out.args[0])
+    flat: list[Any] = []
+    plan: list[Any] = []  # per leaf: ("node", k) / ("tuple", [k...], type) / ("const", value)
+    with graph.inserting_before(out):
+        for leaf in leaves:
+            val = leaf.meta.get("val") if hasattr(leaf, "meta") else None
+            if hasattr(leaf, "op") and isinstance(val, (tuple, list)):
+                ks = []
+                for i in range(len(val)):
+                    ks.append(len(flat))
+                    flat.append(graph.call_function(operator.getitem, (leaf, i)))
+                plan.append(("tuple", ks, type(val)))
+            elif hasattr(leaf, "op"):
+                plan.append(("node", len(flat)))
+                flat.append(leaf)
+            else:
+                plan.append(("const", leaf))
+    out.args = (tuple(flat),)
+    graph.lint()
+
+    def rebuild(results: Any) -> Any:
+        values = []
+        for entry in plan:
+            if entry[0] == "node":
+                values.append(results[entry[1]])
+            elif entry[0] == "tuple":
+                values.append(entry[2](results[k] for k in entry[1]))
+            else:
+                values.append(entry[1])
+        return pytree.tree_unflatten(values, spec)
+
+    return rebuild
 
 
 def compiled(gm: Any, inductor: Inductor | None = None) -> InductorGraph:
