@@ -145,3 +145,24 @@ def test_a_memory_cap_raises_the_default_microbatch_count(monkeypatch: pytest.Mo
         torch.testing.assert_close(*step["loss"])
         for grad, grad_ref in step["grads"].values():
             torch.testing.assert_close(grad, grad_ref)
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_at_smoke_sizes() -> None:
+    """benchmarks/backend_gpu.py --device cpu --smoke, one model, precision and two methods: the code the GPU script
+    runs (the GPU session runs it at full size; every method and both precisions were run here by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "backend_gpu.py"
+    spec = importlib.util.spec_from_file_location("backend_gpu", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    pytest.importorskip("transformers")
+    rows = bench.main(["--device", "cpu", "--smoke", "--models", "hf-llama", "--precisions", "fp32",
+                       "--methods", "eager", "fxpipe", "--iters", "2"])
+    assert [r["method"] for r in rows] == ["eager", "fxpipe"]
+    assert rows[1]["setup"] == "2x1"  # no options on one device: 2 stages, 1 microbatch
+    assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=1e-5)
+    assert all(r["median_ms"] > 0 for r in rows)
+    assert "| hf-llama | fp32 | 4x16 | fxpipe | 2x1 |" in bench.table(rows)
