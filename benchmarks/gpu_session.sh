@@ -10,6 +10,7 @@
 #      median of 15 steps, a table with ratios to torch.compile.
 # Usage (device tool: carry ["benchmarks/.wheels"] only if gpu_wheels.sh filled it):
 #   bash benchmarks/gpu_session.sh [all|tests|bench]      # logs and JSON under $OUT (else /tmp/fxpipe-gpu)
+#   FXPIPE_GPU_TESTS_K="compiled_path or bf16"            # only the GPU tests pytest's -k selects
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fxpipe-gpu}
@@ -38,7 +39,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     echo "== gpu tests: $files"
     # one process (-n 0): the GPU tests share one device
     timeout 300 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -ra --durations=15 \
-        -m gpu $files 2>&1 | grep -v DEBUG | tee "$OUT/gpu_tests.log" | tail -45
+        -m gpu ${FXPIPE_GPU_TESTS_K:+-k "$FXPIPE_GPU_TESTS_K"} $files 2>&1 | grep -v DEBUG | tee "$OUT/gpu_tests.log" | tail -45
     echo "== tests done at $((SECONDS - start)) s"
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
