@@ -153,8 +153,10 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
         try:
             first_loss = step()
         except Exception as exc:  # noqa: BLE001 - one method failing still leaves the others' numbers
-            print(f"{name} {precision} {method}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
-                  file=sys.stderr)
+            import traceback
+
+            print(f"{name} {precision} {method}: {type(exc).__name__}: "
+                  + "\n".join(traceback.format_exception(exc)[-12:])[-3000:], file=sys.stderr)
             continue
         runs[method] = {"step": step, "times": [], "model": model}
         _sync(device)
@@ -163,9 +165,7 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
         if method.startswith("fxpipe"):
             from fxpipe.backend import _LAST_RUNNER
 
-            runner = _LAST_RUNNER[0]
-            runs[method]["setup"] = (f"{len(runner.stages)}x{runner.m}" + (" inductor" if runner.inductor else "")
-                                     + (" graphs" if runner.step_graphs is not None else ""))
+            runs[method]["runner"] = _LAST_RUNNER[0]
         for _ in range(warmup):
             step()
     methods = [m for m in methods if m in runs]
@@ -190,6 +190,10 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
             _sync(device)
             peak = torch.cuda.max_memory_allocated(device) - before
         kernel_ms = _kernel_ms(r["step"], device)
+        runner = r.get("runner")
+        if runner is not None:  # after the timed steps: a failed capture leaves step_graphs None
+            r["setup"] = (f"{len(runner.stages)}x{runner.m}" + (" inductor" if runner.inductor else "")
+                          + (" graphs" if runner.step_graphs is not None else ""))
         times = sorted(r["times"])
         q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
         rows.append({

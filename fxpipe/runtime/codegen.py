@@ -88,11 +88,23 @@ class InductorGraph:
         self.gm = gm
         self.owner = owner
         self.by_signature: dict[tuple[Any, ...], Any] = {}
+        self.mutated = _mutated_inputs(gm)
 
     def __call__(self, *args: Any) -> Any:
+        import torch
+
+        # Inputs the graph only reads are made contiguous, so one compiled graph serves every layout a value comes
+        # in (an expanded loss gradient, a microbatch's slice of one, a CUDA graph's static copy of it).
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) and k not in self.mutated else a
+                     for k, a in enumerate(args))
         key = _signature(args)
         fn = self.by_signature.get(key)
         if fn is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # Compiling runs kernels and syncs: the capture fails, and its caller runs the step eagerly,
+                # where this graph compiles for these inputs.
+                raise RuntimeError("a stage graph met new input shapes inside a CUDA graph capture; Inductor "
+                                   "compiles it outside the capture")
             fn = self.by_signature[key] = self._compile(args)
         return fn(*args)
 
@@ -114,6 +126,24 @@ class InductorGraph:
             return self.gm
         self.owner.compiled += 1
         return lambda *a: rebuild(fn(*a))
+
+
+def _mutated_inputs(gm: Any) -> set[int]:
+    """Positions of the placeholders some op of ``gm`` writes in place (W_acc's gradient accumulators)."""
+    placeholders = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, spec in zip(node.args, schema.arguments):
+            if arg in placeholders and spec.alias_info is not None and spec.alias_info.is_write:
+                written.add(placeholders[arg])
+        for name, arg in node.kwargs.items():
+            spec = next((a for a in schema.arguments if a.name == name), None)
+            if arg in placeholders and spec is not None and spec.alias_info is not None and spec.alias_info.is_write:
+                written.add(placeholders[arg])
+    return written
 
 
 def _flat_outputs(graph: Any) -> Any:
