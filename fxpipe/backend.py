@@ -118,6 +118,8 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
             if pipe.stage_graphs is None:
                 raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
             if autocast is not None:  # the same stages, their graphs traced again under autocast
+                for stage in pipe.stage_list():
+                    _drop_dtype_asserts(stage.module)
                 for stage, g in zip(pipe.stage_list(), pipe.build_backward(m_args, autocast=autocast,
                                                                            input_grads=input_grads,
                                                                            example_kwargs=m_kwargs)):
@@ -199,6 +201,25 @@ def _outside_dynamo() -> Iterator[None]:
     """
     with outside_dynamo_tracing():
         yield
+
+
+def _drop_dtype_asserts(module: torch.fx.GraphModule) -> None:
+    """Remove torch.export's dtype checks from ``module`` (in place) before it is traced under autocast.
+
+    Export records the input of a ``.to(dtype)`` as ``aten._assert_tensor_metadata(x, dtype=float32)``
+    (Llama's RMSNorm: ``hidden_states.to(torch.float32)``); under autocast that input arrives in bf16
+    from a matmul autocast ran, as it does in eager, and the check (which computes nothing) would fail.
+    """
+    from fxpipe._compat import op_overload
+
+    check = op_overload("aten", "_assert_tensor_metadata", "default")
+    if check is None:
+        return
+    dropped = [n for n in module.graph.nodes if n.target is check and not n.users]
+    for node in dropped:
+        module.graph.erase_node(node)
+    if dropped:
+        module.recompile()
 
 
 def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:

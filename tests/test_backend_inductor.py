@@ -166,3 +166,35 @@ def test_the_gpu_benchmark_runs_on_the_cpu_at_smoke_sizes() -> None:
     assert rows[0]["first_loss"] == pytest.approx(rows[1]["first_loss"], rel=1e-5)
     assert all(r["median_ms"] > 0 for r in rows)
     assert "| hf-llama | fp32 | 4x16 | fxpipe | 2x1 |" in bench.table(rows)
+
+
+class _CastsToFloat(torch.nn.Module):
+    """A layer that casts its input to fp32 (as Llama's RMSNorm does), which torch.export records as a dtype check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).to(torch.float32)
+        return self.b(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_bf16_through_a_cast_to_float32_follows_eager_autocast() -> None:
+    # Under autocast the input of .to(float32) arrives in bf16 (from the autocast matmul), as in eager: export's
+    # check that it is fp32 (aten._assert_tensor_metadata) must not fail the trace. Found on Llama on an H200.
+    torch.manual_seed(0)
+    model = _CastsToFloat()
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+
+    class Zoo:
+        example_inputs, example_target = (x,), target
+        loss_fn = staticmethod(lambda out, t: torch.nn.functional.mse_loss(out.float(), t))
+
+    Zoo.model = model
+    run = _train(Zoo, {"stages": 2, "precision": "bf16"}, steps=2, autocast=torch.bfloat16)
+    for k, step in enumerate(run["steps"]):
+        torch.testing.assert_close(*step["loss"], atol=2e-2, rtol=2e-2, msg=lambda m: f"step {k} loss: {m}")
+        for name, (grad, grad_ref) in step["grads"].items():
+            assert grad.dtype == torch.float32, name
+            torch.testing.assert_close(grad, grad_ref, atol=2e-2, rtol=5e-2, msg=lambda m: f"step {k} {name}: {m}")
