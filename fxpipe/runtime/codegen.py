@@ -71,9 +71,12 @@ class Inductor:
 
 
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Shapes, strides, dtypes and devices of the tensors; the device of a 0-dim tensor is left out: CUDA's
+    attention kernels return their RNG seed and offset on the CPU when run eagerly and on the GPU inside a CUDA
+    graph capture, and the compiled graph hands them to the same kernel either way."""
     import torch
 
-    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device if a.dim() else None) if isinstance(a, torch.Tensor)
                  else a if isinstance(a, (int, float, bool, str, type(None))) else type(a) for a in args)
 
 
@@ -103,10 +106,18 @@ class InductorGraph:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 # Compiling runs kernels and syncs: the capture fails, and its caller runs the step eagerly,
                 # where this graph compiles for these inputs.
-                raise RuntimeError("a stage graph met new input shapes inside a CUDA graph capture; Inductor "
-                                   "compiles it outside the capture")
+                raise RuntimeError(f"a stage graph met new inputs inside a CUDA graph capture ({self._changed(key)}); "
+                                   "Inductor compiles it outside the capture")
             fn = self.by_signature[key] = self._compile(args)
         return fn(*args)
+
+    def _changed(self, key: tuple[Any, ...]) -> str:
+        """How ``key`` differs from the signature compiled first: what a capture's inputs changed."""
+        if not self.by_signature:
+            return "nothing compiled yet"
+        first = next(iter(self.by_signature))
+        diff = [f"input {k}: {a} -> {b}" for k, (a, b) in enumerate(zip(first, key)) if a != b]
+        return "; ".join(diff[:3]) or f"{len(first)} -> {len(key)} inputs"
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         import torch
