@@ -11,12 +11,12 @@ core's ``HeldBytes`` on. Per stage:
 - simulated: the same peak as the schedule's simulation holds the plan's ``held_fb`` / ``held_bw``
   (``fxpipe.planning.cost.held_peaks``, the simulator's accounting per stage); under ``stash`` also
   one copy of the stage's parameters per distinct weight version its microbatches in flight read,
-  under ``predict`` one per prediction kept (``fxpipe.schedules.versions.held_peaks_with_versions``);
+  under ``predict`` one while a phase that predicts runs (``fxpipe.schedules.versions.held_peaks_with_versions``);
 - closed form: ``fxpipe.planning.cost.activation_memory`` (what the partitioner uses).
 
 async-1f1b runs on the models without tied weights (mlp-deep), with ``stale`` weights (what the
 model counts), ``stash`` (which also keeps the snapshot each microbatch's F read until its W) and
-``predict`` (its F's prediction until B, B's until W), with momentum SGD.
+``predict`` (a prediction only while the phase that reads it runs), with momentum SGD.
 
     python benchmarks/memory_per_schedule.py [--models gpt-small mlp-deep] [--stages 2 4] [--microbatches 8]
 """

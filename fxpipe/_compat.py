@@ -13,7 +13,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
 __all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
-           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_group_size", "pytree"]
+           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -88,6 +88,27 @@ def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[
     from torch._functorch.partitioners import default_partition
 
     return default_partition(joint, None, num_fwd_outputs=num_fwd_outputs)
+
+
+@contextlib.contextmanager
+def process_contexts(seen: Any) -> Iterator[None]:
+    """Call ``seen(context)`` with each ``torch.multiprocessing`` process context started meanwhile in this process
+    (torchrun's agent starts function entrypoints through ``torch.multiprocessing.start_processes``): its
+    ``processes`` keep every exit code, where the agent's failure reports the first. Only fxpipe's agent uses it."""
+    import torch.multiprocessing as tmp
+
+    real = tmp.start_processes
+
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        context = real(*args, **kwargs)
+        seen(context)
+        return context
+
+    tmp.start_processes = start_processes
+    try:
+        yield
+    finally:
+        tmp.start_processes = real
 
 
 def descriptor_kind(desc: Any) -> str:

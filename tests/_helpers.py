@@ -486,9 +486,23 @@ ASYNC_ON_REPLICAS = {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbat
 BATCH_MIX = {"model": "batch-mix", "schedules": ["batched-w"], "microbatches": 4, "steps": 3}
 
 
+def tag_blind_cases(world: int) -> dict[str, dict[str, Any]]:
+    """tests/runtime/test_distributed.py's tag-blind cases (one tag per pair of ranks, as NCCL matches messages):
+    every synchronous schedule on mlp-tiny (interleaved on 4 ranks: gpt-tiny's 8 stages, whose receives are read in
+    another order than they are sent); on 2 ranks, a perturbed posting order with and without tags."""
+    blind = {"tag_blind": True}
+    if world == 2:
+        perturbed = {"model": "mlp-tiny", "schedules": ["1f1b"], "microbatches": 4, "steps": 2, "perturb": True}
+        return {"tag-blind-mlp-tiny": {**schedule_case("mlp-tiny", 2), **blind},
+                "perturbed-tag-blind": {**perturbed, **blind}, "perturbed-tags": perturbed}
+    return {"tag-blind-mlp-tiny": {**schedule_case("mlp-tiny", 4), **blind},
+            "tag-blind-interleaved-gpt-tiny": {**interleaved_case("gpt-tiny"), **blind}}
+
+
 def shared_cases(world: int) -> dict[str, dict[str, Any]]:
     """Every case of the launch of ``world`` ranks, by name."""
     cases = {f"schedules-{model}": schedule_case(model, world) for model in MODELS}
+    cases.update(tag_blind_cases(world))
     if world == 2:
         cases["replicas-async-refused"] = ASYNC_ON_REPLICAS
         cases["batched-w-batch-mix"] = BATCH_MIX

@@ -85,8 +85,8 @@ def compile_cmd(
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
                                                          "default: the stage count).", rich_help_panel="Partitioning")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pick a schedule for the plan and record it: "
-                                                    "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, batched-w, async-1f1b "
-                                                    "or auto.", rich_help_panel="Schedule")] = None,
+                                                    "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, batched-w, "
+                                                    "async-1f1b, layerpipe-async or auto.", rich_help_panel="Schedule")] = None,
     strategy: Annotated[Optional[StrategyChoice], typer.Option(
         help="A per-layer parallel configuration (degrees over batch, output and input channels) for each "
              "stage's --dp ranks (a power of two), recorded in the plan: auto (the search), dp (every layer "

@@ -1,13 +1,13 @@
 """One rank of ``fxpipe run``: load the plan, build its F/B/W graphs, train on its data, write results.
 
-``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees), several ranks sharing a GPU where there
-are more ranks than GPUs (gloo stages every message through pinned host memory): the plan, loaded on the
-CPU, is moved there first (``Pipeline.to_device``: parameters, constants and the graphs' device literals);
-``--cuda-graphs auto|on|off`` is ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: CUDA graphs on a CUDA
-rank running a synchronous schedule's eager graphs).
+``--device cuda`` trains on cuda:(LOCAL_RANK mod the GPUs torch sees): over NCCL where each rank of the node has a
+GPU of its own (``process_group_backend``), else over gloo, several ranks sharing a GPU (every message staged
+through pinned host memory). The plan, loaded on the CPU, is moved there first (``Pipeline.to_device``:
+parameters, constants and the graphs' device literals). ``--cuda-graphs auto|on|off`` is
+``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: on a CUDA rank running a synchronous schedule's eager graphs).
 
-Run as ``python -m fxpipe.cli.rank`` by ``torch.distributed.run`` (``fxpipe run`` starts it, see
-``fxpipe.cli.ranks``); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
+Run as :func:`entry`, forked by ``fxpipe.cli.agent`` (torchrun's agent; ``fxpipe run`` starts it, see
+``fxpipe.cli.ranks``), or as ``python -m fxpipe.cli.rank`` under torchrun itself; reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
 ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
 and the runtime does not import the zoo; ``--loss`` / ``--data FILE.py:FUNCTION`` replace them
 (``fxpipe.cli.feed``: this rank reads only what its stages consume, its replica's rows).
@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-yield", choices=("auto", "on", "off"), default="off")
     parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=0)
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(args.out)
+    try:  # which process runs this rank, for fxpipe run (fxpipe.cli.ranks.rank_pids)
+        (out / f"rank{rank}.pid").write_text(str(os.getpid()))
+    except OSError:
+        pass
     watch_launcher()
     import torch.distributed as dist
 
-    rank = int(os.environ.get("RANK", "0"))
-    out = Path(args.out)
     try:
         from fxpipe.cli.ranks import keep_earlier_error
 
@@ -97,8 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         args.host = host_tuning(args)
         # before the process group, so that gloo's threads start on this rank's CPUs too
         cpus = args.host.pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        backend = process_group_backend(args.device, _gpus(args.device), local_world)
+        if backend == "nccl":  # this rank's own GPU, before NCCL starts on it; CPU tensors (results, losses) take gloo
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+            dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
+                                    timeout=timedelta(seconds=args.timeout))
         except Exception as exc:  # across machines: a port the firewall blocks, or a host name that resolves locally
             from fxpipe.errors import RankFailedError
 
@@ -108,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "GLOO_SOCKET_IFNAME picks the network interface)") from exc
         result, params = _run(args, rank, dist.get_world_size())
         result["cpus"] = list(cpus)  # the CPUs this rank ran on (none: wherever the system put it)
+        result["backend"] = backend  # what carried the pipeline's messages
         _gather(out, rank, dist.get_world_size(), result, params, args.timeout)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # every rank is done talking before any tears its connections down
@@ -441,6 +453,22 @@ def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: 
             for stage, kind in sorted({k for step in steps for k in step})]
 
 
+def process_group_backend(device: str, gpus: int, local_world: int) -> str:
+    """``nccl`` where every rank of this node has a GPU of its own (``--device cuda``, ``gpus`` >= the node's ranks):
+    messages go GPU to GPU, one tag per pair (the runtime's tag-blind order). Else ``gloo``: on the CPU, or ranks
+    sharing a GPU (NCCL refuses two ranks on one device), each message staged through pinned host memory."""
+    return "nccl" if device == "cuda" and local_world >= 1 and gpus >= local_world else "gloo"
+
+
+def _gpus(device: str) -> int:
+    """The GPUs torch sees here (0 without ``--device cuda``: torch.cuda is not touched)."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def rank_device(name: str) -> Any:
     """``--device``: the CPU, or this rank's GPU, cuda:(LOCAL_RANK mod the GPUs torch sees), made the current one.
     Several ranks may share a GPU: gloo stages every message through host memory."""
@@ -575,6 +603,17 @@ def zoo_of(plan: Any, device: str = "cpu") -> Any:
                             device=device)
     except FxpipeError:  # not a zoo name: the user's own model
         return None
+
+
+def entry(*argv: str) -> int:
+    """The rank as the function ``fxpipe.cli.agent`` forks: :func:`main` of ``argv``; a failure exits with its code
+    (torchrun's agent reads a function's failure from its exit code)."""
+    code = main(list(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+    return 0
 
 
 if __name__ == "__main__":

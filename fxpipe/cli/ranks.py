@@ -127,7 +127,7 @@ def torchrun_command(plan_dir: Path, out_dir: Path, nproc: int, *, steps: int, l
     ``max_restarts``, torchrun's elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
     restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", *meet, *restart, f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "fxpipe.cli.agent", *meet, *restart, f"--nproc-per-node={nproc}",
            "-m", RANK_MODULE, str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
            "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank),
            "--kill-rank", str(kill_rank)]
@@ -267,9 +267,11 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))
-                for pid in seen.keys() - local.keys():
-                    local[pid] = _rank_of(pid)
-                stopped = {r for r in map(_rank_of, _stopped(seen)) if r is not None}
+                pids = rank_pids(progress.parent)
+                for pid in seen:
+                    if local.get(pid) is None:  # not known yet: a forked rank writes its pid file as it starts
+                        local[pid] = _rank_of(pid, pids)
+                stopped = {r for r in (_rank_of(p, pids) for p in _stopped(seen)) if r is not None}
                 now = time.monotonic()
                 since = {r: since.get(r, now) for r in stopped}
                 if stopped and (any(progress.parent.glob("rank*.error"))
@@ -351,8 +353,23 @@ def _stopped(procs: Mapping[int, int]) -> list[int]:
             if (stat := _stat(pid)) is not None and stat[2] == start and stat[0] in ("T", "t")]
 
 
-def _rank_of(pid: int) -> int | None:
-    """The RANK torchrun gave process ``pid`` (from its environment), or None (torchrun itself, or unreadable)."""
+def rank_pids(out_dir: Path) -> dict[int, int]:
+    """pid -> RANK, from the files ``rank{R}.pid`` each rank writes as it starts (fxpipe.cli.rank): a rank forked by
+    fxpipe's agent has its fork server's environment in ``/proc``, not the RANK it was given."""
+    found: dict[int, int] = {}
+    for path in out_dir.glob("rank*.pid"):
+        try:
+            found[int(path.read_text())] = int(path.name[4:-4])
+        except (OSError, ValueError):  # being written, or not one of ours
+            continue
+    return found
+
+
+def _rank_of(pid: int, pids: Mapping[int, int]) -> int | None:
+    """The RANK of process ``pid`` (its pid file in ``pids``, else its environment), or None (the agent, its fork
+    server, or unreadable)."""
+    if pid in pids:
+        return pids[pid]
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:

@@ -94,9 +94,12 @@ def run_cmd(
                                                         "for synchronous schedules with --codegen eager; a call "
                                                         "that cannot be captured runs op by op).",
                                                         show_default=False)] = None,
-    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b): the weights each phase reads: "
+    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b, layerpipe-async): the weights each phase reads: "
                                               "stale (the current ones), stash (PipeDream: its F's), predict "
-                                              "(SpecTrain: extrapolated; needs --momentum).")] = "stash",
+                                              "(SpecTrain as the paper has it, so the default prediction: F and B each extrapolated to the "
+                                              "version current when the microbatch completes; needs --momentum) "
+                                              "or predict-consistent (its variant: F extrapolated to the version "
+                                              "its update applies to, B the same version).")] = "stash",
     recompute: Annotated[str, typer.Option(help="none, stage or auto: with stage, every stage keeps only its "
                                            "inputs from F to B and B runs its forward again first (less activation "
                                            "memory, F's time again in B); auto, the stages the plan's "
@@ -151,7 +154,7 @@ def run_cmd(
                                             "from the run's first, in which --fail-rank or --kill-rank fires (the "
                                             "first attempt's only).")] = 1,
 ) -> None:
-    """Train the plan on its schedule's ranks x --dp (torch.distributed.run, gloo), on this machine or across
+    """Train the plan on its schedule's ranks x --dp (torchrun's elastic agent, gloo), on this machine or across
     --nnodes machines: per-step table, measured vs simulated."""
     with one_line_errors():
         import shutil
@@ -184,8 +187,8 @@ def run_cmd(
             sched = strategy_schedule(plan, schedule, microbatches)
         else:
             sched = plan_schedule(plan, schedule, microbatches)
-        if weights not in ("stale", "stash", "predict"):
-            raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash or predict")
+        if weights not in ("stale", "stash", "predict", "predict-consistent"):
+            raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash, predict or predict-consistent")
         from fxpipe.schedules.auto import plan_recompute
 
         # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
@@ -216,8 +219,8 @@ def run_cmd(
                 raise OptionError(f"{name} is shared by stages {shared[name]}; an asynchronous schedule steps each "
                                   "stage on its own, which would update a tied weight from part of its gradient: "
                                   "train this plan with a synchronous schedule (e.g. --schedule 1f1b)")
-            if weights == "predict" and momentum == 0:
-                raise OptionError("--weights predict extrapolates with SGD's momentum, and --momentum is 0; "
+            if weights.startswith("predict") and momentum == 0:
+                raise OptionError(f"--weights {weights} extrapolates with SGD's momentum, and --momentum is 0; "
                                   "pass --momentum 0.9 (or --weights stash)")
         from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, autocast_of, parse_betas
 
@@ -348,6 +351,8 @@ def run_cmd(
             # each rank's CPUs (--pin-ranks; empty: placed by the system)
             "cpus_per_rank": [r.get("cpus", []) for r in results],
             "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
+            # what carried the messages: nccl where each rank had a GPU of its own, else gloo (fxpipe.cli.rank)
+            "backend": ", ".join(sorted({str(r.get("backend", "gloo")) for r in results})),
             "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
                 "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
             "recompute": results[0].get("recompute", []), "recompute_note": recompute_note,

@@ -18,7 +18,8 @@ def simulate_cmd(
     target: Annotated[Optional[str], typer.Argument(help="A plan directory, a zoo model or file.py:build; optional "
                                                      "with --uniform-costs.")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, "
-                                                    "layerpipe, batched-w, async-1f1b, or auto \\[default: 1f1b].")] = None,
+                                                    "layerpipe, batched-w, async-1f1b, layerpipe-async, or auto "
+                                                    "\\[default: 1f1b].")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (default: 2 x stages; "
                                                          "auto tries 1, 2 and 4 x stages).")] = None,
     stages: Annotated[Optional[int], typer.Option("--stages", "-s", min=1, help="Stages (for a model target or "

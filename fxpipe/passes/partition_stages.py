@@ -68,7 +68,8 @@ def partition_stages(
     to ``max_stages`` (None: ``stage_count.DEFAULT_MAX_STAGES``, 8) the partition that minimises the pipeline step model,
     each simulated under ``schedule`` (1F1B for ``auto``), and the count ``objective`` picks
     (``fastest``, the default; ``efficiency[:E]`` or ``speedup:X``); its report has a row
-    per count and a line per merge (P+1 to P stages: the cuts removed, the bytes no longer sent).
+    per count, and a second report merges from one partition per layer on the same budget
+    (``fxpipe.planning.merge``: each merge's communication saved and imbalance added).
 
     ``num_stages="plan"`` searches stages x dp replicas x schedule x microbatches on ``devices``
     (``fxpipe.planning.plan_search``, ``memory_per_stage`` the cap per device): the model screens every
@@ -228,8 +229,9 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     With ``cores``, P stages on ``dp`` replicas compute ``max(1, P x dp / cores)`` times slower in both."""
     from fxpipe.planning.cost import transfer_time
     from fxpipe.planning.plan_search import time_sharing
+    from fxpipe.planning.merge import merge_partitions
     from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES, DEFAULT_OBJECTIVE, StageCount, best_partition, \
-        choose_count, merges, parse_objective
+        choose_count, parse_objective
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate
 
@@ -279,8 +281,12 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
         raise PlanError(f"no stage count up to {top} fits --memory-per-stage {memory_cap:.0f} bytes; the smallest "
                         f"cap that works at {top} stages is {need:.0f} bytes; raise --memory-per-stage or --devices")
     chosen = choose_count(rows, goal)
-    return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, stats, merges(rows), sim_schedule,
-                                                        dp=dp, cores=cores),)
+    # Merging (Akintoye et al.) from one partition per layer on the same budget, at the chosen count's microbatches.
+    scale = time_sharing(chosen.stages * dp, cores)
+    merged = merge_partitions([t * scale for t in times], cut_s, chosen.microbatches, max_stages=top,
+                              cut_bytes=cut_bytes)
+    return chosen.stages, chosen.bounds, (_count_report(rows, chosen, goal, sim_schedule, dp=dp, cores=cores),
+                                          _merge_report(merged, chosen, stats, top))
 
 
 SIMULATED_CANDIDATES = 16
@@ -364,7 +370,25 @@ def _time_sharing_note(cores: int, ranks: str) -> str:
             "as always computing, and the speedup is against one device with a core of its own")
 
 
-def _count_report(rows, chosen, goal, stats, merged, schedule: str, *, dp: int = 1,  # type: ignore[no-untyped-def]
+def _merge_report(merged, chosen, stats, top: int) -> Report:  # type: ignore[no-untyped-def]
+    from fxpipe.planning.merge import merge_rows
+
+    same = "the same partition as the chosen row" if merged.bounds == chosen.bounds else (
+        f"the chosen row differs ({chosen.stages} stages, cuts {' '.join(map(str, chosen.bounds[1:-1])) or '-'}): it "
+        "is judged by its simulated step within the memory cap, merging by the step model alone")
+    notes = (f"from {len(stats)} partitions (one per layer) to {merged.stages} on at most {top} devices, at "
+             f"{chosen.microbatches} microbatches: step model {merged.start_step_s * 1e3:.3f} -> "
+             f"{merged.step_s * 1e3:.3f} ms; cuts {' '.join(map(str, merged.bounds[1:-1])) or '-'}; {same}",
+             "a merge removes one cut: comm saved = 2 x its transfer (+ the pace it set), imbalance added = (m-1) x "
+             "the pace the merged partition raises; the merges are chosen jointly (equal to brute force), applied "
+             "largest gain first")
+    return Report(title="partition-stages: merging (Akintoye et al.)",
+                  columns=("#", "partitions", "cut", "MiB saved", "comm saved ms", "imbalance added ms",
+                           "step ms", "partitions after", "why"),
+                  rows=merge_rows(merged, [s.name for s in stats]), notes=notes)
+
+
+def _count_report(rows, chosen, goal, schedule: str, *, dp: int = 1,  # type: ignore[no-untyped-def]
                   cores: int | None = None) -> Report:
     from fxpipe.planning.plan_search import time_sharing
 
@@ -377,12 +401,6 @@ def _count_report(rows, chosen, goal, stats, merged, schedule: str, *, dp: int =
              f"{chosen.efficiency:.2f}); speedup = m x one device's microbatch / step; a cut at b runs between "
              f"layers b-1 and b; partitions minimise sum(t) + 2 sum(cut) + (m-1) max(t, cut), steps simulated under "
              f"{schedule}"]
-    for mg in merged:
-        names = ", ".join(f"{b} ({stats[b - 1].name} | {stats[b].name})" for b in mg.removed) or "none"
-        moved = f", cut(s) {', '.join(map(str, mg.added))} added" if mg.added else ""
-        notes.append(f"merge {mg.stages + 1} -> {mg.stages} stages: cut(s) {names} removed{moved}; "
-                     f"{mg.bytes_saved / 2**20:.4f} MiB less sent per microbatch; "
-                     f"{mg.per_microbatch_change_s * 1e3:+.3f} ms per microbatch")
     if cores is not None:
         notes.append(_time_sharing_note(cores, f"each count's P x {dp} ranks" if dp > 1 else "each count's P ranks"))
     return Report(title="partition-stages: stage count (--stages auto)",
@@ -406,7 +424,7 @@ def _held_per_microbatch(stats: Sequence[LayerStats], schedule: str) -> list[flo
     return [float(s.saved_bytes) for s in stats]
 
 
-_ASYNC = frozenset({"async-1f1b"})
+_ASYNC = frozenset({"async-1f1b", "layerpipe-async"})
 
 
 def _in_flight(schedule: str, num_stages: int, microbatches: int | None) -> tuple[list[int], str]:

@@ -200,6 +200,12 @@ def _layerpipe(p: int, m: int) -> list[InFlight]:
     return [InFlight(min(p - s, m), 1, min(p - s, m)) for s in range(p)]
 
 
+def _layerpipe_async(p: int, m: int) -> list[InFlight]:
+    # 1F1B with each W one backward slot after its B: two microbatches between B and W right after a B,
+    # one more in flight than 1F1B.
+    return [InFlight(min(p - s, m), min(2, m), min(p - s + 1, m)) for s in range(p)]
+
+
 def _batched_w(p: int, m: int) -> list[InFlight]:
     # GPipe's order: all m from F to B before the first B; the first half's Ws run once its Bs have, so at most
     # ceil(m/2) from B to W.
@@ -246,6 +252,7 @@ _FORMS: dict[str, Callable[[int, int], list[InFlight]]] = {
     "layerpipe": _layerpipe,
     "batched-w": _batched_w,
     "async-1f1b": _one_f_one_b,  # 1F1B's order; only when weights update differs
+    "layerpipe-async": _layerpipe_async,
 }
 
 SCHEDULES: tuple[str, ...] = tuple(_FORMS)
@@ -259,6 +266,7 @@ def in_flight(schedule: str, num_stages: int, microbatches: int) -> tuple[InFlig
         gpipe             m                   0                               m
         1f1b, async-1f1b  k                   0                               k
         layerpipe         k                   1                               k
+        layerpipe-async   k                   min(2, m)                       min(k + 1, m)
         batched-w         m                   ceil(m/2)                       m
         zb-h1             k                   min(s + 1, m)                   min(p, m)
         zb-h2             min(m, 2(p-s)-1)    max(1, min(m-2(p-s)+2, p+s))    min(m, 2p - 1)

@@ -6,8 +6,8 @@ partition minimising the pipeline step model
     step(P) = sum(t_s) + 2 * sum(c_s) + (m - 1) * max(max(t_s), max(c_s))
 
 is found exactly (equal to brute force over contiguous partitions); one count is then chosen by a
-stated objective over the simulated steps. A merge from P to P-1 stages is the difference between
-the two plans. docs/internals/stage-count.md derives the model and the search.
+stated objective over the simulated steps. Merging itself, from one partition per layer, is
+fxpipe.planning.merge. docs/internals/stage-count.md derives the model and the search.
 
 Pure: plain values in, plain values out; no torch.
 """
@@ -24,12 +24,10 @@ __all__ = [
     "DEFAULT_MAX_STAGES",
     "DEFAULT_OBJECTIVE",
     "OBJECTIVES",
-    "Merge",
     "Objective",
     "StageCount",
     "best_partition",
     "choose_count",
-    "merges",
     "parse_objective",
     "pipeline_step",
 ]
@@ -242,31 +240,3 @@ def choose_count(rows: Sequence[StageCount], objective: Objective) -> StageCount
         return fastest(pool) if pool else ordered[0]
     assert objective.name == "speedup" and objective.value is not None
     return next((r for r in ordered if r.speedup >= objective.value * (1 - _TIE)), fastest(ordered))
-
-
-@dataclass(frozen=True)
-class Merge:
-    """Going from ``stages + 1`` to ``stages`` stages: the cuts removed and added (layer boundaries: a cut
-    at b runs between layers b-1 and b), the bytes per microbatch no longer sent, and the change in the
-    step's time per microbatch (steps at different microbatch counts compare per microbatch)."""
-
-    stages: int
-    removed: tuple[int, ...]
-    added: tuple[int, ...]
-    bytes_saved: float
-    per_microbatch_change_s: float  # this plan's step / m minus the one with one more stage (positive: slower)
-
-
-def merges(rows: Sequence[StageCount]) -> list[Merge]:
-    """Each merge from P+1 to P stages among consecutive rows, in decreasing P."""
-    by = {r.stages: r for r in rows}
-    out = []
-    for p in sorted(by, reverse=True):
-        if p + 1 not in by:
-            continue
-        hi, lo = by[p + 1], by[p]
-        a, b = set(hi.bounds[1:-1]), set(lo.bounds[1:-1])
-        out.append(Merge(p, tuple(sorted(a - b)), tuple(sorted(b - a)),
-                         math.fsum(hi.cut_bytes) - math.fsum(lo.cut_bytes),
-                         lo.step_s / lo.microbatches - hi.step_s / hi.microbatches))
-    return out

@@ -14,6 +14,12 @@ own, ordered by events, so copies overlap compute:
   ``poll``, forced at ``flush``), so the compute thread never waits for it; a receive lands in
   pinned memory and is copied to the device on the communication stream, which the compute stream
   then waits for.
+
+Tag-blind (``tag_blind``, always under NCCL, which ignores tags): every message between two ranks carries
+one tag, so a pair's messages match first in, first out; the lowering posts each rank's receives in its
+senders' order (``fxpipe.runtime.lower``). Sends are then held back and posted together with the next
+receives in one ``batch_isend_irecv`` (NCCL runs a pair's sends and receives on one stream: two ranks that
+each send before they receive would wait for each other, so the crossing pair goes out as one group).
 """
 
 from __future__ import annotations
@@ -38,30 +44,63 @@ class Received:
         self.buf, self.work, self.src = buf, work, src
 
 
+def backend_of(device: torch.device) -> str:
+    """The process group's backend for ``device``'s tensors: ``nccl`` or ``gloo`` (a group started without a backend
+    runs both, ``cpu:gloo,cuda:nccl``)."""
+    name = str(dist.get_backend())
+    if ":" in name:
+        kinds = dict(part.split(":", 1) for part in name.split(","))
+        name = kinds.get(device.type, kinds.get("cpu", name))
+    return name
+
+
 class Channel:
     def __init__(self, device: torch.device, timeout: timedelta | None = None, *,
-                 yield_after_send: bool = False) -> None:
+                 yield_after_send: bool = False, tag_blind: bool | None = None) -> None:
         self.device = device
         self.timeout = timeout
         cuda = device.type == "cuda"
-        self.staged = cuda and dist.get_backend() != "nccl"  # gloo: through pinned host memory
+        nccl = backend_of(device) == "nccl"
+        self.staged = cuda and not nccl  # gloo: through pinned host memory
+        # One tag per pair (None: where the backend ignores tags, NCCL); sends wait to go out with the next receives.
+        self.tag_blind = nccl if tag_blind is None else tag_blind
+        self.batched = self.tag_blind and not self.staged
+        self.pending: list[tuple[dist.P2POp, Received | None, int]] = []  # batched: (op, its receive, dst)
+        if self.batched and nccl:  # every rank starts the group's NCCL communicator here, not in its first batch of
+            dist.all_reduce(torch.zeros(1, device=device))  # sends and receives (batch_isend_irecv's caveat)
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.in_flight: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor kept alive, dst)
         self.copying: list[tuple[Any, torch.Tensor, int, int]] = []  # staged: (event, host, dst, tag)
         # gloo, where asked: yield the core once after each isend, so the socket thread can send it now rather than
         # when this rank next blocks (HostTuning.send_yield, fxpipe.calibration.threads.send_yields)
-        self.yield_after_send = yield_after_send and dist.get_backend() == "gloo"
+        self.yield_after_send = yield_after_send and not nccl
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
              buf: torch.Tensor | None = None) -> Received:
         """Post a receive, into ``buf`` (a previous step's buffer for this message) or a new one."""
-        if buf is not None:
-            return Received(buf, dist.irecv(buf, src, tag=tag), src)
-        if self.staged:
+        if buf is None and self.staged:
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
-        else:
+        elif buf is None:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return Received(buf, dist.irecv(buf, src, tag=tag), src)
+        if self.batched:
+            item = Received(buf, None, src)
+            self.pending.append((dist.P2POp(dist.irecv, buf, src, tag=0), item, -1))
+            return item
+        return Received(buf, dist.irecv(buf, src, tag=0 if self.tag_blind else tag), src)
+
+    def issue(self) -> None:
+        """Batched: post the held sends and receives, in order, as one ``batch_isend_irecv``."""
+        if not self.pending:
+            return
+        ops = [op for op, _, _ in self.pending]
+        works = dist.batch_isend_irecv(ops)
+        for k, (op, item, dst) in enumerate(self.pending):
+            work = works[k] if len(works) == len(ops) else works[-1]  # NCCL: one work for the coalesced group
+            if item is not None:
+                item.work = work
+            else:
+                self.in_flight.append((work, op.tensor, dst))
+        self.pending.clear()
 
     def wait(self, item: Received, on_error: Callable[[Exception], BaseException]) -> torch.Tensor:
         """The received tensor on this rank's device, ready for the compute stream."""
@@ -69,6 +108,7 @@ class Channel:
         # a message back can wait for a peer that waits for that message (1f1b, gpt-medium on one GPU: rank 0
         # held F3's activation waiting for B2's gradient, which rank 1 sends only after F3).
         self.issue_staged()
+        self.issue()
         try:
             item.work.wait() if self.timeout is None else item.work.wait(self.timeout)
         except Exception as exc:
@@ -85,6 +125,9 @@ class Channel:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
+        if self.batched:
+            self.pending.append((dist.P2POp(dist.isend, tensor, dst, tag=0), None, dst))
+            return
         if not self.staged:
             self._isend(tensor, dst, tag)
             return
@@ -110,7 +153,7 @@ class Channel:
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         """Post the ``isend`` of ``tensor`` (kept alive until it completes), then, where this rank yields after a
         send, give up the core once so gloo's socket thread can send it while this rank computes on."""
-        self.in_flight.append((dist.isend(tensor, dst, tag=tag), tensor, dst))
+        self.in_flight.append((dist.isend(tensor, dst, tag=0 if self.tag_blind else tag), tensor, dst))
         if self.yield_after_send:
             os.sched_yield()
 
@@ -118,12 +161,13 @@ class Channel:
         """Issue every staged send, waiting for the device-to-host copies still running (in order)."""
         for copied, host, dst, tag in self.copying:
             copied.synchronize()
-            self.in_flight.append((dist.isend(host, dst, tag=tag), host, dst))
+            self.in_flight.append((dist.isend(host, dst, tag=0 if self.tag_blind else tag), host, dst))
         self.copying.clear()
 
     def flush(self, on_error: Callable[[Exception, int], BaseException]) -> None:
         """Complete every send (the end of a step)."""
         self.issue_staged()
+        self.issue()
         try:
             for work, _, dst in self.in_flight:
                 try:

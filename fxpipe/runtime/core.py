@@ -127,12 +127,15 @@ class ActionRunner:
             weights = self.versions.weights(s, m, "F")
             outputs, self.saved[(s, m)] = g.run_forward(args, weights)
             self.versions.remember_aliases(s, weights, self.saved[(s, m)])
+            if weights and self.versions.policy != "stash":  # a prediction: F's saved tensors keep the live weights
+                self.saved[(s, m)] = self.versions.rebase_saved(s, self.saved[(s, m)], None)
         if self.held is not None and not g.fused:
             self.held.hold(s, ("F", m), self.kept[(s, m)][0] if (s, m) in self.kept else self.saved[(s, m)])
             if self.versions is not None and weights:
-                # the copy of the weights F read: stash's snapshot (until W; shared storages count once) or
-                # predict's prediction (until B)
-                self.held.hold(s, ("V", m), weights.values())
+                if self.versions.policy == "stash":  # the snapshot F read, until W (shared storages count once)
+                    self.held.hold(s, ("V", m), weights.values())
+                else:
+                    self.predicted(s, weights)
         self.values[m].update(zip(st.outputs, outputs))
         self.maybe_loss(m)
 
@@ -167,10 +170,7 @@ class ActionRunner:
             weights = self.versions.weights(s, m, "B")
             saved = self.versions.rebase_saved(s, self.saved[(s, m)], weights)
             input_grads, self.handover[(s, m)] = g.run_backward_input(saved, grad_outs, weights)
-            if self.held is not None and self.versions.policy == "predict":
-                self.held.release(s, ("V", m))  # F's prediction; B's own (if it looks ahead) is kept until W
-                if weights:
-                    self.held.hold(s, ("V", m), weights.values())
+            del saved  # a prediction's tensors go with it; F's saved tensors keep the live weights
         # Until W, keep only what W reads: B's own inputs would otherwise live as long as a deferred W.
         w_saved, w_grads = self.w_saved[s], self.w_grads[s]
         self.saved[(s, m)] = [x if i in w_saved else None for i, x in enumerate(self.saved[(s, m)])]
@@ -179,6 +179,8 @@ class ActionRunner:
             self.held.hold(s, ("B", m), chain(self.handover[(s, m)], self.out_grads[(s, m)]),
                            again=(("F", m), self.w_saved_list[s]))
             self.held.release(s, ("F", m))
+        if self.versions is not None and self.versions.policy not in ("stale", "stash") and weights:
+            self.predicted(s, weights)
         for pos, grad in zip(g.grad_inputs, input_grads):
             self.deliver(s, m, st.inputs[pos], grad)
 
@@ -217,10 +219,19 @@ class ActionRunner:
             self.held.release(s, ("V", m))
         saved = self.versions.rebase_saved(s, self.saved.pop((s, m)), weights)
         grads = g.run_backward_weight(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)), weights)
+        if weights and self.versions.policy != "stash":
+            self.predicted(s, weights)
         module = self.stages[s].module
         for name, grad in zip(g.param_names, grads):
             accumulate(module.get_parameter(name), grad)
         self.step(s)
+
+    def predicted(self, s: int, weights: dict[str, torch.Tensor]) -> None:
+        """At the end of a phase that read a prediction: it counts towards stage s's peak while alive, then goes."""
+        if self.held is not None:
+            self.held.hold(s, ("P",), weights.values())
+            self.held.settle(s)
+            self.held.release(s, ("P",))
 
     def run_weights(self, s: int, mbs: Sequence[int]) -> None:
         """W of stage s for microbatches ``mbs`` (a run of adjacent W actions the schedule batches:

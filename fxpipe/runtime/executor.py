@@ -2,8 +2,9 @@
 
 Every rank builds the same plan and schedule, lowers them to its own program
 (:func:`fxpipe.runtime.lower.lower`: its compute actions, each with the messages it waits for and
-the messages it sends), and runs only that. Receives are posted at the start of the step into
-buffers shaped from the stage graphs and waited for right before the compute that reads them;
+the messages it sends), and runs only that. Receives are posted at the start of the step, in the
+lowering's posting order (each sender's order, as NCCL needs), into buffers shaped from the stage
+graphs, and waited for right before the compute that reads them;
 sends go out right after the compute that makes them and are completed at the end of the step
 (:class:`fxpipe.runtime.channel.Channel`, which also owns the CUDA streams). A microbatch's values
 are dropped once no stage of the rank reads them again, its saved tensors once W ran. Gradients
@@ -88,6 +89,9 @@ class PipelineRuntime:
     from F to B, and B runs F again on them first), ``auto`` (the stages the plan's memory cap needs:
     :func:`fxpipe.schedules.auto.plan_recompute`), or stage indices; :attr:`recompute` holds the stages chosen
     (every rank's), :attr:`recompute_note` why. Synchronous schedules; the recomputed forward runs the eager F graph.
+    ``tag_blind``: one tag for all of a pair of ranks' messages, matched first in, first out, as NCCL does
+    (None: under NCCL only; True on gloo tests the order NCCL needs); its receives are posted right before the
+    action that reads them (``prefetch`` 0) unless ``prefetch`` says otherwise. See :mod:`fxpipe.runtime.channel`.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
@@ -99,7 +103,8 @@ class PipelineRuntime:
                  timeout: timedelta | None = None, device: torch.device | str | None = None,
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
                  track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
-                 host: HostTuning | None = None, recompute: str | Iterable[int] = "none") -> None:
+                 host: HostTuning | None = None, recompute: str | Iterable[int] = "none",
+                 tag_blind: bool | None = None) -> None:
         if microbatches is not None:  # before the process group: a wrong count is one line, not a hang
             LIMITS.whole("microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's "
                          "actions")
@@ -232,7 +237,10 @@ class PipelineRuntime:
             self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
         self.channel = Channel(self.device, timeout, yield_after_send=host is not None and host.yields_after_send(
-            _mean_action(pipe.plan.stages, self.mine)))
+            _mean_action(pipe.plan.stages, self.mine)), tag_blind=tag_blind)
+        self.tag_blind = self.channel.tag_blind
+        if prefetch is None and self.tag_blind:
+            prefetch = 0  # NCCL runs a pair's messages on one stream: a step's receives all first would block its sends
         if prefetch is not None and prefetch < 0:
             raise RankFailedError(f"prefetch is how many actions ahead receives are posted (prefetch: {prefetch}); "
                                 "pass 0 or more, or None for all of a step's at its start")
@@ -532,19 +540,27 @@ class PipelineRuntime:
             self.graph_set.new_step()
         self._left = [dict(self.readers) for _ in range(len(micro))]  # local reads still to come, per microbatch
         ops = program.ops
-        posted: list[list[Any] | None] = [None] * len(ops)
         reuse = ahead is None
         window = len(ops) if ahead is None else ahead + 1
+        # Receives are posted in the program's posting order (each source's messages in the order it sends them,
+        # which a backend without tags needs: fxpipe.runtime.lower); upto[k]: how many cover ops 0..k.
+        posts, at = program.posts, {msg.tag: n for n, msg in enumerate(program.posts)}
+        upto, last = [], 0
+        for op in ops:
+            last = max([last, *(at[msg.tag] + 1 for msg in op.recvs)])
+            upto.append(last)
+        posted: dict[int, Any] = {}  # tag -> its posted receive, until waited for
+        done = 0  # posts[:done] are posted
 
         def post_until(j: int) -> None:
-            for k in range(j, min(j + window, len(ops))):
-                if posted[k] is None:
-                    items = [self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
-                                               self._buffers.get(msg.tag) if reuse else None)
-                             for msg in ops[k].recvs]
-                    if reuse:
-                        self._buffers.update((msg.tag, item.buf) for msg, item in zip(ops[k].recvs, items))
-                    posted[k] = items
+            nonlocal done
+            for msg in posts[done:upto[min(j + window, len(ops)) - 1]]:
+                item = self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
+                                         self._buffers.get(msg.tag) if reuse else None)
+                if reuse:
+                    self._buffers[msg.tag] = item.buf
+                posted[msg.tag] = item
+                done += 1
 
         self._written = set()
         self.events = []  # this step's compute actions (start, end), seconds from its start
@@ -558,9 +574,7 @@ class PipelineRuntime:
         with torch.no_grad():  # the graphs are the backward: autograd would only record and slow them
             for j, op in enumerate(ops):
                 post_until(j)
-                items = posted[j]
-                assert items is not None
-                posted[j] = []  # let the buffers go with their values
+                items = [posted.pop(msg.tag) for msg in op.recvs]  # let the buffers go with their values
                 waited = time.perf_counter() - start
                 received = [(msg, self.channel.wait(item, self._failed_recv(msg, op.action)))
                             for msg, item in zip(op.recvs, items)]

@@ -6,6 +6,11 @@ receiver compute alike (direction, sending stage, microbatch, value), so any val
 its pair, and ``check_programs`` proves, without running anything, that every send on one rank has
 exactly one receive on its destination with the same tag, shape and dtype.
 
+NCCL ignores tags: between two ranks the k-th receive posted matches the k-th send. So every rank's
+program also lists its receives in the order it posts them (``posts``): from each source, the order
+that source sends in, each posted no later than the action that reads it. ``check_pair_order``
+proves it for every ordered pair of ranks; :func:`lower` lowers every rank and runs both checks.
+
 Two rules keep the traffic minimal:
 
 * a value is sent once to each rank that reads it, however many of that rank's stages read it,
@@ -69,6 +74,9 @@ class RankProgram:
     stages: list[int]  # the stages this rank holds
     ops: list[Op]
     producer: dict[str, int]  # value -> the stage that makes it (-1: a model input)
+    # Every receive in the order the rank posts it: from each source rank, the order that rank sends in (NCCL, and
+    # gloo without tags, match a pair's messages first in, first out); each before the op that waits for it.
+    posts: list[Message] = field(default_factory=list)
 
     @property
     def receives(self) -> list[Message]:
@@ -84,7 +92,42 @@ def lower(pipe: Any, schedule: Schedule, rank: int, graphs: Sequence[Any] | None
     """Rank ``rank``'s program for ``schedule`` over ``pipe``'s stages (which need their F/B/W graphs).
 
     ``graphs``: the stages' graphs, if not the pipeline's own (the runtime's: another rank's stage
-    may be its interface only)."""
+    may be its interface only). Every rank is lowered (a rank's posting order follows its senders'),
+    and the programs are checked together: tags (:func:`check_programs`), per-pair order
+    (:func:`check_pair_order`)."""
+    return lower_all(pipe, schedule, graphs)[rank]
+
+
+def lower_all(pipe: Any, schedule: Schedule, graphs: Sequence[Any] | None = None) -> list[RankProgram]:
+    """Every rank's program, each with its posting order, checked (see :func:`lower`)."""
+    programs = [_lower_rank(pipe, schedule, r, graphs) for r in range(schedule.num_ranks)]
+    for p in programs:
+        p.posts = _posting_order(p, programs)
+    check_programs(programs)
+    check_pair_order(programs)
+    return programs
+
+
+def _posting_order(program: RankProgram, programs: list[RankProgram]) -> list[Message]:
+    """``program``'s receives in posting order: walking its ops, each receive posts first every message its source
+    sends to this rank before it (so each source's messages are posted in the order it sends them)."""
+    queues = {src.rank: [m for m in src.sends if m.dst == program.rank] for src in programs if src.rank != program.rank}
+    where = {r: {m.tag: k for k, m in enumerate(q)} for r, q in queues.items()}
+    taken = dict.fromkeys(queues, 0)
+    mine = {m.tag: m for m in program.receives}  # the receiver's own (with the strides it restores)
+    posts: list[Message] = []
+    for msg in program.receives:
+        k = where.get(msg.src, {}).get(msg.tag)
+        if k is None:  # no rank sends it: posted where it is read (check_programs names it)
+            posts.append(msg)
+        elif k >= taken[msg.src]:
+            posts += [mine.get(m.tag, m) for m in queues[msg.src][taken[msg.src]:k + 1]]
+            taken[msg.src] = k + 1
+    return posts
+
+
+def _lower_rank(pipe: Any, schedule: Schedule, rank: int, graphs: Sequence[Any] | None = None) -> RankProgram:
+    """Rank ``rank``'s ops with their receives and sends (its posting order not yet derived)."""
     stages, where = pipe.stage_list(), schedule.rank_of_stage
     graphs = pipe.stage_graphs if graphs is None else graphs
     producer: dict[str, int] = {n: -1 for n in pipe.input_names}
@@ -172,6 +215,35 @@ def check_programs(programs: list[RankProgram]) -> None:
     for key, msg in got.items():
         if key not in sent:
             raise LoweringError(f"rank {key[0]} waits for {msg} but no rank sends it")
+
+
+def check_pair_order(programs: list[RankProgram]) -> None:
+    """For every ordered pair of ranks (A, B), the messages A sends to B, in A's order, are the receives B posts from
+    A, in B's posting order (NCCL, and gloo without tags, match them first in, first out)."""
+    by_rank = {p.rank: p for p in programs}
+    for a in programs:
+        for b in programs:
+            if a.rank == b.rank:
+                continue
+            sent = [m for m in a.sends if m.dst == b.rank]
+            posted = [m for m in by_rank[b.rank].posts if m.src == a.rank]
+            for k in range(max(len(sent), len(posted))):
+                s = sent[k] if k < len(sent) else None
+                r = posted[k] if k < len(posted) else None
+                if s is None or r is None or _identity(s) != _identity(r):
+                    raise LoweringError(
+                        f"ranks {a.rank} -> {b.rank} disagree on their message {k + 1}: rank {a.rank} sends "
+                        f"{_describe(s)}, rank {b.rank} posts its receive for {_describe(r)}; without tags (NCCL) "
+                        "messages match in order, so the receiver must post in the sender's order (the program was "
+                        "changed after lowering, or fxpipe's lowering has a bug)")
+
+
+def _identity(msg: Message) -> tuple[Any, ...]:
+    return msg.direction, msg.name, msg.stage, msg.mb, msg.shape, msg.dtype
+
+
+def _describe(msg: Message | None) -> str:
+    return "nothing" if msg is None else f"{msg} ({list(msg.shape)} {str(msg.dtype).removeprefix('torch.')})"
 
 
 def _dense_strides(val: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -219,4 +219,5 @@ def on_ranks(program: Any, where: Layout) -> Any:
     for op in program.ops:
         op.recvs = [dataclasses.replace(m, src=g(m.src), dst=g(m.dst)) for m in op.recvs]
         op.sends = [dataclasses.replace(m, src=g(m.src), dst=g(m.dst)) for m in op.sends]
-    return dataclasses.replace(program, rank=g(program.rank))
+    posts = [dataclasses.replace(m, src=g(m.src), dst=g(m.dst)) for m in program.posts]
+    return dataclasses.replace(program, rank=g(program.rank), posts=posts)

@@ -1,16 +1,19 @@
-"""Weight versions for asynchronous training: what each F, B and W reads under stale, stash and predict.
+"""Weight versions for asynchronous training: what each F, B and W reads under each policy.
 
 ``fxpipe.schedules.versions`` says, from the schedule alone, which version each phase reads;
 this module makes those tensors and hands them to the graphs (``torch.func.functional_call``
 puts them where the graph's ``get_attr`` nodes look). F's saved tensors that are, or are views
-of, the weights F read are remembered by position, so a later phase that must read other weights
-(``predict``: B reads its own prediction) gets them there too.
+of, the weights F read are remembered by position, so a later phase that reads other weights
+gets them there too.
 
     stale    every phase reads the live parameters
     stash    F snapshots the live weights when the stage's version has moved since the last
              snapshot; B and W read that snapshot; a version is freed once no microbatch in
              flight holds it (reference counting does it: F's saved tensors are what hold it)
-    predict  F and B read W - ahead * lr * v (SpecTrain), v the optimizer's smoothed step:
+    predict, predict-consistent
+             each phase reads W - ahead * lr * v (SpecTrain), made when the phase runs and
+             dropped after it (F's saved tensors point back at the live weights): at most one
+             prediction per stage is alive, none between actions. v, the smoothed step:
                SGD with momentum:  v = momentum buffer                 (update: W -= lr * v)
                Adam / AdamW:       v = m_hat / (sqrt(v_hat) + eps)      (update: W -= lr * v)
              weight decay is not extrapolated; other optimizers are refused.
@@ -18,6 +21,7 @@ of, the weights F read are remembered by position, so a later phase that must re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +29,7 @@ import torch
 
 from fxpipe.errors import OptionError
 from fxpipe.schedules.ir import Schedule
-from fxpipe.schedules.versions import POLICIES, Read, reads, timings
+from fxpipe.schedules.versions import POLICIES, PREDICT, Read, predicts, reads, timings
 
 Weights = dict[str, torch.Tensor]
 
@@ -50,8 +54,11 @@ class WeightVersions:
         self._snapshot: dict[int, tuple[int, Weights]] = {}  # stash: stage -> (version, tensors) of its last F
         self._held: dict[tuple[int, int], Weights | None] = {}  # what a microbatch's later phases read
         self._aliases: dict[int, list[tuple[int, str, Any]]] = {}  # stage -> F's saved slots holding weights
+        self._detached: dict[tuple[int, str], torch.Tensor] = {}  # the live parameters, detached once
         self.log: list[tuple[int, int, str, int, int]] = []  # (stage, mb, phase, version, ahead) as read
-        if policy == "predict":
+        self._alive: dict[int, list[weakref.ref[torch.Tensor]]] = {s: [] for s in stages}  # predictions not freed
+        self.most_alive = {s: 0 for s in stages}  # per stage, the most predictions alive at once (measured)
+        if policy in PREDICT:
             for s, opt in self.optimizers.items():
                 _check_predictable(opt, s)
 
@@ -78,16 +85,18 @@ class WeightVersions:
                 self._held[(s, m)] = have[1]
                 return have[1]
             return self._held[(s, m)] if phase == "B" else self._held.pop((s, m))
-        if phase == "W":
-            return self._held.pop((s, m))
-        weights = self._predict(s, read.ahead) if read.ahead else None
-        if phase == "B":
-            self._held[(s, m)] = weights
+        if not predicts(read):
+            return None
+        weights = self._predict(s, read.ahead)
+        alive = [r for r in self._alive[s] if r() is not None]  # CPython frees a dropped prediction at once
+        alive += [weakref.ref(t) for n, t in weights.items() if t is not self._live(s, n)][:1]
+        self._alive[s] = alive
+        self.most_alive[s] = max(self.most_alive[s], len(alive))
         return weights
 
     def remember_aliases(self, s: int, passed: Weights | None, saved: Sequence[Any]) -> None:
         """After F: which of its saved tensors are the weights it read (or views of them), by name."""
-        if s in self._aliases or self.policy != "predict":
+        if s in self._aliases or self.policy not in PREDICT:
             return
         by_id = {id(t): n for n, t in (passed or self.params[s]).items()}
         found = []
@@ -102,21 +111,26 @@ class WeightVersions:
 
     def rebase_saved(self, s: int, saved: list[Any], weights: Weights | None) -> list[Any]:
         """F's saved tensors with the weights in them replaced by ``weights`` (the live ones if None)."""
-        if self.policy != "predict":
+        if self.policy not in PREDICT:
             return saved
-        source = weights if weights is not None else {n: p.detach() for n, p in self.params[s].items()}
+        source = weights if weights is not None else {n: self._live(s, n) for n in self.params[s]}
         out = list(saved)
         for i, name, view in self._aliases.get(s, ()):
             out[i] = source[name] if view is None else source[name].as_strided(*view)
         return out
 
+    def _live(self, s: int, name: str) -> torch.Tensor:
+        return self._detached.setdefault((s, name), self.params[s][name].detach())
+
     def _predict(self, s: int, ahead: int) -> Weights:
+        """Stage s's weights ``ahead`` updates on, new tensors; a parameter the optimizer has not stepped yet (no
+        smoothed gradient) reads its live value."""
         opt = self.optimizers.get(s)
         out: Weights = {}
         with torch.no_grad():
             for name, p in self.params[s].items():
                 step = _smoothed_step(opt, p) if opt is not None else None
-                out[name] = p.detach().clone() if step is None else p.detach() - ahead * step
+                out[name] = self._live(s, name) if step is None else p.detach() - ahead * step
         return out
 
 

@@ -12,6 +12,9 @@
     batched-w         GPipe's order, B/W split, each stage's Ws in two batches (after the first half's Bs,
                       and at the end), each run as one W over its microbatches (fxpipe.runtime.batched_w)
     async-1f1b        1F1B order, no flush: weights update after every microbatch (PipeDream)
+    layerpipe-async   LayerPipe as the paper schedules it: 1F1B order, B/W split, no flush; each W runs
+                      one backward slot after its B, so the gradient goes upstream without waiting for
+                      W, and the update uses the delayed weight gradient
     zb-gpipe          every stage on one rank (backend="fxpipe"): all F, then B back with each W
                       deferred by one microbatch (see one_rank)
 """
@@ -52,6 +55,17 @@ def layerpipe(num_stages: int, num_microbatches: int, costs: Costs | None = None
     the ``--balance-backward`` pass on the graphs."""
     p, m = _check(num_stages, num_microbatches)
     return Schedule("layerpipe", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, 0) for s in range(p)))
+
+
+def layerpipe_async(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
+    """LayerPipe's delayed-gradient pipeline: :func:`async_1f1b`'s order with B and W split and each W one backward
+    slot after its B (after the next F and B), no flush. B, which the stage before waits for, never waits for a W;
+    the weight update applies W's gradient a slot later (a delayed gradient: the asynchronous weight policies read
+    the versions this order implies). Stage s holds p - s + 1 microbatches at most (one more, B to W, than 1F1B)."""
+    p, m = _check(num_stages, num_microbatches)
+    return Schedule("layerpipe-async", p, m, tuple(range(p)), tuple(_deferred_w(s, p, m, 1) for s in range(p)),
+                    synchronous=False,
+                    notes=("W one backward slot after its B, weights updated after every W: no flush",))
 
 
 def batched_w(num_stages: int, num_microbatches: int, costs: Costs | None = None) -> Schedule:
@@ -250,6 +264,7 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "layerpipe": layerpipe,
     "batched-w": batched_w,
     "async-1f1b": async_1f1b,
+    "layerpipe-async": layerpipe_async,
 }
 
 

@@ -2,24 +2,22 @@
 
 In an asynchronous schedule a stage applies its optimizer after every microbatch's weight
 gradient (W, or the fused backward BW), in its rank's order, with no flush. Version v of stage s
-is its weights after v updates. For each (stage, microbatch) the schedule fixes four counts:
+is its weights after v updates. For each (stage, microbatch) the schedule fixes f, b and w: the
+stage's updates before its F, its B (or BW) and its W (or BW); its own update makes w + 1.
+A policy says what each phase reads, as ``Read(version, ahead)``: the weights at ``version``,
+extrapolated ``ahead`` updates further (SpecTrain's prediction) when ``ahead > 0``:
 
-    f  updates of the stage before its F           b  ... before its B (or BW)
-    w  updates before its W (or BW)                 (its own update makes version w + 1)
+    stale               F: (f, 0)          B: (b, 0)          W: (w, 0)     whatever is current
+    stash               F: (f, 0)          B: (f, 0)          W: (f, 0)     PipeDream: F's version
+    predict             F: (f, w-f+k//2)   B: (b, w-b+k//2)   W: (w, k//2)  SpecTrain's paper version
+    predict-consistent  F: (f, w-f)        B: (b, w-b)        W: (w, 0)     its consistent variant
 
-A policy says what each phase reads, as ``Read(version, ahead)``: the stage's weights at
-``version``, extrapolated ``ahead`` updates further (SpecTrain's prediction) when ``ahead > 0``:
-
-    stale    F: (f, 0)    B: (b, 0)        W: (w, 0)        whatever is current (naive asynchronous)
-    stash    F: (f, 0)    B: (f, 0)        W: (f, 0)        PipeDream: B and W use F's version
-    predict  F: (f, b-f)  B: (b, w-b)      W: (b, w-b)      SpecTrain: F predicts the weights its
-                                                             backward will meet, B the weights its
-                                                             update will be applied to
-
-With B and W split apart (zero-bubble orders), a deferred W computes the gradient from what B
-handed over and from F's saved tensors, so under ``stash`` and ``predict`` it reads B's weights
-(the same tensors); under ``stale`` a W that reads a weight reads the current one. Everything here
-is read off the schedule itself, not from a closed formula, so it holds for any order.
+``predict`` (the default prediction) aims every phase of stage k at the version current when the
+microbatch completes, k//2 updates after its own (1F1B: forward s = k//2 + N-k-1, backward
+s = k//2, the paper's distances); ``predict-consistent`` aims F and B at the version the
+microbatch's update is applied to (forward s = N-k-1; 1F1B's fused backward then reads the live
+weights). Each phase predicts when it runs and drops the prediction after, so no copy is kept
+between actions. The distances are read off the schedule, so they hold for any order.
 """
 
 from __future__ import annotations
@@ -31,7 +29,8 @@ from fxpipe.errors import OptionError
 from fxpipe.report import Report
 from fxpipe.schedules.ir import Kind, Schedule
 
-POLICIES = ("stale", "stash", "predict")
+POLICIES = ("stale", "stash", "predict", "predict-consistent")
+PREDICT = ("predict", "predict-consistent")
 PHASES = ("F", "B", "W")
 
 
@@ -76,6 +75,12 @@ def timings(schedule: Schedule) -> dict[tuple[int, int], Timing]:
     return out
 
 
+def completion_lag(stage: int) -> int:
+    """SpecTrain's floor(k/2): updates stage k applies between a microbatch's backward there and its completion
+    (the backward of stage 0), one per F/B pair while the gradient travels k stages back."""
+    return stage // 2
+
+
 def reads(schedule: Schedule, policy: str) -> dict[tuple[int, int, str], Read]:
     """Per (stage, microbatch, phase), the weights ``policy`` makes it read (see the module docstring)."""
     if policy not in POLICIES:
@@ -87,7 +92,8 @@ def reads(schedule: Schedule, policy: str) -> dict[tuple[int, int, str], Read]:
         elif policy == "stash":
             phases = (Read(t.f), Read(t.f), Read(t.f))
         else:
-            phases = (Read(t.f, t.b - t.f), Read(t.b, t.w - t.b), Read(t.b, t.w - t.b))
+            lag = completion_lag(s) if policy == "predict" else 0
+            phases = (Read(t.f, t.w - t.f + lag), Read(t.b, t.w - t.b + lag), Read(t.w, lag))
         for phase, r in zip(PHASES, phases):
             out[(s, m, phase)] = r
     return out
@@ -97,66 +103,74 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
     """Per stage, the most weight versions held at once besides the live weights.
 
     ``stash`` keeps F's version of every microbatch in flight (versions shared by microbatches
-    whose F met the same one); ``predict`` keeps one predicted copy per microbatch from an F that
-    looks ahead until its B, and from a B that looks ahead until its W; ``stale`` keeps none.
+    whose F met the same one); the predicting policies make a phase's prediction when it runs
+    and drop it after, so a stage holds one while a phase that looks ahead runs, none between
+    actions (SpecTrain's point: prediction replaces the stash); ``stale`` keeps none.
     """
+    if policy not in POLICIES:
+        raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
     if policy == "stale":
         return {s: 0 for s in range(schedule.num_stages)}
+    if policy in PREDICT:
+        out = {s: 0 for s in range(schedule.num_stages)}
+        for (s, _, _), r in reads(schedule, policy).items():
+            out[s] = max(out[s], int(predicts(r)))
+        return out
     times = timings(schedule)
-    out: dict[int, int] = {}
+    out = {}
     for actions in schedule.ranks:
-        held: dict[int, dict[int, set[object]]] = {}  # stage -> microbatch -> keys it holds
+        held: dict[int, dict[int, int]] = {}  # stage -> microbatch -> the version its F read
         for a in actions:
             if a.kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
                 continue
-            t = times[(a.stage, a.mb)]
             mine = held.setdefault(a.stage, {})
-            if policy == "stash":
-                if a.kind is Kind.F:
-                    mine[a.mb] = {t.f}
-                elif a.kind in (Kind.W, Kind.BW):
-                    mine.pop(a.mb, None)
-            else:  # a predicted copy only where the phase looks ahead
-                if a.kind is Kind.F:
-                    mine[a.mb] = {("f", a.mb)} if t.b > t.f else set()
-                elif a.kind is Kind.B:
-                    mine[a.mb] = {("b", a.mb)} if t.w > t.b else set()
-                else:
-                    mine.pop(a.mb, None)
-            live = set().union(*mine.values()) if mine else set()
-            out[a.stage] = max(out.get(a.stage, 0), len(live))
+            if a.kind is Kind.F:
+                mine[a.mb] = times[(a.stage, a.mb)].f
+            elif a.kind in (Kind.W, Kind.BW):
+                mine.pop(a.mb, None)
+            out[a.stage] = max(out.get(a.stage, 0), len(set(mine.values())))
     return out
+
+
+def predicts(r: Read) -> bool:
+    """Whether reading ``r`` makes a prediction (new tensors): it looks ahead, from a version that had an update
+    (before its first step an optimizer has no smoothed gradient, and the live weights are read)."""
+    return r.ahead > 0 and r.version > 0
 
 
 def held_peaks_with_versions(schedule: Schedule, policy: str, held_fb: Sequence[float], held_bw: Sequence[float],
                              weight_bytes: Sequence[float]) -> tuple[float, ...]:
     """Per stage, the peak bytes held running ``schedule`` under weight policy ``policy``: the
     activations as ``fxpipe.planning.cost.held_peaks`` counts them, plus ``weight_bytes[s]`` per
-    copy of stage s's parameters the policy keeps for its microbatches in flight:
+    copy of stage s's parameters the policy keeps:
 
     - ``stash``: each distinct version its microbatches in flight (F run, W or BW not yet) read in
       their F; microbatches whose F met the same version share one snapshot;
-    - ``predict``: one predicted copy per microbatch from an F that looks ahead until its B, and
-      from a B that looks ahead until its W (each prediction is its own tensors);
+    - ``predict``, ``predict-consistent``: one copy while a phase that predicts runs, counted at
+      the end of that phase (B and W of a BW each), none between actions;
     - ``stale``: none.
 
-    What the runtime's ``HeldBytes`` measures (it holds the copies under the microbatch, shared
-    storages once).
+    What the runtime's ``HeldBytes`` measures (shared storages once).
 
     >>> from fxpipe.schedules.generators import generate
     >>> sched = generate("async-1f1b", 2, 4)
     >>> held_peaks_with_versions(sched, "stash", [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
     (220.0, 110.0)
-    >>> held_peaks_with_versions(sched, "stale", [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
-    (20.0, 10.0)
+    >>> held_peaks_with_versions(sched, "predict", [10.0, 10.0], [4.0, 4.0], [100.0, 100.0])
+    (120.0, 10.0)
     """
     if policy not in POLICIES:
         raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
     times = timings(schedule)
+    table = reads(schedule, policy) if policy in PREDICT else {}
     n = schedule.num_stages
     level, copies, peak = [0.0] * n, [0] * n, [0.0] * n
     readers: list[dict[int, int]] = [{} for _ in range(n)]  # stash: stage -> version -> microbatches in flight
-    ahead: dict[tuple[int, int], int] = {}  # predict: (stage, mb) -> predicted copies it holds (0 or 1)
+
+    def phase(s: int, mb: int, name: str) -> None:
+        if predicts(table[(s, mb, name)]):
+            peak[s] = max(peak[s], level[s] + weight_bytes[s])
+
     for actions in schedule.ranks:
         for a in actions:
             s, kind = a.stage, a.kind
@@ -165,10 +179,16 @@ def held_peaks_with_versions(schedule: Schedule, policy: str, held_fb: Sequence[
             t = times[(s, a.mb)]
             if kind is Kind.F:
                 level[s] += held_fb[s]
-            elif kind is Kind.B:
+                if table:
+                    phase(s, a.mb, "F")
+            if kind in (Kind.B, Kind.BW):
                 level[s] += held_bw[s] - held_fb[s]
-            else:
-                level[s] -= held_bw[s] if kind is Kind.W else held_fb[s]
+                if table:
+                    phase(s, a.mb, "B")
+            if kind in (Kind.W, Kind.BW):
+                level[s] -= held_bw[s]
+                if table:
+                    phase(s, a.mb, "W")
             if policy == "stash":
                 mine = readers[s]
                 if kind is Kind.F:
@@ -178,12 +198,6 @@ def held_peaks_with_versions(schedule: Schedule, policy: str, held_fb: Sequence[
                     if not mine[t.f]:
                         del mine[t.f]
                 copies[s] = len(mine)
-            elif policy == "predict":
-                had = ahead.pop((s, a.mb), 0)
-                now = int(t.b > t.f) if kind is Kind.F else int(t.w > t.b) if kind is Kind.B else 0
-                if now:
-                    ahead[(s, a.mb)] = now
-                copies[s] += now - had
             peak[s] = max(peak[s], level[s] + copies[s] * weight_bytes[s])
     return tuple(peak)
 
@@ -202,5 +216,6 @@ def memory_report(schedule: Schedule, param_bytes: Sequence[float]) -> Report:
         rows=tuple(rows),
         notes=(f"{schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches: besides the "
                "live weights, stash keeps the version each microbatch in flight read in its F (shared by microbatches "
-               "that read the same one) and predict one predicted copy per microbatch whose F or B looks ahead",),
+               "that read the same one); the predicting policies one prediction while a phase that looks ahead "
+               "runs, none between actions",),
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from fxpipe.cli.ranks import (RANK_MODULE, RESULTS, DiedRank, RankFailure, Rendezvous, StepDone, diagnose, died_ranks,
                               finished_ranks, parse_step, rank_errors, rank_results, rendezvous_failure,
                               torchrun_command)
@@ -23,13 +25,22 @@ def _summary(*failures: tuple[int, int]) -> str:
             + blocks[0] + "============================================================\n")
 
 
-def test_the_command_runs_the_rank_program_under_torchrun(tmp_path: Path) -> None:
+def test_the_command_runs_the_rank_program_under_torchrun_s_agent(tmp_path: Path) -> None:
     cmd = torchrun_command(tmp_path / "plan", tmp_path / "out", 2, steps=3, lr=0.01, timeout=60.0, microbatches=4,
                            resume="always", checkpoint_dir=tmp_path / "ckpt")
-    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[:6] == [sys.executable, "-m", "fxpipe.cli.agent", "--standalone", "--nproc-per-node=2", "-m"]
     assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7] == str(tmp_path / "plan")
     assert cmd[cmd.index("--microbatches") + 1] == "4" and cmd[-2:] == ["--resume", "always"]
     assert "--schedule" not in cmd  # not given: the rank takes the plan's
+
+
+def test_the_agent_takes_torchrun_s_arguments_and_starts_the_rank_program_only() -> None:
+    from fxpipe.cli import agent
+
+    with pytest.raises(SystemExit, match="starts -m fxpipe.cli.rank only"):
+        agent.main(["--standalone", "--nproc-per-node=2", "-m", "some.other.module"])
+    with pytest.raises(SystemExit, match="starts -m fxpipe.cli.rank only"):
+        agent.main(["--standalone", "--nproc-per-node=2", "train.py"])
 
 
 def test_progress_lines_parse_and_anything_else_is_skipped() -> None:

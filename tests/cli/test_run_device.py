@@ -74,3 +74,20 @@ def test_cuda_ranks_hand_their_weights_to_the_held_out_score(tmp_path: Path) -> 
     torch.testing.assert_close(doc["losses"], cpu["losses"], **TOL)
     assert doc["held_out"]["samples"] == cpu["held_out"]["samples"] > 0
     assert abs(doc["held_out"]["held-out accuracy %"] - cpu["held_out"]["held-out accuracy %"]) <= 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: a GPU per rank)")
+def test_ranks_with_a_gpu_each_train_over_nccl_like_one_process(tmp_path: Path) -> None:
+    """Two ranks, two GPUs: NCCL carries the messages GPU to GPU in the order both ranks derive (tag-blind), and
+    training equals one process; each schedule kind (fused BW, split B/W, interleaved) once."""
+    from tests._helpers import reference_losses
+
+    plan = _compiled(tmp_path, "gpt-tiny")
+    four = tmp_path / "gpt-tiny-4"
+    ok(fxpipe_cli("compile", "gpt-tiny", "--stages", "4", "--out", four))  # interleaved: two stages per rank
+    expected = reference_losses(3, 4, model="gpt-tiny")
+    for schedule, target in (("1f1b", plan), ("zb-h1", plan), ("interleaved-1f1b", four)):
+        doc = _run(target, "--steps", "3", "--schedule", schedule, "--device", "cuda", "--nproc", "2")
+        assert doc["backend"] == "nccl" and doc["ranks"] == 2, (schedule, doc["backend"])
+        torch.testing.assert_close(doc["losses"], expected, **TOL, msg=lambda m: f"{schedule}: {m}")

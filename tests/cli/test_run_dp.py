@@ -26,6 +26,7 @@ def test_the_plans_dp_runs_two_replicas_like_one_process_on_the_whole_batch() ->
     assert doc["losses"] == pytest.approx(reference_losses(2 * 4), rel=1e-5)
     assert len(doc["peak_rss_mib_per_rank"]) == 4 and doc["simulated_step_ms"] > 0
     assert doc["cpus_per_rank"] == [list(rank_cpus(r, 4)) for r in range(4)]  # none on 2 cores: 4 ranks time-share
+    assert doc["backend"] == "gloo"  # the CPU: gloo (NCCL only where each rank has a GPU of its own)
     # Every rank's last step is in the trace: each of the 4 ranks ran F and BW (1f1b) of its 4 microbatches.
     assert sorted({e["pid"] for e in events if e.get("ph") == "X"}) == [0, 1, 2, 3]
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "BW")) == 4 * 4 * 2

@@ -1,5 +1,5 @@
 """--stages auto: the exact partition per stage count against brute force, the objectives, the step model
-against the simulator, and the merges between counts."""
+against the simulator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from torch.testing import assert_close
 
 from fxpipe.errors import OptionError, PlanError
-from fxpipe.planning.stage_count import (Objective, StageCount, best_partition, choose_count, merges, parse_objective,
+from fxpipe.planning.stage_count import (Objective, StageCount, best_partition, choose_count, parse_objective,
                                          pipeline_step)
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.simulate import Costs, simulate
@@ -110,17 +110,6 @@ def test_the_model_is_gpipe_exactly_and_bounds_1f1b_s_error() -> None:
             else:
                 worst = [min(worst[0], sim / model), max(worst[1], sim / model)]
     assert 0.85 <= worst[0] and worst[1] <= 1.13, worst  # measured: 0.865 and 1.125
-
-
-def test_merges_name_the_cuts_removed_and_the_bytes_saved() -> None:
-    def row(p, bounds, cut_bytes, step, m):
-        return StageCount(p, bounds, (1.0,) * p, cut_bytes, m, step, None, 1.0)
-
-    rows = [row(1, (0, 4), (), 4.0, 2), row(2, (0, 2, 4), (100.0,), 3.0, 4), row(3, (0, 1, 3, 4), (10.0, 30.0), 3.0, 6)]
-    got = merges(rows)
-    assert [(g.stages, g.removed, g.added, g.bytes_saved) for g in got] == [(2, (1, 3), (2,), -60.0),
-                                                                            (1, (2,), (), 100.0)]
-    assert_close(got[0].per_microbatch_change_s, 3.0 / 4 - 3.0 / 6)
 
 
 def test_objectives_parse_and_refuse_in_one_line() -> None:

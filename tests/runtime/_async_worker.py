@@ -1,4 +1,4 @@
-"""Worker for the asynchronous runtime test: one rank trains a plan on a stream under each weight policy."""
+"""Worker for the asynchronous runtime test: one rank trains a plan on a stream per (schedule, weight policy)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
 
         zoo = models.build(cfg["model"], dtype=torch.float64)
         result = {}
-        for policy in cfg["policies"]:
-            rt = PipelineRuntime(plan, schedule="async-1f1b", microbatches=cfg["microbatches"], loss_fn=zoo.loss_fn,
+        for name, policy in cfg["runs"]:
+            rt = PipelineRuntime(plan, schedule=name, microbatches=cfg["microbatches"], loss_fn=zoo.loss_fn,
                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), weights=policy,
                                  timeout=timedelta(seconds=60))
             losses = rt.train(stream(zoo, cfg["batches"], cfg["microbatches"]))
             reads = {(s, m, phase): (v, ahead) for s, m, phase, v, ahead in rt.versions.log}
-            result[policy] = {
+            result[f"{name} {policy}"] = {
                 "losses": [float(x) for x in losses],
                 "params": {n: p.detach().clone() for s in rt.mine for n, p in rt.stages[s].module.named_parameters()},
                 "reads": reads,

@@ -169,7 +169,11 @@ def train_case(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
             try:
                 rt = PipelineRuntime(pipe, sched, loss_fn,
                                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                                     timeout=timedelta(seconds=cfg.get("timeout", 10)), mesh=mesh)
+                                     timeout=timedelta(seconds=cfg.get("timeout", 10)), mesh=mesh,
+                                     tag_blind=cfg.get("tag_blind", False))
+                if cfg.get("perturb") and rank == 1:  # after the lowering's check: rank 1 posts its first two swapped
+                    posts = rt.program.posts
+                    posts[0], posts[1] = posts[1], posts[0]
             except Exception as exc:  # a refusal the test expects: its line, then the next schedule
                 if not cfg.get("refused"):
                     raise

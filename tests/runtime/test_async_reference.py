@@ -14,7 +14,7 @@ from fxpipe import models
 from fxpipe.errors import OptionError
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.runtime.weights import WeightVersions
-from fxpipe.schedules.generators import async_1f1b
+from fxpipe.schedules.generators import async_1f1b, generate
 from fxpipe.schedules.versions import timings
 
 N = 10  # microbatches in the stream
@@ -50,12 +50,14 @@ def _delayed_sgd(model: nn.Module, stage_params: list[list[str]], schedule, stre
     return losses, {n: w for h in history for n, w in h[-1].items()}
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_stash_equals_delayed_sgd_in_float64(stages: int) -> None:
+@pytest.mark.parametrize(("stages", "name"), [(2, "async-1f1b"), (3, "async-1f1b"), (4, "async-1f1b"),
+                                              (3, "layerpipe-async")])
+def test_stash_equals_delayed_sgd_in_float64(stages: int, name: str) -> None:
+    """PipeDream's stash, and LayerPipe's delayed-gradient schedule (W apart from B) under it: plain delayed SGD."""
     zoo = models.build("mlp-tiny", dtype=torch.float64)
     eager = copy.deepcopy(zoo.model)
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=stages)
-    schedule = async_1f1b(stages, N)
+    schedule = generate(name, stages, N)
     stream = _stream(zoo, N)
     ex = ReferenceExecutor(pipe, zoo.loss_fn)
     losses = ex.run_async(schedule, stream, lambda ps: torch.optim.SGD(ps, lr=0.05), weights="stash")
@@ -96,13 +98,13 @@ def test_predict_tracks_synchronous_sgd_closer_than_stale() -> None:
     want = dict(sync.named_parameters())
 
     distance = {}
-    for policy in ("stale", "stash", "predict"):
+    for policy in ("stale", "stash", "predict", "predict-consistent"):
         pipe = fxpipe.compile(copy.deepcopy(model), stream[0][0], stages=4)
         ReferenceExecutor(pipe, _mse).run_async(async_1f1b(4, len(stream)), stream,
                                                 lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9), weights=policy)
         got = {n: p for st in pipe.stages for n, p in st.module.named_parameters()}
         distance[policy] = sum(float((got[n] - w).detach().pow(2).sum()) for n, w in want.items()) ** 0.5
-    assert distance["predict"] < distance["stale"], distance
+    assert distance["predict"] < distance["stale"] and distance["predict-consistent"] < distance["stale"], distance
     assert all(d > 0 for d in distance.values())  # asynchronous training is not sequential SGD
 
 
@@ -143,3 +145,19 @@ def test_tied_weights_are_refused_asynchronously() -> None:
     with pytest.raises(OptionError, match="lm_head.weight is shared by stages"):
         ReferenceExecutor(pipe, zoo.loss_fn).run_async(async_1f1b(2, 2), [(zoo.example_inputs, zoo.example_target)] * 2,
                                                        lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_layerpipe_async_trains_under_every_policy() -> None:
+    """LayerPipe's delayed-gradient schedule in the reference executor: W apart from B, each read the version the
+    schedule implies; every policy lowers the quadratic loss, and the prediction of a split W is made at W."""
+    model, stream = _quadratic()
+    schedule = generate("layerpipe-async", 4, len(stream))
+    for policy in ("stale", "stash", "predict", "predict-consistent"):
+        pipe = fxpipe.compile(copy.deepcopy(model), stream[0][0], stages=4)
+        ex = ReferenceExecutor(pipe, _mse)
+        losses = ex.run_async(schedule, stream, lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9), weights=policy)
+        assert float(sum(losses[-4:])) < float(sum(losses[:4])), policy
+        phases = {phase for _, _, phase, _, _ in ex.versions.log}
+        assert phases == {"F", "B", "W"}
+        if policy == "predict":
+            assert any(ahead == s // 2 and s >= 2 for s, _, phase, _, ahead in ex.versions.log if phase == "W")

@@ -1,5 +1,6 @@
-"""Asynchronous training on ranks (gloo): ``PipelineRuntime(..., schedule="async-1f1b", weights=...).train`` equals
-the one-process reference executor's asynchronous run, and reads exactly the versions the schedule implies."""
+"""Asynchronous training on ranks (gloo): ``PipelineRuntime(..., schedule="async-1f1b" or "layerpipe-async",
+weights=...).train`` equals the one-process reference executor's asynchronous run exactly (losses and weights),
+and reads exactly the versions the schedule implies."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import torch
 import fxpipe
 from fxpipe import models
 from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.schedules.generators import async_1f1b
+from fxpipe.schedules.generators import generate
 from fxpipe.schedules.versions import reads
 from tests._helpers import HANG_S, Forked, stream
 
 WORKER = Path(__file__).with_name("_async_worker.py")
-POLICIES = ("stale", "stash", "predict")
+# every policy on PipeDream's async-1f1b, and LayerPipe's delayed-gradient schedule (W apart from B) with prediction
+RUNS = [("async-1f1b", p) for p in ("stale", "stash", "predict", "predict-consistent")] + \
+    [("layerpipe-async", "predict")]
 
 
 # one launch (~30 s: every rank builds its graphs); 2 and 4 stages: test_async_reference.py
@@ -25,7 +28,7 @@ POLICIES = ("stale", "stash", "predict")
 def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, world: int) -> None:
     zoo = models.build("mlp-tiny", dtype=torch.float64)
     plan = fxpipe.save(fxpipe.compile(zoo.model, zoo.example_inputs, stages=world), tmp_path / "plan")
-    cfg = {"model": "mlp-tiny", "policies": list(POLICIES), "batches": 3, "microbatches": 2}
+    cfg = {"model": "mlp-tiny", "runs": RUNS, "batches": 3, "microbatches": 2}
     procs = [Forked([str(WORKER), str(r), str(world), f"file://{tmp_path / 'pg'}", str(plan), str(tmp_path),
                      json.dumps(cfg)]) for r in range(world)]
     for p in procs:
@@ -35,8 +38,8 @@ def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, wor
 
     batches = stream(zoo, cfg["batches"], cfg["microbatches"])
     micro = [((x,), t) for (xb,), tb in batches for x, t in zip(xb.tensor_split(2), tb.tensor_split(2))]
-    schedule = async_1f1b(world, len(micro))
-    for policy in POLICIES:
+    for name, policy in RUNS:
+        schedule = generate(name, world, len(micro))
         pipe = fxpipe.load(plan)
         pipe.build_backward(zoo.example_inputs)
         ex = ReferenceExecutor(pipe, zoo.loss_fn)
@@ -45,7 +48,7 @@ def test_async_runtime_equals_the_reference_for_every_policy(tmp_path: Path, wor
         want = {n: p for st in pipe.stages for n, p in st.module.named_parameters()}
         table = reads(schedule, policy)
         for r in ranks:
-            got = r[policy]
+            got = r[f"{name} {policy}"]
             torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64), want_losses)
             for n, value in got["params"].items():
                 torch.testing.assert_close(value, want[n].detach(), msg=lambda msg, n=n: f"{policy} {n}: {msg}")

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._helpers import (BATCH_MIX, MODELS, check_saved, interleaved_case, launch_ranks, schedule_case, shared_case,
-                            with_plans)
+from fxpipe.schedules.generators import GENERATORS
+from tests._helpers import (BATCH_MIX, MODELS, check_saved, interleaved_case, launch_ranks, schedule_case,
+                            shared_case, tag_blind_cases, train_reference, with_plans)
 
 # The training cases of each world size share one launch, made once per session (tests/_helpers.py: shared_launch,
 # which test_replicas.py's cases share too); each test checks its own case's files.
@@ -20,6 +21,32 @@ def test_every_schedule_trains_like_one_process(model: str, ranks: int) -> None:
     """mlp, gpt (tied weights), resnet (BatchNorm), and skip-tied: the embedding's output skips
     stages to the head, which is tied to it across ranks."""
     check_saved(shared_case(ranks, f"schedules-{model}"), ranks, schedule_case(model, ranks))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_synchronous_schedule_trains_tag_blind(ranks: int) -> None:
+    """One tag for every message of a pair, matched first in, first out, as NCCL does: every synchronous schedule
+    trains like one process, so each rank posts its receives in its senders' order (fxpipe.runtime.lower)."""
+    from fxpipe.schedules.generators import generate
+
+    synchronous = {name for name in GENERATORS if generate(name, 4, 4).synchronous}
+    cases = {name: cfg for name, cfg in tag_blind_cases(ranks).items() if name.startswith("tag-blind")}
+    ran = {s for cfg in cases.values() for s in cfg["schedules"]}
+    assert synchronous | {"auto"} <= ran  # a new synchronous schedule joins SCHEDULES, and so this test
+    for name, cfg in cases.items():
+        check_saved(shared_case(ranks, name), ranks, cfg)
+
+
+def test_a_perturbed_order_trains_wrong_tag_blind_and_right_with_tags() -> None:
+    """Rank 1 posts its first two receives swapped (after the lowering's check): with tags nothing changes; without,
+    each lands in the other's buffer and training goes wrong, so the tag-blind test can fail."""
+    cases = tag_blind_cases(2)
+    check_saved(shared_case(2, "perturbed-tags"), 2, cases["perturbed-tags"])
+    cfg = cases["perturbed-tag-blind"]
+    losses, _ = train_reference(cfg["model"], cfg["microbatches"], cfg["steps"])
+    for rank in range(2):
+        saved = torch.load(shared_case(2, "perturbed-tag-blind") / f"1f1b-rank{rank}.pt", weights_only=False)
+        assert saved["losses"][0] != pytest.approx(losses[0], rel=1e-6)
 
 
 # How each stage of the 2-stage plans runs batched-w's Ws (4 microbatches: two batches of 2): 2 microbatches at once,

@@ -1,0 +1,100 @@
+"""fxpipe run's agent on one machine: torchrun's elastic agent, with the ranks forked from one warm process.
+
+It takes torchrun's arguments, parsed by ``torch.distributed.run`` itself (rendezvous, nodes, restarts), and
+runs the same ``elastic_launch``. Only the entrypoint differs: ``fxpipe.cli.rank`` as a function started by
+the ``forkserver`` method, whose server has imported torch, AOTAutograd and the rank module once. A rank that
+torchrun would start as a new Python (importing torch and Dynamo again, seconds of CPU each) is a fork of it,
+sharing those pages copy-on-write. The server is forked from nothing that ran torch: no thread pool, no CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fxpipe import _compat
+from fxpipe.cli.ranks import rank_pids
+
+# What the fork server imports once, for every rank (see fxpipe.cli.rank.entry).
+PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "fxpipe.cli.rank"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import multiprocessing
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    from fxpipe.cli.rank import entry
+    from fxpipe.cli.ranks import RANK_MODULE
+
+    args = torchrun.parse_args(argv)
+    if not args.module or args.training_script != RANK_MODULE or args.no_python or args.run_path:
+        raise SystemExit(f"fxpipe.cli.agent starts -m {RANK_MODULE} only (got {args.training_script!r})")
+    if args.standalone:  # as torchrun's run(): a c10d store on a free local port, a fresh run id
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _python, cmd_args = torchrun.config_from_args(args)
+    config.start_method = "forkserver"
+    os.environ["PYTHONUNBUFFERED"] = "1"  # torchrun's "python -u": this process's children (the fork server) only
+    _short_socket_dir()
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    rank_args = cmd_args[cmd_args.index(RANK_MODULE) + 1:]  # after torchrun's "-u -m fxpipe.cli.rank"
+    with _exits(Path(rank_args[rank_args.index("--out") + 1])):
+        elastic_launch(config=config, entrypoint=entry)(*rank_args)
+
+
+@contextlib.contextmanager
+def _exits(out_dir: Path) -> Iterator[None]:
+    """When the launch fails, every rank process that exited non-zero, in the lines of torchrun's failure summary.
+
+    torch.multiprocessing's join (which the agent polls for function entrypoints) raises for the first failed process
+    it finds, and the summary names that one alone; torchrun's command entrypoints list every failure. A rank that was
+    killed (SIGKILL: the out-of-memory killer) while a peer failed at once, reporting that it lost it, would go unnamed.
+    """
+    contexts: list[Any] = []
+    with _compat.process_contexts(contexts.append):
+        try:
+            yield
+        except BaseException:
+            if contexts:
+                ranks = rank_pids(out_dir)
+                for local, proc in enumerate(contexts[-1].processes):
+                    if proc.exitcode and proc.pid in ranks:
+                        print(f"  rank      : {ranks[proc.pid]} (local_rank: {local})\n  exitcode  : {proc.exitcode} "
+                              f"(pid: {proc.pid})", file=sys.stderr, flush=True)
+            raise
+
+
+def _short_socket_dir() -> None:
+    """Make multiprocessing's own temporary directory (where the fork server's Unix socket lives, a path of at most
+    107 bytes) in the system's temporary directory when ``TMPDIR`` (fxpipe run's report directory) is too deep for
+    it. multiprocessing removes it when this process exits."""
+    import tempfile
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= 60:
+        return
+    short = next((d for d in ("/tmp", "/var/tmp") if os.path.isdir(d) and os.access(d, os.W_OK)), None)
+    if short is None:
+        return
+    saved, tempfile.tempdir = tempfile.tempdir, short
+    try:
+        util.get_temp_dir()  # created now, under ``short``, and kept for this process
+    finally:
+        tempfile.tempdir = saved
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)(sys.argv[1:])
