@@ -1,33 +1,35 @@
-"""torch.compile(model, backend="fxpipe") against eager and inductor: one training step on one GPU.
+"""torch.compile(model, backend="fxpipe") against eager and torch.compile(model): one training step on one GPU.
 
-A step is forward, the zoo loss, backward and an SGD step (lr 0.01, no momentum). Every method
-trains its own copy of the same zoo model on the same batch:
+A step is forward, the loss, backward and an SGD step (lr 0.01, no momentum). Every method trains its own copy of
+the same model on the same batch:
 
-  eager          : the model as written
-  fxpipe         : torch.compile(model, backend="fxpipe", options={"stages": S, "microbatches": M}) (the
-                   default on one GPU: the step as two CUDA graphs from its second call)
-  fxpipe-nograph : the same with options cuda_graphs=False (every op launched from Python)
-  inductor       : torch.compile(model) (the default backend, mode "default": no CUDA graphs)
-  inductor-cg    : torch.compile(model, mode="reduce-overhead") (Inductor with its own CUDA graphs)
-  --methods picks some; --no-inductor drops both inductor methods.
+  eager      : the model as written
+  compile    : torch.compile(model) (the default backend, Inductor, mode "default": no CUDA graphs)
+  fxpipe     : torch.compile(model, backend="fxpipe") with no options (one GPU: Inductor per stage graph, one
+               microbatch unless memory needs more, the step as CUDA graphs from its second call)
+  fxpipe-2x4 : the same with options {"stages": 2, "microbatches": 4}
+  fxpipe-nograph, fxpipe-noinductor : fxpipe with options cuda_graphs=False / inductor=False
+  inductor-cg: torch.compile(model, mode="reduce-overhead") (Inductor with its own CUDA graphs)
+  --methods picks some (default: eager compile fxpipe fxpipe-2x4).
 
-After --warmup steps each (the first step of a compiled method is its compile time, reported on
-its own), the methods run interleaved, one step each per iteration in a rotating order, for
---iters iterations; each step is bracketed by torch.cuda.synchronize(). The table gives the
-median and the 10th/90th percentiles. Memory is one more step per method after
-torch.cuda.reset_peak_memory_stats(): max_memory_allocated minus what was allocated before the
-step (every method's weights stay resident throughout, so they are excluded). kernel_ms is the GPU time of
-one step's kernels (torch.profiler): where it is far below the median, the step is bound by
-host-side overhead (Python, kernel launches), not by the GPU. fp32, TF32 off (torch's default).
+Models: ``hf-gpt2`` (a Hugging Face GPT-2 configuration: 8 layers, d 768, 12 heads, vocab 8192, batch 8 x 256),
+``hf-llama`` (a Hugging Face Llama configuration: 8 layers, d 1024, 16 query and 4 key/value heads, MLP 2816,
+vocab 8192, batch 8 x 256), or a zoo name. --precisions fp32 bf16: in bf16, eager and compile run the forward
+under torch.autocast and fxpipe takes options precision="bf16" (fp32 master weights in every method; the loss
+outside autocast). After --warmup steps each (the first step of a compiled method is its compile time, reported
+on its own), the methods run interleaved, one step each per iteration in a rotating order, for --iters
+iterations, each step bracketed by a device synchronize. The table gives the median, the 10th/90th percentiles
+and the ratio to compile's median. kernel_ms is the GPU time of one step's kernels (torch.profiler): where it is
+far below the median, the step is bound by the host. TF32 off (torch's default).
 
-    python benchmarks/backend_gpu.py [--models gpt-medium mlp-large] [--batch-sizes 0 64] [--iters 50]
-
-A batch size of 0 means the zoo's default (gpt-medium 4 x 64 tokens, mlp-large 32).
+    python benchmarks/backend_gpu.py [--models hf-gpt2 hf-llama] [--precisions fp32 bf16] [--iters 15]
+    python benchmarks/backend_gpu.py --device cpu --smoke       # the same code at tiny sizes, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -37,7 +39,10 @@ from typing import Any
 
 import torch
 
-from fxpipe import models
+METHODS = ("eager", "compile", "fxpipe", "fxpipe-2x4", "fxpipe-nograph", "fxpipe-noinductor", "inductor-cg")
+# (layers, d_model, heads, kv heads, mlp, vocab, batch, tokens): the issue's sizes, and tiny ones for --smoke
+HF_SIZES = {"hf-gpt2": (8, 768, 12, 12, 3072, 8192, 8, 256), "hf-llama": (8, 1024, 16, 4, 2816, 8192, 8, 256)}
+SMOKE_SIZES = {"hf-gpt2": (2, 32, 4, 4, 64, 128, 4, 16), "hf-llama": (2, 32, 4, 2, 64, 128, 4, 16)}
 
 
 def _sync(device: torch.device) -> None:
@@ -65,31 +70,79 @@ def _kernel_ms(step: Any, device: torch.device) -> float | None:
         return None
 
 
-def bench(name: str, batch_size: int, device: torch.device, methods: list[str], stages: int, microbatches: int,
-          warmup: int, iters: int) -> list[dict[str, Any]]:
-    torch._dynamo.reset()  # fxpipe binds one instance; a fresh Dynamo cache per configuration
+def hf_model(name: str, device: torch.device, smoke: bool) -> tuple[torch.nn.Module, tuple[Any, ...], Any, Any]:
+    """A Hugging Face causal LM from a configuration (no download), seed 0, its batch, target and loss."""
+    import transformers
+
+    layers, d, heads, kv, mlp, vocab, batch, tokens = (SMOKE_SIZES if smoke else HF_SIZES)[name]
+    torch.manual_seed(0)
+    if name == "hf-gpt2":
+        config: Any = transformers.GPT2Config(n_layer=layers, n_embd=d, n_head=heads, n_inner=mlp, vocab_size=vocab,
+                                              n_positions=tokens, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                              attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model: Any = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=d, num_attention_heads=heads,
+                                          num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab,
+                                          max_position_embeddings=tokens, use_cache=False, bos_token_id=0,
+                                          eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to(device).train()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, tokens + 1), generator=gen).to(device)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out[0] if isinstance(out, tuple) else out.logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    return model, (ids[:, :-1].contiguous(),), ids[:, 1:].contiguous(), loss_fn
+
+
+def _build(name: str, batch_size: int, device: torch.device, smoke: bool) -> tuple[Any, tuple[Any, ...], Any, Any]:
+    if name in HF_SIZES:
+        return hf_model(name, device, smoke)
+    from fxpipe import models
+
     zoo = models.build(name, batch_size=batch_size or None, device=device)
-    inputs, target = zoo.example_inputs, zoo.example_target
+    return zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn
+
+
+def _compiled(method: str, model: torch.nn.Module, precision: str) -> Any:
+    fx_opts: dict[str, Any] = {} if precision == "fp32" else {"precision": precision}
+    if method == "fxpipe":
+        return torch.compile(model, backend="fxpipe", options=fx_opts or None)
+    if method == "fxpipe-2x4":
+        return torch.compile(model, backend="fxpipe", options={"stages": 2, "microbatches": 4, **fx_opts})
+    if method == "fxpipe-nograph":
+        return torch.compile(model, backend="fxpipe", options={"cuda_graphs": False, **fx_opts})
+    if method == "fxpipe-noinductor":
+        return torch.compile(model, backend="fxpipe", options={"inductor": False, **fx_opts})
+    if method == "compile":
+        return torch.compile(model)
+    if method == "inductor-cg":
+        return torch.compile(model, mode="reduce-overhead")
+    return model
+
+
+def bench(name: str, batch_size: int, device: torch.device, methods: list[str], precision: str, warmup: int,
+          iters: int, smoke: bool) -> list[dict[str, Any]]:
+    torch._dynamo.reset()  # fxpipe binds one instance; a fresh Dynamo cache per configuration
+    base, inputs, target, loss_fn = _build(name, batch_size, device, smoke)
+    dtype = torch.bfloat16 if precision == "bf16" else None
     runs: dict[str, dict[str, Any]] = {}
     for method in methods:
-        model = copy.deepcopy(zoo.model)
-        options = {"stages": stages, "microbatches": microbatches}
-        if method == "fxpipe":
-            fn: Any = torch.compile(model, backend="fxpipe", options=options)
-        elif method == "fxpipe-nograph":
-            fn = torch.compile(model, backend="fxpipe", options={**options, "cuda_graphs": False})
-        elif method == "inductor":
-            fn = torch.compile(model)
-        elif method == "inductor-cg":
-            fn = torch.compile(model, mode="reduce-overhead")
-        else:
-            fn = model
+        model = copy.deepcopy(base)
+        fn = _compiled(method, model, precision)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        # eager and torch.compile autocast the forward; fxpipe's graphs were traced under it (options precision)
+        autocast = dtype is not None and not method.startswith("fxpipe")
 
-        def step(fn: Any = fn, opt: Any = opt, method: str = method) -> torch.Tensor:
+        def step(fn: Any = fn, opt: Any = opt, method: str = method, autocast: bool = autocast) -> torch.Tensor:
             if method == "inductor-cg":
                 torch.compiler.cudagraph_mark_step_begin()  # its graphs' outputs are reused each step
-            loss = zoo.loss_fn(fn(*inputs), target)
+            with torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext():
+                out = fn(*inputs)
+            loss = loss_fn(out, target)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -100,12 +153,19 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
         try:
             first_loss = step()
         except Exception as exc:  # noqa: BLE001 - one method failing still leaves the others' numbers
-            print(f"{name} {method}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", file=sys.stderr)
+            import traceback
+
+            print(f"{name} {precision} {method}: {type(exc).__name__}: "
+                  + "\n".join(traceback.format_exception(exc)[-12:])[-3000:], file=sys.stderr)
             continue
         runs[method] = {"step": step, "times": [], "model": model}
         _sync(device)
         runs[method]["first_step_s"] = time.perf_counter() - t0
         runs[method]["first_loss"] = float(first_loss)
+        if method.startswith("fxpipe"):
+            from fxpipe.backend import _LAST_RUNNER
+
+            runs[method]["runner"] = _LAST_RUNNER[0]
         for _ in range(warmup):
             step()
     methods = [m for m in methods if m in runs]
@@ -117,9 +177,8 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
             runs[method]["step"]()
             _sync(device)
             runs[method]["times"].append(time.perf_counter() - t0)
-    rows = []
-    eager_ms = None
     medians = {m: statistics.median(runs[m]["times"]) * 1e3 for m in methods}
+    rows = []
     for method in methods:
         r = runs[method]
         peak = None
@@ -131,61 +190,69 @@ def bench(name: str, batch_size: int, device: torch.device, methods: list[str], 
             _sync(device)
             peak = torch.cuda.max_memory_allocated(device) - before
         kernel_ms = _kernel_ms(r["step"], device)
+        runner = r.get("runner")
+        if runner is not None:  # after the timed steps: a failed capture leaves step_graphs None
+            r["setup"] = (f"{len(runner.stages)}x{runner.m}" + (" inductor" if runner.inductor else "")
+                          + (" graphs" if runner.step_graphs is not None else ""))
         times = sorted(r["times"])
         q = statistics.quantiles(times, n=10, method="inclusive") if len(times) >= 2 else [times[0]] * 9
-        median = statistics.median(times) * 1e3
-        if method == "eager":
-            eager_ms = median
         rows.append({
-            "model": name, "batch": inputs[0].shape[0], "method": method, "median_ms": round(median, 3),
+            "model": name, "precision": precision, "batch": "x".join(str(s) for s in inputs[0].shape),
+            "method": method, "setup": r.get("setup", ""), "median_ms": round(medians[method], 3),
             "p10_ms": round(q[0] * 1e3, 3), "p90_ms": round(q[-1] * 1e3, 3),
-            "vs_eager": round(median / eager_ms, 3) if eager_ms else None,
-            "vs_inductor": round(median / medians["inductor"], 3) if "inductor" in medians else None,
-            "first_step_s": round(r["first_step_s"], 2), "first_loss": round(r["first_loss"], 6),
-            "step_peak_mib": None if peak is None else round(peak / 2**20, 1),
+            "vs_compile": round(medians[method] / medians["compile"], 3) if "compile" in medians else None,
+            "vs_eager": round(medians[method] / medians["eager"], 3) if "eager" in medians else None,
             "kernel_ms": None if kernel_ms is None else round(kernel_ms, 3),
+            "step_peak_mib": None if peak is None else round(peak / 2**20, 1),
+            "first_step_s": round(r["first_step_s"], 2), "first_loss": round(r["first_loss"], 5),
         })
     return rows
 
 
-def main() -> None:
+COLUMNS = ["model", "precision", "batch", "method", "setup", "median_ms", "p10_ms", "p90_ms", "vs_compile", "vs_eager",
+           "kernel_ms", "step_peak_mib", "first_step_s", "first_loss"]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join("" if r[c] is None else str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt-medium", "mlp-large"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[0], help="0: the zoo's default")
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--models", nargs="+", default=["hf-gpt2", "hf-llama"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[0], help="zoo models: 0 is the zoo's default")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=15)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--no-inductor", action="store_true")
-    parser.add_argument("--methods", nargs="+", default=["eager", "fxpipe", "fxpipe-nograph", "inductor",
-                                                          "inductor-cg"])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 1 warm-up and 3 iterations: the code path")
+    parser.add_argument("--methods", nargs="+", default=["eager", "compile", "fxpipe", "fxpipe-2x4"], choices=METHODS)
     parser.add_argument("--json", help="also write the rows here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             sys.exit("error: CUDA is not available here; run on a GPU machine or pass --device cpu")
         device = torch.device("cuda", torch.cuda.current_device())
-    methods = [m for m in args.methods if not (args.no_inductor and m.startswith("inductor"))]
+    if args.smoke:
+        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 3)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
-          f"fxpipe stages={args.stages} microbatches={args.microbatches}; warmup {args.warmup}, iters {args.iters}",
-          flush=True)
+          f"warmup {args.warmup}, iters {args.iters}{' (smoke sizes)' if args.smoke else ''}", flush=True)
     rows = []
     for name in args.models:
-        for batch in args.batch_sizes:
-            new = bench(name, batch, device, methods, args.stages, args.microbatches, args.warmup, args.iters)
-            for r in new:
-                print(json.dumps(r), flush=True)
-            rows += new
-    cols = ["model", "batch", "method", "median_ms", "p10_ms", "p90_ms", "vs_eager", "vs_inductor", "kernel_ms", "step_peak_mib",
-            "first_step_s", "first_loss"]
-    print("\n| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
-    for r in rows:
-        print("| " + " | ".join("" if r[c] is None else str(r[c]) for c in cols) + " |")
+        for batch in args.batch_sizes if name not in HF_SIZES else [0]:
+            for precision in args.precisions:
+                new = bench(name, batch, device, list(args.methods), precision, args.warmup, args.iters, args.smoke)
+                for r in new:
+                    print(json.dumps(r), flush=True)
+                rows += new
+    print("\n" + table(rows), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": str(device), "args": vars(args), "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
 __all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
-           "higher_order_op", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree"]
+           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -236,3 +236,21 @@ def cpp_compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """``gm`` compiled by Inductor for these inputs' shapes, strides and dtypes, without Dynamo: a callable of
+    ``*args``.
+
+    ``torch._inductor.compile_fx.compile_fx`` is what ``torch.compile``'s Inductor backend calls on Dynamo's
+    graph (AOTAutograd, then ``compile_fx_inner``; vLLM's piecewise backend calls it the same way inside its
+    own Dynamo backend). It takes the graph's ``get_attr`` parameters and buffers as inputs read on each call,
+    so the compiled code sees an optimizer's in-place updates. It may mutate the graph it is given: the caller
+    passes a copy. ``torch._inductor.standalone_compile`` deep-copies the module, parameters included, so its
+    code would read stale copies. Called outside any Dynamo tracing context; under ``no_grad`` the graph
+    compiles for inference (no autograd graph around the already split F, B and W).
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    with outside_dynamo_tracing():
+        return compile_fx(gm, example_inputs)  # called as Dynamo calls a backend's result: fn(*args)

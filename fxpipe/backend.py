@@ -13,6 +13,10 @@ microbatch shape, costs, partition, split, backward split), and returns a callab
     backward: (autograd reaches the compiled region) runs each microbatch's B from the last stage
               to the first, deferring each W by one microbatch into the gap, and returns every
               parameter's gradient to autograd.
+
+On CUDA each stage's F, B and W graphs run compiled by Inductor (fxpipe.runtime.codegen: fused kernels), and the
+step is replayed as CUDA graphs. On one device the batch is one microbatch unless the memory model says the step
+does not fit (see _default_microbatches); on several, the pipeline is fed DEFAULTS.microbatches(stages).
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ _LAST_RUNNER: list[Any] = []  # and its _Runner (tests read whether its step ran
 # parameters are (the whole model's device, unless the user placed layers).
 # precision: "fp32", or "bf16"/"fp16": every stage's F, B and W traced under autocast (fxpipe.runtime.optim), as
 # the module would run inside ``torch.autocast``; its parameters and their gradients stay fp32.
-OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose", "precision")
+# inductor: compile every stage's F, B and W with Inductor (default: where every stage runs on CUDA; on the CPU
+# Inductor's C++ builds take seconds per graph, longer than most CPU training steps save).
+OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose", "precision", "inductor")
 
 
 def last_report() -> list[Report]:
@@ -74,9 +80,13 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     module, args, kwargs = _traced_call()
     flat_args, spec = pytree.tree_flatten((args, kwargs))
     batch = next((a.shape[0] for a in flat_args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
-    # Default: DEFAULTS.microbatches(stages), or the largest count below it that divides the batch.
-    microbatches = _count(opts, "microbatches",
-                          max(d for d in range(1, DEFAULTS.microbatches(stages) + 1) if batch % d == 0))
+    several = devices is not None and len(set(devices)) > 1
+    if "microbatches" in opts or several:
+        # Several devices: DEFAULTS.microbatches(stages), or the largest count below it that divides the batch.
+        microbatches = _count(opts, "microbatches",
+                              max(d for d in range(1, DEFAULTS.microbatches(stages) + 1) if batch % d == 0))
+    else:
+        microbatches = 1  # until the memory model says otherwise (below)
     check_schedule_size(stages, microbatches)
     schedule = str(opts.get("schedule", "zb-gpipe"))
     if schedule not in ("zb-gpipe", "gpipe"):
@@ -89,27 +99,51 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     cuda_graphs = opts.get("cuda_graphs", True)
     if not isinstance(cuda_graphs, bool):
         raise OptionError(f"options 'cuda_graphs' must be True or False (cuda_graphs: {cuda_graphs!r})")
-    first = _microbatches(flat_args, microbatches)[0]
-    m_args, m_kwargs = pytree.tree_unflatten(first, spec)
+    inductor = opts.get("inductor")
+    if inductor is not None and not isinstance(inductor, bool):
+        raise OptionError(f"options 'inductor' must be True or False (inductor: {str(inductor)[:40]!r})")
     input_grads = any(isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter)
                       for a in flat_args)
 
     autocast = _autocast(opts.get("precision", "fp32"), module, devices)
-    # Our compile is a separate trace of real tensors, not part of the frame Dynamo is compiling:
-    # see _outside_dynamo.
-    with _outside_dynamo():
-        pipe = api.compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
-                           verify_each=False)
-        if pipe.stage_graphs is None:
-            raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
-        if autocast is not None:  # the same stages, their graphs traced again under autocast
-            for stage, g in zip(pipe.stage_list(), pipe.build_backward(m_args, autocast=autocast, input_grads=input_grads,
-                                                                       example_kwargs=m_kwargs)):
-                stage.graphs = g
-                if g.forward is not None:
-                    object.__setattr__(stage, "forward", g.forward)
-        with autocast_forward(*autocast) if autocast is not None else contextlib.nullcontext():
-            placement = _place(pipe, devices, pytree.tree_unflatten(first, spec), input_grads)
+
+    def build(m: int) -> tuple[Any, list[Any], _Placement]:
+        first = _microbatches(flat_args, m)[0]
+        m_args, m_kwargs = pytree.tree_unflatten(first, spec)
+        # Our compile is a separate trace of real tensors, not part of the frame Dynamo is compiling:
+        # see _outside_dynamo.
+        with _outside_dynamo():
+            pipe = api.compile(module, m_args, example_kwargs=m_kwargs, stages=stages, input_grads=input_grads,
+                               verify_each=False)
+            if pipe.stage_graphs is None:
+                raise FxpipeError("split_backward built no stage graphs; this is an fxpipe bug, please report it")
+            if autocast is not None:  # the same stages, their graphs traced again under autocast
+                for stage in pipe.stage_list():
+                    _drop_dtype_asserts(stage.module)
+                for stage, g in zip(pipe.stage_list(), pipe.build_backward(m_args, autocast=autocast,
+                                                                           input_grads=input_grads,
+                                                                           example_kwargs=m_kwargs)):
+                    stage.graphs = g
+                    if g.forward is not None:
+                        object.__setattr__(stage, "forward", g.forward)
+            with autocast_forward(*autocast) if autocast is not None else contextlib.nullcontext():
+                placement = _place(pipe, devices, pytree.tree_unflatten(first, spec), input_grads)
+        return pipe, first, placement
+
+    pipe, first, placement = build(microbatches)
+    choice = "set by options microbatches" if "microbatches" in opts else "several devices: the pipeline's default"
+    if "microbatches" not in opts and not several:
+        if len(set(placement.devices)) > 1:  # the user placed the model's layers on several devices
+            default = max(d for d in range(1, DEFAULTS.microbatches(stages) + 1) if batch % d == 0)
+            picked = default, choice
+        else:
+            picked = _default_microbatches(pipe, placement.devices[0], batch, schedule == "zb-gpipe")
+        microbatches, choice = picked
+        if microbatches != 1:
+            check_schedule_size(stages, microbatches)
+            pipe, first, placement = build(microbatches)
+    if inductor is None:
+        inductor = all(d.type == "cuda" for d in placement.devices)
     # Which of Dynamo's inputs are the call's tensors (by identity), and which are parameters.
     placeholders = list(example_inputs)
     arg_pos = {id(a): i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor)}
@@ -120,10 +154,11 @@ def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     # Outputs go back where Dynamo's graph (and eager) makes them, whichever device ran the last stage.
     out_devices = [getattr(getattr(v, "meta", {}).get("example_value"), "device", None) for v in out_values]
     runner = _Runner(pipe, microbatches, spec, len(flat_args), [placeholders[k] for k in param_slots],
-                     schedule == "zb-gpipe", placement, out_devices)
+                     schedule == "zb-gpipe", placement, out_devices, inductor)
     runner.step_graphs = _step_graphs(runner, flat_args) if cuda_graphs else None
     _LAST_RUNNER[:] = [runner]
-    pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices, runner.step_graphs is not None)]
+    pipe.extra_reports = [_memory_report(pipe, microbatches, placement.devices, runner.step_graphs is not None, choice,
+                                         runner.inductor is not None)]
     _LAST[:] = [pipe]
     if opts.get("verbose"):
         from fxpipe.render import render_text
@@ -166,6 +201,25 @@ def _outside_dynamo() -> Iterator[None]:
     """
     with outside_dynamo_tracing():
         yield
+
+
+def _drop_dtype_asserts(module: torch.fx.GraphModule) -> None:
+    """Remove torch.export's dtype checks from ``module`` (in place) before it is traced under autocast.
+
+    Export records the input of a ``.to(dtype)`` as ``aten._assert_tensor_metadata(x, dtype=float32)``
+    (Llama's RMSNorm: ``hidden_states.to(torch.float32)``); under autocast that input arrives in bf16
+    from a matmul autocast ran, as it does in eager, and the check (which computes nothing) would fail.
+    """
+    from fxpipe._compat import op_overload
+
+    check = op_overload("aten", "_assert_tensor_metadata", "default")
+    if check is None:
+        return
+    dropped = [n for n in module.graph.nodes if n.target is check and not n.users]
+    for node in dropped:
+        module.graph.erase_node(node)
+    if dropped:
+        module.recompile()
 
 
 def _traced_call() -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
@@ -371,7 +425,59 @@ def _microbatches(flat: list[Any], m: int) -> list[list[Any]]:
     return [[p[i] for p in parts] for i in range(m)]
 
 
-def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool) -> Report:
+def _free_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` for the step's gradients and activations (CUDA: ``mem_get_info``); None: no cap
+    known (the CPU)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def _step_bytes(pipe: Any, m: int, defer_w: bool) -> float:
+    """Bytes the step needs beyond the parameters with ``m`` microbatches, ``pipe`` built for the whole batch:
+    the parameters' gradients and the simulator's activation peak for the backend's one-rank schedule."""
+    from fxpipe.schedules.simulate import Costs, simulate
+
+    graphs = pipe.stage_graphs
+    grads = sum(p.numel() * p.element_size() for stage in pipe.stage_list() for p in stage.module.parameters()
+                if p.requires_grad)
+    ones = (1.0,) * len(graphs)
+    costs = Costs(ones, ones, ones, held_fb=tuple(g.bytes_f_to_b / m for g in graphs),
+                  held_bw=tuple(g.bytes_b_to_w / m for g in graphs))
+    return grads + simulate(one_rank(len(graphs), m, defer_w=defer_w), costs).ranks[0].peak_memory
+
+
+def _default_microbatches(pipe: Any, device: torch.device, batch: int, defer_w: bool) -> tuple[int, str]:
+    """The microbatch count on one device, and why: 1, unless the memory model says the step does not fit.
+
+    One device runs the stages one after the other, so microbatches buy no overlap and cost kernels (each
+    a fraction of the size, more launches, less fusion). The model: ``pipe`` was built for the whole batch
+    as one microbatch; activations scale with the microbatch, so stage s holds ``bytes_f_to_b / m`` from
+    F to B and ``bytes_b_to_w / m`` from B to W; the simulator's peak for the backend's one-rank schedule
+    plus the parameters' gradients must fit in the device's free memory. The smallest count dividing the
+    batch that fits, else the one with the lowest peak. (All F run before any B, as autograd runs the
+    step, so microbatches shrink only what B keeps for W and each kernel's temporaries.)
+    """
+    free = _free_memory(device)
+    if free is None:
+        return 1, f"one device ({device}), no memory cap known"
+
+    def need(m: int) -> float:
+        return _step_bytes(pipe, m, defer_w)
+
+    candidates = [m for m in range(1, min(batch, 256) + 1) if batch % m == 0]  # at most 256: each is a simulation
+    fits = next((m for m in candidates if need(m) <= free), None)
+    mib = f"{free / 2**20:,.0f} MiB free on {device}"
+    if fits == 1:
+        return 1, f"one device; the step fits in {mib}"
+    if fits is not None:
+        return fits, f"one device; the step needs {fits} microbatches to fit in {mib}"
+    least = min(candidates, key=lambda m: (need(m), m))
+    return least, f"one device; no count fits in {mib}, {least} needs the least"
+
+
+def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool, choice: str = "",
+                   inductor: bool = False) -> Report:
     rows = []
     for stage, g, placed in zip(pipe.stage_list(), pipe.stage_graphs, devices):
         params = sum(p.numel() * p.element_size() for p in stage.module.parameters())
@@ -385,8 +491,11 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool)
                      round(peak / 2**20, 3), measured))
     return Report("backend memory per stage (estimated; measured on CUDA)",
                   ("stage", "device", "param MiB", "F->B MiB (all microbatches)", "peak MiB", "measured MiB"),
-                  tuple(rows), (f"{m} microbatches; peak = parameters + gradients + activations held by the "
-                                "all-forward-first step",
+                  tuple(rows), (f"{m} microbatches ({choice}); peak = parameters + gradients + activations held "
+                                "by the all-forward-first step",
+                                "F, B and W compiled by Inductor (fused kernels)" if inductor else
+                                "F, B and W run as traced, op by op (options inductor=True compiles them with Inductor; "
+                                "the default where every stage runs on CUDA)",
                                 "the step runs as two CUDA graphs (F; B and W) from its second call, their memory pool "
                                 "held between steps, or op by op where a capture fails (options cuda_graphs=False: "
                                 "always op by op)" if graphs else
@@ -399,7 +508,8 @@ class _Runner:
     the executor core: its F actions in autograd's forward, the rest in autograd's backward."""
 
     def __init__(self, pipe: Any, m: int, spec: Any, n_flat: int, params: list[torch.Tensor], defer_w: bool,
-                 placement: _Placement, out_devices: Sequence[torch.device | None]) -> None:
+                 placement: _Placement, out_devices: Sequence[torch.device | None], inductor: bool = False) -> None:
+        from fxpipe.runtime.codegen import Inductor, compile_stage
         from fxpipe.runtime.streams import Transfers
 
         self.pipe = pipe
@@ -414,6 +524,10 @@ class _Runner:
             if g.fused:
                 raise FxpipeError(f"stage {k} has no split backward ({g.fused_reason}); backend='fxpipe' needs "
                                   "every stage split")
+        # Inductor: each graph compiles at its first call (the first step, before any CUDA graph capture).
+        self.inductor = Inductor() if inductor else None
+        if self.inductor is not None:
+            self.graphs = [compile_stage(g, self.inductor) for g in self.graphs]
         self.placement = placement
         self.devices = placement.devices
         self.out_devices = list(out_devices)

@@ -255,8 +255,9 @@ def test_an_op_no_capture_allows_runs_op_by_op() -> None:
     model = _HostConstant().double().cuda()
     x = torch.randn(4, 8, dtype=torch.float64, device="cuda")
     with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+        # inductor off: the graphs as traced, whose CPU constant and copy to the GPU Inductor might fold away
         _train_side_by_side(model, (x,), torch.zeros(4, 8, dtype=torch.float64, device="cuda"),
-                            torch.nn.functional.mse_loss, {"stages": 2, "microbatches": 2}, steps=4)
+                            torch.nn.functional.mse_loss, {"stages": 2, "microbatches": 2, "inductor": False}, steps=4)
     assert _graphs() is None
 
 
@@ -321,6 +322,64 @@ def test_cuda_graphs_two_forwards_before_one_backward_and_moved_parameters() -> 
     # Inference (no grad: Dynamo compiles the model again for that grad mode) equals eager too.
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("options", [
+    {"inductor": True, "cuda_graphs": True}, {"inductor": True, "cuda_graphs": False},
+    {"inductor": False, "cuda_graphs": True}, {"inductor": False, "cuda_graphs": False},
+    {"microbatches": 4}], ids=["inductor-graphs", "inductor", "graphs", "op-by-op", "default-4-microbatches"])
+def test_every_compiled_path_trains_like_eager_in_float64_on_cuda(options: dict[str, Any]) -> None:
+    # Three SGD-momentum steps: step 1 eager (Inductor compiles each graph at its first call), step 2 captured,
+    # step 3 replayed. With no microbatches option one GPU runs one microbatch (the memory model fits it).
+    zoo = models.build("gpt-tiny", batch_size=4, device="cuda", dtype=torch.float64)
+    _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn, {"stages": 2, **options})
+    from fxpipe.backend import _LAST_RUNNER
+
+    runner = _LAST_RUNNER[0]
+    assert runner.m == options.get("microbatches", 1)
+    if options.get("inductor", True):  # the default on CUDA
+        assert runner.inductor is not None and runner.inductor.failed == [] and runner.inductor.compiled == 3 * 2
+    else:
+        assert runner.inductor is None
+    graphs = runner.step_graphs
+    assert (graphs is not None and graphs.fwd is not None and graphs.bwd is not None) == options.get("cuda_graphs", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_with_inductor_and_cuda_graphs_follows_eager_autocast_on_cuda() -> None:
+    # The backend's defaults on a GPU (Inductor, CUDA graphs, one microbatch) with precision bf16, against eager's
+    # forward under torch.autocast (the loss outside it, as the backend's caller computes it): bf16 keeps 8 bits of
+    # mantissa, and Inductor's fused kernels round in other places than eager's ops. Master weights stay fp32.
+    torch._dynamo.reset()
+    zoo = models.build("gpt-tiny", batch_size=4, device="cuda")
+    model, ref = zoo.model, copy.deepcopy(zoo.model)
+    compiled = torch.compile(model, backend="fxpipe", fullgraph=True, options={"stages": 2, "precision": "bf16"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        out = compiled(*zoo.example_inputs)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out_ref = ref(*zoo.example_inputs)
+        assert out.dtype == out_ref.dtype == torch.bfloat16
+        loss, loss_ref = zoo.loss_fn(out, zoo.example_target), zoo.loss_fn(out_ref, zoo.example_target)
+        loss.backward()
+        loss_ref.backward()
+        torch.testing.assert_close(loss.float(), loss_ref.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda m: f"step {step} loss: {m}")
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            assert p.dtype == p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, ref_params[name].grad, atol=2e-2, rtol=5e-2,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    from fxpipe.backend import _LAST_RUNNER
+
+    runner = _LAST_RUNNER[0]
+    assert runner.inductor is not None and runner.inductor.failed == [] and runner.step_graphs.bwd is not None
 
 
 @pytest.mark.gpu
