@@ -22,7 +22,7 @@ _SHARED_LAUNCHES = {"tests/runtime/test_distributed.py": "dist", "tests/runtime/
 
 @pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist each worker computes on one thread: two workers of two threads each on two cores spend
+    # Under pytest-xdist each worker computes on one thread: several workers of two threads each on two cores spend
     # their time waiting on each other's spinning threads. (Ranks are processes of their own and keep theirs.)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
@@ -33,7 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # The longest groups first (from --durations; longest-first keeps one worker from finishing alone on a long module).
 _LONGEST = ("dist", "tests/test_docs.py", "tests/cli/test_run_cli.py", "tests/cli/test_run_strategy.py", "dp",
             "tests/cli/test_signals.py", "tests/calibration/test_compute.py", "tests/cli/test_run_restart.py",
-            "tests/runtime/test_strategy_runtime.py", "tests/cli/test_run_data.py", "tests/runtime/test_faults.py")
+            "tests/runtime/test_strategy_runtime.py", "tests/cli/test_run_data.py", "tests/runtime/test_faults.py",
+            "tests/runtime/test_pair_order.py", "tests/test_backend_inductor.py")
 
 
 def _group(item: pytest.Item) -> str:
