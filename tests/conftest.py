@@ -37,17 +37,30 @@ _LONGEST = ("dist", "tests/test_docs.py", "tests/cli/test_run_cli.py", "tests/cl
             "tests/runtime/test_pair_order.py", "tests/test_backend_inductor.py")
 
 
-def _group(item: pytest.Item) -> str:
-    module = item.nodeid.split("::", 1)[0]
+def _group(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].split("@", 1)[0]
     return _SHARED_LAUNCHES.get(module, module)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: k for k, name in enumerate(_LONGEST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: each module keeps its own order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: rank.get(_group(item.nodeid), len(rank)))  # stable: each module keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: none without it (-p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Each group of :func:`_group` whole on one worker, the groups in collection order (longest first). xdist's own
+    ``--dist loadgroup`` reads a group from a suffix it adds to ``item._nodeid``, which pytest 9 no longer reads
+    (its node ids come from ``item._id``): every test went wherever a worker was free, and each worker made the
+    shared launches and module fixtures again."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return Groups(config, log)
 
 
 @pytest.fixture
