@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fxpipe.cli.agent starts -m {RANK_MODULE} only (got {' '.join(argv)[:200]!r})")
     # The fork server first: it imports torch and the rank program while this process imports torch's launcher
     # and meets the other nodes.
-    os.environ["PYTHONUNBUFFERED"] = "1"  # torchrun's "python -u": this process's children (the fork server) only
     _short_socket_dir()
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()

@@ -250,7 +250,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
-        local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: torchrun's own processes)
+        local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: the agent, its fork server)
         stopped: set[int] = set()
         since: dict[int, float] = {}  # rank -> when it was first seen stopped
         shown = 0
@@ -261,6 +261,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                                     env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
                                          LAUNCHER_PID: str(os.getpid()),
+                                         "PYTHONUNBUFFERED": "1",  # torchrun's "python -u", for the forked ranks
                                          # `python -m` puts the working directory first on sys.path, where a
                                          # folder named fxpipe would shadow an editable install (3.11+ honours it)
                                          "PYTHONSAFEPATH": "1", **(env or {})})
@@ -270,8 +271,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                 pids = rank_pids(progress.parent)
                 for pid in seen:
                     if local.get(pid) is None:  # not known yet: a forked rank writes its pid file as it starts
-                        local[pid] = _rank_of(pid, pids)
-                stopped = {r for r in (_rank_of(p, pids) for p in _stopped(seen)) if r is not None}
+                        local[pid] = pids.get(pid)
+                stopped = {r for r in map(pids.get, _stopped(seen)) if r is not None}
                 now = time.monotonic()
                 since = {r: since.get(r, now) for r in stopped}
                 if stopped and (any(progress.parent.glob("rank*.error"))
@@ -363,24 +364,6 @@ def rank_pids(out_dir: Path) -> dict[int, int]:
         except (OSError, ValueError):  # being written, or not one of ours
             continue
     return found
-
-
-def _rank_of(pid: int, pids: Mapping[int, int]) -> int | None:
-    """The RANK of process ``pid`` (its pid file in ``pids``, else its environment), or None (the agent, its fork
-    server, or unreadable)."""
-    if pid in pids:
-        return pids[pid]
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for entry in env:
-        if entry.startswith(b"RANK="):
-            try:
-                return int(entry[5:])
-            except ValueError:
-                return None
-    return None
 
 
 def _running(pid: int, start: int) -> bool:
