@@ -301,30 +301,52 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
 def stop_tree(proc: subprocess.Popen[str], seen: Mapping[int, int], grace: float) -> None:
     """Stop ``proc`` (torchrun, a session leader) and its ranks: SIGTERM (and SIGCONT, so a stopped rank
     gets it) to torchrun's group and to each rank's, then SIGKILL whatever still runs after ``grace``
-    seconds. Signals that arrive meanwhile are held off, so a second Ctrl-C cannot leave ranks behind."""
+    seconds, in torchrun's group too once torchrun has gone (see :func:`group_members`). Signals that arrive meanwhile are held off, so a second Ctrl-C cannot leave ranks behind."""
     main = threading.current_thread() is threading.main_thread()
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         procs = {**seen, **descendants(proc.pid)} if proc.poll() is None else dict(seen)
         alive = {pid: start for pid, start in procs.items() if _running(pid, start)}
-        if proc.poll() is None or alive:
+        if proc.poll() is None or alive or group_members(proc.pid):
             for sig in (signal.SIGTERM, signal.SIGCONT):
                 _signal_group(proc.pid, sig)
                 for pid in alive:
                     _signal_group(pid, sig)
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and (proc.poll() is None or
+            while time.monotonic() < deadline and (proc.poll() is None or group_members(proc.pid) or
                                                    any(_running(p, s) for p, s in alive.items())):
                 time.sleep(0.05)
             for pid, start in alive.items():
                 if _running(pid, start):
                     _signal_group(pid, signal.SIGKILL)
-            if proc.poll() is None:
+            if proc.poll() is None or group_members(proc.pid):
                 _signal_group(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
         for sig, handler in held.items():
             signal.signal(sig, handler)
+
+
+def group_members(pgid: int) -> set[int]:
+    """The live processes of the process group ``pgid`` besides its leader (empty where ``/proc`` is missing).
+
+    The agent's group outlives the agent: its fork server and multiprocessing's resource tracker (which ignores
+    SIGTERM and leaves when its last client closes a pipe) are in it, and a SIGTERM that reached the agent as it
+    started them can leave one behind, orphaned, where no descendant scan finds it."""
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return set()
+    found = set()
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        if pid != pgid and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            found.add(pid)
+    return found
 
 
 def _signal_group(pid: int, sig: int) -> None:

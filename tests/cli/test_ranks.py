@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +193,29 @@ def test_a_rank_torchrun_stopped_is_not_blamed_over_the_rank_a_wait_names() -> N
     assert failure is not None and failure.rank == 3
     assert failure.message.startswith("rank 3 failed without an error report; rank 1 reported: RankFailedError")
     assert failure.message.endswith("(rank 3 ran on another node: its fxpipe run says more)")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
+def test_stopping_the_launch_leaves_nothing_of_its_group(tmp_path: Path) -> None:
+    """The agent gone, a process it started that ignores SIGTERM (as multiprocessing's resource tracker does) stays
+    in its group, orphaned, nobody's descendant: stop_tree still ends it."""
+    from fxpipe.cli.ranks import group_members, stop_tree
+
+    ready = tmp_path / "ready"
+    child = (f"import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"pathlib.Path({str(ready)!r}).touch(); time.sleep(300)")
+    leader = subprocess.Popen([sys.executable, "-c", f"import pathlib, subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); "
+                               f"[time.sleep(0.05) for _ in range(1200) if not pathlib.Path({str(ready)!r}).exists()]"],
+                              start_new_session=True, text=True)
+    try:
+        assert leader.wait(timeout=60) == 0 and ready.exists()
+        assert len(group_members(leader.pid)) == 1
+        stop_tree(leader, {}, grace=0.5)
+        deadline = time.monotonic() + 10
+        while group_members(leader.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_members(leader.pid) == set()
+    finally:
+        for pid in group_members(leader.pid):
+            os.kill(pid, signal.SIGKILL)

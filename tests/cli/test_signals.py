@@ -134,7 +134,7 @@ def test_a_signal_at_any_moment_stops_the_run_cleanly(plan: Path, tmp_path: Path
         deadline = time.monotonic() + 10  # ranks that saw their launcher go leave within a second
         while run_processes(-1, tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert run_processes(-1, tmp_path) == set()
+        assert {pid: _described(pid) for pid in run_processes(-1, tmp_path)} == {}
         assert list(tmp_path.iterdir()) == []
     finally:
         kill_run(proc, tmp_path)
@@ -158,6 +158,16 @@ def test_killing_the_launcher_takes_its_ranks_down(plan: Path, tmp_path: Path) -
         assert processes_of(out_dir) == {}, "ranks outlived their launcher"
     finally:
         kill_run(proc, tmp_path)
+
+
+def _described(pid: int) -> str:
+    """A process's command line, state and process group, for a failure's message."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        state, _ppid, pgrp = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+    except OSError:
+        return "gone"
+    return f"{cmdline} (state {state}, group {pgrp})"
 
 
 def _alive(pid: int) -> bool:
