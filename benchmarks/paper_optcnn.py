@@ -11,10 +11,16 @@ batch 64) with the profile's measured compute:
 - **OptCNN**: the search (node and edge elimination, exact under the model).
 
 Throughput is samples per second (batch / modelled step); bytes are what one device receives per step (transfers
-both ways and gradient all-reduces).
+both ways and gradient all-reduces). The table is the cost model's only. What this machine measured is
+``benchmarks/strategy_measured.py``'s committed runs (vgg-small and resnet-small at 2 and 4 gloo ranks: dp, SplitBrain
+and the search's pick, in the search's calibrated model against the measured step); the second table sets them side
+by side (model / measured, within 20% or not). ``strategy_measured.py`` measures them again (minutes).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from tabulate import tabulate
 
@@ -25,6 +31,8 @@ from fxpipe.planning.strategies import (Degrees, LayerSpec, Strategy, build_grap
 MODELS = ("vgg-16-4096", "resnet-small", "inception-small")
 RANKS = (4, 8, 16)
 LINK = "pcie4"
+MEASURED = tuple(Path(__file__).parent / "results" / "strategy_measured" / f for f in ("measured.json",
+                                                                                      "measured_repeat.json"))
 
 
 def _specs(p: paper_profiles.Profile) -> tuple[list[LayerSpec], list[tuple[int, int]]]:
@@ -80,6 +88,41 @@ def verdict(rows: list[tuple]) -> str:
             "pick was data parallelism or 2-6% slower than it (benchmarks/RESULTS.md, 'Strategies measured').")
 
 
+def measured_rows(paths: tuple[Path, ...] = MEASURED) -> list[tuple]:
+    """Per measured configuration (model, ranks, strategy): the search's model of the step against the measured
+    step, in each committed run (run 1 first), and whether every run is within 20%; also the model's compute alone
+    against plain PyTorch's forward + backward on a rank's share of the batch (where the shortfall is)."""
+    runs = [json.loads(p.read_text())["rows"] for p in paths if p.exists()]
+    out = []
+    for i, r in enumerate(runs[0] if runs else []):
+        same = [run[i] for run in runs]
+        ratios = [paper_profiles.model_over_measured(x["predicted_s"], x["measured_s"]) for x in same]
+        out.append((r["model"], r["ranks"], r["strategy"], round(r["predicted_s"] * 1e3, 1),
+                    round(r["measured_s"] * 1e3, 1), " / ".join(f"{x:.2f}" for x in ratios),
+                    "yes" if all(paper_profiles.within(x["predicted_s"], x["measured_s"]) for x in same) else "no",
+                    f"{r['dp_compute_s'] * 1e3:.1f} / {r['eager_local_s'] * 1e3:.1f}"))
+    return out
+
+
+MEASURED_HEADERS = ("model", "ranks", "strategy", "model ms (run 1)", "measured ms (run 1)",
+                    "model / measured (runs 1 / 2)", "within 20%", "dp compute: model / PyTorch ms")
+
+
+def measured_verdict(rows: list[tuple]) -> str:
+    if not rows:
+        return "No measured configuration is committed (run benchmarks/strategy_measured.py)."
+    off = [r for r in rows if r[6] != "yes"]
+    ratios = [float(x) for r in rows for x in r[5].split(" / ")]
+    return (f"Model against measured: {min(ratios):.2f}-{max(ratios):.2f}; within 20% in {len(rows) - len(off)} of "
+            f"{len(rows)} configurations (in every run), not within 20% in "
+            f"{', '.join(f'{r[0]} {r[1]} ranks {r[2]}' for r in off) or 'none'}. The model under-predicts: on "
+            "resnet-small its per-layer compute (FLOP roofline at the calibrated rates) is well under what plain "
+            "PyTorch's forward + backward takes on a rank's share (last column: BatchNorm and small convolutions "
+            "cost more than the roofline says), and under the load these runs shared the host's per-layer costs "
+            "and the link are fitted on small probes; the gap is the model's, not fixed here (the paper's own table "
+            "above costs compute from the measured profiles instead).")
+
+
 def main(quick: bool = False) -> str:
     models = MODELS[:1] if quick else MODELS
     ranks = RANKS[:1] if quick else RANKS
@@ -91,6 +134,11 @@ def main(quick: bool = False) -> str:
         for d in ranks:
             rows.extend(rows_for(p, d, link))
     table = tabulate(rows, headers=HEADERS, tablefmt="github")
+    measured = measured_rows()
+    cited = ", ".join(str(p.relative_to(Path(__file__).parent.parent)) for p in MEASURED if p.exists())
     return (f"## OptCNN (Jia, Lin, Qi, Aiken): per-layer parallelism at {', '.join(map(str, ranks))} GPUs\n\n"
             f"OptCNN's cost model on {LINK} ({link['what']}), global batch 64, SGD; profiles: {', '.join(sources)} "
-            f"(compute scaled to the profile's measurement).\n\n{table}\n\n{verdict(rows)}\n")
+            f"(compute scaled to the profile's measurement).\n\n{table}\n\n{verdict(rows)}\n\n"
+            f"Measured here (committed: {cited or 'none'}; float32, global batch 32, SGD momentum, median step "
+            f"of 8 on 2-core CPU gloo ranks; the search's calibrated cost model, not the profiles):\n\n"
+            f"{tabulate(measured, headers=MEASURED_HEADERS, tablefmt='github')}\n\n{measured_verdict(measured)}\n")

@@ -71,3 +71,19 @@ def links() -> dict[str, dict[str, Any]]:
     if not path.exists():
         path = Path(__file__).parent / "profiles" / "links.json"
     return dict(json.loads(path.read_text()))
+
+
+TOLERANCE = 0.20
+"""Issue 44's bar for a model (simulation or cost model) against what this machine measured: within 20%."""
+
+
+def model_over_measured(model: float, measured: float) -> float:
+    """``model / measured`` (1.0 when both are 0, inf when only the measurement is)."""
+    if measured == 0:
+        return 1.0 if model == 0 else float("inf")
+    return model / measured
+
+
+def within(model: float, measured: float, tolerance: float = TOLERANCE) -> bool:
+    """Whether ``model`` is within ``tolerance`` of ``measured`` (relative to the measurement)."""
+    return abs(model_over_measured(model, measured) - 1.0) <= tolerance

@@ -12,9 +12,12 @@ sync (one step per batch of 4 microbatches, eager), and asynchronous 1F1B with s
 (PipeDream), predict (SpecTrain's paper version: F and B predict floor(k/2) + N-k-1 and floor(k/2)
 versions ahead) and predict-consistent (its variant: N-k-1 in F, B the live weights), at lr / 4 a
 microbatch as benchmarks/async_convergence.py does. Digits (mlp-small, held-out accuracy) and text
-(gpt-small, held-out loss); median and spread (min-max) over 5 seeds.
+(gpt-small, held-out loss); median and spread (min-max) over 5 seeds. Memory per stage against PipeDream's stash
+(measured, the runtime's tracked bytes, against the simulation's ``held_peaks_with_versions``): mlp-deep in 4
+stages, async-1f1b, 8 microbatches. Both measurements run only with ``--measure`` (minutes: training 5 seeds),
+which writes ``results/paper_spectrain/{accuracy,memory}.json``; otherwise the committed JSON is read.
 
-    python benchmarks/paper_spectrain.py [--quick]
+    python benchmarks/paper_spectrain.py [--quick] [--measure]
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ PROFILED = ("vgg-16-4096", "vgg-16-512", "gpt-small")
 QUICK_PROFILED = ("vgg-16-4096",)
 THROUGHPUT = (("vgg-16", 32), ("resnet-50", 32), ("gpt-base", 8))
 QUICK_THROUGHPUT = (("vgg-16", 32),)
+
+
+MEMORY_MODEL, MEMORY_MICROBATCHES = "mlp-deep", 8
+MEMORY_POLICIES = ("stale", "stash", "predict", "predict-consistent")
+MIB = 2.0**20
 
 
 def _load(name: str) -> Any:
@@ -90,6 +98,56 @@ def throughput_table(data: list[dict[str, Any]]) -> str:
     for r in data:
         lines.append(f"| {r['model']} | {r['param_mb']:.0f} | {r['link']} | {r['dp']:.0f} | {r['spectrain']:.0f} | "
                      f"{r['spectrain'] / r['dp']:.2f}x | {min(1.0, r['allreduce_s'] / max(r['step_s'], 1e-12)):.0%} |")
+    return "\n".join(lines)
+
+
+# -- memory per stage against PipeDream's stash ----------------------------------------------------------
+
+
+def measure_memory() -> dict[str, Any]:
+    """Per weight policy, the peak bytes per stage the runtime tracked (reference executor, ``HeldBytes``) and the
+    simulation's count for the same schedule (benchmarks/memory_per_schedule.py's ``run_one``)."""
+    import fxpipe
+    from fxpipe import models
+    from fxpipe.schedules.simulate import Costs
+
+    mps = _load("memory_per_schedule")
+    torch.manual_seed(0)
+    zoo = models.build(MEMORY_MODEL)
+    pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=STAGES)
+    policies = {w: {k: mps.run_one(pipe, zoo, "async-1f1b", MEMORY_MICROBATCHES, w)[k]
+                    for k in ("measured", "simulated")} for w in MEMORY_POLICIES}
+    return {"model": MEMORY_MODEL, "stages": STAGES, "microbatches": MEMORY_MICROBATCHES,
+            "weight_bytes": list(Costs.from_plan(pipe.plan).grad_bytes), "policies": policies}
+
+
+def memory_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per policy: measured and simulated MiB per stage, simulated / measured (worst stage), within 20% or not, and
+    the weight copies kept beyond the live ones per stage (measured, over stale's activations, in stage weights)."""
+    import paper_profiles
+
+    stale = doc["policies"]["stale"]["measured"]
+    out = []
+    for policy, got in doc["policies"].items():
+        ratios = [paper_profiles.model_over_measured(s, m) for s, m in zip(got["simulated"], got["measured"])]
+        worst = max(ratios, key=lambda r: abs(r - 1.0))
+        copies = [round((m - a) / w) if w else 0 for m, a, w in zip(got["measured"], stale, doc["weight_bytes"])]
+        out.append({"policy": policy, "measured": got["measured"], "simulated": got["simulated"], "worst": worst,
+                    "within": all(paper_profiles.within(s, m) for s, m in zip(got["simulated"], got["measured"])),
+                    "copies": copies})
+    return out
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    names = {"stash": "stash (PipeDream)", "predict": "predict (SpecTrain, paper)"}
+    stages = len(rows[0]["measured"])
+    lines = ["| policy | " + " | ".join(f"stage {s} measured / simulated MiB" for s in range(stages)) +
+             " | simulated / measured (worst stage) | within 20% | weight copies beyond the live ones |",
+             "| --- |" + " --- |" * (stages + 3)]
+    for r in rows:
+        cells = " | ".join(f"{m / MIB:.3f} / {s / MIB:.3f}" for m, s in zip(r["measured"], r["simulated"]))
+        lines.append(f"| {names.get(r['policy'], r['policy'])} | {cells} | {r['worst']:.3f} | "
+                     f"{'yes' if r['within'] else 'no'} | {', '.join(map(str, r['copies']))} |")
     return "\n".join(lines)
 
 
@@ -166,26 +224,36 @@ def accuracy_table(results: dict[str, dict[str, list[float]]], steps: dict[str, 
     return "\n".join(lines)
 
 
-def verdict(tput: list[dict[str, Any]], results: dict[str, dict[str, list[float]]]) -> str:
+def verdict(tput: list[dict[str, Any]], results: dict[str, dict[str, list[float]]] | None,
+            memory: list[dict[str, Any]] | None) -> str:
     best = max(tput, key=lambda r: r["spectrain"] / r["dp"])
     ratio = best["spectrain"] / best["dp"]
     comparable = []
-    for dataset, modes in results.items():
+    for dataset, modes in (results or {}).items():
         sync = statistics.median(modes["sync"])
         pred = statistics.median(modes["predict"])
         spread = max(modes["sync"]) - min(modes["sync"])
         better = pred >= sync - max(spread, 0.01) if dataset == "digits" else pred <= sync + max(spread, 0.02)
         comparable.append((dataset, better))
     fast = ratio >= 8.91
-    word = "reproduced" if fast and all(c for _, c in comparable) else \
+    word = "reproduced" if fast and comparable and all(c for _, c in comparable) else \
         "partly" if ratio > 1 or any(c for _, c in comparable) else "not reproduced"
     acc = ", ".join(f"{d}: {'comparable to' if c else 'worse than'} sync (median {_fmt(d, _med(results, d, 'predict'))}"
                     f" against {_fmt(d, _med(results, d, 'sync'))}; stash {_fmt(d, _med(results, d, 'stash'))})"
-                    for d, c in comparable)
+                    for d, c in comparable) if results else "not committed (run --measure)"
+    if memory:
+        held = {r["policy"]: r for r in memory}
+        ratios = ", ".join(f"{policy} {r['worst']:.3f}" for policy, r in held.items())
+        mem = (f"; memory simulated / measured (worst stage): {ratios}, "
+               f"{'all' if all(r['within'] for r in memory) else 'not all'} within 20%; predict keeps "
+               f"at most {max(held['predict']['copies'])} weight copy per stage beyond the live one, stash "
+               f"{', '.join(map(str, held['stash']['copies']))}")
+    else:
+        mem = "; memory not committed (run --measure)"
     return (f"**Verdict: {word}.** The largest simulated speedup over data parallelism is {ratio:.2f}x "
             f"({best['model']}, {best['link']}, where DP's all-reduce of {best['param_mb']:.0f} MB is "
             f"{min(1.0, best['allreduce_s'] / best['step_s']):.0%} of its step; claim: up to 8.91x); on the fast links "
-            f"data parallelism is as fast or faster; predict at equal samples: {acc}.")
+            f"data parallelism is as fast or faster; predict at equal samples: {acc}{mem}.")
 
 
 def _med(results: dict[str, dict[str, list[float]]], dataset: str, mode: str) -> float:
@@ -196,29 +264,51 @@ def _fmt(dataset: str, v: float) -> str:
     return f"{100 * v:.1f}%" if dataset == "digits" else f"{v:.3f}"
 
 
-def main(quick: bool = False) -> str:
+def main(quick: bool = False, measure: bool = False) -> str:
+    """The tables as markdown; ``measure`` trains and measures memory now (the full run writes the JSON the default
+    run reads), ``quick`` shrinks the throughput table and a measurement to a smoke test (nothing written)."""
     tput, sources = throughput(quick)
-    steps, seeds = (QUICK_STEPS, QUICK_SEEDS) if quick else (STEPS, SEEDS)
-    results = accuracy(steps, seeds)
     parts = [f"## SpecTrain against data parallelism ({STAGES} GPUs' worth)", "",
-             "Throughput (simulated), costs per layer:", "", *sources, "", throughput_table(tput), "",
-             f"Accuracy at equal samples ({len(seeds)} seeds, {STAGES} stages, measured on CPU in one process"
-             f"{'; quick: a few batches, not a result' if quick else ''}):", "", accuracy_table(results, steps), ""]
-    full = RESULTS / "accuracy.json"
-    if quick and full.exists():  # the verdict stands on the full run's committed numbers
-        saved = json.loads(full.read_text())
-        results, steps = saved["results"], saved["steps"]
-        parts += [f"The full run ({len(SEEDS)} seeds; committed, {full.relative_to(HERE.parent)}):", "",
-                  accuracy_table(results, steps), ""]
-    elif not quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        full.write_text(json.dumps({"steps": steps, "seeds": list(seeds), "results": results}, indent=1) + "\n")
-    parts += [verdict(tput, results), ""]
+             "Throughput (simulated), costs per layer:", "", *sources, "", throughput_table(tput), ""]
+    full, mem_path = RESULTS / "accuracy.json", RESULTS / "memory.json"
+    memory = None
+    if measure:
+        steps, seeds = (QUICK_STEPS, QUICK_SEEDS) if quick else (STEPS, SEEDS)
+        live = accuracy(steps, seeds)
+        memory = measure_memory()
+        if quick:
+            parts += [f"Accuracy at equal samples, measured now ({len(seeds)} seeds, {STAGES} stages; quick: a few "
+                      "batches, not a result):", "", accuracy_table(live, steps), ""]
+        else:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            full.write_text(json.dumps({"steps": steps, "seeds": list(seeds), "results": live}, indent=1) + "\n")
+            mem_path.write_text(json.dumps(memory, indent=1) + "\n")
+    if memory is None and mem_path.exists():
+        memory = json.loads(mem_path.read_text())
+    saved = json.loads(full.read_text()) if full.exists() else None
+    where = "measured now" if measure and not quick else \
+        f"committed, {full.relative_to(HERE.parent)}; --measure retrains"
+    if saved:
+        parts += [f"Accuracy at equal samples ({len(saved['seeds'])} seeds, {STAGES} stages, measured on CPU in one "
+                  f"process; {where}):", "", accuracy_table(saved["results"], saved["steps"]), ""]
+    else:
+        parts += ["Accuracy at equal samples: not committed (--measure trains and writes it).", ""]
+    rows = memory_rows(memory) if memory else None
+    if rows:
+        parts += [f"Memory per stage, measured (the runtime's tracked bytes, reference executor) against simulated "
+                  f"(held_peaks_with_versions): {memory['model']} in {memory['stages']} stages, async-1f1b, "
+                  f"{memory['microbatches']} microbatches ({where.replace('accuracy.json', 'memory.json')}):", "",
+                  memory_table(rows), ""]
+    parts += ["Measured here against a model: the memory only (its simulated / measured column). The accuracy has no "
+              "simulated counterpart, and the throughput is simulated only (no multi-GPU machine here).", "",
+              verdict(tput, saved["results"] if saved else None, rows), ""]
     text = "\n".join(parts)
     if not quick:
+        RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "summary.md").write_text(text)
     return text
 
 
 if __name__ == "__main__":
-    print(main(quick="--quick" in sys.argv[1:]))
+    args = sys.argv[1:]
+    print(main(quick="--quick" in args, measure="--measure" in args))

@@ -1,10 +1,13 @@
 """The five papers' comparisons, each in its own paper's terms, from the committed cost profiles: one table each.
 
-    python benchmarks/papers.py [--paper akintoye|optcnn|splitbrain|spectrain|layerpipe] [--quick]
+    python benchmarks/papers.py [--paper akintoye|optcnn|splitbrain|spectrain|layerpipe] [--quick] [--measure]
                                 [--profiles benchmarks/profiles] [--compute-scale X]
 
 Each paper is a module ``benchmarks/paper_<name>.py`` exposing ``main(quick: bool = False) -> str`` (markdown: a
-table and a verdict line). A missing module prints one line and the others still run. Costs come from
+table and a verdict line). A missing module prints one line and the others still run. What this machine measures
+(SpecTrain's accuracy and memory, SplitBrain's memory) is read from the committed results under
+``benchmarks/results/``; ``--measure`` measures it again (minutes), passed to the modules whose ``main`` takes
+``measure``. Costs come from
 ``--profiles`` (``profile_layers.py`` writes them; GPU profiles are preferred to CPU ones); schedules are
 simulated by ``fxpipe.schedules.simulate``, strategies costed by ``fxpipe.planning.strategies``.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -24,7 +28,7 @@ import paper_profiles  # noqa: E402
 PAPERS = ("akintoye", "optcnn", "splitbrain", "spectrain", "layerpipe")
 
 
-def run(name: str, quick: bool) -> str:
+def run(name: str, quick: bool, measure: bool = False) -> str:
     try:
         module = importlib.import_module(f"paper_{name}")
     except ModuleNotFoundError as err:
@@ -32,7 +36,8 @@ def run(name: str, quick: bool) -> str:
             raise
         return f"## {name}: benchmarks/paper_{name}.py is not there yet (no table)\n"
     started = time.perf_counter()
-    text = module.main(quick=quick)
+    live = {"measure": measure} if "measure" in inspect.signature(module.main).parameters else {}
+    text = module.main(quick=quick, **live)
     return f"{text.rstrip()}\n\n({time.perf_counter() - started:.1f} s)\n"
 
 
@@ -41,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paper", choices=PAPERS, action="append",
                         help="one paper (repeat for several); default: all five")
     parser.add_argument("--quick", action="store_true", help="fewer models and points (a smoke test)")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure again what this machine measures (minutes), instead of reading the committed "
+                             "results")
     parser.add_argument("--profiles", type=Path, default=paper_profiles.DIR,
                         help="the profiles directory (gpu-*.json preferred to cpu-*.json)")
     parser.add_argument("--compute-scale", type=float, default=1.0,
@@ -49,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     paper_profiles.DIR = args.profiles
     paper_profiles.COMPUTE_SCALE = args.compute_scale
     for name in args.paper or PAPERS:
-        print(run(name, args.quick))
+        print(run(name, args.quick, args.measure))
         sys.stdout.flush()
 
 

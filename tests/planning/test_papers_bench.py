@@ -3,8 +3,11 @@ profiles (the numbers are the benchmark's business, not this test's)."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,3 +35,79 @@ def test_a_missing_paper_module_is_one_line() -> None:
         sys.path.remove(str(ROOT / "benchmarks"))
     text = papers.run("nosuchpaper", quick=True)
     assert "paper_nosuchpaper.py is not there yet" in text and len(text.strip().splitlines()) == 1
+
+
+def _bench(name: str):  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_model_against_measured_is_within_20_percent_of_the_measurement() -> None:
+    profiles = _bench("paper_profiles")
+    assert profiles.model_over_measured(120.0, 100.0) == 1.2 and profiles.model_over_measured(0.0, 0.0) == 1.0
+    assert profiles.within(120.0, 100.0) and profiles.within(80.0, 100.0) and profiles.within(0.0, 0.0)
+    assert not profiles.within(121.0, 100.0) and not profiles.within(79.0, 100.0) and not profiles.within(1.0, 0.0)
+
+
+def test_measure_goes_only_to_the_modules_that_measure(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    papers = _bench("papers")
+    seen = {}
+    measuring = types.ModuleType("paper_measuring")
+    measuring.main = lambda quick=False, measure=False: seen.setdefault("measuring", (quick, measure)) and "a"
+    plain = types.ModuleType("paper_plain")
+    plain.main = lambda quick=False: seen.setdefault("plain", quick) is not None and "b"
+    monkeypatch.setitem(sys.modules, "paper_measuring", measuring)
+    monkeypatch.setitem(sys.modules, "paper_plain", plain)
+    assert papers.run("measuring", quick=True, measure=True).startswith("a")
+    assert papers.run("plain", quick=False, measure=True).startswith("b")
+    assert seen == {"measuring": (True, True), "plain": False}
+
+
+def test_splitbrain_sets_its_cost_model_against_the_measured_bytes() -> None:
+    sb = _bench("paper_splitbrain")
+    model = sb.memory_rows("vgg-16-512", (1, 2), measured={})
+    assert all(r[3] == "-" and r[8] == "-" for r in model)  # nothing measured: no comparison
+    mib = sb.MIB
+    # measured = the model's own bytes at K = 1, and 1.5x them at K = 2
+    doc = {"vgg-16-512": {"1": {"dp": model[0][2] * mib, "splitbrain": model[0][5] * mib,
+                                "parts": {"params": 1, "grads": 1, "momentum": 1}},
+                          "2": {"dp": model[1][2] * mib * 1.5, "splitbrain": model[1][5] * mib,
+                                "dp_parts": {"params": 2, "grads": 2, "momentum": 2},
+                                "splitbrain_parts": {"params": 1, "grads": 1, "momentum": 1}}}}
+    rows = sb.memory_rows("vgg-16-512", (1, 2), measured=doc)
+    assert [r[4] for r in rows] == [1.0, round(1 / 1.5, 3)] and [r[7] for r in rows] == [1.0, 1.0]
+    assert [r[8] for r in rows] == ["yes", "no"] and rows[1][11] == "50%"
+    # the batch scales the activations, not the state: twice the batch adds exactly the activations again
+    specs, _ = sb._specs(sb.paper_profiles.load("vgg-16-512"))
+    one, two = sb.at_batch(specs, 16), sb.at_batch(specs, 32)
+    assert sum(s.saved_bytes for s in two) == 2 * sum(s.saved_bytes for s in one) > 0
+    assert [s.param_bytes for s in one] == [s.param_bytes for s in specs] and two[1].shape[0] == 32
+
+
+def test_spectrain_memory_rows_count_the_copies_and_the_ratio() -> None:
+    st = _bench("paper_spectrain")
+    doc = {"weight_bytes": [100.0, 100.0], "policies": {
+        "stale": {"measured": [10.0, 5.0], "simulated": [10.0, 5.0]},
+        "stash": {"measured": [210.0, 105.0], "simulated": [210.0, 105.0]},
+        "predict": {"measured": [110.0, 105.0], "simulated": [140.0, 105.0]}}}
+    rows = {r["policy"]: r for r in st.memory_rows(doc)}
+    assert rows["stash"]["copies"] == [2, 1] and rows["predict"]["copies"] == [1, 1]
+    assert rows["stale"]["within"] and rows["stash"]["worst"] == 1.0
+    assert not rows["predict"]["within"] and rows["predict"]["worst"] == 140.0 / 110.0
+    assert "| predict (SpecTrain, paper) | 0.000 / 0.000 |" in st.memory_table(list(rows.values()))
+
+
+def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) -> None:
+    optcnn = _bench("paper_optcnn")
+    row = {"model": "m", "ranks": 2, "strategy": "dp", "predicted_s": 0.09, "measured_s": 0.1, "dp_compute_s": 0.05,
+           "eager_local_s": 0.06}
+    paths = (tmp_path / "1.json", tmp_path / "2.json")
+    paths[0].write_text(json.dumps({"rows": [row, dict(row, strategy="auto")]}))
+    paths[1].write_text(json.dumps({"rows": [row, dict(row, strategy="auto", predicted_s=0.05)]}))
+    rows = optcnn.measured_rows(paths)
+    assert [(r[2], r[5], r[6]) for r in rows] == [("dp", "0.90 / 0.90", "yes"), ("auto", "0.90 / 0.50", "no")]
+    assert "within 20% in 1 of 2" in optcnn.measured_verdict(rows) and "m 2 ranks auto" in optcnn.measured_verdict(rows)
+    assert optcnn.measured_rows((tmp_path / "none.json",)) == []
