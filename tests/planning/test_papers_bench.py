@@ -109,6 +109,7 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     paths[1].write_text(json.dumps({"rows": [row, dict(row, strategy="auto", predicted_s=0.05)]}))
     rows = optcnn.measured_rows(paths)
     assert [(r[2], r[5], r[6]) for r in rows] == [("dp", "0.90 / 0.90", "yes"), ("auto", "0.90 / 0.50", "no")]
+    assert [r[8] for r in rows] == [1.0, 1.0]  # PyTorch's compute - the model's = the whole gap (run 1)
     verdict = optcnn.measured_verdict(rows, paths)
     assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict
     assert optcnn.measured_rows((tmp_path / "none.json",)) == []
