@@ -294,10 +294,12 @@ def main(quick: bool = False, measure: bool = False) -> str:
     else:
         parts += ["Accuracy at equal samples: not committed (--measure trains and writes it).", ""]
     rows = memory_rows(memory) if memory else None
+    mem_where = "measured now" if measure else \
+        f"committed, {mem_path.relative_to(HERE.parent)}; --measure measures again"
     if rows:
         parts += [f"Memory per stage, measured (the runtime's tracked bytes, reference executor) against simulated "
                   f"(held_peaks_with_versions): {memory['model']} in {memory['stages']} stages, async-1f1b, "
-                  f"{memory['microbatches']} microbatches ({where.replace('accuracy.json', 'memory.json')}):", "",
+                  f"{memory['microbatches']} microbatches ({mem_where}):", "",
                   memory_table(rows), ""]
     parts += ["Measured here against a model: the memory only (its simulated / measured column). The accuracy has no "
               "simulated counterpart, and the throughput is simulated only (no multi-GPU machine here).", "",
