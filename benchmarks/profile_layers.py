@@ -13,9 +13,12 @@ For each model, on ``--device`` (cpu or cuda), one microbatch of ``MODELS``' bat
   ratio (so OptCNN and SplitBrain price compute as the profile measured it).
 
 CPU profiles are named ``cpu-<model>.json`` (one thread), GPU ones ``gpu-<model>.json``; papers.py prefers GPU.
+``--nodes``: instead, per fx node of ``NODE_MODELS``' strategy graphs, its train-mode forward + backward at each
+``--batches`` (a rank's share), into ``cpu-<model>-nodes.json`` (what strategy_measured.py --profiles reads).
 
     python benchmarks/profile_layers.py --device cpu [--models vgg-16-512 ...] [--out benchmarks/profiles]
     python benchmarks/profile_layers.py --device cuda   # on an H100/H200
+    python benchmarks/profile_layers.py --nodes --batches 16 8 --runs 9
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import copy
 import dataclasses
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ import torch
 
 from fxpipe.api import run_compile
 from fxpipe.errors import OptionError
-from fxpipe.models import build
+from fxpipe.models import build, resnet, vgg
 from fxpipe.models.inception import make_example as inception_example
 from fxpipe.models.inception import make_model as inception_model
 from fxpipe.models.vgg import _VGG16, VGG
@@ -130,6 +134,91 @@ def profile(name: str, device: torch.device, runs: int) -> dict[str, Any]:
             "specs": specs, "edges": edges}
 
 
+NODE_MODELS: dict[str, Any] = {"vgg-small": (vgg, "small"), "resnet-small": (resnet, "small")}
+"""The models strategy_measured.py runs, built the same way (the zoo family's ``make_model(size)``)."""
+
+
+def node_seconds(gm: torch.fx.GraphModule, example: torch.Tensor, runs: int) -> dict[str, float]:
+    """Per call node of ``gm``: the median of ``runs`` (round-robin, after one warm-up round) of its train-mode
+    forward and its backward (to its floating inputs and its module's parameters) on the values ``example`` gives it.
+
+    Each node runs alone, on copies of its inputs, so the per-node time the strategy runtime adds (dispatch, the
+    runtime's own host costs) is measured elsewhere; ``gm``'s buffers (BatchNorm statistics) are left as they were.
+    """
+    buffers = {n: b.clone() for n, b in gm.named_buffers()}
+    env: dict[str, Any] = {}
+
+    class _Keep(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            env[n.name] = super().run_node(n)
+            return env[n.name]
+
+    with torch.no_grad():
+        _Keep(gm).run(example)
+    calls = []
+    for n in gm.graph.nodes:
+        if n.op not in ("call_module", "call_function", "call_method"):
+            continue
+        args = torch.fx.node.map_arg(n.args, lambda a: env[a.name])
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a.name])
+        module = gm.get_submodule(n.target) if n.op == "call_module" else None
+        grad = torch.ones_like(env[n.name]) if isinstance(env[n.name], torch.Tensor) else None
+        calls.append((n, module, args, kwargs, grad))
+    samples: dict[str, list[float]] = {n.name: [] for n, *_ in calls}
+    for round_ in range(runs + 1):
+        for n, module, args, kwargs, grad in calls:
+            leaves: list[torch.Tensor] = []
+
+            def fresh(a: Any) -> Any:  # a leaf to differentiate to, cloned so in-place ops may write it
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    leaves.append(a.detach().requires_grad_(True))
+                    return leaves[-1].clone()
+                return a
+
+            a, kw = torch.fx.node.map_aggregate(args, fresh), torch.fx.node.map_aggregate(kwargs, fresh)
+            params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+            start = time.perf_counter()
+            if module is not None:
+                out = module(*a, **kw)
+            elif n.op == "call_method":
+                out = getattr(a[0], n.target)(*a[1:], **kw)
+            else:
+                out = n.target(*a, **kw)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                torch.autograd.grad(out, leaves + params, grad_outputs=grad, allow_unused=True)
+            if round_:
+                samples[n.name].append(time.perf_counter() - start)
+    with torch.no_grad():
+        for name, b in gm.named_buffers():
+            b.copy_(buffers[name])
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def profile_nodes(name: str, batches: list[int], runs: int) -> dict[str, Any]:
+    """``NODE_MODELS[name]``'s per-node seconds at each batch (train mode, float32, this process's threads), and the
+    whole model's forward + backward (cross-entropy; the median of ``runs`` after one) in ``model_seconds``."""
+    family, size = NODE_MODELS[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = family.make_model(size).train()
+    side = family.SIZES[size].image_size
+    gm = torch.fx.symbolic_trace(model)
+    gen = torch.Generator().manual_seed(0)
+    seconds, whole = {}, {}
+    for b in batches:
+        x, t = torch.randn(b, 3, side, side, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+        seconds[str(b)] = node_seconds(gm, x, runs)
+        times = []
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            torch.nn.functional.cross_entropy(model(x), t).backward()
+            times.append(time.perf_counter() - start)
+        whole[str(b)] = statistics.median(times[1:])
+    return {"model": name, "device": "cpu", "device_name": _device_name(torch.device("cpu")),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": "float32", "runs": runs,
+            "seconds": seconds, "model_seconds": whole}
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -143,7 +232,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "profiles")
+    parser.add_argument("--nodes", action="store_true", help="per fx node of NODE_MODELS (cpu-<model>-nodes.json)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[16, 8], help="--nodes: the batches to time at")
     args = parser.parse_args()
+    if args.nodes:
+        torch.set_num_threads(args.threads)
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name in NODE_MODELS:
+            started = time.perf_counter()
+            doc = profile_nodes(name, args.batches, args.runs)
+            path = args.out / f"cpu-{name}-nodes.json"
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"{path}: " + ", ".join(f"batch {b}: nodes {1e3 * sum(t.values()):.1f} ms, model "
+                                          f"{1e3 * doc['model_seconds'][b]:.1f} ms" for b, t in doc["seconds"].items())
+                  + f" over {len(doc['seconds'][str(args.batches[0])])} nodes ({time.perf_counter() - started:.1f} s)")
+        return
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)

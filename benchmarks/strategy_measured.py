@@ -21,6 +21,12 @@ so a change in the machine's load reaches all of them alike.
 
     OMP_NUM_THREADS=1 python benchmarks/strategy_measured.py --out benchmarks/results/strategy_measured/measured.json
 
+``--profiles DIR``: each node's compute is instead what ``DIR/cpu-<model>-nodes.json`` measured on this machine at
+a rank's share of the batch (``profile_layers.py --nodes``: each node's forward + backward alone, taken in proportion
+so that they sum to the whole model's plain forward + backward measured beside them): per node, the calibrated
+estimate scaled to it (``profiled``), which the search then minimizes; ``calibrated_s`` keeps the calibrated model's
+cost of the same strategy.
+
 ``--bucket-layers``: the models' runtimes all-reduce each sync group's gradients in 25 MiB buckets over its
 layers (``StrategyRuntime(bucket_layers=True)``) and the model costs them so (the probes are unchanged: they
 fit the cost of one gradient all-reduce).
@@ -119,6 +125,26 @@ def shared(specs: Sequence[LayerSpec], share: float) -> tuple[LayerSpec, ...]:
                  for s in specs)
 
 
+def profiled(specs: Sequence[LayerSpec], nodes: Sequence[str], doc: dict[str, Any], share_batch: int,
+             world: int) -> tuple[LayerSpec, ...]:
+    """``specs`` (fx nodes ``nodes``) with each node's compute scaled so that its data-parallel share on ``world``
+    ranks (``seconds / world + fixed_seconds``) is the profile's measured seconds at ``share_batch``, the profile's
+    nodes taken in proportion to sum to its whole model's measured forward + backward. A node the estimate gives no
+    compute (a view) keeps none: what it costs to dispatch is ``HostCosts.node``'s."""
+    key = str(share_batch)
+    if key not in doc["seconds"]:
+        raise SystemExit(f"error: the profile of {doc['model']} has batches {sorted(doc['seconds'])}, not a rank's "
+                         f"share {share_batch}; run profile_layers.py --nodes --batches {share_batch}")
+    measured = doc["seconds"][key]
+    scale = doc["model_seconds"][key] / sum(measured.values())
+    out = []
+    for spec, name in zip(specs, nodes):
+        estimate = spec.seconds / world + spec.fixed_seconds
+        ratio = measured.get(name, 0.0) * scale / estimate if estimate > 0 else 1.0
+        out.append(dataclasses.replace(spec, seconds=spec.seconds * ratio, fixed_seconds=spec.fixed_seconds * ratio))
+    return tuple(out)
+
+
 def fit_host(rows: Sequence[tuple[float, Sequence[float], float]]) -> HostCosts:
     """Non-negative least squares, relative: ``measured ≈ base + Σ_j a_j h_j`` over ``(base, a, measured)`` rows."""
     active = list(range(len(HOST_FIELDS)))
@@ -202,7 +228,11 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         x = torch.randn(args.batch, 3, side, side)
         t = torch.randint(0, 10, (args.batch,))
         g = strategy_graph(net, (x,), compute=rates)
-        specs = shared(g.specs, share)
+        calibrated = shared(g.specs, share)
+        specs = calibrated
+        if args.profiles:
+            doc = json.loads((args.profiles / f"cpu-{model}-nodes.json").read_text())
+            specs = shared(profiled(g.specs, g.nodes, doc, args.batch // world, world), share)
         local = eager_seconds(net, x[: args.batch // world], t[: args.batch // world], args.iters, args.warmup)
         bare_compute = sum(s.seconds / world + s.fixed_seconds for s in specs)
         bucket = args.bucket_layers
@@ -226,7 +256,11 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,
                          "compute_s": total[2], "sync_s": total[3], "transfer_s": total[4],
                          "bare_model_s": strategy_cost(bare, strategy.choice),
-                         "eager_local_s": local, "dp_compute_s": bare_compute})
+                         "eager_local_s": local, "dp_compute_s": bare_compute,
+                         "calibrated_s": strategy_cost(build_graph(calibrated, g.edges, world, bandwidth=link.bandwidth,
+                                                                   latency=link.latency, alltoall=False, host=host,
+                                                                   bucket_layers=buckets), strategy.choice),
+                         "calibrated_dp_compute_s": sum(s.seconds / world + s.fixed_seconds for s in calibrated)})
         for row, measured in zip(mine, time_steps(runs, args.iters, args.warmup)):
             rows.append({**row, "measured_s": measured})
     if rank == 0:
@@ -249,11 +283,14 @@ def main() -> None:
                         "layers, in turn with the others (the row 'dp, buckets')")
     parser.add_argument("--cached-compute", action="store_true", help="take calibrate_compute's cached rates "
                         "instead of measuring them now (under the same conditions as the steps)")
+    parser.add_argument("--profiles", type=Path, default=None, help="per-node compute measured by profile_layers.py "
+                        "--nodes (DIR/cpu-<model>-nodes.json) instead of the calibrated rates'")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rates, cached = calibrate_compute(threads=1, cache=args.cached_compute)  # measured now: the cache may be a loaded machine's
     print(describe(rates, cached=cached))
     load = [os.getloadavg()]
+    started = time.perf_counter()
     results: dict[int, dict[str, Any]] = {}
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -285,12 +322,17 @@ def main() -> None:
             fastest = min(mine, key=lambda r: r["measured_s"])
             print(f"  {model}: predicted fastest {pick['strategy']}, measured fastest {fastest['strategy']} "
                   f"({pick['measured_s'] / fastest['measured_s'] - 1:+.1%} for the pick)")
+    if args.profiles:
+        print("the calibrated model (no profile) of the same strategies, ms: " + "; ".join(
+            f"{r['model']} @ {r['ranks']} {r['strategy']}: {1e3 * r['calibrated_s']:.1f}" for r in rows))
+    print(f"took {time.perf_counter() - started:.0f} s")
     print("load average (1, 5, 15 min) before and after: " + "; ".join(" ".join(f"{v:.2f}" for v in x) for x in load))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows, "runs": {str(k): {kk: v for kk, v in got.items() if kk != "rows"}
                                                                 for k, got in results.items()},
-                                        "compute": dataclasses.asdict(rates), "load": load, "argv": sys.argv},
+                                        "compute": dataclasses.asdict(rates), "load": load, "argv": sys.argv,
+                                        "seconds": time.perf_counter() - started},
                                        indent=1))
 
 

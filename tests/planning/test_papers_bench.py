@@ -10,6 +10,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,8 +110,50 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     paths[0].write_text(json.dumps({"rows": [row, dict(row, strategy="auto")]}))
     paths[1].write_text(json.dumps({"rows": [row, dict(row, strategy="auto", predicted_s=0.05)]}))
     rows = optcnn.measured_rows(paths)
-    assert [(r[2], r[5], r[6]) for r in rows] == [("dp", "0.90 / 0.90", "yes"), ("auto", "0.90 / 0.50", "no")]
-    assert [r[8] for r in rows] == [1.0, 1.0]  # PyTorch's compute - the model's = the whole gap (run 1)
+    assert [(r[2], r[5], r[6], r[7]) for r in rows] == [("dp", "0.90 / 0.90", "yes", "-"),
+                                                        ("auto", "0.90 / 0.50", "no", "-")]
+    assert rows[0][8] == "50.0 / 60.0"
     verdict = optcnn.measured_verdict(rows, paths)
-    assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict
+    assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict.lower()
+    assert "under-predicts" in verdict and "profile_layers.py --nodes" not in verdict
+    assert "more than 20% under in none" in verdict  # 50 ms against 60: within 20%
     assert optcnn.measured_rows((tmp_path / "none.json",)) == []
+    # a profiled run records the calibrated model beside it, and its load average
+    paths[0].write_text(json.dumps({"rows": [dict(row, calibrated_s=0.07, predicted_s=0.11)], "argv": ["--profiles"],
+                                    "load": [[0.5, 1, 1], [1.5, 1, 1]]}))
+    rows = optcnn.measured_rows(paths[:1])
+    assert (rows[0][5], rows[0][7]) == ("1.10", "0.70")
+    verdict = optcnn.measured_verdict(rows, paths[:1])
+    assert "over-predicts" in verdict and "calibrated model" in verdict and "0.70-0.70" in verdict
+    assert "Load average (1 min) at the runs' start and end: 0.5-1.5" in verdict
+
+
+def test_profiled_scales_each_node_to_its_measured_share_of_the_whole_model() -> None:
+    sm = _bench("strategy_measured")
+    from fxpipe.planning.strategies import LayerSpec
+    specs = [LayerSpec("x", kind="input"), LayerSpec("conv", seconds=0.4, fixed_seconds=0.1),
+             LayerSpec("flat", kind="elementwise"), LayerSpec("fc", seconds=0.2)]
+    # at 2 ranks the estimates are conv 0.3 s, fc 0.1 s; the nodes measured 0.6 and 0.3 (0.1 for the view), and the
+    # whole model 0.5: the nodes are taken at 0.5 / 1.0 of what each measured alone
+    doc = {"model": "m", "seconds": {"16": {"conv": 0.6, "flat": 0.1, "fc": 0.3}}, "model_seconds": {"16": 0.5}}
+    out = sm.profiled(specs, ["x", "conv", "flat", "fc"], doc, 16, 2)
+    assert [s.name for s in out] == ["x", "conv", "flat", "fc"]
+    assert (out[1].seconds, out[1].fixed_seconds) == pytest.approx((0.4, 0.1))  # 0.3 s -> 0.3 s
+    assert out[3].seconds == pytest.approx(0.3) and out[3].seconds / 2 == pytest.approx(0.15)
+    assert out[2].seconds == out[2].fixed_seconds == 0.0 and out[0] == specs[0]  # no estimate: no compute
+    with pytest.raises(SystemExit, match="not a rank's share 8"):
+        sm.profiled(specs, ["x", "conv", "flat", "fc"], doc, 8, 4)
+
+
+def test_node_seconds_times_every_call_node_and_leaves_the_statistics() -> None:
+    import torch
+    from torch import nn
+    pl = _bench("profile_layers")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(inplace=True), nn.Linear(8, 2)).train()
+    gm = torch.fx.symbolic_trace(net)
+    before = {n: b.clone() for n, b in gm.named_buffers()}
+    seconds = pl.node_seconds(gm, torch.randn(6, 4), runs=2)
+    calls = [n.name for n in gm.graph.nodes if n.op.startswith("call_")]
+    assert list(seconds) == calls == ["_0", "_1", "_2", "_3"] and all(t > 0 for t in seconds.values())
+    assert all(torch.equal(b, before[n]) for n, b in gm.named_buffers())
