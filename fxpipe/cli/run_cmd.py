@@ -11,6 +11,7 @@ each rank runs ``fxpipe.cli.rank``.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -161,6 +162,7 @@ def run_cmd(
         import statistics
         import tempfile
 
+        environ = dict(os.environ)  # the user's, before Inductor's first use sets its cache folder in it
         with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
             import torch  # noqa: F401
         quiet_torch_logs()
@@ -200,7 +202,7 @@ def run_cmd(
             raise OptionError(f"--recompute {recompute}: {sched.name} is asynchronous, and its phases read weight "
                               "versions a recomputed forward would not see; use --recompute none, or a synchronous "
                               "schedule")
-        from fxpipe.runtime.codegen import check_codegen
+        from fxpipe.runtime.codegen import cache_env, check_codegen
 
         fallback = check_codegen(codegen)
         _check_device(device, cuda_graphs, plan, sched, codegen)  # before the fallback's warning: a refusal is one line
@@ -300,9 +302,10 @@ def run_cmd(
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
+                rank_env = {**ranks.restart_env(max_restarts), **(cache_env(environ) if codegen == "inductor" else {})}
                 proc = ranks.run_ranks(cmd, out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps), env=ranks.restart_env(max_restarts))
+                                                      s.step, steps), env=rank_env)
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
                                      local=proc.local)

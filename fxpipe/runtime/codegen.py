@@ -6,10 +6,10 @@ The graphs are the same ATen graphs the eager runtime calls, so what is computed
 their element-wise work (Triton on CUDA; on CPU, C++ that a compiler builds). A graph compiles on its first call,
 for that call's shapes, strides and dtypes, and again for each new set; a graph Inductor cannot compile (no C++
 compiler for CPU code, an op it refuses) runs eagerly, with one warning per :class:`Inductor`. Compiled code
-is cached by Inductor's FX graph cache; ``check_codegen`` (the runtime's ranks) points it at
-``$XDG_CACHE_HOME/fxpipe/inductor`` (else ``~/.cache/fxpipe/inductor``): a cache of this user on this machine,
-shared by its ranks, never beside the plan: a plan directory is data someone may have handed over, and fxpipe
-never executes code from one. Asynchronous schedules read weight versions through ``torch.func.functional_call``
+is cached by Inductor's FX graph cache, where Inductor puts it; fxpipe run gives its ranks
+``$XDG_CACHE_HOME/fxpipe/inductor`` (else ``~/.cache/fxpipe/inductor``, see :func:`cache_env`): a cache of this user
+on this machine, shared by its ranks, never beside the plan: a plan directory is data someone may have handed over,
+and fxpipe never executes code from one. Asynchronous schedules read weight versions through ``torch.func.functional_call``
 and stay eager.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +33,22 @@ def check_codegen(codegen: str) -> str | None:
         raise OptionError(f"unknown codegen {codegen!r}; use {' or '.join(CODEGENS)}")
     if codegen != "inductor":
         return None
-    use_cache_dir()  # before the probe imports Inductor's config, which sets its own default that the ranks inherit
     if cpp_compiler() is None:
         return ("--codegen inductor needs a C++ compiler (g++ or clang on PATH) for CPU code; none found, so the "
                 "stages run eagerly")
     return None
 
 
-def cache_dir() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    root = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "fxpipe" / "inductor"
 
 
-def use_cache_dir() -> None:
-    """Point Inductor's cache at :func:`cache_dir`, unless this process already set ``TORCHINDUCTOR_CACHE_DIR``."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+def cache_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The Inductor cache fxpipe run's ranks get: ``TORCHINDUCTOR_CACHE_DIR`` as the user set it in ``environ`` (the
+    launcher's environment before anything imported Inductor, whose first use sets it), else :func:`cache_dir`. The
+    ranks' temporary folder (their default cache) is the run's report directory, removed after the run."""
+    return {"TORCHINDUCTOR_CACHE_DIR": environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_dir(environ))}
 
 
 class Inductor:

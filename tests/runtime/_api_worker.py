@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 
 def _process_state() -> dict[str, dict[int, object]]:
-    """Every thread's niceness and CPU affinity (Linux: the threads under /proc/self/task)."""
+    """Every thread's niceness and CPU affinity (Linux: the threads under /proc/self/task), and the environment."""
     import os
 
     nice, cpus = {}, {}
@@ -22,7 +22,7 @@ def _process_state() -> dict[str, dict[int, object]]:
             nice[tid], cpus[tid] = os.getpriority(os.PRIO_PROCESS, tid), sorted(os.sched_getaffinity(tid))
         except OSError:  # a thread that ended meanwhile
             continue
-    return {"nice": nice, "cpus": cpus}
+    return {"nice": nice, "cpus": cpus, "environ": dict(os.environ)}
 
 
 def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> None:

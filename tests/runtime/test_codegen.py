@@ -62,17 +62,24 @@ def test_refusals_are_one_line(plan: Path, args: tuple[str, ...], words: str) ->
 
 
 def test_compiled_code_is_cached_where_the_docs_say(tmp_path: Path) -> None:
-    """Checking for a C++ compiler imports Inductor's config, which sets ``TORCHINDUCTOR_CACHE_DIR`` to the temp folder
-    (fxpipe run's ranks run in a temp folder deleted after the run): the check names fxpipe's cache first, in a fresh
-    process as the launcher is, and Inductor's own ``cache_dir()`` then agrees."""
+    """fxpipe run's ranks (whose temporary folder, Inductor's default, is the run's report directory, removed after
+    the run) get fxpipe's cache folder, or the user's own ``TORCHINDUCTOR_CACHE_DIR``; the library leaves the
+    environment alone: ``check_codegen`` in a fresh process sets no cache folder of fxpipe's (Inductor's own
+    probe sets its default)."""
     import os
     import subprocess
     import sys
 
+    from fxpipe.runtime.codegen import cache_env
+
+    mine = str(tmp_path / "fxpipe" / "inductor")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["XDG_CACHE_HOME"] = str(tmp_path)
-    script = ("import os; from fxpipe.runtime.codegen import check_codegen; check_codegen('inductor'); "
-              "from torch._inductor.runtime.cache_dir_utils import cache_dir; "
-              "print(os.environ['TORCHINDUCTOR_CACHE_DIR']); print(cache_dir())")
+    assert cache_env({"XDG_CACHE_HOME": "/x"}) == {"TORCHINDUCTOR_CACHE_DIR": "/x/fxpipe/inductor"}
+    assert cache_env({"TORCHINDUCTOR_CACHE_DIR": "/users/own"}) == {"TORCHINDUCTOR_CACHE_DIR": "/users/own"}
+    script = ("import os; from fxpipe.runtime.codegen import cache_env, check_codegen; "
+              "print(cache_env(os.environ)['TORCHINDUCTOR_CACHE_DIR']); check_codegen('inductor'); "
+              "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-    assert done.stdout.split() == [str(tmp_path / "fxpipe" / "inductor")] * 2
+    ours, after = done.stdout.split()
+    assert ours == mine and after != mine

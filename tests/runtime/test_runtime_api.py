@@ -85,11 +85,13 @@ def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: 
 
 def _check_process_state(ranks: list[dict], host: dict | None) -> None:
     """The library changes the process only where asked: every thread's niceness and CPU affinity are as the rank
-    found them, after the runtime was made and stepped, and fxpipe's mallopt wrapper was not called; asked
+    found them, after the runtime was made and stepped, so is the environment, and fxpipe's mallopt wrapper was not
+    called; asked
     (``host=HostTuning(...)``), gloo's socket threads run at its niceness, each rank on its CPU, freed memory kept."""
     host = host or {}
     for rank, r in enumerate(ranks):
         found, after = r["found"], r["after"]
+        assert after["environ"] == found["environ"]
         main_nice, main_cpus = found["nice"][min(found["nice"])], found["cpus"][min(found["cpus"])]
         assert set(found["nice"].values()) == {main_nice}  # as the rank found its process: one niceness, one CPU set
         assert all(c == main_cpus for c in found["cpus"].values())
