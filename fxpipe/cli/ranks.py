@@ -241,8 +241,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
     ``progress``'s directory; torchrun's stdout and stderr come back
     in the result (its failure summary is in stderr). However this returns or raises (SIGTERM, Ctrl-C,
-    an error), no rank outlives it: torchrun starts each rank in a session of its own, so a signal to
-    this process reaches neither; :func:`stop_tree` stops torchrun and every rank seen while it ran.
+    an error), no rank outlives it: torchrun (fxpipe's agent) runs in a session of its own with the ranks it forks,
+    so a signal to this process reaches none of them; :func:`stop_tree` stops torchrun and every rank seen.
     A rank stopped (SIGSTOP) for ``stopped_s`` seconds, or while another has reported an error, cannot
     let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
     wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
