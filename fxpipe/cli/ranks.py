@@ -301,7 +301,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
 def stop_tree(proc: subprocess.Popen[str], seen: Mapping[int, int], grace: float) -> None:
     """Stop ``proc`` (torchrun, a session leader) and its ranks: SIGTERM (and SIGCONT, so a stopped rank
     gets it) to torchrun's group and to each rank's, then SIGKILL whatever still runs after ``grace``
-    seconds, in torchrun's group too once torchrun has gone (see :func:`group_members`). Signals that arrive meanwhile are held off, so a second Ctrl-C cannot leave ranks behind."""
+    seconds, in torchrun's group too once torchrun has gone (see :func:`group_members`). Signals that
+    arrive meanwhile are held off, so a second Ctrl-C cannot leave ranks behind."""
     main = threading.current_thread() is threading.main_thread()
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
@@ -333,20 +334,8 @@ def group_members(pgid: int) -> set[int]:
     The agent's group outlives the agent: its fork server and multiprocessing's resource tracker (which ignores
     SIGTERM and leaves when its last client closes a pipe) are in it, and a SIGTERM that reached the agent as it
     started them can leave one behind, orphaned, where no descendant scan finds it."""
-    try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return set()
-    found = set()
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        if pid != pgid and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
-            found.add(pid)
-    return found
+    return {pid for pid in _pids() if pid != pgid and (stat := _stat(pid)) is not None
+            and stat[0] not in ("Z", "X") and stat[3] == pgid}
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -360,14 +349,22 @@ def _signal_group(pid: int, sig: int) -> None:
             pass
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, parent pid, start time)`` of a process from ``/proc``, or None when it is gone."""
+def _pids() -> list[int]:
+    """Every process's pid, from ``/proc`` (none where it is missing)."""
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """``(state, parent pid, start time, process group)`` of a process from ``/proc``, or None when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
-    return fields[0], int(fields[1]), int(fields[19])
+    return fields[0], int(fields[1]), int(fields[19]), int(fields[2])
 
 
 def _stopped(procs: Mapping[int, int]) -> list[int]:
@@ -398,11 +395,7 @@ def descendants(root: int) -> dict[int, int]:
     """Every live descendant of ``root``, as pid -> start time (empty where ``/proc`` is missing)."""
     children: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
-    try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return {}
-    for pid in pids:
+    for pid in _pids():
         stat = _stat(pid)
         if stat is not None and stat[0] not in ("Z", "X"):
             children.setdefault(stat[1], []).append(pid)

@@ -9,8 +9,8 @@ compiler for CPU code, an op it refuses) runs eagerly, with one warning per :cla
 is cached by Inductor's FX graph cache, where Inductor puts it; fxpipe run gives its ranks
 ``$XDG_CACHE_HOME/fxpipe/inductor`` (else ``~/.cache/fxpipe/inductor``, see :func:`cache_env`): a cache of this user
 on this machine, shared by its ranks, never beside the plan: a plan directory is data someone may have handed over,
-and fxpipe never executes code from one. Asynchronous schedules read weight versions through ``torch.func.functional_call``
-and stay eager.
+and fxpipe never executes code from one. Asynchronous schedules read weight versions through
+``torch.func.functional_call`` and stay eager.
 """
 
 from __future__ import annotations
