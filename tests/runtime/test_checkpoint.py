@@ -126,6 +126,26 @@ def test_a_pickle_payload_in_any_checkpoint_file_runs_no_code(tmp_path: Path, na
             _load(root)
 
 
+def test_pickled_bytes_are_refused_behind_the_metadata_unpickler_too(tmp_path: Path) -> None:
+    """DCP would ``torch.load(weights_only=False)`` a value it saved as bytes. The metadata unpickler already refuses
+    the class naming one (``BytesStorageMetadata`` is not on its allow-list); behind it, an index listing one is
+    refused, and the load planner refuses the bytes themselves without unpickling them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    assert ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata") not in checkpoint._METADATA_GLOBALS
+    problem = checkpoint._metadata_problem(Metadata(state_dict_metadata={"x": BytesStorageMetadata()},
+                                                         storage_data={}))
+    assert problem == "lists 'x' as a BytesStorageMetadata: fxpipe checkpoints hold tensors only"
+    ran = tmp_path / "code-ran"
+    _, planner = checkpoint._dcp_classes()
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex("x"), dest_offsets=torch.Size([]),
+                    storage_index=MetadataIndex("x"), storage_offsets=torch.Size([]), lengths=torch.Size([]))
+    with pytest.raises(CheckpointError, match=r"holds x as pickled bytes, which fxpipe never writes; .*could run code"):
+        planner().load_bytes(item, io.BytesIO(payload(ran)))
+    assert not ran.exists()
+
+
 def test_files_of_different_steps_are_refused(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", range(1, 3))
     shutil.copyfile(root / "step_000001" / "__0_0.distcp", root / "step_000002" / "__0_0.distcp")
