@@ -13,7 +13,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
 __all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
-           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree"]
+           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree", "tracing_state"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -81,6 +81,15 @@ def autocast_forward(device_type: str, dtype: Any) -> Iterator[None]:
 
     with torch.autocast(device_type, dtype=dtype), config.patch(backward_pass_autocast="off"):
         yield
+
+
+def tracing_state() -> str:
+    """What a joint graph traced now depends on beyond the module and its inputs: the autocast regions entered
+    (device, dtype), the default dtype, and AOTAutograd's ``backward_pass_autocast`` (``autocast_forward`` sets it)."""
+    from torch._functorch import config
+
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return f"{autocast} {torch.get_default_dtype()} {config.backward_pass_autocast}"
 
 
 def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

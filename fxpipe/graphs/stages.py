@@ -2,19 +2,23 @@
 
 Stages with the same graph signature (ops, wiring, input and parameter shapes; names aside)
 reuse one split, rebound to their own parameters: the 1.5 B plan's six identical middle stages
-are traced once.
+are traced once. The splits are kept for the process (:func:`cached_split`, a bounded cache of
+graphs without parameters), so compiling a model again, loading its plan, or counting a layer
+that is also a whole stage does not trace it through AOTAutograd again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from fxpipe._compat import tracing_state
 from fxpipe.errors import PlanFileError
 from fxpipe.graphs.convention import StageGraphs, StageInterface
 from fxpipe.graphs.fx import copy_graph, get_path, preserved_buffers
@@ -45,7 +49,6 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
     needs_grad = {name for name, v in env.items()
                   if input_grads and isinstance(v, torch.Tensor) and v.is_floating_point()}
     graphs: list[StageGraphs] = []
-    first_of: dict[str, int] = {}
     for k, (module, w) in enumerate(zip(stage_modules, wiring["stages"], strict=True)):
         args = [env[name] for name in w["inputs"]]
         with torch.no_grad(), preserved_buffers(module):
@@ -60,12 +63,7 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
                                  interface=(tuple(map(_meta, args)), tuple(map(_meta, outs))))
         else:
             example = [example_input(a, name in needs_grad) for a, name in zip(args, w["inputs"])]
-            key = graph_signature(module, example)
-            if key in first_of:  # the same blocks as an earlier stage: reuse its graphs on these parameters
-                result = rebind(graphs[first_of[key]], stage_modules[first_of[key]], module)
-            else:
-                result = split_stage(module, example, count_flops=count_flops)
-                first_of[key] = k
+            result = cached_split(module, example, count_flops=count_flops)
             if recorded is not None and StageInterface.of(result) != recorded:
                 raise PlanFileError(f"stage {k} splits into a backward with gradients for inputs "
                                     f"{list(result.grad_inputs)} and outputs {list(result.grad_outputs)}, where the plan "
@@ -125,22 +123,69 @@ def rebind(graphs: StageGraphs, src: torch.fx.GraphModule, dst: torch.fx.GraphMo
     """
     if graphs.fused:
         return graphs
-    names = dict(zip((str(n.target) for n in src.graph.nodes if n.op == "get_attr"),
-                     (str(n.target) for n in dst.graph.nodes if n.op == "get_attr")))
+    return _Split.of(graphs, src).on(dst)
 
-    def move(gm: torch.fx.GraphModule | None, cls: str) -> torch.fx.GraphModule | None:
-        if gm is None:
-            return None
-        g = copy_graph(gm.graph)
-        for node in g.nodes:
-            if node.op == "get_attr":
-                node.target = names[str(node.target)]
-        return torch.fx.GraphModule(dst, g, class_name=cls)
 
-    return dataclasses.replace(
-        graphs,
-        forward=move(graphs.forward, "StageForward"),
-        backward_input=move(graphs.backward_input, "StageBackwardInput"),
-        backward_weight=move(graphs.backward_weight, "StageBackwardWeight"),
-        param_names=tuple(names[p] for p in graphs.param_names),
-    )
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """A stage's split without its module: the graphs (no parameters held) and the get_attr targets they read, in
+    the order the stage's graph lists them."""
+
+    graphs: StageGraphs  # F, B and W set to None
+    code: tuple[torch.fx.Graph | None, ...]  # F, B and W
+    targets: tuple[str, ...]
+
+    @classmethod
+    def of(cls, graphs: StageGraphs, module: torch.fx.GraphModule) -> "_Split":
+        code = tuple(None if gm is None else copy_graph(gm.graph)
+                     for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))
+        return cls(dataclasses.replace(graphs, forward=None, backward_input=None, backward_weight=None), code,
+                   tuple(str(n.target) for n in module.graph.nodes if n.op == "get_attr"))
+
+    def on(self, dst: torch.fx.GraphModule) -> StageGraphs:
+        """The graphs on ``dst``'s parameters (a stage of the same signature)."""
+        if self.graphs.fused:
+            return self.graphs
+        names = dict(zip(self.targets, (str(n.target) for n in dst.graph.nodes if n.op == "get_attr")))
+
+        def move(graph: torch.fx.Graph | None, cls: str) -> torch.fx.GraphModule | None:
+            if graph is None:
+                return None
+            g = copy_graph(graph)
+            for node in g.nodes:
+                if node.op == "get_attr":
+                    node.target = names[str(node.target)]
+            return torch.fx.GraphModule(dst, g, class_name=cls)
+
+        fw, bi, bw = self.code
+        return dataclasses.replace(self.graphs, forward=move(fw, "StageForward"),
+                                   backward_input=move(bi, "StageBackwardInput"),
+                                   backward_weight=move(bw, "StageBackwardWeight"),
+                                   param_names=tuple(names[p] for p in self.graphs.param_names))
+
+
+def cached_split(module: torch.fx.GraphModule, example: Sequence[Any], *,
+                 count_flops: FlopCounter | None = None) -> StageGraphs:
+    """:func:`split_stage`, traced once per process for each graph signature (with the example's devices, the
+    autocast state it is traced under, and which FLOP counter fills it): a hit is the same graphs rebound to
+    ``module``'s parameters. The cache holds graphs, never parameters, and keeps the most recent _SPLITS_MAX."""
+    key = _split_key(module, example, count_flops)
+    hit = _SPLITS.get(key)
+    if hit is None:
+        result = split_stage(module, example, count_flops=count_flops)
+        hit = _SPLITS[key] = _Split.of(result, module)
+        while len(_SPLITS) > _SPLITS_MAX:
+            _SPLITS.popitem(last=False)
+        return result
+    _SPLITS.move_to_end(key)
+    return hit.on(module)
+
+
+def _split_key(module: torch.fx.GraphModule, example: Sequence[Any], count_flops: FlopCounter | None) -> str:
+    devices = [str(a.device) for a in example if isinstance(a, torch.Tensor)]
+    counter = None if count_flops is None else f"{count_flops.__module__}.{count_flops.__qualname__}"
+    return f"{graph_signature(module, example)} {devices} {tracing_state()} {counter}"
+
+
+_SPLITS: OrderedDict[str, _Split] = OrderedDict()
+_SPLITS_MAX = 64

@@ -13,8 +13,8 @@ import torch.fx
 
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.graphs.fx import clone, compute_nodes
-from fxpipe.graphs.split import example_input, split_stage
-from fxpipe.graphs.stages import graph_signature
+from fxpipe.graphs.split import example_input
+from fxpipe.graphs.stages import cached_split, graph_signature
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.split_backward import count_flops
@@ -66,7 +66,7 @@ def count_backward(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         if graphs is None:
             if len(_COUNTED) >= _COUNTED_MAX:
                 _COUNTED.clear()
-            graphs = _COUNTED[key] = _Counted.of(split_stage(layer, example, count_flops=count_flops))
+            graphs = _COUNTED[key] = _Counted.of(cached_split(layer, example, count_flops=count_flops))
         nodes = members[k]
         metas = [get_meta(n) for n in nodes]
         est_b = sum(m.flops_bwd_input for m in metas)

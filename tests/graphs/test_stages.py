@@ -55,3 +55,37 @@ def test_build_backward_gives_a_pipeline_without_graphs_the_passes_graphs() -> N
         assert stage.forward is new.forward
     flops = [(g.flops_forward, g.flops_backward_input, g.flops_backward_weight) for g in rebuilt]
     assert set(flops) == {(0, 0, 0)} and sum(g.flops_forward for g in compiled) > 0  # only the passes count FLOPs
+
+
+def test_a_model_compiled_again_is_split_from_the_process_cache_onto_its_own_parameters(monkeypatch) -> None:
+    """The second compile of the same model (a fresh copy: other parameters) traces no stage through AOTAutograd:
+    its graphs are the first compile's, read its own parameters, and train to eager's gradients. The same stage traced
+    under autocast, or on inputs of other shapes, is not a hit."""
+    from fxpipe._compat import autocast_forward
+    from fxpipe.graphs import stages as st
+    from fxpipe.graphs.fx import get_path
+    from tests._helpers import assert_composes, skip_tied, token_ce
+
+    model, inputs, target = skip_tied()
+    first = assert_composes(model, inputs, token_ce, target, stages=2, granularity="1")
+    calls: list[int] = []
+    real = st.split_stage
+    monkeypatch.setattr(st, "split_stage", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = assert_composes(model, inputs, token_ce, target, stages=2, granularity="1")
+    assert calls == []
+    for a, b in zip(first.stage_list(), again.stage_list(), strict=True):
+        assert a.graphs is not None and b.graphs is not None
+        for ga, gb in zip((a.graphs.forward, a.graphs.backward_input, a.graphs.backward_weight),
+                          (b.graphs.forward, b.graphs.backward_input, b.graphs.backward_weight)):
+            assert ga is not None and gb is not None and ga is not gb and ga.code == gb.code
+            for node in gb.graph.nodes:
+                if node.op == "get_attr":  # the graph's tensor is the second model's, not the first's
+                    assert get_path(gb, node.target) is get_path(b.module, node.target), node.target
+        attrs = [n for g in (b.graphs.forward, b.graphs.backward_weight) for n in g.graph.nodes if n.op == "get_attr"]
+        assert attrs, "no graph of the stage reads a parameter"
+    with autocast_forward("cpu", torch.bfloat16):
+        fxpipe.compile(*skip_tied()[:2], stages=2, granularity="1")
+    assert calls, "a stage traced under autocast was served fp32 graphs"
+    calls.clear()
+    fxpipe.compile(skip_tied()[0], (torch.randint(0, 32, (4, 5)),), stages=2, granularity="1")
+    assert calls, "a stage on inputs of other shapes was served another shape's graphs"
