@@ -118,8 +118,8 @@ def graph_signature(layer: torch.fx.GraphModule, example: Sequence[Any]) -> str:
 def rebind(graphs: StageGraphs, src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> StageGraphs:
     """The F, B and W graphs of ``src`` moved onto ``dst``, a stage of the same signature with other parameters.
 
-    Equal signatures list their get_attr nodes in the same order, so the k-th parameter of one is
-    the k-th of the other.
+    Equal signatures read their tensors in the same order (:func:`_attr_targets`), so the k-th
+    parameter of one is the k-th of the other.
     """
     if graphs.fused:
         return graphs
@@ -140,13 +140,13 @@ class _Split:
         code = tuple(None if gm is None else copy_graph(gm.graph)
                      for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))
         return cls(dataclasses.replace(graphs, forward=None, backward_input=None, backward_weight=None), code,
-                   tuple(str(n.target) for n in module.graph.nodes if n.op == "get_attr"))
+                   _attr_targets(module))
 
     def on(self, dst: torch.fx.GraphModule) -> StageGraphs:
         """The graphs on ``dst``'s parameters (a stage of the same signature)."""
         if self.graphs.fused:
             return self.graphs
-        names = dict(zip(self.targets, (str(n.target) for n in dst.graph.nodes if n.op == "get_attr")))
+        names = dict(zip(self.targets, _attr_targets(dst), strict=True))
 
         def move(graph: torch.fx.Graph | None, cls: str) -> torch.fx.GraphModule | None:
             if graph is None:
@@ -164,6 +164,21 @@ class _Split:
                                    param_names=tuple(names[p] for p in self.graphs.param_names))
 
 
+def _attr_targets(module: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The tensors ``module``'s graph reads, by qualified name, in graph order: a get_attr's target, and each
+    parameter and buffer of a called leaf module (``--tracer fx`` keeps ``nn.Linear`` as a call); modules of equal
+    signatures list theirs in the same order."""
+    found: dict[str, None] = {}
+    for n in module.graph.nodes:
+        if n.op == "get_attr":
+            found[str(n.target)] = None
+        elif n.op == "call_module":
+            leaf = get_path(module, str(n.target))
+            for name, _ in (*leaf.named_parameters(remove_duplicate=False), *leaf.named_buffers(remove_duplicate=False)):
+                found[f"{n.target}.{name}"] = None
+    return tuple(found)
+
+
 def cached_split(module: torch.fx.GraphModule, example: Sequence[Any], *,
                  count_flops: FlopCounter | None = None) -> StageGraphs:
     """:func:`split_stage`, traced once per process for each graph signature (with the example's devices, the
@@ -178,7 +193,10 @@ def cached_split(module: torch.fx.GraphModule, example: Sequence[Any], *,
             _SPLITS.popitem(last=False)
         return result
     _SPLITS.move_to_end(key)
-    return hit.on(module)
+    try:
+        return hit.on(module)
+    except (KeyError, ValueError):  # tensors the signature does not pair up: trace this one as it is
+        return split_stage(module, example, count_flops=count_flops)
 
 
 def _split_key(module: torch.fx.GraphModule, example: Sequence[Any], count_flops: FlopCounter | None) -> str:

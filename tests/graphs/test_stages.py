@@ -89,3 +89,12 @@ def test_a_model_compiled_again_is_split_from_the_process_cache_onto_its_own_par
     calls.clear()
     fxpipe.compile(skip_tied()[0], (torch.randint(0, 32, (4, 5)),), stages=2, granularity="1")
     assert calls, "a stage on inputs of other shapes was served another shape's graphs"
+
+
+def test_stages_of_called_leaf_modules_with_one_signature_each_train_their_own_parameters() -> None:
+    """``--tracer fx`` keeps ``nn.Linear`` as a call: the graphs of one stage (or counted layer) rebound onto another of
+    the same signature read the other's weights, which no get_attr names."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(m for _ in range(3) for m in (torch.nn.Linear(8, 8), torch.nn.Tanh())))
+    mbs = [((torch.randn(4, 8),), torch.randn(4, 8)) for _ in range(2)]
+    check_fbw_matches_eager(model, mbs[0][0], torch.nn.functional.mse_loss, mbs, 3, tracer="fx", granularity="1")
