@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe._compat import fake_tensor_mode
+from fxpipe._compat import fake_tensor_mode, flop_counter_mode, op_overload_name, pytree
 from fxpipe.graphs.accumulate import VIEW_OPS, accumulating_weight_graph
 from fxpipe.graphs.batched import batched_from, measure_ratio, trace_batched
 from fxpipe.graphs.convention import StageGraphs
@@ -147,7 +147,17 @@ def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:
 
 
 def count_flops(gm: torch.fx.GraphModule) -> int:
-    """FLOPs of one run of ``gm`` on fake tensors shaped like its placeholders' ``meta["val"]``."""
+    """FLOPs of one run of ``gm`` on fake tensors shaped like its placeholders' ``meta["val"]``.
+
+    A graph of ATen operators whose every value is recorded (AOTAutograd's, as split) is counted from those records,
+    each operator by FlopCounterMode's own formula, without running it again; anything else runs on fake tensors
+    under FlopCounterMode."""
+    counted = _recorded_flops(gm)
+    return counted if counted is not None else _run_flops(gm)
+
+
+def _run_flops(gm: torch.fx.GraphModule) -> int:
+    """FLOPs of ``gm`` run on fake tensors under FlopCounterMode."""
     mode = fake_tensor_mode(allow_non_fake_inputs=True)
     inputs = []
     with mode:
@@ -159,6 +169,42 @@ def count_flops(gm: torch.fx.GraphModule) -> int:
     interp = _CostInterpreter(gm, mode)
     interp.run_costs(inputs)
     return sum(interp.flops.values())
+
+
+def _recorded_flops(gm: torch.fx.GraphModule) -> int | None:
+    """FLOPs of ``gm`` from its nodes' ``meta["val"]``: FlopCounterMode's formula of each ATen operator on the
+    recorded arguments and result, as FlopCounterMode applies it when the operator runs. None where a node is not
+    an ATen operator (or ``getitem``) or a value it reads is not recorded: run it then."""
+    registry = _flop_registry()
+    missing = object()
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op != "call_function" or (node.target is not operator.getitem and op_overload_name(node.target) is None):
+            return None
+        if node.target is operator.getitem:
+            continue
+        formula = registry.get(node.target.overloadpacket)  # type: ignore[union-attr]
+        if formula is None:
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                             lambda a: a.meta.get("val", missing))  # type: ignore[arg-type,return-value]
+        out = node.meta.get("val", missing)
+        if out is missing or any(v is missing for v in pytree.tree_leaves((args, kwargs))):
+            return None
+        total += int(formula(*args, **kwargs, out_val=out))
+    return total
+
+
+_REGISTRY: dict[Any, Any] = {}
+
+
+def _flop_registry() -> dict[Any, Any]:
+    """FlopCounterMode's formulas by operator packet, with fxpipe's CPU attention (``flop_counter_mode``)."""
+    if not _REGISTRY:
+        _REGISTRY.update(flop_counter_mode().flop_registry)
+    return _REGISTRY
 
 
 def _report(graphs: list[StageGraphs], timings: Sequence[tuple[float, float, float] | None] = ()) -> Report:

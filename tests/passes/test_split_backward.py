@@ -138,3 +138,23 @@ def test_the_report_says_why_a_stage_keeps_a_fused_backward() -> None:
     table = _report([graphs])
     assert table.column("backward") == ["fused"]
     assert table.notes[0] == f"stage 0 keeps a fused backward: {graphs.fused_reason}"
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny", "skip-tied"])
+def test_flops_read_from_the_recorded_values_equal_flopcountermode_running_the_graph(name: str) -> None:
+    """count_flops reads each operator's arguments from the split graphs' ``meta["val"]`` instead of running them;
+    on every F, B and W of these stages (attention, convolutions and their masked halves, BatchNorm, embeddings,
+    tied weights) that gives FlopCounterMode's own count."""
+    from fxpipe.passes.split_backward import _recorded_flops, _run_flops
+    from tests._helpers import zoo_pipe
+
+    graphs = zoo_pipe(name, 2).stage_graphs
+    assert graphs is not None
+    counted = 0
+    for g in graphs:
+        for gm in (g.forward, g.backward_input, g.backward_weight):
+            assert gm is not None
+            recorded = _recorded_flops(gm)
+            assert recorded is not None and recorded == _run_flops(gm)
+            counted += recorded
+    assert counted > 0
