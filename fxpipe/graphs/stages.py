@@ -9,6 +9,7 @@ that is also a whole stage does not trace it through AOTAutograd again.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from collections import OrderedDict
@@ -149,19 +150,28 @@ class _Split:
         names = dict(zip(self.targets, _attr_targets(dst), strict=True))
 
         def move(graph: torch.fx.Graph | None, cls: str) -> torch.fx.GraphModule | None:
-            if graph is None:
-                return None
-            g = copy_graph(graph)
-            for node in g.nodes:
-                if node.op == "get_attr":
-                    node.target = names[str(node.target)]
-            return torch.fx.GraphModule(dst, g, class_name=cls)
+            return None if graph is None else torch.fx.GraphModule(dst, _retargeted(graph, names), class_name=cls)
 
         fw, bi, bw = self.code
         return dataclasses.replace(self.graphs, forward=move(fw, "StageForward"),
                                    backward_input=move(bi, "StageBackwardInput"),
                                    backward_weight=move(bw, "StageBackwardWeight"),
                                    param_names=tuple(names[p] for p in self.graphs.param_names))
+
+
+def _retargeted(graph: torch.fx.Graph, names: Mapping[str, str]) -> torch.fx.Graph:
+    """A copy of ``graph`` whose get_attr nodes read ``names[target]``, each new node named as fx names a get_attr
+    of its target (a split of the new stage itself names its nodes so), the other nodes as in ``graph``."""
+    new = torch.fx.Graph(owning_module=None, tracer_cls=graph._tracer_cls)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            env[node] = new.get_attr(names[str(node.target)])
+            env[node].meta = copy.copy(node.meta)
+        else:
+            env[node] = new.node_copy(node, lambda n: env[n])
+    new._codegen = copy.deepcopy(graph._codegen)
+    return new
 
 
 def _attr_targets(module: torch.fx.GraphModule) -> tuple[str, ...]:

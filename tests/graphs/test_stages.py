@@ -28,6 +28,9 @@ def test_identical_stages_reuse_one_split_and_still_train_their_own_parameters()
         owned = {n for n, _ in pipe.stages[k].module.named_parameters()}
         attrs = {str(n.target) for n in graphs[k].backward_weight.graph.nodes if n.op == "get_attr"}  # type: ignore[union-attr]
         assert set(graphs[k].param_names) == owned and attrs <= owned
+    for g in graphs:  # each tensor read under the name fx gives its target, as a split of that stage names it
+        for gm in (g.forward, g.backward_input, g.backward_weight):
+            assert all(n.name == str(n.target).replace(".", "_") for n in gm.graph.nodes if n.op == "get_attr")  # type: ignore[union-attr]
 
 
 def _convention(g: StageGraphs) -> tuple[object, ...]:
