@@ -10,6 +10,7 @@ builds them for every stage of a split-stages root, counts their FLOPs, and repo
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,12 +180,10 @@ def _recorded_flops(gm: torch.fx.GraphModule) -> int | None:
     missing = object()
     total = 0
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
+        if node.op in ("placeholder", "output", "get_attr") or node.target is operator.getitem:
             continue
-        if node.op != "call_function" or (node.target is not operator.getitem and op_overload_name(node.target) is None):
+        if node.op != "call_function" or op_overload_name(node.target) is None:
             return None
-        if node.target is operator.getitem:
-            continue
         formula = registry.get(node.target.overloadpacket)  # type: ignore[union-attr]
         if formula is None:
             continue
@@ -197,14 +196,10 @@ def _recorded_flops(gm: torch.fx.GraphModule) -> int | None:
     return total
 
 
-_REGISTRY: dict[Any, Any] = {}
-
-
+@functools.cache
 def _flop_registry() -> dict[Any, Any]:
     """FlopCounterMode's formulas by operator packet, with fxpipe's CPU attention (``flop_counter_mode``)."""
-    if not _REGISTRY:
-        _REGISTRY.update(flop_counter_mode().flop_registry)
-    return _REGISTRY
+    return dict(flop_counter_mode().flop_registry)
 
 
 def _report(graphs: list[StageGraphs], timings: Sequence[tuple[float, float, float] | None] = ()) -> Report:
