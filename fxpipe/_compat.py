@@ -120,6 +120,18 @@ def process_contexts(seen: Any) -> Iterator[None]:
         tmp.start_processes = real
 
 
+def reuse_forkserver() -> None:
+    """In a process that multiprocessing's fork server forked: start further ``forkserver`` processes from that same
+    server. multiprocessing would start a new server (a fresh Python importing nothing), since only the process
+    that started a server checks on it (``ensure_running`` waits on its pid); the address and the "alive" pipe it
+    needs are inherited. Only fxpipe's agent uses it."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_address", None) is not None and getattr(server, "_forkserver_alive_fd", None):
+        server.ensure_running = lambda: None  # type: ignore[method-assign]
+
+
 def descriptor_kind(desc: Any) -> str:
     """The class name of an AOTAutograd descriptor ("ParamAOTInput", "GradAOTOutput", ...)."""
     return type(desc).__name__

@@ -2,16 +2,20 @@
 
 It takes torchrun's arguments, parsed by ``torch.distributed.run`` itself (rendezvous, nodes, restarts), and
 runs the same ``elastic_launch``. Only the entrypoint differs: ``fxpipe.cli.rank`` as a function started by
-the ``forkserver`` method, whose server has imported torch, AOTAutograd and the rank module once. A rank that
-torchrun would start as a new Python (importing torch and Dynamo again, seconds of CPU each) is a fork of it,
-sharing those pages copy-on-write. The server is forked from nothing that ran torch: no thread pool, no CUDA.
+the ``forkserver`` method, whose server has imported torch, AOTAutograd, torch's launcher and the rank module
+once. A rank that torchrun would start as a new Python (importing torch and Dynamo again, seconds of CPU each)
+is a fork of it, sharing those pages copy-on-write; so is the agent itself. This process imports no torch: it
+starts the server, has it fork the agent (which then asks the same server for its ranks) and exits as the
+agent did. The server is forked from nothing that ran torch: no thread pool, no CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +23,9 @@ from typing import Any
 
 from fxpipe.cli.ranks import RANK_MODULE, rank_pids  # no torch: the fork server starts before this process imports it
 
-# What the fork server imports once, for every rank (see fxpipe.cli.rank.entry).
-PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "fxpipe.cli.rank"]
+# What the fork server imports once, for the agent (torch's launcher) and every rank (see fxpipe.cli.rank.entry).
+PRELOAD = ["torch", "torch.distributed", "torch._functorch.aot_autograd", "torch.distributed.run",
+           "torch.distributed.launcher.api", "fxpipe.cli.rank", "fxpipe.cli.agent"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,15 +36,59 @@ def main(argv: list[str] | None = None) -> None:
     at = argv.index(RANK_MODULE) if RANK_MODULE in argv else 0
     if at == 0 or argv[at - 1] not in ("-m", "--module"):
         raise SystemExit(f"fxpipe.cli.agent starts -m {RANK_MODULE} only (got {' '.join(argv)[:200]!r})")
-    # The fork server first: it imports torch and the rank program while this process imports torch's launcher
-    # and meets the other nodes.
+    launcher, stop, started = os.getppid(), [], []
+    agent = multiprocessing.get_context("forkserver").Process(target=_agent, args=(argv,), name="fxpipe-agent")
+
+    def on_signal(sig: int, _frame: object) -> None:
+        # fxpipe run signals this process's group, which holds the agent (once started): it needs nothing from here.
+        # When fxpipe run is gone (PR_SET_PDEATHSIG's SIGTERM) the signal is passed on; before the agent starts,
+        # it means: do not start it.
+        if not started:
+            stop.append(sig)
+        elif os.getppid() != launcher and agent.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent.pid, sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     _short_socket_dir()
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+    if stop:
+        _die_by(stop[0])
+    agent.start()
+    if stop:  # it came as the agent started: pass it on, the agent may have missed it
+        os.kill(agent.pid, stop[0])
+    started.append(True)
+    agent.join()
+    code = 1 if agent.exitcode is None else agent.exitcode
+    if code < 0:  # the agent died by a signal: so does this process, as torchrun would have
+        _die_by(-code)
+    raise SystemExit(code)
 
+
+def _die_by(sig: int) -> None:
+    """End this process by ``sig``'s default action, as a process without a handler for it would."""
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    raise SystemExit(128 + sig)  # a signal whose default is to be ignored
+
+
+def _agent(argv: list[str]) -> None:
+    """The agent, forked by the server: torchrun's ``main`` as ``record`` runs it."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_launch)(argv)  # as torchrun's main: a failure's summary on stderr, and the exit code
+    from fxpipe import _compat
+
+    _compat.reuse_forkserver()  # the ranks come from the server that forked this process
+    try:
+        record(_launch)(argv)  # as torchrun's main: a failure's summary on stderr, and the exit code
+    except SystemExit:
+        raise
+    except BaseException:  # as Python's top level prints it, with its exit code
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
 
 
 def _launch(argv: list[str]) -> None:
