@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import tempfile
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fxpipe.models import vgg
 from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import build_graph, data_parallel, splitbrain, sync_collectives
+from tests._helpers import HANG_S, Forked, assert_ranks_ok
 
 WORLD, STEPS, LR = 4, 2, 0.05
 
@@ -72,7 +73,9 @@ def reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
 def test_bucketed_sync_trains_like_one_process_in_one_all_reduce_per_group() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        mp.spawn(worker, args=(f"file://{tmp}/pg", out), nprocs=WORLD)
+        ranks = [Forked(["-c", f"from tests.runtime.test_strategy_bucketed import worker; "
+                               f"worker({rank}, {f'file://{tmp}/pg'!r}, {out!r})"]) for rank in range(WORLD)]
+        assert_ranks_ok([subprocess.CompletedProcess(r.args, r.wait(HANG_S), "", r.communicate()[1]) for r in ranks])
         results: dict[str, Any] = torch.load(out)
     expected = reference()
     for name, got in results.items():
