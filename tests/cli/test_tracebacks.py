@@ -200,18 +200,18 @@ def test_api_and_backend_refuse_wrong_types_in_one_line() -> None:
 
 def test_torch_logged_tracebacks_stay_off_the_terminal(tmp_path: Path) -> None:
     """An example that does not fit the model: torch's fake-tensor logger printed 19 lines of traceback before the
-    error line. They go to $FXPIPE_TORCH_LOG when it is set. (A subprocess: torch's handler holds the real stderr.)"""
+    error line. They go to $FXPIPE_TORCH_LOG when it is set. (A process of its own, forked from the tests' preloaded
+    fork server: torch's handler holds the real stderr.)"""
     import os
-    import subprocess
-    import sys
+
+    from tests._helpers import run_forked
 
     model = tmp_path / "misfit.py"
     model.write_text("import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8)), "
                      "(torch.randn(4, 5),)\n")
     log = tmp_path / "torch.log"
     for env in ({}, {"FXPIPE_TORCH_LOG": str(log)}):
-        done = subprocess.run([sys.executable, "-m", "fxpipe.cli.main", "compile", f"{model}:build"],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        done = run_forked(["-m", "fxpipe.cli.main", "compile", f"{model}:build"], env={**os.environ, **env})
         assert done.returncode == 2, done.stderr
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: cannot trace"), done.stderr
