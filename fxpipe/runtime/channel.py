@@ -76,8 +76,9 @@ class Channel:
         self.yield_after_send = yield_after_send and not nccl
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int,
-             buf: torch.Tensor | None = None) -> Received:
-        """Post a receive, into ``buf`` (a previous step's buffer for this message) or a new one."""
+             buf: torch.Tensor | None = None, on_error: Callable[[Exception], BaseException] | None = None) -> Received:
+        """Post a receive, into ``buf`` (a previous step's buffer for this message) or a new one. gloo refuses to post
+        to a peer whose connection has closed: that error becomes ``on_error``'s, as a failed wait's does."""
         if buf is None and self.staged:
             buf = torch.empty(shape, dtype=dtype, pin_memory=True)
         elif buf is None:
@@ -86,7 +87,12 @@ class Channel:
             item = Received(buf, None, src)
             self.pending.append((dist.P2POp(dist.irecv, buf, src, tag=0), item, -1))
             return item
-        return Received(buf, dist.irecv(buf, src, tag=0 if self.tag_blind else tag), src)
+        try:
+            return Received(buf, dist.irecv(buf, src, tag=0 if self.tag_blind else tag), src)
+        except Exception as exc:
+            if on_error is None:
+                raise
+            raise on_error(exc) from exc
 
     def issue(self) -> None:
         """Batched: post the held sends and receives, in order, as one ``batch_isend_irecv``."""
@@ -123,13 +129,21 @@ class Channel:
         out.record_stream(compute)
         return out
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int,
+             on_error: Callable[[Exception, int], BaseException] | None = None) -> None:
+        """Send ``tensor`` to ``dst``; a send gloo refuses to post (the peer's connection closed) raises ``on_error``'s
+        error, as a failed completion does in :meth:`flush`."""
         tensor = tensor.detach().contiguous()
         if self.batched:
             self.pending.append((dist.P2POp(dist.isend, tensor, dst, tag=0), None, dst))
             return
         if not self.staged:
-            self._isend(tensor, dst, tag)
+            try:
+                self._isend(tensor, dst, tag)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                raise on_error(exc, dst) from exc
             return
         assert self.stream is not None
         ready = torch.cuda.Event()

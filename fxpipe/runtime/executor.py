@@ -551,12 +551,14 @@ class PipelineRuntime:
             upto.append(last)
         posted: dict[int, Any] = {}  # tag -> its posted receive, until waited for
         done = 0  # posts[:done] are posted
+        reader = {msg.tag: op.action for op in ops for msg in op.recvs}
 
         def post_until(j: int) -> None:
             nonlocal done
             for msg in posts[done:upto[min(j + window, len(ops)) - 1]]:
                 item = self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
-                                         self._buffers.get(msg.tag) if reuse else None)
+                                         self._buffers.get(msg.tag) if reuse else None,
+                                         on_error=self._failed_recv(msg, reader[msg.tag]))
                 if reuse:
                     self._buffers[msg.tag] = item.buf
                 posted[msg.tag] = item
@@ -591,7 +593,7 @@ class PipelineRuntime:
                     core.run(op.action)
                 for msg in op.sends:
                     value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
-                    self.channel.send(value, msg.dst, msg.tag)
+                    self.channel.send(value, msg.dst, msg.tag, on_error=self._failed_send)
                 if self.sync is not None:
                     self.sync.after(op.action)
                 for s in self._early.get(j, ()) if program is self.program else ():

@@ -866,7 +866,8 @@ class StrategyRuntime:
         self._batch = rows
         name = core.pipe.input_names[0]
         core.begin([{name: xi} if self.pp_rank == 0 else {} for xi in x.tensor_split(m)], list(target.tensor_split(m)))
-        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag) for msg in op.recvs] for op in program.ops]
+        posted = [[self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag, on_error=self._failed_recv(msg, op.action))
+                   for msg in op.recvs] for op in program.ops]
         for op, items in zip(program.ops, posted):
             for msg, item in zip(op.recvs, items):
                 buf = self.channel.wait(item, self._failed_recv(msg, op.action))
@@ -875,7 +876,7 @@ class StrategyRuntime:
             core.run(op.action)
             for msg in op.sends:
                 value = core.values[msg.mb][msg.name] if msg.direction == FORWARD else core.shares[msg.name]
-                self.channel.send(value, msg.dst, msg.tag)
+                self.channel.send(value, msg.dst, msg.tag, on_error=self._failed_send)
             self.channel.poll()
         self.channel.flush(self._failed_send)
         total = torch.zeros((), dtype=x.dtype if x.is_floating_point() else torch.float64)

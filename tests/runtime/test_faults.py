@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests._helpers import HANG_S, Forked, with_plans
+from tests._helpers import HANG_S, Forked, with_plans, world1  # noqa: F401 (world1: a fixture)
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs
@@ -119,3 +119,29 @@ def test_a_killed_replica_is_named_by_every_survivor(tmp_path: Path) -> None:
            {0: r"while rank 0 waited for the sum of the replicas' gradients \(dp group\)",
             2: r"while rank 2 waited for the sum of the replicas' gradients \(dp group\)",
             3: r"waited for \w+ of microbatch 0 \(stage 0\) from rank 1 at 1F0"})
+
+
+def test_a_peer_whose_connection_closed_before_a_post_is_named_too(world1: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo refuses to post a receive or a send to a peer whose connection has already closed (a loaded machine: the
+    peer died before this rank posted, not while it waited): the post raises, and the runtime's error names the peer
+    as a failed wait does, instead of leaving gloo's traceback."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpipe.errors import RankFailedError
+    from fxpipe.runtime.channel import Channel
+
+    def closed(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    monkeypatch.setattr(dist, "irecv", closed)
+    monkeypatch.setattr(dist, "isend", closed)
+    channel = Channel(torch.device("cpu"))
+    named = lambda exc, dst=1: RankFailedError(f"rank {dst} stopped responding ({exc})")  # noqa: E731
+    with pytest.raises(RankFailedError, match="rank 1 stopped responding .*Connection closed by peer"):
+        channel.recv((2,), torch.float32, 1, 7, on_error=named)
+    with pytest.raises(RankFailedError, match="rank 1 stopped responding .*Connection closed by peer"):
+        channel.send(torch.zeros(2), 1, 7, on_error=named)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # without on_error: gloo's own error
+        channel.recv((2,), torch.float32, 1, 7)
