@@ -441,9 +441,9 @@ def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int
     inside: dict[str, list[tuple[int, float]]] = {"loss": [], "send": []}  # (action index in the step, seconds)
 
     def timed(label: str, fn: Any) -> Any:
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             if label != "loss" or out is not None:  # maybe_loss computes the loss once its outputs exist
                 inside[label].append((len(rt.events), time.perf_counter() - t))
             return out
