@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 RANK_MODULE = "fxpipe.cli.rank"  # the program every rank runs
 RESULTS = "results.json"  # every rank's result, written by rank 0 (on the node that holds it)
@@ -208,7 +208,7 @@ LAUNCHER_PID = "FXPIPE_LAUNCHER_PID"  # the ranks watch this process, and leave 
 STOPPED_S = 2.0  # a rank stopped (SIGSTOP) this long ends the run: it cannot answer its peers
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In torchrun's process, before it runs: SIGTERM when fxpipe run dies, even by SIGKILL (Linux's
     PR_SET_PDEATHSIG; elsewhere nothing, and the ranks' own watch on fxpipe run still ends them)."""
     try:
@@ -235,7 +235,8 @@ def signals_held() -> Iterator[None]:
 
 
 def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
-              grace: float = 3.0, stopped_s: float = STOPPED_S, env: Mapping[str, str] | None = None) -> RanksExit:
+              grace: float = 3.0, stopped_s: float = STOPPED_S, env: Mapping[str, str] | None = None,
+              start: Callable[[list[str], Mapping[str, str], IO[Any], IO[Any]], Any] | None = None) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
@@ -246,7 +247,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     A rank stopped (SIGSTOP) for ``stopped_s`` seconds, or while another has reported an error, cannot
     let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
     wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
-    (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment.
+    (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment. ``start``
+    (``fxpipe.cli.agent.warm_start``) may start torchrun instead of a new process (None: it did not).
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
@@ -257,14 +259,17 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         with signals_held():  # a Ctrl-C now arrives inside the try below, which stops torchrun
             # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
             # directory, which the caller removes, instead of staying behind in /tmp.
-            proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
-                                         LAUNCHER_PID: str(os.getpid()),
-                                         "PYTHONUNBUFFERED": "1",  # torchrun's "python -u", for the forked ranks
-                                         # `python -m` puts the working directory first on sys.path, where a
-                                         # folder named fxpipe would shadow an editable install (3.11+ honours it)
-                                         "PYTHONSAFEPATH": "1", **(env or {})})
+            launch_env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
+                          LAUNCHER_PID: str(os.getpid()),
+                          "PYTHONUNBUFFERED": "1",  # torchrun's "python -u", for the forked ranks
+                          # `python -m` puts the working directory first on sys.path, where a folder named fxpipe
+                          # would shadow an editable install (3.11+ honours it)
+                          "PYTHONSAFEPATH": "1", **(env or {})}
+            proc = start(cmd, launch_env, out, errf) if start is not None else None
+            if proc is None:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
+                                        preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                                        env=launch_env)
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))
@@ -298,7 +303,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                          frozenset(r for r in local.values() if r is not None))
 
 
-def stop_tree(proc: subprocess.Popen[str], seen: Mapping[int, int], grace: float) -> None:
+def stop_tree(proc: Any, seen: Mapping[int, int], grace: float) -> None:
     """Stop ``proc`` (torchrun, a session leader) and its ranks: SIGTERM (and SIGCONT, so a stopped rank
     gets it) to torchrun's group and to each rank's, then SIGKILL whatever still runs after ``grace``
     seconds, in torchrun's group too once torchrun has gone (see :func:`group_members`). Signals that

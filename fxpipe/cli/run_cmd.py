@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli import ranks, run_log
+from fxpipe.cli import agent, ranks, run_log
 from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress,
                                quiet_torch_logs, say, write_output)
 from fxpipe.errors import OptionError, RankFailedError
@@ -305,7 +305,7 @@ def run_cmd(
                 rank_env = {**ranks.restart_env(max_restarts), **(cache_env(environ) if codegen == "inductor" else {})}
                 proc = ranks.run_ranks(cmd, out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps), env=rank_env)
+                                                      s.step, steps), env=rank_env, start=agent.warm_start)
             failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
                                      local=proc.local)

@@ -74,10 +74,10 @@ def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, t
     try:
         out_dir = first_step(proc, tmp_path)
         ranks = processes_of(out_dir)
-        assert len(ranks) >= 5, ranks  # fxpipe.cli.agent, its fork server, the agent and 2 ranks forked by the server
-        # The process fxpipe run starts imports no torch: the agent is forked from the server, which did.
-        launcher = [pid for pid, cmd in ranks.items() if " -m fxpipe.cli.agent " in cmd]
-        assert len(launcher) == 1 and "libtorch" not in Path(f"/proc/{launcher[0]}/maps").read_text()
+        # torch is imported once per launch: the fork server, the agent and 2 ranks are forks of the process fxpipe
+        # run starts (fxpipe.cli.agent), which imported it; multiprocessing would start its server as a new Python.
+        forks = [cmd for cmd in ranks.values() if " -m fxpipe.cli.agent " in cmd]
+        assert len(forks) >= 5 and not any("multiprocessing.forkserver" in cmd for cmd in ranks.values()), ranks
         sent = time.monotonic()
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=50)
