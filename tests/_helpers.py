@@ -13,6 +13,7 @@ import atexit
 import copy
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -42,6 +43,13 @@ def session_dir(prefix: str) -> Path:
     out = Path(tempfile.mkdtemp(prefix=f"fxpipe-test-{prefix}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     return out
+
+
+def skip_without(module: str) -> None:
+    """Skip the calling test module when ``module`` is not installed, without importing it: ``pytest.importorskip``
+    would, in every pytest-xdist worker (each collects every module), seconds of CPU for scikit-learn."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"needs {module}", allow_module_level=True)
 
 
 # -- the command line, in this process -----------------------------------------------------------------------------

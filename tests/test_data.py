@@ -14,8 +14,9 @@ from fxpipe import models
 from fxpipe.data import (DIGITS_ZOO, TEXT_ZOO, Digits, Synthetic, Text, check_fit, load_digits, load_stdlib_text,
                          load_text, parse_data)
 from fxpipe.errors import OptionError
+from tests._helpers import skip_without
 
-pytest.importorskip("sklearn")  # the dev extra installs it; a bare install without fxpipe[data] skips
+skip_without("sklearn")  # the dev extra installs it; a bare install without fxpipe[data] skips
 
 
 @pytest.fixture(scope="module")

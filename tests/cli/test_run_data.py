@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from fxpipe.cli.main import app
-from tests._helpers import cli_plan
+from tests._helpers import cli_plan, skip_without
 
-pytest.importorskip("sklearn")
+skip_without("sklearn")
 
 
 @pytest.fixture(scope="module")
