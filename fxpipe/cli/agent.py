@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping
@@ -93,8 +94,8 @@ def fork_server() -> None:
     """Start multiprocessing's fork server as a fork of this process, and make this process's ``forkserver``
     processes (and theirs, see :func:`fxpipe._compat.reuse_forkserver`) come from it. multiprocessing's own
     ``ensure_running`` starts a new Python, which would import everything again. The server runs
-    ``multiprocessing.forkserver.main``, the loop of the server it replaces, with nothing to import; where that takes
-    an authentication key (Python 3.12.11+, 3.13.4+), it gets one."""
+    ``multiprocessing.forkserver.main``, the loop of the server it replaces, with nothing to import; where that loop
+    takes an authentication key (newer Pythons), it gets one."""
     from multiprocessing import connection, forkserver, resource_tracker
 
     resource_tracker.ensure_running()  # the server's forks report to this process's tracker, as they would
@@ -231,6 +232,7 @@ _IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP_", "L
 _RUN_TIME = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
 _KEEP = 2  # warm roots kept at once, for launches whose environments differ (the oldest is let go)
 _warm: list[dict[tuple[tuple[str, str], ...], _Warm]] = []  # one per active warm_launches, innermost last
+_warm_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -256,7 +258,12 @@ def warm_start(cmd: list[str], env: Mapping[str, str], stdout: IO[Any], stderr: 
     is off or the warm root could not start it (then the caller starts ``cmd`` itself)."""
     if not _warm or cmd[1:3] != ["-m", __name__] or cmd[0] != sys.executable:
         return None
-    roots = _warm[-1]
+    with _warm_lock:  # launches from several threads: each root is taken by one at a time
+        return _warm_start(_warm[-1], cmd, env, stdout, stderr)
+
+
+def _warm_start(roots: dict[tuple[tuple[str, str], ...], _Warm], cmd: list[str], env: Mapping[str, str],
+                stdout: IO[Any], stderr: IO[Any]) -> Any | None:
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME) and k not in _RUN_TIME))
     root = roots.pop(key, None)  # reinserted last: the most recently used stays
     try:
