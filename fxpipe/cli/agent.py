@@ -308,7 +308,12 @@ class _Warm:
                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True)
             except BaseException:
-                os.close(alive_w)
+                for fd in (alive_w, key_w):
+                    if fd is not None:
+                        os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+                    os.rmdir(self.dir)
                 raise
             finally:
                 os.close(alive_r)
