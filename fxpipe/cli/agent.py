@@ -106,14 +106,8 @@ def fork_server() -> None:
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # every client holds the write end: the server leaves when the last one is gone
-    key_r, kwargs = None, {}
-    if "authkey_r" in inspect.signature(forkserver.main).parameters:
-        key = secrets.token_bytes(getattr(forkserver, "_AUTHKEY_LEN", 32))
-        key_r, key_w = os.pipe()
-        os.write(key_w, key)
-        os.close(key_w)
-        kwargs["authkey_r"] = key_r
-        server._forkserver_authkey = key
+    key_r = _authkey(server)
+    kwargs = {} if key_r is None else {"authkey_r": key_r}
     server._forkserver_address, server._forkserver_alive_fd = address, alive_w  # before the fork: its forks need them
     pid = os.fork()
     if pid == 0:  # the server: it never returns into this process's code
@@ -135,6 +129,21 @@ def fork_server() -> None:
     if key_r is not None:
         os.close(key_r)
     server._forkserver_pid = pid
+
+
+def _authkey(server: Any) -> int | None:
+    """Where multiprocessing's fork server loop takes an authentication key (newer Pythons): a fresh one for
+    ``server``'s clients, and the read end of a pipe holding it for the server (its ``authkey_r``); else None."""
+    from multiprocessing import forkserver
+
+    if "authkey_r" not in inspect.signature(forkserver.main).parameters:
+        return None
+    key = secrets.token_bytes(getattr(forkserver, "_AUTHKEY_LEN", 32))
+    key_r, key_w = os.pipe()
+    os.write(key_w, key)  # fits the pipe's buffer: the server reads it as it starts
+    os.close(key_w)
+    server._forkserver_authkey = key
+    return key_r
 
 
 def _die_by(sig: int) -> None:
@@ -291,16 +300,12 @@ class _Warm:
         self.server = forkserver.ForkServer()
         address = os.path.join(self.dir, "socket")
         alive_r, alive_w = os.pipe()
-        key_r = key_w = None
+        key_r = _authkey(self.server)
         with socket.socket(socket.AF_UNIX) as listener:
             listener.bind(address)
             listener.listen()
-            fds = [listener.fileno(), alive_r]
-            auth = ""
-            if "authkey_r" in inspect.signature(forkserver.main).parameters:
-                key_r, key_w = os.pipe()
-                fds.append(key_r)
-                auth = f", authkey_r={key_r}"
+            fds = [listener.fileno(), alive_r, *([] if key_r is None else [key_r])]
+            auth = "" if key_r is None else f", authkey_r={key_r}"
             code = (f"from multiprocessing.forkserver import main; main({listener.fileno()}, {alive_r}, "
                     f"{PRELOAD!r}{auth})")
             try:
@@ -308,9 +313,7 @@ class _Warm:
                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True)
             except BaseException:
-                for fd in (alive_w, key_w):
-                    if fd is not None:
-                        os.close(fd)
+                os.close(alive_w)
                 with contextlib.suppress(OSError):
                     os.unlink(address)
                     os.rmdir(self.dir)
@@ -319,11 +322,6 @@ class _Warm:
                 os.close(alive_r)
                 if key_r is not None:
                     os.close(key_r)
-        if key_w is not None:
-            key = secrets.token_bytes(getattr(forkserver, "_AUTHKEY_LEN", 32))
-            os.write(key_w, key)
-            os.close(key_w)
-            self.server._forkserver_authkey = key
         self.server._forkserver_address, self.server._forkserver_alive_fd = address, alive_w
         self.server._forkserver_pid = self.proc.pid
         self.server.ensure_running = self._check  # type: ignore[method-assign]

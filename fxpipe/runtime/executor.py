@@ -546,19 +546,20 @@ class PipelineRuntime:
         # which a backend without tags needs: fxpipe.runtime.lower); upto[k]: how many cover ops 0..k.
         posts, at = program.posts, {msg.tag: n for n, msg in enumerate(program.posts)}
         upto, last = [], 0
+        read_by: dict[int, Action] = {}  # tag -> the action that reads it (named if its post fails)
         for op in ops:
             last = max([last, *(at[msg.tag] + 1 for msg in op.recvs)])
             upto.append(last)
+            read_by.update((msg.tag, op.action) for msg in op.recvs)
         posted: dict[int, Any] = {}  # tag -> its posted receive, until waited for
         done = 0  # posts[:done] are posted
-        reader = {msg.tag: op.action for op in ops for msg in op.recvs}
 
         def post_until(j: int) -> None:
             nonlocal done
             for msg in posts[done:upto[min(j + window, len(ops)) - 1]]:
                 item = self.channel.recv(msg.shape, msg.dtype, msg.src, msg.tag,
                                          self._buffers.get(msg.tag) if reuse else None,
-                                         on_error=self._failed_recv(msg, reader[msg.tag]))
+                                         on_error=self._failed_recv(msg, read_by[msg.tag]))
                 if reuse:
                     self._buffers[msg.tag] = item.buf
                 posted[msg.tag] = item
@@ -849,9 +850,14 @@ class PipelineRuntime:
     # -- failures -------------------------------------------------------------------------
 
     def _failed_recv(self, msg: Message, action: Action) -> Callable[[Exception], BaseException]:
-        what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
-        return lambda exc: self._peer_down(exc, [msg.src], f"{what} of microbatch {msg.mb} (stage {msg.stage}) "
-                                                           f"from rank {msg.src} at {action}")
+        """What a failed receive of ``msg`` raises (made once per message posted and waited for: the words only when
+        it fails)."""
+        def failed(exc: Exception) -> BaseException:
+            what = msg.name if msg.direction == FORWARD else f"grad of {msg.name}"
+            return self._peer_down(exc, [msg.src], f"{what} of microbatch {msg.mb} (stage {msg.stage}) "
+                                                   f"from rank {msg.src} at {action}")
+
+        return failed
 
     def _failed_send(self, exc: Exception, dst: int) -> BaseException:
         return self._peer_down(exc, [dst], f"its sends to rank {dst} to complete")
