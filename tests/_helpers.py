@@ -589,6 +589,11 @@ def _forked_main(argv: list[str], cwd: str, env: dict[str, str], out: str, err: 
 
     os.environ.clear()
     os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # read by a new Python as torch loads: the server had loaded it
+        import torch
+
+        torch.set_num_threads(int(threads))
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
