@@ -544,13 +544,7 @@ class PipelineRuntime:
         window = len(ops) if ahead is None else ahead + 1
         # Receives are posted in the program's posting order (each source's messages in the order it sends them,
         # which a backend without tags needs: fxpipe.runtime.lower); upto[k]: how many cover ops 0..k.
-        posts, at = program.posts, {msg.tag: n for n, msg in enumerate(program.posts)}
-        upto, last = [], 0
-        read_by: dict[int, Action] = {}  # tag -> the action that reads it (named if its post fails)
-        for op in ops:
-            last = max([last, *(at[msg.tag] + 1 for msg in op.recvs)])
-            upto.append(last)
-            read_by.update((msg.tag, op.action) for msg in op.recvs)
+        posts, upto, read_by = program.posts, program.posted_by, program.reader
         posted: dict[int, Any] = {}  # tag -> its posted receive, until waited for
         done = 0  # posts[:done] are posted
 

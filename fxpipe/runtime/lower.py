@@ -22,6 +22,7 @@ Two rules keep the traffic minimal:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -77,6 +78,22 @@ class RankProgram:
     # Every receive in the order the rank posts it: from each source rank, the order that rank sends in (NCCL, and
     # gloo without tags, match a pair's messages first in, first out); each before the op that waits for it.
     posts: list[Message] = field(default_factory=list)
+
+    @functools.cached_property
+    def posted_by(self) -> list[int]:
+        """``posted_by[k]``: how many of :attr:`posts` are posted before op k runs (every one it or an earlier op
+        waits for, and those the posting order puts before them). Derived once: a program is fixed once it runs."""
+        at = {msg.tag: n for n, msg in enumerate(self.posts)}
+        out, last = [], 0
+        for op in self.ops:
+            last = max([last, *(at[msg.tag] + 1 for msg in op.recvs)])
+            out.append(last)
+        return out
+
+    @functools.cached_property
+    def reader(self) -> dict[int, Action]:
+        """Each received message's tag -> the action that reads it."""
+        return {msg.tag: op.action for op in self.ops for msg in op.recvs}
 
     @property
     def receives(self) -> list[Message]:
