@@ -301,27 +301,28 @@ class _Warm:
         address = os.path.join(self.dir, "socket")
         alive_r, alive_w = os.pipe()
         key_r = _authkey(self.server)
-        with socket.socket(socket.AF_UNIX) as listener:
-            listener.bind(address)
-            listener.listen()
-            fds = [listener.fileno(), alive_r, *([] if key_r is None else [key_r])]
-            auth = "" if key_r is None else f", authkey_r={key_r}"
-            code = (f"from multiprocessing.forkserver import main; main({listener.fileno()}, {alive_r}, "
-                    f"{PRELOAD!r}{auth})")
-            try:
+        try:
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                listener.listen()
+                fds = [listener.fileno(), alive_r, *([] if key_r is None else [key_r])]
+                auth = "" if key_r is None else f", authkey_r={key_r}"
+                code = (f"from multiprocessing.forkserver import main; main({listener.fileno()}, {alive_r}, "
+                        f"{PRELOAD!r}{auth})")
                 self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, env=dict(env),
                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True)
-            except BaseException:
-                os.close(alive_w)
-                with contextlib.suppress(OSError):
-                    os.unlink(address)
-                    os.rmdir(self.dir)
-                raise
-            finally:
-                os.close(alive_r)
-                if key_r is not None:
-                    os.close(key_r)
+        except BaseException:  # no socket or no server: nothing of this root is left behind
+            os.close(alive_w)
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.dir)
+            raise
+        finally:
+            os.close(alive_r)
+            if key_r is not None:
+                os.close(key_r)
         self.server._forkserver_address, self.server._forkserver_alive_fd = address, alive_w
         self.server._forkserver_pid = self.proc.pid
         self.server.ensure_running = self._check  # type: ignore[method-assign]

@@ -56,3 +56,34 @@ def test_launches_fork_their_roots_from_one_warm_root_per_import_environment(
         assert _losses(plan) == expected
         assert len(parents) == 3
     assert all(root.proc.poll() is not None for root in roots)  # the block ended: no warm root is left
+
+
+class _Refused(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fails", ["bind", "popen"])
+def test_a_warm_root_that_cannot_start_leaves_no_descriptor_socket_or_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """Its socket cannot be bound, or its Python cannot start: the error goes to the caller (warm_start then starts
+    a new Python), and the pipes, socket and folder made for it are gone."""
+    import os
+    import socket
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _Refused(fails)
+
+    if fails == "bind":
+        class Unbindable(socket.socket):
+            def bind(self, address: Any) -> None:
+                refuse()
+
+        monkeypatch.setattr(agent.socket, "socket", Unbindable)
+    else:
+        monkeypatch.setattr(agent.subprocess, "Popen", refuse)
+    monkeypatch.setattr(agent, "_short_dir", lambda: str(tmp_path))
+    fds = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(_Refused):
+        agent._Warm(dict(os.environ))
+    assert sorted(os.listdir("/proc/self/fd")) == fds
+    assert list(tmp_path.iterdir()) == []
