@@ -68,8 +68,59 @@ def joint_graph(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, An
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_FusedAttentionOnMeta())
         joint = aot_export_joint_with_descriptors(stack, module, args)
         return joint.graph_module, joint.fake_mode
+
+
+class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
+    """``scaled_dot_product_attention`` on meta tensors as a CPU runs it.
+
+    On meta its dispatch always takes the math path, whose backward keeps the T x T attention weights; a device runs
+    a fused kernel that keeps the output and its log-sum-exp. A model planned on meta (too big to hold) would be
+    costed with memory no device spends. Where the CPU would choose its fused kernel for these shapes and dtypes
+    (``torch._fused_sdp_choice`` on stand-ins of no storage), the trace calls that kernel instead; elsewhere, and off
+    meta, nothing changes. Scoped to one trace: no global dispatch table is touched.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SDPA and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            fused = _cpu_fused_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+_SDPA = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _stand_in(t: Any) -> Any:
+    """A CPU tensor of ``t``'s shape and dtype over one row of storage (the choice reads shapes, dtypes and the last
+    stride only)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dim() == 0:
+        return torch.empty((), dtype=t.dtype)
+    return torch.empty(t.shape[-1], dtype=t.dtype).as_strided(t.shape, (0,) * (t.dim() - 1) + (1,))
+
+
+def _cpu_fused_attention(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+                         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> Any:
+    """The CPU fused kernel's output for these arguments, or None where the CPU would not run it."""
+    from torch.nn.attention import SDPBackend
+
+    ops = cpu_attention_ops()
+    if ops is None or query.dim() != 4 or (enable_gqa and key.shape[-3] != query.shape[-3]):
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # the trace's fake and proxy modes would make the stand-ins fake and trace the choice
+        choice = torch._fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
+                                         dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        return None
+    return ops[0](query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 @contextlib.contextmanager

@@ -73,3 +73,37 @@ def test_outputs_that_alias_an_input_or_another_output_keep_their_gradients() ->
     want = torch.autograd.grad(module(xr, yr), [xr, yr, *(module.get_parameter(n) for n in g.param_names)], dys)
     for got, ref in zip([*b[: len(g.grad_inputs)], *w], want, strict=True):
         torch.testing.assert_close(got, ref)
+
+
+class _Attention(nn.Module):
+    """Causal self-attention of 2 heads; ``value_dim`` other than the query's makes the CPU take the math path."""
+
+    def __init__(self, value_dim: int = 8) -> None:
+        super().__init__()
+        self.qk, self.v = nn.Linear(16, 32), nn.Linear(16, 2 * value_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qk(x).chunk(2, -1))
+        v = self.v(x).unflatten(-1, (2, -1)).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+def _attention_ops(graphs: object) -> set[str]:
+    return {str(n.target) for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight)  # type: ignore[attr-defined]
+            for n in gm.graph.nodes if n.op == "call_function" and ("attention" in str(n.target) or "softmax" in str(n.target))}
+
+
+def test_attention_on_meta_holds_what_the_cpu_holds() -> None:
+    """A model planned on meta is costed as a device runs it: attention takes the CPU's fused kernel, which keeps no
+    T x T weights for backward, where the CPU would take it (meta's own dispatch always takes the math path); where
+    the CPU takes the math path (value and query head sizes differ), meta does too."""
+    for value_dim, kernel in ((8, "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+                              (4, "aten._safe_softmax.default")):
+        split = {}
+        for device in ("cpu", "meta"):
+            torch.manual_seed(0)
+            module = _Attention(value_dim).to(device)
+            split[device] = split_stage(module, [torch.randn(3, 24, 16, device=device, requires_grad=True)])
+        cpu, meta = split["cpu"], split["meta"]
+        assert kernel in _attention_ops(cpu) and _attention_ops(meta) == _attention_ops(cpu)
+        assert (meta.bytes_f_to_b, meta.bytes_b_to_w) == (cpu.bytes_f_to_b, cpu.bytes_b_to_w)
