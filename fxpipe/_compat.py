@@ -68,7 +68,9 @@ def joint_graph(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, An
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_FusedAttentionOnMeta())
+        if any(t.is_meta for t in (*pytree.tree_leaves(args), *module.parameters(), *module.buffers())
+               if isinstance(t, torch.Tensor)):
+            stack.enter_context(_FusedAttentionOnMeta())  # off meta, the trace is exactly torch's own
         joint = aot_export_joint_with_descriptors(stack, module, args)
         return joint.graph_module, joint.fake_mode
 
