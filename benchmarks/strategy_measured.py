@@ -12,9 +12,10 @@ strategy's cost (compute + host + sync + transfers, in sequence), which the sear
 - **host** (``planning.strategies.HostCosts``): what the runtime costs beyond both, per layer, per layer
   with parameters, per redistribute, per gradient all-reduce and per step, fitted on the same ranks just
   before (``measure_host``): chains of tiny layers (nothing to compute, a few bytes to move) of 4 and 36
-  layers in four forms (ReLU and Linear data-parallel, Linear alternating batch and column splits, BatchNorm),
-  each trained like the models; the cost model is linear in the five host costs, so they are the
-  non-negative least-squares fit (relative error) of its prediction to the eight measured steps.
+  layers in six forms (ReLU and Linear data-parallel, Linear alternating batch and column splits, BatchNorm,
+  convolutions, convolutions with BatchNorm2d), each trained like the models; the cost model is linear in the
+  five host costs, so they are the non-negative least-squares fit (relative error) of its prediction to the
+  twelve measured steps.
 
 The runs of one measurement (the eight probes; a model's three strategies) take turns, one step each,
 so a change in the machine's load reaches all of them alike.
@@ -26,6 +27,11 @@ a rank's share of the batch (``profile_layers.py --nodes``: each node's forward 
 so that they sum to the whole model's plain forward + backward measured beside them): per node, the calibrated
 estimate scaled to it (``profiled``), which the search then minimizes; ``calibrated_s`` keeps the calibrated model's
 cost of the same strategy.
+
+``--beside`` (with ``--profiles``): the profile's compute is scaled by what the ranks measure beside each other (plain
+PyTorch's forward + backward on a rank's share, every rank at once, against the profile's whole model timed alone)
+instead of by ranks / cores: on this machine two ranks on two cores already contend (memory, the hypervisor), and four
+share them at more than twice the cost.
 
 ``--bucket-layers``: the models' runtimes all-reduce each sync group's gradients in 25 MiB buckets over its
 layers (``StrategyRuntime(bucket_layers=True)``) and the model costs them so (the probes are unchanged: they
@@ -73,7 +79,7 @@ from fxpipe.calibration.runtime_costs import calibrate_allreduce
 from fxpipe.runtime.strategy import StrategyRuntime
 
 MODELS = {"vgg-small": (vgg, "small"), "resnet-small": (resnet, "small")}
-PROBES = (("relu", "dp"), ("linear", "dp"), ("linear", "sc"), ("norm", "dp"))
+PROBES = (("relu", "dp"), ("linear", "dp"), ("linear", "sc"), ("norm", "dp"), ("conv", "dp"), ("convnorm", "dp"))
 PROBE_LAYERS = (4, 36)
 HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostCosts))
 
@@ -82,7 +88,13 @@ HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostCosts))
 
 
 def probe_model(kind: str, layers: int) -> nn.Sequential:
-    """``layers`` tiny layers of ``kind`` between a first and a last Linear (16 features: nothing to compute)."""
+    """``layers`` tiny layers of ``kind`` between a first and a last Linear (16 features: nothing to compute); the
+    convolutional kinds on 1 x 4 x 4 images, 3 x 3 convolutions of 2 channels (``convnorm``: each second layer a
+    BatchNorm2d), flattened into the last Linear."""
+    if kind in ("conv", "convnorm"):
+        body = [nn.BatchNorm2d(2) if kind == "convnorm" and i % 2 else nn.Conv2d(2, 2, 3, padding=1)
+                for i in range(layers)]
+        return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), *body, nn.Flatten(), nn.Linear(2 * 16, 10))
     make = {"relu": nn.ReLU, "linear": lambda: nn.Linear(16, 16), "norm": lambda: nn.BatchNorm1d(16)}[kind]
     return nn.Sequential(nn.Linear(16, 16), *(make() for _ in range(layers)), nn.Linear(16, 10))
 
@@ -171,7 +183,8 @@ def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters
         for layers in PROBE_LAYERS:
             torch.manual_seed(0)
             net = probe_model(kind, layers)
-            x, t = torch.randn(4 * world, 16), torch.randint(0, 10, (4 * world,))
+            shape = (1, 4, 4) if kind.startswith("conv") else (16,)
+            x, t = torch.randn(4 * world, *shape), torch.randint(0, 10, (4 * world,))
             g = strategy_graph(net, (x,), compute=rates)
             specs = shared(g.specs, share)
             degrees = probe_degrees(specs, world, mode)
@@ -230,10 +243,14 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         g = strategy_graph(net, (x,), compute=rates)
         calibrated = shared(g.specs, share)
         specs = calibrated
+        local = eager_seconds(net, x[: args.batch // world], t[: args.batch // world], args.iters, args.warmup)
+        beside = share
         if args.profiles:
             doc = json.loads((args.profiles / f"cpu-{model}-nodes.json").read_text())
-            specs = shared(profiled(g.specs, g.nodes, doc, args.batch // world, world), share)
-        local = eager_seconds(net, x[: args.batch // world], t[: args.batch // world], args.iters, args.warmup)
+            specs = profiled(g.specs, g.nodes, doc, args.batch // world, world)
+            # the ranks computing at once, measured: plain PyTorch on every rank together against the profile alone
+            beside = local / doc["model_seconds"][str(args.batch // world)] if args.beside else share
+            specs = shared(specs, beside)
         bare_compute = sum(s.seconds / world + s.fixed_seconds for s in specs)
         bucket = args.bucket_layers
         graph = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
@@ -256,7 +273,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,
                          "compute_s": total[2], "sync_s": total[3], "transfer_s": total[4],
                          "bare_model_s": strategy_cost(bare, strategy.choice),
-                         "eager_local_s": local, "dp_compute_s": bare_compute,
+                         "eager_local_s": local, "dp_compute_s": bare_compute, "compute_scale": beside,
                          "calibrated_s": strategy_cost(build_graph(calibrated, g.edges, world, bandwidth=link.bandwidth,
                                                                    latency=link.latency, alltoall=False, host=host,
                                                                    bucket_layers=buckets), strategy.choice),
@@ -285,6 +302,9 @@ def main() -> None:
                         "instead of measuring them now (under the same conditions as the steps)")
     parser.add_argument("--profiles", type=Path, default=None, help="per-node compute measured by profile_layers.py "
                         "--nodes (DIR/cpu-<model>-nodes.json) instead of the calibrated rates'")
+    parser.add_argument("--beside", action="store_true", help="with --profiles: scale the profile's compute by what "
+                        "the ranks' plain forward + backward measures, all ranks at once, against the profile's whole "
+                        "model alone (the cores' sharing measured), instead of by ranks / cores")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rates, cached = calibrate_compute(threads=1, cache=args.cached_compute)  # measured now: the cache may be a loaded machine's

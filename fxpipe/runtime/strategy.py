@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from fxpipe._compat import TorchDispatchMode, flatten_mesh, process_group_size
@@ -56,13 +56,31 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
+_MESHES: dict[tuple[Any, ...], tuple[Any, DeviceMesh]] = {}
+
+
+def _shared_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """The one DeviceMesh of this process's world over ``layout`` (ranks) with dims ``names``. Two meshes alike
+    compare and hash equal but own different process groups, and DTensor's sharding cache can hand a tensor of one
+    the other (the first it saw), so one runtime's collectives could run on another's groups. Made once, every
+    runtime's mesh alike is the same object, and the groups (each with its threads and sockets) do not grow with
+    the runtimes a process makes; entries of an earlier world are dropped."""
+    world = dist.group.WORLD
+    for key in [k for k, (w, _) in _MESHES.items() if w is not world]:
+        del _MESHES[key]
+    key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names)
+    if key not in _MESHES:
+        _MESHES[key] = (world, DeviceMesh(device_type, layout, mesh_dim_names=names))
+    return _MESHES[key][1]
+
+
 def strategy_mesh(ranks: int, device_type: str = "cpu") -> DeviceMesh:
     """The ``(2, ..., 2)`` mesh of ``ranks`` (a power of two, at least 2) a strategy runs on."""
     k = ranks.bit_length() - 1
     if ranks < 2 or 1 << k != ranks:
         raise OptionError(f"per-layer strategies run on a power-of-two rank group of at least 2 (ranks: {ranks}); "
                           "start 2, 4, 8, ... ranks")
-    return init_device_mesh(device_type, (2,) * k, mesh_dim_names=tuple(f"m{i}" for i in range(k)))
+    return _shared_mesh(device_type, torch.arange(ranks).view((2,) * k), tuple(f"m{i}" for i in range(k)))
 
 
 def mesh_roles(degrees: Degrees, ndim: int) -> tuple[str, ...]:
@@ -285,14 +303,17 @@ class _View(torch.autograd.Function):
 
 
 class _BatchNormSync(torch.autograd.Function):
-    """BatchNorm over a batch split on ``group``: the whole batch's statistics, one all-reduce each way."""
+    """BatchNorm over a batch split on ``group``: the whole batch's statistics, one all-reduce each way.
+
+    The passes over the activation are torch's BatchNorm kernels (normalize as eval mode does, with the whole
+    batch's statistics; the backward's channel sums) and two per-channel multiply-adds for dx, so a rank computes
+    about what eager BatchNorm does beside the two all-reduces (tensor expressions took several times that)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running: Any,  # type: ignore[override]
                 group: Any, label: str, rt: StrategyRuntime) -> torch.Tensor:
         module, mean_buf, var_buf = running
         dims = [0, *range(2, x.dim())]
-        shape = [1, -1] + [1] * (x.dim() - 2)
         g = process_group_size(group)
         n = x.numel() // x.shape[1] * g
         sums = torch.cat([x.sum(dims), (x * x).sum(dims)])
@@ -302,25 +323,31 @@ class _BatchNormSync(torch.autograd.Function):
         mean = mean / n
         var = sq / n - mean * mean
         invstd = torch.rsqrt(var + module.eps)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
         with torch.no_grad():
             m = module.momentum
             mean_buf.mul_(1 - m).add_(mean, alpha=m)
             var_buf.mul_(1 - m).add_(var * n / max(n - 1, 1), alpha=m)
-        ctx.save_for_backward(xhat, invstd, weight)
-        ctx.group, ctx.label, ctx.rt, ctx.n, ctx.dims, ctx.shape = group, label, rt, n, dims, shape
-        return xhat * weight.view(shape) + bias.view(shape)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.group, ctx.label, ctx.rt, ctx.n, ctx.eps = group, label, rt, n, module.eps
+        return torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, module.eps)[0]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:  # type: ignore[override]
-        xhat, invstd, weight = ctx.saved_tensors
-        dims, shape = ctx.dims, ctx.shape
-        local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
-        grad_bias, grad_weight = local.clone().chunk(2)  # this rank's share: summed with the layer's gradients
+        x, mean, invstd, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        # this rank's shares (sum dy * xhat, sum dy), summed with the layer's gradients; the whole batch's for dx
+        local = torch.cat([grad_bias, grad_weight])
         with _at(ctx.rt.counter, ctx.label):
             dist.all_reduce(local, group=ctx.group)
         sum_dy, sum_dy_xhat = local.chunk(2)
-        dx = (weight * invstd).view(shape) / ctx.n * (ctx.n * dy - sum_dy.view(shape) - xhat * sum_dy_xhat.view(shape))
+        # dx = w * invstd * (dy - sum_dy / n - xhat * sum_dy_xhat / n), per channel a * dy + b * x + c
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        a = weight * invstd
+        b = -a * invstd * sum_dy_xhat / ctx.n
+        c = -a * sum_dy / ctx.n - b * mean
+        dx = torch.addcmul(c.view(shape), x, b.view(shape)).addcmul_(dy, a.view(shape))
         return dx, grad_weight, grad_bias, None, None, None, None
 
 
@@ -529,7 +556,8 @@ class StrategyRuntime:
         k = group.bit_length() - 1
         if world % self.pp or group < 2 or 1 << k != group:
             raise OptionError(f"{self.pp} stages on {world} ranks: start {self.pp} x a power of two (at least 2) ranks")
-        return init_device_mesh("cpu", (self.pp,) + (2,) * k, mesh_dim_names=("pp",) + tuple(f"m{i}" for i in range(k)))
+        return _shared_mesh("cpu", torch.arange(world).view((self.pp,) + (2,) * k),
+                           ("pp",) + tuple(f"m{i}" for i in range(k)))
 
     def _stages(self, cuts: list[str]) -> dict[str, int]:
         order = list(self.module.graph.nodes)
@@ -567,8 +595,7 @@ class StrategyRuntime:
             tag = "".join(map(str, perm))
             names = tuple(f"v{tag}_{j}" for j in range(len(perm)))
             order = tuple(range(lead)) + tuple(lead + p for p in perm)
-            whole = DeviceMesh(base.device_type, base.mesh.permute(order),
-                               mesh_dim_names=(("pp",) if lead else ()) + names)
+            whole = _shared_mesh(base.device_type, base.mesh.permute(order), (("pp",) if lead else ()) + names)
             views[perm] = whole[names] if lead else whole
         self._perm_of = {id(m): p for p, m in views.items()}
         return views

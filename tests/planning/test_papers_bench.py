@@ -113,10 +113,18 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     assert [(r[2], r[5], r[6], r[7]) for r in rows] == [("dp", "0.90 / 0.90", "yes", "-"),
                                                         ("auto", "0.90 / 0.50", "no", "-")]
     assert rows[0][8] == "50.0 / 60.0"
+    assert optcnn._pick_against_dp(rows) == ", where the pick's step was +0% to +0% against data parallelism's (run 1)"
+    assert optcnn._pick_against_dp(rows[:1]) == ""
     verdict = optcnn.measured_verdict(rows, paths)
     assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict.lower()
     assert "under-predicts" in verdict and "profile_layers.py --nodes" not in verdict
-    assert "more than 20% under in none" in verdict  # 50 ms against 60: within 20%
+    # 50 ms of compute against 60: within 20%, so the miss is put on the runtime beyond compute
+    assert "more than 20% under" not in verdict and "the runtime beyond compute" in verdict
+    slow = [dict(row, dp_compute_s=0.04), dict(row, strategy="auto", dp_compute_s=0.04, predicted_s=0.05)]
+    paths[1].write_text(json.dumps({"rows": slow}))
+    under = optcnn.measured_verdict(optcnn.measured_rows(paths[1:]), paths[1:])
+    assert "more than 20% under in m at 2 ranks 40.0 / 60.0 ms" in under
+    paths[1].write_text(json.dumps({"rows": [row, dict(row, strategy="auto", predicted_s=0.05)]}))
     assert optcnn.measured_rows((tmp_path / "none.json",)) == []
     # a profiled run records the calibrated model beside it, and its load average
     paths[0].write_text(json.dumps({"rows": [dict(row, calibrated_s=0.07, predicted_s=0.11)], "argv": ["--profiles"],
@@ -126,6 +134,10 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     verdict = optcnn.measured_verdict(rows, paths[:1])
     assert "over-predicts" in verdict and "calibrated model" in verdict and "0.70-0.70" in verdict
     assert "Load average (1 min) at the runs' start and end: 0.5-1.5" in verdict
+    assert "--beside" not in verdict
+    paths[0].write_text(json.dumps({"rows": [dict(row, calibrated_s=0.07, predicted_s=0.11)],
+                                    "argv": ["--profiles", "--beside"]}))
+    assert "as measured in the same run" in optcnn.measured_verdict(rows, paths[:1])
 
 
 def test_profiled_scales_each_node_to_its_measured_share_of_the_whole_model() -> None:

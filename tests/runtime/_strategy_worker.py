@@ -11,6 +11,7 @@ the pipelined cases, and on 4 ranks the nesting gap that stays open (``run_nesti
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from datetime import timedelta
@@ -85,7 +86,9 @@ def run_case(world: int, case: dict[str, Any], out: Path) -> dict[str, Any]:
             "reordered": [n for n, layer in rt.layers.items() if layer.order is not None],
             "loss_value": actual.get("(loss value)", 0.0),
             "unlabelled": sum(r.nbytes for r in records if r.layer not in layers and r.layer != "(loss value)"),
-            "counts": counter.counts()}
+            "counts": counter.counts(),
+            "groups": {"".join(map(str, perm)): [rt.view(perm).get_group(i).group_name for i in range(len(perm))]
+                       for perm in itertools.permutations(range(rt.mesh.ndim))}}
 
 
 def stage_traffic(specs: Any, edges: Any, degrees: Any, microbatches: int) -> list[tuple[float, int]]:

@@ -83,6 +83,16 @@ def test_trains_like_one_process(runs: tuple[int, Path, list[Any]], case: str) -
         assert result["reordered"], result["configs"]
 
 
+def test_runtimes_share_their_meshes(runs: tuple[int, Path, list[Any]]) -> None:
+    """Every runtime of a launch runs on the same process groups: meshes alike compare equal, and DTensor's sharding
+    cache can give one runtime's tensor another's mesh (checked on this torch), so each runtime's own groups would
+    mix; and a process that makes runtime after runtime would make groups (threads, sockets) without bound."""
+    _, _, results = runs
+    groups = [r["groups"] for r in results if "groups" in r]
+    assert len(groups) == len(CASES)
+    assert all(g == groups[0] for g in groups), groups
+
+
 def _mismatches(result: dict[str, Any]) -> list[tuple[str, str, float, float]]:
     return [(n, v["config"], v["predicted"], v["actual"]) for n, v in result["layers"].items()
             if abs(v["predicted"] - v["actual"]) > 1e-6 * max(1.0, v["predicted"])]
