@@ -280,10 +280,21 @@ def boxed(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph, class_name=f"Boxed{type(gm).__name__}")
 
 
-def flatten_mesh(mesh: Any, name: str) -> Any:
+def flatten_mesh(mesh: Any, name: str, options: Any = None) -> Any:
     """A 1-D DeviceMesh over all the ranks of ``mesh`` (a sub-mesh): ``DeviceMesh._flatten`` (torch 2.13), the
-    group a collective over several mesh dimensions at once runs on."""
-    return mesh._flatten(name)
+    group a collective over several mesh dimensions at once runs on (made with ``options``: ``gloo_options``)."""
+    return mesh._flatten(name, backend_override=(None, options)) if options is not None else mesh._flatten(name)
+
+
+def gloo_options(timeout: Any) -> Any:
+    """Gloo process-group options that wait ``timeout`` (a timedelta) for a collective, for a DeviceMesh's groups
+    (``backend_override``): DeviceMesh makes its groups with torch's default timeout (30 minutes for gloo), not the
+    world's. ``ProcessGroupGloo._Options`` is private in torch 2.13."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
 
 
 def process_group_size(group: Any) -> int:

@@ -33,7 +33,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from fxpipe._compat import TorchDispatchMode, flatten_mesh, process_group_size
+from fxpipe._compat import TorchDispatchMode, flatten_mesh, gloo_options, process_group_size
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.planning.cost import BUCKET_BYTES
@@ -59,28 +59,32 @@ _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _MESHES: dict[tuple[Any, ...], tuple[Any, DeviceMesh]] = {}
 
 
-def _shared_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
-    """The one DeviceMesh of this process's world over ``layout`` (ranks) with dims ``names``. Two meshes alike
-    compare and hash equal but own different process groups, and DTensor's sharding cache can hand a tensor of one
-    the other (the first it saw), so one runtime's collectives could run on another's groups. Made once, every
-    runtime's mesh alike is the same object, and the groups (each with its threads and sockets) do not grow with
-    the runtimes a process makes; entries of an earlier world are dropped."""
+def _shared_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...],
+                 timeout: timedelta | None = None) -> DeviceMesh:
+    """The one DeviceMesh of this process's world over ``layout`` (ranks) with dims ``names`` whose groups wait
+    ``timeout`` for a collective (None: torch's default). Two meshes alike compare and hash equal but own different
+    process groups, and DTensor's sharding cache can hand a tensor of one the other (the first it saw), so one
+    runtime's collectives could run on another's groups. Made once, every runtime's mesh alike is the same object,
+    and the groups (each with its threads and sockets) do not grow with the runtimes a process makes; entries of an
+    earlier world are dropped."""
     world = dist.group.WORLD
     for key in [k for k, (w, _) in _MESHES.items() if w is not world]:
         del _MESHES[key]
-    key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names)
+    key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names, timeout)
     if key not in _MESHES:
-        _MESHES[key] = (world, DeviceMesh(device_type, layout, mesh_dim_names=names))
+        override = None if timeout is None else tuple((None, gloo_options(timeout)) for _ in names)
+        _MESHES[key] = (world, DeviceMesh(device_type, layout, mesh_dim_names=names, backend_override=override))
     return _MESHES[key][1]
 
 
-def strategy_mesh(ranks: int, device_type: str = "cpu") -> DeviceMesh:
-    """The ``(2, ..., 2)`` mesh of ``ranks`` (a power of two, at least 2) a strategy runs on."""
+def strategy_mesh(ranks: int, device_type: str = "cpu", timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``(2, ..., 2)`` mesh of ``ranks`` (a power of two, at least 2) a strategy runs on; its groups wait
+    ``timeout`` for a collective (None: torch's default, 30 minutes on gloo)."""
     k = ranks.bit_length() - 1
     if ranks < 2 or 1 << k != ranks:
         raise OptionError(f"per-layer strategies run on a power-of-two rank group of at least 2 (ranks: {ranks}); "
                           "start 2, 4, 8, ... ranks")
-    return _shared_mesh(device_type, torch.arange(ranks).view((2,) * k), tuple(f"m{i}" for i in range(k)))
+    return _shared_mesh(device_type, torch.arange(ranks).view((2,) * k), tuple(f"m{i}" for i in range(k)), timeout)
 
 
 def mesh_roles(degrees: Degrees, ndim: int) -> tuple[str, ...]:
@@ -488,7 +492,7 @@ class StrategyRuntime:
         self.pp = len(stages) + 1
         self.pipeline = self._pipeline_mesh(mesh)
         if self.pipeline is None:
-            self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size())
+            self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size(), timeout=timeout)
             self.pp_rank = 0
         else:
             self.mesh = self.pipeline[tuple(n for n in self.pipeline.mesh_dim_names if n != "pp")]
@@ -557,7 +561,7 @@ class StrategyRuntime:
         if world % self.pp or group < 2 or 1 << k != group:
             raise OptionError(f"{self.pp} stages on {world} ranks: start {self.pp} x a power of two (at least 2) ranks")
         return _shared_mesh("cpu", torch.arange(world).view((self.pp,) + (2,) * k),
-                           ("pp",) + tuple(f"m{i}" for i in range(k)))
+                            ("pp",) + tuple(f"m{i}" for i in range(k)), self.timeout)
 
     def _stages(self, cuts: list[str]) -> dict[str, int]:
         order = list(self.module.graph.nodes)
@@ -595,7 +599,8 @@ class StrategyRuntime:
             tag = "".join(map(str, perm))
             names = tuple(f"v{tag}_{j}" for j in range(len(perm)))
             order = tuple(range(lead)) + tuple(lead + p for p in perm)
-            whole = _shared_mesh(base.device_type, base.mesh.permute(order), (("pp",) if lead else ()) + names)
+            whole = _shared_mesh(base.device_type, base.mesh.permute(order), (("pp",) if lead else ()) + names,
+                                 self.timeout)
             views[perm] = whole[names] if lead else whole
         self._perm_of = {id(m): p for p, m in views.items()}
         return views
@@ -675,7 +680,8 @@ class StrategyRuntime:
             return None
         if dims not in self._groups:
             names = tuple(self.mesh.mesh_dim_names[i] for i in dims)  # type: ignore[index]
-            sub = self.mesh[names[0]] if len(names) == 1 else flatten_mesh(self.mesh[names], "_".join(names))
+            options = None if self.timeout is None else gloo_options(self.timeout)
+            sub = self.mesh[names[0]] if len(names) == 1 else flatten_mesh(self.mesh[names], "_".join(names), options)
             self._groups[dims] = sub.get_group()
         return self._groups[dims]
 

@@ -193,6 +193,19 @@ def run_nesting_gap() -> dict[str, Any]:
     return {"name": "nesting-gap", "layers": layers, "views": {n: list(layer.perm) for n, layer in rt.layers.items()}}
 
 
+def group_timeouts(model: str, timeout: timedelta) -> dict[str, Any]:
+    """What each process group a runtime made with ``timeout`` waits for a collective, in seconds (its mesh views'
+    dims and its sync groups)."""
+    net, x, _ = example(model)
+    g = strategy_graph(net, (x,))
+    rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees(sample=dist.get_world_size())] * len(g.nodes),
+                         timeout=timeout)
+    groups = [rt.view(p).get_group(i) for p in itertools.permutations(range(rt.mesh.ndim)) for i in range(rt.mesh.ndim)]
+    groups += [g for g in rt._groups.values() if g is not None]
+    return {"name": "timeouts", "seconds": sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                                   for g in groups})}
+
+
 def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -200,6 +213,7 @@ def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> 
     results = [run_case(world, case, out) for case in cfg["cases"]]
     results += [run_pipelined(world, case, out) for case in cfg.get("pipelined", [])]
     results += [run_nesting_gap()] if cfg.get("nesting_gap") else []
+    results += [group_timeouts("vgg-tiny", timedelta(seconds=17))] if cfg.get("nesting_gap") else []
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -93,6 +93,17 @@ def test_runtimes_share_their_meshes(runs: tuple[int, Path, list[Any]]) -> None:
     assert all(g == groups[0] for g in groups), groups
 
 
+def test_a_runtimes_groups_wait_its_timeout(runs: tuple[int, Path, list[Any]]) -> None:
+    """``StrategyRuntime(timeout=...)`` bounds every collective: DeviceMesh makes its groups with torch's default
+    (30 minutes on gloo), not the world's, so a stopped rank held the others that long whatever ``fxpipe run
+    --timeout`` said. A group over every rank is the world's, which waits what ``init_process_group`` was given."""
+    world, _, results = runs
+    if world != 4:
+        pytest.skip("a 2 x 2 mesh: its dims' groups are not the world")
+    found = next(r for r in results if r["name"] == "timeouts")
+    assert 17.0 in found["seconds"] and set(found["seconds"]) <= {17.0, 60.0}, found
+
+
 def _mismatches(result: dict[str, Any]) -> list[tuple[str, str, float, float]]:
     return [(n, v["config"], v["predicted"], v["actual"]) for n, v in result["layers"].items()
             if abs(v["predicted"] - v["actual"]) > 1e-6 * max(1.0, v["predicted"])]
