@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -175,8 +176,8 @@ def fit_host(rows: Sequence[tuple[float, Sequence[float], float]]) -> HostCosts:
     return HostCosts(**values)
 
 
-def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters: int,
-                 warmup: int) -> tuple[HostCosts, list[dict[str, Any]]]:
+def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters: int, warmup: int,
+                 timeout: timedelta | None = None) -> tuple[HostCosts, list[dict[str, Any]]]:
     """Fit ``HostCosts`` on the probe chains (collective: every rank calls it)."""
     rows, report, runs = [], [], []
     for kind, mode in PROBES:
@@ -196,7 +197,7 @@ def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters
 
             base = cost(HostCosts())
             unit = [cost(HostCosts(**{f: 1.0})) - base for f in HOST_FIELDS]
-            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees), x, t))
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, timeout=timeout), x, t))
             report.append({"probe": f"{kind}-{mode}", "layers": layers, "base_s": base,
                            "per_unit": dict(zip(HOST_FIELDS, unit))})
     for r, measured in zip(report, time_steps(runs, iters, warmup)):
@@ -228,10 +229,12 @@ def eager_seconds(net: nn.Module, x: torch.Tensor, t: torch.Tensor, iters: int, 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: ComputeRates, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout))
     link = calibrate_allreduce()
     share = max(1.0, world / (os.cpu_count() or 1))
-    host, probes = measure_host(world, link, rates, share, args.probe_iters, args.warmup)
+    host, probes = measure_host(world, link, rates, share, args.probe_iters, args.warmup,
+                                timedelta(seconds=args.timeout))
     rows = []
     for model in args.models:
         family, size = MODELS[model]
@@ -267,7 +270,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         for name, strategy, graph, buckets in cases:
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
             total = strategy_rows(graph, specs, strategy).rows[-1]
-            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=buckets), x, t))
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=buckets,
+                                         timeout=timedelta(seconds=args.timeout)), x, t))
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
             mine.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,
@@ -305,6 +309,8 @@ def main() -> None:
     parser.add_argument("--beside", action="store_true", help="with --profiles: scale the profile's compute by what "
                         "the ranks' plain forward + backward measures, all ranks at once, against the profile's whole "
                         "model alone (the cores' sharing measured), instead of by ranks / cores")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for a collective before "
+                        "it fails (a hung strategy ends the run instead of stalling it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rates, cached = calibrate_compute(threads=1, cache=args.cached_compute)  # measured now: the cache may be a loaded machine's
