@@ -229,12 +229,11 @@ def eager_seconds(net: nn.Module, x: torch.Tensor, t: torch.Tensor, iters: int, 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: ComputeRates, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
     link = calibrate_allreduce()
     share = max(1.0, world / (os.cpu_count() or 1))
-    host, probes = measure_host(world, link, rates, share, args.probe_iters, args.warmup,
-                                timedelta(seconds=args.timeout))
+    host, probes = measure_host(world, link, rates, share, args.probe_iters, args.warmup, timeout)
     rows = []
     for model in args.models:
         family, size = MODELS[model]
@@ -270,8 +269,8 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
         for name, strategy, graph, buckets in cases:
             degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
             total = strategy_rows(graph, specs, strategy).rows[-1]
-            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=buckets,
-                                         timeout=timedelta(seconds=args.timeout)), x, t))
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=buckets, timeout=timeout),
+                         x, t))
             moved = sum(traffic_per_layer(g.specs, g.edges, degrees, alltoall=False))
             mine.append({"model": model, "ranks": world, "strategy": name, "configs": list(strategy.names(graph)),
                          "predicted_s": strategy.cost, "bytes_per_rank": moved,

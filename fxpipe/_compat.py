@@ -287,9 +287,11 @@ def flatten_mesh(mesh: Any, name: str, options: Any = None) -> Any:
 
 
 def gloo_options(timeout: Any) -> Any:
-    """Gloo process-group options that wait ``timeout`` (a timedelta) for a collective, for a DeviceMesh's groups
-    (``backend_override``): DeviceMesh makes its groups with torch's default timeout (30 minutes for gloo), not the
-    world's. ``ProcessGroupGloo._Options`` is private in torch 2.13."""
+    """Gloo process-group options that wait ``timeout`` (a timedelta; None: no options, torch's default) for a
+    collective, for a DeviceMesh's groups (``backend_override``): DeviceMesh makes its groups with torch's default
+    timeout (30 minutes for gloo), not the world's. ``ProcessGroupGloo._Options`` is private in torch 2.13."""
+    if timeout is None:
+        return None
     import torch.distributed as dist
 
     options = dist.ProcessGroupGloo._Options()

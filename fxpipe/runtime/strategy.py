@@ -72,7 +72,7 @@ def _shared_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...],
         del _MESHES[key]
     key = (device_type, tuple(layout.shape), tuple(layout.flatten().tolist()), names, timeout)
     if key not in _MESHES:
-        override = None if timeout is None else tuple((None, gloo_options(timeout)) for _ in names)
+        override = tuple((None, gloo_options(timeout)) for _ in names)  # (None, None): torch's default
         _MESHES[key] = (world, DeviceMesh(device_type, layout, mesh_dim_names=names, backend_override=override))
     return _MESHES[key][1]
 
@@ -680,8 +680,8 @@ class StrategyRuntime:
             return None
         if dims not in self._groups:
             names = tuple(self.mesh.mesh_dim_names[i] for i in dims)  # type: ignore[index]
-            options = None if self.timeout is None else gloo_options(self.timeout)
-            sub = self.mesh[names[0]] if len(names) == 1 else flatten_mesh(self.mesh[names], "_".join(names), options)
+            sub = (self.mesh[names[0]] if len(names) == 1
+                   else flatten_mesh(self.mesh[names], "_".join(names), gloo_options(self.timeout)))
             self._groups[dims] = sub.get_group()
         return self._groups[dims]
 
