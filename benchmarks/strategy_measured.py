@@ -68,6 +68,7 @@ from fxpipe.planning.strategies import (
     HostCosts,
     LayerGraph,
     LayerSpec,
+    Strategy,
     build_graph,
     data_parallel,
     solve,
@@ -212,6 +213,17 @@ def measure_host(world: int, link: Any, rates: ComputeRates, share: float, iters
 # --- the models ------------------------------------------------------------------------------------
 
 
+def rank0s(graph: LayerGraph, strategy: Strategy) -> Strategy:
+    """Rank 0's ``strategy`` on every rank (collective). Each rank costs the graph from the same measurements, but
+    a least-squares fit can differ in the last bit by process, and the search has exact ties (two choices of equal
+    cost): ranks that broke one differently ran different collectives and hung (StrategyRuntime now refuses them)."""
+    choice = torch.tensor(strategy.choice, dtype=torch.int64)
+    dist.broadcast(choice, 0)
+    mine = tuple(int(c) for c in choice)
+    return strategy if mine == strategy.choice else dataclasses.replace(strategy, choice=mine,
+                                                                         cost=strategy_cost(graph, mine))
+
+
 def eager_seconds(net: nn.Module, x: torch.Tensor, t: torch.Tensor, iters: int, warmup: int) -> float:
     """The median forward + backward of a copy of ``net`` on one rank's share of the batch in plain PyTorch, the
     slowest rank's (collective; every rank runs it at once, sharing the cores as the runtime does)."""
@@ -261,7 +273,7 @@ def worker(rank: int, world: int, init: str, args: argparse.Namespace, rates: Co
                            bucket_layers=bucket)
         mine, runs = [], []
         cases = [("dp", data_parallel(graph), graph, bucket), ("splitbrain-2", splitbrain(graph, g.specs, 2), graph, bucket),
-                 ("auto", solve(graph), graph, bucket)]
+                 ("auto", rank0s(graph, solve(graph)), graph, bucket)]
         if args.also_bucketed_dp and not bucket:
             other = build_graph(specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False,
                                 host=host, bucket_layers=True)

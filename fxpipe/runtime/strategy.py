@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,8 +50,8 @@ from fxpipe.schedules.ir import Action, Kind, Schedule
 if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
     from fxpipe.calibration.host import HostTuning
 
-__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "check_schedule", "fused_backward", "mesh_roles",
-           "strategy_mesh"]
+__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "check_same_strategy", "check_schedule", "fused_backward",
+           "mesh_roles", "strategy_mesh"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -442,6 +443,46 @@ def _inverse(order: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def _gathered(row: torch.Tensor) -> list[torch.Tensor]:
+    got = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, row)
+    return got
+
+
+def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: Any = ()) -> None:
+    """Raise ``OptionError`` unless every rank of the world passes the same ``nodes``, ``degrees`` and ``rest``
+    (collective: one all-gather of a digest, a second naming the first node that differs). Ranks that run
+    different strategies post different collectives and wait on each other until the timeout: a strategy searched
+    on each rank from its own timings can differ by rank on a near tie."""
+    rows = torch.tensor([[_hash64(n), d.sample, d.column, d.row, d.spatial] for n, d in zip(nodes, degrees)],
+                        dtype=torch.int64).reshape(-1, 5)
+    head = torch.tensor([len(rows), _hash64(repr(rows.tolist())), _hash64(repr(rest))], dtype=torch.int64)
+    heads = _gathered(head)
+    rank = dist.get_rank()
+    other = next((q for q, h in enumerate(heads) if not torch.equal(h, head)), None)
+    if other is None:
+        return
+    fix = ("every rank must pass the same strategy: search it once (on rank 0) and broadcast it, or load it from "
+           "one plan")
+    if any(int(h[0]) != len(rows) for h in heads):
+        raise OptionError(f"the ranks' strategies differ: rank {rank} has {len(rows)} nodes, rank {other} "
+                          f"{int(heads[other][0])}; {fix}")
+    theirs = _gathered(rows)[other]
+    where = next((i for i in range(len(rows)) if not torch.equal(rows[i], theirs[i])), None)
+    if where is None:
+        raise OptionError(f"the ranks' strategies differ: rank {rank} and rank {other} pass other stages, "
+                          f"microbatches, schedule or bucketing; {fix}")
+    d = Degrees(*(int(v) for v in theirs[where][1:]))
+    same = int(theirs[where][0]) == int(rows[where][0])
+    name = repr(nodes[where]) if same else f"{nodes[where]!r} (rank {other}: another node)"
+    raise OptionError(f"the ranks' strategies differ: rank {rank} runs node {name} as {degrees[where].name}, "
+                      f"rank {other} as {d.name}; {fix}")
+
+
 class StrategyRuntime:
     """Train ``module`` (an fx GraphModule) with one configuration per node on a (2, ..., 2) mesh, or on a
     pipeline of such groups.
@@ -483,6 +524,9 @@ class StrategyRuntime:
                               f"configurations: {len(degrees)})")
         if microbatches < 1:
             raise OptionError(f"at least 1 microbatch (microbatches: {microbatches})")
+        if mesh is None or mesh.size() == dist.get_world_size():  # a mesh over part of the world: its ranks alone
+            check_same_strategy(nodes, degrees, (tuple(stages), microbatches, schedule if isinstance(schedule, str) else
+                                   repr(schedule), bucket_layers))
         self.module = copy.deepcopy(module)
         self.dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
         self.loss_fn = loss_fn

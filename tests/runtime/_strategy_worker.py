@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpipe.errors import OptionError
 from fxpipe.models import resnet, vgg
 from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import (
@@ -206,6 +207,26 @@ def group_timeouts(model: str, timeout: timedelta) -> dict[str, Any]:
                                                    for g in groups})}
 
 
+def disagreeing(model: str) -> dict[str, Any]:
+    """The error each rank gets when the last rank passes another configuration for one convolution, or another
+    microbatch count (the ranks would post different collectives and wait on each other)."""
+    net, x, _ = example(model)
+    g = strategy_graph(net, (x,))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    conv = next(i for i, s in enumerate(g.specs) if s.kind == "matmul")
+    degrees = [Degrees(sample=world)] * len(g.nodes)
+    errors = []
+    for config, microbatches in (({conv: Degrees(sample=world // 2, column=2)}, 1), ({}, 1 + (rank == world - 1))):
+        mine = [config.get(i, d) if rank == world - 1 else d for i, d in enumerate(degrees)]
+        try:
+            StrategyRuntime(g.module, g.nodes, g.specs, mine, microbatches=microbatches)
+        except OptionError as exc:
+            errors.append(str(exc))
+        else:
+            errors.append("")
+    return {"name": "disagreeing", "node": g.nodes[conv], "errors": errors}
+
+
 def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -214,6 +235,7 @@ def main(rank: int, world: int, init: str, outdir: str, cfg: dict[str, Any]) -> 
     results += [run_pipelined(world, case, out) for case in cfg.get("pipelined", [])]
     results += [run_nesting_gap()] if cfg.get("nesting_gap") else []
     results += [group_timeouts("vgg-tiny", timedelta(seconds=17))] if cfg.get("nesting_gap") else []
+    results += [disagreeing("vgg-tiny")]
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()

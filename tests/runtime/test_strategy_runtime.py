@@ -104,6 +104,20 @@ def test_a_runtimes_groups_wait_its_timeout(runs: tuple[int, Path, list[Any]]) -
     assert 17.0 in found["seconds"] and set(found["seconds"]) <= {17.0, 60.0}, found
 
 
+def test_ranks_that_disagree_on_the_strategy_are_refused(runs: tuple[int, Path, list[Any]]) -> None:
+    """A strategy searched on each rank from its own timings can differ by rank on a near tie (seen in
+    benchmarks/strategy_measured.py); the ranks then post different collectives and hung until the timeout. Now
+    every rank's runtime refuses at construction, naming the node and both configurations."""
+    world, _, results = runs
+    found = next(r for r in results if r["name"] == "disagreeing")
+    conv, other = found["node"], "c2" if world == 2 else "s2c2"
+    assert found["errors"][0] == (f"the ranks' strategies differ: rank 0 runs node {conv!r} as s{world}, rank "
+                                  f"{world - 1} as {other}; every rank must pass the same strategy: search it once (on "
+                                  "rank 0) and broadcast it, or load it from one plan")
+    assert found["errors"][1].startswith("the ranks' strategies differ: rank 0 and rank "
+                                         f"{world - 1} pass other stages, microbatches"), found["errors"][1]
+
+
 def _mismatches(result: dict[str, Any]) -> list[tuple[str, str, float, float]]:
     return [(n, v["config"], v["predicted"], v["actual"]) for n, v in result["layers"].items()
             if abs(v["predicted"] - v["actual"]) > 1e-6 * max(1.0, v["predicted"])]
