@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import resource
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                   f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank must "
                                   "reach MASTER_ADDR:MASTER_PORT and every other node's ranks (gloo connects each pair; "
                                   "GLOO_SOCKET_IFNAME picks the network interface)") from exc
+        check_same_run(args, rank)
         result, params = _run(args, rank, dist.get_world_size())
         result["cpus"] = list(cpus)  # the CPUs this rank ran on (none: wherever the system put it)
         result["backend"] = backend  # what carried the pipeline's messages
@@ -166,6 +168,62 @@ def _start_time(pid: int) -> str | None:
         return None
     fields = text[text.rindex(")") + 2:].split()
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+# What every rank must run alike beside the plan: the options that shape its program (steps, schedule, microbatches,
+# where it resumes) or its arithmetic. A node's paths (--out, --data, --checkpoint-dir, --log-dir), CPUs and timeout
+# may differ.
+SHARED_OPTIONS = ("steps", "schedule", "microbatches", "resume", "checkpoint_every", "seed", "lr", "momentum",
+                  "optimizer", "weight_decay", "betas", "lr_schedule", "warmup_steps", "clip_grad_norm", "precision",
+                  "weights", "codegen", "recompute")
+
+
+def run_identity(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(what, value) pairs every rank must share: the plan's manifest (``plan.json`` names every file's sha256, so its
+    bytes stand for the whole plan) and :data:`SHARED_OPTIONS`."""
+    manifest = Path(args.plan) / "plan.json"
+    plan = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "(no plan.json)"
+    return [("plan", plan)] + [(f"--{name.replace('_', '-')}", repr(getattr(args, name))) for name in SHARED_OPTIONS]
+
+
+def first_difference(mine: Sequence[int], others: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """(rank, index) of the first rank whose digests differ from ``mine``, at its first differing entry; None.
+
+    >>> first_difference([1, 2], [[1, 2], [1, 3]]), first_difference([1, 2], [[1, 2], [1, 2]])
+    ((1, 1), None)
+    """
+    for q, theirs in enumerate(others):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return q, i
+    return None
+
+
+def check_same_run(args: argparse.Namespace, rank: int) -> None:
+    """Refuse, on every rank, a run whose ranks loaded different plans or were started with different options (nodes
+    started apart, one with a stale plan or another --microbatches): they would post different messages and wait
+    on each other until the timeout, or train apart. Collective: one all-gather of a digest per entry."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpipe.errors import OptionError, PlanFileError
+
+    items = run_identity(args)
+    mine = torch.tensor([int.from_bytes(hashlib.sha256(v.encode()).digest()[:8], "little", signed=True)
+                         for _, v in items], dtype=torch.int64)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, mine)
+    found = first_difference(mine.tolist(), [g.tolist() for g in got])
+    if found is None:
+        return
+    q, i = found
+    what, value = items[i]
+    if what == "plan":
+        raise PlanFileError(f"rank {q} loaded another plan than rank {rank} (whose {Path(args.plan) / 'plan.json'} "
+                            f"has sha256 {value[:16]}...); every rank must load the same plan: copy the directory "
+                            "fxpipe compile wrote to every node")
+    raise OptionError(f"rank {q} was started with another {what} than rank {rank} ({value}); start fxpipe run on "
+                      "every node with the same options")
 
 
 def out_progress(args: argparse.Namespace) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._helpers import DP_STEPS as STEPS, Forked, dp_plan, four_rank_run
+from tests._helpers import DP_STEPS as STEPS, Forked, cli_plan, dp_plan, four_rank_run
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds rank processes in /proc")
 
@@ -30,12 +30,14 @@ def start_node(*args: str | int | Path) -> Forked:
     return Forked(["-m", "fxpipe.cli.main", "run", *map(str, args)], env=env)
 
 
-def two_nodes(*args: str | int | Path, timeout: float = 600) -> list[tuple[int, str, str]]:
-    """Node 0 and node 1 of a static rendezvous on 127.0.0.1, started together: (exit code, stdout, stderr) each.
-    ``timeout`` only keeps a hang from stalling the suite (far above a run at any load): the bounds a test checks are
-    the ones its lines state."""
+def two_nodes(*args: str | int | Path, timeout: float = 600,
+              plans: tuple[Path, Path] | None = None) -> list[tuple[int, str, str]]:
+    """Node 0 and node 1 of a static rendezvous on 127.0.0.1, started together (each with its plan of ``plans``,
+    default both :func:`dp_plan`): (exit code, stdout, stderr) each. ``timeout`` only keeps a hang from stalling the
+    suite (far above a run at any load): the bounds a test checks are the ones its lines state."""
     port = free_port()
-    procs = [start_node(dp_plan(), "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port",
+    plans = plans or (dp_plan(), dp_plan())
+    procs = [start_node(plans[node], "--nnodes", 2, "--node-rank", node, "--master-addr", "127.0.0.1", "--master-port",
                         port, "--nproc", 2, *args) for node in (0, 1)]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
@@ -66,6 +68,18 @@ def test_a_rank_killed_on_one_node_is_named_on_both() -> None:
     assert err1.startswith("error: rank 3 died (killed by signal 9, SIGKILL") and err1.count("\n") == 1, err1
     assert err0.startswith("error: rank 3 failed without an error report; rank ") and err0.count("\n") == 1, err0
     assert err0.rstrip().endswith("(rank 3 ran on another node: its fxpipe run says more)"), err0
+
+
+def test_nodes_that_loaded_different_plans_are_refused_in_one_line() -> None:
+    """Node 1 loads a plan compiled with another seed (a stale copy): every rank refuses at start, before any
+    message, and both nodes say so in one line, instead of training apart or waiting on each other until the
+    timeout."""
+    other = cli_plan("mlp-small", "--stages", "2", "--dp", "2", "--seed", "1")
+    (rc0, out0, err0), (rc1, out1, err1) = two_nodes("--steps", "3", "--timeout", "20", plans=(dp_plan(), other))
+    assert (rc0, out0, rc1, out1) == (2, "", 2, ""), (err0, err1)
+    for err in (err0, err1):
+        assert err.count("\n") == 1 and "PlanFileError: rank " in err, err
+        assert "every rank must load the same plan: copy the directory fxpipe compile wrote to every node" in err, err
 
 
 def test_a_node_whose_peer_never_comes_gives_up_in_one_line() -> None:

@@ -219,3 +219,24 @@ def test_stopping_the_launch_leaves_nothing_of_its_group(tmp_path: Path) -> None
     finally:
         for pid in group_members(leader.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_names_the_first_rank_and_entry_that_differ_from_its_own() -> None:
+    """``check_same_run``'s comparison (the all-gather around it runs in test_multinode.py's launch)."""
+    from fxpipe.cli.rank import first_difference
+
+    assert first_difference([1, 2, 3], [[1, 2, 3], [1, 2, 3]]) is None
+    assert first_difference([1, 2, 3], [[1, 2, 3], [1, 5, 3], [0, 2, 3]]) == (1, 1)
+
+
+def test_what_every_rank_must_share_is_the_plan_s_bytes_and_the_program_s_options(tmp_path: Path) -> None:
+    import argparse
+
+    from fxpipe.cli.rank import SHARED_OPTIONS, run_identity
+
+    (tmp_path / "plan.json").write_text("{}")
+    args = argparse.Namespace(plan=str(tmp_path), out="anywhere", data="/node/local", **dict.fromkeys(SHARED_OPTIONS))
+    items = dict(run_identity(args))
+    assert items["plan"] == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # sha256 of b"{}"
+    assert "--microbatches" in items and "--steps" in items and "--resume" in items
+    assert not {"--out", "--data", "--timeout", "--checkpoint-dir"} & set(items)  # a node's own paths may differ
