@@ -186,38 +186,17 @@ def run_identity(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [("plan", plan)] + [(f"--{name.replace('_', '-')}", repr(getattr(args, name))) for name in SHARED_OPTIONS]
 
 
-def first_difference(mine: Sequence[int], others: Sequence[Sequence[int]]) -> tuple[int, int] | None:
-    """(rank, index) of the first rank whose digests differ from ``mine``, at its first differing entry; None.
-
-    >>> first_difference([1, 2], [[1, 2], [1, 3]]), first_difference([1, 2], [[1, 2], [1, 2]])
-    ((1, 1), None)
-    """
-    for q, theirs in enumerate(others):
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                return q, i
-    return None
-
-
 def check_same_run(args: argparse.Namespace, rank: int) -> None:
     """Refuse, on every rank, a run whose ranks loaded different plans or were started with different options (nodes
     started apart, one with a stale plan or another --microbatches): they would post different messages and wait
     on each other until the timeout, or train apart. Collective: one all-gather of a digest per entry."""
-    import torch
-    import torch.distributed as dist
-
     from fxpipe.errors import OptionError, PlanFileError
+    from fxpipe.runtime.same import differing_rank
 
-    items = run_identity(args)
-    mine = torch.tensor([int.from_bytes(hashlib.sha256(v.encode()).digest()[:8], "little", signed=True)
-                         for _, v in items], dtype=torch.int64)
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, mine)
-    found = first_difference(mine.tolist(), [g.tolist() for g in got])
+    found = differing_rank(run_identity(args))
     if found is None:
         return
-    q, i = found
-    what, value = items[i]
+    q, what, value = found
     if what == "plan":
         raise PlanFileError(f"rank {q} loaded another plan than rank {rank} (whose {Path(args.plan) / 'plan.json'} "
                             f"has sha256 {value[:16]}...); every rank must load the same plan: copy the directory "

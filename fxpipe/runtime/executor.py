@@ -45,6 +45,7 @@ from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, mea
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes
 from fxpipe.runtime.reference import check_async
+from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.runtime.optim import (LossScaler, LRSchedule, SchedulerFactory, autocast_loss, autocast_of,
@@ -120,6 +121,12 @@ class PipelineRuntime:
         if schedule.num_stages != pipe.num_stages:
             raise OptionError(f"the schedule has {schedule.num_stages} stages and the plan {pipe.num_stages}; "
                               "make them agree")
+        _check_same_program(pipe, schedule, self.rank, (
+            ("weights", weights), ("precision", precision), ("codegen", codegen), ("tag_blind", repr(tag_blind)),
+            ("recompute", repr(recompute if isinstance(recompute, str) else sorted(recompute))),
+            ("clip_grad_norm", repr(clip_grad_norm)),
+            ("optimizer", optimizer if isinstance(optimizer, str) or optimizer is None else "(a callable)"),
+            ("lr_schedule", lr_schedule if isinstance(lr_schedule, str) or lr_schedule is None else "(an object)")))
         # Stages on rank groups: this rank's pipeline position and replica on the pp x dp mesh.
         kind = torch.device(device).type if device is not None else \
             next((p.device.type for p in pipe.parameters()), "cpu")
@@ -966,6 +973,28 @@ def _destroy_at_exit() -> None:
     never answers would make the exit wait for its timeout, where ending now lets torchrun stop the others."""
     if dist.is_initialized() and getattr(sys, "last_value", None) is None:
         dist.destroy_process_group()
+
+
+def _check_same_program(pipe: Pipeline, schedule: Schedule, rank: int,
+                        options: Sequence[tuple[str, Any]]) -> None:
+    """Refuse, on every rank and before any group is made, ranks that built their runtime from different plans,
+    schedules or options (one all-gather of digests, ``runtime.same``): they would post different messages and
+    wait on each other until the timeout, or train apart. The plan is its stages' graphs and parameter shapes (not
+    their values: replicas start from their own copy)."""
+    stages = "\n".join(f"{s.inputs} -> {s.outputs}\n{getattr(s.module, 'code', '')}\n"
+                       + ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in s.module.named_parameters())
+                       for s in pipe.stage_list())
+    items = [("plan (its stages' graphs and parameter shapes)", f"{pipe.num_stages} stages, digest "
+              f"{hash64(stages) & (2**64 - 1):016x}"),
+             ("schedule", f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches "
+              f"on {schedule.num_ranks} ranks"),
+             ("schedule's actions", f"digest {hash64(repr(schedule.ranks)) & (2**64 - 1):016x}"),
+             *((what, str(value)) for what, value in options)]
+    found = differing_rank(items)
+    if found is not None:
+        q, what, value = found
+        raise OptionError(f"rank {q} built its PipelineRuntime with another {what} than rank {rank} ({value}); every "
+                          "rank must pass the same plan, schedule and options")
 
 
 def _resolve_plan(plan: Any) -> Pipeline:

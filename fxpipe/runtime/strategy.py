@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
+from fxpipe.runtime.same import hash64
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import Action, Kind, Schedule
 
@@ -443,10 +443,6 @@ def _inverse(order: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _hash64(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-
-
 def _gathered(row: torch.Tensor) -> list[torch.Tensor]:
     got = [torch.empty_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(got, row)
@@ -458,9 +454,9 @@ def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: 
     (collective: one all-gather of a digest, a second naming the first node that differs). Ranks that run
     different strategies post different collectives and wait on each other until the timeout: a strategy searched
     on each rank from its own timings can differ by rank on a near tie."""
-    rows = torch.tensor([[_hash64(n), d.sample, d.column, d.row, d.spatial] for n, d in zip(nodes, degrees)],
+    rows = torch.tensor([[hash64(n), d.sample, d.column, d.row, d.spatial] for n, d in zip(nodes, degrees)],
                         dtype=torch.int64).reshape(-1, 5)
-    head = torch.tensor([len(rows), _hash64(repr(rows.tolist())), _hash64(repr(rest))], dtype=torch.int64)
+    head = torch.tensor([len(rows), hash64(repr(rows.tolist())), hash64(repr(rest))], dtype=torch.int64)
     heads = _gathered(head)
     rank = dist.get_rank()
     other = next((q for q, h in enumerate(heads) if not torch.equal(h, head)), None)

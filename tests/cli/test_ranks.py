@@ -222,8 +222,8 @@ def test_stopping_the_launch_leaves_nothing_of_its_group(tmp_path: Path) -> None
 
 
 def test_a_rank_names_the_first_rank_and_entry_that_differ_from_its_own() -> None:
-    """``check_same_run``'s comparison (the all-gather around it runs in test_multinode.py's launch)."""
-    from fxpipe.cli.rank import first_difference
+    """``runtime.same``'s comparison (its all-gather runs in test_multinode.py's launch and the runtimes' tests)."""
+    from fxpipe.runtime.same import first_difference
 
     assert first_difference([1, 2, 3], [[1, 2, 3], [1, 2, 3]]) is None
     assert first_difference([1, 2, 3], [[1, 2, 3], [1, 5, 3], [0, 2, 3]]) == (1, 1)

@@ -156,8 +156,8 @@ def train_case(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
             from fxpipe.schedules.auto import auto
 
             sched = auto(stages, Costs.from_plan(pipe.plan), microbatches=[m]).schedule
-        else:
-            sched = generate(name, stages, m, Costs.from_plan(pipe.plan))
+        else:  # ``skew_rank``: that rank's schedule runs twice the microbatches (the runtime must refuse it)
+            sched = generate(name, stages, m * (2 if rank == cfg.get("skew_rank") else 1), Costs.from_plan(pipe.plan))
         # Resumed from a checkpoint, and (``load_state``) again from the merged states an earlier
         # launch's ranks ended with: the same plan, two ways in.
         for start in ("resume", "load_state") if cfg.get("resume") and cfg.get("load_state") else ("",):

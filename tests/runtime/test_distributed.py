@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fxpipe.schedules.generators import GENERATORS
-from tests._helpers import (BATCH_MIX, MODELS, check_saved, interleaved_case, launch_ranks, schedule_case,
-                            shared_case, tag_blind_cases, train_reference, with_plans)
+from tests._helpers import (BATCH_MIX, MODELS, assert_ranks_ok, check_saved, interleaved_case, launch_ranks,
+                            schedule_case, shared_case, tag_blind_cases, train_reference, with_plans)
 
 # The training cases of each world size share one launch, made once per session (tests/_helpers.py: shared_launch,
 # which test_replicas.py's cases share too); each test checks its own case's files.
@@ -94,6 +94,20 @@ def test_a_failing_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> N
     assert results[1].returncode != 0 and "boom on rank 1" in results[1].stderr
     assert results[0].returncode != 0
     assert "rank 0 waited for" in results[0].stderr and "from rank 1" in results[0].stderr
+
+
+def test_ranks_that_build_different_runtimes_are_refused_before_any_message(tmp_path: Path) -> None:
+    """Rank 1 generates its schedule with 8 microbatches, rank 0 with 4 (a script started apart, or a search run on
+    each rank from its own timings): both refuse at construction in one line naming the other rank, where before
+    they posted different messages and waited on each other until the timeout."""
+    results = launch_ranks(tmp_path, 2, {"model": "mlp-tiny", "schedules": ["1f1b"], "microbatches": 4, "steps": 1,
+                                         "skew_rank": 1, "refused": True})
+    assert_ranks_ok(results)
+    for rank, other, m in ((0, 1, 4), (1, 0, 8)):
+        line = (tmp_path / f"1f1b-refused-rank{rank}.txt").read_text()
+        assert line == (f"OptionError: rank {other} built its PipelineRuntime with another schedule than rank {rank} "
+                        f"(1f1b: 2 stages, {m} microbatches on 2 ranks); every rank must pass the same plan, schedule "
+                        "and options"), line
 
 
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
