@@ -984,11 +984,13 @@ def _check_same_program(pipe: Pipeline, schedule: Schedule, rank: int,
     stages = "\n".join(f"{s.inputs} -> {s.outputs}\n{getattr(s.module, 'code', '')}\n"
                        + ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in s.module.named_parameters())
                        for s in pipe.stage_list())
-    items = [("plan (its stages' graphs and parameter shapes)", f"{pipe.num_stages} stages, digest "
-              f"{hash64(stages) & (2**64 - 1):016x}"),
+    def digest(text: str) -> str:
+        return f"digest {hash64(text) & (2**64 - 1):016x}"
+
+    items = [("plan (its stages' graphs and parameter shapes)", f"{pipe.num_stages} stages, {digest(stages)}"),
              ("schedule", f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches "
               f"on {schedule.num_ranks} ranks"),
-             ("schedule's actions", f"digest {hash64(repr(schedule.ranks)) & (2**64 - 1):016x}"),
+             ("schedule's actions", digest(repr(schedule.ranks))),
              *((what, str(value)) for what, value in options)]
     found = differing_rank(items)
     if found is not None:

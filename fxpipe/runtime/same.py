@@ -14,12 +14,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["differing_rank", "first_difference", "hash64"]
+__all__ = ["differing_rank", "first_difference", "gathered", "hash64"]
 
 
 def hash64(text: str) -> int:
     """A signed 64-bit digest of ``text`` (sha256's first 8 bytes): what ranks compare."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def gathered(row: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``row`` (the same shape and dtype on every rank), in rank order; collective over the world."""
+    got = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, row)
+    return got
 
 
 def first_difference(mine: Sequence[int], others: Sequence[Sequence[int]]) -> tuple[int, int] | None:
@@ -40,9 +47,7 @@ def differing_rank(items: Sequence[tuple[str, str]]) -> tuple[int, str, str] | N
     ranks; collective. ``(rank, what, this rank's value)`` for the first rank that differs from this one, else None.
     The same number of entries on every rank (the all-gather needs equal sizes)."""
     mine = torch.tensor([hash64(value) for _, value in items], dtype=torch.int64)
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, mine)
-    found = first_difference(mine.tolist(), [g.tolist() for g in got])
+    found = first_difference(mine.tolist(), [g.tolist() for g in gathered(mine)])
     if found is None:
         return None
     q, i = found

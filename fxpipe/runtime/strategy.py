@@ -43,7 +43,7 @@ from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lower import FORWARD, Message, lower
-from fxpipe.runtime.same import hash64
+from fxpipe.runtime.same import gathered, hash64
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import Action, Kind, Schedule
 
@@ -443,12 +443,6 @@ def _inverse(order: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _gathered(row: torch.Tensor) -> list[torch.Tensor]:
-    got = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, row)
-    return got
-
-
 def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: Any = ()) -> None:
     """Raise ``OptionError`` unless every rank of the world passes the same ``nodes``, ``degrees`` and ``rest``
     (collective: one all-gather of a digest, a second naming the first node that differs). Ranks that run
@@ -457,7 +451,7 @@ def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: 
     rows = torch.tensor([[hash64(n), d.sample, d.column, d.row, d.spatial] for n, d in zip(nodes, degrees)],
                         dtype=torch.int64).reshape(-1, 5)
     head = torch.tensor([len(rows), hash64(repr(rows.tolist())), hash64(repr(rest))], dtype=torch.int64)
-    heads = _gathered(head)
+    heads = gathered(head)
     rank = dist.get_rank()
     other = next((q for q, h in enumerate(heads) if not torch.equal(h, head)), None)
     if other is None:
@@ -467,7 +461,7 @@ def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: 
     if any(int(h[0]) != len(rows) for h in heads):
         raise OptionError(f"the ranks' strategies differ: rank {rank} has {len(rows)} nodes, rank {other} "
                           f"{int(heads[other][0])}; {fix}")
-    theirs = _gathered(rows)[other]
+    theirs = gathered(rows)[other]
     where = next((i for i in range(len(rows)) if not torch.equal(rows[i], theirs[i])), None)
     if where is None:
         raise OptionError(f"the ranks' strategies differ: rank {rank} and rank {other} pass other stages, "
