@@ -4,7 +4,8 @@ executor, asynchronous (each policy) against synchronous 1F1B, then a cProfile o
     python benchmarks/async_overhead.py
 
 mlp-small, 2 stages, 64 microbatches, one thread. Asynchronous training steps each stage's optimizer once per
-microbatch (synchronous: once per batch of 4) and writes fresh gradients (synchronous: accumulated inside W's GEMMs).
+microbatch (synchronous: once per batch of 4) and adds each W's gradients into zeroed buffers (synchronous: accumulated
+inside W's GEMMs).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import math
 from tabulate import tabulate
 
 import paper_profiles
+import papers_measured
 from fxpipe.planning.cost import transfer_time
 from fxpipe.planning.merge import merge_partitions, merge_rows
 from fxpipe.planning.stage_count import best_partition
@@ -120,5 +121,13 @@ def main(quick: bool = False) -> str:
     return (f"## Akintoye et al.: layer-wise partitioning and merging, S(N) for N = 1..{counts[-1]}\n\n"
             f"Simulated 1F1B, {MICROBATCHES} microbatches per step for every N; profiles: {', '.join(sources)}; "
             f"links: {link_text}.\n\n{table}\n\n{merge_table(paper_profiles.load(models[-1]), links[-1], counts[-1])}"
-            f"\n\n{verdict(rows)}\n\nNo configuration of this table is measured on this machine: S(N) for pipelines "
-            "and data parallelism is simulated only, so there is no simulated-against-measured column.\n")
+            f"\n\n{verdict(rows)}\n\n{measured()}\n")
+
+
+def measured() -> str:
+    """S(2) measured on this machine against the simulator, from the committed run (papers_measured.py)."""
+    doc = papers_measured.load("akintoye")
+    if doc is None:
+        return ("No configuration of this table is measured on this machine yet (`python benchmarks/papers_measured.py "
+                "--paper akintoye` measures S(2) on resnet-small).")
+    return papers_measured.akintoye_table(doc)

@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 
 sys.path.insert(0, str(HERE))
 import paper_profiles  # noqa: E402  (the committed profiles and links.json, as papers.py sets them)
+import papers_measured  # noqa: E402
 
 
 def _links() -> dict[str, tuple[float, float]]:
@@ -200,9 +201,11 @@ def main(quick: bool = False) -> str:
     sources = "\n".join(f"- {m}: {src}" for m, _, src in models)
     head = ("## LayerPipe against PipeDream (simulated; 16 x stages microbatches streamed; PipeDream's best "
             f"contiguous partition per link)\n\nCosts per layer:\n\n{sources}\n\n")
-    text = head + table(data) + ("\n\nNo configuration of this table is measured on this machine: both schedules "
-                                 "are simulated only (the asynchronous schedules' memory is measured under SpecTrain), "
-                                 "so there is no simulated-against-measured column.\n")
+    doc = papers_measured.load("layerpipe")
+    measured = (papers_measured.layerpipe_table(doc) if doc else
+                "No configuration of this table is measured on this machine yet (`python benchmarks/papers_measured.py "
+                "--paper layerpipe` measures PipeDream and LayerPipe at 2 and 4 stages).")
+    text = head + table(data) + "\n\n" + measured + "\n"
     if not quick:
         out = HERE / "results" / "paper_layerpipe"
         out.mkdir(parents=True, exist_ok=True)

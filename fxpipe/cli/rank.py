@@ -251,6 +251,32 @@ def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object
     return inputs, draw(zoo.example_target)  # type: ignore[attr-defined]
 
 
+def stream_step_ms(events: Sequence[tuple[Any, float, float]], offset: float, elapsed: float, steps: int,
+                   m: int) -> list[float]:
+    """Per step of an asynchronous chunk on this rank, ms: from the end of the previous step's last action here (the
+    chunk's start for the first step, which so carries the lowering and the first touches of every buffer) to the
+    end of its own; the last step runs to the chunk's end (the drain's last messages, the losses' gather).
+    ``events``: the stream's (action, start, end), seconds from ``offset`` after the chunk's start; microbatch
+    ``mb`` belongs to step ``mb // m``.
+
+    >>> from types import SimpleNamespace as A
+    >>> [round(ms, 6) for ms in stream_step_ms([(A(mb=0), 0.0, 0.1), (A(mb=1), 0.1, 0.2), (A(mb=2), 0.2, 0.25),
+    ...                                          (A(mb=3), 0.25, 0.3)], 0.5, 0.9, 2, 2)]
+    [700.0, 200.0]
+    """
+    ends = [0.0] * steps
+    for action, _, end in events:
+        k = action.mb // m
+        if k < steps:
+            ends[k] = max(ends[k], offset + end)
+    marks, last = [], 0.0
+    for end in ends[:-1]:
+        last = max(last, end)
+        marks.append(last)
+    marks.append(max(elapsed, last))
+    return [(b - a) * 1e3 for a, b in zip([0.0, *marks[:-1]], marks)]
+
+
 def _die_after_first_compute(graphs: list[Any]) -> None:
     """``--kill-rank``: this process SIGKILLs itself right after its next F, B or W graph call: mid-step,
     with the value it just made not yet sent, leaving no error file and no traceback."""
@@ -367,13 +393,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
-            ms = (time.perf_counter() - t0) * 1e3 / len(done)
+            times = stream_step_ms(rt.events, rt.started - t0, time.perf_counter() - t0, len(done), m)
             losses += done
-            step_ms += [ms] * len(done)
+            step_ms += times
             if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
                 with open(out_progress(args), "a") as f:
-                    f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {ms:.1f}\n")
-            for k, loss in zip(chunk, done):
+                    f.write(f"step {chunk[-1] + 1} loss {losses[-1]:.6f} ms {sum(times) / len(times):.1f}\n")
+            for k, loss, ms in zip(chunk, done, times):
                 log.write(k + 1, loss, rt.lr, rt.last_grad_norm, log.share(ms))
         if args.checkpoint_dir and (not sched.synchronous or (chunk[-1] + 1) % args.checkpoint_every == 0
                                     or chunk[-1] + 1 == args.steps):
@@ -396,9 +422,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
     compute = pipe.plan.options.compute
-    if compute is not None and measure:  # this machine's memory bandwidth: each stage's optimizer step
-        simulated = simulated.with_optimizer("momentum" if args.momentum else "sgd", compute.mem_bw,
-                                             overheads)
+    if compute is not None and measure:  # this machine's memory bandwidth: each stage's optimizer step, and an
+        # asynchronous schedule's copies of the weights (its stash snapshots or predictions)
+        optimizer = args.optimizer if args.optimizer != "sgd" else "momentum" if args.momentum else "sgd"
+        simulated = simulated.with_optimizer(optimizer, compute.mem_bw, overheads)
+        if not sched.synchronous:
+            simulated = simulated.with_weights(args.weights, optimizer, compute.mem_bw)
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
         simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
     if rt.dp > 1 and measure:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
@@ -430,7 +459,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
         "grad_norms": grad_norms,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "simulated_step_ms": simulate(sched, simulated).makespan * 1e3,
+        # an asynchronous run's step: its stream's (one fill and drain for every step of it), per step
+        "simulated_step_ms": simulate(ran, simulated).makespan * 1e3 * m / ran.num_microbatches,
         "runtime_costs_missing": runtime_costs_missing(pipe.plan, overheads),
         # the link and contention measured on the ranks after the steps, which the simulation above charged
         "calibration": None if cal is None else {**cal.to_json(), "summary": cal.summary()},

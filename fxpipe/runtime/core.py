@@ -134,6 +134,7 @@ class ActionRunner:
             if self.versions is not None and weights:
                 if self.versions.policy == "stash":  # the snapshot F read, until W (shared storages count once)
                     self.held.hold(s, ("V", m), weights.values())
+                    self.hold_spare(s)
                 else:
                     self.predicted(s, weights)
         self.values[m].update(zip(st.outputs, outputs))
@@ -225,6 +226,13 @@ class ActionRunner:
         for name, grad in zip(g.param_names, grads):
             accumulate(module.get_parameter(name), grad)
         self.step(s)
+        self.hold_spare(s)
+
+    def hold_spare(self, s: int) -> None:
+        """Stash: stage s's spare snapshot (kept for the next one) counts as held while it is kept."""
+        if self.held is not None and self.versions is not None and self.versions.policy == "stash":
+            self.held.release(s, ("spare",))
+            self.held.hold(s, ("spare",), self.versions.spare(s))
 
     def predicted(self, s: int, weights: dict[str, torch.Tensor]) -> None:
         """At the end of a phase that read a prediction: it counts towards stage s's peak while alive, then goes."""
@@ -248,11 +256,13 @@ class ActionRunner:
         return self.graphs[s].weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)), self.out_grads.pop((s, m)))
 
     def step(self, s: int) -> None:
-        """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh."""
+        """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh: into
+        the same gradient buffers, zeroed (freed, the next W's would be new memory, which a CPU faults in page by
+        page: slower than the gradient's GEMM on the zoo's MLP)."""
         opt = self.optimizers.get(s)
         if opt is not None:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=False)
         self.versions.updated(s)
 
     def fused_backward(self, s: int, m: int) -> None:

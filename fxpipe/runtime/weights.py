@@ -9,7 +9,11 @@ gets them there too.
     stale    every phase reads the live parameters
     stash    F snapshots the live weights when the stage's version has moved since the last
              snapshot; B and W read that snapshot; a version is freed once no microbatch in
-             flight holds it (reference counting does it: F's saved tensors are what hold it)
+             flight holds it (reference counting does it: F's saved tensors are what hold it).
+             The next snapshot is copied into the last one no microbatch reads any more (their
+             W has run, and with it every tensor of theirs that could point into it), so a
+             step copies weights without fresh allocations (a fresh 16 MiB on a CPU page-faults
+             in: 4x the copy here); the spare counts as held until it is reused.
     predict, predict-consistent
              each phase reads W - ahead * lr * v (SpecTrain), made when the phase runs and
              dropped after it (F's saved tensors point back at the live weights): at most one
@@ -53,6 +57,10 @@ class WeightVersions:
         self.timing = timings(schedule)
         self._snapshot: dict[int, tuple[int, Weights]] = {}  # stash: stage -> (version, tensors) of its last F
         self._held: dict[tuple[int, int], Weights | None] = {}  # what a microbatch's later phases read
+        self._readers: dict[tuple[int, int], int] = {}  # stash: (stage, version) -> microbatches whose W is to come
+        self._read: dict[tuple[int, int], int] = {}  # stash: (stage, microbatch) -> the version its F read
+        self._spare: dict[int, Weights] = {}  # stash: stage -> a snapshot no microbatch reads, for the next one
+        self.snapshots = {s: [0, 0] for s in stages}  # stash, per stage: snapshots made [new, into a spare]
         self._aliases: dict[int, list[tuple[int, str, Any]]] = {}  # stage -> F's saved slots holding weights
         self._detached: dict[tuple[int, str], torch.Tensor] = {}  # the live parameters, detached once
         self.log: list[tuple[int, int, str, int, int]] = []  # (stage, mb, phase, version, ahead) as read
@@ -80,11 +88,23 @@ class WeightVersions:
             if phase == "F":
                 have = self._snapshot.get(s)
                 if have is None or have[0] != read.version:
-                    have = (read.version, {n: p.detach().clone() for n, p in self.params[s].items()})
+                    if have is not None and not self._readers.get((s, have[0])):
+                        self._spare[s] = have[1]  # the last snapshot, read by no microbatch in flight
+                    have = (read.version, self._copy(s))
                     self._snapshot[s] = have
                 self._held[(s, m)] = have[1]
+                self._read[(s, m)] = have[0]
+                self._readers[(s, have[0])] = self._readers.get((s, have[0]), 0) + 1
                 return have[1]
-            return self._held[(s, m)] if phase == "B" else self._held.pop((s, m))
+            if phase == "B":
+                return self._held[(s, m)]
+            version, weights = self._read.pop((s, m)), self._held.pop((s, m))
+            left = self._readers.pop((s, version)) - 1
+            if left:
+                self._readers[(s, version)] = left
+            elif self._snapshot[s][0] != version:  # no later F reads it: the next snapshot goes into it
+                self._spare[s] = weights
+            return weights
         if not predicts(read):
             return None
         weights = self._predict(s, read.ahead)
@@ -93,6 +113,21 @@ class WeightVersions:
         self._alive[s] = alive
         self.most_alive[s] = max(self.most_alive[s], len(alive))
         return weights
+
+    def spare(self, s: int) -> list[torch.Tensor]:
+        """Stash: the tensors of stage s's spare snapshot (memory held for the next snapshot; empty: none)."""
+        return list(self._spare.get(s, {}).values())
+
+    def _copy(self, s: int) -> Weights:
+        """A snapshot of stage s's live weights: copied into its spare if it has one, else new tensors."""
+        spare = self._spare.pop(s, None)
+        self.snapshots[s][spare is not None] += 1
+        with torch.no_grad():
+            if spare is None:
+                return {n: p.detach().clone() for n, p in self.params[s].items()}
+            for n, p in self.params[s].items():
+                spare[n].copy_(p)
+        return spare
 
     def remember_aliases(self, s: int, passed: Weights | None, saved: Sequence[Any]) -> None:
         """After F: which of its saved tensors are the weights it read (or views of them), by name."""
@@ -130,7 +165,11 @@ class WeightVersions:
         with torch.no_grad():
             for name, p in self.params[s].items():
                 step = _smoothed_step(opt, p) if opt is not None else None
-                out[name] = self._live(s, name) if step is None else p.detach() - ahead * step
+                if step is None:
+                    out[name] = self._live(s, name)
+                else:  # one pass, one new tensor: W - ahead * scale * v
+                    v, scale = step
+                    out[name] = torch.add(p.detach(), v, alpha=-ahead * scale)
         return out
 
 
@@ -152,8 +191,10 @@ def _check_predictable(opt: torch.optim.Optimizer, s: int) -> None:
                       "and AdamW: use one of those or --weights stash")
 
 
-def _smoothed_step(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
-    """lr * v: the step the optimizer would take now from its smoothed gradient, or None before its first step."""
+def _smoothed_step(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """(v, scale): the step the optimizer would take now from its smoothed gradient is scale * v (SGD: the momentum
+    buffer and lr; Adam: exp_avg / (sqrt(v_hat) + eps), one new tensor, and lr over beta1's bias correction); None
+    before its first step."""
     state = opt.state.get(p)
     if not state:
         return None
@@ -161,9 +202,8 @@ def _smoothed_step(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor 
     lr = float(group["lr"])
     if isinstance(opt, torch.optim.SGD):
         buf = state.get("momentum_buffer")
-        return None if buf is None else lr * buf
+        return None if buf is None else (buf, lr)
     beta1, beta2 = group["betas"]
     step = float(state["step"])
-    m_hat = state["exp_avg"] / (1 - beta1 ** step)
-    v_hat = state["exp_avg_sq"] / (1 - beta2 ** step)
-    return lr * m_hat / (v_hat.sqrt() + group["eps"])
+    denom = state["exp_avg_sq"].div(1 - beta2 ** step).sqrt_().add_(group["eps"])
+    return torch.div(state["exp_avg"], denom, out=denom), lr / (1 - beta1 ** step)

@@ -25,6 +25,12 @@ from fxpipe.planning.cost import (BUCKET_BYTES, allreduce_bucket_seconds, allred
                                   recomputed, transfer_time)
 from fxpipe.report import Report
 from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
+from fxpipe.schedules.versions import POLICIES, PREDICT, copies
+
+
+PREDICTION_TRAFFIC: dict[str, int] = {"momentum": 3, "adam": 9, "adamw": 9}
+"""Bytes one weight prediction reads and writes per parameter byte (``fxpipe.runtime.weights``): momentum SGD
+``W - ahead * lr * buf`` in one pass (3); Adam first makes ``exp_avg / (sqrt(v_hat) + eps)`` in place (6)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,10 @@ class Costs:
     held_in: tuple[float, ...] = ()
     # The stages that recompute their forward just before B (``recomputing``: already in ``b`` and ``held_fb``).
     recompute: tuple[int, ...] = ()
+    # Asynchronous schedules (``with_weights``): the weight policy, and per stage the seconds one copy of its weights
+    # takes under it (a stash snapshot, or one prediction), charged to the actions that make them (``charged``).
+    weights: str = ""
+    copy_s: tuple[float, ...] = ()
 
     def recomputing(self, stages: Sequence[int]) -> "Costs":
         """These costs with ``stages`` recomputing their forward: each B runs F first (B's time plus F's, and F's
@@ -122,6 +132,19 @@ class Costs:
         return dataclasses.replace(self, optimizer_s=tuple(
             optimizer_step_seconds(g, optimizer, mem_bw) + (per_step + per_tensor * n if g > 0 else 0.0)
             for g, n in zip(self.grad_bytes, tensors)))
+
+    def with_weights(self, policy: str, optimizer: str, mem_bw: float) -> "Costs":
+        """These costs with an asynchronous schedule's weight copies under ``policy`` (``fxpipe.schedules.versions``):
+        a memory-bound pass over the stage's parameters (``grad_bytes``) at ``mem_bw`` per copy, 2 bytes per byte for
+        a stash snapshot (a clone), ``PREDICTION_TRAFFIC`` for a prediction (its optimizer's smoothed step scaled and
+        subtracted in temporaries); ``stale`` copies nothing. Synchronous schedules ignore it."""
+        if policy not in POLICIES:
+            raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
+        traffic = 2 if policy == "stash" else PREDICTION_TRAFFIC.get(optimizer, 0) if policy in PREDICT else 0
+        if policy in PREDICT and not traffic:
+            raise OptionError(f"no prediction-time model for optimizer {optimizer!r} (known: "
+                              f"{', '.join(PREDICTION_TRAFFIC)}); pick one of those")
+        return dataclasses.replace(self, weights=policy, copy_s=tuple(traffic * g / mem_bw for g in self.grad_bytes))
 
     @classmethod
     def uniform(cls, num_stages: int, f: float, b: float, w: float) -> "Costs":
@@ -416,10 +439,37 @@ def charged(schedule: Schedule, costs: Costs) -> Costs:
         costs = dataclasses.replace(costs, w=tuple(w * (1.0 + share[s] * (k - 1.0))
                                                    for s, (w, k) in enumerate(zip(costs.w, costs.w_batched))))
     scale = costs.compute_scale(schedule.num_ranks)
-    return costs if scale == 1.0 else dataclasses.replace(
-        costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
-        w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
-        send_s=costs.send_s * scale)
+    if scale != 1.0:
+        costs = dataclasses.replace(
+            costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
+            w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
+            send_s=costs.send_s * scale)
+    return costs if schedule.synchronous else _asynchronous(schedule, costs)
+
+
+def _asynchronous(schedule: Schedule, costs: Costs) -> Costs:
+    """An asynchronous schedule's costs: each W (or BW) of a stage ends with its optimizer step (one per
+    microbatch, not one per step), and each action that copies the stage's weights under ``Costs.weights``
+    (``versions.copies``) takes ``copy_s`` longer, charged as the mean over that kind's actions of the stage (exact
+    in total)."""
+    n = schedule.num_stages
+    extra = {kind: [0.0] * n for kind in (Kind.F, Kind.B, Kind.W)}
+    if costs.optimizer_s:
+        extra[Kind.W] = list(costs.optimizer_s)
+    if costs.weights and costs.copy_s:
+        made = copies(schedule, costs.weights)
+        count: dict[tuple[int, Kind], int] = {}
+        for acts in schedule.ranks:
+            for a in acts:
+                count[(a.stage, a.kind)] = count.get((a.stage, a.kind), 0) + 1
+        for (s, kind), k in made.items():
+            # a BW is B + W: its copies are charged to w, which only W and BW actions read
+            extra[Kind.W if kind is Kind.BW else kind][s] += costs.copy_s[s] * k / count[(s, kind)]
+    if not any(map(any, extra.values())):
+        return costs
+    return dataclasses.replace(costs, f=tuple(map(operator.add, costs.f, extra[Kind.F])),
+                               b=tuple(map(operator.add, costs.b, extra[Kind.B])),
+                               w=tuple(map(operator.add, costs.w, extra[Kind.W])), optimizer_s=())
 
 
 def _batched_share(schedule: Schedule) -> list[float]:

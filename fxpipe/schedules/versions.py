@@ -132,6 +132,40 @@ def versions_kept(schedule: Schedule, policy: str) -> dict[int, int]:
     return out
 
 
+def copies(schedule: Schedule, policy: str) -> dict[tuple[int, Kind], int]:
+    """Per (stage, action kind), the copies of the stage's weights ``policy`` makes in those actions over the
+    schedule, as :class:`fxpipe.runtime.weights.WeightVersions` makes them: ``stash`` snapshots the live weights
+    in an F that meets another version than the last snapshot (the first F included); the predicting policies
+    make one prediction per phase that looks ahead (a BW's B and W phases each); ``stale`` makes none.
+
+    >>> from fxpipe.schedules.generators import generate
+    >>> sorted(copies(generate("async-1f1b", 2, 4), "stash").items())
+    [((0, <Kind.F: 'F'>), 3), ((1, <Kind.F: 'F'>), 4)]
+    """
+    if policy not in POLICIES:
+        raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
+    out: dict[tuple[int, Kind], int] = {}
+    if policy == "stale":
+        return out
+    times = timings(schedule)
+    table = reads(schedule, policy) if policy in PREDICT else {}
+    last: dict[int, int] = {}  # stash: stage -> the version of its last snapshot
+    for actions in schedule.ranks:
+        for a in actions:
+            if a.kind not in (Kind.F, Kind.B, Kind.W, Kind.BW):
+                continue
+            if policy == "stash":
+                made = int(a.kind is Kind.F and last.get(a.stage) != times[(a.stage, a.mb)].f)
+                if made:
+                    last[a.stage] = times[(a.stage, a.mb)].f
+            else:
+                phases = {Kind.F: ("F",), Kind.B: ("B",), Kind.W: ("W",), Kind.BW: ("B", "W")}[a.kind]
+                made = sum(predicts(table[(a.stage, a.mb, ph)]) for ph in phases)
+            if made:
+                out[(a.stage, a.kind)] = out.get((a.stage, a.kind), 0) + made
+    return out
+
+
 def predicts(r: Read) -> bool:
     """Whether reading ``r`` makes a prediction (new tensors): it looks ahead, from a version that had an update
     (before its first step an optimizer has no smoothed gradient, and the live weights are read)."""

@@ -15,7 +15,8 @@ from fxpipe.errors import OptionError
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.runtime.weights import WeightVersions
 from fxpipe.schedules.generators import async_1f1b, generate
-from fxpipe.schedules.versions import timings
+from fxpipe.schedules.ir import Kind
+from fxpipe.schedules.versions import copies, timings, versions_kept
 
 N = 10  # microbatches in the stream
 
@@ -70,6 +71,11 @@ def test_stash_equals_delayed_sgd_in_float64(stages: int, name: str) -> None:
         torch.testing.assert_close(got[n].detach(), w, msg=lambda msg: f"{n}: {msg}")
     # stage 0 of 1F1B sees stale weights: without stashing it would not be delayed SGD
     assert max(t.b - t.f for t in timings(schedule).values()) == stages - 1
+    # a snapshot is copied into one no microbatch reads any more: new ones only for the versions in flight at once
+    # (and as many as the simulator charges for)
+    kept, made = versions_kept(schedule, "stash"), copies(schedule, "stash")
+    assert all(new <= kept[s] + 1 and new + reused == made[(s, Kind.F)] and reused > 0
+               for s, (new, reused) in ex.versions.snapshots.items()), (ex.versions.snapshots, kept, made)
 
 
 def _quadratic() -> tuple[nn.Module, list[tuple[tuple[torch.Tensor], torch.Tensor]]]:

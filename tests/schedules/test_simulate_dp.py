@@ -265,3 +265,31 @@ def test_costs_from_a_plan_read_the_weights_the_cache_cannot_hold_from_memory() 
     fits = dataclasses.replace(rates, cache_bytes=4.0 * model_bytes)
     assert Costs.from_plan(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2, compute=fits).plan).dram_f == ()
     assert Costs.from_plan(fxpipe.compile(zoo.model, zoo.example_inputs, stages=2).plan).dram_w == ()
+
+
+def test_an_asynchronous_schedule_steps_after_every_w_and_pays_for_its_weight_copies() -> None:
+    """Asynchronous schedules apply each microbatch's update after its W (or BW), so a stage's optimizer step is
+    charged to every one of them, not once at the step's end; a weight policy's copies (``with_weights``) are charged
+    to the actions that make them, as ``versions.copies`` counts them. Synchronous schedules keep one step at the end
+    and ignore the policy."""
+    base = dataclasses.replace(Costs.uniform(2, 1.0, 1.0, 1.0), grad_bytes=(1e9, 1e9))
+    sched = generate("async-1f1b", 2, 4)  # rank 0: F F BW F BW F BW BW; rank 1: F BW x 4
+    plain = simulate(sched, base).makespan
+    stepped = simulate(sched, base.with_optimizer("sgd", 1e10))  # 0.3 s per step
+    # every one of the 8 BWs is 0.3 s longer, and five of them lie on the step's longest path
+    assert sum(r.busy for r in stepped.ranks) == pytest.approx(sum(r.busy for r in simulate(sched, base).ranks) + 8 * 0.3)
+    assert stepped.makespan == pytest.approx(plain + 5 * 0.3)
+    assert all(r.optimizer_s == 0 for r in stepped.ranks)
+    # stash: stage 0 snapshots in 3 of its 4 Fs (F0 and F1 meet version 0), stage 1 in all 4; a clone is 2 bytes per
+    # byte, 0.2 s here: the mean over a stage's Fs is charged to each
+    copied = base.with_weights("stash", "sgd", 1e10)
+    assert copied.copy_s == (0.2, 0.2)
+    from fxpipe.schedules.simulate import charged
+    timed = charged(sched, copied)
+    assert timed.f == pytest.approx((1.0 + 0.2 * 3 / 4, 1.0 + 0.2))
+    assert charged(generate("1f1b", 2, 4), copied).f == base.f  # synchronous: no copies, no per-W steps
+    assert charged(sched, base.with_weights("stale", "sgd", 1e10)).f == base.f
+    # predict on momentum SGD: one pass of 3 bytes per byte per prediction
+    assert base.with_weights("predict", "momentum", 1e10).copy_s == (0.3, 0.3)
+    with pytest.raises(OptionError, match="no prediction-time model for optimizer 'sgd'"):
+        base.with_weights("predict", "sgd", 1e10)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from fxpipe.errors import ScheduleError
 from fxpipe.schedules.generators import GENERATORS, generate, one_rank, zero_bubble
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
-from fxpipe.schedules.simulate import (Costs, Event, RankStats, SimResult, _allreduce_lanes, _walk, _with, report,
-                                       simulate, validate)
+from fxpipe.schedules.simulate import (Costs, Event, RankStats, SimResult, _allreduce_lanes, _asynchronous, _walk,
+                                       _with, report, simulate, validate)
 from fxpipe.schedules.timeline import ascii_timeline
 
 # -- the reference: the old walk, verbatim but for names ---------------------------------------------------------
@@ -39,6 +39,8 @@ def _ref_simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None,
     timed = costs if scale == 1.0 else dataclasses.replace(
         costs, f=tuple(t * scale for t in costs.f), b=tuple(t * scale for t in costs.b),
         w=tuple(t * scale for t in costs.w))
+    if not schedule.synchronous:  # charging an asynchronous schedule's per-microbatch steps: shared, not the walk's
+        timed = _asynchronous(schedule, timed)
     full = _ref_with_communication(schedule)
     events = _ref_walk(full, timed)
     lanes = _allreduce_lanes(events, timed, full.num_ranks)

@@ -1,0 +1,167 @@
+"""Two papers' comparisons measured on this machine, each against fxpipe's own simulation of the same run.
+
+    python benchmarks/papers_measured.py [--paper layerpipe|akintoye] [--steps 8] [--repeat 2]
+
+Every case is compiled once with measured layer costs (``fxpipe compile MODEL --profile``) and trained by
+``fxpipe run --json`` (gloo, one thread per rank), ``--repeat`` times, the cases of a paper interleaved run by run
+(A B A B: the machine's speed drifts). Measured: the run's median step after the first; simulated: the run's own
+(the profiled F, B and W scheduled with the link, compute contention and memory bandwidth ``fxpipe run`` measures
+on the ranks; an asynchronous run's stream simulated whole, per step). Each case keeps the median run by
+simulated / measured.
+
+- ``layerpipe``: PipeDream (``async-1f1b``: fused B+W, weight stashing) against LayerPipe (``layerpipe-async``:
+  W one backward slot after its B, the delayed weight gradient), both ``--weights stash``, momentum SGD, on
+  resnet-small and vgg-small at 2 and 4 stages (4 ranks share 2 cores here), 8 microbatches per step.
+- ``akintoye``: S(2) on resnet-small, 1F1B over 8 microbatches: the plan ``--stages auto --devices 2`` picks
+  (partitioning with merging), the compute-balanced 2-stage plan (``--stages 2``, no merging) and data parallelism
+  (``--stages 1 --dp 2``: each replica takes 8 microbatches), each as samples per second over 1 rank's.
+
+Writes ``benchmarks/results/papers_measured/<paper>.json``, which ``paper_layerpipe.py`` and ``paper_akintoye.py``
+print under their simulated tables (``papers.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from estimate_vs_measured import fxpipe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results" / "papers_measured"
+GOAL = 0.2  # issue 44: simulated within 20% of measured
+MICROBATCHES = 8
+
+
+def cases(paper: str) -> list[dict[str, Any]]:
+    """The paper's cases: a name, the compile arguments after the model, and the run's."""
+    if paper == "layerpipe":
+        return [{"model": model, "stages": p, "schedule": sched,
+                 "compile": ["--stages", str(p)],
+                 "run": ["--schedule", sched, "--weights", "stash", "--momentum", "0.9"]}
+                for model in ("resnet-small", "vgg-small") for p in (2, 4)
+                for sched in ("async-1f1b", "layerpipe-async")]
+    if paper == "akintoye":
+        model = "resnet-small"
+        return [{"model": model, "how": "1 rank", "n": 1, "compile": ["--stages", "1"], "run": []},
+                {"model": model, "how": "merge", "n": 2, "compile": ["--stages", "auto", "--devices", "2"], "run": []},
+                {"model": model, "how": "no-merge", "n": 2, "compile": ["--stages", "2"], "run": []},
+                {"model": model, "how": "dp", "n": 2, "compile": ["--stages", "1"], "run": ["--dp", "2"]}]
+    raise SystemExit(f"unknown paper {paper!r}: use layerpipe or akintoye")
+
+
+def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    todo = cases(paper)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, case in enumerate(todo):
+            case["dir"] = str(Path(tmp) / f"plan{k}")
+            fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches", str(MICROBATCHES),
+                    "--out", case["dir"], "--json"], env, timeout)
+            plan = json.loads((Path(case["dir"]) / "plan.json").read_text())["plan"]
+            case["bounds"] = [s["first_layer"] for s in plan["stages"]] + [plan["stages"][-1]["end_layer"]]
+            case["runs"] = []
+        for _ in range(repeat):
+            for case in todo:
+                doc = fxpipe(["run", case["dir"], "--steps", str(steps), "--microbatches", str(MICROBATCHES),
+                              "--json", *case["run"]], env, timeout)
+                case["runs"].append({key: doc[key] for key in ("step_ms_median", "simulated_step_ms", "samples_per_s",
+                                                                "batch", "ranks", "schedule", "step_ms")})
+    for case in todo:
+        del case["dir"]
+        runs = sorted(case["runs"], key=lambda r: r["simulated_step_ms"] / r["step_ms_median"])
+        mid = runs[len(runs) // 2]
+        case.update(measured_ms=round(mid["step_ms_median"], 2), simulated_ms=round(mid["simulated_step_ms"], 2),
+                    batch=mid["batch"], ranks=mid["ranks"],
+                    ratios=[round(r["simulated_step_ms"] / r["step_ms_median"], 3) for r in runs])
+        case["ratio"] = round(case["simulated_ms"] / case["measured_ms"], 3)
+        case["within_goal"] = abs(case["ratio"] - 1) <= GOAL
+    return {"paper": paper, "steps": steps, "repeat": repeat, "microbatches": MICROBATCHES,
+            "command": f"python benchmarks/papers_measured.py --paper {paper} --steps {steps} --repeat {repeat}",
+            "started": started, "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+            "cores": os.cpu_count(), "cases": todo}
+
+
+def load(paper: str) -> dict[str, Any] | None:
+    """The committed measurement of ``paper`` (None: not measured)."""
+    path = OUT / f"{paper}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def samples_per_s(case: dict[str, Any], key: str) -> float:
+    return case["batch"] / (case[key] / 1e3)
+
+
+def _head(doc: dict[str, Any]) -> str:
+    return (f"Measured here (committed: benchmarks/results/papers_measured/{doc['paper']}.json; `{doc['command']}`, "
+            f"{doc['started']}; {doc['microbatches']} microbatches per step, median step of {doc['steps']} after "
+            f"the first, median of {doc['repeat']} runs by simulated / measured; gloo, 1 thread per rank, "
+            f"{doc['cores']} cores; load average {doc['load_before']} before, {doc['load_after']} after):")
+
+
+def _fit(cases: list[dict[str, Any]]) -> str:
+    ratios = [c["ratio"] for c in cases]
+    missed = [c for c in cases if not c["within_goal"]]
+    return (f"Simulated / measured: {min(ratios):.2f}-{max(ratios):.2f}; within 20% in "
+            f"{len(cases) - len(missed)} of {len(cases)} runs" + (
+                "" if not missed else " (not: " + ", ".join(
+                    f"{c['model']} {c.get('stages', c.get('how'))} {c.get('schedule', '')}".rstrip()
+                    for c in missed) + ")"))
+
+
+def layerpipe_table(doc: dict[str, Any]) -> str:
+    """PipeDream against LayerPipe, measured and simulated, per model and stage count."""
+    lines = [_head(doc), "", "| model | stages (ranks) | PipeDream ms: measured / simulated | LayerPipe ms: measured / "
+             "simulated | LayerPipe's speedup: measured / simulated | simulated / measured (PD, LP) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    by = {(c["model"], c["stages"], c["schedule"]): c for c in doc["cases"]}
+    for model, p in dict.fromkeys((c["model"], c["stages"]) for c in doc["cases"]):
+        pd, lp = by[(model, p, "async-1f1b")], by[(model, p, "layerpipe-async")]
+        lines.append(f"| {model} | {p} ({pd['ranks']}) | {pd['measured_ms']:.1f} / {pd['simulated_ms']:.1f} | "
+                     f"{lp['measured_ms']:.1f} / {lp['simulated_ms']:.1f} | "
+                     f"{pd['measured_ms'] / lp['measured_ms'] - 1:+.1%} / {pd['simulated_ms'] / lp['simulated_ms'] - 1:+.1%} | "
+                     f"{pd['ratio']:.2f}, {lp['ratio']:.2f} |")
+    return "\n".join(lines + ["", _fit(doc["cases"]) + "."])
+
+
+def akintoye_table(doc: dict[str, Any]) -> str:
+    """S(2) measured and simulated: merging, no merging, data parallelism, over one rank's samples per second."""
+    one = next(c for c in doc["cases"] if c["n"] == 1)
+    lines = [_head(doc), "", "| model | N | plan | stage bounds | samples/s measured / simulated | S(N) measured / "
+             "simulated | simulated / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in doc["cases"]:
+        got, sim = samples_per_s(c, "measured_ms"), samples_per_s(c, "simulated_ms")
+        lines.append(f"| {c['model']} | {c['n']} | {c['how']} | {c['bounds']} | {got:.1f} / {sim:.1f} | "
+                     f"{got / samples_per_s(one, 'measured_ms'):.2f} / {sim / samples_per_s(one, 'simulated_ms'):.2f} | "
+                     f"{c['ratio']:.2f} |")
+    return "\n".join(lines + ["", _fit(doc["cases"]) + "."])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paper", action="append", choices=("layerpipe", "akintoye"))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    for paper in args.paper or ["layerpipe", "akintoye"]:
+        doc = measure(paper, args.steps, args.repeat, args.timeout)
+        (OUT / f"{paper}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        for case in doc["cases"]:
+            print(paper, case["model"], case.get("stages", case.get("how")), case.get("schedule", ""),
+                  case["measured_ms"], case["simulated_ms"], case["ratio"], case["ratios"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
