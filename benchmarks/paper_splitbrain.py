@@ -153,7 +153,42 @@ THROUGHPUT_HEADERS = ("model", "link", "ranks", "K", "dp samples/s", "SB samples
                       "SB speedup / ranks")
 
 
-def verdict(memory: list[tuple], throughput: list[tuple]) -> str:
+STEPS = tuple(Path(__file__).parent / "results" / "strategy_measured" / f for f in ("measured.json",
+                                                                                  "measured_repeat.json"))
+STEP_HEADERS = ("model", "ranks", "dp ms: modelled / measured", "SplitBrain (K = 2) ms: modelled / measured",
+                "SplitBrain over dp: modelled / measured", "model / measured (dp, SB; each run)")
+
+
+def step_rows(paths: tuple[Path, ...] = STEPS) -> list[tuple]:
+    """SplitBrain (K = 2) against data parallelism at equal ranks, measured on gloo ranks by
+    ``strategy_measured.py`` (vgg-small and resnet-small at 2 and 4 ranks, global batch 32) beside the search's
+    model of the same steps; run 1's steps, each run's ratios."""
+    runs = [{(r["model"], r["ranks"], r["strategy"]): r for r in json.loads(p.read_text())["rows"]}
+            for p in paths if p.exists()]
+    out = []
+    for model, ranks in dict.fromkeys((k[0], k[1]) for k in runs[0]) if runs else ():
+        dp, sb = runs[0][(model, ranks, "dp")], runs[0][(model, ranks, "splitbrain-2")]
+        ratios = "; ".join(f"{run[(model, ranks, 'dp')]['predicted_s'] / run[(model, ranks, 'dp')]['measured_s']:.2f}, "
+                           f"{run[(model, ranks, 'splitbrain-2')]['predicted_s'] / run[(model, ranks, 'splitbrain-2')]['measured_s']:.2f}"
+                           for run in runs)
+        out.append((model, ranks, f"{dp['predicted_s'] * 1e3:.1f} / {dp['measured_s'] * 1e3:.1f}",
+                    f"{sb['predicted_s'] * 1e3:.1f} / {sb['measured_s'] * 1e3:.1f}",
+                    f"{dp['predicted_s'] / sb['predicted_s'] - 1:+.1%} / {dp['measured_s'] / sb['measured_s'] - 1:+.1%}",
+                    ratios))
+    return out
+
+
+def steps_text(rows: list[tuple]) -> str:
+    if not rows:
+        return "Throughput measured: none committed (run benchmarks/strategy_measured.py).\n\n"
+    return ("Throughput measured against data parallelism at equal ranks (committed: benchmarks/results/"
+            "strategy_measured/measured{,_repeat}.json, `strategy_measured.py`, the runs OptCNN's table reads: "
+            "vgg-small and resnet-small at 32x32, global batch 32, 2-core CPU gloo ranks; the model is the search's "
+            "with each node's measured compute). 1 rank and 8 are not measured here, so this is SplitBrain over dp, "
+            "not a speedup curve:\n\n" + tabulate(rows, headers=STEP_HEADERS, tablefmt="github") + "\n\n")
+
+
+def verdict(memory: list[tuple], throughput: list[tuple], steps: tuple[Path, ...] = STEPS) -> str:
     best = max(memory, key=lambda r: float(r[9].rstrip("%")))
     measured = [r for r in memory if r[11] != "-" and r[1] > 1]
     compared = [r for r in memory if r[8] != "-"]
@@ -175,8 +210,21 @@ def verdict(memory: list[tuple], throughput: list[tuple]) -> str:
     return (f"**Verdict: {word}.** The cost model's largest saving of model state is {best[9]} ({best[0]}, K = "
             f"{best[1]}; the paper: up to 67%); {seen}. With the 512-wide head (the paper's CIFAR-10 setting) the "
             f"classifier is a few percent of VGG-16, so the saving is small. At {top} ranks SplitBrain's modelled "
-            f"speedup per rank is at least {eff:.2f} (near-linear taken as >= 0.8), modelled, not measured; the group "
-            "communication is plain subgroup collectives.")
+            f"speedup per rank is at least {eff:.2f} (near-linear taken as >= 0.8), modelled, not measured"
+            f"{_measured_steps(steps)}; the group communication is plain subgroup collectives.")
+
+
+def _measured_steps(paths: tuple[Path, ...]) -> str:
+    runs = [json.loads(p.read_text())["rows"] for p in paths if p.exists()]
+    if not runs:
+        return ""
+    by = [{(r["model"], r["ranks"], r["strategy"]): r for r in run} for run in runs]
+    gains = [b[(m, n, "dp")]["measured_s"] / b[(m, n, "splitbrain-2")]["measured_s"] - 1
+             for b in by for (m, n, k) in b if k == "dp" and (m, n, "splitbrain-2") in b]
+    ratios = [r["predicted_s"] / r["measured_s"] for run in runs for r in run if r["strategy"] in ("dp", "splitbrain-2")]
+    return (f"; measured at 2 and 4 CPU ranks, SplitBrain (K = 2) ran {min(gains):+.0%} to {max(gains):+.0%} against "
+            f"data parallelism's step, with the model at {min(ratios):.2f}-{max(ratios):.2f} of measured "
+            f"({sum(abs(x - 1) <= 0.2 for x in ratios)} of {len(ratios)} within 20%)")
 
 
 def main(quick: bool = False, measure: bool = False) -> str:
@@ -202,8 +250,9 @@ def main(quick: bool = False, measure: bool = False) -> str:
             f"momentum, plus saved activations) against what gloo ranks hold ({cited}); profiles {p.source} "
             f"({p.device}). K = 8 is the cost model's only (this machine runs 4 ranks at most).\n\n"
             f"{tabulate(memory, headers=MEMORY_HEADERS, tablefmt='github')}\n\n{activations_note(models, measured)}"
-            f"Throughput from the cost model, global batch 64 (simulated only: not measured here):\n\n"
-            f"{tabulate(throughput, headers=THROUGHPUT_HEADERS, tablefmt='github')}\n\n{verdict(memory, throughput)}\n")
+            f"Throughput from the cost model, global batch 64 (simulated; measured at 2 and 4 ranks below):\n\n"
+            f"{tabulate(throughput, headers=THROUGHPUT_HEADERS, tablefmt='github')}\n\n{steps_text(step_rows())}"
+            f"{verdict(memory, throughput)}\n")
 
 
 # --- measured: the runtime's tracked bytes per rank ----------------------------------------------------

@@ -11,7 +11,8 @@ simulated / measured.
 
 - ``layerpipe``: PipeDream (``async-1f1b``: fused B+W, weight stashing) against LayerPipe (``layerpipe-async``:
   W one backward slot after its B, the delayed weight gradient), both ``--weights stash``, momentum SGD, on
-  resnet-small and vgg-small at 2 and 4 stages (4 ranks share 2 cores here), 8 microbatches per step.
+  resnet-small and vgg-small at 2 and 4 stages (4 ranks share 2 cores here), 2 x stages microbatches per step;
+  synchronous 1F1B on the same plan beside them, as a control: how far the simulation of any schedule is off.
 - ``akintoye``: S(2) on resnet-small, 1F1B over 8 microbatches: the plan ``--stages auto --devices 2`` picks
   (partitioning with merging), the compute-balanced 2-stage plan (``--stages 2``, no merging) and data parallelism
   (``--stages 1 --dp 2``: each replica takes 8 microbatches), each as samples per second over 1 rank's.
@@ -38,17 +39,17 @@ from estimate_vs_measured import fxpipe  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "papers_measured"
 GOAL = 0.2  # issue 44: simulated within 20% of measured
-MICROBATCHES = 8
+MICROBATCHES = 8  # akintoye's, every N; layerpipe's: 2 x stages (fxpipe's default)
 
 
 def cases(paper: str) -> list[dict[str, Any]]:
     """The paper's cases: a name, the compile arguments after the model, and the run's."""
     if paper == "layerpipe":
-        return [{"model": model, "stages": p, "schedule": sched,
+        return [{"model": model, "stages": p, "schedule": sched, "microbatches": 2 * p,
                  "compile": ["--stages", str(p)],
                  "run": ["--schedule", sched, "--weights", "stash", "--momentum", "0.9"]}
                 for model in ("resnet-small", "vgg-small") for p in (2, 4)
-                for sched in ("async-1f1b", "layerpipe-async")]
+                for sched in ("async-1f1b", "layerpipe-async", "1f1b")]
     if paper == "akintoye":
         model = "resnet-small"
         return [{"model": model, "how": "1 rank", "n": 1, "compile": ["--stages", "1"], "run": []},
@@ -61,22 +62,25 @@ def cases(paper: str) -> list[dict[str, Any]]:
 def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     todo = cases(paper)
+    for case in todo:
+        case.setdefault("microbatches", MICROBATCHES)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for k, case in enumerate(todo):
             case["dir"] = str(Path(tmp) / f"plan{k}")
-            fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches", str(MICROBATCHES),
+            fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches", str(case["microbatches"]),
                     "--out", case["dir"], "--json"], env, timeout)
             plan = json.loads((Path(case["dir"]) / "plan.json").read_text())["plan"]
             case["bounds"] = [s["first_layer"] for s in plan["stages"]] + [plan["stages"][-1]["end_layer"]]
             case["runs"] = []
         for _ in range(repeat):
             for case in todo:
-                doc = fxpipe(["run", case["dir"], "--steps", str(steps), "--microbatches", str(MICROBATCHES),
+                doc = fxpipe(["run", case["dir"], "--steps", str(steps), "--microbatches", str(case["microbatches"]),
                               "--json", *case["run"]], env, timeout)
-                case["runs"].append({key: doc[key] for key in ("step_ms_median", "simulated_step_ms", "samples_per_s",
-                                                                "batch", "ranks", "schedule", "step_ms")})
+                case["runs"].append({**{key: doc[key] for key in ("step_ms_median", "simulated_step_ms", "samples_per_s",
+                                                                  "batch", "ranks", "schedule", "step_ms")},
+                                     "calibration": (doc.get("calibration") or {}).get("summary")})
     for case in todo:
         del case["dir"]
         runs = sorted(case["runs"], key=lambda r: r["simulated_step_ms"] / r["step_ms_median"])
@@ -86,7 +90,7 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
                     ratios=[round(r["simulated_step_ms"] / r["step_ms_median"], 3) for r in runs])
         case["ratio"] = round(case["simulated_ms"] / case["measured_ms"], 3)
         case["within_goal"] = abs(case["ratio"] - 1) <= GOAL
-    return {"paper": paper, "steps": steps, "repeat": repeat, "microbatches": MICROBATCHES,
+    return {"paper": paper, "steps": steps, "repeat": repeat,
             "command": f"python benchmarks/papers_measured.py --paper {paper} --steps {steps} --repeat {repeat}",
             "started": started, "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
             "cores": os.cpu_count(), "cases": todo}
@@ -104,7 +108,7 @@ def samples_per_s(case: dict[str, Any], key: str) -> float:
 
 def _head(doc: dict[str, Any]) -> str:
     return (f"Measured here (committed: benchmarks/results/papers_measured/{doc['paper']}.json; `{doc['command']}`, "
-            f"{doc['started']}; {doc['microbatches']} microbatches per step, median step of {doc['steps']} after "
+            f"{doc['started']}; median step of {doc['steps']} after "
             f"the first, median of {doc['repeat']} runs by simulated / measured; gloo, 1 thread per rank, "
             f"{doc['cores']} cores; load average {doc['load_before']} before, {doc['load_after']} after):")
 
@@ -113,7 +117,7 @@ def _fit(cases: list[dict[str, Any]]) -> str:
     ratios = [c["ratio"] for c in cases]
     missed = [c for c in cases if not c["within_goal"]]
     return (f"Simulated / measured: {min(ratios):.2f}-{max(ratios):.2f}; within 20% in "
-            f"{len(cases) - len(missed)} of {len(cases)} runs" + (
+            f"{len(cases) - len(missed)} of {len(cases)} configurations" + (
                 "" if not missed else " (not: " + ", ".join(
                     f"{c['model']} {c.get('stages', c.get('how'))} {c.get('schedule', '')}".rstrip()
                     for c in missed) + ")"))
@@ -121,17 +125,24 @@ def _fit(cases: list[dict[str, Any]]) -> str:
 
 def layerpipe_table(doc: dict[str, Any]) -> str:
     """PipeDream against LayerPipe, measured and simulated, per model and stage count."""
-    lines = [_head(doc), "", "| model | stages (ranks) | PipeDream ms: measured / simulated | LayerPipe ms: measured / "
-             "simulated | LayerPipe's speedup: measured / simulated | simulated / measured (PD, LP) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [_head(doc), "", "| model | stages (ranks; per step) | PipeDream ms: measured / simulated | LayerPipe ms: measured / "
+             "simulated | LayerPipe's speedup: measured / simulated | simulated / measured (PD, LP) | control: 1F1B ms "
+             "measured / simulated |", "| --- | --- | --- | --- | --- | --- | --- |"]
     by = {(c["model"], c["stages"], c["schedule"]): c for c in doc["cases"]}
     for model, p in dict.fromkeys((c["model"], c["stages"]) for c in doc["cases"]):
         pd, lp = by[(model, p, "async-1f1b")], by[(model, p, "layerpipe-async")]
-        lines.append(f"| {model} | {p} ({pd['ranks']}) | {pd['measured_ms']:.1f} / {pd['simulated_ms']:.1f} | "
+        lines.append(f"| {model} | {p} ({pd['ranks']}; {pd['microbatches']} microbatches) | {pd['measured_ms']:.1f} / {pd['simulated_ms']:.1f} | "
                      f"{lp['measured_ms']:.1f} / {lp['simulated_ms']:.1f} | "
                      f"{pd['measured_ms'] / lp['measured_ms'] - 1:+.1%} / {pd['simulated_ms'] / lp['simulated_ms'] - 1:+.1%} | "
-                     f"{pd['ratio']:.2f}, {lp['ratio']:.2f} |")
-    return "\n".join(lines + ["", _fit(doc["cases"]) + "."])
+                     f"{pd['ratio']:.2f}, {lp['ratio']:.2f} | {_control(by.get((model, p, '1f1b')))} |")
+    asynchronous = [c for c in doc["cases"] if c["schedule"] != "1f1b"]
+    control = [c for c in doc["cases"] if c["schedule"] == "1f1b"]
+    return "\n".join(lines + ["", _fit(asynchronous) + "." + (f" The control, synchronous 1F1B: {_fit(control)[0].lower()}"
+                                                              f"{_fit(control)[1:]}." if control else "")])
+
+
+def _control(case: dict[str, Any] | None) -> str:
+    return "-" if case is None else f"{case['measured_ms']:.1f} / {case['simulated_ms']:.1f} ({case['ratio']:.2f})"
 
 
 def akintoye_table(doc: dict[str, Any]) -> str:

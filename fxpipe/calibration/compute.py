@@ -123,6 +123,15 @@ def calibrate_compute(*, threads: int = 1, cache: bool = True, measure: Callable
     return _cached(cache_path(), machine_key(threads), _rates_from, make, cache)
 
 
+def cached_rates(threads: int = 1) -> ComputeRates | None:
+    """This machine's rates at ``threads`` threads if an earlier calibration cached them, else None: measures
+    nothing (for a run whose plan was profiled, which needs only its memory bandwidth: the optimizer's passes)."""
+    if not calibration_enabled():
+        return None
+    key = machine_key(threads)
+    return _rates_from(_read_cache(cache_path()).get(key), key)
+
+
 def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callable[[], Any],
             cache: bool) -> tuple[Any, bool]:
     """The entry ``key`` of the JSON cache at ``path`` when ``sound`` makes a record of it, else ``make()``

@@ -406,7 +406,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True, log=log)
     log.close()
-    from fxpipe.calibration.compute import calibration_enabled
+    from fxpipe.calibration.compute import cached_rates, calibration_enabled
     from fxpipe.planning.cost import held_peaks
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
@@ -422,6 +422,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
     compute = pipe.plan.options.compute
+    if compute is None and measure:  # a profiled plan: this machine's memory bandwidth, if calibrated before
+        compute = cached_rates(torch.get_num_threads())
     if compute is not None and measure:  # this machine's memory bandwidth: each stage's optimizer step, and an
         # asynchronous schedule's copies of the weights (its stash snapshots or predictions)
         optimizer = args.optimizer if args.optimizer != "sgd" else "momentum" if args.momentum else "sgd"

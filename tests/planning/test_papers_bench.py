@@ -89,6 +89,21 @@ def test_splitbrain_sets_its_cost_model_against_the_measured_bytes() -> None:
     assert [s.param_bytes for s in one] == [s.param_bytes for s in specs] and two[1].shape[0] == 32
 
 
+def test_splitbrain_measured_steps_set_it_against_data_parallelism(tmp_path: Path) -> None:
+    sb = _bench("paper_splitbrain")
+    rows = [{"model": "m", "ranks": 2, "strategy": "dp", "predicted_s": 0.1, "measured_s": 0.1},
+            {"model": "m", "ranks": 2, "strategy": "splitbrain-2", "predicted_s": 0.1, "measured_s": 0.08},
+            {"model": "m", "ranks": 2, "strategy": "auto", "predicted_s": 0.1, "measured_s": 0.5}]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"rows": rows}))
+    (row,) = sb.step_rows((run,))
+    # SplitBrain's step is 0.08 s against dp's 0.1 s: +25% measured, 0% modelled; the model is 1.00 and 1.25 of them
+    assert row == ("m", 2, "100.0 / 100.0", "100.0 / 80.0", "+0.0% / +25.0%", "1.00, 1.25")
+    assert "SplitBrain (K = 2) ran +25% to +25%" in sb._measured_steps((run,))
+    assert "(1 of 2 within 20%)" in sb._measured_steps((run,))  # the search's own pick is not SplitBrain's
+    assert sb.step_rows((tmp_path / "none.json",)) == [] and sb._measured_steps(()) == ""
+
+
 def test_spectrain_memory_rows_count_the_copies_and_the_ratio() -> None:
     st = _bench("paper_spectrain")
     doc = {"weight_bytes": [100.0, 100.0], "policies": {
@@ -169,3 +184,30 @@ def test_node_seconds_times_every_call_node_and_leaves_the_statistics() -> None:
     calls = [n.name for n in gm.graph.nodes if n.op.startswith("call_")]
     assert list(seconds) == calls == ["_0", "_1", "_2", "_3"] and all(t > 0 for t in seconds.values())
     assert all(torch.equal(b, before[n]) for n, b in gm.named_buffers())
+
+
+def test_measured_papers_tables_set_each_run_against_its_simulation() -> None:
+    pm = _bench("papers_measured")
+    head = {"command": "python benchmarks/papers_measured.py", "started": "now", "steps": 8, "repeat": 3, "cores": 2,
+            "load_before": 1.0, "load_after": 1.0}
+
+    def case(**kw: object) -> dict[str, object]:
+        out = {"model": "m", "ranks": 2, "batch": 32, "microbatches": 4, "bounds": [0, 3, 6], **kw}
+        out["ratio"] = round(out["simulated_ms"] / out["measured_ms"], 3)  # type: ignore[operator]
+        out["within_goal"] = abs(out["ratio"] - 1) <= pm.GOAL  # type: ignore[operator]
+        return out
+
+    lp = pm.layerpipe_table({**head, "paper": "layerpipe", "cases": [
+        case(stages=2, schedule="async-1f1b", measured_ms=100.0, simulated_ms=90.0),
+        case(stages=2, schedule="layerpipe-async", measured_ms=80.0, simulated_ms=50.0),
+        case(stages=2, schedule="1f1b", measured_ms=120.0, simulated_ms=110.0)]})
+    # PipeDream 100 ms against LayerPipe 80: +25% measured; simulated 90 against 50: +80%
+    assert "| m | 2 (2; 4 microbatches) | 100.0 / 90.0 | 80.0 / 50.0 | +25.0% / +80.0% | 0.90, 0.62 | " \
+           "120.0 / 110.0 (0.92) |" in lp
+    assert "within 20% in 1 of 2 configurations (not: m 2 layerpipe-async)" in lp
+    assert "The control, synchronous 1F1B: simulated / measured: 0.92-0.92; within 20% in 1 of 1" in lp
+    ak = pm.akintoye_table({**head, "paper": "akintoye", "cases": [
+        case(n=1, how="1 rank", measured_ms=100.0, simulated_ms=100.0),
+        case(n=2, how="dp", measured_ms=50.0, simulated_ms=40.0)]})
+    # samples/s: 320 against 320 on one rank; 640 measured (S = 2.00) and 800 simulated (S = 2.50) on two
+    assert "| m | 2 | dp | [0, 3, 6] | 640.0 / 800.0 | 2.00 / 2.50 | 0.80 |" in ak
