@@ -240,3 +240,17 @@ def test_what_every_rank_must_share_is_the_plan_s_bytes_and_the_program_s_option
     assert items["plan"] == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # sha256 of b"{}"
     assert "--microbatches" in items and "--steps" in items and "--resume" in items
     assert not {"--out", "--data", "--timeout", "--checkpoint-dir"} & set(items)  # a node's own paths may differ
+
+
+def test_an_asynchronous_chunk_is_timed_step_by_step_on_the_rank() -> None:
+    """Each step of a streamed chunk runs from the previous step's last action end (the chunk's start for the first,
+    which so carries the set-up) to its own; the last runs to the chunk's end. Steps that finish out of order on a
+    rank never give a negative time."""
+    from types import SimpleNamespace as A
+
+    from fxpipe.cli.rank import stream_step_ms
+
+    events = [(A(mb=0), 0.0, 0.1), (A(mb=1), 0.1, 0.2), (A(mb=2), 0.2, 0.25), (A(mb=3), 0.25, 0.3)]
+    assert [round(ms, 6) for ms in stream_step_ms(events, 0.5, 0.9, 2, 2)] == [700.0, 200.0]
+    late = [(A(mb=0), 0.0, 0.4), (A(mb=2), 0.1, 0.2), (A(mb=4), 0.2, 0.5)]  # step 1 ends before step 0
+    assert [round(ms, 6) for ms in stream_step_ms(late, 0.0, 0.6, 3, 2)] == [400.0, 0.0, 200.0]
