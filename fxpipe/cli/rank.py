@@ -472,8 +472,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         "step_started": rt.started,  # the last step's start on this machine's monotonic clock (perf_counter)
         # Per stage and kind of action of this rank: seconds per microbatch, measured (the median over the steps
         # after the first) and as the run's simulation charges it
+        # (an asynchronous run: its last chunk's steps after the first, each W with the update it makes, as simulated)
         "action_ms": _action_table([action_seconds(*t) for t in timed_steps], sched, simulated)
-        if sched.synchronous else [],
+        if sched.synchronous else _action_table(stream_action_seconds(rt.events, m), ran, simulated),
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.
@@ -508,6 +509,15 @@ def action_seconds(events: Sequence[tuple[Any, float, float]],
         total[key] = total.get(key, 0.0) + (t1 - t0 - inside)
         count[key] = count.get(key, 0) + 1
     return {key: total[key] / count[key] for key in total}
+
+
+def stream_action_seconds(events: Sequence[tuple[Any, float, float]], m: int) -> list[dict[tuple[int, str], float]]:
+    """An asynchronous chunk's :func:`action_seconds` per step after its first (microbatch ``mb`` is step
+    ``mb // m``'s); its W and BW actions include the update each makes, as the simulation charges them."""
+    steps: dict[int, list[tuple[Any, float, float]]] = {}
+    for event in events:
+        steps.setdefault(event[0].mb // m, []).append(event)
+    return [action_seconds(steps[k], ()) for k in sorted(steps) if k > 0]
 
 
 def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: Any) -> list[list[Any]]:

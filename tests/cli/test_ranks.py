@@ -254,3 +254,19 @@ def test_an_asynchronous_chunk_is_timed_step_by_step_on_the_rank() -> None:
     assert [round(ms, 6) for ms in stream_step_ms(events, 0.5, 0.9, 2, 2)] == [700.0, 200.0]
     late = [(A(mb=0), 0.0, 0.4), (A(mb=2), 0.1, 0.2), (A(mb=4), 0.2, 0.5)]  # step 1 ends before step 0
     assert [round(ms, 6) for ms in stream_step_ms(late, 0.0, 0.6, 3, 2)] == [400.0, 0.0, 200.0]
+
+
+def test_an_asynchronous_chunks_actions_are_timed_per_step_after_the_first() -> None:
+    from types import SimpleNamespace as A
+
+    from fxpipe.cli.rank import stream_action_seconds
+    from fxpipe.schedules.ir import Kind
+
+    def act(mb: int, kind: Kind) -> A:
+        return A(stage=0, mb=mb, kind=kind)
+
+    events = [(act(0, Kind.F), 0.0, 0.5), (act(1, Kind.F), 0.5, 0.6), (act(2, Kind.F), 0.6, 0.8),
+              (act(2, Kind.BW), 0.8, 1.1), (act(3, Kind.F), 1.1, 1.2)]
+    # step 0 (microbatches 0, 1) carries the set-up and is left out; step 1 (microbatches 2, 3): F 0.2 and 0.1 s
+    got = stream_action_seconds(events, 2)
+    assert [{k: round(v, 6) for k, v in step.items()} for step in got] == [{(0, "F"): 0.15, (0, "BW"): 0.3}]
