@@ -163,8 +163,7 @@ def step_rows(paths: tuple[Path, ...] = STEPS) -> list[tuple]:
     """SplitBrain (K = 2) against data parallelism at equal ranks, measured on gloo ranks by
     ``strategy_measured.py`` (vgg-small and resnet-small at 2 and 4 ranks, global batch 32) beside the search's
     model of the same steps; run 1's steps, each run's ratios."""
-    runs = [{(r["model"], r["ranks"], r["strategy"]): r for r in json.loads(p.read_text())["rows"]}
-            for p in paths if p.exists()]
+    runs = _step_runs(paths)
     out = []
     for model, ranks in dict.fromkeys((k[0], k[1]) for k in runs[0]) if runs else ():
         dp, sb = runs[0][(model, ranks, "dp")], runs[0][(model, ranks, "splitbrain-2")]
@@ -176,6 +175,12 @@ def step_rows(paths: tuple[Path, ...] = STEPS) -> list[tuple]:
                     f"{dp['predicted_s'] / sb['predicted_s'] - 1:+.1%} / {dp['measured_s'] / sb['measured_s'] - 1:+.1%}",
                     ratios))
     return out
+
+
+def _step_runs(paths: tuple[Path, ...]) -> list[dict[tuple[str, int, str], dict[str, Any]]]:
+    """Each committed run's rows by (model, ranks, strategy)."""
+    return [{(r["model"], r["ranks"], r["strategy"]): r for r in json.loads(p.read_text())["rows"]}
+            for p in paths if p.exists()]
 
 
 def steps_text(rows: list[tuple]) -> str:
@@ -215,13 +220,12 @@ def verdict(memory: list[tuple], throughput: list[tuple], steps: tuple[Path, ...
 
 
 def _measured_steps(paths: tuple[Path, ...]) -> str:
-    runs = [json.loads(p.read_text())["rows"] for p in paths if p.exists()]
-    if not runs:
+    by = _step_runs(paths)
+    if not by:
         return ""
-    by = [{(r["model"], r["ranks"], r["strategy"]): r for r in run} for run in runs]
     gains = [b[(m, n, "dp")]["measured_s"] / b[(m, n, "splitbrain-2")]["measured_s"] - 1
              for b in by for (m, n, k) in b if k == "dp" and (m, n, "splitbrain-2") in b]
-    ratios = [r["predicted_s"] / r["measured_s"] for run in runs for r in run if r["strategy"] in ("dp", "splitbrain-2")]
+    ratios = [r["predicted_s"] / r["measured_s"] for b in by for (_, _, k), r in b.items() if k in ("dp", "splitbrain-2")]
     return (f"; measured at 2 and 4 CPU ranks, SplitBrain (K = 2) ran {min(gains):+.0%} to {max(gains):+.0%} against "
             f"data parallelism's step, with the model at {min(ratios):.2f}-{max(ratios):.2f} of measured "
             f"({sum(abs(x - 1) <= 0.2 for x in ratios)} of {len(ratios)} within 20%)")

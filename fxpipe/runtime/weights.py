@@ -56,9 +56,8 @@ class WeightVersions:
         self.version = {s: 0 for s in stages}
         self.timing = timings(schedule)
         self._snapshot: dict[int, tuple[int, Weights]] = {}  # stash: stage -> (version, tensors) of its last F
-        self._held: dict[tuple[int, int], Weights | None] = {}  # what a microbatch's later phases read
+        self._held: dict[tuple[int, int], tuple[int, Weights]] = {}  # stash: (version, tensors) a microbatch's F read
         self._readers: dict[tuple[int, int], int] = {}  # stash: (stage, version) -> microbatches whose W is to come
-        self._read: dict[tuple[int, int], int] = {}  # stash: (stage, microbatch) -> the version its F read
         self._spare: dict[int, Weights] = {}  # stash: stage -> a snapshot no microbatch reads, for the next one
         self.snapshots = {s: [0, 0] for s in stages}  # stash, per stage: snapshots made [new, into a spare]
         self._aliases: dict[int, list[tuple[int, str, Any]]] = {}  # stage -> F's saved slots holding weights
@@ -92,13 +91,12 @@ class WeightVersions:
                         self._spare[s] = have[1]  # the last snapshot, read by no microbatch in flight
                     have = (read.version, self._copy(s))
                     self._snapshot[s] = have
-                self._held[(s, m)] = have[1]
-                self._read[(s, m)] = have[0]
+                self._held[(s, m)] = have
                 self._readers[(s, have[0])] = self._readers.get((s, have[0]), 0) + 1
                 return have[1]
             if phase == "B":
-                return self._held[(s, m)]
-            version, weights = self._read.pop((s, m)), self._held.pop((s, m))
+                return self._held[(s, m)][1]
+            version, weights = self._held.pop((s, m))
             left = self._readers.pop((s, version)) - 1
             if left:
                 self._readers[(s, version)] = left

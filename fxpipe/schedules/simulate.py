@@ -136,8 +136,8 @@ class Costs:
     def with_weights(self, policy: str, optimizer: str, mem_bw: float) -> "Costs":
         """These costs with an asynchronous schedule's weight copies under ``policy`` (``fxpipe.schedules.versions``):
         a memory-bound pass over the stage's parameters (``grad_bytes``) at ``mem_bw`` per copy, 2 bytes per byte for
-        a stash snapshot (a clone), ``PREDICTION_TRAFFIC`` for a prediction (its optimizer's smoothed step scaled and
-        subtracted in temporaries); ``stale`` copies nothing. Synchronous schedules ignore it."""
+        a stash snapshot (read the live weights, write the spare), ``PREDICTION_TRAFFIC`` for a prediction; ``stale``
+        copies nothing. Synchronous schedules ignore it."""
         if policy not in POLICIES:
             raise OptionError(f"unknown weight policy {policy!r}; use one of {', '.join(POLICIES)}")
         traffic = 2 if policy == "stash" else PREDICTION_TRAFFIC.get(optimizer, 0) if policy in PREDICT else 0
