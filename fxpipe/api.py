@@ -93,7 +93,7 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     called before each pass; ``profile_threads`` sets torch's thread count while the passes run.
     A schedule named in ``options.schedule`` is generated, simulated and recorded.
     """
-    from fxpipe.calibration.compute import compute_overheads
+    from fxpipe.calibration.compute import compute_overheads, measure_mem_bw
 
     check_options(options)
     # the runtime's fixed costs cached for the machine options.compute was measured on (None: none)
@@ -104,6 +104,8 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     try:
         root, history = run_steps(steps, verify_each=verify_each, stop_after=stop_after,
                                   print_after=tuple(print_after), on_start=on_pass)
+        # a profiled plan's memory bandwidth, at the profile's threads: what its optimizer steps are charged at
+        mem_bw = measure_mem_bw() if options.profile and len(history.records) == len(steps) else None
     finally:
         profiled_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -112,7 +114,8 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     flat = flatten_inputs(root.meta.get("fxpipe_in_spec"), tuple(example_inputs), dict(example_kwargs or {}))
     provenance = Provenance(model=model_name, tracer=str(root.meta.get("fxpipe_tracer")),
                             torch_version=torch.__version__, fxpipe_version=fxpipe_version(), build=build,
-                            profiled=options.profile, profile_threads=profiled_threads if options.profile else None)
+                            profiled=options.profile, profile_threads=profiled_threads if options.profile else None,
+                            profile_mem_bw=mem_bw)
     pipe = pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
     options = pipe.plan.options  # --stages auto and --plan auto record their choices there
     if options.schedule is not None:

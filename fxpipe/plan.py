@@ -416,6 +416,9 @@ class Provenance:
     build: BuildRecipe | None = None  # set for the built-in models
     profiled: bool = False  # costs measured (--profile) rather than estimated
     profile_threads: int | None = None
+    # bytes/s of memory the profile measured beside the layers (the optimizer's and weight copies' passes, which the
+    # layer times leave out); None: estimated, or profiled before fxpipe recorded it
+    profile_mem_bw: float | None = None
 
 
 @dataclass(frozen=True)
@@ -726,6 +729,10 @@ class Plan:
                                 "re-run fxpipe compile")
         plan = _decode(cls, data, where)
         plan.check_sizes(where)
+        mem_bw = plan.provenance.profile_mem_bw
+        if mem_bw is not None and not (math.isfinite(mem_bw) and mem_bw > 0):
+            raise PlanFileError(f"{where}.provenance.profile_mem_bw must be a positive number of bytes per second "
+                                f"(found {mem_bw!r}); re-run fxpipe compile --profile")
         cores = plan.options.cores
         if cores is not None and cores < 1:
             raise PlanFileError(f"{where}.options.cores must be at least 1 (cores: {cores}); leave it out to model no "

@@ -112,6 +112,22 @@ def test_a_bad_cores_in_plan_json_is_one_plan_file_error(value: object, words: s
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(("value", "words"), [
+    (-1.0, r"provenance\.profile_mem_bw must be a positive number of bytes per second \(found -1\.0\)"),
+    (0.0, r"provenance\.profile_mem_bw must be a positive"),
+    ("fast", r"provenance\.profile_mem_bw should be"),
+])
+def test_a_bad_profiled_memory_bandwidth_is_one_plan_file_error(value: object, words: str) -> None:
+    doc = _tiny_plan().to_json()
+    assert doc["provenance"]["profile_mem_bw"] is None  # an estimated plan measured none
+    doc["provenance"]["profile_mem_bw"] = value
+    with pytest.raises(PlanFileError, match=words) as info:
+        Plan.from_json(json.loads(json.dumps(doc)))
+    assert "\n" not in str(info.value)
+    doc["provenance"]["profile_mem_bw"] = 1.5e10
+    assert Plan.from_json(json.loads(json.dumps(doc))).provenance.profile_mem_bw == 1.5e10
+
+
 def test_the_mesh_says_which_ranks_hold_each_stage() -> None:
     mesh = Mesh.from_rank_of_stage((0, 1, 0, 1))  # interleaved: two stages per rank
     assert mesh.dims == ("pp", "dp") and mesh.shape == (2, 1) and mesh.world_size == 2

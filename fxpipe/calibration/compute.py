@@ -577,6 +577,14 @@ def _median_reading(readings: list[tuple[float, ...]]) -> tuple[float, ...]:
     return tuple(statistics.median(field) for field in zip(*readings))
 
 
+def measure_mem_bw(runs: int = 30, stream_bytes: int = STREAM_BYTES) -> float:
+    """This machine's memory bandwidth now, at torch's current thread count: bytes per second of the fastest of
+    ``runs`` element-wise adds over ``stream_bytes`` (as :func:`measure_compute` reads it; about 0.3 s on one core).
+    ``fxpipe compile --profile`` records it beside the layer times: a profiled plan's optimizer steps and weight
+    copies are memory-bound passes, and the run charges them at this rate."""
+    return _stream_rate(stream_bytes, runs)
+
+
 def _stream_rate(nbytes: int, runs: int) -> float:
     a = torch.randn(max(1, nbytes // 4))
     b, out = torch.randn_like(a), torch.empty_like(a)

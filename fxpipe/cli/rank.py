@@ -406,7 +406,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True, log=log)
     log.close()
-    from fxpipe.calibration.compute import cached_rates, calibration_enabled
+    from fxpipe.calibration.compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
     from fxpipe.schedules.simulate import simulate
@@ -421,15 +421,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     cores = os.cpu_count() or 1
     if world > cores:  # time-sharing: ranks / cores slower (the contention loop keeps rounds that ran unshared)
         simulated = dataclasses.replace(calibrate_contention_free(costs, simulated), cores=cores)
-    compute = pipe.plan.options.compute
-    if compute is None and measure:  # a profiled plan: this machine's memory bandwidth, if calibrated before
-        compute = cached_rates(torch.get_num_threads())
-    if compute is not None and measure:  # this machine's memory bandwidth: each stage's optimizer step, and an
-        # asynchronous schedule's copies of the weights (its stash snapshots or predictions)
+    mem_bw = memory_bandwidth(pipe.plan) if measure else None
+    if mem_bw is not None:  # this machine's memory bandwidth: each stage's optimizer step, and an asynchronous
+        # schedule's copies of the weights (its stash snapshots or predictions)
         optimizer = args.optimizer if args.optimizer != "sgd" else "momentum" if args.momentum else "sgd"
-        simulated = simulated.with_optimizer(optimizer, compute.mem_bw, overheads)
+        simulated = simulated.with_optimizer(optimizer, mem_bw, overheads)
         if not sched.synchronous:
-            simulated = simulated.with_weights(args.weights, optimizer, compute.mem_bw)
+            simulated = simulated.with_weights(args.weights, optimizer, mem_bw)
     if sched.synchronous and sched.batch_w:  # collective: every stage's measured batched-W fraction
         simulated = dataclasses.replace(simulated, w_batched=rt.batched_w_fractions())
     if rt.dp > 1 and measure:  # collective: the replicas' all-reduce over each dp group, measured now (< 1 s)
@@ -565,6 +563,22 @@ def rank_device(name: str) -> Any:
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def memory_bandwidth(plan: Any) -> float | None:
+    """Bytes/s the run charges its optimizer steps and weight copies at: an estimated plan's calibrated rates, a
+    profiled plan's own reading (taken beside its layer times), else this machine's cached calibration at the ranks'
+    threads; None when none of them is there (the simulation then leaves them out)."""
+    import torch
+
+    from fxpipe.calibration.compute import cached_rates
+
+    if plan.options.compute is not None:
+        return plan.options.compute.mem_bw
+    if plan.provenance.profile_mem_bw is not None:
+        return plan.provenance.profile_mem_bw
+    cached = cached_rates(torch.get_num_threads())
+    return None if cached is None else cached.mem_bw
 
 
 def calibrate_contention_free(costs: Any, calibrated: Any) -> Any:

@@ -836,3 +836,29 @@ def test_calibrated_plans_estimate_each_stage_s_batched_w_fraction() -> None:
     gpt = models.build("gpt-tiny")
     plan = run_compile(gpt.model, gpt.example_inputs, CompileOptions(stages=2, compute=rates)).pipeline.plan
     assert [s.w_batched for s in plan.stages] == [1.0, 1.0]
+
+
+def test_a_run_charges_its_optimizer_at_the_plans_own_memory_bandwidth_before_the_machines_cache(
+        cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An estimated plan's calibrated rates, then a profiled plan's own reading, then this machine's cache: a
+    profiled plan run on a machine never calibrated still charges its optimizer steps (it once charged none)."""
+    from fxpipe.cli.rank import memory_bandwidth
+
+    zoo = models.build("mlp-tiny")
+    pipe = run_compile(zoo.model, zoo.example_inputs, CompileOptions(stages=2, device_flops=1e11,
+                                                                     device_mem_bw=1e10)).pipeline
+    assert pipe is not None
+    plan = pipe.plan
+    assert plan.options.compute is None and plan.provenance.profile_mem_bw is None
+    assert memory_bandwidth(plan) is None  # nothing recorded, nothing cached: the simulation leaves them out
+    profiled = dataclasses.replace(plan, provenance=dataclasses.replace(plan.provenance, profiled=True,
+                                                                        profile_mem_bw=3e9))
+    assert memory_bandwidth(profiled) == 3e9
+    cc.calibrate_compute(threads=torch.get_num_threads(), measure=_fake_measure([]))
+    assert memory_bandwidth(plan) is None  # calibration off (the suite's setting): the cache is not read
+    monkeypatch.setenv("FXPIPE_CALIBRATION", "on")
+    assert memory_bandwidth(plan) == RATES.mem_bw  # the cache, for a plan that has no reading of its own
+    assert memory_bandwidth(profiled) == 3e9  # the plan's own reading, taken beside its layer times, comes first
+    calibrated = dataclasses.replace(plan, options=dataclasses.replace(plan.options, compute=dataclasses.replace(
+        RATES, mem_bw=7e9)))
+    assert memory_bandwidth(calibrated) == 7e9
