@@ -443,6 +443,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     else:
         held = held_peaks(((a.stage, a.kind.value) for acts in ran.ranks for a in acts), simulated.held_fb,
                           simulated.held_bw)
+    actions = (_action_table([action_seconds(*t) for t in timed_steps], sched, simulated) if sched.synchronous
+               else _action_table(stream_action_seconds(rt.events, m), ran, simulated))
     params = None
     if scored(args.data) and rt.dp_rank == 0:  # the launcher scores the held-out data with every stage's weights
         params = {n: p.detach().to("cpu", copy=True)  # gathered as objects and saved: CPU tensors
@@ -471,8 +473,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         # Per stage and kind of action of this rank: seconds per microbatch, measured (the median over the steps
         # after the first) and as the run's simulation charges it
         # (an asynchronous run: its last chunk's steps after the first, each W with the update it makes, as simulated)
-        "action_ms": _action_table([action_seconds(*t) for t in timed_steps], sched, simulated)
-        if sched.synchronous else _action_table(stream_action_seconds(rt.events, m), ran, simulated),
+        "action_ms": actions,
+        # the step simulated on every rank's measured action times instead of the plan's (collective): where it is
+        # near the measured step and the simulation is not, the gap is the per-action costs', not the schedule's
+        "replayed_step_ms": replayed_step_ms(ran, simulated, actions, world) * m / ran.num_microbatches,
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.
@@ -516,6 +520,25 @@ def stream_action_seconds(events: Sequence[tuple[Any, float, float]], m: int) ->
     for event in events:
         steps.setdefault(event[0].mb // m, []).append(event)
     return [action_seconds(steps[k], ()) for k in sorted(steps) if k > 0]
+
+
+def replayed_step_ms(schedule: Any, costs: Any, actions: list[list[Any]], world: int) -> float:
+    """Milliseconds of ``schedule`` simulated on the measured action times of every rank (``_action_table`` rows,
+    gathered: a collective when ``world`` > 1; a stage's replicas: the slowest one's, as the run's table shows them)
+    in place of ``costs``' (``schedules.simulate.replayed``)."""
+    from fxpipe.schedules.simulate import replayed, simulate
+
+    every = [actions]
+    if world > 1:
+        import torch.distributed as dist
+
+        every = [None] * world
+        dist.all_gather_object(every, actions)
+    measured: dict[tuple[int, str], float] = {}
+    for table in every:
+        for stage, kind, ms, _ in table or ():
+            measured[(stage, kind)] = max(measured.get((stage, kind), 0.0), ms / 1e3)
+    return simulate(schedule, replayed(schedule, costs, measured)).makespan * 1e3
 
 
 def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: Any) -> list[list[Any]]:

@@ -348,6 +348,8 @@ def run_cmd(
             "lrs": results[0].get("lrs", []), "grad_norms": results[0].get("grad_norms", []),
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
+            # the same simulation on the actions' measured times: the schedule model's part of the gap
+            "replayed_step_ms": results[0].get("replayed_step_ms"),
             "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
             "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
             "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
@@ -404,6 +406,10 @@ def run_cmd(
                               if (results[0].get("profile_threads") or 1) != 1 else ""),)
                           + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
                              if doc["calibration"] else ())
+                          + ((f"replayed: {doc['replayed_step_ms']:.2f} ms, the schedule simulated on the actions' "
+                              "measured times (the table below): the gap to the measured step that the schedule "
+                              "model leaves; the rest of the simulation's is the per-action costs'",)
+                             if doc["replayed_step_ms"] is not None and doc["actions"] else ())
                           + ((RUNTIME_COSTS_MISSING,) if doc["simulated_without_runtime_costs"] else ())
                           + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
                                                                                key=lambda kv: int(kv[0]))))

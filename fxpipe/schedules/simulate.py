@@ -15,7 +15,7 @@ import dataclasses
 import gc
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,6 +445,29 @@ def charged(schedule: Schedule, costs: Costs) -> Costs:
             w=tuple(t * scale for t in costs.w), action_s=costs.action_s * scale, step_s=costs.step_s * scale,
             send_s=costs.send_s * scale)
     return costs if schedule.synchronous else _asynchronous(schedule, costs)
+
+
+def replayed(schedule: Schedule, costs: Costs, measured: Mapping[tuple[int, str], float]) -> Costs:
+    """``costs`` as ``schedule`` charges them (:func:`charged`), with each (stage, kind) of action that ``measured``
+    times (seconds per action, ``Kind`` values as keys) taking that long: simulating ``schedule`` on the result
+    replays a run's own action times through the schedule model (its order, messages, waits and step end), so that
+    the gap between a simulation and a run splits into the per-action costs' and the schedule model's. A BW's time is
+    split between B and W as charged; the measured times hold each action's host time and any time-sharing of the
+    cores, so neither is charged again. Kinds not measured keep their charged time."""
+    timed = charged(schedule, costs)
+    f, b, w = ([t + timed.action_s for t in ts] for ts in (timed.f, timed.b, timed.w))
+    for (stage, kind), seconds in measured.items():
+        if not 0 <= stage < schedule.num_stages or not math.isfinite(seconds) or seconds < 0:
+            raise ScheduleError(f"a measured {kind} of stage {stage} took {seconds!r} s, which a {schedule.num_stages}"
+                                "-stage schedule cannot replay")
+        if kind == Kind.BW.value:
+            both = timed.b[stage] + timed.w[stage]
+            b[stage] = seconds * (timed.b[stage] / both if both > 0 else 0.5)
+            w[stage] = seconds - b[stage]
+        else:
+            {Kind.F.value: f, Kind.B.value: b, Kind.W.value: w}[kind][stage] = seconds
+    return dataclasses.replace(timed, f=tuple(f), b=tuple(b), w=tuple(w), action_s=0.0, cores=None, w_batched=(),
+                               copy_s=(), weights="")
 
 
 def _asynchronous(schedule: Schedule, costs: Costs) -> Costs:

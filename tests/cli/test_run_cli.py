@@ -51,6 +51,10 @@ def test_run_trains_like_one_process_and_reports(plan: Path, tmp_path: Path, mon
     assert set(actions) == {(s, k) for s in (0, 1) for k in ("F", "B", "W")}
     assert all(a["measured_ms"] > 0 and a["simulated_ms"] >= 0 for a in actions.values())
     assert all(actions[s, "F"]["simulated_ms"] > 0 for s in (0, 1))
+    # The schedule replayed on those measured times (both ranks' tables gathered): each rank is busy at least its
+    # stage's measured F + B + W for each of the 4 microbatches
+    busy = [4 * sum(actions[s, k]["measured_ms"] for k in ("F", "B", "W")) for s in (0, 1)]
+    assert doc["replayed_step_ms"] >= max(busy) * (1 - 1e-9), (doc["replayed_step_ms"], busy)
 
 
 def test_a_failed_rank_is_named(plan: Path) -> None:

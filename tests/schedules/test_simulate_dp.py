@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.planning.cost import allreduce_seconds
 from fxpipe.schedules.generators import GENERATORS, generate
 from fxpipe.schedules.ir import Schedule
@@ -293,3 +293,25 @@ def test_an_asynchronous_schedule_steps_after_every_w_and_pays_for_its_weight_co
     assert base.with_weights("predict", "momentum", 1e10).copy_s == (0.3, 0.3)
     with pytest.raises(OptionError, match="no prediction-time model for optimizer 'sgd'"):
         base.with_weights("predict", "sgd", 1e10)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "async-1f1b", "layerpipe-async"])
+def test_a_schedule_replayed_on_the_times_it_is_charged_is_its_own_simulation(name: str) -> None:
+    """``replayed`` takes a run's measured per-action times in place of the costs'; fed back the very times
+    ``charged`` gives each (stage, kind) (host time, time-sharing, per-W optimizer steps and copies included), it
+    simulates the same step, charging none of them twice; and measured times twice as long make every action so."""
+    from fxpipe.schedules.ir import Action, Kind
+    from fxpipe.schedules.simulate import charged, replayed
+
+    costs = dataclasses.replace(Costs.uniform(3, 1.0, 0.7, 0.5), grad_bytes=(1e9, 2e9, 1e9), latency=0.05,
+                                send_bytes=(1e8, 1e8, 0.0), bandwidth=1e9, action_s=0.01, cores=2)
+    costs = costs.with_optimizer("momentum", 2e10).with_weights("stash", "momentum", 2e10)
+    sched = generate(name, 3, 6)
+    timed = charged(sched, costs)
+    kinds = {(a.stage, a.kind.value) for acts in sched.ranks for a in acts}
+    measured = {(s, k): timed.time(Action(s, Kind(k), 0)) for s, k in kinds}
+    assert simulate(sched, replayed(sched, costs, measured)).makespan == pytest.approx(simulate(sched, costs).makespan)
+    slower = replayed(sched, costs, {key: 2 * t for key, t in measured.items()})
+    assert all(slower.time(Action(s, Kind(k), 0)) == pytest.approx(2 * t) for (s, k), t in measured.items())
+    with pytest.raises(ScheduleError, match="a measured F of stage 5 took 1.0 s, which a 3-stage schedule cannot"):
+        replayed(sched, costs, {(5, "F"): 1.0})
