@@ -6,8 +6,10 @@ Every case is compiled once with measured layer costs (``fxpipe compile MODEL --
 ``fxpipe run --json`` (gloo, one thread per rank), ``--repeat`` times, the cases of a paper interleaved run by run
 (A B A B: the machine's speed drifts). Measured: the run's median step after the first; simulated: the run's own
 (the profiled F, B and W scheduled with the link, compute contention and memory bandwidth ``fxpipe run`` measures
-on the ranks; an asynchronous run's stream simulated whole, per step). Each case keeps the median run by
-simulated / measured.
+on the ranks; an asynchronous run's stream simulated whole, per step); replayed: the run's schedule simulated again
+on its own measured action times (``replayed_step_ms``), which splits the simulation's gap into the per-action
+costs' (the profile against this machine as the ranks ran) and the schedule model's. Each case keeps the median
+run by simulated / measured, and the median replayed / measured.
 
 - ``layerpipe``: PipeDream (``async-1f1b``: fused B+W, weight stashing) against LayerPipe (``layerpipe-async``:
   W one backward slot after its B, the delayed weight gradient), both ``--weights stash``, momentum SGD, on
@@ -79,7 +81,8 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
                 doc = fxpipe(["run", case["dir"], "--steps", str(steps), "--microbatches", str(case["microbatches"]),
                               "--json", *case["run"]], env, timeout)
                 case["runs"].append({**{key: doc[key] for key in ("step_ms_median", "simulated_step_ms", "samples_per_s",
-                                                                  "batch", "ranks", "schedule", "step_ms")},
+                                                                  "batch", "ranks", "schedule", "step_ms",
+                                                                  "replayed_step_ms")},
                                      "calibration": (doc.get("calibration") or {}).get("summary")})
     for case in todo:
         del case["dir"]
@@ -90,6 +93,10 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
                     ratios=[round(r["simulated_step_ms"] / r["step_ms_median"], 3) for r in runs])
         case["ratio"] = round(case["simulated_ms"] / case["measured_ms"], 3)
         case["within_goal"] = abs(case["ratio"] - 1) <= GOAL
+        # the same runs' schedules replayed on their own measured action times: the schedule model's part of the gap
+        replays = sorted(round(r["replayed_step_ms"] / r["step_ms_median"], 3) for r in runs)
+        case.update(replay_ratios=replays, replay_ratio=replays[len(replays) // 2])
+        case["replay_within_goal"] = abs(case["replay_ratio"] - 1) <= GOAL
     return {"paper": paper, "steps": steps, "repeat": repeat,
             "command": f"python benchmarks/papers_measured.py --paper {paper} --steps {steps} --repeat {repeat}",
             "started": started, "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
@@ -113,10 +120,12 @@ def _head(doc: dict[str, Any]) -> str:
             f"{doc['cores']} cores; load average {doc['load_before']} before, {doc['load_after']} after):")
 
 
-def _fit(cases: list[dict[str, Any]]) -> str:
-    ratios = [c["ratio"] for c in cases]
-    missed = [c for c in cases if not c["within_goal"]]
-    return (f"Simulated / measured: {min(ratios):.2f}-{max(ratios):.2f}; within 20% in "
+def _fit(cases: list[dict[str, Any]], replay: bool = False) -> str:
+    """How many ``cases`` their simulation (``replay``: their replay on their own action times) puts within 20%."""
+    key, what = ("replay_ratio", "Replayed / measured") if replay else ("ratio", "Simulated / measured")
+    ratios = [c[key] for c in cases]
+    missed = [c for c in cases if abs(c[key] - 1) > GOAL]
+    return (f"{what}: {min(ratios):.2f}-{max(ratios):.2f}; within 20% in "
             f"{len(cases) - len(missed)} of {len(cases)} configurations" + (
                 "" if not missed else " (not: " + ", ".join(
                     f"{c['model']} {c.get('stages', c.get('how'))} {c.get('schedule', '')}".rstrip()
@@ -126,36 +135,51 @@ def _fit(cases: list[dict[str, Any]]) -> str:
 def layerpipe_table(doc: dict[str, Any]) -> str:
     """PipeDream against LayerPipe, measured and simulated, per model and stage count."""
     lines = [_head(doc), "", "| model | stages (ranks; per step) | PipeDream ms: measured / simulated | LayerPipe ms: measured / "
-             "simulated | LayerPipe's speedup: measured / simulated | simulated / measured (PD, LP) | control: 1F1B ms "
-             "measured / simulated |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "simulated | LayerPipe's speedup: measured / simulated | simulated / measured (PD, LP) | replayed / measured "
+             "(PD, LP) | control: 1F1B ms measured / simulated (simulated, replayed / measured) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {(c["model"], c["stages"], c["schedule"]): c for c in doc["cases"]}
     for model, p in dict.fromkeys((c["model"], c["stages"]) for c in doc["cases"]):
         pd, lp = by[(model, p, "async-1f1b")], by[(model, p, "layerpipe-async")]
         lines.append(f"| {model} | {p} ({pd['ranks']}; {pd['microbatches']} microbatches) | {pd['measured_ms']:.1f} / {pd['simulated_ms']:.1f} | "
                      f"{lp['measured_ms']:.1f} / {lp['simulated_ms']:.1f} | "
                      f"{pd['measured_ms'] / lp['measured_ms'] - 1:+.1%} / {pd['simulated_ms'] / lp['simulated_ms'] - 1:+.1%} | "
-                     f"{pd['ratio']:.2f}, {lp['ratio']:.2f} | {_control(by.get((model, p, '1f1b')))} |")
+                     f"{pd['ratio']:.2f}, {lp['ratio']:.2f} | {_replay(pd)}, {_replay(lp)} | "
+                     f"{_control(by.get((model, p, '1f1b')))} |")
     asynchronous = [c for c in doc["cases"] if c["schedule"] != "1f1b"]
     control = [c for c in doc["cases"] if c["schedule"] == "1f1b"]
-    return "\n".join(lines + ["", _fit(asynchronous) + "." + (f" The control, synchronous 1F1B: {_fit(control)[0].lower()}"
-                                                              f"{_fit(control)[1:]}." if control else "")])
+    out = [_fit(asynchronous) + "." + (f" The control, synchronous 1F1B: {_lower(_fit(control))}." if control else "")]
+    if all("replay_ratio" in c for c in doc["cases"]):
+        out.append(_fit(asynchronous, replay=True) + "." + (
+            f" The control: {_lower(_fit(control, replay=True))}." if control else ""))
+    return "\n".join(lines + [""] + out)
+
+
+def _lower(text: str) -> str:
+    return text[0].lower() + text[1:]
+
+
+def _replay(case: dict[str, Any]) -> str:
+    return f"{case['replay_ratio']:.2f}" if "replay_ratio" in case else "-"
 
 
 def _control(case: dict[str, Any] | None) -> str:
-    return "-" if case is None else f"{case['measured_ms']:.1f} / {case['simulated_ms']:.1f} ({case['ratio']:.2f})"
+    return "-" if case is None else (f"{case['measured_ms']:.1f} / {case['simulated_ms']:.1f} ({case['ratio']:.2f}, "
+                                     f"{_replay(case)})")
 
 
 def akintoye_table(doc: dict[str, Any]) -> str:
     """S(2) measured and simulated: merging, no merging, data parallelism, over one rank's samples per second."""
     one = next(c for c in doc["cases"] if c["n"] == 1)
     lines = [_head(doc), "", "| model | N | plan | stage bounds | samples/s measured / simulated | S(N) measured / "
-             "simulated | simulated / measured |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "simulated | simulated / measured | replayed / measured |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in doc["cases"]:
         got, sim = samples_per_s(c, "measured_ms"), samples_per_s(c, "simulated_ms")
         lines.append(f"| {c['model']} | {c['n']} | {c['how']} | {c['bounds']} | {got:.1f} / {sim:.1f} | "
                      f"{got / samples_per_s(one, 'measured_ms'):.2f} / {sim / samples_per_s(one, 'simulated_ms'):.2f} | "
-                     f"{c['ratio']:.2f} |")
-    return "\n".join(lines + ["", _fit(doc["cases"]) + "."])
+                     f"{c['ratio']:.2f} | {_replay(c)} |")
+    replayed = [_fit(doc["cases"], replay=True) + "."] if all("replay_ratio" in c for c in doc["cases"]) else []
+    return "\n".join(lines + ["", _fit(doc["cases"]) + ".", *replayed])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         (OUT / f"{paper}.json").write_text(json.dumps(doc, indent=1) + "\n")
         for case in doc["cases"]:
             print(paper, case["model"], case.get("stages", case.get("how")), case.get("schedule", ""),
-                  case["measured_ms"], case["simulated_ms"], case["ratio"], case["ratios"], flush=True)
+                  case["measured_ms"], case["simulated_ms"], case["ratio"], case["ratios"], "replayed",
+                  case["replay_ratios"], flush=True)
 
 
 if __name__ == "__main__":

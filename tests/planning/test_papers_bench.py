@@ -191,23 +191,28 @@ def test_measured_papers_tables_set_each_run_against_its_simulation() -> None:
     head = {"command": "python benchmarks/papers_measured.py", "started": "now", "steps": 8, "repeat": 3, "cores": 2,
             "load_before": 1.0, "load_after": 1.0}
 
-    def case(**kw: object) -> dict[str, object]:
+    def case(replay: float = 1.0, **kw: object) -> dict[str, object]:
         out = {"model": "m", "ranks": 2, "batch": 32, "microbatches": 4, "bounds": [0, 3, 6], **kw}
         out["ratio"] = round(out["simulated_ms"] / out["measured_ms"], 3)  # type: ignore[operator]
         out["within_goal"] = abs(out["ratio"] - 1) <= pm.GOAL  # type: ignore[operator]
+        out["replay_ratio"] = replay
         return out
 
     lp = pm.layerpipe_table({**head, "paper": "layerpipe", "cases": [
-        case(stages=2, schedule="async-1f1b", measured_ms=100.0, simulated_ms=90.0),
-        case(stages=2, schedule="layerpipe-async", measured_ms=80.0, simulated_ms=50.0),
-        case(stages=2, schedule="1f1b", measured_ms=120.0, simulated_ms=110.0)]})
+        case(stages=2, schedule="async-1f1b", measured_ms=100.0, simulated_ms=90.0, replay=0.97),
+        case(stages=2, schedule="layerpipe-async", measured_ms=80.0, simulated_ms=50.0, replay=0.75),
+        case(stages=2, schedule="1f1b", measured_ms=120.0, simulated_ms=110.0, replay=1.05)]})
     # PipeDream 100 ms against LayerPipe 80: +25% measured; simulated 90 against 50: +80%
-    assert "| m | 2 (2; 4 microbatches) | 100.0 / 90.0 | 80.0 / 50.0 | +25.0% / +80.0% | 0.90, 0.62 | " \
-           "120.0 / 110.0 (0.92) |" in lp
+    assert "| m | 2 (2; 4 microbatches) | 100.0 / 90.0 | 80.0 / 50.0 | +25.0% / +80.0% | 0.90, 0.62 | 0.97, 0.75 | " \
+           "120.0 / 110.0 (0.92, 1.05) |" in lp
     assert "within 20% in 1 of 2 configurations (not: m 2 layerpipe-async)" in lp
     assert "The control, synchronous 1F1B: simulated / measured: 0.92-0.92; within 20% in 1 of 1" in lp
+    # the runs replayed on their own action times: LayerPipe's 0.75 is the schedule model's miss, not the costs'
+    assert "Replayed / measured: 0.75-0.97; within 20% in 1 of 2 configurations (not: m 2 layerpipe-async)" in lp
+    assert "The control: replayed / measured: 1.05-1.05; within 20% in 1 of 1" in lp
     ak = pm.akintoye_table({**head, "paper": "akintoye", "cases": [
         case(n=1, how="1 rank", measured_ms=100.0, simulated_ms=100.0),
         case(n=2, how="dp", measured_ms=50.0, simulated_ms=40.0)]})
     # samples/s: 320 against 320 on one rank; 640 measured (S = 2.00) and 800 simulated (S = 2.50) on two
-    assert "| m | 2 | dp | [0, 3, 6] | 640.0 / 800.0 | 2.00 / 2.50 | 0.80 |" in ak
+    assert "| m | 2 | dp | [0, 3, 6] | 640.0 / 800.0 | 2.00 / 2.50 | 0.80 | 1.00 |" in ak
+    assert "Replayed / measured: 1.00-1.00; within 20% in 2 of 2 configurations." in ak
