@@ -2,9 +2,10 @@
 
     python benchmarks/papers_measured.py [--paper layerpipe|akintoye] [--steps 8] [--repeat 2]
 
-Every case is compiled once with measured layer costs (``fxpipe compile MODEL --profile``) and trained by
-``fxpipe run --json`` (gloo, one thread per rank), ``--repeat`` times, the cases of a paper interleaved run by run
-(A B A B: the machine's speed drifts). Measured: the run's median step after the first; simulated: the run's own
+Every case is compiled with measured layer costs (``fxpipe compile MODEL --profile``; cases compiled alike, such as
+one model's schedules at one stage count, share one profiled plan, so they are compared on the same costs) and
+trained by ``fxpipe run --json`` (gloo, one thread per rank), ``--repeat`` times, the cases of a paper interleaved
+run by run (A B A B: the machine's speed drifts). Measured: the run's median step after the first; simulated: the run's own
 (the profiled F, B and W scheduled with the link, compute contention and memory bandwidth ``fxpipe run`` measures
 on the ranks; an asynchronous run's stream simulated whole, per step); replayed: the run's schedule simulated again
 on its own measured action times (``replayed_step_ms``), which splits the simulation's gap into the per-action
@@ -69,10 +70,14 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for k, case in enumerate(todo):
-            case["dir"] = str(Path(tmp) / f"plan{k}")
-            fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches", str(case["microbatches"]),
-                    "--out", case["dir"], "--json"], env, timeout)
+        plans: dict[tuple[str, ...], str] = {}  # cases compiled alike share one profiled plan: the same costs
+        for case in todo:
+            key = (case["model"], *case["compile"], str(case["microbatches"]))
+            case["dir"] = plans.get(key) or str(Path(tmp) / f"plan{len(plans)}")
+            if key not in plans:
+                plans[key] = case["dir"]
+                fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches",
+                        str(case["microbatches"]), "--out", case["dir"], "--json"], env, timeout)
             plan = json.loads((Path(case["dir"]) / "plan.json").read_text())["plan"]
             case["bounds"] = [s["first_layer"] for s in plan["stages"]] + [plan["stages"][-1]["end_layer"]]
             case["runs"] = []
