@@ -73,11 +73,11 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
         plans: dict[tuple[str, ...], str] = {}  # cases compiled alike share one profiled plan: the same costs
         for case in todo:
             key = (case["model"], *case["compile"], str(case["microbatches"]))
-            case["dir"] = plans.get(key) or str(Path(tmp) / f"plan{len(plans)}")
             if key not in plans:
-                plans[key] = case["dir"]
+                plans[key] = str(Path(tmp) / f"plan{len(plans)}")
                 fxpipe(["compile", case["model"], *case["compile"], "--profile", "--microbatches",
-                        str(case["microbatches"]), "--out", case["dir"], "--json"], env, timeout)
+                        str(case["microbatches"]), "--out", plans[key], "--json"], env, timeout)
+            case["dir"] = plans[key]
             plan = json.loads((Path(case["dir"]) / "plan.json").read_text())["plan"]
             case["bounds"] = [s["first_layer"] for s in plan["stages"]] + [plan["stages"][-1]["end_layer"]]
             case["runs"] = []

@@ -534,11 +534,20 @@ def replayed_step_ms(schedule: Any, costs: Any, actions: list[list[Any]], world:
 
         every = [None] * world
         dist.all_gather_object(every, actions)
-    measured: dict[tuple[int, str], float] = {}
-    for table in every:
-        for stage, kind, ms, _ in table or ():
-            measured[(stage, kind)] = max(measured.get((stage, kind), 0.0), ms / 1e3)
+    measured = {key: ms / 1e3 for key, (ms, _) in slowest_actions(every).items()}
     return simulate(schedule, replayed(schedule, costs, measured)).makespan * 1e3
+
+
+def slowest_actions(tables: Any) -> dict[tuple[int, str], tuple[float, float]]:
+    """Per (stage, kind), the (measured, simulated) ms of the slowest measured row over ``tables`` (ranks'
+    ``_action_table`` rows): a stage's replicas reported as their slowest, in the run's table and its replay."""
+    slowest: dict[tuple[int, str], tuple[float, float]] = {}
+    for table in tables:
+        for stage, kind, measured, simulated in table:
+            key = (int(stage), str(kind))
+            if key not in slowest or measured > slowest[key][0]:
+                slowest[key] = (float(measured), float(simulated))
+    return slowest
 
 
 def _action_table(steps: list[dict[tuple[int, str], float]], sched: Any, costs: Any) -> list[list[Any]]:

@@ -498,12 +498,9 @@ def _on_one_clock(results: list[dict[str, Any]]) -> dict[int, list[Any]]:
 def _actions(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each stage's kinds of action, ms per microbatch, measured and simulated (of a stage's replicas, the slowest
     measured); [] when the ranks did not time them (an asynchronous or per-layer run)."""
-    best: dict[tuple[int, str], tuple[float, float]] = {}
-    for r in results:
-        for stage, kind, measured, simulated in r.get("action_ms", []):
-            key = (int(stage), str(kind))
-            if key not in best or measured > best[key][0]:
-                best[key] = (float(measured), float(simulated))
+    from fxpipe.cli.rank import slowest_actions
+
+    best = slowest_actions(r.get("action_ms", []) for r in results)
     return [{"stage": s, "action": k, "measured_ms": m, "simulated_ms": sim} for (s, k), (m, sim) in sorted(best.items())]
 
 
