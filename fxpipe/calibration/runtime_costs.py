@@ -347,18 +347,21 @@ def channel_one_way(rank: int, trips: int = 60, numel: int = 16, window: int = 1
 
 def optimizer_costs(*, momentum: float = 0.0, counts: tuple[int, int] = (1, 16), numel: int = 64, reps: int = 20,
                     window: int = 10, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
-    """(seconds per step, seconds per parameter tensor) of ``torch.optim.SGD`` (``lr``, ``momentum``, as ``fxpipe run``
-    builds it), as a pipeline runs it: cold, after other work. The line through the step times over ``counts`` small
-    tensors (``numel`` floats each, so that the arithmetic is nothing); before each step, a 256 x 256 matmul and an
-    in-place pass over 4 MiB (what an action leaves behind); each count's time the least disturbed window's median.
+    """(seconds per step, seconds per parameter tensor) of SGD (``lr``, ``momentum``) as ``fxpipe run`` builds it
+    (``OptimizerSpec``: fused where torch has the kernel), as a pipeline runs it: cold, after other work. The line
+    through the step times over ``counts`` small tensors (``numel`` floats each, so that the arithmetic is nothing);
+    before each step, a 256 x 256 matmul and an in-place pass over 4 MiB (what an action leaves behind); each
+    count's time the least disturbed window's median.
     Cold, as inside a step, the same steps take several times what they take back to back."""
+    from fxpipe.runtime.optim import OptimizerSpec
+
     a, evict = torch.randn(256, 256), torch.randn(1 << 20)
     times = []
     for n in counts:
         params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
         for p in params:
             p.grad = torch.randn(numel)
-        opt = torch.optim.SGD(params, lr=1e-3, momentum=momentum)
+        opt = OptimizerSpec("sgd", lr=1e-3, momentum=momentum)(params)
         runs = []
         for k in range(reps + 2):
             torch.mm(a, a)
@@ -422,6 +425,7 @@ def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int
     as a whole calibration's. ``host``: what this rank's runtime changes about the process (None: nothing).
     """
     from fxpipe.runtime.executor import PipelineRuntime
+    from fxpipe.runtime.optim import OptimizerSpec
 
     host = HostTuning() if host is None else host  # None: this process as it is
     rank = dist.get_rank()
@@ -432,7 +436,7 @@ def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int
     x = torch.randn(2, 4, 2, 2)
     pipe = probe_pipeline(model, x, rates)
     rt = PipelineRuntime(pipe, loss_fn=torch.nn.functional.mse_loss, example_inputs=(x,),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), host=host)
+                         optimizer=OptimizerSpec("sgd", lr=1e-3), host=host)
     m = rt.schedule.num_microbatches
     inputs, target = torch.randn(2 * m, 4, 2, 2), torch.randn(2 * m, 4)
     costs = pipe.plan.stages

@@ -34,6 +34,7 @@ import torch
 
 from fxpipe._compat import boxed
 from fxpipe.errors import OptionError
+from fxpipe.graphs.accumulate import grads_are_fresh
 from fxpipe.graphs.convention import StageGraphs, loss_and_output_grads
 from fxpipe.graphs.recompute import draws_random, recompute_graph
 from fxpipe.schedules.ir import Action, Kind
@@ -61,6 +62,7 @@ class ActionRunner:
         # Recomputing stages: stage -> its F again (inputs -> saved), and whether F draws random numbers
         self.again: dict[int, tuple[Any, bool]] = {}
         self._boxes: dict[tuple[int, str], Any] = {}  # (stage, graph) -> its boxed form (see ``boxed``)
+        self._fresh: dict[int, list[bool]] = {}  # stage -> whether each gradient W returns is new (``take_grads``)
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -222,11 +224,29 @@ class ActionRunner:
         grads = g.run_backward_weight(self.handover.pop((s, m)), saved, self.out_grads.pop((s, m)), weights)
         if weights and self.versions.policy != "stash":
             self.predicted(s, weights)
-        module = self.stages[s].module
-        for name, grad in zip(g.param_names, grads):
-            accumulate(module.get_parameter(name), grad)
-        self.step(s)
+        self.step(s, self.take_grads(s, grads))
         self.hold_spare(s)
+
+    def take_grads(self, s: int, grads: Sequence[Any]) -> set[int]:
+        """Asynchronous schedules: W's gradients (``param_names`` order) become stage s's ``.grad`` as they are, since
+        each microbatch's update applies its own gradient alone: no pass adding them to the last one, none zeroing
+        that (a gradient W returns as an input or a view of one is copied; a parameter returned twice, summed).
+        Returns the ids of the parameters written."""
+        g, module = self.graphs[s], self.stages[s].module
+        fresh = self._fresh.get(s)
+        if fresh is None:
+            w = g.backward_weight
+            fresh = self._fresh[s] = (grads_are_fresh(w, len(g.param_names)) if isinstance(w, torch.fx.GraphModule)
+                                      else [False] * len(g.param_names))
+        written: set[int] = set()
+        for name, grad, new in zip(g.param_names, grads, fresh):
+            p = module.get_parameter(name)
+            if id(p) in written:
+                p.grad.add_(grad)  # type: ignore[union-attr]
+            else:
+                p.grad = grad.detach() if new else grad.detach().clone()
+                written.add(id(p))
+        return written
 
     def hold_spare(self, s: int) -> None:
         """Stash: stage s's spare snapshot (kept for the next one) counts as held while it is kept."""
@@ -255,14 +275,17 @@ class ActionRunner:
             self.held.release(s, ("B", m))
         return self.graphs[s].weight_args(self.handover.pop((s, m)), self.saved.pop((s, m)), self.out_grads.pop((s, m)))
 
-    def step(self, s: int) -> None:
-        """Asynchronous schedules: stage s applies this microbatch's gradient now, and the next W starts afresh: into
-        the same gradient buffers, zeroed (freed, the next W's would be new memory, which a CPU faults in page by
-        page: slower than the gradient's GEMM on the zoo's MLP)."""
+    def step(self, s: int, written: set[int]) -> None:
+        """Asynchronous schedules: stage s applies this microbatch's gradient now. The next W's replace the
+        ``written`` ones (:meth:`take_grads`); any other parameter's is zeroed, so no gradient is applied twice."""
         opt = self.optimizers.get(s)
         if opt is not None:
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None and id(p) not in written:
+                            p.grad.zero_()
         self.versions.updated(s)
 
     def fused_backward(self, s: int, m: int) -> None:

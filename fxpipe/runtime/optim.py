@@ -61,9 +61,21 @@ class OptimizerSpec:
                               "pass --betas B1,B2 instead")
 
     def __call__(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        fused = fusable(params)
         if self.name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+            return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, fused=fused)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, fused=fused)
+
+
+def fusable(params: Iterable[torch.Tensor]) -> bool | None:
+    """True where torch's fused optimizer kernels take ``params`` (plain dense floating-point tensors on the CPU or a
+    GPU): one pass over parameter, gradient and state per step, the traffic ``fxpipe.planning.cost.OPTIMIZER_TRAFFIC``
+    charges, where torch's default steps make several (benchmarks/RESULTS.md, "Optimizer step"); None (torch's
+    default) otherwise, e.g. for DTensors."""
+    params = list(params)
+    ok = bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                              and p.layout is torch.strided for p in params)
+    return True if ok else None
 
 
 def parse_betas(text: str) -> tuple[float, float]:

@@ -72,6 +72,56 @@ def test_the_optimizer_spec_makes_torch_optimizers() -> None:
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
 
 
+@pytest.mark.parametrize("spec", [OptimizerSpec("sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
+                                  OptimizerSpec("adamw", lr=0.1, weight_decay=0.1, betas=(0.8, 0.95))],
+                         ids=["momentum-sgd", "adamw"])
+def test_the_fused_step_takes_torchs_default_steps(spec: OptimizerSpec) -> None:
+    """The spec picks torch's fused kernel for plain CPU parameters (one pass per step: what the cost model charges),
+    and over 5 steps it moves the parameters and state as torch's default implementation does."""
+    from fxpipe.runtime.optim import fusable
+
+    torch.manual_seed(0)
+    start = [torch.randn(33, 7, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    fused_ps = [torch.nn.Parameter(t.clone()) for t in start]
+    plain_ps = [torch.nn.Parameter(t.clone()) for t in start]
+    fused = spec(fused_ps)
+    plain = (torch.optim.AdamW(plain_ps, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+             if spec.name == "adamw" else
+             torch.optim.SGD(plain_ps, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay))
+    assert fused.param_groups[0]["fused"] is True and not plain.param_groups[0]["fused"]
+    for _ in range(5):
+        grads = [torch.randn_like(t) for t in start]
+        for ps, opt in ((fused_ps, fused), (plain_ps, plain)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+    for a, b in zip(fused_ps, plain_ps):
+        torch.testing.assert_close(a, b)
+        for key, value in plain.state[b].items():
+            torch.testing.assert_close(fused.state[a][key].to(value.dtype), value)
+    assert fusable([torch.nn.Parameter(torch.ones(2))]) is True
+    assert fusable([torch.nn.Parameter(torch.ones(2, dtype=torch.int64), requires_grad=False)]) is None
+    assert fusable([]) is None
+
+
+def test_a_dtensor_parameter_keeps_torchs_default_step(world1: None) -> None:
+    """The fused kernels take plain tensors: the spec leaves a DTensor parameter (a per-layer strategy's) to torch's
+    default implementation, which steps it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fxpipe.runtime.optim import fusable
+
+    mesh = init_device_mesh("cpu", (1,))
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+    assert fusable([p]) is None
+    opt = OptimizerSpec("sgd", lr=0.5)([p])
+    assert not opt.param_groups[0]["fused"]
+    p.grad = distribute_tensor(torch.full((4,), 2.0), mesh, [Replicate()])
+    opt.step()
+    torch.testing.assert_close(p.full_tensor(), torch.zeros(4))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: OptimizerSpec("lamb"), "unknown optimizer 'lamb'; use one of sgd, adamw"),
     (lambda: OptimizerSpec("adamw", momentum=0.9), "momentum is SGD's"),
