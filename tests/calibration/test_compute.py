@@ -62,7 +62,11 @@ def no_real_overheads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compile_cmd, "measure_runtime_overheads", _fake_overheads([]))
 
 
-def test_measure_compute_gives_positive_finite_rates() -> None:
+def test_measure_compute_gives_positive_finite_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every measurement at small settings: the skinny GEMM curves at 3 of their 9 row counts, the cold pool and the
+    # cache probe at 8 weights (32 MiB) of their 32; each curve's shape is still checked against its table.
+    monkeypatch.setattr(cc, "SKINNY_ROWS", (1, 16, 256))
+    monkeypatch.setattr(cc, "COLD_POOL_MAX", 8)
     rates = cc.measure_compute(1, gemm_sizes=(64, 128), stream_bytes=1 << 20, runs=2)
     for name in ("gemm_flops", "conv_flops", "mem_bw", "op_fwd", "op_bwd"):
         value = getattr(rates, name)
