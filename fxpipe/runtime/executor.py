@@ -1056,13 +1056,18 @@ def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+# How torch runs a step, not what it computes: the optimizer keeps its own (a state saved by torch's default
+# implementation loads into a fused one, and the other way).
+_IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
 def _hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: dict[str, Any]) -> dict[str, Any]:
     """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree)."""
     found = [saved[f] for f in fqns if f in saved]
     if not found:
         return {}
     values = {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in found[0].items()
-              if k != "params" and k in group}
+              if k not in _IMPLEMENTATION and k in group}
     for other in found[1:]:
         for k, v in values.items():
             theirs = tuple(other.get(k)) if isinstance(v, tuple) and isinstance(other.get(k), list) else other.get(k)

@@ -311,3 +311,20 @@ def test_a_resumed_run_continues_the_schedule_exactly(world1: None, tmp_path: Pa
     assert resumed.load_checkpoint(tmp_path) == 2
     assert resumed.scaler.scale == first.scaler.scale
     assert _train(zoo, resumed, 2) == whole[2:]
+
+
+def test_a_loaded_state_keeps_the_optimizers_own_kernel(world1: None) -> None:
+    """A checkpoint carries hyperparameters, not how torch runs the step: a state saved by torch's default
+    implementation (an older fxpipe's) loads into the fused one with its lr, and the kernel stays fused."""
+    spec = OptimizerSpec("sgd", lr=0.1, momentum=0.9)
+    zoo, rt = _runtime("mlp-tiny", optimizer=spec)
+    _train(zoo, rt, 1)
+    state = rt.state_dict()
+    assert state["param_groups"] and all(g["fused"] is True for g in state["param_groups"])
+    for g in state["param_groups"]:
+        g.update(fused=None, foreach=True, lr=0.05)
+    zoo, fresh = _runtime("mlp-tiny", optimizer=spec)
+    fresh.load_state_dict(state)
+    groups = [g for opt in fresh.optimizers.values() for g in opt.param_groups]
+    assert groups and all(g["fused"] is True and g["foreach"] is None and g["lr"] == 0.05 for g in groups)
+    assert all(opt.state for opt in fresh.optimizers.values())  # the momentum buffers came too
