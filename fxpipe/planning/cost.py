@@ -59,7 +59,8 @@ OPTIMIZER_STATE: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 
 
 OPTIMIZER_TRAFFIC: dict[str, int] = {"sgd": 3, "momentum": 5, "adam": 7, "adamw": 7}
 """Bytes an optimizer step reads and writes per parameter byte: the parameter, its gradient and its state
-read, the parameter and the state written (SGD: p, g in, p out; momentum adds the buffer in and out)."""
+read, the parameter and the state written (SGD: p, g in, p out; momentum adds the buffer in and out). One pass, as
+torch's fused kernels make it, which ``fxpipe run`` steps (``fxpipe.runtime.optim.fusable``)."""
 
 
 def optimizer_step_seconds(param_bytes: float, optimizer: str, mem_bw: float) -> float:
