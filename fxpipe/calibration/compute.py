@@ -250,7 +250,8 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
                     runs: int = 10) -> ComputeRates:
     """Measure GEMM and convolution FLOP/s, memory bandwidth and per-node host time now, at ``threads`` threads.
 
-    Each time is the fastest of ``runs`` after one warm-up; about 2-4 s on one core.
+    Each time is the fastest of ``runs`` after one warm-up. It runs once per machine and thread count (cached), on
+    the first ``fxpipe compile`` that estimates: most of that command's time there (benchmarks/RESULTS.md).
     """
     start = time.perf_counter()
     with _threads(threads), torch.random.fork_rng(devices=[]):
