@@ -230,7 +230,8 @@ class ActionRunner:
     def take_grads(self, s: int, grads: Sequence[Any]) -> set[int]:
         """Asynchronous schedules: W's gradients (``param_names`` order) become stage s's ``.grad`` as they are, since
         each microbatch's update applies its own gradient alone: no pass adding them to the last one, none zeroing
-        that (a gradient W returns as an input or a view of one is copied; a parameter returned twice, summed).
+        that (a gradient W returns as an input or a view of one, or laid out unlike its parameter, is copied:
+        :func:`grad_like`; a parameter returned twice, summed).
         Returns the ids of the parameters written."""
         g, module = self.graphs[s], self.stages[s].module
         fresh = self._fresh.get(s)
@@ -244,7 +245,7 @@ class ActionRunner:
             if id(p) in written:
                 p.grad.add_(grad)  # type: ignore[union-attr]
             else:
-                p.grad = grad.detach() if new else grad.detach().clone()
+                p.grad = grad_like(p, grad, fresh=new)
                 written.add(id(p))
         return written
 
@@ -472,9 +473,19 @@ def set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None, torch.device])
 def accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """``param.grad += grad`` (a copy the first time)."""
     if param.grad is None:
-        param.grad = grad.detach().clone()
+        param.grad = grad_like(param, grad, fresh=False)
     else:
         param.grad.add_(grad)
+
+
+def grad_like(param: torch.Tensor, grad: torch.Tensor, *, fresh: bool) -> torch.Tensor:
+    """``grad`` as ``param``'s ``.grad``: in the parameter's own layout (autograd's gradient layout contract), taken
+    as it is where it is ``fresh`` (no other reference) and so already, else copied into it. torch's fused optimizer
+    kernels read parameter, gradient and state element by element in memory order: a gradient strided otherwise
+    (a transposed W output) is stepped into the wrong elements, silently."""
+    if fresh and grad.stride() == param.stride():
+        return grad.detach()
+    return torch.empty_like(param).copy_(grad)
 
 
 class InPlaceW:
@@ -503,7 +514,7 @@ class InPlaceW:
             return True
         if any(have) or not self.unique:
             return False
-        grads = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in self.params]
+        grads = [torch.empty_like(p) for p in self.params]  # the parameters' own layout (``grad_like``)
         self.w_set(*args, *grads)
         for p, grad in zip(self.params, grads):
             p.grad = grad

@@ -43,7 +43,7 @@ from fxpipe.plan_dir import load
 from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, measure_ratio
 from fxpipe.runtime.channel import Channel
-from fxpipe.runtime.core import ActionRunner, HeldBytes
+from fxpipe.runtime.core import ActionRunner, HeldBytes, grad_like
 from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.runtime.faults import peer_down
@@ -765,9 +765,9 @@ class PipelineRuntime:
         params = self.stage_params[s]
         for p, grad, fresh in zip(params, result, fresh_grads):
             if id(p) not in self._written:
-                # Contiguous: W_set and W_acc then write plain row-major buffers (a transposed view
-                # would make every GEMM into it strided).
-                p.grad = grad.detach().contiguous() if fresh else grad.detach().clone(memory_format=torch.contiguous_format)
+                # In the parameter's layout (row-major for the zoo's): W_set and W_acc then write plain buffers (a
+                # transposed view would make every GEMM into it strided), and the fused optimizer reads them right.
+                p.grad = grad_like(p, grad, fresh=fresh)
                 self._written.add(id(p))
             else:
                 p.grad.add_(grad)  # type: ignore[union-attr]

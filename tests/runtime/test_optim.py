@@ -328,3 +328,35 @@ def test_a_loaded_state_keeps_the_optimizers_own_kernel(world1: None) -> None:
     groups = [g for opt in fresh.optimizers.values() for g in opt.param_groups]
     assert groups and all(g["fused"] is True and g["foreach"] is None and g["lr"] == 0.05 for g in groups)
     assert all(opt.state for opt in fresh.optimizers.values())  # the momentum buffers came too
+
+
+@pytest.mark.parametrize("transposed", ["gradient", "parameter"])
+def test_a_gradient_laid_out_unlike_its_parameter_is_handed_over_in_the_parameters_layout(transposed: str) -> None:
+    """torch's fused kernels step parameter, gradient and state in memory order: a gradient laid out unlike its
+    parameter is stepped into the wrong elements (shown here; AOTAutograd's W graphs return each gradient in its
+    parameter's layout, so this guards the other ways a gradient can arrive), and ``core.grad_like`` hands it over
+    in the parameter's layout, a fresh one that already is without a copy."""
+    from fxpipe.runtime.core import grad_like
+
+    torch.manual_seed(0)
+    start = torch.randn(6, 4, dtype=torch.float64)
+    grads = [torch.randn(6, 4, dtype=torch.float64) for _ in range(3)]
+
+    def layout(t: torch.Tensor, flip: bool) -> torch.Tensor:
+        return t.t().contiguous().t() if flip else t.clone()
+
+    def train(fused: bool | None, handover: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(layout(start, transposed == "parameter"))
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=fused)
+        for g in grads:
+            g = layout(g, transposed == "gradient")
+            p.grad = grad_like(p, g, fresh=True) if handover else g
+            opt.step()
+        return p.detach()
+
+    want = train(None, handover=False)  # torch's default step reads any layout
+    assert not torch.allclose(train(True, handover=False), want)
+    torch.testing.assert_close(train(True, handover=True), want)
+    p, g = torch.zeros(3, 2), torch.ones(3, 2)
+    assert grad_like(p, g, fresh=True) is not g and grad_like(p, g, fresh=True).data_ptr() == g.data_ptr()
+    assert grad_like(p, g, fresh=False).data_ptr() != g.data_ptr()
