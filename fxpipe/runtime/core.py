@@ -62,7 +62,11 @@ class ActionRunner:
         # Recomputing stages: stage -> its F again (inputs -> saved), and whether F draws random numbers
         self.again: dict[int, tuple[Any, bool]] = {}
         self._boxes: dict[tuple[int, str], Any] = {}  # (stage, graph) -> its boxed form (see ``boxed``)
-        self._fresh: dict[int, list[bool]] = {}  # stage -> whether each gradient W returns is new (``take_grads``)
+        # Per stage, whether each gradient W returns is a new tensor (``fresh_grads``): read from the fx graphs now,
+        # before an executor swaps in compiled ones.
+        self._fresh = [grads_are_fresh(g.backward_weight, len(g.param_names))
+                       if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
+                       for g in self.graphs]
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -234,13 +238,8 @@ class ActionRunner:
         :func:`grad_like`; a parameter returned twice, summed).
         Returns the ids of the parameters written."""
         g, module = self.graphs[s], self.stages[s].module
-        fresh = self._fresh.get(s)
-        if fresh is None:
-            w = g.backward_weight
-            fresh = self._fresh[s] = (grads_are_fresh(w, len(g.param_names)) if isinstance(w, torch.fx.GraphModule)
-                                      else [False] * len(g.param_names))
         written: set[int] = set()
-        for name, grad, new in zip(g.param_names, grads, fresh):
+        for name, grad, new in zip(g.param_names, grads, self.fresh_grads(s)):
             p = module.get_parameter(name)
             if id(p) in written:
                 p.grad.add_(grad)  # type: ignore[union-attr]
@@ -248,6 +247,11 @@ class ActionRunner:
                 p.grad = grad_like(p, grad, fresh=new)
                 written.add(id(p))
         return written
+
+    def fresh_grads(self, s: int) -> list[bool]:
+        """Whether each gradient stage s's W returns is a new tensor (``graphs.accumulate.grads_are_fresh``, read
+        from its fx graph as the runner was made); all False where W was no fx graph."""
+        return self._fresh[s]
 
     def hold_spare(self, s: int) -> None:
         """Stash: stage s's spare snapshot (kept for the next one) counts as held while it is kept."""

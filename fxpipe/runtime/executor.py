@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from fxpipe._compat import autocast_forward, pytree
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
-from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
+from fxpipe.graphs.accumulate import accumulating_weight_graph
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import LIMITS
@@ -199,7 +199,6 @@ class PipelineRuntime:
                                                    overwrite=True)[0] for s in self.mine}
         self._written: set[int] = set()  # parameters whose .grad this step has written
         self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
-        self.w_fresh = {s: grads_are_fresh(graphs[s].backward_weight, len(graphs[s].param_names)) for s in self.mine}
         self.core = _RankRunner(self, loss_fn)
         self.recompute, self.recompute_note = self._recompute_stages(recompute)
         self.core.recomputing(s for s in self.recompute if s in self.mine)  # before the graphs are compiled
@@ -742,7 +741,7 @@ class PipelineRuntime:
         ``fxpipe.graphs.accumulate``). ``batch``: the stage's W over several microbatches, on their combined
         arguments (``BatchedW.combine``)."""
         plain, w_acc, w_set, fresh_grads = (self.graphs[s].backward_weight, self.w_acc[s], self.w_set[s],
-                                            self.w_fresh[s]) if batch is None else \
+                                            self.core.fresh_grads(s)) if batch is None else \
             (batch.plain, batch.w_acc, batch.w_set, batch.fresh)
         tag = "" if batch is None else f"@{batch.k}"
         params = self.stage_params[s]
