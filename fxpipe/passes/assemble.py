@@ -62,7 +62,8 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
             else options.stages, devices=options.devices,
             bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
             microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
-            max_stages=options.max_stages, dp=options.dp, cores=options.cores, overheads=overheads), verify_stages),
+            max_stages=options.max_stages, dp=options.dp, cores=options.cores, overheads=overheads,
+            balance_backward=options.balance_backward, input_grads=options.input_grads), verify_stages),
         Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
     ]
     if options.split_backward:
@@ -75,8 +76,7 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
         if options.balance_backward:
             from fxpipe.passes.balance_backward import balance_backward
 
-            steps.append(Step("balance-backward", lambda gm: balance_backward(
-                need(gm), device_mem_bw=options.device_mem_bw), verify_split_backward))
+            steps.append(Step("balance-backward", lambda gm: balance_backward(need(gm)), verify_split_backward))
     return steps
 
 

@@ -48,6 +48,8 @@ def partition_stages(
     dp: int = 1,
     cores: int | None = None,
     overheads: RuntimeOverheads | None = None,
+    balance_backward: bool = False,
+    input_grads: bool = False,
 ) -> PassResult:
     """Cut the layers into ``num_stages`` contiguous stages minimising the bottleneck stage time.
 
@@ -83,6 +85,12 @@ def partition_stages(
     rank. A fixed stage count ignores both. ``overheads``: the runtime's fixed costs the planners (``"auto"``,
     ``"plan"``) simulate with (``Costs.with_runtime``; the caller reads them from the machine model,
     ``fxpipe.calibration.compute.compute_overheads``); None: none.
+
+    ``balance_backward`` (LayerPipe's inter-layer balance): the DP also chooses, at each cut it makes, whether the
+    derivative of an activation crossing it (relu, tanh, sigmoid; :func:`movable_derivatives`) runs in the B of
+    the stage after the cut; ``StagePlan.moves`` lists them and the ``balance-backward`` pass makes them on the
+    split graphs. Under ``"auto"`` and ``"plan"`` the moves are chosen for the cuts those planners chose. Without
+    ``input_grads`` the first stage's inputs take no gradient, so its backward is all W and none moves out of it.
     Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
     smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
 
@@ -123,10 +131,12 @@ def partition_stages(
     elif num_stages != "plan" and (not isinstance(num_stages, int) or num_stages < 1):
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
+    movable = movable_derivatives(out, stats) if balance_backward else None
     if counted:
         plan = plan_for_bounds([s.time for s in stats], bounds, cut_bytes=cut_bytes, bandwidth=bandwidth,
                                latency=latency, static_bytes=static,
-                               activation_bytes=_held_per_microbatch(stats, schedule), in_flight=flights)
+                               activation_bytes=_held_per_microbatch(stats, schedule), in_flight=flights,
+                               movable=movable, first_moves=input_grads)
     else:
         plan = plan_stages(
             [s.time for s in stats],
@@ -138,6 +148,8 @@ def partition_stages(
             activation_bytes=_held_per_microbatch(stats, schedule),
             in_flight=flights,
             memory_cap=memory_per_stage,
+            movable=movable,
+            first_moves=input_grads,
         )
     stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
     for node in compute_nodes(out.graph):
@@ -162,6 +174,26 @@ def partition_stages(
         out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
     return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency,
                                                           _held_per_microbatch(stats, schedule))))
+
+
+# Derivatives of element-wise activations that read the activation's output, which the next stage holds as its
+# input: the split graphs can run them there (fxpipe.graphs.moves.MOVABLE, on the backward's ops).
+_MOVABLE_ACTIVATIONS = (torch.ops.aten.relu.default, torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default)
+
+
+def movable_derivatives(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> list[list[tuple[str, float]]]:
+    """Per boundary between layers ``c - 1`` and ``c`` (index ``c - 1``), the activations whose derivative could run
+    in the B of a stage starting at ``c``: made by a relu, tanh or sigmoid in layer ``c - 1`` and read by layer
+    ``c`` alone (not the model's output), each with its derivative's seconds (its node's B time, at most its
+    layer's)."""
+    out: list[list[tuple[str, float]]] = [[] for _ in range(len(stats) - 1)]
+    for node in compute_nodes(gm.graph):
+        if node.target not in _MOVABLE_ACTIVATIONS or not node.users:
+            continue
+        layer = get_meta(node).layer_idx
+        if layer + 1 < len(stats) and all(u.op != "output" and get_meta(u).layer_idx == layer + 1 for u in node.users):
+            out[layer].append((node.name, min(get_meta(node).time_bwd_input, stats[layer].time_bwd_input)))
+    return out
 
 
 def _fbw(stats: Sequence[LayerStats], spans: Sequence[tuple[int, int]]) -> tuple[tuple[float, ...], ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxpipe.errors import PlanError
 from fxpipe.planning.cost import transfer_time
@@ -45,6 +45,20 @@ class StagePlan:
     stage_memory: tuple[float, ...]
     bottleneck: float
     lower_bound: float
+    # LayerPipe's inter-layer balance (--balance-backward): each (cut, value, seconds) moves ``seconds`` of B, the
+    # derivative of the activation ``value`` that layer ``cut - 1`` makes, from the stage ending at ``cut`` to the
+    # stage starting there; ``stage_times`` count the moves
+    moves: tuple[tuple[int, str, float], ...] = ()
+
+    def without(self, cut: int, value: str) -> "StagePlan":
+        """This plan with the move of ``value`` across ``cut`` taken back (the split graphs cannot make it)."""
+        (seconds,) = [t for c, v, t in self.moves if (c, v) == (cut, value)]
+        k = self.bounds.index(cut) - 1
+        times = list(self.stage_times)
+        times[k] += seconds
+        times[k + 1] -= seconds
+        return replace(self, stage_times=tuple(times), bottleneck=max(times),
+                       moves=tuple(m for m in self.moves if (m[0], m[1]) != (cut, value)))
 
     @property
     def ratio(self) -> float:
@@ -227,6 +241,8 @@ def plan_stages(
     activation_bytes: Sequence[float] | None = None,
     in_flight: Sequence[int] | None = None,
     memory_cap: float | None = None,
+    movable: Sequence[Sequence[tuple[str, float]]] | None = None,
+    first_moves: bool = True,
 ) -> StagePlan:
     """Cut ``costs`` into ``num_stages`` contiguous stages with the smallest possible bottleneck.
 
@@ -235,6 +251,11 @@ def plan_stages(
     ``stage_memory``. Among the plans with the optimal bottleneck it returns the one with the
     least total stage time (the least communication), then the one with the earliest cuts.
     Two O(L^2 P) DPs: the bottleneck, then the least sum subject to every stage <= the bottleneck.
+
+    ``movable`` (LayerPipe's inter-layer balance): per cut between adjacent layers, the (value, seconds) of B
+    that may run in either stage of that cut; the DPs then also choose, for every cut they make, whether its
+    seconds move to the stage after it (ties: the fewest moves), and ``StagePlan.moves`` lists the moves.
+    ``first_moves`` False: none moves out of the first stage (its inputs take no gradient, so it has no B).
 
     Raises PlanError: fewer than 1 stage, more stages than layers, a sequence of the wrong
     length, a negative or non-finite value, or a memory cap no plan meets (the message gives
@@ -291,6 +312,12 @@ def plan_stages(
     def fits(k: int, i: int, j: int) -> bool:
         return static_sum[i][j] + flights[k] * act_sum[i][j] <= cap
 
+    moving = _moving(movable, num_layers)
+    if any(moving):
+        found = _plan_with_moves(times, moving, fits, num_stages, first=first_moves)
+        if found is None:
+            _no_plan_fits(static_sum, act_sum, flights, num_layers, num_stages, cap)
+        return _plan_of(costs, times, found[0], found[1], movable, static_sum, act_sum, flights)  # type: ignore[arg-type]
     inf = math.inf
     # DP 1: best[j] = least bottleneck of layers 0..j-1 cut into k+1 stages.
     best = [inf] * (num_layers + 1)
@@ -314,18 +341,7 @@ def plan_stages(
     optimum = best[num_layers]
 
     if optimum == inf:
-        # P <= L, so only the memory cap can leave no plan.
-        need = _memory_dp(static_sum, act_sum, flights, num_layers, num_stages)
-        fix = (
-            "raise --memory-per-stage or add stages"
-            if num_stages < num_layers
-            else "raise --memory-per-stage or use a finer --granularity"
-        )
-        raise PlanError(
-            f"no {num_stages}-stage plan fits --memory-per-stage {format_bytes(cap)} "
-            f"({_exact_bytes(cap)} bytes); the smallest cap that works is {format_bytes(need)} "
-            f"({_exact_bytes(need)} bytes); {fix}"
-        )
+        _no_plan_fits(static_sum, act_sum, flights, num_layers, num_stages, cap)
 
     # DP 2, over suffixes so that scanning j upwards picks the earliest cut among ties:
     # rest[i] = least total time of layers i..L-1 in stages k..P-1, every stage <= limit.
@@ -376,6 +392,124 @@ def plan_stages(
     )
 
 
+def _no_plan_fits(static_sum: list[list[float]], act_sum: list[list[float]], flights: Sequence[int],
+                  num_layers: int, num_stages: int, cap: float) -> None:
+    # P <= L, so only the memory cap can leave no plan.
+    need = _memory_dp(static_sum, act_sum, flights, num_layers, num_stages)
+    fix = (
+        "raise --memory-per-stage or add stages"
+        if num_stages < num_layers
+        else "raise --memory-per-stage or use a finer --granularity"
+    )
+    raise PlanError(
+        f"no {num_stages}-stage plan fits --memory-per-stage {format_bytes(cap)} "
+        f"({_exact_bytes(cap)} bytes); the smallest cap that works is {format_bytes(need)} "
+        f"({_exact_bytes(need)} bytes); {fix}"
+    )
+
+
+def _moving(movable: Sequence[Sequence[tuple[str, float]]] | None, num_layers: int) -> list[float]:
+    """Seconds movable at each layer boundary ``c`` (index ``c``; 0 at both ends of the chain)."""
+    if movable is None:
+        return [0.0] * (num_layers + 1)
+    _check_length("movable", movable, max(num_layers - 1, 0), "cut between adjacent layers")
+    seconds = [math.fsum(t for _, t in values) for values in movable]
+    _check_values("movable", seconds)
+    return [0.0, *seconds, 0.0]
+
+
+def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits, num_stages: int,  # type: ignore[no-untyped-def]
+                     bounds: Sequence[int] | None = None, first: bool = True) -> tuple[list[int], list[int]] | None:
+    """The bounds and moved cuts of the least bottleneck, then least total time, then fewest moves (then the earliest
+    cuts), when every cut ``c`` may move ``moving[c]`` seconds from the stage before it to the stage after it; only
+    ``bounds`` when given; ``first`` False: nothing moves out of the first stage. Stage ``i..j-1``'s time is
+    ``times[i][j] + moving[i] x moved-in - moving[j] x moved-out``: the DPs of :func:`plan_stages` with each
+    boundary's move as part of the state. None: no plan fits."""
+    num_layers = len(moving) - 1
+    inf = math.inf
+
+    def ends(k: int, i: int) -> range | tuple[int, ...]:  # where stage k, starting at layer i, may end
+        if bounds is not None:
+            return (bounds[k + 1],) if bounds[k] == i else ()
+        return range(i + 1, num_layers - (num_stages - 1 - k) + 1)
+
+    def options(j: int, k: int = 1) -> tuple[int, ...]:  # whether stage k, ending at j, moves out there
+        return (0, 1) if moving[j] > 0 and (first or k > 0) else (0,)
+
+    def time(i: int, j: int, y: int, x: int) -> float:
+        return times[i][j] + (moving[i] if y else 0.0) - (moving[j] if x else 0.0)
+
+    # DP 1: best[x][j] = least bottleneck of layers 0..j-1 in k+1 stages, the last one moving out x at j.
+    best = [[inf] * (num_layers + 1) for _ in range(2)]
+    for j in ends(0, 0):
+        if fits(0, 0, j):
+            for x in options(j, 0):
+                best[x][j] = time(0, j, 0, x)
+    for k in range(1, num_stages):
+        cur = [[inf] * (num_layers + 1) for _ in range(2)]
+        for i in range(k, num_layers):
+            for j in ends(k, i):
+                if not fits(k, i, j):
+                    continue
+                for y in options(i):
+                    d = best[y][i]
+                    for x in options(j):
+                        v = max(d, time(i, j, y, x))
+                        if v < cur[x][j]:
+                            cur[x][j] = v
+        best = cur
+    optimum = best[0][num_layers]
+    if optimum == inf:
+        return None
+    # DP 2 over suffixes: rest[y][i] = (least total, fewest moves) of layers i..L-1 in stages k..P-1, stage k
+    # moving in y at i, every stage <= the optimum.
+    limit = optimum + abs(optimum) * _REL_TOL
+    rest: list[list[tuple[float, int]]] = [[(inf, 0)] * (num_layers + 1) for _ in range(2)]
+    rest[0][num_layers] = (0.0, 0)
+    choice: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in range(num_stages)]
+    for k in range(num_stages - 1, -1, -1):
+        cur = [[(inf, 0)] * (num_layers + 1) for _ in range(2)]
+        for i in range(k, num_layers):
+            for y in options(i):
+                b, bm, pick = inf, 0, None
+                for j in ends(k, i):
+                    for x in options(j, k):
+                        r, rm = rest[x][j]
+                        t = time(i, j, y, x)
+                        if r == inf or t > limit or not fits(k, i, j):
+                            continue
+                        v, vm = t + r, rm + x
+                        close = math.isclose(v, b, rel_tol=_TIE_TOL)
+                        if (v < b and not close) or (close and vm < bm):
+                            b, bm, pick = v, vm, (j, x)
+                cur[y][i] = (b, bm)
+                if pick is not None:
+                    choice[k][(y, i)] = pick
+        rest = cur
+    cuts, moved, y = [0], [], 0
+    for k in range(num_stages):
+        j, x = choice[k][(y, cuts[-1])]
+        cuts.append(j)
+        if x:
+            moved.append(j)
+        y = x
+    return cuts, moved
+
+
+def _plan_of(costs: Sequence[float], times: list[list[float]], bounds: Sequence[int], moved: Sequence[int],
+             movable: Sequence[Sequence[tuple[str, float]]], static_sum: list[list[float]],
+             act_sum: list[list[float]], flights: Sequence[int]) -> StagePlan:
+    moving = _moving(movable, len(costs))
+    spans = list(zip(bounds, bounds[1:]))
+    stage_times = tuple(times[i][j] + (moving[i] if i in moved else 0.0) - (moving[j] if j in moved else 0.0)
+                        for i, j in spans)
+    return StagePlan(
+        bounds=tuple(bounds), stage_times=stage_times,
+        stage_memory=tuple(static_sum[i][j] + flights[k] * act_sum[i][j] for k, (i, j) in enumerate(spans)),
+        bottleneck=max(stage_times), lower_bound=float(max(math.fsum(costs) / len(spans), max(costs))),
+        moves=tuple((c, value, t) for c in moved for value, t in movable[c - 1]))
+
+
 def plan_for_bounds(
     costs: Sequence[float],
     bounds: Sequence[int],
@@ -386,9 +520,12 @@ def plan_for_bounds(
     static_bytes: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     in_flight: Sequence[int] | None = None,
+    movable: Sequence[Sequence[tuple[str, float]]] | None = None,
+    first_moves: bool = True,
 ) -> StagePlan:
     """The StagePlan of given ``bounds`` (chosen elsewhere, e.g. by ``stage_count``), costed as :func:`plan_stages`
-    costs its own: stage time with both cuts' transfers, memory with ``in_flight`` microbatches.
+    costs its own: stage time with both cuts' transfers, memory with ``in_flight`` microbatches; with ``movable``,
+    the moves across those cuts that make the least bottleneck (:func:`plan_stages`).
 
     >>> plan_for_bounds([1.0, 2.0, 3.0], (0, 2, 3)).stage_times
     (3.0, 3.0)
@@ -403,6 +540,14 @@ def plan_for_bounds(
     flights = _default_in_flight(in_flight, num_stages)
     spans = list(zip(bounds, bounds[1:]))
     times = tuple(stage_time(costs, cuts, i, j, bandwidth=bandwidth, latency=latency) for i, j in spans)
+    if movable is not None and any(_moving(movable, num_layers)):
+        table = [[0.0] * (num_layers + 1) for _ in range(num_layers)]
+        for (i, j), t in zip(spans, times):
+            table[i][j] = t
+        found = _plan_with_moves(table, _moving(movable, num_layers), lambda k, i, j: True, num_stages, bounds,
+                                 first_moves)
+        assert found is not None  # every stage fits: no cap
+        return _plan_of(costs, table, bounds, found[1], movable, _prefix_table(statics), _prefix_table(acts), flights)
     memory = tuple(stage_memory(statics, acts, flights, k, i, j) for k, (i, j) in enumerate(spans))
     return StagePlan(bounds=tuple(bounds), stage_times=times, stage_memory=memory, bottleneck=max(times),
                      lower_bound=float(max(math.fsum(costs) / num_stages, max(costs))))

@@ -19,6 +19,7 @@ from fxpipe.planning.stage_dp import (
     StagePlan,
     format_bytes,
     min_memory_cap,
+    plan_for_bounds,
     plan_stages,
     stage_memory,
     stage_time,
@@ -248,6 +249,105 @@ def test_public_helpers_match_reference(inst: Instance, data: st.DataObject) -> 
         t = stage_time(inst.costs, cuts, i, j, bandwidth=inst.bandwidth, latency=inst.latency)
         assert math.isclose(t, ref_t[k], rel_tol=1e-9, abs_tol=1e-12)
         assert math.isclose(stage_memory(static, act, flights, k, i, j), ref_m[k], rel_tol=1e-12)
+
+
+# --- LayerPipe's inter-layer balance: moves across cuts chosen inside the DP ------------------------
+
+
+@st.composite
+def with_moves(draw: st.DrawFn, *, with_cap: bool | None = None) -> tuple[Instance, list[list[tuple[str, float]]], bool]:
+    """An instance of at least 2 stages, at some cuts a derivative's seconds that may move across it, and whether
+    the first stage may move one out."""
+    inst = draw(instances(min_layers=2, min_stages=2, with_cap=with_cap))
+    movable = [[(f"relu_{c}", draw(_cost))] if draw(st.booleans()) else [] for c in range(1, len(inst.costs))]
+    return inst, movable, draw(st.booleans())
+
+
+def _moved_times(bounds: tuple[int, ...], times: list[float], moving: list[float], moved: tuple[int, ...]) -> list[float]:
+    out = list(times)
+    for c in moved:
+        k = bounds.index(c)
+        out[k - 1] -= moving[c - 1]
+        out[k] += moving[c - 1]
+    return out
+
+
+def _brute_force_moves(inst: Instance, movable: list[list[tuple[str, float]]], first: bool,
+                       bounds_only: tuple[int, ...] | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...], list[float]]]:
+    """Every plan meeting the cap, with every subset of its movable cuts moved: (bounds, moved cuts, stage times)."""
+    moving = [math.fsum(t for _, t in values) for values in movable]
+    feasible, _ = _brute_force(inst)
+    rows = []
+    for bounds, times in feasible:
+        if bounds_only is not None and bounds != bounds_only:
+            continue
+        cuts = [c for c in bounds[1 if first else 2:-1] if moving[c - 1] > 0]
+        for size in range(len(cuts) + 1):
+            for moved in itertools.combinations(cuts, size):
+                rows.append((bounds, moved, _moved_times(bounds, times, moving, moved)))
+    return rows
+
+
+def _check_moves(inst: Instance, movable: list[list[tuple[str, float]]], first: bool, plan: StagePlan,
+                 rows: list[tuple[tuple[int, ...], tuple[int, ...], list[float]]]) -> None:
+    moving = [math.fsum(t for _, t in values) for values in movable]
+    moved = tuple(sorted({c for c, _, _ in plan.moves}))
+    assert plan.moves == tuple((c, v, t) for c in moved for v, t in movable[c - 1])  # every value at a moved cut
+    assert all(c in plan.bounds[1 if first else 2:-1] and moving[c - 1] > 0 for c in moved)
+    want = _moved_times(plan.bounds, _ref_times(inst, plan.bounds), moving, moved)
+    for got, ref in zip(plan.stage_times, want, strict=True):
+        assert math.isclose(got, ref, rel_tol=1e-9, abs_tol=1e-9)
+    assert plan.bottleneck == max(plan.stage_times)
+    optimum = min(max(t) for _, _, t in rows)
+    assert math.isclose(plan.bottleneck, optimum, rel_tol=1e-9, abs_tol=1e-9)
+    best = [(b, m, t) for b, m, t in rows if math.isclose(max(t), optimum, rel_tol=1e-9, abs_tol=1e-9)]
+    least = min(math.fsum(t) for _, _, t in best)
+    assert math.isclose(math.fsum(plan.stage_times), least, rel_tol=1e-9, abs_tol=1e-9)
+    fewest = min(len(m) for _, m, t in best if math.isclose(math.fsum(t), least, rel_tol=1e-9, abs_tol=1e-9))
+    assert len(moved) == fewest
+
+
+@settings(max_examples=200, deadline=None)
+@given(with_moves())
+def test_moves_chosen_inside_the_dp_match_brute_force(case: tuple[Instance, list[list[tuple[str, float]]], bool]) -> None:
+    """The least bottleneck over every partition and every choice of moves across its cuts (brute force), the least
+    total time among those, and the fewest moves among those."""
+    inst, movable, first = case
+    rows = _brute_force_moves(inst, movable, first)
+    if not rows:
+        with pytest.raises(PlanError, match="no .*-stage plan fits --memory-per-stage"):
+            plan_stages(inst.costs, inst.num_stages, movable=movable, first_moves=first, **inst.kwargs())  # type: ignore[arg-type]
+        return
+    plan = plan_stages(inst.costs, inst.num_stages, movable=movable, first_moves=first, **inst.kwargs())  # type: ignore[arg-type]
+    _check_moves(inst, movable, first, plan, rows)
+    without = plan_stages(inst.costs, inst.num_stages, **inst.kwargs())  # type: ignore[arg-type]
+    assert plan.bottleneck <= without.bottleneck * (1 + 1e-9) + 1e-12 and without.moves == ()
+
+
+@settings(max_examples=100, deadline=None)
+@given(with_moves(with_cap=False), st.data())
+def test_moves_across_given_bounds_match_brute_force(case: tuple[Instance, list[list[tuple[str, float]]], bool],
+                                                    data: st.DataObject) -> None:
+    inst, movable, first = case
+    bounds = data.draw(st.sampled_from(_all_bounds(len(inst.costs), inst.num_stages)))
+    plan = plan_for_bounds(inst.costs, bounds, movable=movable, cut_bytes=inst.cut_bytes, bandwidth=inst.bandwidth,
+                           latency=inst.latency, static_bytes=inst.static_bytes,
+                           activation_bytes=inst.activation_bytes, in_flight=inst.in_flight, first_moves=first)
+    assert plan.bounds == bounds
+    _check_moves(inst, movable, first, plan, _brute_force_moves(inst, movable, first, bounds))
+
+
+def test_a_move_lowers_the_bottleneck_and_can_move_the_cut() -> None:
+    # Without moves 3 | 1 + 1 (bottleneck 3) or 3 + 1 | 1 (4). Moving 1 s across cut 1 gives 2 | 3; moving 1.5 s
+    # across cut 2 makes 3 + 1 - 1.5 | 1 + 1.5 = 2.5 | 2.5: the cut moves to where the derivative can follow it.
+    assert plan_stages([3.0, 1.0, 1.0], 2).bounds == (0, 1, 3)
+    plan = plan_stages([3.0, 1.0, 1.0], 2, movable=[[("relu", 1.0)], [("relu_1", 1.5)]])
+    assert (plan.bounds, plan.stage_times, plan.moves) == ((0, 2, 3), (2.5, 2.5), ((2, "relu_1", 1.5),))
+    assert plan.without(2, "relu_1").stage_times == (4.0, 1.0)
+    # a move that would not lower the bottleneck is not made, nor one out of a first stage that has no B
+    assert plan_stages([1.0, 1.0], 2, movable=[[("relu", 0.5)]]).moves == ()
+    assert plan_stages([3.0, 1.0], 2, movable=[[("relu", 1.0)]]).moves == ((1, "relu", 1.0),)
+    assert plan_stages([3.0, 1.0], 2, movable=[[("relu", 1.0)]], first_moves=False).moves == ()
 
 
 # --- hand-computed plans ------------------------------------------------------------------------
