@@ -34,6 +34,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     from fxpipe.passes.strategy_graph import strategy_graph
     from fxpipe.planning.strategies import Degrees
     from fxpipe.runtime.strategy import StrategyRuntime
+    from fxpipe.runtime.optim import OptimizerSpec, parse_betas
 
     record = pipe.plan.strategy
     pp = max(1, len(record.stages))
@@ -59,7 +60,9 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
                          stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
                          timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
-    opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=args.momentum)
+    # fxpipe run's optimizers (torch's default kernels: the parameters are DTensors, which the fused ones do not take)
+    opt = OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                        betas=parse_betas(args.betas))(list(rt.parameters()))
     from fxpipe.cli.run_log import StepLog, token_ids
 
     samples = int(inputs[0].shape[0])

@@ -232,11 +232,11 @@ def run_cmd(
         autocast_of(precision, device)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise OptionError(f"--clip-grad-norm is the largest global gradient norm, > 0 (got {clip_grad_norm})")
-        if plan.strategy is not None and (optimizer != "sgd" or weight_decay or lr_schedule != "constant" or warmup_steps
-                                          or clip_grad_norm is not None or precision != "fp32"):
-            raise OptionError("a per-layer strategy plan trains with SGD in fp32 (--lr, --momentum); --optimizer, "
-                              "--weight-decay, --lr-schedule, --warmup-steps, --clip-grad-norm and --precision are "
-                              "for pipeline plans")
+        if plan.strategy is not None and (lr_schedule != "constant" or warmup_steps or clip_grad_norm is not None
+                                          or precision != "fp32"):
+            raise OptionError("a per-layer strategy plan trains in fp32 at a constant learning rate (--optimizer, --lr, "
+                              "--momentum, --weight-decay, --betas); --lr-schedule, --warmup-steps, --clip-grad-norm "
+                              "and --precision are for pipeline plans")
         if not sched.synchronous and (clip_grad_norm is not None or precision == "fp16"
                                       or lr_schedule != "constant" or warmup_steps):
             raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "

@@ -17,12 +17,14 @@ from fxpipe.plan_dir import read_plan
 from tests._helpers import fxpipe_cli, ok, one_line_error
 
 
-def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatches: int = 1) -> list[float]:
+def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatches: int = 1,
+                        adamw: bool = False) -> list[float]:
     """One process on the whole batch, taken ``microbatches`` at a time (BatchNorm's statistics are each
-    microbatch's), the loss their mean over the batch."""
+    microbatch's), the loss their mean over the batch; SGD, or AdamW with weight decay 0.01."""
     zoo = models.build(name, dtype=torch.float64, batch_size=batch, seed=0)
     (x,), target = synthetic_batch(zoo, 1)
-    opt = torch.optim.SGD(zoo.model.parameters(), lr=lr)
+    opt = (torch.optim.AdamW(zoo.model.parameters(), lr=lr, weight_decay=0.01) if adamw
+           else torch.optim.SGD(zoo.model.parameters(), lr=lr))
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -34,14 +36,19 @@ def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatch
     return losses
 
 
-@pytest.mark.parametrize(("name", "ranks", "strategy"), [("vgg-tiny", 2, "auto"), ("resnet-tiny", 4, "splitbrain")])
-def test_a_strategy_plan_trains_like_one_process(tmp_path: Path, name: str, ranks: int, strategy: str) -> None:
+@pytest.mark.parametrize(("name", "ranks", "strategy", "adamw"),
+                         [("vgg-tiny", 2, "auto", False), ("resnet-tiny", 4, "splitbrain", True)])
+def test_a_strategy_plan_trains_like_one_process(tmp_path: Path, name: str, ranks: int, strategy: str,
+                                                 adamw: bool) -> None:
     plan = tmp_path / "plan"
     ok(fxpipe_cli("compile", name, "--stages", "1", "--dp", str(ranks), "--strategy", strategy, "--dtype", "float64",
                   "--batch-size", str(2 * ranks), "--out", plan))
-    doc = json.loads(ok(fxpipe_cli("run", plan, "--steps", "3", "--lr", "0.05", "--json")).stdout)
+    lr = 0.01 if adamw else 0.05
+    optimizer = ("--optimizer", "adamw", "--weight-decay", "0.01") if adamw else ()
+    doc = json.loads(ok(fxpipe_cli("run", plan, "--steps", "3", "--lr", str(lr), *optimizer, "--json")).stdout)
     assert doc["ranks"] == ranks and doc["schedule"].startswith(f"strategy {strategy} (")
-    torch.testing.assert_close(doc["losses"], _one_process_losses(name, 2 * ranks, 3, 0.05), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(doc["losses"], _one_process_losses(name, 2 * ranks, 3, lr, adamw=adamw), rtol=1e-9,
+                               atol=1e-12)
     assert doc["losses"][-1] < doc["losses"][0]
 
 
