@@ -147,3 +147,35 @@ def test_a_plan_directory_keeps_its_moves(tmp_path: Path) -> None:
     (tmp_path / "plan" / "plan.json").write_text(json.dumps(doc))
     with pytest.raises(PlanFileError, match="backward_moves has a move across cut 2"):
         fxpipe.load(tmp_path / "plan")
+
+
+def test_a_planned_move_the_split_graphs_cannot_make_is_taken_back_out_of_the_plan() -> None:
+    """The DP plans Middle's move across cut 1 (stage 1 to 2); with stage 1's backward fused (no B of its own to
+    start with the derivative) the pass keeps it where it was, and the plan's times are those of no move."""
+    import dataclasses
+
+    from fxpipe.api import CompileOptions, run_compile
+    from fxpipe.passes.balance_backward import balance_backward
+
+    torch.manual_seed(0)
+    example = (torch.randn(8, 16),)
+    options = CompileOptions(stages=3, balance_backward=True, latency=0.0)
+    root = run_compile(Middle(), example, options, stop_after="split-backward").root
+    assert root is not None
+    planned = root.meta["fxpipe_stage_plan"]
+    ((cut, value, seconds),) = planned.moves
+    assert (planned.bounds.index(cut) - 1, value) == (1, "relu_2")
+    graphs = list(root.meta["fxpipe_stage_graphs"])
+    graphs[1] = dataclasses.replace(graphs[1], fused_reason="a test: not split")
+    root.meta["fxpipe_stage_graphs"] = graphs
+    result = balance_backward(root)
+    (table,) = result.reports
+    assert table.rows == ((1, "relu_2", "", round(seconds * 1e3, 5),
+                           "kept: planned, but the split graphs cannot move it (B does not start with it)"),)
+    plan = result.gm.meta["fxpipe_stage_plan"]
+    assert plan.moves == () and result.gm.meta["fxpipe_backward_moves"] == []
+    plain = run_compile(Middle(), example, CompileOptions(stages=3, latency=0.0), stop_after="split-backward").root
+    assert plain is not None and plan.bounds == plain.meta["fxpipe_stage_plan"].bounds
+    for got, want in zip(plan.stage_times, plain.meta["fxpipe_stage_plan"].stage_times, strict=True):
+        assert got == pytest.approx(want, rel=1e-12)
+    assert result.gm.meta["fxpipe_stage_graphs"][2] is graphs[2]  # stage 2's graphs untouched
