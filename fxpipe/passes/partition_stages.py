@@ -176,9 +176,19 @@ def partition_stages(
                                                           _held_per_microbatch(stats, schedule))))
 
 
-# Derivatives of element-wise activations that read the activation's output, which the next stage holds as its
-# input: the split graphs can run them there (fxpipe.graphs.moves.MOVABLE, on the backward's ops).
-_MOVABLE_ACTIVATIONS = (torch.ops.aten.relu.default, torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default)
+# Element-wise activations whose derivative reads the activation's output, which the next stage holds as its input:
+# the split graphs can run it there (fxpipe.graphs.moves.MOVABLE, on the backward's ops). Exported graphs hold the
+# aten ops; graphs of --tracer fx hold torch's functions and modules.
+_MOVABLE_ACTIVATIONS = (torch.ops.aten.relu.default, torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default,
+                        torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.relu, torch.nn.functional.tanh,
+                        torch.nn.functional.sigmoid)
+_MOVABLE_MODULES = (torch.nn.ReLU, torch.nn.Tanh, torch.nn.Sigmoid)
+
+
+def _movable_activation(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), _MOVABLE_MODULES)
+    return node.op in ("call_function", "call_method") and node.target in _MOVABLE_ACTIVATIONS + ("relu", "tanh", "sigmoid")
 
 
 def movable_derivatives(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> list[list[tuple[str, float]]]:
@@ -188,7 +198,7 @@ def movable_derivatives(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -
     layer's)."""
     out: list[list[tuple[str, float]]] = [[] for _ in range(len(stats) - 1)]
     for node in compute_nodes(gm.graph):
-        if node.target not in _MOVABLE_ACTIVATIONS or not node.users:
+        if not node.users or not _movable_activation(gm, node):
             continue
         layer = get_meta(node).layer_idx
         if layer + 1 < len(stats) and all(u.op != "output" and get_meta(u).layer_idx == layer + 1 for u in node.users):

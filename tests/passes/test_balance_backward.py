@@ -179,3 +179,15 @@ def test_a_planned_move_the_split_graphs_cannot_make_is_taken_back_out_of_the_pl
     for got, want in zip(plan.stage_times, plain.meta["fxpipe_stage_plan"].stage_times, strict=True):
         assert got == pytest.approx(want, rel=1e-12)
     assert result.gm.meta["fxpipe_stage_graphs"][2] is graphs[2]  # stage 2's graphs untouched
+
+
+def test_the_fx_tracers_graphs_plan_the_same_move() -> None:
+    """``--tracer fx`` graphs hold torch's modules and functions, not aten ops: the partitioner finds the same
+    movable activation there (named as that tracer names it) and plans the same move."""
+    torch.manual_seed(0)
+    example = (torch.randn(8, 16),)
+    moves = {tracer: fxpipe.compile(Middle(), example, stages=3, balance_backward=True, latency=0.0,
+                                    tracer=tracer).plan.backward_moves for tracer in ("export", "fx")}
+    assert [(m.cut, m.value) for m in moves["export"]] == [(1, "relu_2")]
+    assert [(m.cut, m.value) for m in moves["fx"]] == [(1, "blocks_2_act")]
+    assert moves["fx"][0].seconds == moves["export"][0].seconds
