@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")  # PipelineRuntime(cuda_graphs=)
     parser.add_argument("--recompute", choices=("none", "stage", "auto"), default="none")  # PipelineRuntime(recompute=)
+    parser.add_argument("--w-lane", action="store_true")  # PipelineRuntime(w_lane=)
     parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
     parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
     parser.add_argument("--fault-step", type=int, default=1)  # the step (from the run's first) the faults fire in
@@ -175,7 +176,7 @@ def _start_time(pid: int) -> str | None:
 # may differ.
 SHARED_OPTIONS = ("steps", "schedule", "microbatches", "resume", "checkpoint_every", "seed", "lr", "momentum",
                   "optimizer", "weight_decay", "betas", "lr_schedule", "warmup_steps", "clip_grad_norm", "precision",
-                  "weights", "codegen", "recompute")
+                  "weights", "codegen", "recompute", "w_lane")
 
 
 def run_identity(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -330,7 +331,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                          clip_grad_norm=args.clip_grad_norm, precision=args.precision,
                          timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
                          device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
-                         host=args.host, recompute=args.recompute)
+                         host=args.host, recompute=args.recompute, w_lane=args.w_lane)
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True

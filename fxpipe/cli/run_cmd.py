@@ -106,6 +106,9 @@ def run_cmd(
                                            "memory, F's time again in B); auto, the stages the plan's "
                                            "--memory-per-stage cap needs (none without a cap). Synchronous "
                                            "schedules.")] = "none",
+    w_lane: Annotated[bool, typer.Option("--w-lane", help="Run each W on a second thread of its rank, beside the "
+                                         "next F and B (LayerPipe's W apart from B): it computes while the rank "
+                                         "waits for a message. CPU ranks, one replica, synchronous schedules.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
     checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here every --checkpoint-every "
                                                                 "steps and after the last (one directory per step).")
@@ -248,6 +251,18 @@ def run_cmd(
                           keep_freed_memory=keep_freed_memory)  # a wrong value is refused here, before any rank starts
         replicas = dp if dp is not None else plan.mesh.dp
         _check_sizes(replicas, nproc, nnodes, seed, timeout, sched.num_ranks)
+        if w_lane:  # what the ranks would refuse, refused before any starts
+            from fxpipe.plan_dir import read_plan_json
+            from fxpipe.runtime.lane import refusal
+
+            tied = any(len({sched.rank_of_stage[k] for k in holders}) > 1
+                       for holders in read_plan_json(plan_dir)["shared_params"].values())
+            why = "--w-lane runs pipeline plans' W's; a per-layer strategy has none" if plan.strategy is not None \
+                else refusal(synchronous=sched.synchronous, dp=replicas, tied=tied,
+                             global_norm=clip_grad_norm is not None or precision == "fp16", device=device,
+                             batched=sched.batch_w)
+            if why is not None:
+                raise OptionError(why)
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         if trace is not None:
@@ -296,7 +311,7 @@ def run_cmd(
             if clip_grad_norm is not None:
                 cmd += ["--clip-grad-norm", str(clip_grad_norm)]
             cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
-                    "--codegen", codegen, "--device", device, "--recompute", recompute,
+                    "--codegen", codegen, "--device", device, "--recompute", recompute, *(["--w-lane"] if w_lane else []),
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
             with progress(disable=as_json) as step:

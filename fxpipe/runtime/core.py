@@ -216,7 +216,7 @@ class ActionRunner:
 
     def backward_weight(self, s: int, m: int) -> None:
         if self.versions is None:
-            self.weight(s, m, self._weight_args(s, m))
+            self.weight(s, m, self.weight_args(s, m))
             return
         g = self.graphs[s]
         if self.held is not None:
@@ -270,11 +270,11 @@ class ActionRunner:
         """W of stage s for microbatches ``mbs`` (a run of adjacent W actions the schedule batches:
         ``Schedule.batch_w``), handed to the ``weights`` policy together. Synchronous schedules only."""
         assert self.versions is None, "batched W runs synchronous schedules only"
-        self.weights(s, mbs, [self._weight_args(s, m) for m in mbs])
+        self.weights(s, mbs, [self.weight_args(s, m) for m in mbs])
         if self.held is not None:
             self.held.settle(s)
 
-    def _weight_args(self, s: int, m: int) -> list[Any]:
+    def weight_args(self, s: int, m: int) -> list[Any]:
         """Microbatch m's W arguments for stage s, taken from what B left (and no longer counted as held)."""
         if self.held is not None:
             self.held.release(s, ("B", m))

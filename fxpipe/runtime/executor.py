@@ -47,6 +47,7 @@ from fxpipe.runtime.core import ActionRunner, HeldBytes, grad_like
 from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.runtime.faults import peer_down
+from fxpipe.runtime.lane import WLane, refusal as lane_refusal
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.runtime.optim import (LossScaler, LRSchedule, SchedulerFactory, autocast_loss, autocast_of,
                                   clip_coefficient, optimizer_factory, scheduler_factory, squared_norm)
@@ -105,7 +106,7 @@ class PipelineRuntime:
                  prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
                  track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
                  host: HostTuning | None = None, recompute: str | Iterable[int] = "none",
-                 tag_blind: bool | None = None) -> None:
+                 tag_blind: bool | None = None, w_lane: bool = False) -> None:
         if microbatches is not None:  # before the process group: a wrong count is one line, not a hang
             LIMITS.whole("microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's "
                          "actions")
@@ -242,6 +243,7 @@ class PipelineRuntime:
         if self._w_runs:
             self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
+        self.w_lane = self._lane(w_lane, schedule)
         self.channel = Channel(self.device, timeout, yield_after_send=host is not None and host.yields_after_send(
             _mean_action(pipe.plan.stages, self.mine)), tag_blind=tag_blind)
         self.tag_blind = self.channel.tag_blind
@@ -569,6 +571,7 @@ class PipelineRuntime:
         self.events = []  # this step's compute actions (start, end), seconds from its start
         self.optimizer_steps: list[tuple[float, float]] = []  # its optimizer steps (start, end), seconds from its start
         runs = self._w_runs if program is self.program else {}
+        lane = self.w_lane
         ran_until = 0  # ops before this index already ran (the rest of a batched run of W's)
         self.started = start = time.perf_counter()
         self.waits: list[tuple[Action, float, float]] = []  # the waits for their messages before them
@@ -590,6 +593,9 @@ class PipelineRuntime:
                 if end is not None:  # a batched run of W's: all of them now
                     core.run_weights(op.action.stage, [ops[i].action.mb for i in range(j, end)])
                     ran_until = end
+                elif lane is not None and op.action.kind is Kind.W:  # on the second lane; its event when joined
+                    s, mb = op.action.stage, op.action.mb
+                    lane.submit(partial(self._lane_weight, s, mb, core.weight_args(s, mb), start))
                 elif j >= ran_until:
                     core.run(op.action)
                 for msg in op.sends:
@@ -598,15 +604,40 @@ class PipelineRuntime:
                 if self.sync is not None:
                     self.sync.after(op.action)
                 for s in self._early.get(j, ()) if program is self.program else ():
+                    if lane is not None:
+                        self.events.extend(lane.join())  # its gradients, every W of them, written
                     t1 = time.perf_counter() - start
                     self.optimizers[s].step()  # its last W has run: nothing else writes these gradients
                     self.optimizer_steps.append((t1, time.perf_counter() - start))
                     self._stepped.add(s)
                 self._drop_dead(op.action)
                 self.channel.poll()
-                self.events.append((op.action, t0, time.perf_counter() - start))
+                if lane is None or op.action.kind is not Kind.W:
+                    self.events.append((op.action, t0, time.perf_counter() - start))
+            if lane is not None:
+                self.events.extend(lane.join())
+                self.events.sort(key=lambda e: e[1])
         self.channel.flush(self._failed_send)
         return list(core.losses)
+
+    def _lane(self, on: bool, schedule: Schedule) -> WLane | None:
+        """``w_lane``: each W on a thread of its own (:mod:`fxpipe.runtime.lane`), where its gradients are read only
+        after the step's compute, by this rank alone."""
+        if not on:
+            return None
+        why = lane_refusal(synchronous=schedule.synchronous, dp=self.dp, tied=bool(self.shared),
+                           global_norm=self.clip_grad_norm is not None or self.scaler is not None,
+                           device=self.device.type, batched=bool(self._w_runs))
+        if why is not None:
+            raise OptionError(why)
+        return WLane()
+
+    def _lane_weight(self, s: int, m: int, args: list[Any], start: float) -> tuple[Action, float, float]:
+        """W of (s, m) on the second lane: grad mode is the thread's own, so off here as on the main thread."""
+        t0 = time.perf_counter() - start
+        with torch.no_grad():
+            self.core.weight(s, m, args)
+        return Action(s, Kind.W, m), t0, time.perf_counter() - start
 
     def _check_shapes(self, values: dict[str, Any], m: int) -> None:
         """A microbatch's inputs must have the shapes the plan's graphs were compiled for."""
