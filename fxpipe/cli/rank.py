@@ -340,7 +340,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     costs = Costs.from_plan(pipe.plan)
     if rt.recompute:  # B runs F first, and F keeps only the stage's inputs (before the loss's time joins the last F)
         costs = dataclasses.replace(costs, held_in=costs.held_in or rt.held_in).recomputing(rt.recompute)
-    costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp)
+    costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp, w_lane=rt.w_lane is not None)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
@@ -476,8 +476,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         # (an asynchronous run: its last chunk's steps after the first, each W with the update it makes, as simulated)
         "action_ms": actions,
         # the step simulated on every rank's measured action times instead of the plan's (collective): where it is
-        # near the measured step and the simulation is not, the gap is the per-action costs', not the schedule's
-        "replayed_step_ms": replayed_step_ms(ran, simulated, actions, world) * m / ran.num_microbatches,
+        # near the measured step and the simulation is not, the gap is the per-action costs', not the schedule's.
+        # None with --w-lane (every rank alike): the times measured there already hold the lanes' sharing
+        "replayed_step_ms": replayed_step_ms(ran, simulated, actions, world) * m / ran.num_microbatches
+        if rt.w_lane is None else None,
         # Per stage of this rank (as "stages"): bytes kept between actions for later ones of the same
         # microbatch, at their peak in the first step (an asynchronous run: the whole stream), measured and as
         # the schedule's simulation holds them.

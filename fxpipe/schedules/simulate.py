@@ -95,6 +95,10 @@ class Costs:
     # takes under it (a stash snapshot, or one prediction), charged to the actions that make them (``charged``).
     weights: str = ""
     copy_s: tuple[float, ...] = ()
+    # Each rank's W's on a second lane (``PipelineRuntime(w_lane=True)``): in the schedule's order, at full speed while
+    # the rank's main lane waits, at half speed each while both compute (the two share the rank's core); nothing waits
+    # for a W but the step's end. False: one lane.
+    w_lane: bool = False
 
     def recomputing(self, stages: Sequence[int]) -> "Costs":
         """These costs with ``stages`` recomputing their forward: each B runs F first (B's time plus F's, and F's
@@ -389,7 +393,8 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         lane = [e for e in lanes if e.rank == r]
         send_bytes = timed.send_bytes
         ranks.append(RankStats(
-            r, start, end, sum(map(operator.sub, map(_END, compute), map(_START, compute))), *_memory(compute, timed),
+            r, start, end, _union(compute) if timed.w_lane else sum(map(operator.sub, map(_END, compute), map(_START, compute))),
+            *_memory(compute, timed),
             sum([send_bytes[e.action.stage] for e in sends]) if send_bytes else 0.0 if sends else 0,
             sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),
             sum(max(0.0, e.end - max(e.start, end)) for e in lane),
@@ -686,6 +691,7 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
     clock = [0.0] * schedule.num_ranks
     pos = [0] * schedule.num_ranks
     out = _Walk([], [[] for _ in schedule.ranks], [[] for _ in schedule.ranks], 0)
+    lanes = [_Lane(r, out) for r in range(schedule.num_ranks)] if costs is not None and costs.w_lane else None
     append = out.events.append
     total = remaining = sum(len(r) for r in schedule.ranks)
     waited = 0  # checks that found a rank waiting
@@ -715,7 +721,16 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                         waited += 1
                         break
                     start = ready if ready > now else now
-                    now = end = start + took[k][s]
+                    if lanes is not None:
+                        side = lanes[r]
+                        side.run(now, start, 1.0)  # the main lane waits: the second runs at full speed
+                        if k == W:
+                            side.queue.append([a, at, took[W][s], None])
+                            i += 1
+                            continue
+                        now = end = start + took[k][s] + side.share(start, took[k][s])
+                    else:
+                        now = end = start + took[k][s]
                     done[at + k] = end
                     if k == BW:
                         done[at + B] = end  # the backward of (s, m), whichever kind ran
@@ -726,6 +741,8 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                         waited += 1
                         break
                     start = now
+                    if lanes is not None and send_cost:
+                        now += lanes[r].share(now, send_cost)
                     now = end = start + send_cost
                     # One link per ordered pair of ranks carries one message at a time, in the order
                     # they were sent (gloo queues a pair's sends): a message starts when it is sent and
@@ -742,6 +759,8 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                     if ready is None:
                         waited += 1
                         break
+                    if lanes is not None:
+                        lanes[r].run(now, ready, 1.0)
                     now = start = end = ready if ready > now else now
                     done[at + k] = end
                     e = Event(r, a, start, end)
@@ -760,8 +779,45 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                            if done[(d.mb * p + d.stage) * 8 + kind_index[d.kind._value_]] is None]
                 waits.append(f"rank {r} at {a} waits for {', '.join(missing)}")
             _fail(schedule, "deadlock: no rank can run its next action (" + "; ".join(waits) + ")", stuck)
+    for r, side in enumerate(lanes or ()):  # the W's left once the main lane is done
+        side.run(clock[r], math.inf, 1.0)
     out.checks = total + waited
     return out
+
+
+class _Lane:
+    """A rank's second lane (``Costs.w_lane``): its W's, first in first out, each ``[action, slot, seconds left, start]``;
+    it records each W's event and result as the W ends."""
+
+    def __init__(self, rank: int, walk: _Walk) -> None:
+        self.rank, self.walk = rank, walk
+        self.queue: list[list[Any]] = []
+
+    def run(self, t0: float, t1: float, rate: float) -> None:
+        """Run from ``t0`` to ``t1`` at ``rate`` seconds of W per second."""
+        t = t0
+        while self.queue and t < t1:
+            item = self.queue[0]
+            if item[3] is None:
+                item[3] = t
+            need = item[2] / rate
+            if t + need <= t1 or math.isclose(t + need, t1, rel_tol=1e-12):
+                t = min(t + need, t1)
+                self.queue.pop(0)
+                e = Event(self.rank, item[0], item[3], t)
+                self.walk.compute[self.rank].append(e)
+                self.walk.events.append(e)
+            else:
+                item[2] -= (t1 - t) * rate
+                t = t1
+
+    def share(self, start: float, seconds: float) -> float:
+        """The main lane computes ``seconds`` from ``start`` beside it: both run at half speed until the lane is empty
+        (or the main lane done). Returns how much longer the main lane's work takes: the lane's work it shared."""
+        shared = min(sum(item[2] for item in self.queue), seconds)
+        if shared > 0:
+            self.run(start, start + 2 * shared, 0.5)
+        return shared
 
 
 def _memory(compute: Sequence[Event], costs: Costs) -> tuple[float, int]:
@@ -791,6 +847,16 @@ def _memory(compute: Sequence[Event], costs: Costs) -> tuple[float, int]:
 
 
 _START, _END = operator.attrgetter("start"), operator.attrgetter("end")
+
+
+def _union(events: Sequence[Event]) -> float:
+    """Seconds in which at least one of ``events`` runs (a rank's two lanes overlap)."""
+    total, reach = 0.0, -math.inf
+    for e in sorted(events, key=_START):
+        if e.end > reach:
+            total += e.end - max(e.start, reach)
+            reach = e.end
+    return total
 
 
 def _staleness(schedule: Schedule) -> dict[tuple[int, int], int]:

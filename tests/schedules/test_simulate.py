@@ -168,3 +168,40 @@ def test_auto_considers_batched_w_only_where_the_costs_say_ws_batch_faster() -> 
     batched = dataclasses.replace(costs, w_batched=(0.3, 0.3))
     assert "batched-w" in names(batched)
     assert auto(2, batched, microbatches=[8]).schedule.name == "batched-w"  # Ws 3x F, batched to 0.9x F: fastest
+
+
+def test_ws_on_a_second_lane_share_the_core_and_fill_its_waits() -> None:
+    """``Costs.w_lane``: rank 1 of layerpipe at 2 stages hands W0 (2 s) to its lane as F1 (1 s) starts at 3 s; both run
+    at half speed, so F1 ends at 5 s, and B1 (1 s) shares the rest of W0 the same way: both end at 7 s, where one lane
+    would run W0 3-5, F1 5-6 and B1 6-7. Rank 0's W0 starts as its B0 ends, beside its wait for B1's gradient."""
+    costs = Costs((1.0, 1.0), (1.0, 1.0), (2.0, 2.0))
+    sched = generate("layerpipe", 2, 2, costs)
+    two = simulate(sched, dataclasses.replace(costs, w_lane=True))
+    events = {(e.rank, str(e.action)): (e.start, e.end) for e in two.events}
+    assert [events[(1, a)] for a in ("1B0", "1F1", "1W0", "1B1")] == [(2.0, 3.0), (3.0, 5.0), (3.0, 7.0), (5.0, 7.0)]
+    assert events[(0, "0W0")][0] == events[(0, "0B0")][1]
+    assert two.makespan <= simulate(sched, costs).makespan
+    assert all(r.busy <= r.span + 1e-12 for r in two.ranks)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "layerpipe", "interleaved-1f1b"])
+def test_a_second_lane_is_never_slower_and_changes_nothing_without_ws(name: str) -> None:
+    import random
+
+    rng = random.Random(name)
+    gained = False
+    for _ in range(20):
+        p, m = rng.choice([2, 4]), rng.choice([2, 4, 8])
+        costs = Costs(*(tuple(rng.uniform(lo, 2.0) for _ in range(p)) for lo in (0.5, 0.5, 0.0)),
+                      send_bytes=tuple(rng.choice([0.0, 1e6]) for _ in range(p)), latency=rng.choice([0.0, 0.1]),
+                      bandwidth=1e7, send_s=rng.choice([0.0, 0.01]))
+        sched = generate(name, p, m, costs)
+        one, two = simulate(sched, costs), simulate(sched, dataclasses.replace(costs, w_lane=True))
+        assert two.makespan <= one.makespan * (1 + 1e-9)
+        gained = gained or two.makespan < one.makespan * (1 - 1e-6)
+        assert sum(e.action.kind is Kind.W for e in two.events) == sum(e.action.kind is Kind.W for e in one.events)
+        none = dataclasses.replace(costs, w=(0.0,) * p)
+        assert simulate(sched, dataclasses.replace(none, w_lane=True)).makespan == pytest.approx(
+            simulate(sched, none).makespan, rel=1e-12)
+    # a W longer than the main action beside it ends that action sooner; GPipe and 1F1B run B and W as one BW
+    assert gained == (name not in ("gpipe", "1f1b", "interleaved-1f1b"))
