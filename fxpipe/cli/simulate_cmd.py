@@ -42,6 +42,8 @@ def simulate_cmd(
                                            "forward in B, so each B takes F's time too and F keeps only the "
                                            "stage's inputs until B; auto: those the plan's memory cap needs.")
                          ] = "none",
+    w_lane: Annotated[bool, typer.Option("--w-lane", help="Each rank's W's on a second lane sharing its core, as "
+                                         "fxpipe run --w-lane runs them (synchronous schedules).")] = False,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome-trace JSON (Perfetto, chrome://tracing).")] = None,
     svg: Annotated[Optional[Path], typer.Option(help="Write an SVG Gantt chart.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
@@ -84,7 +86,7 @@ def simulate_cmd(
             raise OptionError(f"--optimizer takes one of {', '.join(OPTIMIZER_STATE)} (got {optimizer!r})")
         costs = dataclasses.replace(costs, **({"dp": dp} if dp is not None else {}),
                                     **({"allreduce_s": (allreduce,) * num_stages} if allreduce is not None else {}),
-                                    **({"cores": cores} if cores is not None else {}))
+                                    **({"cores": cores} if cores is not None else {}), w_lane=w_lane)
         cap = parse_size(memory_per_stage, "--memory-per-stage") if memory_per_stage else None
         from fxpipe.plan import DEFAULTS
 
@@ -101,11 +103,15 @@ def simulate_cmd(
             raise OptionError(f"--recompute {recompute} needs a plan's stage input bytes; --uniform-costs has none: "
                               "give a plan directory or a model")
         sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
+        if w_lane and not sched.synchronous:
+            raise OptionError(f"--w-lane models a synchronous schedule's W's; {sched.name} updates the weights after "
+                              "each W: drop --w-lane, or pick a synchronous schedule")
         if recompute != "none":
             again, note = plan_recompute(plan, sched, recompute)
             if again:  # before the runtime's costs: the loss's time is no part of the recomputed F
                 base = Costs.from_plan(plan).recomputing(again).with_runtime(plan_overheads(plan))
-                costs = dataclasses.replace(base, dp=costs.dp, allreduce_s=costs.allreduce_s, cores=costs.cores)
+                costs = dataclasses.replace(base, dp=costs.dp, allreduce_s=costs.allreduce_s, cores=costs.cores,
+                                            w_lane=w_lane)
                 result = simulate(sched, costs)
             extra = [*extra, Report("simulate: recompute", ("stage", "recomputes", "held F->B MiB"),
                                     tuple((k, k in again, round(costs.held_fb[k] / 2**20, 4))

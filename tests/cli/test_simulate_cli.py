@@ -69,6 +69,8 @@ def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
      "stage count must be a multiple of 2"),
     (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--recompute", "stage"],
      "--recompute stage needs a plan's stage input bytes"),
+    (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "async-1f1b", "--w-lane"],
+     "--w-lane models a synchronous schedule's W's; async-1f1b updates the weights after each W"),
 ])
 def test_bad_simulate_input_is_one_line(args: list[str], match: str) -> None:
     assert match in one_line_error(fxpipe_cli(*args))
@@ -89,3 +91,14 @@ def test_simulate_with_dp_shows_the_all_reduce() -> None:
     assert "simulate: data parallel" in text and "rank 1 ar |" in text and "A all-reduce" in text
     # Without --dp (and no plan mesh) nothing of it shows.
     assert "all-reduce" not in ok(fxpipe_cli(*args[:-4], "--plain")).stdout
+
+
+def test_w_on_a_second_lane_shortens_layerpipe_where_each_w_outlasts_the_action_beside_it() -> None:
+    """W = 3 against F = B = 1: beside the next F or B, a W on the second lane lets it end sooner (46 -> 43 units at
+    4 stages, 8 microbatches); with W = 1 there is nothing to gain (the same 27 units as one lane for zb-h1)."""
+    def makespan(costs: str, schedule: str, *lane: str) -> float:
+        return json.loads(ok(fxpipe_cli("simulate", "--uniform-costs", costs, "--stages", "4", "--schedule", schedule,
+                                        "--microbatches", "8", "--json", *lane)).stdout)["makespan"]
+
+    assert (makespan("1,1,3", "layerpipe"), makespan("1,1,3", "layerpipe", "--w-lane")) == (46, 43)
+    assert makespan("1,1,1", "zb-h1", "--w-lane") == makespan("1,1,1", "zb-h1") == 27
