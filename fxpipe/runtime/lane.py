@@ -16,27 +16,26 @@ from typing import Any
 
 
 class WLane:
-    """One worker thread running the callables it is given in order; :meth:`join` waits for all of them."""
+    """One worker thread running the callables it is given in order; :meth:`join` waits for all of them and lets the
+    thread go (the next :meth:`submit` starts another), so a lane holds no thread between steps."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fxpipe-w")
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[Any]] = []
 
     def submit(self, fn: Callable[[], Any]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fxpipe-w")
         self._pending.append(self._pool.submit(fn))
 
     def join(self) -> list[Any]:
         """Every submitted callable's result, in order, once all have ended (the first one's error, raised then)."""
         pending, self._pending = self._pending, []
         wait(pending)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         return [f.result() for f in pending]
-
-    @property
-    def busy(self) -> bool:
-        return any(not f.done() for f in self._pending)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
 
 
 def refusal(*, synchronous: bool, dp: int, tied: bool, global_norm: bool, device: str, batched: bool) -> str | None:

@@ -65,6 +65,7 @@ def test_ws_on_a_second_lane_train_exactly_as_on_one(world1: None, name: str, de
     for key, value in one_params.items():
         torch.testing.assert_close(params[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     assert ran_on and all(n.startswith("fxpipe-w") for n in ran_on)  # every W on the lane's thread
+    assert not [t for t in threading.enumerate() if t.name.startswith("fxpipe-w")]  # none kept between steps
     kinds = [a.kind.value for a, _, _ in rt.events]  # type: ignore[attr-defined]
     assert kinds.count("W") == 3 * M and sorted(t0 for _, t0, _ in rt.events) == [t0 for _, t0, _ in rt.events]  # type: ignore[attr-defined]
 
