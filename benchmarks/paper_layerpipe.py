@@ -188,7 +188,8 @@ def table(data: list[dict[str, Any]]) -> str:
            "the 25%/80% claim holds under no link")
     why += ("; in one stream per stage both run F+B+W per microbatch, so LayerPipe gains only what W off the "
             "backward's path saves in the pipeline's fill and on slow links; the paper's range needs W hidden "
-            "on a second stream (the bound column), which the simulator does not model")
+            "on a second GPU stream (the bound column), which the simulator does not model (its second lane, "
+            "--w-lane, is a CPU thread sharing the rank's core, and asynchronous schedules keep one lane)")
     why += ("; communication is the same bytes (the cut's activation and its gradient), so 'less communication' "
             "is not reproduced" if same else "; communication differs between the two")
     lines += ["", f"**Verdict: {word}.** {why[0].upper()}{why[1:]}."]
