@@ -125,8 +125,9 @@ def compile_cmd(
                                                  rich_help_panel="Backward")] = True,
     input_grads: Annotated[bool, typer.Option(help="Also differentiate the model's floating-point inputs.",
                                               rich_help_panel="Backward")] = False,
-    balance_backward: Annotated[bool, typer.Option(help="Move activation derivatives at a cut into the next "
-                                                   "stage's B when that lowers the bottleneck (LayerPipe).",
+    balance_backward: Annotated[bool, typer.Option(help="Let the partitioner move activation derivatives "
+                                                   "(relu, tanh, sigmoid) across the cuts it makes, into the next "
+                                                   "stage's B, where that lowers the bottleneck (LayerPipe).",
                                                    rich_help_panel="Backward")] = False,
     verify_each: Annotated[bool, typer.Option(help="Check the graph's invariants after every pass.",
                                               rich_help_panel="Debugging")] = False,
