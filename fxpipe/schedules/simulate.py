@@ -741,9 +741,8 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                         waited += 1
                         break
                     start = now
-                    if lanes is not None and send_cost:
-                        now += lanes[r].share(now, send_cost)
-                    now = end = start + send_cost
+                    now = end = start + send_cost + (lanes[r].share(start, send_cost) if lanes is not None and send_cost
+                                                     else 0.0)
                     # One link per ordered pair of ranks carries one message at a time, in the order
                     # they were sent (gloo queues a pair's sends): a message starts when it is sent and
                     # the one before it on the link has arrived, and takes latency + bytes / bandwidth.

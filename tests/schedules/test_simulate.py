@@ -190,7 +190,7 @@ def test_a_second_lane_is_never_slower_and_changes_nothing_without_ws(name: str)
 
     rng = random.Random(name)
     gained = False
-    for _ in range(20):
+    for _ in range(40):  # zb-h2 gains in 1 of these 40 draws: its W's already sit in its bubbles
         p, m = rng.choice([2, 4]), rng.choice([2, 4, 8])
         costs = Costs(*(tuple(rng.uniform(lo, 2.0) for _ in range(p)) for lo in (0.5, 0.5, 0.0)),
                       send_bytes=tuple(rng.choice([0.0, 1e6]) for _ in range(p)), latency=rng.choice([0.0, 0.1]),
