@@ -182,13 +182,16 @@ def partition_stages(
 _MOVABLE_ACTIVATIONS = (torch.ops.aten.relu.default, torch.ops.aten.tanh.default, torch.ops.aten.sigmoid.default,
                         torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.relu, torch.nn.functional.tanh,
                         torch.nn.functional.sigmoid)
+_MOVABLE_METHODS = ("relu", "tanh", "sigmoid")
 _MOVABLE_MODULES = (torch.nn.ReLU, torch.nn.Tanh, torch.nn.Sigmoid)
 
 
 def _movable_activation(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(str(node.target)), _MOVABLE_MODULES)
-    return node.op in ("call_function", "call_method") and node.target in _MOVABLE_ACTIVATIONS + ("relu", "tanh", "sigmoid")
+    if node.op == "call_method":
+        return node.target in _MOVABLE_METHODS
+    return node.op == "call_function" and node.target in _MOVABLE_ACTIVATIONS
 
 
 def movable_derivatives(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> list[list[tuple[str, float]]]:

@@ -317,7 +317,9 @@ def plan_stages(
         found = _plan_with_moves(times, moving, fits, num_stages, first=first_moves)
         if found is None:
             _no_plan_fits(static_sum, act_sum, flights, num_layers, num_stages, cap)
-        return _plan_of(costs, times, found[0], found[1], movable, static_sum, act_sum, flights)  # type: ignore[arg-type]
+        spans = list(zip(found[0], found[0][1:]))
+        return _plan_of(costs, times, found[0], found[1], movable, moving,  # type: ignore[arg-type]
+                        tuple(static_sum[i][j] + flights[k] * act_sum[i][j] for k, (i, j) in enumerate(spans)))
     inf = math.inf
     # DP 1: best[j] = least bottleneck of layers 0..j-1 cut into k+1 stages.
     best = [inf] * (num_layers + 1)
@@ -497,15 +499,15 @@ def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits, nu
 
 
 def _plan_of(costs: Sequence[float], times: list[list[float]], bounds: Sequence[int], moved: Sequence[int],
-             movable: Sequence[Sequence[tuple[str, float]]], static_sum: list[list[float]],
-             act_sum: list[list[float]], flights: Sequence[int]) -> StagePlan:
-    moving = _moving(movable, len(costs))
+             movable: Sequence[Sequence[tuple[str, float]]], moving: Sequence[float],
+             memory: tuple[float, ...]) -> StagePlan:
+    """The StagePlan of ``bounds`` with the cuts ``moved`` moving their ``moving`` seconds (:func:`_plan_with_moves`'
+    stage time, added in the same order)."""
     spans = list(zip(bounds, bounds[1:]))
     stage_times = tuple(times[i][j] + (moving[i] if i in moved else 0.0) - (moving[j] if j in moved else 0.0)
                         for i, j in spans)
     return StagePlan(
-        bounds=tuple(bounds), stage_times=stage_times,
-        stage_memory=tuple(static_sum[i][j] + flights[k] * act_sum[i][j] for k, (i, j) in enumerate(spans)),
+        bounds=tuple(bounds), stage_times=stage_times, stage_memory=memory,
         bottleneck=max(stage_times), lower_bound=float(max(math.fsum(costs) / len(spans), max(costs))),
         moves=tuple((c, value, t) for c in moved for value, t in movable[c - 1]))
 
@@ -540,14 +542,14 @@ def plan_for_bounds(
     flights = _default_in_flight(in_flight, num_stages)
     spans = list(zip(bounds, bounds[1:]))
     times = tuple(stage_time(costs, cuts, i, j, bandwidth=bandwidth, latency=latency) for i, j in spans)
-    if movable is not None and any(_moving(movable, num_layers)):
+    memory = tuple(stage_memory(statics, acts, flights, k, i, j) for k, (i, j) in enumerate(spans))
+    moving = _moving(movable, num_layers)
+    if movable is not None and any(moving):
         table = [[0.0] * (num_layers + 1) for _ in range(num_layers)]
         for (i, j), t in zip(spans, times):
             table[i][j] = t
-        found = _plan_with_moves(table, _moving(movable, num_layers), lambda k, i, j: True, num_stages, bounds,
-                                 first_moves)
+        found = _plan_with_moves(table, moving, lambda k, i, j: True, num_stages, bounds, first_moves)
         assert found is not None  # every stage fits: no cap
-        return _plan_of(costs, table, bounds, found[1], movable, _prefix_table(statics), _prefix_table(acts), flights)
-    memory = tuple(stage_memory(statics, acts, flights, k, i, j) for k, (i, j) in enumerate(spans))
+        return _plan_of(costs, table, bounds, found[1], movable, moving, memory)
     return StagePlan(bounds=tuple(bounds), stage_times=times, stage_memory=memory, bottleneck=max(times),
                      lower_bound=float(max(math.fsum(costs) / num_stages, max(costs))))

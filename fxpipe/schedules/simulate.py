@@ -10,6 +10,7 @@ docs/internals/simulator.md draws the rules and the two "hidden" measures.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -725,7 +726,7 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
                         side = lanes[r]
                         side.run(now, start, 1.0)  # the main lane waits: the second runs at full speed
                         if k == W:
-                            side.queue.append([a, at, took[W][s], None])
+                            side.queue.append([a, took[W][s], None])
                             i += 1
                             continue
                         now = end = start + took[k][s] + side.share(start, took[k][s])
@@ -785,35 +786,35 @@ def _walk(schedule: Schedule, costs: Costs | None) -> _Walk:
 
 
 class _Lane:
-    """A rank's second lane (``Costs.w_lane``): its W's, first in first out, each ``[action, slot, seconds left, start]``;
-    it records each W's event and result as the W ends."""
+    """A rank's second lane (``Costs.w_lane``): its W's, first in first out, each ``[action, seconds left, start]``;
+    it records each W's event as the W ends (nothing waits for a W's result)."""
 
     def __init__(self, rank: int, walk: _Walk) -> None:
         self.rank, self.walk = rank, walk
-        self.queue: list[list[Any]] = []
+        self.queue: collections.deque[list[Any]] = collections.deque()
 
     def run(self, t0: float, t1: float, rate: float) -> None:
         """Run from ``t0`` to ``t1`` at ``rate`` seconds of W per second."""
         t = t0
         while self.queue and t < t1:
             item = self.queue[0]
-            if item[3] is None:
-                item[3] = t
-            need = item[2] / rate
+            if item[2] is None:
+                item[2] = t
+            need = item[1] / rate
             if t + need <= t1 or math.isclose(t + need, t1, rel_tol=1e-12):
                 t = min(t + need, t1)
-                self.queue.pop(0)
-                e = Event(self.rank, item[0], item[3], t)
+                self.queue.popleft()
+                e = Event(self.rank, item[0], item[2], t)
                 self.walk.compute[self.rank].append(e)
                 self.walk.events.append(e)
             else:
-                item[2] -= (t1 - t) * rate
+                item[1] -= (t1 - t) * rate
                 t = t1
 
     def share(self, start: float, seconds: float) -> float:
         """The main lane computes ``seconds`` from ``start`` beside it: both run at half speed until the lane is empty
         (or the main lane done). Returns how much longer the main lane's work takes: the lane's work it shared."""
-        shared = min(sum(item[2] for item in self.queue), seconds)
+        shared = min(sum(item[1] for item in self.queue), seconds)
         if shared > 0:
             self.run(start, start + 2 * shared, 0.5)
         return shared
