@@ -534,6 +534,9 @@ class _Runner:
         self.transfers = Transfers(self.devices)
         self.schedule = one_rank(len(self.stages), m, defer_w=defer_w)
         self.step_graphs: _StepGraphs | None = None  # set when the step runs as CUDA graphs (see _step_graphs)
+        # Each step's core takes the boxed graphs from here: boxing copies and recompiles a graph (9 ms a B graph of
+        # a 2-layer GPT-2), which a core made per step paid again each step.
+        self.boxes: dict[tuple[int, str], Any] = {}
         actions = self.schedule.ranks[0]
         first_backward = next(i for i, a in enumerate(actions) if a.kind is not Kind.F)
         self.forward_actions, self.backward_actions = actions[:first_backward], actions[first_backward:]
@@ -615,6 +618,7 @@ class _BackendCore(ActionRunner):
 
     def __init__(self, runner: _Runner, param_grads: list[Any]) -> None:
         super().__init__(runner.pipe, runner.graphs, None)
+        self._boxes = runner.boxes
         self.runner = runner
         self.param_grads = param_grads
         self.input_devices: list[torch.device | None] = []
