@@ -36,7 +36,7 @@ from fxpipe.errors import FxpipeError, OptionError, TraceError, first_line
 from fxpipe.graphs.convention import flatten_inputs, split_batch
 from fxpipe.plan import DEFAULTS, LIMITS, check_schedule_size
 from fxpipe.report import Report
-from fxpipe.runtime.core import ActionRunner
+from fxpipe.runtime.core import ActionRunner, GraphFacts
 from fxpipe.schedules.generators import one_rank
 from fxpipe.schedules.ir import Kind
 
@@ -534,9 +534,11 @@ class _Runner:
         self.transfers = Transfers(self.devices)
         self.schedule = one_rank(len(self.stages), m, defer_w=defer_w)
         self.step_graphs: _StepGraphs | None = None  # set when the step runs as CUDA graphs (see _step_graphs)
-        # Each step's core takes the boxed graphs from here: boxing copies and recompiles a graph (9 ms a B graph of
-        # a 2-layer GPT-2), which a core made per step paid again each step.
-        self.boxes: dict[tuple[int, str], Any] = {}
+        # What the step's cores read of the graphs once (boxed graphs, fresh gradients): set by the first core.
+        self.facts: GraphFacts | None = None
+        # Per stage, each gradient W returns: the index of its parameter in ``params`` (None: not one of them).
+        self.w_targets = [[self.param_index.get(id(st.module.get_parameter(n))) for n in g.param_names]
+                          for st, g in zip(self.stages, self.graphs)]
         actions = self.schedule.ranks[0]
         first_backward = next(i for i, a in enumerate(actions) if a.kind is not Kind.F)
         self.forward_actions, self.backward_actions = actions[:first_backward], actions[first_backward:]
@@ -617,8 +619,8 @@ class _BackendCore(ActionRunner):
     shares are summed on the first share's device, and W's gradients go back to autograd."""
 
     def __init__(self, runner: _Runner, param_grads: list[Any]) -> None:
-        super().__init__(runner.pipe, runner.graphs, None)
-        self._boxes = runner.boxes
+        super().__init__(runner.pipe, runner.graphs, None, facts=runner.facts)
+        runner.facts = self.facts
         self.runner = runner
         self.param_grads = param_grads
         self.input_devices: list[torch.device | None] = []
@@ -637,9 +639,7 @@ class _BackendCore(ActionRunner):
         self.grads[m][name] = grad if have is None else have + self.runner.transfers.move(grad, have.device)
 
     def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
-        g, module = self.graphs[s], self.stages[s].module  # the model's parameters, by the stage's names
-        for name, grad in zip(g.param_names, g.backward_weight(*args)):  # type: ignore[misc]
-            idx = self.runner.param_index.get(id(module.get_parameter(name)))
+        for idx, grad in zip(self.runner.w_targets[s], self.graphs[s].backward_weight(*args)):  # type: ignore[misc]
             if idx is None:
                 continue
             grad = self.runner.transfers.move(grad, self.runner.params[idx].device)

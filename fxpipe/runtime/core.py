@@ -27,6 +27,7 @@ inputs from F to B, and its B first runs F again on them (:mod:`fxpipe.graphs.re
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -40,11 +41,22 @@ from fxpipe.graphs.recompute import draws_random, recompute_graph
 from fxpipe.schedules.ir import Action, Kind
 
 
+@dataclass
+class GraphFacts:
+    """What a core reads of its graphs that no step changes: whether each gradient a stage's W returns is a new
+    tensor (``fresh``), and each stage's boxed graphs (``boxes``, made at first use: boxing copies and recompiles a
+    graph). Cores of the same graphs share one, so a caller that makes a core per step (``backend="fxpipe"``) pays
+    for these once."""
+
+    fresh: list[list[bool]]
+    boxes: dict[tuple[int, str], Any] = field(default_factory=dict)  # (stage, graph) -> its boxed form, or None
+
+
 class ActionRunner:
     """Per-microbatch values, gradients, saved tensors and handovers of one step, and the four actions."""
 
     def __init__(self, pipe: Any, graphs: Sequence[StageGraphs], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 *, loss_scale: float = 1.0, loss_divisor: int = 1) -> None:
+                 *, loss_scale: float = 1.0, loss_divisor: int = 1, facts: GraphFacts | None = None) -> None:
         self.pipe = pipe
         self.stages = pipe.stage_list()
         self.graphs = list(graphs)
@@ -61,12 +73,12 @@ class ActionRunner:
         self.held: HeldBytes | None = None  # set to count the bytes kept between actions (off: no cost)
         # Recomputing stages: stage -> its F again (inputs -> saved), and whether F draws random numbers
         self.again: dict[int, tuple[Any, bool]] = {}
-        self._boxes: dict[tuple[int, str], Any] = {}  # (stage, graph) -> its boxed form (see ``boxed``)
         # Per stage, whether each gradient W returns is a new tensor (``fresh_grads``): read from the fx graphs now,
-        # before an executor swaps in compiled ones.
-        self._fresh = [grads_are_fresh(g.backward_weight, len(g.param_names))
-                       if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
-                       for g in self.graphs]
+        # before an executor swaps in compiled ones; ``facts`` of a core of the same graphs, given, are not read again.
+        self.facts = facts if facts is not None else GraphFacts(
+            [grads_are_fresh(g.backward_weight, len(g.param_names))
+             if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
+             for g in self.graphs])
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -251,7 +263,7 @@ class ActionRunner:
     def fresh_grads(self, s: int) -> list[bool]:
         """Whether each gradient stage s's W returns is a new tensor (``graphs.accumulate.grads_are_fresh``, read
         from its fx graph as the runner was made); all False where W was no fx graph."""
-        return self._fresh[s]
+        return self.facts.fresh[s]
 
     def hold_spare(self, s: int) -> None:
         """Stash: stage s's spare snapshot (kept for the next one) counts as held while it is kept."""
@@ -354,11 +366,11 @@ class ActionRunner:
         input is freed after its last use when the caller keeps no other reference (``_compat.boxed``; on HF
         GPT-2's first stage, W holding every saved tensor to its end made B+W 1.10-1.19x the fused backward,
         freeing them as it goes 0.98x); None when the graph is not an fx GraphModule (compiled stages)."""
-        key = (s, which)
-        if key not in self._boxes:
+        key, boxes = (s, which), self.facts.boxes
+        if key not in boxes:
             gm = getattr(self.graphs[s], which) if graph is None else graph
-            self._boxes[key] = boxed(gm) if isinstance(gm, torch.fx.GraphModule) else None
-        return self._boxes[key]
+            boxes[key] = boxed(gm) if isinstance(gm, torch.fx.GraphModule) else None
+        return boxes[key]
 
 
 class HeldBytes:
