@@ -48,8 +48,18 @@ class GraphFacts:
     graph). Cores of the same graphs share one, so a caller that makes a core per step (``backend="fxpipe"``) pays
     for these once."""
 
+    graphs: tuple[StageGraphs, ...]  # what they were read from: a core of other graphs reads its own
     fresh: list[list[bool]]
-    boxes: dict[tuple[int, str], Any] = field(default_factory=dict)  # (stage, graph) -> its boxed form, or None
+    boxes: dict[tuple[int, str], tuple[Any, Any]] = field(default_factory=dict)  # (stage, name) -> (graph, boxed)
+
+    @classmethod
+    def of(cls, graphs: Sequence[StageGraphs], given: GraphFacts | None = None) -> GraphFacts:
+        """``given`` where it was read from these very graphs, else read from them now."""
+        if given is not None and len(given.graphs) == len(graphs) and all(a is b for a, b in zip(given.graphs, graphs)):
+            return given
+        return cls(tuple(graphs), [grads_are_fresh(g.backward_weight, len(g.param_names))
+                                   if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
+                                   for g in graphs])
 
 
 class ActionRunner:
@@ -75,10 +85,7 @@ class ActionRunner:
         self.again: dict[int, tuple[Any, bool]] = {}
         # Per stage, whether each gradient W returns is a new tensor (``fresh_grads``): read from the fx graphs now,
         # before an executor swaps in compiled ones; ``facts`` of a core of the same graphs, given, are not read again.
-        self.facts = facts if facts is not None else GraphFacts(
-            [grads_are_fresh(g.backward_weight, len(g.param_names))
-             if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
-             for g in self.graphs])
+        self.facts = GraphFacts.of(self.graphs, facts)
         self.begin([], [])
 
     def begin(self, inputs: Sequence[dict[str, Any]], targets: Sequence[Any]) -> None:
@@ -366,11 +373,11 @@ class ActionRunner:
         input is freed after its last use when the caller keeps no other reference (``_compat.boxed``; on HF
         GPT-2's first stage, W holding every saved tensor to its end made B+W 1.10-1.19x the fused backward,
         freeing them as it goes 0.98x); None when the graph is not an fx GraphModule (compiled stages)."""
-        key, boxes = (s, which), self.facts.boxes
-        if key not in boxes:
-            gm = getattr(self.graphs[s], which) if graph is None else graph
-            boxes[key] = boxed(gm) if isinstance(gm, torch.fx.GraphModule) else None
-        return boxes[key]
+        gm = getattr(self.graphs[s], which) if graph is None else graph
+        have = self.facts.boxes.get((s, which))
+        if have is None or have[0] is not gm:
+            have = self.facts.boxes[(s, which)] = (gm, boxed(gm) if isinstance(gm, torch.fx.GraphModule) else None)
+        return have[1]
 
 
 class HeldBytes:

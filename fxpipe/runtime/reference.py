@@ -20,7 +20,7 @@ import torch
 
 from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
-from fxpipe.runtime.core import ActionRunner, HeldBytes, InPlaceW, recompute_graphs
+from fxpipe.runtime.core import ActionRunner, GraphFacts, HeldBytes, InPlaceW, recompute_graphs
 from fxpipe.schedules.ir import Action, Kind
 
 Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
@@ -53,6 +53,7 @@ class ReferenceExecutor:
         # recompute: these stages keep only their inputs from F to B, where B runs their eager F again first
         self.recompute = recompute_graphs(self.graphs, recompute)
         self.codegen = self._compile(codegen)
+        self._facts: GraphFacts | None = None  # what every run's core reads of the graphs once (set by the first)
 
     def _compile(self, codegen: str) -> str:
         """``codegen="inductor"``: every split stage's F, B, W (and W_set, W_acc with ``w_in_place``) through Inductor
@@ -128,7 +129,8 @@ class ReferenceExecutor:
         return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
 
     def _runner(self, loss_scale: float) -> "_Checked":
-        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale)
+        run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale, facts=self._facts)
+        self._facts = run.facts
         run.w_in_place = self.w_in_place
         run.again = self.recompute
         if self.track_memory:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -70,3 +71,30 @@ def test_default_order_runs_every_action_once() -> None:
     order = ex.default_order(3)
     assert len(order) == len(set(order)) == 2 * 3 * 3
     assert order[0] == (0, "F", 0) and order[-1] == (0, "W", 2)
+
+
+def test_runs_box_each_graph_once_and_new_graphs_are_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Boxing copies and recompiles a graph: the runs of one executor share it (GraphFacts); graphs swapped in after
+    # are boxed, and their W read, again rather than served from the old ones.
+    import fxpipe.runtime.core as core
+
+    made: list[int] = []
+    boxing = core.boxed
+    monkeypatch.setattr(core, "boxed", lambda gm: made.append(id(gm)) or boxing(gm))
+    torch.manual_seed(0)
+    pipe, ex, mbs, ref = _setup(stages=2)
+    expected = _eager_grads(ref, mbs)
+    for _ in range(3):
+        for p in pipe.parameters():
+            p.grad = None
+        ex.run(mbs)
+    assert len(made) == len(set(made)) == 4, made  # each stage's B and W, once over the 3 runs
+    model_params = {n: p for s in pipe.stage_list() for n, p in s.module.named_parameters(remove_duplicate=False)}
+    for name, grad in expected.items():
+        torch.testing.assert_close(model_params["lm_head.weight" if name == "wte.weight" else name].grad, grad)
+
+    first = ex._facts
+    # other StageGraphs objects: the same fx graphs, but stage 1's B a copy
+    ex.graphs = [ex.graphs[0], dataclasses.replace(ex.graphs[1], backward_input=copy.deepcopy(ex.graphs[1].backward_input))]
+    ex.run(mbs)
+    assert ex._facts is not first and len(made) == 8  # read again, and every graph boxed again
