@@ -211,8 +211,8 @@ def test_cuda_graphs_option_is_checked_and_off_the_gpu_the_step_runs_op_by_op() 
 
 
 def test_each_graph_is_boxed_once_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Boxing copies and recompiles a graph; a step's core boxing its B graphs again each step cost 9 ms a B graph on a
-    # 2-layer GPT-2 (a 2.4x slower CPU step than with the boxes kept).
+    # Boxing copies and recompiles a graph: a step's core boxing its B graphs again each step was most of the CPU
+    # backend's time beyond eager's on small models (benchmarks/RESULTS.md, "Backend on the CPU").
     import fxpipe.runtime.core as core
 
     made: list[str] = []
