@@ -534,8 +534,8 @@ class _Runner:
         self.transfers = Transfers(self.devices)
         self.schedule = one_rank(len(self.stages), m, defer_w=defer_w)
         self.step_graphs: _StepGraphs | None = None  # set when the step runs as CUDA graphs (see _step_graphs)
-        # What the step's cores read of the graphs once (boxed graphs, fresh gradients): set by the first core.
-        self.facts: GraphFacts | None = None
+        # What the step's cores read of the graphs once (boxed graphs, fresh gradients): every step's core shares it.
+        self.facts = GraphFacts.of(self.graphs)
         # Per stage, each gradient W returns: the index of its parameter in ``params`` (None: not one of them).
         self.w_targets = [[self.param_index.get(id(st.module.get_parameter(n))) for n in g.param_names]
                           for st, g in zip(self.stages, self.graphs)]
@@ -620,7 +620,6 @@ class _BackendCore(ActionRunner):
 
     def __init__(self, runner: _Runner, param_grads: list[Any]) -> None:
         super().__init__(runner.pipe, runner.graphs, None, facts=runner.facts)
-        runner.facts = self.facts
         self.runner = runner
         self.param_grads = param_grads
         self.input_devices: list[torch.device | None] = []

@@ -675,6 +675,22 @@ def run_forked(argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None 
     return subprocess.CompletedProcess([sys.executable, *argv], proc.returncode, out, err)  # type: ignore[arg-type]
 
 
+def count_boxing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ids of the graphs the executor core boxes from now on (``fxpipe.runtime.core.boxed``: a copy of the graph,
+    recompiled), one entry per boxing."""
+    import fxpipe.runtime.core as core
+
+    made: list[int] = []
+    boxing = core.boxed
+
+    def counted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        made.append(id(gm))
+        return boxing(gm)
+
+    monkeypatch.setattr(core, "boxed", counted)
+    return made
+
+
 @pytest.fixture(scope="module")
 def world1() -> Iterator[None]:
     """A gloo process group of one rank in this process (a HashStore: nothing leaves it), for a module whose

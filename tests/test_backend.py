@@ -13,7 +13,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from tests._helpers import HANG_S, hf_gpt2 as _gpt2
+from tests._helpers import HANG_S, count_boxing, hf_gpt2 as _gpt2
 
 
 def _train_side_by_side(model: torch.nn.Module, inputs: tuple[Any, ...], target: torch.Tensor, loss_fn: Any,
@@ -213,16 +213,7 @@ def test_cuda_graphs_option_is_checked_and_off_the_gpu_the_step_runs_op_by_op() 
 def test_each_graph_is_boxed_once_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Boxing copies and recompiles a graph: a step's core boxing its B graphs again each step was most of the CPU
     # backend's time beyond eager's on small models (benchmarks/RESULTS.md, "Backend on the CPU").
-    import fxpipe.runtime.core as core
-
-    made: list[str] = []
-
-    def counted(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        made.append(type(gm).__name__)
-        return boxing(gm)
-
-    boxing = core.boxed
-    monkeypatch.setattr(core, "boxed", counted)
+    made = count_boxing(monkeypatch)
     zoo = models.build("gpt-tiny", batch_size=4)
     _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn, {"stages": 2}, steps=3)
     assert len(made) == 2, made  # each stage's B graph, once over the 3 steps

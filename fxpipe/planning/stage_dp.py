@@ -309,8 +309,11 @@ def plan_stages(
     act_sum = _prefix_table(acts)
     cap = math.inf if memory_cap is None else memory_cap
 
+    def memory(k: int, i: int, j: int) -> float:  # stage_memory from the prefix tables
+        return static_sum[i][j] + flights[k] * act_sum[i][j]
+
     def fits(k: int, i: int, j: int) -> bool:
-        return static_sum[i][j] + flights[k] * act_sum[i][j] <= cap
+        return memory(k, i, j) <= cap
 
     moving = _moving(movable, num_layers)
     if any(moving):
@@ -319,7 +322,7 @@ def plan_stages(
             _no_plan_fits(static_sum, act_sum, flights, num_layers, num_stages, cap)
         spans = list(zip(found[0], found[0][1:]))
         return _plan_of(costs, times, found[0], found[1], movable, moving,  # type: ignore[arg-type]
-                        tuple(static_sum[i][j] + flights[k] * act_sum[i][j] for k, (i, j) in enumerate(spans)))
+                        tuple(memory(k, i, j) for k, (i, j) in enumerate(spans)))
     inf = math.inf
     # DP 1: best[j] = least bottleneck of layers 0..j-1 cut into k+1 stages.
     best = [inf] * (num_layers + 1)
@@ -380,10 +383,7 @@ def plan_stages(
     for k in range(num_stages):
         bounds.append(choice[k][bounds[-1]])
     stage_times = tuple(times[bounds[k]][bounds[k + 1]] for k in range(num_stages))
-    stage_mem = tuple(
-        static_sum[bounds[k]][bounds[k + 1]] + flights[k] * act_sum[bounds[k]][bounds[k + 1]]
-        for k in range(num_stages)
-    )
+    stage_mem = tuple(memory(k, bounds[k], bounds[k + 1]) for k in range(num_stages))
     lower_bound = max(math.fsum(costs) / num_stages, max(costs))
     return StagePlan(
         bounds=tuple(bounds),

@@ -12,6 +12,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.errors import ScheduleOrderError
 from fxpipe.runtime.reference import ReferenceExecutor
+from tests._helpers import count_boxing
 
 
 def _setup(stages: int = 3) -> tuple[fxpipe.Pipeline, ReferenceExecutor, list, torch.nn.Module]:
@@ -76,11 +77,7 @@ def test_default_order_runs_every_action_once() -> None:
 def test_runs_box_each_graph_once_and_new_graphs_are_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     # Boxing copies and recompiles a graph: the runs of one executor share it (GraphFacts); graphs swapped in after
     # are boxed, and their W read, again rather than served from the old ones.
-    import fxpipe.runtime.core as core
-
-    made: list[int] = []
-    boxing = core.boxed
-    monkeypatch.setattr(core, "boxed", lambda gm: made.append(id(gm)) or boxing(gm))
+    made = count_boxing(monkeypatch)
     torch.manual_seed(0)
     pipe, ex, mbs, ref = _setup(stages=2)
     expected = _eager_grads(ref, mbs)
