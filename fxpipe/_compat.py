@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree  # no public pytree module in torch 2.
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
-__all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
+__all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "custom_op_definer", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
            "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree", "tracing_state"]
 
 
@@ -249,6 +249,16 @@ def op_overload(namespace: str, name: str, overload: str) -> Any:
     return found if isinstance(found, torch._ops.OpOverload) else None
 
 
+def custom_op_definer(op: Any) -> str | None:
+    """The module whose ``torch.library.custom_op`` defined the operator ``op`` (an OpOverload), if torch records it."""
+    from torch._library import custom_ops
+
+    opdef = custom_ops.OPDEFS.get(f"{op.namespace}::{op._opname}")
+    fn = getattr(opdef, "_init_fn", None)
+    module = getattr(fn, "__module__", None)
+    return module if isinstance(module, str) else None
+
+
 def higher_order_op(value: Any) -> str | None:
     """The name of a higher-order operator (``torch.ops.higher_order.cond`` -> ``"cond"``); None for anything else."""
     import torch._ops
@@ -341,3 +351,12 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any
 
     with outside_dynamo_tracing():
         return compile_fx(gm, example_inputs)  # called as Dynamo calls a backend's result: fn(*args)
+
+
+def pipelining_schedules() -> Any:
+    """``torch.distributed.pipelining.schedules``, whose schedule IR is private (``_Action``, ``_validate_schedule``,
+    the lowering passes ``_add_send_recv`` and the others, ``_PipelineScheduleRuntime``): fxpipe's torch export and
+    its reader of torch's schedule CSVs (``fxpipe.schedules.torch_csv``) reach them through this one module."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules

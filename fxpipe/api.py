@@ -11,7 +11,7 @@ the ``torch.compile`` backend all call :func:`run_compile`, which runs the pass 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,8 +462,20 @@ def save(pipe: Pipeline, path: str | Path, *, overwrite: bool = False,
     return save_pipeline(pipe, Path(path), overwrite=overwrite, replaced=replaced)
 
 
-def load(path: str | Path) -> Pipeline:
-    """Load a plan directory written by :func:`save` / ``fxpipe compile``: no model source needed."""
+def load(path: str | Path, *, trust_ops: Collection[str] | None = None) -> Pipeline:
+    """Load a plan directory written by :func:`save` / ``fxpipe compile``: no model source needed.
+
+    Args:
+        path: the plan directory.
+        trust_ops: libraries whose ``torch.library`` operators the stages may call (default
+            ``fxpipe.graphs.serialize.TRUSTED_LIBRARIES``: transformers).
+
+    Returns:
+        The Pipeline, its stages on the CPU.
+
+    Raises:
+        PlanFileError: a missing, corrupt or tampered file, or an operator outside the allow-list and ``trust_ops``.
+    """
     from fxpipe.plan_dir import load as load_dir
 
-    return load_dir(path)
+    return load_dir(path) if trust_ops is None else load_dir(path, trust_ops=tuple(trust_ops))

@@ -14,6 +14,7 @@ import tempfile
 import types
 import warnings
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -267,18 +268,19 @@ def _install(tmp: Path, out: Path, names: set[str]) -> None:
         pass  # a file added meanwhile: left in the hidden directory rather than deleted
 
 
-def load(path: str | Path) -> Pipeline:
+def load(path: str | Path, *, trust_ops: Collection[str] = serialize.TRUSTED_LIBRARIES) -> Pipeline:
     """Load a plan directory written by ``fxpipe.save`` / ``fxpipe compile``: no model source needed.
 
     Loading reads data only: plan.json, each stage's graph (JSON, its operators looked up in an
     allow-list, see ``fxpipe.graphs.serialize``) and its tensors (``torch.load(weights_only=True)``).
-    The ``stage_K.py`` files are for people and are never read.
+    The ``stage_K.py`` files are for people and are never read. ``trust_ops``: the libraries whose
+    ``torch.library`` operators a stage may call (``fxpipe.graphs.serialize``).
     """
     path = Path(path)
     doc = read_plan_json(path)
     plan = read_plan(path, doc)
     try:
-        stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"]), s["inputs"], s["outputs"],
+        stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"], trust_ops), s["inputs"], s["outputs"],
                         interface=_read_interface(s, path)) for s in doc["stages"]]
         # Tied parameters: each stage file holds a copy; make them one Parameter again.
         for name, ks in doc.get("shared_params", {}).items():
@@ -435,7 +437,8 @@ def _describe(obj: Any) -> str:
     return f"{module}.{qualname}" if module and qualname else repr(obj)
 
 
-def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch.fx.GraphModule:
+def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any],
+                trust_ops: Collection[str]) -> torch.fx.GraphModule:
     k = spec["index"]
     size = (path / spec["graph"]).stat().st_size
     if size > MAX_STAGE_JSON_BYTES:  # before its checksum is computed
@@ -468,7 +471,7 @@ def _load_stage(path: Path, spec: dict[str, Any], sums: dict[str, Any]) -> torch
     for info in spec["buffers"]:
         set_path(holder, info["name"], _state(state, info, path))
     try:
-        gm = serialize.load(graph_doc, holder, str(graph_file), class_name=f"Stage{k}")
+        gm = serialize.load(graph_doc, holder, str(graph_file), class_name=f"Stage{k}", trust_ops=trust_ops)
     except PlanFileError as exc:
         raise PlanFileError(f"{exc}; re-run fxpipe compile") from exc
     gm.meta["fxpipe_stage_idx"] = k

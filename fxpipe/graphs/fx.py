@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -99,6 +100,67 @@ def device_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.nn.Parameter(copied, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copied
 
 
+def inline_grad_regions(gm: torch.fx.GraphModule) -> int:
+    """In place: each ``wrap_with_set_grad_enabled(enabled, body, *args)`` of ``gm`` (what torch.export makes of a
+    ``torch.no_grad()`` block inside a model, e.g. a transformers release's rotary embedding) replaced by the body's
+    own nodes; returns how many were inlined.
+
+    A region with grad disabled computes the same values with grad enabled; only whether autograd records it
+    differs, so each tensor it returns is ``aten.detach``ed: no gradient flows through it, as in eager. Every later
+    pass, the plan file and the meta-device checks then see plain operators.
+    """
+    from fxpipe._compat import higher_order_op
+
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or higher_order_op(node.target) != "wrap_with_set_grad_enabled":
+            continue
+        enabled, body_node, *operands = node.args
+        body = get_path(gm, str(body_node.target))
+        inline_grad_regions(body)  # nested regions first
+        env: dict[torch.fx.Node, Any] = {}
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        env.update(zip(placeholders, operands))
+        result: Any = None
+        with gm.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    result = torch.fx.node.map_arg(inner.args[0], lambda n: env[n])
+                    break
+                env[inner] = gm.graph.node_copy(inner, lambda n: env[n])
+            if not enabled:
+                result = torch.fx.node.map_aggregate(result, lambda v: _detached(gm.graph, v))
+        outputs = result if isinstance(result, (tuple, list)) else None
+        for user in list(node.users):
+            if outputs is not None and user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[cast(int, user.args[1])])
+                gm.graph.erase_node(user)
+        if node.users:
+            node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            owner, _, leaf = str(body_node.target).rpartition(".")
+            delattr(get_path(gm, owner) if owner else gm, leaf)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _detached(graph: torch.fx.Graph, value: Any) -> Any:
+    if not isinstance(value, torch.fx.Node):
+        return value
+    node = graph.call_function(torch.ops.aten.detach.default, (value,))
+    val = value.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        node.meta["val"] = val.detach()
+    return node
+
+
 def rename_device(graph: torch.fx.Graph, home: torch.device, device: torch.device) -> None:
     """Every ``torch.device`` literal equal to ``home`` in the nodes' arguments becomes ``device``: the
     ``device=`` of factory ops (arange, ones, full, zeros) that tracing recorded where the model was."""
@@ -136,8 +198,12 @@ def move_module(module: torch.fx.GraphModule, home: torch.device, device: torch.
             t = getattr(owner, leaf)
             if isinstance(t, torch.Tensor) and leaf not in owner._parameters and leaf not in owner._buffers:
                 object.__setattr__(owner, leaf, moved(t))  # stays a plain attribute, as it was
-    rename_device(module.graph, home, device)
-    module.recompile()
+    # The graphs a higher-order operator calls (an autocast region, a cond branch) are submodules with their own
+    # device literals.
+    for sub in module.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            rename_device(sub.graph, home, device)
+            sub.recompile()
 
 
 def value_bytes(val: Any) -> int:

@@ -13,6 +13,11 @@ name back into a callable only by looking it up in an allow-list:
   ``--tracer fx`` records, e.g. ``torch.flatten``), and public tensor methods by name, except
   those that reach storage, NumPy, hooks or Python callables.
 
+- operators a model's own library registered through ``torch.library`` (transformers' ``grouped_mm_fallback``
+  for mixture-of-experts layers): the plan records the module that defines each, and loading calls one only
+  when its namespace is trusted (``TRUSTED_LIBRARIES``, or ``trust_ops``) and imports only a module of that
+  library; it never imports anything the plan names otherwise.
+
 Arguments are JSON values, node references and a few tagged torch values (dtype, device,
 memory format, layout, slice, tuple). Anything else is refused when the plan is written, so a
 plan that saves also loads. torch generates the GraphModule's Python from the checked graph;
@@ -24,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -54,6 +59,10 @@ _HIGHER_ORDER = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast", "
 # (a C++ int64 holds what torch's operators take), and what Python's operators make of constants (7 ** 300000000
 # takes minutes; "a" * 10**12 a terabyte).
 MAX_DEPTH = 64
+# Libraries whose torch.library operators a plan may call without being asked: their operators are the model's own
+# layers (a plan compiled from a transformers mixture of experts calls transformers::grouped_mm_fallback).
+TRUSTED_LIBRARIES: tuple[str, ...] = ("transformers",)
+_TORCH_NAMESPACES = ("aten", "prims")
 _INT_BOUND = 2**63
 _SEQUENCE_BOUND = 1 << 24  # items a constant sequence operation may make
 _ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.pow, operator.neg,
@@ -70,11 +79,13 @@ def dump(gm: torch.fx.GraphModule, where: str) -> dict[str, Any]:
     Parameters, buffers and tensor constants are named (``get_attr``), not stored: the caller
     saves them as tensors. Raises PlanFileError naming the node that cannot be written.
     """
-    nodes, submodules = [], {}
+    nodes, submodules, libraries = [], {}, {}
     for node in gm.graph.nodes:
         target: Any = node.target
         if node.op in ("call_function",):
             target = _target_name(node.target, f"{where} node {node.name}")
+            if op_overload_name(node.target) is not None and target.partition(".")[0] not in _TORCH_NAMESPACES:
+                libraries[target] = custom_op_module(node.target)
         elif node.op == "call_method":
             _check_method(str(target), f"{where} node {node.name}")
         elif node.op == "get_attr":
@@ -84,15 +95,19 @@ def dump(gm: torch.fx.GraphModule, where: str) -> dict[str, Any]:
         nodes.append({"name": node.name, "op": node.op, "target": target,
                       "args": _encode(node.args, f"{where} node {node.name}"),
                       "kwargs": _encode(dict(node.kwargs), f"{where} node {node.name}")})
-    return {"format": FORMAT, "nodes": nodes, "submodules": submodules}
+    doc = {"format": FORMAT, "nodes": nodes, "submodules": submodules}
+    if libraries:
+        doc["libraries"] = libraries
+    return doc
 
 
 def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphModule", *,
-         depth: int = 0) -> torch.fx.GraphModule:
+         depth: int = 0, trust_ops: Collection[str] = TRUSTED_LIBRARIES) -> torch.fx.GraphModule:
     """Rebuild a graph written by :func:`dump` over ``root``, which holds its tensors and leaf modules.
 
-    Nested graphs are rebuilt first and set on ``root`` under their saved names. Raises
-    PlanFileError naming what in ``doc`` is not allowed or not well formed.
+    Nested graphs are rebuilt first and set on ``root`` under their saved names. ``trust_ops``: the namespaces
+    whose registered operators the graph may call. Raises PlanFileError naming what in ``doc`` is not allowed or
+    not well formed.
     """
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("nodes"), list):
         raise PlanFileError(f"{where} is not an {FORMAT} graph")
@@ -104,7 +119,11 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
     for name, sub in subs.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanFileError(f"{where} names a subgraph {name!r}, which is not an identifier")
-        setattr(root, name, load(sub, torch.nn.Module(), f"{where} subgraph {name}", depth=depth + 1))
+        setattr(root, name, load(sub, torch.nn.Module(), f"{where} subgraph {name}", depth=depth + 1,
+                                 trust_ops=trust_ops))
+    libraries = doc.get("libraries", {})
+    if not isinstance(libraries, dict):
+        raise PlanFileError(f"{where} has a malformed libraries table")
     graph = torch.fx.Graph()
     env: dict[str, torch.fx.Node] = {}
     constants: dict[str, int] = {}  # nodes whose value is a whole number known from the file (operators on constants)
@@ -119,7 +138,7 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
             raise PlanFileError(f"{here} has malformed arguments")
         target = entry.get("target")
         if op == "call_function":
-            target = _resolve(target, here)
+            target = _resolve(target, here, libraries, trust_ops)
         elif op == "call_method":
             _check_method(target, here)
             if not args or not isinstance(args[0], torch.fx.Node):
@@ -219,11 +238,52 @@ def _target_name(target: Any, where: str) -> str:
     if name is None:
         raise PlanFileError(f"{where} calls {getattr(target, '__qualname__', target)!r}, which a plan cannot store "
                             "as data (only torch operators, torch functions on tensors and Python's operators)")
-    _resolve(name, where)  # refuse at save what load would refuse
+    if op_overload_name(target) is not None and name.partition(".")[0] not in _TORCH_NAMESPACES:
+        return name  # a library's own operator: it exists (the graph calls it); load decides whether it is trusted
+    _resolve(name, where, {}, ())  # refuse at save what load would refuse
     return name
 
 
-def _resolve(name: Any, where: str) -> Any:
+def custom_op_module(op: Any) -> str:
+    """The module that registered a ``torch.library`` operator (``transformers.integrations.moe`` for
+    ``transformers::grouped_mm_fallback``), or its namespace when torch does not say."""
+    from fxpipe._compat import custom_op_definer
+
+    return custom_op_definer(op) or str(op.namespace)
+
+
+def _library_op(name: str, where: str, libraries: dict[str, Any], trust_ops: Collection[str]) -> Any:
+    """A library's own operator, by name: only in a trusted namespace, after importing the module the plan says
+    defines it, which must belong to that library (``transformers.*`` for ``transformers::``)."""
+    import importlib
+    import sys
+
+    namespace, _, rest = name.partition(".")
+    if namespace not in trust_ops:
+        raise PlanFileError(f"{where} calls {name!r}, an operator the {namespace!r} library registers, which this "
+                            f"load does not trust; if you trust the plan's source, pass --trust-ops {namespace} "
+                            f"(fxpipe.load(..., trust_ops=[{namespace!r}]))")
+    module = libraries.get(name, namespace)
+    if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+        raise PlanFileError(f"{where} names a malformed module for {name!r}")
+    if module not in sys.modules:
+        if module.split(".")[0] != namespace:
+            raise PlanFileError(f"{where} says {name!r} is defined by {module!r}, outside the {namespace!r} library; "
+                                "re-run fxpipe compile")
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001  (a missing or broken library: one line)
+            raise PlanFileError(f"{where} calls {name!r}, defined by {module}, which does not import here "
+                                f"({type(exc).__name__}: {exc}); install {namespace}") from None
+    op_name, _, overload = rest.partition(".")
+    op = op_overload(namespace, op_name, overload) if op_name and overload and "." not in overload else None
+    if op is None:
+        raise PlanFileError(f"{where} calls {name!r}, which {module} does not register here; install the "
+                            f"{namespace} release the plan was compiled with")
+    return op
+
+
+def _resolve(name: Any, where: str, libraries: dict[str, Any], trust_ops: Collection[str]) -> Any:
     if not isinstance(name, str):
         raise PlanFileError(f"{where} has a malformed target")
     if name in _BUILTINS:
@@ -235,7 +295,9 @@ def _resolve(name: Any, where: str) -> Any:
             raise PlanFileError(f"{where} calls higher-order operator {name!r}, which a plan does not store")
         return getattr(torch.ops.higher_order, hop_name)
     namespace, _, rest = name.partition(".")
-    if namespace in ("aten", "prims") and rest.count(".") == 1:
+    if name in libraries:
+        return _library_op(name, where, libraries, trust_ops)
+    if namespace in _TORCH_NAMESPACES and rest.count(".") == 1:
         op_name, overload = rest.split(".")
         op = op_overload(namespace, op_name, overload)
         if op is None:

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from fxpipe.errors import TraceError
-from fxpipe.graphs.fx import compute_nodes
+from fxpipe.graphs.fx import compute_nodes, inline_grad_regions
 from fxpipe.passes.driver import PassResult
 from fxpipe.report import Report
 
@@ -55,20 +55,44 @@ def trace(
         raise TraceError(f"unknown tracer {tracer!r} (known: {', '.join(TRACERS)}); use --tracer export or fx")
     kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
-    if tracer == "export":
-        gm = _trace_export(model, tuple(example_inputs), kwargs)
-    else:
-        if kwargs:
-            raise TraceError("--tracer fx takes positional example inputs only (kwargs given); use --tracer export")
-        gm = _trace_fx(model)
+    notes: list[str] = []
+    with _cache_off(model) as cache_was_on:
+        if tracer == "export":
+            gm = _trace_export(model, tuple(example_inputs), kwargs)
+        else:
+            if kwargs:
+                raise TraceError("--tracer fx takes positional example inputs only (kwargs given); use --tracer export")
+            gm = _trace_fx(model)
+    if cache_was_on:
+        notes.append("traced with the model's config.use_cache off: training keeps no key/value cache")
+    inlined = inline_grad_regions(gm) if tracer == "export" else 0
+    if inlined:
+        notes.append(f"{inlined} no-grad region(s) inlined, their outputs detached")
     n_params = sum(p.numel() for p in dict(model.named_parameters()).values())
     report = Report(
         title="trace",
         columns=("tracer", "graph nodes", "compute nodes", "parameters", "seconds"),
         rows=((tracer, len(gm.graph.nodes), sum(1 for _ in compute_nodes(gm.graph)), n_params,
                round(time.perf_counter() - start, 3)),),
+        notes=tuple(notes),
     )
     return PassResult(gm, True, (report,))
+
+
+@contextlib.contextmanager
+def _cache_off(model: torch.nn.Module) -> Iterator[bool]:
+    """A Hugging Face model whose config asks for a key/value cache returns it from ``forward`` (a ``DynamicCache``,
+    which neither tracer can carry, and training never reads): its ``config.use_cache`` is off while it is traced,
+    and put back after. Yields whether it was on."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield False
+        return
+    config.use_cache = False
+    try:
+        yield True
+    finally:
+        config.use_cache = True
 
 
 def _trace_export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.fx.GraphModule:
@@ -150,7 +174,17 @@ def _explain_trace_failure(model: torch.nn.Module, exc: BaseException, tracer: s
                + ("; --tracer fx cannot trace it either" if tracer == "export" else "; then use --tracer export"))
         return f"cannot trace {name}: data-dependent control flow{at}; {fix}"
     other = "fx" if tracer == "export" else "export"
-    return f"cannot trace {name} with --tracer {tracer}{at}: {first[:300]}; fix the model or try --tracer {other}"
+    hint = f"fix the model or try --tracer {other}"
+    if "Cache" in first and "not a known type" in first:  # a cache object in the output (--tracer fx cannot either)
+        hint = "build the model with use_cache=False (its config's key/value cache cannot be traced)"
+    return f"cannot trace {name} with --tracer {tracer}{at}: {_clip(first)}; {hint}"
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to about ``limit`` characters at a word boundary, marked with an ellipsis."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 def _user_frame(exc: BaseException) -> str:
