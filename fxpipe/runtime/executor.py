@@ -758,6 +758,13 @@ class PipelineRuntime:
                 sd.update(last_epoch=int(run["lr_step"]), _last_lr=[g["lr"] for g in groups],
                           base_lrs=[g.get("initial_lr", g["lr"]) for g in groups])
                 scheduler.load_state_dict(sd)
+                if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                    # The saved lr is the saved schedule's; this run's may be longer (a larger --steps, the way to
+                    # train on): its own curve at the saved step, as an unbroken run of this length has there.
+                    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+                    for group, lr in zip(groups, lrs):
+                        group["lr"] = lr
+                    scheduler._last_lr = lrs  # what get_last_lr() reports
         if self.scaler is not None and "loss_scale" in run:
             self.scaler.load_state_dict(run)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -105,6 +106,22 @@ def test_resume_continues_exactly(plan: Path, tmp_path: Path) -> None:
     ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt, "--overwrite", "--json"))
     assert sorted(p.name for p in ckpt.iterdir()) == [".fxpipe.lock", "NOTES.txt", "step_000001"]
     assert (ckpt / "NOTES.txt").read_text() == "mine"
+
+
+def test_resuming_with_more_steps_follows_the_longer_schedule(plan: Path, tmp_path: Path) -> None:
+    """Training on with a larger --steps (what docs/cli.md recommends): the resumed steps' learning rates are the
+    longer run's cosine at those steps, not the saved run's (whose last lr is 0, its end)."""
+    ckpt = tmp_path / "ckpt"
+    flags = ("--lr", "0.01", "--lr-schedule", "cosine", "--warmup-steps", "2", "--checkpoint-dir", ckpt, "--json")
+    first = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "4", *flags)).stdout)
+    on = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "6", "--resume", "always", *flags)).stdout)
+
+    def cosine(k: int, total: int) -> float:  # Hugging Face's get_cosine_schedule_with_warmup, written out
+        return 0.01 * (k / 2 if k < 2 else 0.5 * (1 + math.cos(math.pi * (k - 2) / (total - 2))))
+
+    torch.testing.assert_close(first["lrs"], [cosine(k, 4) for k in range(4)], rtol=1e-6, atol=0)
+    assert on["first_step"] == 4 and len(on["lrs"]) == 2
+    torch.testing.assert_close(on["lrs"], [cosine(4, 6), cosine(5, 6)], rtol=1e-6, atol=0)  # 0.005, 0.00146
 
 
 def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path,
