@@ -108,6 +108,91 @@ def measure(paper: str, steps: int, repeat: int, timeout: float) -> dict[str, An
             "cores": os.cpu_count(), "cases": todo}
 
 
+OPTCNN_MODELS = ("vgg-small", "resnet-small")
+OPTCNN_STRATEGIES = ("dp", "model-parallel", "auto")
+
+
+def _optcnn_rank(rank: int, world: int, init: str, steps: int, batch: int, out: str) -> None:
+    """One gloo rank: data parallelism, model parallelism (every layer's channels split as far as they go) and the
+    search's pick, trained in turn one step each (``strategy_measured.time_steps``), per model."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import paper_optcnn
+    import strategy_measured as sm
+    from fxpipe.calibration.runtime_costs import calibrate_allreduce
+    from fxpipe.passes.strategy_graph import strategy_graph
+    from fxpipe.planning.strategies import build_graph, data_parallel, solve
+    from fxpipe.runtime.strategy import StrategyRuntime
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    link = calibrate_allreduce()
+    rows = []
+    for model in OPTCNN_MODELS:
+        family, size = sm.MODELS[model]
+        torch.manual_seed(0)
+        net = family.make_model(size)
+        side = family.SIZES[size].image_size
+        x, t = torch.randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+        g = strategy_graph(net, (x,))
+        graph = build_graph(g.specs, g.edges, world, bandwidth=link.bandwidth, latency=link.latency, alltoall=False)
+        picks = {"dp": data_parallel(graph), "model-parallel": paper_optcnn.model_parallel(graph, world),
+                 "auto": sm.rank0s(graph, solve(graph))}
+        runs = []
+        for name in OPTCNN_STRATEGIES:
+            degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(picks[name].choice)]
+            runs.append((StrategyRuntime(g.module, g.nodes, g.specs, degrees, timeout=timedelta(seconds=300)), x, t))
+        for name, step in zip(OPTCNN_STRATEGIES, sm.time_steps(runs, steps, 2)):
+            rows.append({"model": model, "ranks": world, "strategy": name, "measured_s": step,
+                         "modelled_s": picks[name].cost, "configs": list(picks[name].names(graph))})
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def measure_optcnn(steps: int, repeat: int) -> dict[str, Any]:
+    """OptCNN's baselines measured: dp, model parallelism and the search's pick at 2 and 4 gloo ranks, ``repeat``
+    runs; per configuration the median step of each run (the slowest rank's median of ``steps``)."""
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    started, load_before = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()[0]
+    runs: list[list[dict[str, Any]]] = []
+    for _ in range(repeat):
+        got = []
+        for world in (2, 4):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "rows.json")
+                mp.spawn(_optcnn_rank, args=(world, f"file://{tmp}/pg", steps, 32, out), nprocs=world)
+                got += json.loads(Path(out).read_text())
+        runs.append(got)
+    rows = [dict(r, measured_runs_s=[run[i]["measured_s"] for run in runs]) for i, r in enumerate(runs[0])]
+    return {"paper": "optcnn", "steps": steps, "repeat": repeat, "batch": 32,
+            "command": f"python benchmarks/papers_measured.py --paper optcnn --steps {steps} --repeat {repeat}",
+            "started": started, "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
+            "cores": os.cpu_count(), "rows": rows}
+
+
+def optcnn_table(doc: dict[str, Any]) -> str:
+    """Per model and rank count: dp, model parallelism and the search's pick, measured (each run), and each over dp."""
+    lines = [f"Measured here (committed: benchmarks/results/papers_measured/optcnn.json; `{doc['command']}`, "
+             f"{doc['started']}; vgg-small and resnet-small at 32x32, global batch {doc['batch']}, SGD momentum, the "
+             f"DTensor runtime on gloo ranks, 1 thread each, {doc['cores']} cores, 4 ranks share them; median step of "
+             f"{doc['steps']} after 2, strategies in turn one step each; load average {doc['load_before']} before, "
+             f"{doc['load_after']} after):", "",
+             "| model | ranks | strategy | step ms (each run) | over dp (each run) |", "| --- | --- | --- | --- | --- |"]
+    by = {(r["model"], r["ranks"], r["strategy"]): r for r in doc["rows"]}
+    for r in doc["rows"]:
+        dp = by[(r["model"], r["ranks"], "dp")]["measured_runs_s"]
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['strategy']} | "
+                     f"{' / '.join(f'{1e3 * s:.1f}' for s in r['measured_runs_s'])} | "
+                     f"{' / '.join(f'{d / s:.2f}x' for s, d in zip(r['measured_runs_s'], dp))} |")
+    return "\n".join(lines)
+
+
 def load(paper: str) -> dict[str, Any] | None:
     """The committed measurement of ``paper`` (None: not measured)."""
     path = OUT / f"{paper}.json"
@@ -189,13 +274,18 @@ def akintoye_table(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paper", action="append", choices=("layerpipe", "akintoye"))
+    parser.add_argument("--paper", action="append", choices=("layerpipe", "akintoye", "optcnn"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     for paper in args.paper or ["layerpipe", "akintoye"]:
+        if paper == "optcnn":
+            doc = measure_optcnn(args.steps, args.repeat)
+            (OUT / "optcnn.json").write_text(json.dumps(doc, indent=1) + "\n")
+            print(optcnn_table(doc), flush=True)
+            continue
         doc = measure(paper, args.steps, args.repeat, args.timeout)
         (OUT / f"{paper}.json").write_text(json.dumps(doc, indent=1) + "\n")
         for case in doc["cases"]:
