@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ class Feed:
 
 
 def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: str, loss_spec: str | None, microbatches: int,
-               dp: int, seed: int, steps: int) -> Feed:
+               dp: int, seed: int, steps: int, *, trust_ops: tuple[str, ...] = ()) -> Feed:
     """``--data`` and ``--loss`` against the plan, before any rank starts (see the module's docstring); one line
     (an FxpipeError) for the first thing wrong. ``zoo``: the plan's built-in model built on the meta device
     (``fxpipe.cli.rank.zoo_of``), or None for the user's own."""
@@ -58,7 +58,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: str, loss_spec: s
     fn = resolve_function(source.spec, "--data", "my_data.py:batches") if isinstance(source, data.UserData) else None
     if zoo is not None and loss_fn is None and fn is None and isinstance(source, data.Synthetic):
         return Feed(source, None, [])  # the built-in model's own batch and loss
-    example, output, bounds = _meta_output(plan_dir, plan, zoo)
+    example, output, bounds = _meta_output(plan_dir, plan, zoo, trusted_ops(trust_ops))
     rows = int(plan.inputs[0].shape[0]) if plan.inputs and plan.inputs[0].shape else 1
     rank_args: list[str] = []
     fit = None
@@ -198,7 +198,17 @@ def input_specs(plan: Any, m: int) -> tuple[tuple[str, tuple[int, ...], Any], ..
                  for s in plan.inputs)
 
 
-def _meta_output(plan_dir: Path, plan: Any, zoo: Any) -> tuple[tuple[Any, ...], Any, dict[int, int]]:
+def trusted_ops(extra: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The libraries whose operators a plan may call: transformers (``serialize.TRUSTED_LIBRARIES``) and --trust-ops
+    (comma-separated names)."""
+    from fxpipe.graphs.serialize import TRUSTED_LIBRARIES
+
+    names = extra.split(",") if isinstance(extra, str) else list(extra or ())
+    return tuple(dict.fromkeys((*TRUSTED_LIBRARIES, *(n.strip() for n in names if n.strip()))))
+
+
+def _meta_output(plan_dir: Path, plan: Any, zoo: Any,
+                 trust_ops: tuple[str, ...]) -> tuple[tuple[Any, ...], Any, dict[int, int]]:
     """The example inputs (one microbatch, on meta), the model's output on them computed on the meta device (the
     built-in model's, else the plan's stages moved there), and for each integer input an embedding indexes, its
     rows (``fxpipe.data.index_bounds``)."""
@@ -209,7 +219,7 @@ def _meta_output(plan_dir: Path, plan: Any, zoo: Any) -> tuple[tuple[Any, ...], 
 
     if zoo is not None:
         return tuple(zoo.example_inputs), zoo.model(*zoo.example_inputs), {}
-    pipe = fxpipe.load(plan_dir).to_device("meta")
+    pipe = fxpipe.load(plan_dir, trust_ops=trust_ops).to_device("meta")
     example = tuple(x.to("meta") for x in _example_zeros(plan))
 
     def run(*flat: Any) -> Any:  # the plan's flat inputs, as the model was called

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--trust-ops", default="")  # LIB,LIB: the launcher's trusted libraries
     parser.add_argument("--loss", default=None)  # FILE.py:FUNCTION; default: the built-in model's
     parser.add_argument("--synthetic", default=None)  # a user model's synthetic data, as the launcher found it
     parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
@@ -299,13 +300,13 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     import fxpipe
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
-    from fxpipe.cli.feed import input_specs, loss_of, rank_batches, scored
+    from fxpipe.cli.feed import input_specs, loss_of, rank_batches, scored, trusted_ops
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
-    pipe = fxpipe.load(args.plan)  # on the CPU; moved to the rank's device below
+    pipe = fxpipe.load(args.plan, trust_ops=trusted_ops(args.trust_ops))  # on the CPU; moved to its device below
     zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed); None: the user's own model
     if zoo is None and pipe.plan.strategy is not None:  # fxpipe run refuses it before starting the ranks
         raise PlanFileError(f"a per-layer strategy plan trains a built-in model (this plan is of "

@@ -66,6 +66,9 @@ def run_cmd(
     loss: Annotated[Optional[str], typer.Option(help="FILE.py:FUNCTION or package.module:FUNCTION: the loss, "
                                                 "(outputs, target) -> scalar tensor, on each microbatch (default: "
                                                 "the built-in model's; required for your own model).")] = None,
+    trust_ops: Annotated[Optional[str], typer.Option(help="LIB[,LIB...]: libraries whose torch.library operators "
+                                                     "the plan's stages may call, beyond transformers; only for "
+                                                     "plans you trust.")] = None,
     seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
@@ -276,11 +279,13 @@ def run_cmd(
                                           lock=nnodes == 1)  # first: another run's directory is refused unread
         try:
             # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
-            from fxpipe.cli.feed import check_feed
+            from fxpipe.cli.feed import check_feed, trusted_ops
             from fxpipe.cli.rank import zoo_of
 
             zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
-            feed = check_feed(plan_dir, plan, zoo, data, loss, sched.num_microbatches, replicas, seed, steps)
+            trusted = trusted_ops(trust_ops)
+            feed = check_feed(plan_dir, plan, zoo, data, loss, sched.num_microbatches, replicas, seed, steps,
+                              trust_ops=trusted)
             source, fit = feed.source, feed.fit
             _check_model(plan_dir, plan, zoo)  # before any rank builds the model the plan names
         except BaseException:
@@ -314,6 +319,7 @@ def run_cmd(
                     "--codegen", codegen, "--device", device, "--recompute", recompute, *(["--w-lane"] if w_lane else []),
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
+            cmd += ["--trust-ops", ",".join(trusted)]
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
@@ -339,7 +345,7 @@ def run_cmd(
                 mine = sorted(ranks.finished_ranks(out_dir))
                 _node_done(mine, nproc * nnodes, node_rank if rdzv_endpoint is None else None, steps, as_json)
                 return
-            heldout = _held_out(plan_dir, out_dir, source, fit) if fit is not None else None
+            heldout = _held_out(plan_dir, out_dir, source, fit, trusted) if fit is not None else None
         finally:
             if out_dir is not None:
                 shutil.rmtree(out_dir, ignore_errors=True)
@@ -732,7 +738,8 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwri
                           "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
 
 
-def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object) -> dict[str, float]:
+def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object,
+              trust_ops: tuple[str, ...]) -> dict[str, float]:
     """Every stage's final weights (as rank 0 gathered them) in one pipeline, scored on the held-out split
     (accuracy or loss)."""
     import torch
@@ -740,7 +747,7 @@ def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object) -> dic
     import fxpipe
     from fxpipe import data
 
-    pipe = fxpipe.load(plan_dir)
+    pipe = fxpipe.load(plan_dir, trust_ops=trust_ops)
     params = {n: p for st in pipe.stages for n, p in st.module.named_parameters(remove_duplicate=False)}
     for name, value in torch.load(out_dir / ranks.PARAMS, weights_only=True).items():
         with torch.no_grad():

@@ -262,7 +262,7 @@ def _library_op(name: str, where: str, libraries: dict[str, Any], trust_ops: Col
     if namespace not in trust_ops:
         raise PlanFileError(f"{where} calls {name!r}, an operator the {namespace!r} library registers, which this "
                             f"load does not trust; if you trust the plan's source, pass --trust-ops {namespace} "
-                            f"(fxpipe.load(..., trust_ops=[{namespace!r}]))")
+                            f"to fxpipe run (fxpipe.load(..., trust_ops=[{namespace!r}]))")
     module = libraries.get(name, namespace)
     if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
         raise PlanFileError(f"{where} names a malformed module for {name!r}")
