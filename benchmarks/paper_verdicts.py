@@ -76,22 +76,23 @@ def spectrain(speedups: Sequence[float]) -> list[Part]:
 
 
 def spectrain_accuracy(predict: Sequence[float], stale: Sequence[float], sync: Sequence[float]) -> tuple[str, str]:
-    """Whether predict's gain over stale (median over seeds) exceeds the spread (max - min) of either, and whether
-    predict's median is within sync's spread of sync's median (the paper's 'comparable accuracy'): (word, reason)."""
-    def median(v: Sequence[float]) -> float:
-        s = sorted(v)
-        return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+    """Whether predict's mean gain over stale exceeds the spread (the larger standard deviation over seeds of the
+    two), and whether predict's mean is within sync's standard deviation of sync's or above (the paper's 'comparable
+    accuracy'): (word, reason). The seeds are paired (same start, same batches): the reason counts predict's wins."""
+    import statistics
 
-    gain = median(predict) - median(stale)
-    spread = max(max(predict) - min(predict), max(stale) - min(stale))
-    sync_spread = max(sync) - min(sync)
+    gain = statistics.mean(predict) - statistics.mean(stale)
+    spread = max(statistics.pstdev(predict), statistics.pstdev(stale))
+    span = max(max(predict) - min(predict), max(stale) - min(stale))
+    wins = sum(p > s for p, s in zip(predict, stale))
     beats = gain > spread
-    comparable = median(predict) >= median(sync) - sync_spread
+    comparable = statistics.mean(predict) >= statistics.mean(sync) - statistics.pstdev(sync)
     word = WORDS[0] if beats and comparable else WORDS[1] if beats or (gain > 0 and comparable) else WORDS[2]
-    return word, (f"predict's median over stale's {gain:+.3f}, {'larger' if beats else 'not larger'} than the larger "
-                  f"spread of the two ({spread:.3f}); predict's median {median(predict):.3f} against sync's "
-                  f"{median(sync):.3f} (sync's spread {sync_spread:.3f}): "
-                  f"{'comparable' if comparable else 'below sync by more than its spread'}")
+    return word, (f"predict's mean over stale's {gain:+.3f}, {'larger' if beats else 'not larger'} than the larger "
+                  f"standard deviation of the two ({spread:.3f}; the larger min-max range is {span:.3f}); predict above "
+                  f"stale on {wins} of {len(predict)} paired seeds; predict's mean {statistics.mean(predict):.3f} "
+                  f"against sync's {statistics.mean(sync):.3f} (sync's standard deviation "
+                  f"{statistics.pstdev(sync):.3f}): {'comparable' if comparable else 'below sync by more than that'}")
 
 
 SPLITBRAIN = ("SplitBrain saves up to 67% of memory against data parallelism with near-linear speedup (speedup / ranks "
