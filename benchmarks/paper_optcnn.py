@@ -11,10 +11,11 @@ batch 64) with the profile's measured compute:
 - **OptCNN**: the search (node and edge elimination, exact under the model).
 
 Throughput is samples per second (batch / modelled step); bytes are what one device receives per step (transfers
-both ways and gradient all-reduces). The table is the cost model's only. What this machine measured is
-``benchmarks/strategy_measured.py``'s committed runs (vgg-small and resnet-small at 2 and 4 gloo ranks: dp, SplitBrain
-and the search's pick, in the search's calibrated model against the measured step); the second table sets them side
-by side (model / measured, within 20% or not). ``strategy_measured.py`` measures them again (minutes).
+both ways and gradient all-reduces). The first table is the cost model's only. Measured on this machine: the
+committed runs of ``benchmarks/strategy_measured.py`` (vgg-small and resnet-small at 2 and 4 gloo ranks: dp, SplitBrain
+and the search's pick, in the search's calibrated model against the measured step), and
+``papers_measured.py --paper optcnn`` (the same models and ranks: dp, model parallelism and the search's pick, in
+turn, measured side by side). The verdict grades the search's gain over dp at 16 ranks against the paper's number.
 """
 
 from __future__ import annotations

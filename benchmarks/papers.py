@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="divide every profiled compute time by this (a what-if: a device X times faster)")
     parser.add_argument("--regimes", action="store_true",
                         help="where each headline holds: the metric over compute speed x link (and other axes)")
-    parser.add_argument("--plot", type=Path, nargs="?", const=Path("papers-regimes"), default=None,
-                        help="with --regimes: write one figure per paper into this directory (default papers-regimes/)")
+    parser.add_argument("--plot", type=Path, nargs="?", const=Path(__file__).parent / "results" / "papers_regimes",
+                        default=None, help="with --regimes: write one figure per paper into this directory (default "
+                        "benchmarks/results/papers_regimes/)")
     args = parser.parse_args(argv)
     paper_profiles.DIR = args.profiles
     paper_profiles.COMPUTE_SCALE = args.compute_scale
