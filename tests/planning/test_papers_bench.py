@@ -324,7 +324,7 @@ def test_regimes_grade_each_cell_and_name_where_the_setups_sit(tmp_path: Path, m
              for row in values]
     text = reg.render(reg.Grid("P", "gain", "claim", values, words, "+.0%"))
     assert f"- Holds (R) in 1 of {n * m} cells: {reg.SCALES[0][0]} / {reg.LINKS[0][0]}." in text
-    assert f"- Half the gain (P) in {m}:" in text and "- this CPU with gloo here (profiled, simulated): +30% (reproduced)" \
+    assert f"- Half the gain (P) in {m}:" in text and "- this CPU with gloo here (profiled): +30% (reproduced)" \
         in text and "- H100 + NVLink 4 (modelled): +0% (not reproduced)" in text
     # a real sweep (SpecTrain's, quick) prints its grid; --plot without matplotlib says so in one line
     monkeypatch.setitem(sys.modules, "matplotlib", None)
