@@ -7,6 +7,7 @@ context a user's data function (``--data file.py:function``) is called with.
     parse_data("text:notes.txt")   # the file's bytes (vocabulary 256), the last 10% held out
     parse_data("text:stdlib")      # a few of Python's own source files, 1 MiB at most
     parse_data("jsonl:ids.jsonl")  # token ids, one JSON document a line, the last 10% held out
+    load_hf("corpus/", tokenizer="tok.json")  # --data hf:corpus/ --tokenizer tok.json: a dataset's text, tokenized
     parse_data("my_data.py:batches")  # UserData: the CLI imports the function and calls it with a DataContext
 
 Every batch has the same shape (pipeline stages are compiled for fixed shapes), and batch ``step`` is a pure
@@ -29,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch.nn import functional as F
 
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, first_line
 
 __all__ = [
     "DIGITS_ZOO",
@@ -48,6 +49,7 @@ __all__ = [
     "check_fit",
     "index_bounds",
     "load_digits",
+    "load_hf",
     "load_jsonl",
     "load_stdlib_text",
     "load_text",
@@ -489,6 +491,91 @@ def load_jsonl(path: str | Path) -> Text:
     held = len(tokens) // TEXT_HELDOUT
     cut = len(tokens) - held
     return Text(spec, (str(file),), tokens[:cut], tokens[cut:], vocab_size=int(tokens.max()) + 1)
+
+
+HF_FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
+
+
+def load_hf(path: str, *, tokenizer: str | Path | None, column: str = "text") -> Text:
+    """A Hugging Face dataset's ``column`` tokenized by a local tokenizer into one stream, the last 10% held out:
+    each document's ids followed by the end-of-text token, so batches (windows of ``seq_len + 1`` tokens, labels
+    the next tokens) are packed across documents. ``path``: a ``save_to_disk`` directory, a parquet / json /
+    jsonl / csv / txt file or a directory of them (``datasets.load_dataset(format, data_files=...)``), else a hub
+    name (where the network allows). ``tokenizer``: a ``tokenizer.json`` or a ``save_pretrained`` directory.
+
+    Raises: OptionError (one line) without the ``hf`` extra, or for a missing dataset, column or tokenizer, a
+    tokenizer without an end-of-text token, or an empty dataset.
+    """
+    spec = f"hf:{path}"
+    try:
+        import datasets
+        import tokenizers
+    except ImportError as exc:
+        raise OptionError(f"--data {spec} needs the {exc.name} package; pip install 'fxpipe[hf]'") from None
+    if tokenizer is None:
+        raise OptionError(f"--data {spec} is text; pass --tokenizer PATH (a tokenizer.json or a save_pretrained "
+                          "directory) to turn it into token ids")
+    tok_file = Path(tokenizer).expanduser()
+    tok_file = tok_file / "tokenizer.json" if tok_file.is_dir() else tok_file
+    if not tok_file.is_file():
+        raise OptionError(f"--tokenizer {tokenizer}: no tokenizer.json there ({tok_file.absolute()}); give a "
+                          "tokenizer.json or a directory a tokenizer was saved to with save_pretrained")
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+    except Exception as exc:  # noqa: BLE001  (the Rust library raises its own exception type)
+        raise OptionError(f"--tokenizer {tokenizer} does not load ({first_line(exc)}); give a tokenizer.json") \
+            from None
+    eos = next((tok.token_to_id(t) for t in EOS_TOKENS if tok.token_to_id(t) is not None), None)
+    if eos is None:
+        raise OptionError(f"--tokenizer {tokenizer} has no end-of-text token (none of {', '.join(EOS_TOKENS)}); "
+                          "add one, e.g. special_tokens=['<|endoftext|>'] when training it")
+    table = _hf_table(datasets, path, spec)
+    if column not in table.column_names:
+        raise OptionError(f"--data {spec} has no column {column!r} (columns: {', '.join(table.column_names)}); "
+                          "name the text column with --data-column")
+    if len(table) == 0:
+        raise OptionError(f"--data {spec} holds no rows; give a dataset with text in {column!r}")
+    ids: list[int] = []
+    for start in range(0, len(table), 1024):
+        texts = [t for t in table[start:start + 1024][column] if isinstance(t, str) and t]
+        for encoding in tok.encode_batch(texts):
+            ids += encoding.ids
+            ids.append(eos)
+    if not ids:
+        raise OptionError(f"--data {spec} holds no text in column {column!r}; give a dataset with text there")
+    tokens = torch.tensor(ids, dtype=torch.int64)
+    cut = len(tokens) - len(tokens) // TEXT_HELDOUT
+    return Text(spec, (str(path), str(tok_file)), tokens[:cut], tokens[cut:], vocab_size=tok.get_vocab_size())
+
+
+def _hf_table(datasets: Any, path: str, spec: str) -> Any:
+    """The dataset at ``path`` (its ``train`` split where it has splits)."""
+    where = Path(path).expanduser()
+    try:
+        if where.is_dir() and any((where / f).is_file() for f in ("dataset_info.json", "state.json",
+                                                                  "dataset_dict.json")):
+            table = datasets.load_from_disk(str(where))
+        elif where.exists():
+            files = [where] if where.is_file() else sorted(f for f in where.iterdir() if f.suffix in HF_FORMATS)
+            formats = {HF_FORMATS.get(f.suffix) for f in files}
+            if not files or None in formats or len(formats) != 1:
+                raise OptionError(f"--data {spec}: no dataset there (a save_to_disk directory, or files of one of "
+                                  f"{', '.join(sorted(HF_FORMATS))}); check the path")
+            table = datasets.load_dataset(formats.pop(), data_files=[str(f) for f in files], split="train")
+        else:
+            table = datasets.load_dataset(path, split="train")
+    except OptionError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (datasets raises many types: a missing hub name, a broken file)
+        raise OptionError(f"--data {spec} does not load ({first_line(exc)}); give a local "
+                          "dataset directory or file, or a hub name where the network allows") from None
+    if isinstance(table, datasets.DatasetDict):
+        if "train" not in table:
+            raise OptionError(f"--data {spec} has splits {', '.join(table)} and no train split; save the split to "
+                              "train on")
+        table = table["train"]
+    return table
 
 
 def _jsonl_ids(line: str, spec: str, number: int) -> list[int]:

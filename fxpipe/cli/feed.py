@@ -34,7 +34,7 @@ class Feed:
     rank_args: list[str]
 
 
-def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: str, loss_spec: str | None, microbatches: int,
+def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: str | None, microbatches: int,
                dp: int, seed: int, steps: int, *, trust_ops: tuple[str, ...] = ()) -> Feed:
     """``--data`` and ``--loss`` against the plan, before any rank starts (see the module's docstring); one line
     (an FxpipeError) for the first thing wrong. ``zoo``: the plan's built-in model built on the meta device
@@ -45,7 +45,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: str, loss_spec: s
     from fxpipe.errors import OptionError
     from fxpipe.targets import resolve_function
 
-    source = data.parse_data(data_spec)
+    source = data.parse_data(data_spec) if isinstance(data_spec, str) else data_spec  # hf: loaded by the launcher
     name = plan.provenance.model or "a model compiled through the Python API"
     if plan.strategy is not None and (zoo is None or loss_spec is not None or isinstance(source, data.UserData)):
         raise OptionError(f"a per-layer strategy plan trains a built-in model on built-in data with its own loss "

@@ -59,10 +59,16 @@ def run_cmd(
                                            "digits (scikit-learn's handwritten digits; mlp-small), text:PATH or "
                                            "text:stdlib (bytes of a file or of Python's own sources; gpt-small), "
                                            "jsonl:PATH (token ids, one JSON list or {\"input_ids\": [...]} a line), "
+                                           "hf:PATH (a Hugging Face dataset's text with --tokenizer; pip install "
+                                           "'fxpipe\\[hf]'), "
                                            "or FILE.py:FUNCTION / package.module:FUNCTION: called once per rank "
                                            "with a fxpipe.data.DataContext, it returns that rank's (inputs, target) "
                                            "batches. Built-in real data reports held-out accuracy or loss.")
                      ] = "synthetic",
+    tokenizer: Annotated[Optional[Path], typer.Option(help="With --data hf:PATH: a tokenizer.json or a "
+                                                      "save_pretrained directory; documents are tokenized and "
+                                                      "packed with its end-of-text token between them.")] = None,
+    data_column: Annotated[str, typer.Option(help="With --data hf:PATH: the dataset's text column.")] = "text",
     loss: Annotated[Optional[str], typer.Option(help="FILE.py:FUNCTION or package.module:FUNCTION: the loss, "
                                                 "(outputs, target) -> scalar tensor, on each microbatch (default: "
                                                 "the built-in model's; required for your own model).")] = None,
@@ -280,12 +286,15 @@ def run_cmd(
         try:
             # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
             from fxpipe.cli.feed import check_feed, trusted_ops
+            from fxpipe.data import load_hf
             from fxpipe.cli.rank import zoo_of
 
             zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
             trusted = trusted_ops(trust_ops)
-            feed = check_feed(plan_dir, plan, zoo, data, loss, sched.num_microbatches, replicas, seed, steps,
-                              trust_ops=trusted)
+            hf = load_hf(data[len("hf:"):], tokenizer=tokenizer, column=data_column) if data.startswith("hf:") \
+                else None  # tokenized once, here; the ranks read its ids
+            feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,
+                              seed, steps, trust_ops=trusted)
             source, fit = feed.source, feed.fit
             _check_model(plan_dir, plan, zoo)  # before any rank builds the model the plan names
         except BaseException:
@@ -315,7 +324,8 @@ def run_cmd(
                     "--lr-schedule", lr_schedule, "--warmup-steps", str(warmup_steps), "--precision", precision]
             if clip_grad_norm is not None:
                 cmd += ["--clip-grad-norm", str(clip_grad_norm)]
-            cmd += ["--data", data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
+            rank_data = data if hf is None else f"jsonl:{write_ids(hf, out_dir / 'tokens.jsonl')}"
+            cmd += ["--data", rank_data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
                     "--codegen", codegen, "--device", device, "--recompute", recompute, *(["--w-lane"] if w_lane else []),
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
@@ -738,6 +748,17 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwri
                           "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
 
 
+def write_ids(text: object, path: Path) -> Path:
+    """``text``'s token ids (train, then held out) as one ``jsonl:`` document: the ranks' ``--data`` for a dataset
+    the launcher tokenized (the same split: ``fxpipe.data.load_jsonl`` holds out the same last tenth)."""
+    import torch
+
+    assert isinstance(text.train, torch.Tensor) and isinstance(text.heldout, torch.Tensor)  # type: ignore[attr-defined]
+    ids = torch.cat([text.train, text.heldout]).tolist()  # type: ignore[attr-defined]
+    path.write_text(json.dumps(ids) + "\n")
+    return path
+
+
 def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object,
               trust_ops: tuple[str, ...]) -> dict[str, float]:
     """Every stage's final weights (as rank 0 gathered them) in one pipeline, scored on the held-out split
@@ -759,5 +780,6 @@ def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object,
         return {"held-out accuracy %": round(100 * acc.accuracy, 2), "samples": acc.total}
     assert isinstance(source, data.Text)
     loss = source.evaluate(pipe, batch, fit.seq_len, max_batches=64)  # type: ignore[attr-defined]
-    return {"held-out loss": round(loss.loss, 4), "bits per byte": round(loss.bits_per_byte, 4),
+    unit = "byte" if source.spec.startswith("text:") else "token"  # jsonl: and hf: are token ids
+    return {"held-out loss": round(loss.loss, 4), f"bits per {unit}": round(loss.bits_per_byte, 4),
             "unigram loss": round(source.unigram_loss(), 4)}

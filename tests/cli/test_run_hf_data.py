@@ -1,0 +1,118 @@
+"""A Hugging Face dataset and tokenizer through ``fxpipe run``, offline: a parquet corpus written here, a byte-level
+BPE tokenizer trained here with ``tokenizers``, a user's Llama-style file, ``--data hf:DIR --tokenizer TOK`` on
+2 stages x 2 replicas. The losses equal one eager process on the same packed token stream (fp32, rtol 1e-5); bad
+input is one line before any rank starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe import data
+from tests._helpers import fxpipe_cli, ok, one_line_error
+
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+USER_FILE = '''
+import torch
+import transformers
+
+
+def build():
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=320, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).train(), (torch.randint(0, 320, (2, 16)),)
+
+
+def loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+'''
+STEPS, MICROBATCHES, ROWS, SEQ, DP = 3, 2, 2, 16, 2
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jovial bankers".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf-data")
+    docs = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(5 + i % 9)) + f" {i}." for i in range(400)]
+    (root / "corpus").mkdir()
+    datasets.Dataset.from_dict({"body": docs, "id": list(range(len(docs)))}).to_parquet(
+        str(root / "corpus" / "part-0.parquet"))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "llama_user.py").write_text(USER_FILE)
+    ok(fxpipe_cli("compile", f"{root / 'llama_user.py'}:build", "--stages", "2", "--microbatches", MICROBATCHES,
+                  "--out", root / "plan"))
+    return {"root": root, "corpus": root / "corpus", "tok": root / "tokenizer.json", "file": root / "llama_user.py",
+            "plan": root / "plan"}
+
+
+def test_the_packed_stream_is_the_documents_tokens_with_end_of_text_between(corpus: dict[str, Path]) -> None:
+    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    tok = tokenizers.Tokenizer.from_file(str(corpus["tok"]))
+    eos = tok.token_to_id("<|endoftext|>")
+    docs = datasets.load_dataset("parquet", data_files=[str(corpus["corpus"] / "part-0.parquet")], split="train")
+    want = [i for doc in docs["body"] for i in (*tok.encode(doc).ids, eos)]
+    assert torch.cat([text.train, text.heldout]).tolist() == want
+    assert len(text.heldout) == len(want) // 10 and text.vocab_size == tok.get_vocab_size() <= 320
+    idx, target = text.batch(0, 4, SEQ)
+    assert torch.equal(idx[:, 1:], target[:, :-1])  # labels: the next tokens
+
+
+def reference(corpus: dict[str, Path]) -> list[float]:
+    """One eager process: the builder's model, the global batch of each step from the same stream (DP x
+    MICROBATCHES x ROWS rows), the mean loss over every microbatch, torch's SGD."""
+    import importlib.util
+
+    from fxpipe.targets import resolve
+
+    model = resolve(f"{corpus['file']}:build").model
+    spec = importlib.util.spec_from_file_location("hf_data_reference", corpus["file"])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    n, losses = MICROBATCHES * DP, []
+    for k in range(STEPS):
+        idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
+        loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_a_dataset_and_tokenizer_train_a_causal_lm_as_one_process(corpus: dict[str, Path]) -> None:
+    doc = json.loads(ok(fxpipe_cli("run", corpus["plan"], "--dp", DP, "--steps", STEPS, "--data",
+                                   f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", corpus["tok"],
+                                   "--loss", f"{corpus['file']}:loss", "--json")).stdout)
+    assert (doc["ranks"], doc["batch"]) == (2 * DP, ROWS * MICROBATCHES * DP)
+    torch.testing.assert_close(doc["losses"], reference(corpus), rtol=1e-5, atol=0)
+    assert doc["held_out"]["bits per token"] > 0 and "bits per byte" not in doc["held_out"]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (("--data-column", "text"), "has no column 'text' (columns: body, id); name the text column with --data-column"),
+    (("--data-column", "body", "--tokenizer", "{root}/nowhere.json"), "no tokenizer.json there"),
+    (("--data-column", "body"), "is text; pass --tokenizer PATH"),
+])
+def test_bad_dataset_input_is_one_line_before_any_rank_starts(corpus: dict[str, Path], flags: tuple[str, ...],
+                                                              expected: str) -> None:
+    args = [a.format(root=corpus["root"]) for a in flags]
+    if "--tokenizer" not in args and "is text" not in expected:
+        args += ["--tokenizer", str(corpus["tok"])]
+    line = one_line_error(fxpipe_cli("run", corpus["plan"], "--steps", 1, "--data", f"hf:{corpus['corpus']}", *args,
+                                     "--loss", f"{corpus['file']}:loss"))
+    assert expected in line, line
