@@ -19,6 +19,7 @@ only with ``--measure`` (minutes), which writes ``results/paper_spectrain/{accur
 otherwise the committed JSON is read and nothing is written.
 
     python benchmarks/paper_spectrain.py [--quick] [--measure]
+    python benchmarks/paper_spectrain.py --lr-sweep   # how ACCURACY_LR was chosen: 2 seeds, 300 batches, 5 rates
 """
 
 from __future__ import annotations
@@ -196,6 +197,27 @@ def _run_seed(ac: Any, dataset: str, cfg: dict[str, Any], data: Any, steps: int,
     return out
 
 
+LR_SWEEP = (0.05, 0.08, 0.1, 0.12, 0.15)
+
+
+def lr_sweep(rates: tuple[float, ...] = LR_SWEEP, seeds: tuple[int, ...] = (0, 1), steps: int = 300) -> dict[str, Any]:
+    """Every mode's digits accuracy per learning rate and seed (how ``ACCURACY_LR`` was chosen); writes
+    ``results/paper_spectrain/lr_sweep.json``."""
+    global ACCURACY_LR
+    old, out = ACCURACY_LR, {}
+    try:
+        for lr in rates:
+            ACCURACY_LR = lr
+            out[str(lr)] = accuracy({"digits": steps}, seeds)["digits"]
+    finally:
+        ACCURACY_LR = old
+    doc = {"steps": steps, "seeds": list(seeds), "command": "python benchmarks/paper_spectrain.py --lr-sweep",
+           "results": out}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "lr_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def accuracy(steps: dict[str, int], seeds: tuple[int, ...]) -> dict[str, dict[str, list[float]]]:
     import fxpipe
 
@@ -308,4 +330,8 @@ def main(quick: bool = False, measure: bool = False) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    print(main(quick="--quick" in args, measure="--measure" in args))
+    if "--lr-sweep" in args:
+        for lr, modes in lr_sweep()["results"].items():
+            print(f"lr {lr}: " + "; ".join(f"{m} {', '.join(f'{100 * v:.1f}' for v in vals)}" for m, vals in modes.items()))
+    else:
+        print(main(quick="--quick" in args, measure="--measure" in args))
