@@ -183,7 +183,9 @@ def run_cmd(
         from fxpipe.report import Report
 
         text = Path(data[len("text:"):]) if data.startswith("text:") and data != "text:stdlib" else None
-        check_outputs([("the plan directory", plan_dir), ("the --data file", text), ("the --config file", config)],
+        rerun = run_log.is_own_config(config, log_dir)  # the log directory's own config.toml, run again as written
+        check_outputs([("the plan directory", plan_dir), ("the --data file", text),
+                       ("the --config file", None if rerun else config)],
                       [("--trace", trace), ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)])
         plan = read_plan(plan_dir)
         from fxpipe.plan import DEFAULTS
@@ -280,7 +282,7 @@ def run_cmd(
             raise OptionError(f"--resume takes never, auto or always (got {resume!r}); the old flag --resume is "
                               "--resume always")
         if log_dir is not None:
-            run_log.check_log_dir(log_dir, continuing=resume != "never")
+            run_log.check_log_dir(log_dir, continuing=resume != "never", rerun=rerun)
         ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
                                           lock=nnodes == 1)  # first: another run's directory is refused unread
         try:

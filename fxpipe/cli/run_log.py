@@ -149,9 +149,23 @@ def toml_text(values: dict[str, Any], comment: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_log_dir(log_dir: Path, *, continuing: bool) -> None:
+def is_own_config(config: Path | None, log_dir: Path | None) -> bool:
+    """``config`` is ``log_dir``'s own config.toml, written by fxpipe run: running it again as written reuses the
+    directory (the file is rewritten with the values it was read for)."""
+    if config is None or log_dir is None:
+        return False
+    mine = log_dir / CONFIG
+    try:
+        same = mine.is_file() and not mine.is_symlink() and os.path.samefile(config, mine)
+    except OSError:
+        return False
+    return same and _ours(mine)
+
+
+def check_log_dir(log_dir: Path, *, continuing: bool, rerun: bool = False) -> None:
     """Before any rank starts: ``log_dir`` may be made, and holds no file fxpipe run may not replace (a config.toml
-    it did not write; a metrics.jsonl of another run, unless this one resumes it)."""
+    it did not write; a metrics.jsonl of another run, unless this one resumes it). ``rerun``: the run is the
+    directory's own config.toml again, so an earlier metrics.jsonl is kept beside it as ``metrics.N.jsonl``."""
     from fxpipe.cli.common import check_writable_dir
     from fxpipe.errors import OptionError
 
@@ -163,9 +177,41 @@ def check_log_dir(log_dir: Path, *, continuing: bool) -> None:
         raise OptionError(f"--log-dir {str(log_dir)!r} holds a {CONFIG} that fxpipe run did not write; move it, or "
                           "choose another --log-dir")
     metrics = log_dir / METRICS
+    if rerun and not continuing and metrics.is_file() and not metrics.is_symlink():
+        _keep_aside(metrics)
     if (metrics.exists() or metrics.is_symlink()) and not continuing:
         raise OptionError(f"--log-dir {str(log_dir)!r} holds the {METRICS} of an earlier run; choose another "
                           "--log-dir, or resume that run (--checkpoint-dir with --resume auto) to continue its log")
+
+
+def _keep_aside(metrics: Path) -> Path:
+    """``metrics`` renamed to the first free ``metrics.N.jsonl`` beside it (a hard link made without replacing
+    anything, then the old name removed): an earlier run's log is never overwritten."""
+    for n in range(1, 10_000):
+        kept = metrics.with_name(f"{metrics.stem}.{n}{metrics.suffix}")
+        try:
+            os.link(metrics, kept, follow_symlinks=False)
+        except FileExistsError:
+            continue
+        metrics.unlink()
+        return kept
+    from fxpipe.errors import OptionError
+
+    raise OptionError(f"--log-dir {str(metrics.parent)!r} holds 9,999 earlier logs; choose another --log-dir")
+
+
+def absolute_spec(spec: str | None) -> str | None:
+    """A ``--data`` or ``--loss`` spec with its file made absolute (``text:PATH``, ``jsonl:PATH``, ``hf:PATH`` of an
+    existing path, ``FILE.py:FUNCTION``), so a config file runs from any directory; other specs as they are."""
+    if spec is None:
+        return None
+    kind, colon, rest = spec.partition(":")
+    if colon and kind in ("text", "jsonl", "hf") and rest != "stdlib" and Path(rest).expanduser().exists():
+        return f"{kind}:{os.path.abspath(Path(rest).expanduser())}"
+    where, colon, attr = spec.rpartition(":")
+    if colon and where.endswith(".py"):
+        return f"{os.path.abspath(Path(where).expanduser())}:{attr}"
+    return spec
 
 
 def _ours(path: Path) -> bool:
@@ -182,6 +228,8 @@ def config_values(ctx: Any, params: dict[str, Any], *, plan_dir: Path) -> dict[s
     out: dict[str, Any] = {}
     for key, param in keyed_params(ctx.command).items():
         value = plan_dir if param.name == "plan_dir" else params.get(param.name)
+        if param.name in ("data", "loss"):
+            value = absolute_spec(value)
         if isinstance(value, os.PathLike):
             value = os.path.abspath(os.fspath(value))
         out[key] = value

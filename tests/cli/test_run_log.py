@@ -126,6 +126,17 @@ def test_the_log_and_resume_options_are_checked_before_any_rank_starts(plan: Pat
                                                            "--overwrite"))
 
 
+def test_a_config_names_the_data_and_loss_files_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "mine.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert run_log.absolute_spec("text:notes.txt") == f"text:{tmp_path / 'notes.txt'}"
+    assert run_log.absolute_spec("hf:notes.txt") == f"hf:{tmp_path / 'notes.txt'}"
+    assert run_log.absolute_spec("mine.py:batches") == f"{tmp_path / 'mine.py'}:batches"
+    for kept in ("text:stdlib", "digits", "synthetic", "hf:someone/dataset", "package.module:batches", None):
+        assert run_log.absolute_spec(kept) == kept
+
+
 def test_the_old_resume_flag_is_named() -> None:
     from fxpipe.cli.main import _old_resume_flag
 

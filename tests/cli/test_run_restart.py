@@ -55,3 +55,25 @@ def test_a_killed_rank_restarts_resumes_and_ends_like_an_unbroken_run(plan: Path
     first, second = (tomllib.loads(p.read_text()) for p in (config, again_logs / "config.toml"))
     assert first.pop("log-dir") != second.pop("log-dir") and first.pop("checkpoint-dir") != second.pop("checkpoint-dir")
     assert first == second
+
+
+def test_config_toml_runs_again_as_written_from_another_directory(plan: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run given relative --loss and --data files writes them absolute in its config.toml; ``--config
+    LOGDIR/config.toml`` from another working directory, into that same log directory, trains the same losses bit
+    for bit, and the first run's metrics.jsonl is kept beside the new one as metrics.1.jsonl."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "mine.py").write_text("import torch\n\n\ndef loss(out, target):\n"
+                                  "    return torch.nn.functional.cross_entropy(out, target) * 0.5\n")
+    monkeypatch.chdir(work)
+    first = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", 2, "--loss", "mine.py:loss",
+                                     "--log-dir", "logs", "--json")).stdout)
+    config = tomllib.loads((work / "logs" / "config.toml").read_text())
+    assert config["loss"] == f"{work / 'mine.py'}:loss"
+    monkeypatch.chdir(elsewhere)
+    again = json.loads(ok(fxpipe_cli("run", "--config", work / "logs" / "config.toml")).stdout)
+    assert again["losses"] == first["losses"]
+    kept = [json.loads(line)["loss"] for line in (work / "logs" / "metrics.1.jsonl").read_text().splitlines()]
+    assert kept == first["losses"] and [m["loss"] for m in _metrics(work / "logs")] == again["losses"]
