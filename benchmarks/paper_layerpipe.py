@@ -261,7 +261,9 @@ def main(quick: bool = False, measure: bool = False) -> str:
     data = rows(models)
     sources = "\n".join(f"- {m}: {src}" for m, _, src in models)
     head = ("## LayerPipe against PipeDream (simulated; 16 x stages microbatches streamed; PipeDream's best "
-            f"contiguous partition per link)\n\nCosts per layer:\n\n{sources}\n\n")
+            f"contiguous partition per link)\n\nCosts per layer:\n\n{sources}\n\nThe inter-layer moves need the "
+            "compiled graph (which derivatives may cross a cut): the roofline rows have it, the profiled rows do not "
+            "('-'); the bound column is LayerPipe with W costing nothing, not a simulated schedule.\n\n")
     doc = papers_measured.load("layerpipe")
     measured = (papers_measured.layerpipe_table(doc) if doc else
                 "No configuration of this table is measured on this machine yet (`python benchmarks/papers_measured.py "

@@ -193,9 +193,22 @@ def optcnn(quick: bool = False) -> Grid:
         return best, paper_verdicts.grade(paper_verdicts.optcnn([best]))
 
     values, words = _sweep(cell)
+    extra = ""
+    if not quick:
+        lines = ["Ranks and model (search over data parallelism, cost model), at two named points:", "",
+                 "| model | ranks | this CPU, gloo here | H100 peak + NVLink 4 (modelled) |", "| --- | --- | --- | --- |"]
+        for name in ("vgg-16-4096", "resnet-small", "inception-small"):
+            for d in (4, 8, 16):
+                got = []
+                for scale, (_, bw, lat) in ((1.0, LINKS[0]), (H100_SCALE, LINKS[4])):
+                    with _scaled(scale):
+                        rows = paper_optcnn.rows_for(paper_profiles.load(name), d, {"bandwidth": bw, "latency": lat})
+                    got.append(f"{rows[2][4] / rows[0][4]:.2f}x")
+                lines.append(f"| {name} | {d} | {got[0]} | {got[1]} |")
+        extra = "\n".join(lines)
     return Grid("OptCNN", f"search over data parallelism, 16 ranks, global batch 64, best of {', '.join(models)} (cost model)",
                 "the layer-wise strategy >= 1.4x data parallelism (PAPERS.md 2b's recollection, unverified)", values,
-                words, ".2f", "", time.perf_counter() - started)
+                words, ".2f", extra, time.perf_counter() - started)
 
 
 def splitbrain(quick: bool = False) -> Grid:
