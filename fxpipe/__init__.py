@@ -16,10 +16,12 @@ if TYPE_CHECKING:
     from fxpipe.graphs.convention import Record
     from fxpipe.pipeline import Pipeline, Stage
     from fxpipe.plan import Plan
+    from fxpipe.runtime.torch_export import export_torch, torch_schedule
 
 _LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "Pipeline": "fxpipe.pipeline",
          "Stage": "fxpipe.pipeline", "Plan": "fxpipe.plan", "Record": "fxpipe.graphs.convention",
-         "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend"}
+         "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend", "export_torch": "fxpipe.runtime.torch_export",
+         "torch_schedule": "fxpipe.runtime.torch_export"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +38,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULTS", "FxpipeError", "LoweringError", "OptionError", "Pipeline", "Plan", "PlanError", "PlanFileError",
-    "RankFailedError", "Record", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "last_report",
-    "load", "save",
+    "RankFailedError", "Record", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "export_torch",
+    "last_report", "load", "save", "torch_schedule",
 ]

@@ -19,10 +19,16 @@ def inspect_cmd(
     plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile.")],
     as_json: Annotated[bool, typer.Option("--json", help="plan.json's summary as JSON.")] = False,
     plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
+    torchtitan: Annotated[bool, typer.Option("--torchtitan", help="torchtitan's \\[parallelism] TOML fragment for the "
+                                             "plan: its stages by module, its schedule as a CSV, its microbatch size; "
+                                             "refused where a cut falls inside a module.")] = False,
 ) -> None:
     """Print a plan directory's tables again, without recompiling, and its inputs (name, shape per microbatch,
     dtype, values) and what its loss expects: what a batch for PipelineRuntime.step must hold."""
     with one_line_errors():
+        if torchtitan:
+            _torchtitan(plan_dir)
+            return
         from fxpipe.plan_dir import read_plan_json
         from fxpipe.report import Report
 
@@ -44,6 +50,20 @@ def inspect_cmd(
         from fxpipe.render import print_reports
 
         print_reports([*reports, summary, _batch_report(batch)], plain=plain, console=out)
+
+
+def _torchtitan(plan_dir: Path) -> None:
+    """The fragment on stdout; where no export holds the plan's CSV yet, the command that writes it on stderr."""
+    from fxpipe.cli.common import say
+    from fxpipe.plan_dir import read_plan
+    from fxpipe.runtime.torch_export import COMPUTE_CSV, MANIFEST, resolve_plan_dir, torchtitan_toml
+
+    path = resolve_plan_dir(plan_dir)
+    export_dir = next((d for d in (plan_dir, path.parent) if (d / MANIFEST).is_file()), None)
+    csv = (export_dir or Path(f"{str(plan_dir).rstrip('/')}-torch")) / COMPUTE_CSV
+    print(torchtitan_toml(read_plan(path), str(csv)), end="")
+    if export_dir is None:
+        say(f"the schedule CSV is not written yet: fxpipe export {plan_dir} --to torch --out {csv.parent}")
 
 
 def models_cmd(

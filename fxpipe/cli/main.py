@@ -16,6 +16,7 @@ try:  # a Ctrl-C before a command takes over (common.one_line_errors) has nothin
 
     from fxpipe.cli.common import run_epilog
     from fxpipe.cli.compile_cmd import compile_cmd
+    from fxpipe.cli.export_cmd import export_cmd
     from fxpipe.cli.inspect_cmd import inspect_cmd, models_cmd
     from fxpipe.cli.run_cmd import run_cmd
     from fxpipe.cli.simulate_cmd import simulate_cmd
@@ -38,6 +39,7 @@ app.command("run", epilog=run_epilog())(run_cmd)
 app.command("strategy")(strategy_cmd)
 app.command("inspect")(inspect_cmd)
 app.command("models")(models_cmd)
+app.command("export")(export_cmd)
 
 
 def _old_resume_flag(argv: list[str]) -> bool:

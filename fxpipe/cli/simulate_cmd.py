@@ -42,6 +42,10 @@ def simulate_cmd(
                                            "forward in B, so each B takes F's time too and F keeps only the "
                                            "stage's inputs until B; auto: those the plan's memory cap needs.")
                          ] = "none",
+    schedule_csv: Annotated[Optional[Path], typer.Option("--schedule-csv", help="A torch.distributed.pipelining "
+                                                         "schedule CSV (what _dump_csv writes, compute only or with "
+                                                         "its communication) to check and simulate instead of "
+                                                         "--schedule, beside fxpipe's schedules.")] = None,
     w_lane: Annotated[bool, typer.Option("--w-lane", help="Each rank's W's on a second lane sharing its core, as "
                                          "fxpipe run --w-lane runs them (synchronous schedules).")] = False,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Chrome-trace JSON (Perfetto, chrome://tracing).")] = None,
@@ -56,6 +60,14 @@ def simulate_cmd(
         from fxpipe.schedules.simulate import Costs, dp_report, report, simulate
         from fxpipe.schedules.timeline import ascii_timeline, write_chrome_trace, write_svg
 
+        csv_sched = None
+        if schedule_csv is not None:
+            if schedule is not None or microbatches is not None:
+                raise OptionError("--schedule-csv is the schedule, its microbatches included; drop --schedule and "
+                                  "--microbatches")
+            csv_sched = _read_schedule_csv(schedule_csv)
+            microbatches = csv_sched.num_microbatches
+            stages = stages if stages is not None or target is not None else csv_sched.num_stages
         source = Path(target.split(":")[0]) if target else None
         check_outputs([("the target", source if source is not None and source.exists() else None)],
                       [("--trace", trace), ("--svg", svg)])
@@ -65,7 +77,8 @@ def simulate_cmd(
         unit = "s"
         if uniform_costs is not None:
             values = _floats(uniform_costs, "--uniform-costs", 3)
-            num_stages = stages if stages is not None else (_plan_stages(target) if target else None)
+            num_stages = (csv_sched.num_stages if csv_sched is not None else stages if stages is not None
+                          else (_plan_stages(target) if target else None))
             if num_stages is None:
                 raise OptionError("--uniform-costs needs --stages (or a target to take the stage count from)")
             costs = Costs.uniform(num_stages, *values)
@@ -102,7 +115,16 @@ def simulate_cmd(
         if recompute != "none" and uniform_costs is not None:
             raise OptionError(f"--recompute {recompute} needs a plan's stage input bytes; --uniform-costs has none: "
                               "give a plan directory or a model")
-        sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
+        if csv_sched is not None:
+            if csv_sched.num_stages != num_stages:
+                raise OptionError(f"{schedule_csv} schedules {csv_sched.num_stages} stages, the plan has {num_stages}; "
+                                  f"compile the model with --stages {csv_sched.num_stages} (torch's two-stage-per-rank "
+                                  "schedules need twice the ranks)")
+            from fxpipe.schedules.simulate import simulate as run_sim
+
+            sched, result, extra = csv_sched, run_sim(csv_sched, costs), [_beside(csv_sched, costs, unit)]
+        else:
+            sched, result, extra = choose(schedule or DEFAULTS.schedule, num_stages, microbatches, costs, cap)
         if w_lane and not sched.synchronous:
             raise OptionError(f"--w-lane models a synchronous schedule's W's; {sched.name} updates the weights after "
                               "each W: drop --w-lane, or pick a synchronous schedule")
@@ -160,6 +182,50 @@ def simulate_cmd(
 
 
 _TIMELINE_WIDTH = 100  # columns of the ASCII timeline
+
+
+def _read_schedule_csv(path: Path) -> Any:
+    """A torch schedule CSV, its communication checked and dropped, validated by fxpipe's rules (OptionError or
+    ScheduleError in one line)."""
+    from fxpipe.schedules.simulate import validate
+    from fxpipe.schedules.torch_csv import check_comms, read_torch_csv
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptionError(f"--schedule-csv {str(path)!r} cannot be read ({getattr(exc, 'strerror', None) or exc}); "
+                          "give the file torch's _dump_csv wrote") from None
+    sched = read_torch_csv(text, name=f"csv:{path.name}")
+    check_comms(sched)
+    sched = sched.compute_only()
+    validate(sched)
+    return sched
+
+
+def _beside(csv_sched: Any, costs: Any, unit: str) -> Any:
+    """The CSV's schedule and fxpipe's for the same stages, ranks and microbatches, on the same costs."""
+    from fxpipe.report import Report
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import simulate
+
+    p, s, m = csv_sched.num_ranks, csv_sched.num_stages, csv_sched.num_microbatches
+    names = ("gpipe", "1f1b", "zb-h1", "zb-h2") if s == p else ("interleaved-1f1b",) if s == 2 * p else ()
+    from fxpipe.errors import FxpipeError
+
+    rows, scheds = [], [csv_sched]
+    for n in names:
+        try:
+            scheds.append(generate(n, s, m, costs))
+        except FxpipeError:  # a count this generator cannot take (interleaved: microbatches a multiple of the ranks)
+            continue
+    for sched in scheds:
+        res = simulate(sched, costs)
+        rows.append((sched.name, sched.num_ranks, round(res.makespan * (1e3 if unit == "s" else 1), 4),
+                     max(r.peak_in_flight for r in res.ranks)))
+    return Report(f"simulate: {csv_sched.name} beside fxpipe's schedules ({s} stages, {p} ranks, {m} microbatches)",
+                  ("schedule", "ranks", "makespan ms" if unit == "s" else "makespan", "peak in flight"), tuple(rows),
+                  ("fxpipe's schedules for the same placement; the CSV's sends and receives are checked, then placed "
+                   "by the simulator",))
 
 
 def _floats(text: str, option: str, count: int) -> tuple[float, ...]:

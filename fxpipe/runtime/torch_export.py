@@ -250,3 +250,48 @@ def _tied_groups(export: TorchExport, group: Any) -> dict[int, dict[int, list[tu
         for k in ks:
             out.setdefault(export.rank_of_stage[k], {}).setdefault(k, []).append((name, pg))
     return out
+
+
+def stage_modules_by_name(plan: Any) -> list[list[str]]:
+    """Each stage's modules by their names in the model (the plan's layers), for torchtitan's
+    ``module_fqns_per_model_part``. Raises PlanError, one line, naming the module a cut falls inside."""
+    names = [layer.name for layer in plan.layers]
+    if plan.options.granularity == "node":
+        raise PlanError("this plan was cut between single fx nodes (--granularity node), not at modules; torchtitan "
+                        "splits at modules: compile with --granularity auto (or a module depth)")
+    bounds = plan.bounds
+    for k, cut in enumerate(bounds[1:-1], start=1):
+        before, after = names[cut - 1].split("#")[0], names[cut]
+        base = after.split("#")[0]
+        if "#" in after or base == before:
+            raise PlanError(f"the cut before stage {k} falls inside module {base} (its calls run on both sides: layers "
+                            f"{names[cut - 1]} | {after}); torchtitan splits at module boundaries: compile with another "
+                            "--granularity, or run the plan with fxpipe export --to torch")
+    return [[n.split("#")[0] for n in names[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def torchtitan_toml(plan: Any, schedule_csv: str) -> str:
+    """torchtitan's ``[parallelism]`` fragment for ``plan``: its stages by module, its schedule as the CSV
+    ``schedule_csv`` (``fxpipe export --to torch`` writes it) and its microbatch size."""
+    from fxpipe.schedules.auto import plan_schedule
+
+    parts = stage_modules_by_name(plan)
+    sched = plan_schedule(plan, None, None)
+    torchable(sched)
+    rows = plan.inputs[0].shape[0] if plan.inputs and plan.inputs[0].shape else 1
+
+    def strings(xs: Sequence[str]) -> str:
+        return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+
+    return "\n".join([
+        f"# fxpipe plan: {len(parts)} stages on {sched.num_ranks} ranks, schedule {sched.name}, "
+        f"{sched.num_microbatches} microbatches of {rows} rows (training.local_batch_size = {rows * sched.num_microbatches})",
+        "[parallelism]",
+        f"pipeline_parallel_degree = {sched.num_ranks}",
+        f"module_fqns_per_model_part = [{', '.join(strings(p) for p in parts)}]",
+        "# torchtitan before module_fqns_per_model_part: the module each stage after the first begins with",
+        f"pipeline_parallel_split_points = {strings([p[0] for p in parts[1:]])}",
+        'pipeline_parallel_schedule = "_PipelineScheduleRuntime"',
+        f"pipeline_parallel_schedule_csv = {json.dumps(schedule_csv)}",
+        f"pipeline_parallel_microbatch_size = {rows}",
+    ]) + "\n"
