@@ -52,6 +52,7 @@ __all__ = [
     "load_hf",
     "load_jsonl",
     "load_stdlib_text",
+    "step_seed",
     "load_text",
     "parse_data",
     "user_batches",
@@ -730,6 +731,12 @@ def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, di
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of torch's generator on ``rank`` for ``step`` (dropout and other random ops in the stage graphs): a
+    function of ``(seed, step, rank)`` alone, so identical command lines, and a resumed run, draw the same masks."""
+    return _mix(_mix(seed, step), rank)
 
 
 def _mix(seed: int, index: int) -> int:

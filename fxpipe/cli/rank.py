@@ -369,7 +369,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     every = 1 if sched.synchronous else (args.checkpoint_every if args.checkpoint_dir else args.steps - first)
     # This replica's rows of each step's batch, and of them only what this rank's stages consume (fxpipe.cli.feed).
     rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
-    from fxpipe.data import DataContext
+    from fxpipe.data import DataContext, step_seed
 
     ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
                       args.steps, input_specs(pipe.plan, m))
@@ -381,6 +381,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             raise RuntimeError(f"injected failure on rank {rank} at step {start}")
         if rank == args.kill_rank and start == fault_at and attempt == 0:
             _die_after_first_compute(rt.graphs)
+        torch.manual_seed(step_seed(args.seed, start, rank))  # the step's random ops (dropout): --seed's, resumable
         t0 = time.perf_counter()
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
             inputs, target = batch_of(start)

@@ -75,7 +75,8 @@ def run_cmd(
     trust_ops: Annotated[Optional[str], typer.Option(help="LIB[,LIB...]: libraries whose torch.library operators "
                                                      "the plan's stages may call, beyond transformers; only for "
                                                      "plans you trust.")] = None,
-    seed: Annotated[int, typer.Option(help="The real data's order (batch k is a function of seed and k).")] = 0,
+    seed: Annotated[int, typer.Option(help="The real data's order and the stages' random ops (dropout): step k's "
+                                      "batch and masks are functions of seed and k.")] = 0,
     lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
     momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
     optimizer: Annotated[str, typer.Option(help="sgd (with --momentum) or adamw (with --betas); one per stage, "
