@@ -1,6 +1,6 @@
 """Two papers' comparisons measured on this machine, each against fxpipe's own simulation of the same run.
 
-    python benchmarks/papers_measured.py [--paper layerpipe|akintoye] [--steps 8] [--repeat 2]
+    python benchmarks/papers_measured.py [--paper layerpipe|akintoye|optcnn] [--steps 8] [--repeat 2]
 
 Every case is compiled with measured layer costs (``fxpipe compile MODEL --profile``; cases compiled alike, such as
 one model's schedules at one stage count, share one profiled plan, so they are compared on the same costs) and
@@ -19,9 +19,12 @@ run by simulated / measured, and the median replayed / measured.
 - ``akintoye``: S(2) on resnet-small, 1F1B over 8 microbatches: the plan ``--stages auto --devices 2`` picks
   (partitioning with merging), the compute-balanced 2-stage plan (``--stages 2``, no merging) and data parallelism
   (``--stages 1 --dp 2``: each replica takes 8 microbatches), each as samples per second over 1 rank's.
+- ``optcnn``: data parallelism, model parallelism (every layer's channels split as far as they go) and the search's
+  pick on the DTensor runtime, vgg-small and resnet-small at 2 and 4 gloo ranks, in turn one step each (no
+  simulation beside them: ``strategy_measured.py`` sets the search's model against measured steps).
 
 Writes ``benchmarks/results/papers_measured/<paper>.json``, which ``paper_layerpipe.py`` and ``paper_akintoye.py``
-print under their simulated tables (``papers.py``).
+print under their simulated tables (``papers.py``; ``paper_optcnn.py`` the optcnn one).
 """
 
 from __future__ import annotations

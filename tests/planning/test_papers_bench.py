@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tracked_results() -> dict[str, str]:
-    """Content hash of every tracked file under benchmarks/ (what a run of papers.py could rewrite)."""
-    names = subprocess.run(["git", "ls-files", "benchmarks"], capture_output=True, text=True, cwd=ROOT,
-                           check=True).stdout.split()
+    """Content hash of every tracked file under benchmarks/results and benchmarks/profiles (what papers.py reads and
+    could rewrite)."""
+    names = subprocess.run(["git", "ls-files", "benchmarks/results", "benchmarks/profiles"], capture_output=True,
+                           text=True, cwd=ROOT, check=True).stdout.split()
     return {n: hashlib.sha256((ROOT / n).read_bytes()).hexdigest() for n in names if (ROOT / n).is_file()}
 
 
@@ -167,7 +168,8 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     assert [(r[2], r[5], r[6], r[7]) for r in rows] == [("dp", "0.90 / 0.90", "yes", "-"),
                                                         ("auto", "0.90 / 0.50", "no", "-")]
     assert rows[0][8] == "50.0 / 60.0"
-    assert optcnn._pick_against_dp(rows) == ", where the pick's step was +0% to +0% against data parallelism's (run 1; positive: slower)"
+    assert optcnn._pick_against_dp(rows) == (", where the pick's step was +0% to +0% against data parallelism's (run 1; "
+                                             "positive: slower)")
     assert optcnn._pick_against_dp(rows[:1]) == ""
     verdict = optcnn.measured_verdict(rows, paths)
     assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict.lower()
@@ -316,7 +318,8 @@ def test_the_committed_tables_verdicts_follow_from_their_rows() -> None:
     assert "**Verdict: partly**" in sb.verdict([mem[0][:9] + ("40%",) + mem[0][10:]], tput, None, ())
 
 
-def test_regimes_grade_each_cell_and_name_where_the_setups_sit(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_regimes_grade_each_cell_and_name_where_the_setups_sit(  # type: ignore[no-untyped-def]
+        tmp_path: Path, monkeypatch) -> None:
     reg = _bench("paper_regimes")
     n, m = len(reg.SCALES), len(reg.LINKS)
     values = [[0.3 if (i, j) == (0, 0) else 0.13 if i == 1 else 0.0 for j in range(m)] for i in range(n)]
@@ -324,11 +327,13 @@ def test_regimes_grade_each_cell_and_name_where_the_setups_sit(tmp_path: Path, m
              for row in values]
     text = reg.render(reg.Grid("P", "gain", "claim", values, words, "+.0%"))
     assert f"- Holds (R) in 1 of {n * m} cells: {reg.SCALES[0][0]} / {reg.LINKS[0][0]}." in text
-    assert f"- Half the gain (P) in {m}:" in text and "- this CPU with gloo here (profiled): +30% (reproduced)" \
-        in text and "- H100 + NVLink 4 (modelled): +0% (not reproduced)" in text
+    assert f"- Half the gain (P) in {m}:" in text
+    assert "- this CPU with gloo here (profiled): +30% (reproduced)" in text
+    assert "- H100 + NVLink 4 (modelled): +0% (not reproduced)" in text
     # a real sweep (SpecTrain's, quick) prints its grid; --plot without matplotlib says so in one line
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the sweep imports its paper's module
     out = reg.main(["spectrain"], quick=True, plot_dir=tmp_path)
-    assert out.startswith("### SpecTrain") and out.count("\n| ") == n + 2  # the header, its rule, a row per compute speed
+    assert out.startswith("### SpecTrain")
+    assert out.count("\n| ") == n + 2  # the header, its rule, a row per compute speed
     assert out.splitlines()[-1].startswith("--plot: matplotlib is not installed") and not list(tmp_path.iterdir())
