@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tracked_results() -> dict[str, str]:
-    """Content hash of every tracked file under benchmarks/results and benchmarks/profiles (what papers.py reads and
-    could rewrite)."""
-    names = subprocess.run(["git", "ls-files", "benchmarks/results", "benchmarks/profiles"], capture_output=True,
-                           text=True, cwd=ROOT, check=True).stdout.split()
+    """Content hash of every file under benchmarks/results and benchmarks/profiles, tracked or new (what papers.py
+    reads and could write)."""
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "benchmarks/results", "benchmarks/profiles"],
+                           capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
     return {n: hashlib.sha256((ROOT / n).read_bytes()).hexdigest() for n in names if (ROOT / n).is_file()}
 
 
