@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import types
 import warnings
@@ -573,6 +574,9 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
     except (TypeError, ValueError, RecursionError) as exc:
         raise PlanFileError(f"{path / PLAN_FILE} has a malformed output structure; re-run fxpipe compile") from exc
     missing: set[str] = set()
+    _plain_types(doc, missing)
+    if missing and _import_output_modules(missing):
+        missing = set()
     doc = _plain_types(doc, missing)
     if missing:
         warnings.warn(f"the plan's outputs were {', '.join(sorted(missing))}; loaded as fxpipe.Record (a dict whose "
@@ -583,6 +587,22 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
     except (NotImplementedError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise PlanFileError(f"{path / PLAN_FILE} has an output structure this torch cannot read ({exc}); "
                             "re-run fxpipe compile") from exc
+
+
+def _import_output_modules(names: set[str]) -> bool:
+    """Import the modules that define output types of a trusted library the process has already imported
+    (``transformers.modeling_outputs`` for ``CausalLMOutputWithPast``: transformers imports its submodules lazily,
+    and a class registers its pytree node when its module runs); True if that was done. Nothing else is imported."""
+    modules = {name.rpartition(".")[0] for name in names}
+    if not all(m.split(".")[0] in serialize.TRUSTED_LIBRARIES and m.split(".")[0] in sys.modules
+               and all(part.isidentifier() for part in m.split(".")) for m in modules):
+        return False
+    try:
+        for module in sorted(modules):
+            importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def _plain_types(node: Any, missing: set[str]) -> Any:

@@ -33,8 +33,9 @@ def _llama() -> torch.nn.Module:
 
 
 def test_hf_llama_with_a_nested_graph_composes_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Llama's rotary embedding runs under no_grad: export keeps it as a higher-order op over a nested graph,
-    which the plan saves as data and loads back (assert_composes round-trips every plan)."""
+    """Llama's rotary embedding runs under no_grad: transformers 5.23's export wraps it in a higher-order op over a
+    nested graph (5.25's does not), which trace inlines with its outputs detached; the stages hold plain operators,
+    compose to eager's outputs and gradients, and round-trip (assert_composes round-trips every plan)."""
     idx = torch.randint(0, 96, (2, 16))
     target = torch.randint(0, 96, (2, 16))
     pipe = assert_composes(_llama(), (idx,), _loss, target, 2)
@@ -42,8 +43,8 @@ def test_hf_llama_with_a_nested_graph_composes_and_round_trips(tmp_path) -> None
         return [str(n.target) for st in p.stages for n in st.module.graph.nodes
                 if n.op == "call_function" and type(n.target).__name__ == "WrapWithSetGradEnabled"]
 
-    assert hops(pipe) == ["wrap_with_set_grad_enabled"]
-    assert hops(fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))) == ["wrap_with_set_grad_enabled"]
+    assert hops(pipe) == []
+    assert hops(fxpipe.load(fxpipe.save(pipe, tmp_path / "plan"))) == []
 
 
 def test_a_hf_plan_loads_without_transformers_as_a_record(tmp_path) -> None:  # type: ignore[no-untyped-def]

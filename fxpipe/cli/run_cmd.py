@@ -416,10 +416,7 @@ def run_cmd(
             return
         from fxpipe.render import print_reports
 
-        per_step = Report("run: per step", ("step", "loss", "step ms", "samples/s"),
-                          tuple((i, round(loss, 6), round(ms, 2), round(batch / (ms / 1e3), 1))
-                                for i, (loss, ms) in enumerate(zip(doc["losses"], step_ms),
-                                                               results[0].get("first_step", 0))),
+        per_step = Report("run: per step", *step_rows(doc, step_ms, batch, results[0].get("first_step", 0)),
                           ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update "
                             "of each stage and the steps stream through one schedule, so each step's time is the "
                             "run's mean; " if not doc["synchronous"] else "")
@@ -749,6 +746,22 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwri
         raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
                           f"{', ...' if len(held) > 3 else ''}); pass --resume always (or auto) to continue from its "
                           "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
+
+
+def step_rows(doc: dict[str, Any], step_ms: list[float], batch: int,
+              first: int) -> tuple[tuple[str, ...], tuple[tuple[Any, ...], ...]]:
+    """The per-step table's columns and rows: steps counted from 1 (as metrics.jsonl and the checkpoints count
+    them, ``first`` done before), the lr where it varies and the global gradient norm where it was computed."""
+    lrs, norms = doc.get("lrs") or [], doc.get("grad_norms") or []
+    show_lr = len({x for x in lrs if x is not None}) > 1
+    show_norm = any(x is not None for x in norms)
+    columns = ("step", "loss", *(("lr",) if show_lr else ()), *(("grad norm",) if show_norm else ()), "step ms",
+               "samples/s")
+    rows = tuple((first + 1 + j, round(loss, 6), *((float(f"{lrs[j]:.3g}"),) if show_lr else ()),
+                  *((None if norms[j] is None else round(norms[j], 4),) if show_norm else ()),
+                  round(ms, 2), round(batch / (ms / 1e3), 1))
+                 for j, (loss, ms) in enumerate(zip(doc["losses"], step_ms)))
+    return columns, rows
 
 
 def write_ids(text: object, path: Path) -> Path:

@@ -137,6 +137,18 @@ def test_a_config_names_the_data_and_loss_files_absolute(tmp_path: Path, monkeyp
         assert run_log.absolute_spec(kept) == kept
 
 
+def test_the_step_table_counts_from_one_and_shows_lr_and_grad_norm_where_they_say_something() -> None:
+    from fxpipe.cli.run_cmd import step_rows
+
+    doc = {"losses": [2.0, 1.5], "lrs": [0.01, 0.005], "grad_norms": [3.0, 2.5]}
+    assert step_rows(doc, [100.0, 50.0], 8, first=4) == (
+        ("step", "loss", "lr", "grad norm", "step ms", "samples/s"),
+        ((5, 2.0, 0.01, 3.0, 100.0, 80.0), (6, 1.5, 0.005, 2.5, 50.0, 160.0)))
+    plain = {"losses": [2.0], "lrs": [0.01], "grad_norms": [None]}  # a constant lr, no clipping: neither column
+    assert step_rows(plain, [100.0], 8, first=0) == (("step", "loss", "step ms", "samples/s"),
+                                                      ((1, 2.0, 100.0, 80.0),))
+
+
 def test_the_old_resume_flag_is_named() -> None:
     from fxpipe.cli.main import _old_resume_flag
 

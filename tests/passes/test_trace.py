@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +89,59 @@ def test_meta_model_traces_without_allocating() -> None:
     zoo = models.build("gpt-tiny", device="meta")
     gm = trace(zoo.model, zoo.example_inputs).gm
     assert all(p.is_meta for p in gm.parameters())
+
+
+class _NoGradGate(nn.Module):
+    """A gate computed under no_grad from a parameter: eager gives its parameter no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 4)
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            g = self.gate(x).sigmoid()
+        return self.body(x) * g
+
+
+def test_a_no_grad_region_is_inlined_and_its_outputs_get_no_gradient() -> None:
+    from fxpipe._compat import higher_order_op
+
+    torch.manual_seed(0)
+    model, x = _NoGradGate(), torch.randn(3, 4)
+    result = trace(model, (x,))
+    gm = result.gm
+    assert not [n for n in gm.graph.nodes if higher_order_op(n.target)]  # export wrapped it; trace inlined it
+    assert any("no-grad region(s) inlined" in note for note in result.reports[0].notes)
+    out = gm(x)
+    (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()  # the graph's flat outputs
+    got = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert got[name] is None, name  # the gate's parameters: no gradient, as in eager
+        else:
+            torch.testing.assert_close(got[name], p.grad)
+    assert model.gate.weight.grad is None and model.body.weight.grad is not None
+
+
+def test_a_model_whose_config_asks_for_a_cache_traces_with_it_off() -> None:
+    class Config:
+        use_cache = True
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = Config()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            out = self.fc(x)
+            return (out, object()) if self.config.use_cache else out  # a cache object neither tracer can carry
+
+    model = Cached()
+    result = trace(model, (torch.randn(2, 4),))
+    assert model.config.use_cache is True  # put back
+    assert any("use_cache off" in note for note in result.reports[0].notes)
