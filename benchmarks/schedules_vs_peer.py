@@ -1,9 +1,8 @@
 """torch.distributed.pipelining's own schedules, converted into fxpipe's IR and simulated beside ours on the same costs.
 
-The peer's orders come from its real schedule code: we call its order-building methods
-(``_get_pipeline_order`` for single-stage schedules, ``_calculate_single_rank_operations`` and
-``_add_bubbles_to_actions`` for multi-stage ones) on an instance given the attributes those
-methods read, with no process group needed. Its actions map F->F, I->B, W->W, B->BW.
+The peer's orders come from its real schedule classes, built on stand-in stages and read back from the CSV its
+``_dump_csv`` writes (``fxpipe.schedules.torch_csv``: ``torch_generated_csv``, ``read_torch_csv``; its actions map
+F->F, I->B, W->W, B->BW), as ``fxpipe simulate --schedule-csv`` reads them.
 
     python benchmarks/schedules_vs_peer.py [--models gpt mlp] [--microbatches 8] [--ranks 4]
 
@@ -15,45 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
-
-from torch.distributed.pipelining import schedules as peer
 
 import fxpipe
 from fxpipe import models
 from fxpipe.errors import ScheduleError
 from fxpipe.schedules.auto import auto
 from fxpipe.schedules.generators import generate
-from fxpipe.schedules.ir import Action, Kind, Schedule
+from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.simulate import Costs, simulate, validate
+from fxpipe.schedules.torch_csv import read_torch_csv, torch_generated_csv
 
-_KINDS = {"F": Kind.F, "I": Kind.B, "W": Kind.W, "B": Kind.BW}
 
-
-def peer_schedule(cls: Any, ranks: int, local: int, m: int) -> Schedule:
-    obj = object.__new__(cls)
-    style = "v" if cls is peer.ScheduleZBVZeroBubble else "loop"
-    mapping = peer.generate_stage_to_rank_mapping(ranks, ranks * local, style=style)
-    attrs = {"_n_microbatches": m, "_num_stages": ranks * local, "num_stages": ranks * local, "pp_group_size": ranks,
-             "n_local_stages": local, "number_of_rounds": max(1, m // ranks),
-             "microbatches_per_round": m // max(1, m // ranks), "stage_index_to_group_rank": mapping}
-    for k, v in attrs.items():
-        setattr(obj, k, v)
-    if local == 1:
-        order = obj._get_pipeline_order()
-    else:
-        obj.pipeline_order = {r: obj._calculate_single_rank_operations(r) for r in range(ranks)}
-        order = obj._add_bubbles_to_actions(ranks * local) if hasattr(obj, "_add_bubbles_to_actions") else obj.pipeline_order
-    rank_actions = []
-    for r in range(ranks):
-        acts = []
-        for a in order[r]:
-            if a is None or a.computation_type.value not in _KINDS:
-                continue
-            acts.append(Action(a.stage_index, _KINDS[a.computation_type.value], a.microbatch_index))
-        rank_actions.append(tuple(acts))
-    return Schedule(f"peer:{cls.__name__}", ranks * local, m, tuple(mapping[s] for s in range(ranks * local)),
-                    tuple(rank_actions))
+def peer_schedule(name: str, ranks: int, local: int, m: int) -> Schedule:
+    """Torch's schedule ``name`` (a ``get_schedule_class`` name) for ``ranks`` ranks, ``local`` stages each."""
+    text = torch_generated_csv(name, ranks, m, stages_per_rank=None if local == 1 else local)
+    return read_torch_csv(text, f"peer:Schedule{name}").compute_only()
 
 
 def costs_for(name: str, stages: int) -> Costs:
@@ -72,17 +47,18 @@ def main() -> None:
     for name in args.models:
         one, two = costs_for(name, p), costs_for(name, 2 * p)
         candidates: list[tuple[str, Schedule, Costs]] = [
-            ("peer", peer_schedule(peer.ScheduleGPipe, p, 1, m), one),
-            ("peer", peer_schedule(peer.Schedule1F1B, p, 1, m), one),
+            ("peer", peer_schedule("GPipe", p, 1, m), one),
+            ("peer", peer_schedule("1F1B", p, 1, m), one),
             ("fxpipe", generate("gpipe", p, m, one), one),
             ("fxpipe", generate("1f1b", p, m, one), one),
             ("fxpipe", generate("zb-h1", p, m, one), one),
             ("fxpipe", generate("zb-h2", p, m, one), one),
             ("fxpipe", generate("layerpipe", p, m, one), one),
             ("fxpipe", auto(p, one, microbatches=[m]).schedule, one),
-            ("peer", peer_schedule(peer.ScheduleInterleaved1F1B, p, 2, m), two),
-            ("peer", peer_schedule(peer.ScheduleInterleavedZeroBubble, p, 2, m), two),
-            ("peer", peer_schedule(peer.ScheduleZBVZeroBubble, p, 2, m), two),
+            ("peer", peer_schedule("Interleaved1F1B", p, 2, m), two),
+            ("peer", peer_schedule("InterleavedZeroBubble", p, 2, m), two),
+            ("peer", peer_schedule("ZBVZeroBubble", p, 2, m), two),
+            ("peer", peer_schedule("DualPipeV", p, 2, m), two),
             ("fxpipe", generate("interleaved-1f1b", 2 * p, m, two), two),
         ]
         for who, sched, costs in candidates:
