@@ -47,6 +47,7 @@ __all__ = [
     "TextLoss",
     "UserData",
     "check_fit",
+    "held_out_batches",
     "index_bounds",
     "load_digits",
     "load_hf",
@@ -731,6 +732,43 @@ def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, di
 
 
 # --------------------------------------------------------------------------------------------- helpers
+
+
+def held_out_batches(source: DataSource, batch_size: int, *, seq_len: int | None = None, max_batches: int = 16,
+                     layout: DigitsLayout = "flat", dtype: torch.dtype = torch.float32,
+                     shard: tuple[int, int] = (0, 1)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out split as whole batches of ``batch_size`` rows, in order, at most ``max_batches``: a text's
+    consecutive windows of ``seq_len + 1`` tokens (target: the next tokens), digits' held-out samples.
+    ``shard=(d, n)``: replica d's rows of each. What ``fxpipe run --eval-every`` scores.
+
+    Raises: OptionError when the split holds less than one batch.
+    """
+    if isinstance(source, Text):
+        if seq_len is None:
+            raise OptionError(f"{source.spec}'s held-out batches need the sequence length; pass seq_len")
+        windows = (len(source.heldout) - 1) // seq_len
+        count = min(max_batches, windows // batch_size)
+        offsets = torch.arange(seq_len + 1)
+        out = []
+        for b in range(count):
+            rows = _shard(torch.arange(b * batch_size, (b + 1) * batch_size), shard)
+            chunk = source.heldout[rows[:, None] * seq_len + offsets].to(torch.int64)
+            out.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
+        what, have = f"{windows} windows of {seq_len + 1} tokens", windows
+    elif isinstance(source, Digits):
+        count = min(max_batches, len(source.heldout_y) // batch_size)
+        out = []
+        for b in range(count):
+            rows = _shard(torch.arange(b * batch_size, (b + 1) * batch_size), shard)
+            out.append((_shape(source.heldout_x[rows], layout, dtype), source.heldout_y[rows]))
+        what, have = f"{len(source.heldout_y)} samples", len(source.heldout_y)
+    else:
+        raise OptionError(f"{getattr(source, 'spec', source)} has no held-out split to evaluate on; use digits, "
+                          "text:, jsonl: or hf: data")
+    if not out:
+        raise OptionError(f"{source.spec}'s held-out split holds {what}, less than one batch of {batch_size} rows "
+                          f"(have {have}); use more data or a smaller batch")
+    return out
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe import models
+from fxpipe import data, models
 from fxpipe.data import (DIGITS_ZOO, TEXT_ZOO, Digits, Synthetic, Text, check_fit, load_digits, load_stdlib_text,
                          load_text, parse_data)
 from fxpipe.errors import OptionError
@@ -310,3 +310,16 @@ def test_digits_batches_feed_a_zoo_mlp(digits: Digits) -> None:
     fit = check_fit(digits, zoo.example_inputs, zoo.model(*zoo.example_inputs).shape)
     x, y = digits.batch(0, zoo.example_inputs[0].shape[0], layout=fit.layout, dtype=fit.dtype)  # type: ignore[arg-type]
     assert zoo.loss_fn(zoo.model(x), y).isfinite()
+
+
+def test_held_out_batches_are_the_split_s_consecutive_windows_in_order() -> None:
+    heldout = torch.arange(100, 141)  # 41 tokens: 10 windows of 4 (+1 target token)
+    text = data.Text("jsonl:x", ("x",), torch.arange(100), heldout, vocab_size=141)
+    batches = data.held_out_batches(text, 3, seq_len=4, max_batches=2)
+    assert len(batches) == 2
+    idx, target = batches[1]
+    assert idx.tolist() == [[112, 113, 114, 115], [116, 117, 118, 119], [120, 121, 122, 123]]
+    assert target.tolist() == [[113, 114, 115, 116], [117, 118, 119, 120], [121, 122, 123, 124]]
+    assert data.held_out_batches(text, 3, seq_len=4, shard=(1, 3))[0][0].tolist() == [[104, 105, 106, 107]]
+    with pytest.raises(OptionError, match="less than one batch of 11 rows"):
+        data.held_out_batches(text, 11, seq_len=4)

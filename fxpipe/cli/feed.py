@@ -139,6 +139,23 @@ def rank_batches(spec: str, plan: Any, ctx: Any, zoo_batch: Callable[[int], tupl
     return tokens
 
 
+def eval_batches(spec: str, plan: Any, ctx: Any, max_batches: int) -> list[tuple[Any, Any]]:
+    """The held-out batches of ``--eval-data`` (or ``--data``) for the rank ``ctx`` describes: its replica's rows
+    of each global batch (``fxpipe.data.held_out_batches``), what its stages consume."""
+    from fxpipe import data
+
+    source = data.parse_data(spec)
+    if isinstance(source, (data.UserData, data.Synthetic)):
+        from fxpipe.errors import OptionError
+
+        raise OptionError(f"--eval-data {spec} has no held-out split; use digits, text:, jsonl: or hf: data")
+    fit = data.check_fit(source, _example_zeros(plan), None)
+    batches = data.held_out_batches(source, ctx.batch_size * ctx.replicas, seq_len=fit.seq_len,
+                                    max_batches=max_batches, layout=fit.layout, dtype=fit.dtype,
+                                    shard=(ctx.replica, ctx.replicas))
+    return [((x,) if ctx.needs_inputs else None, y if ctx.needs_targets else None) for x, y in batches]
+
+
 def synthetic_batches(plan: Any, m: int, synthetic: str | None) -> tuple[tuple[Any, ...], Any]:
     """``--data synthetic``'s one batch of m microbatches for the user's own model: random inputs shaped like the
     plan's (an integer input below the embedding rows it indexes, else 0) and a random target its loss takes, as

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--eval-data", default=None)  # default: --data's held-out split
+    parser.add_argument("--eval-every", type=int, default=0)
+    parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--trust-ops", default="")  # LIB,LIB: the launcher's trusted libraries
     parser.add_argument("--loss", default=None)  # FILE.py:FUNCTION; default: the built-in model's
     parser.add_argument("--synthetic", default=None)  # a user model's synthetic data, as the launcher found it
@@ -300,7 +303,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     import fxpipe
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
-    from fxpipe.cli.feed import input_specs, loss_of, rank_batches, scored, trusted_ops
+    from fxpipe.cli.feed import eval_batches, input_specs, loss_of, rank_batches, scored, trusted_ops
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
@@ -375,6 +378,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                       args.steps, input_specs(pipe.plan, m))
     batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
                             args.synthetic)
+    held_out = eval_batches(args.eval_data or args.data, pipe.plan, ctx, args.eval_batches) if args.eval_every else None
+    eval_losses: list[tuple[int, float]] = []
     for start in range(first, args.steps, every):
         chunk = range(start, min(start + every, args.steps))
         if rank == args.fail_rank and start == fault_at and attempt == 0:
@@ -392,7 +397,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             step_ms.append((time.perf_counter() - t0) * 1e3)
             if start > first:  # its actions' times (summed after the run), every step after the first (which faults
                 timed_steps.append((rt.events, rt.optimizer_steps))  # its buffers in); each step makes new lists
-            in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]))))
+            evaluated = None
+            if held_out is not None and (start + 1) % args.eval_every == 0:  # after the step, with its weights
+                evaluated = rt.evaluate(held_out, shard=True)
+                eval_losses.append((start + 1, evaluated))
+            in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]),
+                                                            evaluated)))
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
@@ -462,7 +472,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                                                           "fallbacks": rt.graph_set.fallbacks},
         "batch": rows * m * rt.dp,  # the global batch's rows
         "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
-        "grad_norms": grad_norms,
+        "grad_norms": grad_norms, "eval_losses": eval_losses,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         # an asynchronous run's step: its stream's (one fill and drain for every step of it), per step
         "simulated_step_ms": simulate(ran, simulated).makespan * 1e3 * m / ran.num_microbatches,

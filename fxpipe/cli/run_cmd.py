@@ -65,6 +65,12 @@ def run_cmd(
                                            "with a fxpipe.data.DataContext, it returns that rank's (inputs, target) "
                                            "batches. Built-in real data reports held-out accuracy or loss.")
                      ] = "synthetic",
+    eval_data: Annotated[Optional[str], typer.Option(help="Held-out data to evaluate on (digits, text:, jsonl:, "
+                                                     "hf:; default: --data's held-out split).")] = None,
+    eval_every: Annotated[int, typer.Option(min=0, help="Every N steps, the mean held-out loss without gradients "
+                                            "(reduced over the replicas), as eval_loss in metrics.jsonl (0: "
+                                            "never). Synchronous schedules.")] = 0,
+    eval_batches: Annotated[int, typer.Option(min=1, help="Held-out batches each evaluation scores at most.")] = 16,
     tokenizer: Annotated[Optional[Path], typer.Option(help="With --data hf:PATH: a tokenizer.json or a "
                                                       "save_pretrained directory; documents are tokenized and "
                                                       "packed with its end-of-text token between them.")] = None,
@@ -299,6 +305,8 @@ def run_cmd(
             feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,
                               seed, steps, trust_ops=trusted)
             source, fit = feed.source, feed.fit
+            eval_hf = _check_eval(plan, sched, eval_data, eval_every, eval_batches, replicas, data, hf, tokenizer,
+                                  data_column)
             _check_model(plan_dir, plan, zoo)  # before any rank builds the model the plan names
         except BaseException:
             if ckpt_lock is not None:
@@ -333,6 +341,11 @@ def run_cmd(
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
             cmd += ["--trust-ops", ",".join(trusted)]
+            if eval_every:
+                cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
+                if eval_data is not None:
+                    cmd += ["--eval-data", eval_data if eval_hf is None else
+                            f"jsonl:{write_ids(eval_hf, out_dir / 'eval_tokens.jsonl')}"]
             with progress(disable=as_json) as step:
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
@@ -380,6 +393,7 @@ def run_cmd(
             # per step: the learning rate it used, and the global gradient norm before clipping (None without
             # --clip-grad-norm or fp16)
             "lrs": results[0].get("lrs", []), "grad_norms": results[0].get("grad_norms", []),
+            "eval_losses": results[0].get("eval_losses", []),
             "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
             "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
             # the same simulation on the actions' measured times: the schedule model's part of the gap
@@ -746,6 +760,32 @@ def _check_checkpoints(checkpoint: Any, directory: Path, *, resume: str, overwri
         raise OptionError(f"--checkpoint-dir {directory} is not empty (it holds {', '.join(held[:3])}"
                           f"{', ...' if len(held) > 3 else ''}); pass --resume always (or auto) to continue from its "
                           "newest checkpoint, --overwrite to replace its checkpoints, or another --checkpoint-dir")
+
+
+def _check_eval(plan: Any, sched: Any, eval_data: str | None, eval_every: int, eval_batches: int, replicas: int,
+                data_spec: str, hf: Any, tokenizer: Path | None, column: str) -> Any:
+    """``--eval-every``'s data, checked before any rank starts: a synchronous schedule, and held-out data with at
+    least one whole batch. Returns an ``hf:`` eval set the launcher tokenized (the ranks read its ids), else None."""
+    if not eval_every:
+        return None
+    from fxpipe import data as data_mod
+    from fxpipe.cli.feed import _example_zeros
+
+    if not sched.synchronous:
+        raise OptionError(f"--eval-every evaluates between steps, and {sched.name} streams its steps with no "
+                          "boundary; use a synchronous schedule (e.g. --schedule 1f1b)")
+    spec = eval_data or data_spec
+    loaded = data_mod.load_hf(spec[len("hf:"):], tokenizer=tokenizer, column=column) if spec.startswith("hf:") \
+        else None
+    source = loaded if loaded is not None else hf if eval_data is None and hf is not None else data_mod.parse_data(spec)
+    if isinstance(source, (data_mod.UserData, data_mod.Synthetic)):
+        raise OptionError(f"--eval-every scores a held-out split, and {spec} has none; pass --eval-data with "
+                          "digits, text:, jsonl: or hf: data")
+    fit = data_mod.check_fit(source, _example_zeros(plan), None)
+    rows = int(plan.inputs[0].shape[0]) if plan.inputs and plan.inputs[0].shape else 1
+    data_mod.held_out_batches(source, rows * sched.num_microbatches * replicas, seq_len=fit.seq_len, max_batches=1,
+                              layout=fit.layout, dtype=fit.dtype)  # at least one whole batch, or one line
+    return loaded if eval_data is not None else None
 
 
 def step_rows(doc: dict[str, Any], step_ms: list[float], batch: int,

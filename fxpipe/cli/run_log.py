@@ -305,8 +305,10 @@ class StepLog:
         work = dist.all_reduce(shared, async_op=True) if dist.is_initialized() and self.world > 1 else None
         return work, shared
 
-    def write(self, step: int, loss: float, lr: Any, grad_norm: Any, shared: Any) -> None:
-        """Rank 0 appends step ``step``'s line (and its TensorBoard scalars); the others only wait for ``shared``."""
+    def write(self, step: int, loss: float, lr: Any, grad_norm: Any, shared: Any, eval_loss: float | None = None
+              ) -> None:
+        """Rank 0 appends step ``step``'s line (and its TensorBoard scalars); the others only wait for ``shared``.
+        ``eval_loss``: the held-out loss after the step, where it was evaluated (``--eval-every``)."""
         if shared is None:
             return
         work, values = shared
@@ -322,6 +324,8 @@ class StepLog:
                   "tokens_per_s": self.tokens * per_s if per_s and self.tokens else None,
                   "peak_memory_mib": [v / 2**20 for v in vals[:self.world]],
                   "memory": "cuda_max_allocated" if getattr(self.device, "type", "cpu") == "cuda" else "rss"}
+        if eval_loss is not None:
+            record["eval_loss"] = _number(eval_loss)
         with open(self.dir / METRICS, "a") as f:  # one write per line: a killed run keeps every finished step
             f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
         if self.board is not None:
@@ -329,6 +333,8 @@ class StepLog:
                 if record[name] is not None:
                     self.board.add_scalar(f"train/{name}", record[name], step)
             self.board.add_scalar("train/peak_memory_mib_max", max(record["peak_memory_mib"]), step)
+            if record.get("eval_loss") is not None:
+                self.board.add_scalar("eval/loss", record["eval_loss"], step)
             self.board.flush()
 
     def close(self) -> None:

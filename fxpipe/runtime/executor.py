@@ -255,6 +255,7 @@ class PipelineRuntime:
         # None: every receive posted at the step's start into buffers kept across steps (fastest);
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
+        self._forward_program: Any = None  # evaluate's forward-only program, lowered on first use
         # The process-wide settings the caller asked for (none by default): after every group above is made, so that
         # each group's gloo socket thread is reniced (fxpipe.calibration.host)
         self.host = host
@@ -429,6 +430,39 @@ class PipelineRuntime:
                 total += loss.double()
         total = total.cpu()
         return PendingLoss(self, dist.all_reduce(total, async_op=True), total, m * self.dp)
+
+    def evaluate(self, batches: Iterable[tuple[Sequence[Any] | None, Any]], *, shard: bool = False) -> float:
+        """The mean loss over ``batches`` (each a batch as :meth:`step` takes it), forward only: every microbatch's
+        F in order on each rank, no gradient reaches a parameter and no optimizer steps. Every rank calls it with
+        the same number of batches; replicas score their own rows and one all-reduce of the sum gives every rank
+        the same value. Synchronous schedules; the graphs run as traced (a model traced in training mode keeps
+        its dropout).
+
+        Raises: OptionError for an asynchronous schedule.
+        """
+        if not self.schedule.synchronous:
+            raise OptionError(f"{self.schedule.name} is asynchronous; evaluate with a synchronous schedule's runtime")
+        m = self.schedule.num_microbatches
+        if self._forward_program is None:
+            order = self.schedule.rank_of_stage
+            ranks = tuple(tuple(Action(s, Kind.F, i) for i in range(m) for s in range(len(order)) if order[s] == r)
+                          for r in range(self.schedule.num_ranks))  # (microbatch, stage) order: no rank waits in a cycle
+            forward = Schedule("forward", self.schedule.num_stages, m, order, ranks)
+            self._forward_program = replicas.on_ranks(lower(self.pipe, forward, self.pp_rank, self.graphs), self.layout)
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        sync, self.sync = self.sync, None  # no gradient to average over the replicas
+        try:
+            for inputs, target in batches:
+                micro, targets = self._microbatches(inputs, target, m, shard=shard)
+                for loss in self._execute(self._forward_program, micro, targets, ahead=self.prefetch):
+                    if loss is not None:
+                        total += loss.detach().double().cpu()
+                count += m * self.dp
+        finally:
+            self.sync = sync
+        self._collective(partial(dist.all_reduce, total), "the evaluation loss (every rank)")
+        return float(total) / max(count, 1)
 
     def _global_update(self) -> None:
         """The optimizer steps of a step that needs the global gradient norm (clipping, fp16): unscale, one

@@ -69,9 +69,10 @@ def test_the_packed_stream_is_the_documents_tokens_with_end_of_text_between(corp
     assert torch.equal(idx[:, 1:], target[:, :-1])  # labels: the next tokens
 
 
-def reference(corpus: dict[str, Path]) -> list[float]:
+def reference(corpus: dict[str, Path]) -> tuple[list[float], list[float]]:
     """One eager process: the builder's model, the global batch of each step from the same stream (DP x
-    MICROBATCHES x ROWS rows), the mean loss over every microbatch, torch's SGD."""
+    MICROBATCHES x ROWS rows), the mean loss over every microbatch, torch's SGD; and after every second step, the
+    mean loss over the held-out split's whole batches (each cut into the same microbatches), without gradients."""
     import importlib.util
 
     from fxpipe.targets import resolve
@@ -83,7 +84,8 @@ def reference(corpus: dict[str, Path]) -> list[float]:
     spec.loader.exec_module(module)
     text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    n, losses = MICROBATCHES * DP, []
+    n, losses, evaluated = MICROBATCHES * DP, [], []
+    held = data.held_out_batches(text, ROWS * n, seq_len=SEQ)
     for k in range(STEPS):
         idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
         loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
@@ -91,15 +93,27 @@ def reference(corpus: dict[str, Path]) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses
+        if (k + 1) % 2 == 0:
+            with torch.no_grad():
+                evaluated.append(sum(float(module.loss(model(i), t)) for idx, target in held
+                                     for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / (len(held) * n))
+    return losses, evaluated
 
 
-def test_a_dataset_and_tokenizer_train_a_causal_lm_as_one_process(corpus: dict[str, Path]) -> None:
+def test_a_dataset_and_tokenizer_train_a_causal_lm_as_one_process(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Trains as one process, and --eval-every 2 scores the held-out split as one process does (metrics.jsonl's
+    eval_loss on step 2 only)."""
     doc = json.loads(ok(fxpipe_cli("run", corpus["plan"], "--dp", DP, "--steps", STEPS, "--data",
                                    f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", corpus["tok"],
-                                   "--loss", f"{corpus['file']}:loss", "--json")).stdout)
+                                   "--loss", f"{corpus['file']}:loss", "--eval-every", 2, "--log-dir", tmp_path / "log",
+                                   "--json")).stdout)
     assert (doc["ranks"], doc["batch"]) == (2 * DP, ROWS * MICROBATCHES * DP)
-    torch.testing.assert_close(doc["losses"], reference(corpus), rtol=1e-5, atol=0)
+    losses, evaluated = reference(corpus)
+    torch.testing.assert_close(doc["losses"], losses, rtol=1e-5, atol=0)
+    assert [step for step, _ in doc["eval_losses"]] == [2] and len(evaluated) == 1
+    torch.testing.assert_close([loss for _, loss in doc["eval_losses"]], evaluated, rtol=1e-5, atol=0)
+    lines = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [m.get("eval_loss") for m in lines] == [None, doc["eval_losses"][0][1], None]
     assert doc["held_out"]["bits per token"] > 0 and "bits per byte" not in doc["held_out"]
 
 
