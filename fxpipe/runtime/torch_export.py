@@ -81,6 +81,7 @@ class TorchExport:
     compute_csv: str
     comms_csv: str
     shared_params: dict[str, list[int]]
+    pipeline: Pipeline | None = None  # what :meth:`save` writes as ``plan/`` when no plan directory is given
 
     @property
     def rank_of_stage(self) -> tuple[int, ...]:
@@ -111,6 +112,10 @@ class TorchExport:
         if plan_dir is not None and Path(plan_dir).resolve() != (out / PLAN_SUBDIR).resolve():
             shutil.rmtree(out / PLAN_SUBDIR, ignore_errors=True)
             shutil.copytree(plan_dir, out / PLAN_SUBDIR)
+        elif plan_dir is None and self.pipeline is not None:
+            from fxpipe.plan_dir import save_pipeline
+
+            save_pipeline(self.pipeline, out / PLAN_SUBDIR, overwrite=True)
         return out
 
 
@@ -144,7 +149,7 @@ def export_torch(plan: Pipeline | str | Path, *, out: str | Path | None = None) 
     torchable(schedule)
     check_with_torch(schedule)
     export = TorchExport(stage_modules(pipe), schedule, to_torch_csv(schedule), lowered_torch_csv(schedule),
-                         dict(pipe.shared_params))
+                         dict(pipe.shared_params), pipe)
     if out is not None:
         export.save(out, plan_dir)
     return export
@@ -239,12 +244,13 @@ def _tied_groups(export: TorchExport, group: Any) -> dict[int, dict[int, list[tu
 
     out: dict[int, dict[int, list[tuple[str, Any]]]] = {}
     for name, ks in sorted(export.shared_params.items()):
-        if not export._across(ks):
-            continue
         ranks = sorted({export.rank_of_stage[k] for k in ks})
-        if sum(1 for k in ks if export.rank_of_stage[k] in ranks) != len(ranks):
-            raise PlanError(f"weight {name} is tied between stages {ks}, two of them on one rank; torch's runtime "
-                            "sums it once per rank: compile with a placement of one such stage per rank")
+        if len(ranks) != len(ks):  # one Parameter in two PipelineStages of a rank: each stage scales its gradient
+            raise PlanError(f"weight {name} is tied between stages {ks}, {len(ks) - len(ranks) + 1} of them on one "
+                            "rank; torch's runtime scales its gradient once per stage: place the tied stages on "
+                            "ranks of their own (one stage per rank)")
+        if len(ranks) == 1:
+            continue
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
         pg = dist.new_group(global_ranks)
         for k in ks:

@@ -145,3 +145,13 @@ def test_a_cut_inside_a_module_is_named() -> None:
     layers[2] = dataclasses.replace(layers[2], name="blocks.0")
     with pytest.raises(PlanError, match="falls inside module blocks.0"):
         stage_modules_by_name(dataclasses.replace(plan, layers=tuple(layers)))
+
+
+def test_a_pipeline_exports_with_its_plan(tmp_path: Path) -> None:
+    """``fxpipe.export_torch(pipeline, out=DIR)`` writes the plan too, so ``torch_schedule(DIR, ...)`` finds it."""
+    pipe = fxpipe.load(gpt4())
+    first = fxpipe.export_torch(pipe, out=tmp_path / "exp")
+    again = fxpipe.export_torch(tmp_path / "exp")
+    assert again.compute_csv == first.compute_csv and again.manifest() == first.manifest()
+    saved = fxpipe.load(tmp_path / "exp" / "plan").stage_list()[0].module
+    assert [n for n, _ in saved.named_parameters()] == [n for n, _ in pipe.stage_list()[0].module.named_parameters()]
