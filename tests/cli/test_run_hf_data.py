@@ -130,3 +130,58 @@ def test_bad_dataset_input_is_one_line_before_any_rank_starts(corpus: dict[str, 
     line = one_line_error(fxpipe_cli("run", corpus["plan"], "--steps", 1, "--data", f"hf:{corpus['corpus']}", *args,
                                      "--loss", f"{corpus['file']}:loss"))
     assert expected in line, line
+
+
+def scheduled_reference(corpus: dict[str, Path], steps: int, totals: list[int]) -> tuple[list[float], list[float]]:
+    """One eager process, SGD with momentum 0.9 (state a resumed run must restore), 2 warm-up steps then cosine
+    (Hugging Face's formula, written out): step k's learning rate from the schedule of ``totals[k]`` steps (a run
+    resumed with a larger --steps follows its own). SGD: AdamW's first steps divide each gradient by its own size,
+    so float noise in near-zero gradients (summation order) moves weights by a good part of the learning rate."""
+    import importlib.util
+    import math
+
+    from fxpipe.targets import resolve
+
+    model = resolve(f"{corpus['file']}:build").model
+    spec = importlib.util.spec_from_file_location("hf_data_scheduled", corpus["file"])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    n, losses, lrs = MICROBATCHES * DP, [], []
+    for k in range(steps):
+        lr = 0.01 * (k / 2 if k < 2 else 0.5 * (1 + math.cos(math.pi * (k - 2) / (totals[k] - 2))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
+        loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        lrs.append(lr)
+    return losses, lrs
+
+
+def test_a_killed_rank_resumes_to_the_unbroken_losses_and_training_on_follows_the_longer_schedule(
+        corpus: dict[str, Path], tmp_path: Path) -> None:
+    """2 stages x 2 replicas, 6 steps, a checkpoint every 3: rank 1 is killed in step 5, torchrun restarts the ranks
+    (--max-restarts 1 --resume auto), which resume from step 3 and end with the losses and learning rates of an
+    unbroken run (one eager process); run again with --steps 9, the run trains on from step 6 on the 9-step curve."""
+    flags = ["--dp", DP, "--data", f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", corpus["tok"],
+             "--loss", f"{corpus['file']}:loss", "--momentum", 0.9, "--lr-schedule", "cosine", "--warmup-steps", 2,
+             "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 3, "--resume", "auto", "--timeout", 30,
+             "--log-dir", tmp_path / "log", "--json"]
+    killed = json.loads(ok(fxpipe_cli("run", corpus["plan"], "--steps", 6, "--max-restarts", 1, "--kill-rank", 1,
+                                      "--fault-step", 4, *flags)).stdout)
+    assert killed["restarts"] == 1 and killed["first_step"] == 3
+    losses, lrs = scheduled_reference(corpus, 9, [6] * 6 + [9] * 3)
+    lines = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close([m["loss"] for m in lines], losses[:6], rtol=1e-5, atol=0)
+    torch.testing.assert_close([m["lr"] for m in lines], lrs[:6], rtol=1e-6, atol=0)
+    on = json.loads(ok(fxpipe_cli("run", corpus["plan"], "--steps", 9, *flags)).stdout)
+    assert on["first_step"] == 6
+    torch.testing.assert_close(on["losses"], losses[6:], rtol=1e-5, atol=0)
+    torch.testing.assert_close(on["lrs"], lrs[6:], rtol=1e-6, atol=0)
