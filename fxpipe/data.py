@@ -554,6 +554,8 @@ def load_hf(path: str, *, tokenizer: str | Path | None, column: str = "text") ->
 def _hf_table(datasets: Any, path: str, spec: str) -> Any:
     """The dataset at ``path`` (its ``train`` split where it has splits)."""
     where = Path(path).expanduser()
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # its bars would break fxpipe's one-line errors and tables; put back below
     try:
         if where.is_dir() and any((where / f).is_file() for f in ("dataset_info.json", "state.json",
                                                                   "dataset_dict.json")):
@@ -570,8 +572,13 @@ def _hf_table(datasets: Any, path: str, spec: str) -> Any:
     except OptionError:
         raise
     except Exception as exc:  # noqa: BLE001  (datasets raises many types: a missing hub name, a broken file)
+        if "corresponds to no data" in str(exc):  # files with no rows
+            raise OptionError(f"--data {spec} holds no rows; give a dataset with text in it") from None
         raise OptionError(f"--data {spec} does not load ({first_line(exc)}); give a local "
                           "dataset directory or file, or a hub name where the network allows") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if isinstance(table, datasets.DatasetDict):
         if "train" not in table:
             raise OptionError(f"--data {spec} has splits {', '.join(table)} and no train split; save the split to "

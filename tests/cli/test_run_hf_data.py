@@ -117,17 +117,43 @@ def test_a_dataset_and_tokenizer_train_a_causal_lm_as_one_process(corpus: dict[s
     assert doc["held_out"]["bits per token"] > 0 and "bits per byte" not in doc["held_out"]
 
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    (("--data-column", "text"), "has no column 'text' (columns: body, id); name the text column with --data-column"),
-    (("--data-column", "body", "--tokenizer", "{root}/nowhere.json"), "no tokenizer.json there"),
-    (("--data-column", "body"), "is text; pass --tokenizer PATH"),
-])
-def test_bad_dataset_input_is_one_line_before_any_rank_starts(corpus: dict[str, Path], flags: tuple[str, ...],
-                                                              expected: str) -> None:
-    args = [a.format(root=corpus["root"]) for a in flags]
-    if "--tokenizer" not in args and "is text" not in expected:
-        args += ["--tokenizer", str(corpus["tok"])]
-    line = one_line_error(fxpipe_cli("run", corpus["plan"], "--steps", 1, "--data", f"hf:{corpus['corpus']}", *args,
+def _bad_inputs(corpus: dict[str, Path]) -> dict[str, tuple[list[str], str]]:
+    """Each bad input's flags (beyond --data hf:...) and the line it gets."""
+    root = corpus["root"]
+    if not (root / "empty").exists():
+        (root / "empty").mkdir()
+        datasets.Dataset.from_dict({"body": []}).to_parquet(str(root / "empty" / "part-0.parquet"))
+        (root / "short").mkdir()
+        datasets.Dataset.from_dict({"body": ["a few words"] * 3}).to_parquet(str(root / "short" / "part-0.parquet"))
+        big = tokenizers.Tokenizer(tokenizers.models.BPE())
+        big.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        big.train_from_iterator(["some text"], tokenizers.trainers.BpeTrainer(
+            vocab_size=600, special_tokens=["<|endoftext|>", *(f"<x{i}>" for i in range(400))],
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+        big.save(str(root / "big.json"))
+    tok = ["--tokenizer", str(corpus["tok"])]
+    return {
+        "column": ([f"hf:{corpus['corpus']}", "--data-column", "text", *tok],
+                   "has no column 'text' (columns: body, id); name the text column with --data-column"),
+        "tokenizer": ([f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", str(root / "nowhere.json")],
+                      "no tokenizer.json there"),
+        "no tokenizer": ([f"hf:{corpus['corpus']}", "--data-column", "body"], "is text; pass --tokenizer PATH"),
+        "dataset": ([f"hf:{root / 'nowhere'}", "--data-column", "body", *tok], "does not load"),
+        "empty": ([f"hf:{root / 'empty'}", "--data-column", "body", *tok], "holds no rows"),
+        "short": ([f"hf:{root / 'short'}", "--data-column", "body", *tok], "is too short for one held-out sequence"),
+        "vocabulary": ([f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", str(root / "big.json")],
+                       "but the model's vocabulary is 320"),
+        "eval": ([f"hf:{corpus['corpus']}", "--data-column", "body", *tok, "--eval-every", "1", "--eval-batches", "1",
+                  "--schedule", "async-1f1b"], "--eval-every evaluates between steps"),
+    }
+
+
+@pytest.mark.parametrize("case", ["column", "tokenizer", "no tokenizer", "dataset", "empty", "short", "vocabulary",
+                                  "eval"])
+def test_bad_dataset_input_is_one_line_before_any_rank_starts(corpus: dict[str, Path], case: str,
+                                                              no_rank_starts: list[list[str]]) -> None:
+    flags, expected = _bad_inputs(corpus)[case]
+    line = one_line_error(fxpipe_cli("run", corpus["plan"], "--steps", 1, "--data", *flags,
                                      "--loss", f"{corpus['file']}:loss"))
     assert expected in line, line
 
