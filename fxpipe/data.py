@@ -42,6 +42,7 @@ __all__ = [
     "DataSource",
     "Digits",
     "Fit",
+    "StepBatches",
     "Synthetic",
     "Text",
     "TextLoss",
@@ -53,6 +54,7 @@ __all__ = [
     "load_hf",
     "load_jsonl",
     "load_stdlib_text",
+    "step_loader",
     "step_seed",
     "load_text",
     "parse_data",
@@ -367,7 +369,44 @@ def user_batches(made: Any, ctx: DataContext, spec: str) -> Callable[[int], tupl
                               "batch per step, or return a sequence (it repeats)") from None
         at[0] += 1
         return _item(item, ctx, spec, k)
+    streamed.in_order = True  # type: ignore[attr-defined]  # one reader, in step order: no DataLoader workers
     return streamed
+
+
+class StepBatches(torch.utils.data.Dataset[Any]):
+    """Step k's batch as item k of a map-style dataset: ``batch(k)`` for a rank, its replica's rows of step k's
+    global batch (disjoint across replicas), so a ``DataLoader`` over steps ``first..steps`` reads them ahead in
+    worker processes and a resumed run starts at its checkpoint's step."""
+
+    def __init__(self, batch: Callable[[int], tuple[Any, Any]], steps: int) -> None:
+        self.batch, self.steps = batch, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, k: int) -> tuple[Any, Any]:
+        return self.batch(k)
+
+
+def step_loader(batch: Callable[[int], tuple[Any, Any]], *, first: int, steps: int, workers: int = 0,
+                pin_memory: bool = False) -> Iterator[tuple[Any, Any]]:
+    """Steps ``first, first + 1, ... steps - 1``'s batches through ``torch.utils.data.DataLoader``: ``workers``
+    processes read ahead (0: this process), pinned on CUDA with ``pin_memory``. A data function's iterable is read
+    in order by this process (``workers`` does not apply to it)."""
+    import multiprocessing
+
+    if getattr(batch, "in_order", False) or "fork" not in multiprocessing.get_all_start_methods():
+        workers = 0  # workers are forked: the batch functions close over the rank's sources, which do not pickle
+    loader = torch.utils.data.DataLoader(StepBatches(batch, steps), batch_size=None, sampler=range(first, steps),
+                                         num_workers=workers, pin_memory=pin_memory, collate_fn=_as_is,
+                                         prefetch_factor=2 if workers else None, persistent_workers=False,
+                                         multiprocessing_context="fork" if workers else None)
+    return iter(loader)
+
+
+def _as_is(item: Any) -> Any:
+    """The DataLoader's collate: the batch as the source made it (tuples stay tuples, None stays None)."""
+    return item
 
 
 def _item(item: Any, ctx: DataContext, spec: str, step: int) -> tuple[Any, Any]:

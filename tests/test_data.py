@@ -323,3 +323,15 @@ def test_held_out_batches_are_the_split_s_consecutive_windows_in_order() -> None
     assert data.held_out_batches(text, 3, seq_len=4, shard=(1, 3))[0][0].tolist() == [[104, 105, 106, 107]]
     with pytest.raises(OptionError, match="less than one batch of 11 rows"):
         data.held_out_batches(text, 11, seq_len=4)
+
+
+def test_the_step_loader_reads_steps_first_to_last_through_torch_s_dataloader() -> None:
+    def batch(k: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+        return (torch.full((2,), k),), torch.tensor(k)
+
+    got = list(data.step_loader(batch, first=3, steps=6, workers=2))
+    assert [int(target) for _, target in got] == [3, 4, 5]
+    assert isinstance(got[0], tuple) and isinstance(got[0][0], tuple)  # as the source made it
+    ctx = data.DataContext(0, True, True, 0, 1, 1, 2, 0, 1, 4, ())
+    streamed = data.user_batches(iter([((torch.zeros(2),), torch.tensor(k)) for k in range(1, 4)]), ctx, "f.py:b")
+    assert [int(t) for _, t in data.step_loader(streamed, first=1, steps=4, workers=2)] == [1, 2, 3]  # in order here

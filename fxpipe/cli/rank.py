@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-checkpoints", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
     parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--data-workers", type=int, default=0)
     parser.add_argument("--eval-data", default=None)  # default: --data's held-out split
     parser.add_argument("--eval-every", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=16)
@@ -346,7 +347,15 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         costs = dataclasses.replace(costs, held_in=costs.held_in or rt.held_in).recomputing(rt.recompute)
     costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp, w_lane=rt.w_lane is not None)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
+    rt.data_position = {"data_seed": float(args.seed)}  # batch k and its random ops are functions of (seed, k)
     first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
+    saved_seed = rt.resumed_position.get("data_seed")
+    if first and saved_seed is not None and saved_seed != float(args.seed):
+        from fxpipe.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint of step {first} was trained with --seed {int(saved_seed)}, and this "
+                              f"run has --seed {args.seed}: its batches from step {first + 1} on would not be the "
+                              f"ones that run goes on with; pass --seed {int(saved_seed)}, or start a new run")
     if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
         from fxpipe.errors import CheckpointError
 
@@ -372,12 +381,21 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     every = 1 if sched.synchronous else (args.checkpoint_every if args.checkpoint_dir else args.steps - first)
     # This replica's rows of each step's batch, and of them only what this rank's stages consume (fxpipe.cli.feed).
     rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
-    from fxpipe.data import DataContext, step_seed
+    from fxpipe.data import DataContext, step_loader, step_seed
 
     ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
                       args.steps, input_specs(pipe.plan, m))
     batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
                             args.synthetic)
+    stream = step_loader(batch_of, first=first, steps=args.steps, workers=args.data_workers,
+                         pin_memory=device.type == "cuda")
+    at = [first]
+
+    def next_batch(k: int) -> tuple[Any, Any]:  # the loader's next item, which is step k's
+        assert k == at[0], (k, at[0])  # the loop below asks for steps in order
+        at[0] += 1
+        return next(stream)
+
     held_out = eval_batches(args.eval_data or args.data, pipe.plan, ctx, args.eval_batches) if args.eval_every else None
     eval_losses: list[tuple[int, float]] = []
     for start in range(first, args.steps, every):
@@ -389,7 +407,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         torch.manual_seed(step_seed(args.seed, start, rank))  # the step's random ops (dropout): --seed's, resumable
         t0 = time.perf_counter()
         if sched.synchronous:  # no barrier at the step's end: the loss's all-reduce is read when it has arrived
-            inputs, target = batch_of(start)
+            inputs, target = next_batch(start)
             pending = rt.step_async(inputs, target, shard=True)
             lrs.append(rt.lr)
             grad_norms.append(rt.last_grad_norm)
@@ -405,7 +423,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                                                             evaluated)))
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
-            done = [float(x) for x in rt.train([batch_of(k) for k in chunk])]
+            done = [float(x) for x in rt.train([next_batch(k) for k in chunk])]
             times = stream_step_ms(rt.events, rt.started - t0, time.perf_counter() - t0, len(done), m)
             losses += done
             step_ms += times

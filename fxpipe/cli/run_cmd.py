@@ -65,6 +65,9 @@ def run_cmd(
                                            "with a fxpipe.data.DataContext, it returns that rank's (inputs, target) "
                                            "batches. Built-in real data reports held-out accuracy or loss.")
                      ] = "synthetic",
+    data_workers: Annotated[int, typer.Option(min=0, help="Processes that read each rank's batches ahead "
+                                              "(torch.utils.data.DataLoader's num_workers; 0: the rank itself).")
+                            ] = 0,
     eval_data: Annotated[Optional[str], typer.Option(help="Held-out data to evaluate on (digits, text:, jsonl:, "
                                                      "hf:; default: --data's held-out split).")] = None,
     eval_every: Annotated[int, typer.Option(min=0, help="Every N steps, the mean held-out loss without gradients "
@@ -340,7 +343,7 @@ def run_cmd(
                     "--codegen", codegen, "--device", device, "--recompute", recompute, *(["--w-lane"] if w_lane else []),
                     "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
             cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
-            cmd += ["--trust-ops", ",".join(trusted)]
+            cmd += ["--trust-ops", ",".join(trusted), "--data-workers", str(data_workers)]
             if eval_every:
                 cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
                 if eval_data is not None:

@@ -256,6 +256,10 @@ class PipelineRuntime:
         # K: receives posted K actions ahead into new buffers (memory bounded by the window).
         self.prefetch = prefetch
         self._forward_program: Any = None  # evaluate's forward-only program, lowered on first use
+        # Where the data stands, as numbers the checkpoint keeps (fxpipe run: data_seed; batch k is a function of
+        # the seed and k), and what a loaded checkpoint had.
+        self.data_position: dict[str, float] = {}
+        self.resumed_position: dict[str, float] = {}
         # The process-wide settings the caller asked for (none by default): after every group above is made, so that
         # each group's gloo socket thread is reniced (fxpipe.calibration.host)
         self.host = host
@@ -755,6 +759,7 @@ class PipelineRuntime:
             state["lr_step"] = float(first.last_epoch)
         if self.scaler is not None:
             state.update(self.scaler.state_dict())
+        state.update(self.data_position)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -785,6 +790,7 @@ class PipelineRuntime:
                 packed.update(_hyperparameters(fqns, saved_groups, packed))
             opt.load_state_dict(sd)
         run = state.get("runtime", {})
+        self.resumed_position = {k: v for k, v in run.items() if k.startswith("data_")}
         if "lr_step" in run:  # the schedule goes on from the saved step (the groups' lr were loaded just above)
             for scheduler in self.schedulers.values():
                 sd = scheduler.state_dict()

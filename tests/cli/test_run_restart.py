@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._helpers import MLP_PLAN, fxpipe_cli, ok, plan_fixture, reference_losses
+from tests._helpers import MLP_PLAN, fxpipe_cli, ok, one_line_error, plan_fixture, reference_losses
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11: --config reads TOML with it
 plan = plan_fixture(*MLP_PLAN)
@@ -109,3 +109,6 @@ def test_seed_makes_dropout_repeatable_and_resumable(tmp_path: Path) -> None:
     for late in ("step_000003", "step_000004"):
         shutil.rmtree(tmp_path / "ckpt" / late)
     assert run("--checkpoint-dir", tmp_path / "ckpt", "--resume", "always") == first[2:]
+    line = one_line_error(fxpipe_cli("run", tmp_path / "plan", "--steps", 5, "--loss", f"{tmp_path / 'drop.py'}:loss",
+                                     "--checkpoint-dir", tmp_path / "ckpt", "--resume", "always", "--seed", 1))
+    assert "the checkpoint of step 4 was trained with --seed 0, and this run has --seed 1" in line, line
