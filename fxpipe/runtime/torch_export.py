@@ -215,10 +215,19 @@ def torch_schedule(plan_dir: str | Path, rank: int, world: int, loss_fn: Callabl
         return loss_fn(rebuild(output), target)
 
     schedule = runtime_cls(stages, n_microbatches=sched.num_microbatches, loss_fn=model_loss, scale_grads=scale_grads)
+    written = Path(plan_dir) / COMPUTE_CSV  # an export directory's CSV is what runs (edited or not)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / COMPUTE_CSV
-        path.write_text(export.compute_csv)
-        schedule._load_csv(str(path), format="compute_only")
+        path = written if (Path(plan_dir) / MANIFEST).is_file() and written.is_file() else Path(tmp) / COMPUTE_CSV
+        if path != written:
+            path.write_text(export.compute_csv)
+        try:
+            schedule._load_csv(str(path), format="compute_only")
+        except (AssertionError, RuntimeError, ValueError, KeyError) as exc:
+            raise PlanError(f"torch refuses {path.name} ({str(exc).splitlines()[0]}); export the plan again") from None
+    placed = dict(schedule.stage_index_to_group_rank)
+    if placed != dict(enumerate(export.rank_of_stage)):
+        raise PlanError(f"{path} places stages on ranks {placed}, the plan on {dict(enumerate(export.rank_of_stage))}; "
+                        "keep each stage's rank when editing the CSV, or export the plan again")
     tied = _tied_groups(export, group)
     if tied.get(rank):
         mine = {s.stage_index: s for s in stages}
