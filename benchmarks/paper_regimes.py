@@ -89,7 +89,8 @@ def render(g: Grid) -> str:
             if g.words[i][j] == "partly"]
     lines += ["", f"- Holds (R) in {len(held)} of {len(SCALES) * len(LINKS)} cells"
               + (f": {'; '.join(held)}" if held else "") + ".",
-              f"- Half the gain (P) in {len(half)}" + (f": {'; '.join(half)}" if half else "") + "; elsewhere it fails."]
+              f"- Half the gain (P) in {len(half)}" + (f": {'; '.join(half)}" if half else "")
+              + "; elsewhere it fails."]
     lines += [f"- {name}: {format(g.values[i][j], g.fmt)} ({g.words[i][j]})" for name, (i, j) in NAMED.items()]
     if g.extra:
         lines += ["", g.extra]
@@ -169,7 +170,8 @@ def spectrain(quick: bool = False) -> Grid:
                  "| --- | --- | --- | --- |"]
         for model in ("vgg-16-4096", "vgg-16-512", "gpt-small"):
             lines.append(f"| {model} | {ratio(model, 1.0, *LINKS[0][1:]):.2f}x | "
-                         f"{ratio(model, H100_SCALE, *LINKS[1][1:]):.2f}x | {ratio(model, H100_SCALE, *LINKS[4][1:]):.2f}x |")
+                         f"{ratio(model, H100_SCALE, *LINKS[1][1:]):.2f}x | "
+                         f"{ratio(model, H100_SCALE, *LINKS[4][1:]):.2f}x |")
         extra = "\n".join(lines)
     return Grid("SpecTrain", "samples/s over data parallelism's, 4 stages against 4 replicas, vgg-16-4096 profile "
                 "(simulated)", "SpecTrain up to 8.91x data parallelism on 4 GPUs", values, words, ".2f", extra,
@@ -196,7 +198,8 @@ def optcnn(quick: bool = False) -> Grid:
     extra = ""
     if not quick:
         lines = ["Ranks and model (search over data parallelism, cost model), at two named points:", "",
-                 "| model | ranks | this CPU, gloo here | H100 peak + NVLink 4 (modelled) |", "| --- | --- | --- | --- |"]
+                 "| model | ranks | this CPU, gloo here | H100 peak + NVLink 4 (modelled) |",
+                 "| --- | --- | --- | --- |"]
         for name in ("vgg-16-4096", "resnet-small", "inception-small"):
             for d in (4, 8, 16):
                 got = []
@@ -206,7 +209,8 @@ def optcnn(quick: bool = False) -> Grid:
                     got.append(f"{rows[2][4] / rows[0][4]:.2f}x")
                 lines.append(f"| {name} | {d} | {got[0]} | {got[1]} |")
         extra = "\n".join(lines)
-    return Grid("OptCNN", f"search over data parallelism, 16 ranks, global batch 64, best of {', '.join(models)} (cost model)",
+    return Grid("OptCNN", f"search over data parallelism, 16 ranks, global batch 64, best of {', '.join(models)} "
+                "(cost model)",
                 "the layer-wise strategy >= 1.4x data parallelism (PAPERS.md 2b's recollection, unverified)", values,
                 words, ".2f", extra, time.perf_counter() - started)
 
@@ -231,7 +235,8 @@ def splitbrain(quick: bool = False) -> Grid:
         lines = [f"The grid grades speedup / ranks together with the model state saved at K = 4 on VGG-16 at 32x32 "
                  f"with the 4096-wide head ({saved:.0%}; the claim: 67%). Model state saved against data parallelism "
                  "(cost model) over the classifier's size:", "",
-                 "| VGG-16 image side | head width | classes | K = 2 | K = 4 | K = 8 |", "| --- | --- | --- | --- | --- | --- |"]
+                 "| VGG-16 image side | head width | classes | K = 2 | K = 4 | K = 8 |",
+                 "| --- | --- | --- | --- | --- | --- |"]
         for side, width, classes in ((32, 512, 10), (32, 4096, 10), (64, 4096, 10), (224, 4096, 1000)):
             lines.append(f"| {side} | {width} | {classes} | " + " | ".join(
                 f"{x:.1%}" for x in _saved(side, width, classes, (2, 4, 8))) + " |")
@@ -244,8 +249,8 @@ def splitbrain(quick: bool = False) -> Grid:
             lines.append(f"| {name} | {row[8]:.2f} | {row[6] / 16:.2f} |")
         extra = "\n".join(lines)
     return Grid("SplitBrain", "modelled speedup / ranks at 16 ranks (K = 4), vgg-16-4096 profile, global batch 64; "
-                "graded with the model state saved", "up to 67% memory saved with near-linear speedup (>= 0.8 per rank)", values,
-                words, ".2f", extra, time.perf_counter() - started)
+                "graded with the model state saved", "up to 67% memory saved with near-linear speedup (>= 0.8 per "
+                "rank)", values, words, ".2f", extra, time.perf_counter() - started)
 
 
 def _saved(side: int, width: int, classes: int, groups: Sequence[int]) -> list[float]:

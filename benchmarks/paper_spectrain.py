@@ -9,7 +9,7 @@ committed profiles, and the GPU-class roofline for full-size models, modelled).
 Accuracy at equal samples (measured here, CPU, one process: the reference executor, which the
 distributed runtime equals exactly, tests/runtime/test_async_runtime.py), 4 stages, SGD momentum 0.9, on
 digits (mlp-small, held-out accuracy) at ``ACCURACY_LR`` (above the tuned 0.05, where plain staleness
-visibly hurts) for ``ACCURACY_STEPS`` batches of 4 microbatches, over ``SEEDS``: sync (one step per batch,
+visibly hurts) for ``STEPS`` batches of 4 microbatches, over ``SEEDS``: sync (one step per batch,
 eager), and asynchronous 1F1B with stale, stash (PipeDream), predict (SpecTrain's paper version: F and B
 predict floor(k/2) + N-k-1 and floor(k/2) versions ahead) and predict-consistent (N-k-1 in F, B the live
 weights), at lr / 4 a microbatch as benchmarks/async_convergence.py does. Memory per stage against
@@ -20,6 +20,7 @@ otherwise the committed JSON is read and nothing is written.
 
     python benchmarks/paper_spectrain.py [--quick] [--measure]
     python benchmarks/paper_spectrain.py --lr-sweep   # how ACCURACY_LR was chosen: 2 seeds, 300 batches, 5 rates
+    python benchmarks/paper_spectrain.py --sync-curve # how STEPS was chosen: sync alone at ACCURACY_LR, 5 seeds
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ QUICK_SEEDS = (0, 1)
 STAGES = 4
 M = 4  # microbatches per batch
 # batches per dataset, full and quick; async_convergence.DATASETS says the model and microbatch rows
-STEPS = {"digits": 400}
+STEPS = {"digits": 800}
 QUICK_STEPS = {"digits": 10}
 ACCURACY_LR = 0.12
 """Digits' learning rate here: 2.4x the tuned 0.05 (async_convergence.DATASETS), where plain staleness diverged on
@@ -82,7 +83,7 @@ def throughput(quick: bool) -> tuple[list[dict[str, Any]], list[str]]:
     lp = _load("paper_layerpipe")
     models = [(m, *lp.profile_table(m), lp.paper_profiles.load(m).doc["microbatch"])
               for m in (QUICK_PROFILED if quick else PROFILED)]
-    models += [(m, lp.layer_table(m, r), f"roofline at {lp.GPU_FLOPS / 1e12:.0f} TFLOP/s, microbatch {r}", r)
+    models += [(m, lp.layer_table(m, r), f"roofline at {lp.GPU_FLOPS / 1e12:.0f} TFLOP/s, microbatch {r} (modelled)", r)
                for m, r in (QUICK_THROUGHPUT if quick else THROUGHPUT)]
     out = []
     for model, layers, _, rows in models:
@@ -218,6 +219,38 @@ def lr_sweep(rates: tuple[float, ...] = LR_SWEEP, seeds: tuple[int, ...] = (0, 1
     return doc
 
 
+CURVE_AT = (200, 400, 800, 1600)
+
+
+def sync_curve(seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> dict[str, Any]:
+    """Sync's held-out digits accuracy at ``ACCURACY_LR`` after each of ``CURVE_AT`` batches, per seed (how long the
+    accuracy table trains); writes ``results/paper_spectrain/sync_curve.json``."""
+    ac = _load("async_convergence")
+    torch.set_num_threads(1)
+    data = ac._source("digits")
+    cfg = dict(ac.DATASETS["digits"], eval_batches=EVAL_BATCHES, lr=ACCURACY_LR)
+    out = {}
+    for seed in seeds:
+        zoo = ac._build(cfg, seed)
+        opt = torch.optim.SGD(zoo.model.parameters(), lr=cfg["lr"], momentum=0.9)
+        got = []
+        for k in range(max(CURVE_AT)):
+            x, y = ac._batch(data, cfg, k, cfg["mb_size"] * M, seed)
+            loss = sum(zoo.loss_fn(zoo.model(xm), ym) for xm, ym in zip(x.tensor_split(M), y.tensor_split(M))) / M
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if k + 1 in CURVE_AT:
+                got.append(ac._evaluate(data, cfg, zoo.model))
+                zoo.model.train()
+        out[str(seed)] = got
+    doc = {"lr": ACCURACY_LR, "batches": list(CURVE_AT), "command": "python benchmarks/paper_spectrain.py --sync-curve",
+           "accuracy": out}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "sync_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
 def accuracy(steps: dict[str, int], seeds: tuple[int, ...]) -> dict[str, dict[str, list[float]]]:
     import fxpipe
 
@@ -330,7 +363,10 @@ def main(quick: bool = False, measure: bool = False) -> str:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--lr-sweep" in args:
+    if "--sync-curve" in args:
+        for seed, got in sync_curve()["accuracy"].items():
+            print(f"seed {seed}: " + ", ".join(f"{b} batches {100 * v:.1f}" for b, v in zip(CURVE_AT, got)))
+    elif "--lr-sweep" in args:
         for lr, modes in lr_sweep()["results"].items():
             print(f"lr {lr}: " + "; ".join(f"{m} {', '.join(f'{100 * v:.1f}' for v in vals)}" for m, vals in modes.items()))
     else:
