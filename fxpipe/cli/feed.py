@@ -47,10 +47,9 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
 
     source = data.parse_data(data_spec) if isinstance(data_spec, str) else data_spec  # hf: loaded by the launcher
     name = plan.provenance.model or "a model compiled through the Python API"
-    if plan.strategy is not None and (zoo is None or loss_spec is not None or isinstance(source, data.UserData)):
-        raise OptionError(f"a per-layer strategy plan trains a built-in model on built-in data with its own loss "
-                          f"(this plan is of {name}); compile {name} without --strategy to train it with --loss "
-                          "and --data functions")
+    if plan.strategy is not None and zoo is None:
+        raise OptionError(f"a per-layer strategy plan trains a built-in model, which its ranks trace again (this plan "
+                          f"is of {name}); compile {name} without --strategy")
     if loss_spec is None and zoo is None:
         raise OptionError(f"this plan is of {name}, not a built-in model, so fxpipe run has no loss for it; pass "
                           "--loss FILE.py:FUNCTION, a function (outputs, target) -> scalar tensor")

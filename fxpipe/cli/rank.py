@@ -322,8 +322,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if device.type != "cpu":  # fxpipe run refuses it before starting the ranks
             raise OptionError(f"--device {args.device} runs pipeline plans; a per-layer strategy trains on the CPU: "
                               "use --device cpu")
-        return run_strategy(args, rank, world, pipe, zoo, training_batches(args.data, zoo, pipe.plan, 1, args.seed),
-                            out_progress(args))
+        return run_strategy(args, rank, world, pipe, zoo, out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches,
                          loss_fn=loss_of(zoo, args.loss),
@@ -688,51 +687,6 @@ def _resumes(args: argparse.Namespace, world: int) -> bool:
     every: list[Any] = [None] * world
     dist.all_gather_object(every, seen)
     return any(every)
-
-
-def training_batches(spec: str, zoo: Any, plan: Any, m: int, seed: int) -> Any:
-    """``batch(k)``: step k's batch of m microbatches, each shaped like the plan's compiled example (with
-    replicas, m counts every replica's: the global batch).
-
-    ``synthetic`` gives the same random batch every step (as fxpipe run always did); real data
-    (``fxpipe.data``) gives batch k of its training split, a pure function of (seed, k).
-    """
-    from fxpipe import data
-
-    source = data.parse_data(spec)
-    if isinstance(source, data.Synthetic):
-        fixed = synthetic_batch(zoo, m)
-        return lambda k: fixed
-    fit = fit_of(source, plan)
-    size = int(zoo.example_inputs[0].shape[0]) * m
-    if isinstance(source, data.Digits):
-        def digits(k: int) -> Any:
-            x, y = source.batch(k, size, seed=seed, layout=fit.layout, dtype=fit.dtype)
-            return (x,), y
-        return digits
-
-    def text(k: int) -> Any:
-        idx, target = source.batch(k, size, fit.seq_len, seed=seed)
-        return (idx,), target
-    return text
-
-
-def fit_of(source: Any, plan: Any) -> Any:
-    """How a data source feeds the plan's built-in model (``fxpipe.data.check_fit``); one line if it cannot.
-
-    The model is built on the meta device: only its example's and its output's shapes are read.
-    """
-    from fxpipe import data
-    from fxpipe.errors import OptionError
-
-    zoo = zoo_of(plan, device="meta")
-    if zoo is None:
-        raise OptionError(f"--data {source.spec} trains plans of built-in models "
-                          f"({', '.join(data.DIGITS_ZOO + data.TEXT_ZOO)}); for your own model use "
-                          "fxpipe.runtime.PipelineRuntime with fxpipe.data in your script")
-    out = zoo.model(*zoo.example_inputs)
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return data.check_fit(source, zoo.example_inputs, tuple(out.shape))
 
 
 def runtime_costs_missing(plan: Any, overheads: Any) -> bool:

@@ -15,6 +15,7 @@ exactly at the recorded nodes (else ``PlanFileError``).
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import socket
 import time
@@ -22,19 +23,25 @@ from pathlib import Path
 from typing import Any
 
 
-def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any, batches: Any,
+def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any,
                  progress: Path) -> tuple[dict[str, object], dict[str, Any] | None]:
     """Train the plan's strategy for ``args.steps`` steps, rank 0 appending each step's line to ``progress``; the
-    rank's result (the keys ``fxpipe run`` reads)."""
+    rank's result (the keys ``fxpipe run`` reads). Every rank reads the whole global batch (each layer takes its
+    share) through the pipelines' feed (``fxpipe.cli.feed``: ``--data``, ``--loss``) and keeps its state in their
+    checkpoint format (``fxpipe.runtime.strategy.StrategyState``)."""
     from datetime import timedelta
 
     import torch
 
-    from fxpipe.errors import OptionError, PlanFileError
+    from fxpipe.cli.feed import input_specs, loss_of, rank_batches
+    from fxpipe.cli.rank import _resumes, synthetic_batch
+    from fxpipe.data import DataContext, step_loader, step_seed
+    from fxpipe.errors import CheckpointError, OptionError, PlanFileError
     from fxpipe.passes.strategy_graph import strategy_graph
     from fxpipe.planning.strategies import Degrees
-    from fxpipe.runtime.strategy import StrategyRuntime
-    from fxpipe.runtime.optim import OptimizerSpec, parse_betas
+    from fxpipe.runtime import checkpoint
+    from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, clip_coefficient, parse_betas
+    from fxpipe.runtime.strategy import StrategyRuntime, StrategyState
 
     record = pipe.plan.strategy
     pp = max(1, len(record.stages))
@@ -42,11 +49,11 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         raise OptionError(f"the plan's strategy runs on {record.world} ranks" + (
             f" ({pp} stages x {record.ranks})" if pp > 1 else "") + f", and this run has {world}; run it with "
             + (f"--dp {record.ranks}" if pp == 1 else f"no --dp or --nproc (it starts {record.world})"))
-    if args.checkpoint_dir is not None:
-        raise OptionError("--checkpoint-dir saves pipeline plans' stages; a per-layer strategy's DTensor parameters "
-                          "are not checkpointed: run it without --checkpoint-dir")
     sched = strategy_schedule(pipe.plan, args.schedule, args.microbatches)
-    inputs, target = batches(0)
+    rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
+    ctx = DataContext(rank, True, True, 0, 1, 1, rows, args.seed, 0, args.steps, input_specs(pipe.plan, 1))
+    batch_of = rank_batches(args.data, pipe.plan, ctx, lambda n: synthetic_batch(zoo, n), args.synthetic)
+    inputs, target = batch_of(0)
     g = strategy_graph(zoo.model, tuple(inputs))
     configs = record.configs
     missing = [n for n in g.nodes if n not in configs]
@@ -58,29 +65,58 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     if pp > 1:
         _check_stages(record, g, int(inputs[0].shape[0]), sched.num_microbatches)
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
-                         stages=record.cuts, schedule=sched, loss_fn=zoo.loss_fn,
+                         stages=record.cuts, schedule=sched, loss_fn=loss_of(zoo, args.loss),
                          timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     # fxpipe run's optimizers (torch's default kernels: the parameters are DTensors, which the fused ones do not take)
     opt = OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
                         betas=parse_betas(args.betas))(list(rt.parameters()))
+    lr_sched = LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)(opt) \
+        if args.lr_schedule != "constant" or args.warmup_steps else None
+    state = StrategyState(rt, opt, lr_sched, stages=pp, schedule=f"strategy {record.name}")
+    state.data_position = {"data_seed": float(args.seed)}
+    first = checkpoint.load(state, args.checkpoint_dir) if _resumes(args, world) else 0
+    saved_seed = getattr(state, "resumed_position", {}).get("data_seed")
+    if first and saved_seed is not None and saved_seed != float(args.seed):
+        raise CheckpointError(f"the checkpoint of step {first} was trained with --seed {int(saved_seed)}, and this "
+                              f"run has --seed {args.seed}; pass --seed {int(saved_seed)}, or start a new run")
+    norms: list[float | None] = []
+
+    def clip() -> None:  # the whole model's gradient norm (every rank's), and the clip, before the step
+        norm = rt.global_grad_norm(record.ranks)
+        norms.append(norm)
+        coefficient = clip_coefficient(norm, args.clip_grad_norm)
+        if coefficient < 1.0:
+            for p in rt.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+
     from fxpipe.cli.run_log import StepLog, token_ids
 
     samples = int(inputs[0].shape[0])
     log = StepLog(Path(args.log_dir) if getattr(args, "log_dir", None) else None, rank=rank, world=world,
                   device=torch.device("cpu"), samples=samples, tokens=samples * int(inputs[0].shape[1])
-                  if pipe.plan.inputs and token_ids(pipe.plan.inputs[0]) else None, first=0)
-    losses, step_ms = [], []
-    for step in range(args.steps):
-        if rank == args.fail_rank and step == 1:
+                  if pipe.plan.inputs and token_ids(pipe.plan.inputs[0]) else None, first=first)
+    stream = step_loader(batch_of, first=first, steps=args.steps, workers=args.data_workers)
+    losses, step_ms, lrs = [], [], []
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)  # faults fire in the first attempt only
+    for step in range(first, args.steps):
+        if rank == args.fail_rank and step == first + args.fault_step and attempt == 0:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-        inputs, target = batches(step)
+        inputs, target = next(stream)
+        torch.manual_seed(step_seed(args.seed, step, rank))
+        lrs.append(opt.param_groups[0]["lr"])
         t0 = time.perf_counter()
-        losses.append(rt.train_step(inputs[0], target, opt))
+        losses.append(rt.train_step(inputs[0], target, opt,
+                                    before_step=clip if args.clip_grad_norm is not None else None))
+        if lr_sched is not None:
+            lr_sched.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
         if rank == 0:
             with open(progress, "a") as f:
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
-        log.write(step + 1, losses[-1], args.lr, None, log.share(step_ms[-1]))
+        log.write(step + 1, losses[-1], lrs[-1], norms[-1] if norms else None, log.share(step_ms[-1]))
+        if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            checkpoint.save(state, args.checkpoint_dir, step + 1, keep=args.keep_checkpoints)
     log.close()
     params = None
     group_rank = rank % record.ranks  # ranks = pp x group, row-major: a stage's group is neighbouring ranks
@@ -93,7 +129,8 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         "rank": rank, "world": world, "schedule": schedule, "microbatches": rt.microbatches,
         "synchronous": True, "weights": args.weights, "dp": record.ranks, "pp": pp, "pp_rank": rt.pp_rank,
         "dp_rank": group_rank, "stages": [rt.pp_rank], "host": socket.gethostname(),
-        "batch": int(inputs[0].shape[0]), "losses": losses, "step_ms": step_ms, "first_step": 0,
+        "batch": int(inputs[0].shape[0]), "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt,
+        "lrs": lrs, "grad_norms": norms if norms else [None] * len(losses),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "simulated_step_ms": record.cost * 1e3, "profiled": False, "profile_threads": None, "events": [],
     }, params

@@ -256,11 +256,9 @@ def run_cmd(
         autocast_of(precision, device)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise OptionError(f"--clip-grad-norm is the largest global gradient norm, > 0 (got {clip_grad_norm})")
-        if plan.strategy is not None and (lr_schedule != "constant" or warmup_steps or clip_grad_norm is not None
-                                          or precision != "fp32"):
-            raise OptionError("a per-layer strategy plan trains in fp32 at a constant learning rate (--optimizer, --lr, "
-                              "--momentum, --weight-decay, --betas); --lr-schedule, --warmup-steps, --clip-grad-norm "
-                              "and --precision are for pipeline plans")
+        if plan.strategy is not None and precision != "fp32":
+            raise OptionError(f"--precision {precision} autocasts pipeline stages' graphs; a per-layer strategy plan "
+                              "trains its DTensor layers in fp32: use --precision fp32")
         if not sched.synchronous and (clip_grad_norm is not None or precision == "fp16"
                                       or lr_schedule != "constant" or warmup_steps):
             raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -784,6 +785,66 @@ class StrategyRuntime:
                     out[f"{node.target}.{name}"] = b.full_tensor() if isinstance(b, DTensor) else b
         return out
 
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+        """``optimizer``'s state of this stage's parameters, whole and in the model's order, by parameter name (a
+        collective over the stage's group, as :meth:`full_parameters`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for n, p in self.named_parameters():
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            out[n] = {}
+            for key, value in state.items():
+                if isinstance(value, DTensor):
+                    whole = value.full_tensor()
+                    value = self._unordered(n, whole) if whole.shape == p.shape else whole
+                elif isinstance(value, torch.Tensor):
+                    value = value.detach().clone()
+                out[n][key] = value
+        return out
+
+    def load_full(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                  optimizer: torch.optim.Optimizer | None = None, optim: dict[str, dict[str, Any]] | None = None
+                  ) -> None:
+        """Load whole tensors (as :meth:`full_parameters`, :meth:`full_buffers` and :meth:`full_optimizer_state`
+        give them) into this rank's shards; no communication (every rank has the whole tensors)."""
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                p.to_local().copy_(self._like(n, p, params[n]).to_local())
+                if optimizer is not None and optim is not None and n in optim:
+                    optimizer.state[p] = {
+                        k: self._like(n, p, v) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                        for k, v in optim[n].items()}
+            for node in self._mine:
+                if node.op != "call_module":
+                    continue
+                for name, b in self.module.get_submodule(str(node.target)).named_buffers(recurse=False):
+                    whole = buffers[f"{node.target}.{name}"]
+                    if isinstance(b, DTensor):
+                        b.to_local().copy_(distribute_tensor(whole.to(b.dtype), b.device_mesh, b.placements,
+                                                             src_data_rank=None).to_local())
+                    else:
+                        b.copy_(whole)
+
+    def _like(self, qualified: str, p: DTensor, whole: torch.Tensor) -> DTensor:
+        """A whole tensor in the model's order laid out as parameter ``qualified`` is (its blocks, its shards)."""
+        target, name = qualified.rsplit(".", 1)
+        node = next(n for n in self._mine if n.op == "call_module" and n.target == target)
+        if name == "weight":
+            whole = _reordered(whole, self.layers[node.name].order)
+        return distribute_tensor(whole.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+
+    def global_grad_norm(self, group_size: int) -> float:
+        """The whole model's gradient norm (every stage's parameters, counted once) on every rank: each stage's
+        norm over its group, then one all-reduce over the world (each of a stage's ``group_size`` ranks adds its
+        share)."""
+        square = torch.zeros((), dtype=torch.float64)
+        for p in self.parameters():
+            if p.grad is not None:
+                square += float(torch.linalg.vector_norm(p.grad).full_tensor()) ** 2
+        dist.all_reduce(square)
+        return math.sqrt(float(square) / group_size)
+
     @contextlib.contextmanager
     def count(self) -> Iterator[CollectiveCounter]:
         """Record every collective of the steps run inside (``CollectiveCounter``)."""
@@ -960,11 +1021,15 @@ class StrategyRuntime:
     def _failed_send(self, exc: Exception, dst: int) -> BaseException:
         return peer_down(exc, [dst], f"its sends to rank {dst} to complete", rank=dist.get_rank(), timeout=self.timeout)
 
-    def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss."""
+    def train_step(self, x: torch.Tensor, target: torch.Tensor, optimizer: torch.optim.Optimizer, *,
+                   before_step: Callable[[], None] | None = None) -> float:
+        """Forward, backward, gradient sync and ``optimizer.step()`` on the whole batch; the mean loss.
+        ``before_step``: called after the sync and before the step (the global gradient norm and clipping)."""
         optimizer.zero_grad(set_to_none=True)
         total = self._step(x, target)
         self.sync()
+        if before_step is not None:
+            before_step()
         optimizer.step()
         with _at(self.counter, "(loss value)"):
             dist.all_reduce(total)  # every rank of the last stage holds its own slice: the shares sum to the mean
@@ -1083,3 +1148,43 @@ def fused_backward(schedule: Schedule) -> Schedule:
     ranks = tuple(tuple(dataclasses.replace(a, kind=Kind.BW) if a.kind is Kind.B else a for a in actions
                         if a.kind is not Kind.W) for actions in schedule.ranks)
     return dataclasses.replace(schedule, ranks=ranks, batch_w=False)
+
+
+class StrategyState:
+    """A strategy runtime, its optimizer and learning-rate scheduler as ``fxpipe.runtime.checkpoint`` saves and
+    loads a runtime: every tensor whole and in the model's order (gathered over the stage's ranks, which save it
+    alike; DCP keeps one copy), by the model's parameter names, so the checkpoint format is the pipelines'."""
+
+    def __init__(self, rt: StrategyRuntime, optimizer: torch.optim.Optimizer, scheduler: Any, *, stages: int,
+                 schedule: str) -> None:
+        from types import SimpleNamespace
+
+        self.rt, self.optimizer, self.scheduler = rt, optimizer, scheduler
+        self.rank, self.dp_rank, self.pp_rank = dist.get_rank(), 0, rt.pp_rank
+        self.pipe = SimpleNamespace(num_stages=stages, shared_params={})
+        self.schedule = SimpleNamespace(name=schedule)
+        self.where: dict[int, int] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective over every rank (each gathers its stage's tensors)."""
+        names = {id(p): n for n, p in self.rt.named_parameters()}
+        groups = [{"params": [names[id(p)] for p in g["params"] if id(p) in names],
+                   **{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()
+                      if k != "params" and (v is None or isinstance(v, (bool, int, float, str, tuple)))}}
+                  for g in self.optimizer.param_groups]
+        runtime = {"lr_step": float(self.scheduler.last_epoch)} if self.scheduler is not None else {}
+        return {"rank": self.rank, "params": self.rt.full_parameters(), "buffers": self.rt.full_buffers(),
+                "optim": self.rt.full_optimizer_state(self.optimizer), "param_groups": groups,
+                "runtime": {**runtime, **getattr(self, "data_position", {})}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rt.load_full(state["params"], state["buffers"], self.optimizer, state.get("optim", {}))
+        run = state.get("runtime", {})
+        self.resumed_position = {k: v for k, v in run.items() if k.startswith("data_")}
+        if self.scheduler is not None and "lr_step" in run:
+            self.scheduler.last_epoch = int(run["lr_step"])
+            lrs = [base * fn(self.scheduler.last_epoch) for base, fn in zip(self.scheduler.base_lrs,
+                                                                            self.scheduler.lr_lambdas)]
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            self.scheduler._last_lr = lrs
