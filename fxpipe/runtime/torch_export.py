@@ -8,8 +8,9 @@ does not compute itself::
     plan:   stage 0: idx -> h        stage 1: h -> y        stage 2: (y, idx) -> logits
     torch:  stage 0: idx -> (h, idx) stage 1: (h, idx) -> (y, idx)  stage 2: (y, idx) -> logits
 
-Weights tied across ranks (``Pipeline.shared_params``) are summed over the ranks that hold them at each stage's
-REDUCE_GRAD action (torch's lowering places one after a stage's last backward), as one process would.
+Weights tied across ranks (``Pipeline.shared_params``) are summed over the ranks that hold them at the rank's last
+REDUCE_GRAD action (torch's lowering places one after each stage's last backward and its sends), as one process
+would.
 """
 
 from __future__ import annotations
@@ -232,12 +233,21 @@ def torch_schedule(plan_dir: str | Path, rank: int, world: int, loss_fn: Callabl
     if tied.get(rank):
         mine = {s.stage_index: s for s in stages}
         reduce_grad = pipelining_schedules().REDUCE_GRAD
+        # Summed after this rank's last REDUCE_GRAD, when all its compute is done and all its sends are posted: a
+        # collective any earlier (at a stage's own REDUCE_GRAD) would wait on a rank that still waits on this one
+        # (interleaved stages). The sums go in one order on every rank: by name.
+        last = sum(1 for a in schedule.pipeline_order_with_comms[rank] if a.computation_type == reduce_grad)
+        sums = sorted((name, k, pg) for k, pairs in tied[rank].items() for name, pg in pairs)
+        seen = [0]
 
         def reduce_and_sum_tied(action: Any, ctx: Any) -> None:
-            stage = mine[action.stage_index]
-            stage.perform_reduce_grad(sched.num_microbatches if scale_grads else 1)
-            for name, pg in tied[rank].get(action.stage_index, []):
-                p = stage.submod.get_parameter(name)
+            mine[action.stage_index].perform_reduce_grad(sched.num_microbatches if scale_grads else 1)
+            seen[0] += 1
+            if seen[0] < last:
+                return
+            seen[0] = 0
+            for name, k, pg in sums:
+                p = mine[k].submod.get_parameter(name)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=pg)

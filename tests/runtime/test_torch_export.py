@@ -1,7 +1,8 @@
 """An exported plan trains under torch.distributed.pipelining's ``_PipelineScheduleRuntime`` as under fxpipe's runtime
 and as one process: gpt-tiny (1f1b and zb-h1, 2 and 4 stages, 4 and 8 microbatches) and a user's Hugging Face Llama
 file compiled with ``fxpipe compile file.py:build``, 3 steps, every loss and every parameter's gradient equal (rtol
-1e-5). One launch per world size runs every case of that size (tests/runtime/_torch_export_worker.py)."""
+1e-5); and gpt-tiny's interleaved-1f1b (4 stages on 2 ranks). One launch per world size runs every case of that
+size (tests/runtime/_torch_export_worker.py)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,15 @@ def loss(out, target):
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 '''
 
-# (model, stages, schedule, microbatches); the world is the stage count
+# (model, stages, schedule, microbatches); the world is the stage count (half of it for interleaved-1f1b)
 GPT = [("gpt-tiny", s, sched, m) for s in (2, 4) for sched in ("1f1b", "zb-h1") for m in (4, 8)]
 LLAMA = [("llama", 2, "zb-h1", 4), ("llama", 2, "1f1b", 8), ("llama", 4, "zb-h1", 4)]
-CASES = GPT + LLAMA
+INTERLEAVED = [("gpt-tiny", 4, "interleaved-1f1b", 4)]  # 2 stages per rank, the tied weight on both ranks
+CASES = GPT + LLAMA + INTERLEAVED
+
+
+def _world(case: tuple[str, int, str, int]) -> int:
+    return case[1] // 2 if case[2] == "interleaved-1f1b" else case[1]
 
 
 def _name(case: tuple[str, int, str, int]) -> str:
@@ -88,7 +94,7 @@ def _cfg(case: tuple[str, int, str, int]) -> dict[str, Any]:
 def _launch(world: int) -> Path:
     """One launch of ``world`` ranks that runs every case of that many stages."""
     out = session_dir(f"torch-export{world}")
-    cases = {_name(c): _cfg(c) for c in CASES if c[1] == world}
+    cases = {_name(c): _cfg(c) for c in CASES if _world(c) == world}
     assert_ranks_ok(launch_ranks(out, world, {"cases": cases}, worker=WORKER))
     return out
 
@@ -97,7 +103,7 @@ def _launch(world: int) -> Path:
 def test_exported_plan_trains_as_fxpipe_and_one_process(case: tuple[str, int, str, int]) -> None:
     if case[0] == "llama":
         pytest.importorskip("transformers")
-    world = case[1]
+    world = _world(case)
     out = _launch(world)
     losses, grads = reference(_cfg(case))
     saved = [torch.load(out / f"{_name(case)}-rank{r}.pt", weights_only=False) for r in range(world)]
