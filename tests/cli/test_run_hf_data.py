@@ -211,3 +211,28 @@ def test_a_killed_rank_resumes_to_the_unbroken_losses_and_training_on_follows_th
     assert on["first_step"] == 6
     torch.testing.assert_close(on["losses"], losses[6:], rtol=1e-5, atol=0)
     torch.testing.assert_close(on["lrs"], lrs[6:], rtol=1e-6, atol=0)
+
+
+def test_each_replica_is_fed_its_rows_of_the_one_process_batches(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """What a rank reads (fxpipe.cli.feed.rank_batches through torch's DataLoader, from the launcher's token file)
+    is its replica's rows of one process's batch k, for every step, on the first stage's rank (inputs) and the
+    last's (targets); the replicas' rows are disjoint and together the whole batch."""
+    from fxpipe.cli.feed import input_specs, rank_batches
+    from fxpipe.cli.run_cmd import write_ids
+    from fxpipe.plan_dir import read_plan
+
+    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    spec = f"jsonl:{write_ids(text, tmp_path / 'tokens.jsonl')}"  # what the ranks are given
+    plan = read_plan(corpus["plan"])
+    whole = [text.batch(k, ROWS * MICROBATCHES * DP, SEQ, seed=3) for k in range(4)]
+    for replica in range(DP):
+        for first_stage in (True, False):
+            ctx = data.DataContext(0, first_stage, not first_stage, replica, DP, MICROBATCHES, ROWS, 3, 1, 4,
+                                   input_specs(plan, MICROBATCHES))
+            fed = list(data.step_loader(rank_batches(spec, plan, ctx, None), first=1, steps=4, workers=1))
+            for (inputs, target), (idx, want) in zip(fed, whole[1:]):
+                rows = slice(replica * ROWS * MICROBATCHES, (replica + 1) * ROWS * MICROBATCHES)
+                if first_stage:
+                    assert target is None and torch.equal(inputs[0], idx[rows])
+                else:
+                    assert inputs is None and torch.equal(target, want[rows])
