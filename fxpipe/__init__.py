@@ -1,6 +1,7 @@
 """fxpipe: torch.fx passes that turn a PyTorch model into a pipeline-parallel training program.
 
-Public API: ``compile``, ``load``, ``save``, ``Pipeline``, ``Stage``, ``Plan`` and the errors. Attributes load
+Public API: ``compile``, ``load``, ``save``, ``Pipeline``, ``Stage``, ``Plan``, the errors, and ``export_torch`` /
+``torch_schedule`` (a plan on torch.distributed.pipelining's runtime). Attributes load
 lazily so that ``fxpipe --help`` answers without importing torch.
 """
 
