@@ -47,6 +47,10 @@ class RankFailedError(FxpipeError, RuntimeError):
     """A rank could not finish its step: a peer failed or timed out, or the plan and schedule disagree."""
 
 
+class NonFiniteError(FxpipeError, FloatingPointError):
+    """Training met a NaN or infinite loss, gradient norm or weight: the run stops before any checkpoint holds it."""
+
+
 class CheckpointError(FxpipeError, ValueError):
     """A checkpoint cannot be saved or resumed: none complete, tampered, mixed steps, or of another model."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SYNTHETIC_SEED = 1234  # the seed of fxpipe.cli.rank.synthetic_batch
+SYNTHETIC_SEED = 1234  # the seed of fxpipe.cli.rank_common.synthetic_batch
 
 
 @dataclass(frozen=True)

@@ -241,22 +241,6 @@ def _gather(out: Path, rank: int, world: int, result: dict[str, object], params:
     (out / RESULTS).write_text(json.dumps([r for r, _ in gathered]))
 
 
-def synthetic_batch(zoo: object, m: int, seed: int = 1234) -> tuple[tuple[object, ...], object]:
-    """``--data synthetic``: m microbatches shaped like the model's example batch, from a fixed seed."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(t: torch.Tensor) -> torch.Tensor:
-        shape = (t.shape[0] * m, *t.shape[1:])
-        if t.is_floating_point():
-            return torch.randn(shape, generator=gen, dtype=t.dtype)
-        return torch.randint(0, int(t.max()) + 1, shape, generator=gen, dtype=t.dtype)
-
-    inputs = tuple(draw(x) for x in zoo.example_inputs)  # type: ignore[attr-defined]
-    return inputs, draw(zoo.example_target)  # type: ignore[attr-defined]
-
-
 def stream_step_ms(events: Sequence[tuple[Any, float, float]], offset: float, elapsed: float, steps: int,
                    m: int) -> list[float]:
     """Per step of an asynchronous chunk on this rank, ms: from the end of the previous step's last action here (the
@@ -305,6 +289,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.errors import PlanFileError
     from fxpipe.calibration.compute import plan_overheads
     from fxpipe.cli.feed import eval_batches, input_specs, loss_of, rank_batches, scored, trusted_ops
+    from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, resumes, synthetic_batch
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
@@ -347,7 +332,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp, w_lane=rt.w_lane is not None)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     rt.data_position = {"data_seed": float(args.seed)}  # batch k and its random ops are functions of (seed, k)
-    first = rt.load_checkpoint(args.checkpoint_dir) if _resumes(args, world) else 0
+    first = rt.load_checkpoint(args.checkpoint_dir) if resumes(args, world) else 0
     saved_seed = rt.resumed_position.get("data_seed")
     if first and saved_seed is not None and saved_seed != float(args.seed):
         from fxpipe.errors import CheckpointError
@@ -423,6 +408,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([next_batch(k) for k in chunk])]
+            for k, loss in zip(chunk, done):
+                check_finite_loss(loss, None, k + 1)
             times = stream_step_ms(rt.events, rt.started - t0, time.perf_counter() - t0, len(done), m)
             losses += done
             step_ms += times
@@ -433,6 +420,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                 log.write(k + 1, loss, rt.lr, rt.last_grad_norm, log.share(ms))
         if args.checkpoint_dir and (not sched.synchronous or (chunk[-1] + 1) % args.checkpoint_every == 0
                                     or chunk[-1] + 1 == args.steps):
+            # Only finite training is saved: every step's loss so far has arrived and is finite, and so is every
+            # weight (an update can overflow with a finite loss); else the run stops here, before the save.
+            losses += _arrived(in_flight, args, reports, last=True, log=log)
+            check_finite_weights(rt.optimizers.values(), chunk[-1] + 1, rank, world)
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True, log=log)
     log.close()
@@ -656,10 +647,13 @@ def _arrived(in_flight: list[tuple[int, Any, float, tuple[Any, ...]]], args: arg
     """The losses of the oldest steps whose all-reduce has arrived (all of them with ``last``), in order, each
     written to the progress file and ``log`` (``run_log.StepLog``); they leave ``in_flight`` (entries: step,
     pending loss, step ms, and the step's learning rate, gradient norm and shared numbers for the log)."""
+    from fxpipe.cli.rank_common import check_finite_loss
+
     out = []
     while in_flight and (last or in_flight[0][1].done()):
         step, pending, ms, extra = in_flight.pop(0)
         out.append(float(pending.wait()))
+        check_finite_loss(out[-1], extra[1], step + 1)
         if log is not None:
             log.write(step + 1, out[-1], *extra)
         if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)
@@ -667,26 +661,6 @@ def _arrived(in_flight: list[tuple[int, Any, float, tuple[Any, ...]]], args: arg
                 f.write(f"step {step + 1} loss {out[-1]:.6f} ms {ms:.1f}\n")
     return out
 
-
-def _resumes(args: argparse.Namespace, world: int) -> bool:
-    """Whether this run loads a checkpoint: ``--resume always``, or ``auto`` when any rank sees a complete one
-    (every rank learns what each saw, so all of them load or none does)."""
-    if not args.checkpoint_dir or args.resume == "never":
-        return False
-    if args.resume == "always":
-        return True
-    import torch.distributed as dist
-
-    from fxpipe.errors import CheckpointError
-    from fxpipe.runtime import checkpoint
-
-    try:
-        seen = checkpoint.scan(args.checkpoint_dir).found is not None
-    except CheckpointError:
-        seen = True  # a tampered file: loading says so in one line
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, seen)
-    return any(every)
 
 
 def runtime_costs_missing(plan: Any, overheads: Any) -> bool:

@@ -34,7 +34,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     import torch
 
     from fxpipe.cli.feed import input_specs, loss_of, rank_batches
-    from fxpipe.cli.rank import _resumes, synthetic_batch
+    from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, resumes, synthetic_batch
     from fxpipe.data import DataContext, step_loader, step_seed
     from fxpipe.errors import CheckpointError, OptionError, PlanFileError
     from fxpipe.passes.strategy_graph import strategy_graph
@@ -74,7 +74,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         if args.lr_schedule != "constant" or args.warmup_steps else None
     state = StrategyState(rt, opt, lr_sched, stages=pp, schedule=f"strategy {record.name}")
     state.data_position = {"data_seed": float(args.seed)}
-    first = checkpoint.load(state, args.checkpoint_dir) if _resumes(args, world) else 0
+    first = checkpoint.load(state, args.checkpoint_dir) if resumes(args, world) else 0
     saved_seed = getattr(state, "resumed_position", {}).get("data_seed")
     if first and saved_seed is not None and saved_seed != float(args.seed):
         raise CheckpointError(f"the checkpoint of step {first} was trained with --seed {int(saved_seed)}, and this "
@@ -108,6 +108,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
         t0 = time.perf_counter()
         losses.append(rt.train_step(inputs[0], target, opt,
                                     before_step=clip if args.clip_grad_norm is not None else None))
+        check_finite_loss(losses[-1], norms[-1] if norms else None, step + 1)
         if lr_sched is not None:
             lr_sched.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
@@ -116,6 +117,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
                 f.write(f"step {step + 1} loss {losses[-1]:.6f} ms {step_ms[-1]:.1f}\n")
         log.write(step + 1, losses[-1], lrs[-1], norms[-1] if norms else None, log.share(step_ms[-1]))
         if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
+            check_finite_weights([opt], step + 1, rank, world)
             checkpoint.save(state, args.checkpoint_dir, step + 1, keep=args.keep_checkpoints)
     log.close()
     params = None

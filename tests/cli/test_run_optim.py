@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.runtime.optim import LRSchedule
 from tests._helpers import MLP_PLAN, cli_plan, fxpipe_cli, ok, one_line_error
 

@@ -5,6 +5,7 @@ launches of mlp-tiny's 2 ranks, 4 steps, shared by every check here."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -112,3 +113,33 @@ def test_seed_makes_dropout_repeatable_and_resumable(tmp_path: Path) -> None:
     line = one_line_error(fxpipe_cli("run", tmp_path / "plan", "--steps", 5, "--loss", f"{tmp_path / 'drop.py'}:loss",
                                      "--checkpoint-dir", tmp_path / "ckpt", "--resume", "always", "--seed", 1))
     assert "the checkpoint of step 4 was trained with --seed 0, and this run has --seed 1" in line, line
+
+
+NAN_DATA = '''
+import torch
+
+
+def batches(ctx):  # step 3's inputs are NaN (ctx.start: a resumed run's first step)
+    gen = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(ctx.batch_size, 16, generator=gen), torch.randint(0, 4, (ctx.batch_size,), generator=gen))
+             for _ in range(5)]
+    steps[2] = (torch.full_like(steps[2][0], float("nan")), steps[2][1])
+    return steps
+'''
+
+
+def test_a_nan_loss_stops_the_run_and_the_last_finite_checkpoint_stays(tmp_path: Path) -> None:
+    """NaN inputs at step 3, a checkpoint every step, one kept: the run stops at step 3 in one line, step 2's
+    checkpoint is the one left (never pruned for a non-finite step), and a resume from it trains finite losses."""
+    (tmp_path / "drop.py").write_text(DROPOUT_FILE)
+    (tmp_path / "nan.py").write_text(NAN_DATA)
+    ok(fxpipe_cli("compile", f"{tmp_path / 'drop.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
+    args = ["run", tmp_path / "plan", "--loss", f"{tmp_path / 'drop.py'}:loss", "--data", f"{tmp_path / 'nan.py'}:batches",
+            "--checkpoint-dir", tmp_path / "ckpt", "--keep-checkpoints", 1]
+    line = one_line_error(fxpipe_cli(*args, "--steps", 4))
+    assert "NonFiniteError: step 3's loss is nan: training stopped there, and no checkpoint holds that step" in line
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".fxpipe.lock", "step_000002"]
+    (tmp_path / "fine.py").write_text(NAN_DATA.replace('float("nan")', "0.0"))
+    args[5] = f"{tmp_path / 'fine.py'}:batches"
+    resumed = json.loads(ok(fxpipe_cli(*args, "--steps", 4, "--resume", "always", "--json")).stdout)
+    assert resumed["first_step"] == 2 and all(math.isfinite(x) for x in resumed["losses"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.errors import PlanFileError
 from fxpipe.plan import StrategyRecord, StrategyStage
 from fxpipe.plan_dir import read_plan

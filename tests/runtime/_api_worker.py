@@ -31,7 +31,7 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
     try:
         from fxpipe import models
         from fxpipe.runtime import PipelineRuntime
-        from fxpipe.cli.rank import synthetic_batch
+        from fxpipe.cli.rank_common import synthetic_batch
 
         if cfg.get("device"):  # two ranks on one GPU: gloo, staged through pinned memory on a comm stream
             import fxpipe

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.errors import OptionError
 from fxpipe.runtime.optim import LossScaler, LRSchedule, OptimizerSpec, parse_betas, squared_norm
 from fxpipe.schedules.generators import one_rank

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from fxpipe import models
 from fxpipe.cli.main import app
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from tests._helpers import HANG_S, Forked
 from tests.runtime._one_rank import run_one_rank
 
@@ -172,7 +172,7 @@ def test_a_call_that_cannot_be_captured_runs_eagerly(tmp_path: Path) -> None:
         import json, warnings
         import fxpipe
         from fxpipe import models
-        from fxpipe.cli.rank import synthetic_batch
+        from fxpipe.cli.rank_common import synthetic_batch
 
         def train(cuda_graphs, fail):
             zoo = models.build('mlp-tiny', dtype=torch.float64, device='cuda')

@@ -17,7 +17,7 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import one_rank
 from tests._helpers import world1  # noqa: F401 (a fixture)
