@@ -485,18 +485,42 @@ def load_text(path: str | Path, *, max_bytes: int | None = None) -> Text:
     """
     file = Path(path).expanduser()
     spec = f"text:{path}"
-    if not file.exists():
-        raise OptionError(f"--data {spec}: no such file ({file.absolute()}); check the path")
-    if file.is_dir():
-        raise OptionError(f"--data {spec} is a directory; name a text file in it")
+    size = regular_file(file, f"--data {spec}", MAX_TEXT_BYTES if max_bytes is None else None)
     try:
         with file.open("rb") as handle:
-            raw = handle.read(-1 if max_bytes is None else max_bytes)
+            raw = handle.read(min(size, max_bytes) if max_bytes is not None else size)
     except OSError as error:
         raise OptionError(f"--data {spec} cannot be read ({error.strerror}); check its permissions") from None
     if not raw:
         raise OptionError(f"--data {spec} is empty (bytes: 0); use a file with text in it")
     return _split_text(spec, (str(file),), raw)
+
+
+MAX_TEXT_BYTES = 1 << 30  # text: is held in memory, one byte a token
+MAX_JSONL_BYTES = 256 << 20  # jsonl: becomes a list of Python ints first (about 10x its bytes)
+
+
+def regular_file(file: Path, what: str, max_bytes: int | None) -> int:
+    """``file``'s size, once it is known to be a regular file of at most ``max_bytes``: a FIFO would block the
+    read, a device (``/dev/zero``) never end it. OptionError (one line) naming ``what`` otherwise."""
+    import os
+    import stat
+
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise OptionError(f"{what}: no such file ({file.absolute()}); check the path") from None
+    except OSError as error:
+        raise OptionError(f"{what} cannot be read ({error.strerror}); check its permissions") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OptionError(f"{what} is a directory; name a file in it")
+    if not stat.S_ISREG(st.st_mode):
+        raise OptionError(f"{what} is not a regular file (a FIFO, device or socket), which could block or never end; "
+                          "give a file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise OptionError(f"{what} is {st.st_size:,} bytes, more than the {max_bytes:,} fxpipe reads; give a smaller "
+                          "file (or a Hugging Face dataset, hf:PATH)")
+    return st.st_size
 
 
 #: The fields of a JSON-lines object that hold its token ids (the first present is read)
@@ -513,8 +537,7 @@ def load_jsonl(path: str | Path) -> Text:
     """
     file = Path(path).expanduser()
     spec = f"jsonl:{path}"
-    if not file.is_file():
-        raise OptionError(f"--data {spec}: no such file ({file.absolute()}); check the path")
+    regular_file(file, f"--data {spec}", MAX_JSONL_BYTES)
     ids: list[int] = []
     try:
         with file.open("r", encoding="utf-8") as handle:
@@ -643,6 +666,9 @@ def _jsonl_ids(line: str, spec: str, number: int) -> list[int]:
                           "[5, 17, 3] or {\"input_ids\": [5, 17, 3]}")
     if any(t < 0 for t in doc):
         raise OptionError(f"{where} has a negative token id ({min(doc)}); ids index a vocabulary from 0")
+    if any(t >= 1 << 63 for t in doc):
+        raise OptionError(f"{where} has a token id of {len(str(max(doc)))} digits, past 64 bits; ids index a "
+                          "vocabulary from 0")
     return doc
 
 

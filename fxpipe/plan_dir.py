@@ -328,6 +328,9 @@ def _read_interface(spec: dict[str, Any], path: Path) -> StageInterface | None:
 def read_plan_json(path: Path) -> dict[str, Any]:
     """plan.json, checked for its schema version and its stage files."""
     plan_file = Path(path) / PLAN_FILE
+    if plan_file.exists() and not plan_file.is_file():
+        raise PlanFileError(f"{plan_file} is not a regular file (a directory, FIFO, device or socket); re-run "
+                            f"`fxpipe compile MODEL --out {path}`")
     if not plan_file.is_file():
         raise PlanFileError(f"{path} is not a plan directory (no {PLAN_FILE}); run `fxpipe compile MODEL --out {path}` first")
     try:

@@ -335,3 +335,24 @@ def test_the_step_loader_reads_steps_first_to_last_through_torch_s_dataloader() 
     ctx = data.DataContext(0, True, True, 0, 1, 1, 2, 0, 1, 4, ())
     streamed = data.user_batches(iter([((torch.zeros(2),), torch.tensor(k)) for k in range(1, 4)]), ctx, "f.py:b")
     assert [int(t) for _, t in data.step_loader(streamed, first=1, steps=4, workers=2)] == [1, 2, 3]  # in order here
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_a_data_file_must_be_a_regular_file(tmp_path: Path, kind: str) -> None:
+    """A FIFO would block the read and a device never end it: both are one line, named as what they are."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero"), Path("/dev/urandom")):
+        with pytest.raises(OptionError, match=r"is not a regular file \(a FIFO, device or socket\)"):
+            data.parse_data(f"{kind}:{path}")
+    with pytest.raises(OptionError, match="no such file"):
+        data.parse_data(f"{kind}:{tmp_path / 'missing'}")
+
+
+def test_a_token_id_past_64_bits_is_one_line(tmp_path: Path) -> None:
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("[1, 2, " + "9" * 30 + "]\n")
+    with pytest.raises(OptionError, match="line 1 has a token id of 30 digits, past 64 bits"):
+        data.parse_data(f"jsonl:{ids}")

@@ -338,6 +338,15 @@ def test_load_of_a_dir_without_plan_json(plan_copy: Path) -> None:
         fxpipe.load(plan_copy)
 
 
+def test_load_of_a_plan_json_that_is_a_fifo(plan_copy: Path) -> None:
+    import os
+
+    (plan_copy / "plan.json").unlink()
+    os.mkfifo(plan_copy / "plan.json")
+    with pytest.raises(PlanFileError, match=r"plan.json is not a regular file \(a directory, FIFO, device or socket\)"):
+        fxpipe.load(plan_copy)
+
+
 def test_load_of_a_missing_dir(tmp_path: Path) -> None:
     with pytest.raises(PlanFileError, match="not a plan directory"):
         fxpipe.load(tmp_path / "nowhere")

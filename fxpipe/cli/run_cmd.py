@@ -142,7 +142,7 @@ def run_cmd(
                                                               "asynchronous one's pipeline drains at each, and a "
                                                               "resumed run restarts it there, so larger is faster).")
                                 ] = 1,
-    max_restarts: Annotated[int, typer.Option(min=0, help="Times torchrun's elastic agent restarts every rank when one "
+    max_restarts: Annotated[int, typer.Option(min=0, max=100, help="Times torchrun's elastic agent restarts every rank when one "
                                                           "fails (torchrun's --max-restarts); with --resume auto they "
                                                           "go on from the newest checkpoint.")] = 0,
     log_dir: Annotated[Optional[Path], typer.Option(help="Write DIR/metrics.jsonl (one JSON line per step: loss, lr, "

@@ -72,7 +72,7 @@ def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
         raise OptionError("--config reads TOML with Python 3.11's tomllib; run fxpipe with Python 3.11 or later, or "
                           "pass the options as flags") from None
     try:
-        doc = tomllib.loads(Path(path).read_text())
+        doc = tomllib.loads(_bounded_toml(Path(path)))
     except OSError as exc:
         raise OptionError(f"--config {str(path)!r} cannot be read ({exc.strerror or exc}); give a TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -100,6 +100,43 @@ def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
         except typer.BadParameter as exc:
             raise OptionError(f"--config {str(path)!r}: {key} = {toml_value(value)}: {exc.message}") from None
     return values
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_LINE = 4096  # tomllib is quadratic in a dotted key's length: 100 KB of one took 4 GB
+MAX_CONFIG_DEPTH = 32  # nested arrays and inline tables: tomllib recurses once per level
+
+
+def _bounded_toml(path: Path) -> str:
+    """A config file's text, checked before TOML parses it: a regular file of at most ``MAX_CONFIG_BYTES``, lines
+    of at most ``MAX_CONFIG_LINE`` characters and brackets nested at most ``MAX_CONFIG_DEPTH`` deep (counted
+    outside quotes); OptionError (one line) otherwise."""
+    from fxpipe.data import regular_file
+    from fxpipe.errors import OptionError
+
+    regular_file(path, f"--config {str(path)!r}", MAX_CONFIG_BYTES)
+    text = path.read_text()
+    for number, line in enumerate(text.splitlines(), 1):
+        if len(line) > MAX_CONFIG_LINE:
+            raise OptionError(f"--config {str(path)!r} line {number} is {len(line):,} characters, more than "
+                              f"{MAX_CONFIG_LINE:,}; write one key = value per line")
+    depth, deepest, quote = 0, 0, ""
+    for char in text:
+        if char == "\n":
+            quote = ""  # a quote left open in a comment (don't) ends with its line
+        elif quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    if deepest > MAX_CONFIG_DEPTH:
+        raise OptionError(f"--config {str(path)!r} nests brackets {deepest} deep, more than {MAX_CONFIG_DEPTH}; "
+                          "fxpipe run's options are plain values")
+    return text
 
 
 def _plain(value: Any) -> bool:

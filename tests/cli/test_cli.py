@@ -483,6 +483,7 @@ def test_out_into_a_non_plan_dir_is_refused_and_its_files_untouched(tmp_path: Pa
     ("compile", "mlp-tiny", "--tracer", "jit"),  # --stages 0 is fxpipe's own refusal (tests/cli/test_stages_auto.py)
     ("compile", "mlp-tiny", "--dtype", "int8"),
     ("compile", "mlp-tiny", "--microbatches", "0"),
+    ("run", "plan", "--max-restarts", "1000000000"),  # bounded: 100 restarts at most
 ])
 def test_option_values_click_rejects_exit_2_without_traceback(args: Sequence[str]) -> None:
     result = fxpipe_cli(*args)

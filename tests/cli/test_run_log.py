@@ -204,3 +204,21 @@ def test_restarts_are_reported_with_each_earlier_attempt_s_errors(tmp_path: Path
     assert ranks.restarts(tmp_path, None).startswith("torchrun restarted the ranks 1 time")  # the last attempt failed
     cmd = ranks.torchrun_command(tmp_path, tmp_path, 2, steps=3, lr=0.1, timeout=9.0, max_restarts=2)
     assert "--max-restarts=2" in cmd[:cmd.index("-m", 3)] and ranks.restart_env(2) and not ranks.restart_env(0)
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda p: os.mkfifo(p), "is not a regular file (a FIFO, device or socket)"),
+    (lambda p: p.symlink_to("/dev/zero"), "is not a regular file (a FIFO, device or socket)"),
+    (lambda p: p.write_text("a" + "[" * 100_000 + "]" * 100_000 + "\n"), "line 1 is 200,001 characters"),
+    (lambda p: p.write_text("a = " + "[\n" * 40 + "1" + "]" * 40 + "\n"), "nests brackets 40 deep"),
+    (lambda p: p.write_text(".".join(["k"] * 50_000) + " = 1\n"), "line 1 is 100,003 characters"),
+    (lambda p: p.write_bytes(b"# " + b"x" * (2 << 20)), "more than the 1,048,576 fxpipe reads"),
+], ids=["fifo", "dev-zero", "deep-line", "deep", "dotted-key", "huge"])
+def test_a_config_file_is_read_bounded(plan: Path, tmp_path: Path, make: Any, expected: str,
+                                       no_rank_starts: list[list[str]]) -> None:
+    """What the config file is, and how deep and long, is checked before TOML parses it: no hang on a FIFO, no
+    endless read of a device, no recursion or quadratic parse; one line each."""
+    config = tmp_path / "run.toml"
+    make(config)
+    line = one_line_error(fxpipe_cli("run", plan, "--config", config))
+    assert expected in line, line
