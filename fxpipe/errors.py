@@ -51,6 +51,10 @@ class NonFiniteError(FxpipeError, FloatingPointError):
     """Training met a NaN or infinite loss, gradient norm or weight: the run stops before any checkpoint holds it."""
 
 
+class OutputError(FxpipeError, ValueError):
+    """An output path holds something fxpipe may not replace or write through (a link, a user's file)."""
+
+
 class CheckpointError(FxpipeError, ValueError):
     """A checkpoint cannot be saved or resumed: none complete, tampered, mixed steps, or of another model."""
 

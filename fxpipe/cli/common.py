@@ -131,20 +131,21 @@ def quiet_torch_logs() -> None:
                 handler.addFilter(shared)
 
 
-def check_writable_file(path: Path, option: str) -> None:
+def check_writable_file(path: Path, option: str, ours: Callable[[Path], bool] | None = None) -> None:
     """Refuse an output file fxpipe could not write, before any work starts (so no result is lost).
 
-    The file may exist (it is not touched) or not (its directory must exist and take a new file).
+    The file may not exist (its directory must exist and take a new file) or be one that ``ours`` says fxpipe
+    wrote (``fxpipe.files``: a link, or a file of the user's, is refused). It is not touched here.
     """
+    from fxpipe.files import check_new_or_ours
+
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         raise OptionError(f"{option} {str(path)!r} is a directory; give a file path")
+    check_new_or_ours(path, option, ours)
     if path.exists():
-        try:
-            with path.open("a"):
-                pass
-        except OSError as exc:
-            raise OptionError(f"{option} {str(path)!r} cannot be written ({exc.strerror}); choose another path") from None
+        if not os.access(path, os.W_OK):
+            raise OptionError(f"{option} {str(path)!r} cannot be written (permission denied); choose another path")
         return
     parent = path.parent
     if parent.exists() and not parent.is_dir():

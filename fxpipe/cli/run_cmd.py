@@ -285,7 +285,9 @@ def run_cmd(
         meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
         nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
         if trace is not None:
-            check_writable_file(trace, "--trace")  # before training, whose results a failed write would lose
+            from fxpipe.schedules.timeline import is_fxpipe_trace
+
+            check_writable_file(trace, "--trace", is_fxpipe_trace)  # before training: a failed write would lose it
         if resume not in ("never", "auto", "always"):
             raise OptionError(f"--resume takes never, auto or always (got {resume!r}); the old flag --resume is "
                               "--resume always")

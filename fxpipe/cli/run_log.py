@@ -103,6 +103,7 @@ def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
 
 
 MAX_CONFIG_BYTES = 1 << 20
+MAX_METRICS_BYTES = 256 << 20  # a resumed run reads its metrics.jsonl back
 MAX_CONFIG_LINE = 4096  # tomllib is quadratic in a dotted key's length: 100 KB of one took 4 GB
 MAX_CONFIG_DEPTH = 32  # nested arrays and inline tables: tomllib recurses once per level
 
@@ -214,6 +215,9 @@ def check_log_dir(log_dir: Path, *, continuing: bool, rerun: bool = False) -> No
         raise OptionError(f"--log-dir {str(log_dir)!r} holds a {CONFIG} that fxpipe run did not write; move it, or "
                           "choose another --log-dir")
     metrics = log_dir / METRICS
+    if metrics.is_symlink() or (metrics.exists() and not metrics.is_file()):
+        raise OptionError(f"--log-dir {str(log_dir)!r} holds a {METRICS} that is a link or not a regular file, which "
+                          "fxpipe does not write through; move it, or choose another --log-dir")
     if rerun and not continuing and metrics.is_file() and not metrics.is_symlink():
         _keep_aside(metrics)
     if (metrics.exists() or metrics.is_symlink()) and not continuing:
@@ -252,6 +256,10 @@ def absolute_spec(spec: str | None) -> str | None:
 
 
 def _ours(path: Path) -> bool:
+    """Whether ``path`` is a config.toml fxpipe run wrote: a regular file (never opened otherwise: a FIFO would
+    block) whose first line is ``MARK``."""
+    if path.is_symlink() or not path.is_file():
+        return False
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.readline().startswith(MARK)
@@ -275,12 +283,11 @@ def config_values(ctx: Any, params: dict[str, Any], *, plan_dir: Path) -> dict[s
 
 def write_config(log_dir: Path, values: dict[str, Any]) -> Path:
     """``log_dir/config.toml`` (made with its directory), replaced whole: a reader never sees half of it."""
+    from fxpipe.files import write_file
+
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / CONFIG
-    tmp = log_dir / f".{CONFIG}.tmp"
-    tmp.write_text(toml_text(values, "fxpipe run --config FILE runs it again"), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_file(log_dir / CONFIG, toml_text(values, "fxpipe run --config FILE runs it again"),
+                      what="--log-dir's config", ours=_ours)
 
 
 def tensorboard_missing() -> bool:
@@ -306,12 +313,14 @@ class StepLog:
         if log_dir is None or rank != 0:
             return
         metrics = log_dir / METRICS
-        if metrics.exists():  # this run's own log: keep the steps up to the checkpoint it resumes from
+        if metrics.exists() or metrics.is_symlink():  # this run's own log: keep the steps up to its checkpoint
+            from fxpipe.data import regular_file
+            from fxpipe.files import write_file
+
+            regular_file(metrics, f"--log-dir's {METRICS}", MAX_METRICS_BYTES)
             kept = [ln for ln in metrics.read_text().splitlines() if _step_of(ln) is not None
                     and _step_of(ln) <= first]  # type: ignore[operator]
-            tmp = log_dir / f".{METRICS}.tmp"
-            tmp.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(tmp, metrics)
+            write_file(metrics, "".join(ln + "\n" for ln in kept), what=f"--log-dir's {METRICS}", ours=lambda p: True)
         if not tensorboard_missing():
             from torch.utils.tensorboard import SummaryWriter
 
@@ -363,8 +372,10 @@ class StepLog:
                   "memory": "cuda_max_allocated" if getattr(self.device, "type", "cpu") == "cuda" else "rss"}
         if eval_loss is not None:
             record["eval_loss"] = _number(eval_loss)
-        with open(self.dir / METRICS, "a") as f:  # one write per line: a killed run keeps every finished step
-            f.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        from fxpipe.files import append_line
+
+        # one write per line: a killed run keeps every finished step; never through a link
+        append_line(self.dir / METRICS, json.dumps(record, allow_nan=False, default=str) + "\n")
         if self.board is not None:
             for name in ("loss", "lr", "grad_norm", "step_ms", "samples_per_s", "tokens_per_s"):
                 if record[name] is not None:

@@ -71,9 +71,11 @@ def simulate_cmd(
         source = Path(target.split(":")[0]) if target else None
         check_outputs([("the target", source if source is not None and source.exists() else None)],
                       [("--trace", trace), ("--svg", svg)])
-        for path, option in ((trace, "--trace"), (svg, "--svg")):
+        from fxpipe.schedules.timeline import is_fxpipe_svg, is_fxpipe_trace
+
+        for path, option, ours in ((trace, "--trace", is_fxpipe_trace), (svg, "--svg", is_fxpipe_svg)):
             if path is not None:
-                check_writable_file(path, option)  # before the work, so no result is lost
+                check_writable_file(path, option, ours)  # before the work, so no result is lost
         unit = "s"
         if uniform_costs is not None:
             values = _floats(uniform_costs, "--uniform-costs", 3)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,19 +104,32 @@ class TorchExport:
     def save(self, out: str | Path, plan_dir: str | Path | None = None) -> Path:
         """Write the CSVs and the manifest into ``out`` (and a copy of ``plan_dir`` as ``out/plan``, so that
         :func:`torch_schedule` runs ``out`` alone). Modules are not written: ranks rebuild them from the plan."""
+        from fxpipe.files import write_file
+        from fxpipe.plan_dir import load as load_plan, save_pipeline
+
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / COMPUTE_CSV).write_text(self.compute_csv)
-        (out / COMMS_CSV).write_text(self.comms_csv)
-        (out / MANIFEST).write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        ours = _own_export(out)  # a file of an earlier export into ``out`` is replaced; anything else is refused
+        for name, text in ((COMPUTE_CSV, self.compute_csv), (COMMS_CSV, self.comms_csv),
+                           (MANIFEST, json.dumps(self.manifest(), indent=2) + "\n")):
+            write_file(out / name, text, what=f"the export's {name}", ours=lambda p: ours)
+        pipeline = self.pipeline
         if plan_dir is not None and Path(plan_dir).resolve() != (out / PLAN_SUBDIR).resolve():
-            shutil.rmtree(out / PLAN_SUBDIR, ignore_errors=True)
-            shutil.copytree(plan_dir, out / PLAN_SUBDIR)
-        elif plan_dir is None and self.pipeline is not None:
-            from fxpipe.plan_dir import save_pipeline
-
-            save_pipeline(self.pipeline, out / PLAN_SUBDIR, overwrite=True)
+            pipeline = load_plan(plan_dir)
+        if pipeline is not None:  # the plan directory's own writer: it replaces only the files it wrote
+            save_pipeline(pipeline, out / PLAN_SUBDIR)
         return out
+
+
+def _own_export(out: Path) -> bool:
+    """Whether ``out`` holds an earlier export's manifest (a regular file of this format): its files are fxpipe's."""
+    manifest = out / MANIFEST
+    if manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > 1 << 24:
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("schema") == "fxpipe.torch_export/v1"
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
 
 
 def export_torch(plan: Pipeline | str | Path, *, out: str | Path | None = None) -> TorchExport:

@@ -30,6 +30,7 @@ from html import escape
 from pathlib import Path
 
 from fxpipe.errors import OptionError
+from fxpipe.files import write_file
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind
 from fxpipe.schedules.simulate import AllReduceEvent, Event, RankStats, SimResult
 
@@ -170,12 +171,32 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1e6, name: str | No
     }
 
 
+TRACE_MARK = '{"fxpipe": "chrome-trace"'  # how a trace file fxpipe wrote begins (Chrome ignores the key)
+SVG_MARK = "<!-- fxpipe schedule -->"
+
+
+def is_fxpipe_trace(path: Path) -> bool:
+    """Whether ``path`` begins as a trace fxpipe wrote: the only existing file ``--trace`` replaces."""
+    return _begins(path, TRACE_MARK)
+
+
+def is_fxpipe_svg(path: Path) -> bool:
+    return _begins(path, SVG_MARK)
+
+
+def _begins(path: Path, mark: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(mark)) == mark.encode()
+    except OSError:
+        return False
+
+
 def write_chrome_trace(result: SimResult, path: str | Path, **kw: object) -> Path:
-    """Write :func:`chrome_trace` as JSON to ``path``; returns the path."""
-    out = Path(path)
-    with out.open("w", encoding="utf-8") as fh:
-        json.dump(chrome_trace(result, **kw), fh)  # type: ignore[arg-type]
-    return out
+    """Write :func:`chrome_trace` as JSON to ``path`` (``fxpipe.files.write_file``: never through a link, never
+    over a file fxpipe did not write); returns the path."""
+    doc = {"fxpipe": "chrome-trace", **chrome_trace(result, **kw)}  # type: ignore[arg-type]
+    return write_file(path, json.dumps(doc), what="--trace", ours=is_fxpipe_trace)
 
 
 def measured_result(events_per_rank: Mapping[int, Sequence[tuple[Action | str, float, float]]],
@@ -322,10 +343,9 @@ def svg_gantt(result: SimResult, *, width: int = 1000, row_height: int = 24) -> 
 
 
 def write_svg(result: SimResult, path: str | Path, **kw: object) -> Path:
-    """Write :func:`svg_gantt` to ``path``; returns the path."""
-    out = Path(path)
-    out.write_text(svg_gantt(result, **kw), encoding="utf-8")  # type: ignore[arg-type]
-    return out
+    """Write :func:`svg_gantt` to ``path``, as :func:`write_chrome_trace` writes; returns the path."""
+    return write_file(path, SVG_MARK + "\n" + svg_gantt(result, **kw), what="--svg",  # type: ignore[arg-type]
+                      ours=is_fxpipe_svg)
 
 
 def _draw_dominant(rows: dict[int, list[str]], compute: Sequence[Event], origin: float, scale: float,

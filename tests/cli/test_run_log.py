@@ -222,3 +222,30 @@ def test_a_config_file_is_read_bounded(plan: Path, tmp_path: Path, make: Any, ex
     make(config)
     line = one_line_error(fxpipe_cli("run", plan, "--config", config))
     assert expected in line, line
+
+
+def test_the_log_directory_is_never_written_through_a_link(plan: Path, tmp_path: Path,
+                                                         no_rank_starts: list[list[str]]) -> None:
+    """A metrics.jsonl or config.toml that is a link (dangling, or to a device) is refused before any rank starts;
+    the config is written through fxpipe.files (a temporary file of its own, renamed), and a StepLog appends and
+    rewrites metrics.jsonl only as a regular file."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's\n")
+    for name, target in (("metrics.jsonl", tmp_path / "nowhere"), ("metrics.jsonl", Path("/dev/zero")),
+                         ("config.toml", outside)):
+        logs = tmp_path / f"logs-{name}-{target.name}"
+        logs.mkdir()
+        (logs / name).symlink_to(target)
+        line = one_line_error(fxpipe_cli("run", plan, "--log-dir", logs, "--resume", "auto", "--checkpoint-dir",
+                                         tmp_path / "ckpt"))
+        assert "link" in line or "did not write" in line, line
+    assert outside.read_text() == "the user's\n" and not (tmp_path / "nowhere").exists()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / ".config.toml.tmp").symlink_to(outside)  # the old temporary name: no longer opened
+    run_log.write_config(logs, {"steps": 3})
+    assert outside.read_text() == "the user's\n" and (logs / "config.toml").read_text().startswith(run_log.MARK)
+    (logs / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(Exception, match="not a regular file|symbolic link"):
+        run_log.StepLog(logs, rank=0, world=1, device=None, samples=1, tokens=None, first=1)
+    assert outside.read_text() == "the user's\n"

@@ -36,7 +36,16 @@ def test_simulate_a_plan_directory_writes_trace_and_svg(tmp_path: Path) -> None:
     assert "simulate: per rank" in result.stdout and "rank 1 |" in result.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("F", "B", "W")) == 2 * 4 * 3
-    assert svg.read_text().startswith("<svg")
+    assert svg.read_text().startswith("<!-- fxpipe schedule -->\n<svg")
+    ok(fxpipe_cli("simulate", plan, "--trace", trace, "--svg", svg, "--json"))  # fxpipe's own files: replaced
+    # Never over a file fxpipe did not write, nor through a link (one line each, before any work; files unchanged).
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
+    for flag, path, why in (("--trace", tmp_path / "notes.txt", "exists and fxpipe did not write it"),
+                            ("--svg", tmp_path / "notes.txt", "exists and fxpipe did not write it"),
+                            ("--trace", tmp_path / "link.json", "is a symbolic link")):
+        assert why in one_line_error(fxpipe_cli("simulate", plan, flag, path))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
     # The same plan and schedule simulate to the makespan compile recorded.
     again = json.loads(ok(fxpipe_cli("simulate", plan, "--schedule", "zb-h1", "--microbatches", "4", "--json")).stdout)
     assert again["makespan"] == pytest.approx(recorded["makespan_s"])

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fxpipe.errors import OutputError
+
 from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import COMM, COMPUTE, Kind
@@ -245,8 +247,14 @@ def test_write_chrome_trace(tmp_path: Path) -> None:
     result = _sim("1f1b", 2, 4)
     path = write_chrome_trace(result, tmp_path / "trace.json", time_unit_us=1.0)
     assert path == tmp_path / "trace.json" and path.is_file()
-    assert json.loads(path.read_text()) == json.loads(json.dumps(chrome_trace(result, time_unit_us=1.0)))
+    assert json.loads(path.read_text()) == {"fxpipe": "chrome-trace",
+                                            **json.loads(json.dumps(chrome_trace(result, time_unit_us=1.0)))}
     assert isinstance(write_chrome_trace(result, str(tmp_path / "t2.json")), Path)
+    write_chrome_trace(result, path)  # its own trace: replaced
+    (tmp_path / "mine.json").write_text("{}")  # the user's: refused, untouched
+    with pytest.raises(OutputError, match="exists and fxpipe did not write it"):
+        write_chrome_trace(result, tmp_path / "mine.json")
+    assert (tmp_path / "mine.json").read_text() == "{}"
 
 
 # SVG ------------------------------------------------------------------------------------------------------------
@@ -313,8 +321,9 @@ def test_write_svg(tmp_path: Path) -> None:
     result = _sim("1f1b", 3, 6)
     path = write_svg(result, tmp_path / "gantt.svg", row_height=30)
     assert path == tmp_path / "gantt.svg" and path.is_file()
-    assert path.read_text(encoding="utf-8") == svg_gantt(result, row_height=30)
+    assert path.read_text(encoding="utf-8") == "<!-- fxpipe schedule -->\n" + svg_gantt(result, row_height=30)
     ET.parse(path)
+    write_svg(result, path)  # its own: replaced
 
 
 def test_chrome_trace_leaves_an_unmatched_send_without_a_flow() -> None:
