@@ -101,6 +101,7 @@ TAMPERED_GRAPHS = {
     "aten.from_file": (_retarget("call_function", "aten.from_file.default"), "reads or writes files"),
     "aten.save": (_retarget("call_function", "aten.save.default"), "reads or writes files"),
     "unknown higher-order op": (_retarget("call_function", "higher_order.run_const_graph"), "higher-order operator"),
+    "an endless while_loop": (_retarget("call_function", "higher_order.while_loop"), "a loop a plan cannot bound"),
     "method __reduce_ex__": (_retarget("call_method", "__reduce_ex__"), "not an allowed tensor method"),
     "method untyped_storage": (_retarget("call_method", "untyped_storage"), "not an allowed tensor method"),
     "method on a constant": (_retarget("call_method", "split", {"tuple": ["a b"]}), "on a constant, not on a value"),

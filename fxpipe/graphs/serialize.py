@@ -53,7 +53,10 @@ _BUILTIN_NAMES = {id(fn): key for key, fn in _BUILTINS.items()}
 _TENSOR_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "T", "mT", "H", "mH", "layout", "requires_grad",
                            "is_cuda", "real", "imag"})
 _UNSAFE_OPS = frozenset({"aten::save", "aten::from_file", "aten::_print"})
-_HIGHER_ORDER = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "while_loop", "map_impl",
+# Higher-order operators whose operands are nested graphs of the plan; each runs its graphs a bounded number of times
+# (map_impl once per row of its input). while_loop is left out: its condition is a graph of the plan too, so a
+# tampered plan could loop forever, and no rank's timeout sees a rank that is busy.
+_HIGHER_ORDER = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast", "cond", "map_impl",
                            "invoke_subgraph", "tag_activation_checkpoint"})
 # Bounds on what a loaded graph may ask for before it runs: nesting of arguments and subgraphs, whole numbers
 # (a C++ int64 holds what torch's operators take), and what Python's operators make of constants (7 ** 300000000
@@ -290,6 +293,9 @@ def _resolve(name: Any, where: str, libraries: dict[str, Any], trust_ops: Collec
         return _BUILTINS[name]
     if name.startswith("higher_order."):
         hop_name = name.removeprefix("higher_order.")
+        if hop_name == "while_loop":
+            raise PlanFileError(f"{where} calls higher-order operator 'while_loop', a loop a plan cannot bound (a "
+                                "tampered graph could run forever); a plan holds no while loops: re-run fxpipe compile")
         hop = higher_order_op(getattr(torch.ops.higher_order, hop_name, None)) if hop_name in _HIGHER_ORDER else None
         if hop is None:
             raise PlanFileError(f"{where} calls higher-order operator {name!r}, which a plan does not store")
