@@ -23,7 +23,7 @@ def check_new_or_ours(path: Path, what: str, ours: Callable[[Path], bool] | None
     """Refuse, before any work, a ``path`` that :func:`write_file` would refuse."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (the caller checks the directory)
         return
     if stat.S_ISLNK(st.st_mode):
         raise OutputError(f"{what} {str(path)!r} is a symbolic link, which fxpipe does not write through; give "

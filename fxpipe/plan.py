@@ -62,6 +62,16 @@ class Defaults:
 DEFAULTS = Defaults()
 
 
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): no one tensor can be larger."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 @dataclass(frozen=True)
 class Limits:
     """The largest sizes fxpipe takes, checked before any work starts (CLI, Python API, backend, plan files):

@@ -592,6 +592,53 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
                             "re-run fxpipe compile") from exc
 
 
+def meta_sizes(where: str, limit_bytes: int | None = None) -> Any:
+    """A dispatch mode for running a plan's graphs on the meta device: a factory operator given no device makes its
+    tensor on meta too (never on the CPU), and a tensor larger than ``limit_bytes`` (default: this machine's memory)
+    is refused, PlanFileError naming ``where``, the operator and the shape. Nothing is allocated."""
+    from fxpipe._compat import TorchDispatchMode, pytree
+    from fxpipe.plan import machine_memory
+
+    limit = limit_bytes if limit_bytes is not None else machine_memory()
+
+    class _Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            if any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
+                kwargs["device"] = torch.device("meta")  # a factory op with no device literal: never the CPU's
+            out = func(*args, **kwargs)
+            for t in pytree.tree_leaves(out):
+                if limit is not None and isinstance(t, torch.Tensor) and t.numel() * t.element_size() > limit:
+                    raise PlanFileError(f"{where}'s stages make a tensor of shape {list(t.shape)} with {func} "
+                                        f"({t.numel() * t.element_size():,} bytes), more than this machine's "
+                                        f"{limit:,}; re-run fxpipe compile")
+            return out
+
+    return _Sizes()
+
+
+def check_allocations(path: str | Path, *, trust_ops: Collection[str] = serialize.TRUSTED_LIBRARIES,
+                      limit_bytes: int | None = None) -> None:
+    """Run every stage of the plan at ``path`` on the meta device, on inputs of the plan's shapes, under
+    :func:`meta_sizes`: a size the graph computes (``aten.ones(mul(10**5, 10**5))``, ``arange(1e11)``) passes the
+    loader's literal checks and would reach every rank's allocator. Raises PlanFileError, one line."""
+    from fxpipe._compat import pytree
+
+    pipe = load(path, trust_ops=trust_ops).to_device("meta")
+    flat = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in pipe.plan.inputs]
+    try:
+        with torch.no_grad(), meta_sizes(str(path), limit_bytes):
+            if pipe.in_spec is None:
+                pipe(*flat)
+            else:
+                args, kwargs = pytree.tree_unflatten(flat, pipe.in_spec)
+                pipe(*args, **kwargs)
+    except PlanFileError:
+        raise
+    except Exception:  # noqa: BLE001  (a graph meta cannot run, e.g. a data-dependent op: the ranks will say so)
+        return
+
+
 def _import_output_modules(names: set[str]) -> bool:
     """Import the modules that define output types of a trusted library the process has already imported
     (``transformers.modeling_outputs`` for ``CausalLMOutputWithPast``: transformers imports its submodules lazily,

@@ -199,3 +199,32 @@ def test_a_loaded_graph_is_the_saved_graph(plan_dir: Path) -> None:
         assert [(n.op, str(n.target), n.name) for n in a.module.graph.nodes] == \
             [(n.op, str(n.target), n.name) for n in b.module.graph.nodes]
     torch.testing.assert_close(loaded(*zoo.example_inputs), pipe(*zoo.example_inputs))
+
+
+def _computed_size(doc: dict[str, Any]) -> None:
+    """Two nodes before the output: a size computed from constants (no literal for the loader to check), and
+    arange of it: 10^11 int64 elements, 800 GB."""
+    at = doc["nodes"].index(_first(doc, "output"))
+    doc["nodes"][at:at] = [
+        {"name": "big_n", "op": "call_function", "target": "_operator.mul", "args": {"tuple": [100000, 1000000]},
+         "kwargs": {"dict": {}}},
+        {"name": "big", "op": "call_function", "target": "aten.arange.default", "args": {"tuple": [{"node": "big_n"}]},
+         "kwargs": {"dict": {}}}]
+
+
+def test_a_computed_size_is_refused_before_any_rank_allocates_it(plan: Path) -> None:
+    """The loader sees no literal size; running the stages on the meta device with the plan's shapes does: fxpipe
+    inspect and fxpipe run refuse it in one line, having allocated nothing."""
+    from fxpipe.plan_dir import check_allocations
+    from tests._helpers import fxpipe_cli, one_line_error
+
+    _edit_graph(plan, 1, _computed_size)
+    fxpipe.load(plan)  # loads: the size is a node's value, known only when run
+    with pytest.raises(PlanFileError, match=r"make a tensor of shape \[100000000000\] with aten.arange.default "
+                                            r"\(800,000,000,000 bytes\), more than this machine's"):
+        check_allocations(plan)
+    assert "800,000,000,000 bytes" in one_line_error(fxpipe_cli("inspect", plan))
+    (plan.parent / "loss.py").write_text("import torch\n\n\ndef loss(out, target):\n    return out.sum()\n")
+    assert "800,000,000,000 bytes" in one_line_error(fxpipe_cli("run", plan, "--steps", 1, "--loss",
+                                                                f"{plan.parent / 'loss.py'}:loss"))
+    check_allocations(plan, limit_bytes=10**12)  # under a larger limit it passes: the check is the size

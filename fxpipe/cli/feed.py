@@ -231,7 +231,7 @@ def _meta_output(plan_dir: Path, plan: Any, zoo: Any,
     import fxpipe
     from fxpipe._compat import pytree
     from fxpipe.data import index_bounds
-    from fxpipe.errors import OptionError, first_line
+    from fxpipe.errors import OptionError, PlanFileError, first_line
 
     if zoo is not None:
         return tuple(zoo.example_inputs), zoo.model(*zoo.example_inputs), {}
@@ -244,8 +244,13 @@ def _meta_output(plan_dir: Path, plan: Any, zoo: Any,
         args, kwargs = pytree.tree_unflatten(list(flat), pipe.in_spec)
         return pipe(*args, **kwargs)
 
+    from fxpipe.plan_dir import meta_sizes
+
     try:
-        output, bounds = index_bounds(run, example)
+        with meta_sizes(str(plan_dir)):
+            output, bounds = index_bounds(run, example)
+    except PlanFileError:
+        raise
     except Exception as exc:  # noqa: BLE001  (a graph that cannot run on meta: say so, in one line)
         raise OptionError(f"the plan's stages could not be run on the meta device to find its output's shape "
                           f"({first_line(exc)}); re-run fxpipe compile") from exc

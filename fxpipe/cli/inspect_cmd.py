@@ -29,10 +29,11 @@ def inspect_cmd(
         if torchtitan:
             _torchtitan(plan_dir)
             return
-        from fxpipe.plan_dir import read_plan_json
+        from fxpipe.plan_dir import check_allocations, read_plan_json
         from fxpipe.report import Report
 
         doc = read_plan_json(plan_dir)
+        check_allocations(plan_dir)  # every stage loaded through the allow-list and run on meta, as fxpipe run does
         reports = [Report.from_json(r) for r in doc.get("reports", [])]
         summary = Report(
             title=f"plan {plan_dir}",

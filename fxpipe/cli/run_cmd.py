@@ -303,6 +303,9 @@ def run_cmd(
 
             zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
             trusted = trusted_ops(trust_ops)
+            from fxpipe.plan_dir import check_allocations
+
+            check_allocations(plan_dir, trust_ops=trusted)  # a size the graphs compute, before anything runs them
             hf = load_hf(data[len("hf:"):], tokenizer=tokenizer, column=data_column) if data.startswith("hf:") \
                 else None  # tokenized once, here; the ranks read its ids
             feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,

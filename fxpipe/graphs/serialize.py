@@ -218,7 +218,7 @@ def _constant_result(fn: Callable[..., Any], args: tuple[Any, ...], constants: d
 def _check_sizes(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: str) -> None:
     """An ATen operator's ``size`` argument, when the file gives it as whole numbers: at most ``LIMITS.elements``
     elements (``aten.zeros([10**12])`` would allocate terabytes before any check)."""
-    from fxpipe.plan import LIMITS
+    from fxpipe.plan import LIMITS, machine_memory
 
     for i, arg in enumerate(op._schema.arguments):
         if arg.name != "size":
@@ -226,7 +226,7 @@ def _check_sizes(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], where: 
         value = args[i] if i < len(args) else kwargs.get("size")
         if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             count = math.prod(value)
-            if count > LIMITS.elements:
+            if count > min(LIMITS.elements, machine_memory() or LIMITS.elements):  # a byte each at the least
                 raise PlanFileError(f"{where} makes a tensor of shape {list(value)} ({count:,} elements), past "
                                     f"{LIMITS.elements:,}; re-run fxpipe compile")
 
