@@ -152,7 +152,11 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
                     "param_groups": [g for gs in all_groups for g in gs]}
             _write_json(partial / MARKER, info)
             (partial / PARTIAL_MARK).unlink()
-            if final.exists():  # the same step again (a resumed run): replace it whole
+            why = _owned(final) if final.exists() or final.is_symlink() else []
+            if isinstance(why, str):  # a user's entry by that name: never renamed or replaced
+                error = (f"{final} {why}, and fxpipe did not write it; move it out of the checkpoint directory "
+                         f"(step {step} was saved as {partial.name})")
+            elif final.exists():  # the same step again (a resumed run): replace it whole
                 old = root / f".step_{step:06d}.replaced"
                 if old.exists() and not old.is_symlink():
                     _remove_step(old)

@@ -1139,10 +1139,16 @@ _IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differ
 
 
 def _hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: dict[str, Any]) -> dict[str, Any]:
-    """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree)."""
+    """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree); a group
+    saved by another kind of optimizer (SGD's momentum against AdamW's betas) is one CheckpointError."""
     found = [saved[f] for f in fqns if f in saved]
     if not found:
         return {}
+    kinds = [("adamw" if "betas" in keys else "sgd" if "momentum" in keys else None) for keys in (found[0], group)]
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise CheckpointError(f"the checkpoint's optimizer is {kinds[0]} and this run's is {kinds[1]}: its state "
+                              f"(e.g. {fqns[0]}'s) fits only its own kind; resume with --optimizer {kinds[0]}, or "
+                              "start a new run")
     values = {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in found[0].items()
               if k not in _IMPLEMENTATION and k in group}
     for other in found[1:]:

@@ -124,6 +124,26 @@ def test_resuming_with_more_steps_follows_the_longer_schedule(plan: Path, tmp_pa
     torch.testing.assert_close(on["lrs"], [cosine(4, 6), cosine(5, 6)], rtol=1e-6, atol=0)  # 0.005, 0.00146
 
 
+def test_a_users_entry_named_like_a_step_is_never_renamed(plan: Path, tmp_path: Path) -> None:
+    """A file of the user's named step_000001 in the checkpoint directory: the run stops in one line when it would
+    save that step, and the file is untouched (it was renamed aside before, with a warning no one saw)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_000001").write_text("mine")
+    line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt,
+                                     "--resume", "auto"))
+    assert "step_000001 is not a directory, and fxpipe did not write it; move it out of the checkpoint" in line, line
+    assert (ckpt / "step_000001").read_text() == "mine" and not (ckpt / ".step_000001.replaced").exists()
+
+
+def test_resuming_with_another_kind_of_optimizer_is_one_line(plan: Path, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "1", "--checkpoint-dir", ckpt, "--momentum", "0.9"))
+    line = one_line_error(fxpipe_cli("run", plan, "--nproc", "2", "--steps", "2", "--checkpoint-dir", ckpt,
+                                     "--resume", "always", "--optimizer", "adamw"))
+    assert "the checkpoint's optimizer is sgd and this run's is adamw" in line, line
+
+
 def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path,
                                                               no_rank_starts: list[list[str]]) -> None:
     ckpt = saved_checkpoints(tmp_path / "ckpt", range(1, 4))
