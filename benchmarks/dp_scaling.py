@@ -60,7 +60,7 @@ def worker(rank: int, world: int, init: str, name: str, plan_dir: str, pp: int, 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     import fxpipe
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.schedules.generators import generate
@@ -145,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import fxpipe
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
 
     m = args.microbatches
     rows, every = [], []

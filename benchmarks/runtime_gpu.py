@@ -44,7 +44,7 @@ def _kernel_ms(step: Any) -> float:
 def _single_process(name: str, m: int, warmup: int, iters: int) -> dict[str, Any]:
     """Eager and backend="fxpipe" on rank 0's GPU, the same batch, one process."""
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
 
     zoo = models.build(name, device="cuda")
     inputs, target = synthetic_batch(zoo, m)
@@ -79,7 +79,7 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=900))
     import fxpipe
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
     from fxpipe.runtime import PipelineRuntime
 
     rows = []

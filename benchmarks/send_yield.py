@@ -76,7 +76,7 @@ def worker(rank: int, init: str, models_: list[str], iters: int, out: str) -> No
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=300))
     import fxpipe
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.calibration.threads import lower_gloo_loops
     from fxpipe.schedules.generators import generate

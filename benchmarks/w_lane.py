@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models
-from fxpipe.cli.rank import synthetic_batch
+from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.runtime import PipelineRuntime
 from fxpipe.schedules.generators import one_rank
 

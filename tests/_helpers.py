@@ -124,7 +124,7 @@ def no_rank_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]
 def reference_losses(steps: int, m: int = 4, lr: float = 0.01, model: str = "gpt-tiny") -> list[float]:
     """One process on fxpipe run's synthetic batch of m microbatches: the mean loss per step, plain SGD."""
     from fxpipe import models
-    from fxpipe.cli.rank import synthetic_batch
+    from fxpipe.cli.rank_common import synthetic_batch
 
     zoo = models.build(model)
     ref = copy.deepcopy(zoo.model)
