@@ -54,6 +54,15 @@ def _specs(p: paper_profiles.Profile) -> tuple[list[LayerSpec], list[tuple[int, 
     return specs, [(u, v) for u, v in p.doc["edges"]]
 
 
+def _memories(specs: Any, edges: Any, k: int, link: dict[str, float]) -> tuple[float, float, float, float]:
+    """Bytes of model state and activations per rank, data parallelism's then SplitBrain's, in groups of ``k``."""
+    graph = build_graph(specs, edges, k, bandwidth=link["bandwidth"], latency=link["latency"], optimizer="momentum",
+                        spatial=False)
+    dp_state, dp_act = _memory(specs, graph, data_parallel(graph).choice)
+    sb_state, sb_act = _memory(specs, graph, splitbrain(graph, specs, k, min_param_bytes=SHARD_ABOVE).choice)
+    return dp_state, dp_act, sb_state, sb_act
+
+
 def _memory(specs: list[LayerSpec], graph: Any, choice: tuple[int, ...]) -> tuple[float, float]:
     parts = [layer_memory(s, graph.layers[v].configs[c].degrees or Degrees(), "momentum")
              for v, (s, c) in enumerate(zip(specs, choice))]
@@ -83,10 +92,7 @@ def memory_rows(name: str, groups: tuple[int, ...], measured: dict[str, Any] | N
         measured = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
     rows = []
     for k in groups:
-        graph = build_graph(specs, edges, k, bandwidth=link["bandwidth"], latency=link["latency"],
-                            optimizer="momentum", spatial=False)
-        dp_state, dp_act = _memory(specs, graph, data_parallel(graph).choice)
-        sb_state, sb_act = _memory(specs, graph, splitbrain(graph, specs, k, min_param_bytes=SHARD_ABOVE).choice)
+        dp_state, dp_act, sb_state, sb_act = _memories(specs, edges, k, link)
         dp, sb = dp_state + dp_act, sb_state + sb_act
         got = measured.get(name, {}).get(str(k), {})
 
@@ -125,10 +131,7 @@ def imagenet_rows(groups: tuple[int, ...]) -> list[tuple]:
     link = paper_profiles.links()["pcie4"]
     rows = []
     for k in groups:
-        graph = build_graph(specs, edges, k, bandwidth=link["bandwidth"], latency=link["latency"],
-                            optimizer="momentum", spatial=False)
-        dp_state, dp_act = _memory(specs, graph, data_parallel(graph).choice)
-        sb_state, sb_act = _memory(specs, graph, splitbrain(graph, specs, k, min_param_bytes=SHARD_ABOVE).choice)
+        dp_state, dp_act, sb_state, sb_act = _memories(specs, edges, k, link)
         rows.append(("vgg-16-224 (ImageNet head, modelled)", k, round((dp_state + dp_act) / MIB, 1), "-", "-",
                      round((sb_state + sb_act) / MIB, 1), "-", "-", "-", f"{1 - sb_state / dp_state:.1%}",
                      f"{1 - (sb_state + sb_act) / (dp_state + dp_act):.1%}", "-", "-"))

@@ -730,3 +730,15 @@ def forked_ranks(nproc: int, argv: list[str], *, cwd: Path = ROOT, env: dict[str
             if p.poll() is None:
                 p.kill()
     return results  # type: ignore[return-value]
+
+
+def import_file(path: str | os.PathLike[str], name: str) -> Any:
+    """The Python file at ``path`` imported as a module named ``name`` (a user's model, loss or data file, as the
+    test's one-process reference reads it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

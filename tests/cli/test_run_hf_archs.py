@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fxpipe import data
-from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, import_file, ok, one_line_error
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,15 +69,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(user: Path, corpus: Path) -> list[float]:
     """One eager process: the model the builder makes (compile's seed), the same text batches, the mean loss over
     the microbatches, torch's SGD."""
-    import importlib.util
-
     from fxpipe.targets import resolve
 
     model = resolve(f"{user}:build").model
-    spec = importlib.util.spec_from_file_location(f"reference_{user.stem}", user)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(user, f"reference_{user.stem}")
     text = data.parse_data(f"text:{corpus}")
     assert isinstance(text, data.Text)
     opt = torch.optim.SGD(model.parameters(), lr=LR)

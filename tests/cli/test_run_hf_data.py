@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from fxpipe import data
-from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, import_file, ok, one_line_error
 
 datasets = pytest.importorskip("datasets")
 tokenizers = pytest.importorskip("tokenizers")
@@ -69,20 +70,20 @@ def test_the_packed_stream_is_the_documents_tokens_with_end_of_text_between(corp
     assert torch.equal(idx[:, 1:], target[:, :-1])  # labels: the next tokens
 
 
+def _one_process(corpus: dict[str, Path]) -> tuple[torch.nn.Module, Any, data.Text]:
+    """What a one-process reference trains: the builder's model (compile's seed), the user's file as a module (its
+    loss), and the same packed token stream."""
+    from fxpipe.targets import resolve
+
+    return (resolve(f"{corpus['file']}:build").model, import_file(corpus["file"], "hf_data_reference"),
+            data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body"))
+
+
 def reference(corpus: dict[str, Path]) -> tuple[list[float], list[float]]:
     """One eager process: the builder's model, the global batch of each step from the same stream (DP x
     MICROBATCHES x ROWS rows), the mean loss over every microbatch, torch's SGD; and after every second step, the
     mean loss over the held-out split's whole batches (each cut into the same microbatches), without gradients."""
-    import importlib.util
-
-    from fxpipe.targets import resolve
-
-    model = resolve(f"{corpus['file']}:build").model
-    spec = importlib.util.spec_from_file_location("hf_data_reference", corpus["file"])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    model, module, text = _one_process(corpus)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     n, losses, evaluated = MICROBATCHES * DP, [], []
     held = data.held_out_batches(text, ROWS * n, seq_len=SEQ)
@@ -163,17 +164,9 @@ def scheduled_reference(corpus: dict[str, Path], steps: int, totals: list[int]) 
     (Hugging Face's formula, written out): step k's learning rate from the schedule of ``totals[k]`` steps (a run
     resumed with a larger --steps follows its own). SGD: AdamW's first steps divide each gradient by its own size,
     so float noise in near-zero gradients (summation order) moves weights by a good part of the learning rate."""
-    import importlib.util
     import math
 
-    from fxpipe.targets import resolve
-
-    model = resolve(f"{corpus['file']}:build").model
-    spec = importlib.util.spec_from_file_location("hf_data_scheduled", corpus["file"])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text = data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body")
+    model, module, text = _one_process(corpus)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     n, losses, lrs = MICROBATCHES * DP, [], []
     for k in range(steps):

@@ -14,7 +14,7 @@ from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.errors import PlanFileError
 from fxpipe.plan import StrategyRecord, StrategyStage
 from fxpipe.plan_dir import read_plan
-from tests._helpers import fxpipe_cli, ok, one_line_error
+from tests._helpers import fxpipe_cli, import_file, ok, one_line_error
 
 
 def _one_process_losses(name: str, batch: int, steps: int, lr: float, microbatches: int = 1,
@@ -163,14 +163,9 @@ def loss(out, target):
 def _user_reference(tmp_path: Path, steps: int, microbatches: int) -> tuple[list[float], list[float]]:
     """One process: vgg-tiny as compiled (float64, batch 8), the user's batches and loss, each batch taken in the
     plan's microbatches, AdamW (weight decay 0.01), the global gradient norm clipped to 0.5 by torch."""
-    import importlib.util
-
     from fxpipe.data import DataContext
 
-    spec = importlib.util.spec_from_file_location("strategy_user_data", tmp_path / "mine.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(tmp_path / "mine.py", "strategy_user_data")
     zoo = models.build("vgg-tiny", dtype=torch.float64, batch_size=8, seed=0)
     made = module.batches(DataContext(0, True, True, 0, 1, 1, 8, 0, 0, steps, ()))
     params = list(zoo.model.parameters())
