@@ -809,6 +809,8 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad(where, tp, value)
+        if not math.isfinite(value):  # a plan holds times, sizes and rates: NaN or infinity is an edit
+            raise PlanFileError(f"{where} is {value}, not a finite number; re-run fxpipe compile")
         return float(value)
     if tp in (int, str, bool):
         if type(value) is not tp:

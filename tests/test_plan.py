@@ -378,6 +378,19 @@ def test_load_with_a_missing_stage_file(plan_copy: Path, missing: str) -> None:
         fxpipe.load(plan_copy)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_plan_with_a_non_finite_cost_is_one_line_everywhere(plan_copy: Path, value: float) -> None:
+    """NaN or infinity edited into a stage's time: loading, simulate and inspect say so in one line (simulate
+    printed a traceback)."""
+    from tests._helpers import fxpipe_cli, one_line_error
+
+    _edit_plan(plan_copy, lambda doc: doc["plan"]["stages"][0].update(f=value))
+    with pytest.raises(PlanFileError, match=rf"plan.stages\[0\].f is {value}, not a finite number"):
+        fxpipe.load(plan_copy)
+    for command in ("simulate", "inspect"):
+        assert "not a finite number" in one_line_error(fxpipe_cli(command, plan_copy))
+
+
 def test_load_with_no_stages(plan_copy: Path) -> None:
     _edit_plan(plan_copy, lambda doc: doc.update(stages=[]))
     with pytest.raises(PlanFileError, match="no stages list"):
