@@ -90,11 +90,12 @@ def save_pipeline(pipe: Any, out: Path, *, overwrite: bool = False,
     is refused (PlanFileError, nothing changed) unless ``overwrite``; the names it then replaces are
     appended to ``replaced``. Symbolic links are never followed: they are moved as links.
     """
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # "." and "plan/.." name the directory itself: it is swapped by name
     check_out_dir(out, overwrite=overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        os.chmod(tmp, _dir_mode(out))  # mkdtemp's 0o700 would replace the directory's own mode
     except OSError as exc:
         raise _unwritable(out, exc) from exc
     try:
@@ -229,6 +230,23 @@ def _foreign_line(out: Path, names: list[str]) -> str:
     return (f"{out} holds {shown}, which fxpipe did not write (or which changed since, or an older fxpipe wrote "
             "without a checksum); nothing was written: move it out, choose another --out, or pass --overwrite to "
             "replace it")
+
+
+def _dir_mode(out: Path) -> int:
+    """The mode ``out`` has, or a new directory there would get (the process's umask applied), never changing the
+    umask: a directory made and removed again."""
+    import stat
+
+    if out.is_dir() and not out.is_symlink():
+        return stat.S_IMODE(out.stat().st_mode)
+    probe = Path(tempfile.mkdtemp(dir=out.parent)) / "mode"
+    try:
+        probe.mkdir()
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        if probe.exists():
+            probe.rmdir()
+        probe.parent.rmdir()
 
 
 def _install(tmp: Path, out: Path, names: set[str]) -> None:

@@ -174,3 +174,20 @@ def test_the_bounded_reader(tmp_path: Path) -> None:
         deep = [deep]
     with pytest.raises(ValueError, match="deeper than"):
         check_depth(deep)
+
+
+def test_recompiling_keeps_the_directory_s_mode_and_out_dot_names_the_directory(
+        saved: tuple[models.ZooModel, fxpipe.Pipeline, fxpipe.Pipeline], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is swapped in by renaming a new directory onto the old one: it takes the old one's mode (mkdtemp's
+    0o700 did, before), and ``--out .`` from inside a plan directory writes that directory (it was EINVAL)."""
+    _, pipe, _ = saved
+    out = fxpipe.save(pipe, tmp_path / "plan")
+    out.chmod(0o750)
+    (out / "NOTES.txt").write_text("mine")
+    fxpipe.save(pipe, out)
+    assert out.stat().st_mode & 0o777 == 0o750 and (out / "NOTES.txt").read_text() == "mine"
+    monkeypatch.chdir(out)
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", "."))
+    assert (tmp_path / "plan" / "NOTES.txt").read_text() == "mine" and (tmp_path / "plan" / "plan.json").is_file()
+    assert (tmp_path / "plan").stat().st_mode & 0o777 == 0o750 and sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
