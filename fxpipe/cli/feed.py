@@ -35,7 +35,7 @@ class Feed:
 
 
 def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: str | None, microbatches: int,
-               dp: int, seed: int, steps: int, *, trust_ops: tuple[str, ...] = ()) -> Feed:
+               dp: int, seed: int, steps: int, *, trust_ops: tuple[str, ...] = (), timeout: float | None = None) -> Feed:
     """``--data`` and ``--loss`` against the plan, before any rank starts (see the module's docstring); one line
     (an FxpipeError) for the first thing wrong. ``zoo``: the plan's built-in model built on the meta device
     (``fxpipe.cli.rank.zoo_of``), or None for the user's own."""
@@ -65,7 +65,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
     if fn is not None:
         ctx = data.DataContext(-1, True, True, 0, dp, microbatches, rows, seed, 0, steps,
                                input_specs(plan, microbatches))
-        first = data.user_batches(_call_data(fn, ctx, source.spec), ctx, source.spec)(0)
+        first = data.user_batches(_call_data(fn, ctx, source.spec, timeout), ctx, source.spec)(0)
         _check_batch(first, plan, ctx, source.spec)
         target = first[1]
     elif isinstance(source, data.Synthetic):
@@ -100,7 +100,7 @@ def loss_of(zoo: Any, spec: str | None) -> Callable[[Any, Any], Any]:
 
 
 def rank_batches(spec: str, plan: Any, ctx: Any, zoo_batch: Callable[[int], tuple[Any, Any]] | None,
-                 synthetic: str | None = None) -> Callable[[int], tuple[Any, Any]]:
+                 synthetic: str | None = None, timeout: float | None = None) -> Callable[[int], tuple[Any, Any]]:
     """``batch(step)`` for the rank ``ctx`` (a ``fxpipe.data.DataContext``) describes: its replica's rows, the
     inputs only with ``ctx.needs_inputs``, the target only with ``ctx.needs_targets``; a rank that needs
     neither reads nothing (and calls no data function). ``zoo_batch(m)``: a built-in model's synthetic batch of
@@ -118,7 +118,7 @@ def rank_batches(spec: str, plan: Any, ctx: Any, zoo_batch: Callable[[int], tupl
 
     if isinstance(source, data.UserData):
         fn = resolve_function(source.spec, "--data", "my_data.py:batches")
-        return data.user_batches(_call_data(fn, ctx, source.spec), ctx, source.spec)
+        return data.user_batches(_call_data(fn, ctx, source.spec, timeout), ctx, source.spec)
     if isinstance(source, data.Synthetic):
         m = ctx.microbatches * ctx.replicas
         fixed = zoo_batch(m) if zoo_batch is not None else synthetic_batches(plan, m, synthetic)
@@ -183,12 +183,39 @@ def scored(spec: str) -> bool:
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _call_data(fn: Callable[..., Any], ctx: Any, spec: str) -> Any:
+def _call_data(fn: Callable[..., Any], ctx: Any, spec: str, timeout: float | None = None) -> Any:
+    """``fn(ctx)``, the user's data function: an exception is one line, and with ``timeout`` a call that has not
+    returned after that many seconds is one line too (it runs in a thread of its own, left behind: a blocked read
+    of a FIFO or a lock would otherwise hang the launcher, or every rank at once, where no collective times out)."""
+    import threading
+
+    from fxpipe.errors import OptionError
     from fxpipe.targets import call_user
 
-    return call_user(lambda: fn(ctx), f"--data {spec}", "fix the data function (it is called with a "
-                     "fxpipe.data.DataContext)")
+    def call() -> Any:
+        return call_user(lambda: fn(ctx), f"--data {spec}", "fix the data function (it is called with a "
+                         "fxpipe.data.DataContext)")
 
+    if timeout is None:
+        return call()
+    result: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # noqa: BLE001  (handed to the caller's thread)
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="fxpipe-data-function", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise OptionError(f"--data {spec} did not return within --timeout {timeout:g} s (on rank {ctx.rank}; -1: the "
+                          "launcher's check); make the function return its batches, or raise --timeout")
+    if failed:
+        raise failed[0]
+    return result[0]
 
 def _replica(x: Any, ctx: Any) -> Any:
     """Replica ``ctx.replica``'s rows of a global batch's tensor."""

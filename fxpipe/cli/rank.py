@@ -370,7 +370,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
                       args.steps, input_specs(pipe.plan, m))
     batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
-                            args.synthetic)
+                            args.synthetic, timeout=args.timeout)
     stream = step_loader(batch_of, first=first, steps=args.steps, workers=args.data_workers,
                          pin_memory=device.type == "cuda")
     at = [first]

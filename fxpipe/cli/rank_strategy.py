@@ -52,7 +52,8 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     sched = strategy_schedule(pipe.plan, args.schedule, args.microbatches)
     rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
     ctx = DataContext(rank, True, True, 0, 1, 1, rows, args.seed, 0, args.steps, input_specs(pipe.plan, 1))
-    batch_of = rank_batches(args.data, pipe.plan, ctx, lambda n: synthetic_batch(zoo, n), args.synthetic)
+    batch_of = rank_batches(args.data, pipe.plan, ctx, lambda n: synthetic_batch(zoo, n), args.synthetic,
+                            timeout=args.timeout)
     inputs, target = batch_of(0)
     g = strategy_graph(zoo.model, tuple(inputs))
     configs = record.configs

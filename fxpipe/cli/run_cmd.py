@@ -309,7 +309,7 @@ def run_cmd(
             hf = load_hf(data[len("hf:"):], tokenizer=tokenizer, column=data_column) if data.startswith("hf:") \
                 else None  # tokenized once, here; the ranks read its ids
             feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,
-                              seed, steps, trust_ops=trusted)
+                              seed, steps, trust_ops=trusted, timeout=timeout)
             source, fit = feed.source, feed.fit
             eval_hf = _check_eval(plan, sched, eval_data, eval_every, eval_batches, replicas, data, hf, tokenizer,
                                   data_column)

@@ -302,3 +302,38 @@ def test_a_rank_that_needs_inputs_or_targets_refuses_none(user: dict[str, Path],
     assert "refused: rank 0 runs stages [0, 1, 2], which need the model's inputs, and got None" in stdout
     assert "refused: rank 0 runs stages [0, 1, 2], which need the target, and got None" in stdout
     assert "loss: True" in stdout
+
+
+BLOCKING = '''
+import time
+
+import torch
+
+
+def batches(ctx):
+    if ctx.rank >= {rank}:  # blocks (a FIFO, a lock, a network read that never answers)
+        time.sleep(3600)
+    return [(torch.randn(ctx.batch_size, 8), torch.randint(0, 4, (ctx.batch_size,)))]
+
+
+def loss(out, target):
+    return torch.nn.functional.cross_entropy(out, target)
+'''
+
+
+def test_a_data_function_that_never_returns_is_stopped_at_the_timeout(tmp_path: Path) -> None:
+    """In the launcher's check, one line before any rank starts; in every rank at once (where no collective would
+    time out), one line naming a rank: never a hang."""
+    import time
+
+    (tmp_path / "model.py").write_text("import torch\n\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear("
+                                       "8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)), (torch.randn(2, 8),)\n")
+    ok(fxpipe_cli("compile", f"{tmp_path / 'model.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
+    for rank, where in ((-1, "(on rank -1; -1: the launcher's check)"), (0, "rank ")):
+        (tmp_path / f"block{rank + 1}.py").write_text(BLOCKING.replace("{rank}", str(rank)))
+        spec = f"{tmp_path / f'block{rank + 1}.py'}"
+        started = time.monotonic()
+        line = one_line_error(fxpipe_cli("run", tmp_path / "plan", "--steps", 1, "--timeout", 3, "--data",
+                                         f"{spec}:batches", "--loss", f"{spec}:loss"))
+        assert "did not return within --timeout 3 s" in line and where in line, line
+        assert time.monotonic() - started < 120  # stopped, not left to hang (an hour's sleep)
