@@ -326,3 +326,90 @@ def torch_equal_full(tensor: Any, value: float) -> bool:
     import torch
 
     return bool(torch.equal(tensor, torch.full_like(tensor, value)))
+
+
+# -- outputs: log directories, configs and traces ---------------------------------------------------------------
+#
+# Each example lays out what a user may leave where fxpipe writes: a link (to a user's file, dangling, to a device),
+# a FIFO, a user's own file, a directory, at the names fxpipe writes (config.toml, metrics.jsonl, their old
+# temporary names, a trace, an SVG), then runs the writers fxpipe run and simulate use. Whatever it finds: each
+# writer succeeds or raises one fxpipe error, and no file outside what fxpipe owns changes.
+
+OUTPUT_NAMES = ["config.toml", "metrics.jsonl", ".config.toml.tmp", ".metrics.jsonl.tmp", "t.json", "t.svg"]
+
+
+def lay_out(data: st.DataObject, root: Path, user: Path) -> list[str]:
+    done = []
+    for name in data.draw(st.lists(st.sampled_from(OUTPUT_NAMES), max_size=3, unique=True)):
+        kind = data.draw(st.sampled_from(["link", "dangling", "device", "fifo", "user", "dir"]))
+        path = root / name
+        if kind == "link":
+            path.symlink_to(user / "data.txt")
+        elif kind == "dangling":
+            path.symlink_to(user / "made-by-a-link.txt")
+        elif kind == "device":
+            path.symlink_to("/dev/zero")
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "user":
+            path.write_text("the user's")
+        else:
+            path.mkdir()
+        done.append(f"{kind} {name}")
+    return done
+
+
+def write_outputs(root: Path) -> None:
+    """What fxpipe run and simulate write into a log directory and trace paths, each allowed to refuse."""
+    from fxpipe.cli import run_log
+    from fxpipe.errors import FxpipeError
+    from fxpipe.schedules.generators import generate
+    from fxpipe.schedules.simulate import Costs, simulate
+    from fxpipe.schedules.timeline import write_chrome_trace, write_svg
+
+    result = simulate(generate("1f1b", 2, 2), Costs.uniform(2, 1.0, 1.0, 1.0))
+    writers = [lambda: run_log.check_log_dir(root, continuing=True),
+               lambda: run_log.write_config(root, {"steps": 3}),
+               lambda: run_log.StepLog(root, rank=0, world=1, device=None, samples=1, tokens=None, first=1)
+               .write(2, 1.0, 0.01, None, (None, __import__("torch").zeros(2))),
+               lambda: write_chrome_trace(result, root / "t.json"),
+               lambda: write_svg(result, root / "t.svg")]
+    for write in writers:
+        try:
+            write()
+        except FxpipeError as exc:
+            assert "\n" not in str(exc), str(exc)
+
+
+@settings(FUZZ, max_examples=40)
+@given(data=st.data())
+def test_mutated_output_places(user_dir: Path, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    work = tmp_path_factory.mktemp("out-fuzz")
+    done = lay_out(data, work, user_dir)
+    user_before = tree(user_dir)
+    write_outputs(work)
+    assert tree(user_dir) == user_before, done
+    assert not (user_dir / "made-by-a-link.txt").exists(), done
+    shutil.rmtree(work)
+
+
+def test_the_output_fuzzer_finds_a_write_through_a_link_without_the_safe_writer(
+        user_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above can fail: with fxpipe.files' writer swapped for a plain one (open and write, as before),
+    one of its layouts (a link at the trace's name) changes the user's file."""
+    import fxpipe.files
+    import fxpipe.schedules.timeline as timeline
+
+    def plain(path: Any, data: Any, **_: Any) -> Path:
+        Path(path).write_text(data if isinstance(data, str) else data.decode())
+        return Path(path)
+
+    monkeypatch.setattr(timeline, "write_file", plain)
+    monkeypatch.setattr(fxpipe.files, "write_file", plain)
+    user = tmp_path / "user"
+    shutil.copytree(user_dir, user)
+    before = tree(user)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "t.json").symlink_to(user / "data.txt")
+    write_outputs(tmp_path / "out")
+    assert tree(user) != before
