@@ -49,14 +49,6 @@ class NodeMeta:
     # partition_stages
     stage_idx: int = -1
 
-    @property
-    def time_total(self) -> float:
-        return self.time_fwd + self.time_bwd_input + self.time_bwd_weight
-
-    @property
-    def flops_total(self) -> int:
-        return self.flops_fwd + self.flops_bwd_input + self.flops_bwd_weight
-
 
 _EMPTY = NodeMeta()
 

@@ -41,7 +41,7 @@ class Defaults:
     auto_microbatches_per_stage: tuple[int, ...] = (1, 2, 4)  # what `--schedule auto` tries
     tracer: str = "export"
     granularity: str = "auto"
-    # This machine's gloo loopback link (docs/ECOSYSTEM.md §4.2: 1-2.7 GB/s, ~0.1-1 ms).
+    # This machine's gloo loopback link (the shared ECOSYSTEM.md, section 4.2: 1-2.7 GB/s, ~0.1-1 ms).
     bandwidth: float = 1.5e9
     latency: float = 1e-4
     # One core of this machine: a 512^3 matmul ran at 1.8e11 FLOP/s on one thread.

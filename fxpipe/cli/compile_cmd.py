@@ -83,7 +83,8 @@ def compile_cmd(
                                                              "e.g. 8GiB.",
                                                              rich_help_panel="Partitioning")] = None,
     microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step (for memory in flight; "
-                                                         "default: the stage count).", rich_help_panel="Partitioning")] = None,
+                                                         "default: 2 x the stage count).",
+                                                         rich_help_panel="Partitioning")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pick a schedule for the plan and record it: "
                                                     "gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, batched-w, "
                                                     "async-1f1b, layerpipe-async or auto.", rich_help_panel="Schedule")] = None,

@@ -33,6 +33,23 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"fxpipe {version('fxpipe')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("fxpipe (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", help="Print fxpipe's version and exit.",
+                                            is_eager=True, callback=_version)) -> None:
+    """Turn a PyTorch model into pipeline stages, and show every decision as a table."""
+
+
 app.command("compile")(compile_cmd)
 app.command("simulate")(simulate_cmd)
 app.command("run", epilog=run_epilog())(run_cmd)

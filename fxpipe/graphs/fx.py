@@ -245,18 +245,3 @@ def tensors_in(val: Any) -> list[torch.Tensor]:
     if isinstance(val, (tuple, list)):
         return [t for v in val for t in tensors_in(v)]
     return []
-
-
-def source_line(node: torch.fx.Node) -> str:
-    """``file:line`` of the user code that produced a node, or ``""`` when unknown."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    if not lines:
-        return ""
-    last = lines[-1]  # 'File "x.py", line 12, in forward'
-    try:
-        fname = last.split('"')[1]
-        lineno = last.split("line ")[1].split(",")[0]
-    except IndexError:
-        return ""
-    return f"{fname}:{lineno}"

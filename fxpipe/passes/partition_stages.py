@@ -63,8 +63,8 @@ def partition_stages(
     ``min(stages - stage_idx, microbatches)`` microbatches; a microbatch between B and W, which
     the split schedules keep, counts its F->B bytes again, as the plan's costs assume until
     split-backward measures them). ``auto`` plans for the most any of its candidates holds, so
-    whichever it picks fits. ``microbatches`` None: the stage count (for ``auto``, every count
-    it searches).
+    whichever it picks fits. ``microbatches`` None: ``DEFAULTS.microbatches``, 2 x the stage count (for ``auto``,
+    every count it searches).
 
     ``num_stages="auto"`` chooses the count too (``fxpipe.planning.stage_count``): for every count up
     to ``max_stages`` (None: ``stage_count.DEFAULT_MAX_STAGES``, 8) the partition that minimises the pipeline step model,

@@ -66,8 +66,8 @@ class PipelineRuntime:
     ``schedule`` is a :class:`Schedule`, a schedule name (``fxpipe simulate``'s names, ``auto``
     included) or None: the schedule recorded in the plan, else 1F1B. ``optimizer`` makes one
     optimizer per stage from that stage's parameters (any ``torch.optim`` class or factory;
-    default SGD, lr 0.01). ``loss_fn(outputs, target)`` defaults to the built-in model's loss for
-    plans of the zoo. Every rank builds the same plan and schedule and runs only its own part.
+    default SGD, lr 0.01). ``loss_fn(outputs, target)`` is required (the runtime imports no model, so it has
+    no loss of its own). Every rank builds the same plan and schedule and runs only its own part.
     ``mesh``: a ``DeviceMesh`` with dimensions ``("pp", "dp")`` (pipeline positions x replicas of
     every stage); None lays out ``world // schedule ranks`` replicas itself (see
     :mod:`fxpipe.runtime.replicas`; with replicas, :meth:`step` takes the whole batch).

@@ -23,10 +23,6 @@ class Choice:
     result: SimResult
     report: Report
 
-    @property
-    def per_microbatch(self) -> float:
-        return self.result.makespan / self.schedule.num_microbatches
-
 
 def greedy_limits(num_stages: int) -> list[int]:
     """The memory limits (microbatches in flight) auto tries the greedy zero-bubble scheduler at:

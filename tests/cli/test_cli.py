@@ -710,3 +710,10 @@ def test_import_fxpipe_loads_no_cli_dependencies() -> None:
         print(bare, core)
     """))
     assert out == "[] []"
+
+
+def test_version_prints_the_installed_version() -> None:
+    from importlib.metadata import version
+
+    result = ok(fxpipe_cli("--version"))
+    assert result.stdout == f"fxpipe {version('fxpipe')}\n"
