@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     watch_launcher()
+    from fxpipe.cli.ranks import record_warnings
+
+    record_warnings(out, rank)
     import torch.distributed as dist
 
     try:
@@ -295,6 +298,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
+    if args.loss is not None:  # its file imported first: a model library it imports (transformers) types the outputs
+        loss_of(None, args.loss)
     pipe = fxpipe.load(args.plan, trust_ops=trusted_ops(args.trust_ops))  # on the CPU; moved to its device below
     zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed); None: the user's own model
     if zoo is None and pipe.plan.strategy is not None:  # fxpipe run refuses it before starting the ranks
@@ -332,7 +337,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp, w_lane=rt.w_lane is not None)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
     rt.data_position = {"data_seed": float(args.seed)}  # batch k and its random ops are functions of (seed, k)
-    first = rt.load_checkpoint(args.checkpoint_dir) if resumes(args, world) else 0
+    from fxpipe.runtime import checkpoint
+
+    # the launcher has said which newer steps are passed over (fxpipe.cli.run_cmd): no warning here again
+    first = checkpoint.load(rt, args.checkpoint_dir) if resumes(args, world) else 0
     saved_seed = rt.resumed_position.get("data_seed")
     if first and saved_seed is not None and saved_seed != float(args.seed):
         from fxpipe.errors import CheckpointError

@@ -421,6 +421,51 @@ def rank_errors(out_dir: Path) -> dict[int, str]:
     return {rank: why for rank, why in errors.items() if why}
 
 
+WARNINGS = "rank{}.warnings"  # one line per warning a rank raised (record_warnings), read by rank_warnings
+
+
+def record_warnings(out_dir: Path, rank: int) -> None:
+    """In a rank process (fxpipe's own): a warning raised by fxpipe or the user's code (not by torch or another
+    library, which the launcher's own process would show) becomes a line of ``out_dir/rank{rank}.warnings``, where
+    the launcher reads it; a rank's stderr is torchrun's and reaches no one."""
+    import sysconfig
+    import warnings
+
+    path = out_dir / WARNINGS.format(rank)
+    libraries = tuple(os.path.realpath(p) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"]})
+    ours = os.path.realpath(os.path.dirname(os.path.dirname(__file__)))
+
+    def show(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        where = os.path.realpath(filename)
+        if where.startswith(libraries) and not where.startswith(ours):
+            return
+        text = str(message).strip().splitlines()
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(f"{category.__name__}: {text[0][:300] if text else ''}\n")
+        except OSError:
+            pass
+
+    warnings.showwarning = show
+
+
+def rank_warnings(out_dir: Path) -> list[str]:
+    """The ranks' warnings, each once with the ranks that raised it: ``UserWarning: ... (ranks 0, 1)``."""
+    seen: dict[str, list[int]] = {}
+    for path in sorted(out_dir.glob("rank*.warnings")):
+        try:
+            rank = int(path.name[4:].split(".")[0])
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[:100]
+        except (ValueError, OSError):
+            continue
+        for line in lines:
+            seen.setdefault(line, [])
+            if rank not in seen[line]:
+                seen[line].append(rank)
+    return [f"{line} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)))})" for line, r in seen.items()]
+
+
 def finished_ranks(out_dir: Path) -> set[int]:
     """The ranks that wrote a result."""
     return {int(p.stem[4:]) for p in out_dir.glob("rank*.json")}

@@ -366,6 +366,8 @@ def run_cmd(
             restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
             if restarted is not None:
                 say(f"note: {restarted}")
+            for line in ranks.rank_warnings(out_dir):  # what the ranks warned of reaches the terminal, once each
+                say(f"warning: {line}")
             if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
                 say(f"warning: {failure.message}")
             elif failure is not None:

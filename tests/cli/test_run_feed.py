@@ -337,3 +337,16 @@ def test_a_data_function_that_never_returns_is_stopped_at_the_timeout(tmp_path: 
                                          f"{spec}:batches", "--loss", f"{spec}:loss"))
         assert "did not return within --timeout 3 s" in line and where in line, line
         assert time.monotonic() - started < 120  # stopped, not left to hang (an hour's sleep)
+
+
+def test_a_warning_in_a_rank_reaches_the_terminal(tmp_path: Path) -> None:
+    """A rank's stderr is torchrun's: what the user's loss (or fxpipe) warns of in a rank is said by fxpipe run, once
+    per message with the ranks that raised it."""
+    (tmp_path / "model.py").write_text(
+        "import warnings\n\nimport torch\n\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8), "
+        "torch.nn.ReLU(), torch.nn.Linear(8, 4)), (torch.randn(2, 8),)\n\n\ndef loss(out, target):\n"
+        "    warnings.warn('labels look shuffled')\n    return torch.nn.functional.cross_entropy(out, target)\n")
+    ok(fxpipe_cli("compile", f"{tmp_path / 'model.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
+    result = ok(fxpipe_cli("run", tmp_path / "plan", "--steps", 2, "--loss", f"{tmp_path / 'model.py'}:loss",
+                           "--json"))
+    assert "warning: UserWarning: labels look shuffled (rank 1)" in result.stderr.splitlines(), result.stderr
