@@ -170,6 +170,9 @@ def _torch_save(state: dict[str, torch.Tensor], file: Path) -> None:
     try:
         torch.save(state, file)
     except RuntimeError as exc:
+        if "unexpected pos" in str(exc):  # its zip writer's word for a short write
+            raise OSError(errno.EFBIG, f"{file.name} could not be written whole: the disk is full, or a file-size "
+                                       "limit (ulimit -f) stopped it") from exc
         raise OSError(errno.EIO, f"torch.save failed: {str(exc).splitlines()[0] if str(exc) else exc}") from exc
 
 

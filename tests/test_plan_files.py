@@ -191,3 +191,19 @@ def test_recompiling_keeps_the_directory_s_mode_and_out_dot_names_the_directory(
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", "."))
     assert (tmp_path / "plan" / "NOTES.txt").read_text() == "mine" and (tmp_path / "plan" / "plan.json").is_file()
     assert (tmp_path / "plan").stat().st_mode & 0o777 == 0o750 and sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+
+
+def test_a_save_stopped_by_a_file_size_limit_says_so(tmp_path: Path) -> None:
+    """Under ``ulimit -f`` torch's zip writer reported 'unexpected pos 704 vs 598'; the line names the file and
+    the likely causes (a child process: the limit is process-wide)."""
+    import subprocess
+    import sys
+
+    script = (f"import resource, fxpipe\nfrom fxpipe import models\nfrom fxpipe.errors import PlanFileError\n"
+              f"zoo = models.build('mlp-small')\npipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)\n"
+              f"resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
+              f"try:\n    fxpipe.save(pipe, {str(tmp_path / 'plan')!r})\nexcept PlanFileError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "could not be written whole: the disk is full, or a file-size limit (ulimit -f) stopped it" in proc.stdout
+    assert not (tmp_path / "plan").exists()  # nothing half-written in its place
