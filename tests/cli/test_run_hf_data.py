@@ -79,6 +79,17 @@ def _one_process(corpus: dict[str, Path]) -> tuple[torch.nn.Module, Any, data.Te
             data.load_hf(str(corpus["corpus"]), tokenizer=corpus["tok"], column="body"))
 
 
+def _step(model: torch.nn.Module, module: Any, opt: torch.optim.Optimizer, text: data.Text, k: int) -> float:
+    """One eager step on step k's global batch, the loss the mean over its DP x MICROBATCHES microbatches."""
+    n = MICROBATCHES * DP
+    idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
+    loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
 def reference(corpus: dict[str, Path]) -> tuple[list[float], list[float]]:
     """One eager process: the builder's model, the global batch of each step from the same stream (DP x
     MICROBATCHES x ROWS rows), the mean loss over every microbatch, torch's SGD; and after every second step, the
@@ -88,12 +99,7 @@ def reference(corpus: dict[str, Path]) -> tuple[list[float], list[float]]:
     n, losses, evaluated = MICROBATCHES * DP, [], []
     held = data.held_out_batches(text, ROWS * n, seq_len=SEQ)
     for k in range(STEPS):
-        idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
-        loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(_step(model, module, opt, text, k))
         if (k + 1) % 2 == 0:
             with torch.no_grad():
                 evaluated.append(sum(float(module.loss(model(i), t)) for idx, target in held
@@ -168,17 +174,12 @@ def scheduled_reference(corpus: dict[str, Path], steps: int, totals: list[int]) 
 
     model, module, text = _one_process(corpus)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    n, losses, lrs = MICROBATCHES * DP, [], []
+    losses, lrs = [], []
     for k in range(steps):
         lr = 0.01 * (k / 2 if k < 2 else 0.5 * (1 + math.cos(math.pi * (k - 2) / (totals[k] - 2))))
         for group in opt.param_groups:
             group["lr"] = lr
-        idx, target = text.batch(k, ROWS * n, SEQ, seed=0)
-        loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(n), target.tensor_split(n))) / n
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(_step(model, module, opt, text, k))
         lrs.append(lr)
     return losses, lrs
 
