@@ -1,7 +1,8 @@
 """Hugging Face causal LMs nobody here wrote, from a user's file through the command line, under two transformers
 releases: Llama-, Qwen2-, GPT-NeoX- and Mixtral-style files (4 layers, hidden 64, the configs' defaults, so
 ``use_cache=True``) compile with ``fxpipe compile file.py:build`` into 2 stages and train with ``fxpipe run`` to the
-losses of one eager process on the same batches (fp32, rtol 1e-5).
+losses of one eager process on the same batches (fp32, rtol 1e-5); the Llama file's run resumes from its checkpoint
+to the same losses.
 
 The releases differ where it matters: transformers 5.23 (``constraints.txt``'s pin) wraps the rotary embedding in a
 no-grad region (``wrap_with_set_grad_enabled`` in the exported graph), 5.25 does not; Mixtral's experts call
@@ -66,7 +67,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def reference(user: Path, corpus: Path) -> list[float]:
+def reference(user: Path, corpus: Path, steps: int = STEPS) -> list[float]:
     """One eager process: the model the builder makes (compile's seed), the same text batches, the mean loss over
     the microbatches, torch's SGD."""
     from fxpipe.targets import resolve
@@ -77,7 +78,7 @@ def reference(user: Path, corpus: Path) -> list[float]:
     assert isinstance(text, data.Text)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for k in range(STEPS):
+    for k in range(steps):
         idx, target = text.batch(k, ROWS * MICROBATCHES, SEQ, seed=0)
         loss = sum(module.loss(model(i), t) for i, t in zip(idx.tensor_split(MICROBATCHES),
                                                             target.tensor_split(MICROBATCHES))) / MICROBATCHES
@@ -103,9 +104,15 @@ def test_a_causal_lm_file_compiles_and_trains_as_one_process(arch: str, corpus: 
         stage_docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "plan").glob("stage_*.json"))]
         assert any(d.get("libraries", {}).get("transformers.grouped_mm_fallback.default")
                    == "transformers.integrations.moe" for d in stage_docs)
-    doc = json.loads(ok(fxpipe_cli("run", tmp_path / "plan", "--nproc", "2", "--steps", STEPS, "--data",
-                                   f"text:{corpus}", "--loss", f"{user}:loss", "--json")).stdout)
-    torch.testing.assert_close(doc["losses"], reference(user, corpus), rtol=1e-5, atol=0)
+    run = ["run", tmp_path / "plan", "--nproc", "2", "--data", f"text:{corpus}", "--loss", f"{user}:loss", "--json",
+           "--checkpoint-dir", tmp_path / "ckpt"]
+    doc = json.loads(ok(fxpipe_cli(*run, "--steps", STEPS)).stdout)
+    want = reference(user, corpus, STEPS + 1)
+    torch.testing.assert_close(doc["losses"], want[:STEPS], rtol=1e-5, atol=0)
+    if arch == "llama":  # the whole path: a resumed run trains on from the checkpoint as an unbroken one would
+        on = json.loads(ok(fxpipe_cli(*run, "--steps", STEPS + 1, "--resume", "always")).stdout)
+        assert on["first_step"] == STEPS
+        torch.testing.assert_close(on["losses"], want[STEPS:], rtol=1e-5, atol=0)
 
 
 OWN_OP_FILE = '''
