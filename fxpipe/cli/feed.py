@@ -187,6 +187,7 @@ def _call_data(fn: Callable[..., Any], ctx: Any, spec: str, timeout: float | Non
     """``fn(ctx)``, the user's data function: an exception is one line, and with ``timeout`` a call that has not
     returned after that many seconds is one line too (it runs in a thread of its own, left behind: a blocked read
     of a FIFO or a lock would otherwise hang the launcher, or every rank at once, where no collective times out)."""
+    import os
     import threading
 
     from fxpipe.errors import OptionError
@@ -207,10 +208,12 @@ def _call_data(fn: Callable[..., Any], ctx: Any, spec: str, timeout: float | Non
         except BaseException as exc:  # noqa: BLE001  (handed to the caller's thread)
             failed.append(exc)
 
+    real_exit = os._exit  # call_user guards it while the function runs; a call left behind must not keep it
     worker = threading.Thread(target=run, name="fxpipe-data-function", daemon=True)
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
+        os._exit = real_exit  # the process goes on (or exits) without the guard of a call that never returned
         raise OptionError(f"--data {spec} did not return within --timeout {timeout:g} s (on rank {ctx.rank}; -1: the "
                           "launcher's check); make the function return its batches, or raise --timeout")
     if failed:
