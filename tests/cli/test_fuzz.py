@@ -413,3 +413,93 @@ def test_the_output_fuzzer_finds_a_write_through_a_link_without_the_safe_writer(
     (tmp_path / "out" / "t.json").symlink_to(user / "data.txt")
     write_outputs(tmp_path / "out")
     assert tree(user) != before
+
+
+# -- inputs: config files and data files ----------------------------------------------------------------------
+#
+# What a user may hand fxpipe run as --config or as a --data file: mutated TOML (wrong types, unknown keys, deep
+# nesting, long lines and keys, bytes that are not text), FIFOs, devices, links to them, directories, token-id
+# files with huge or negative ids. Whatever it is: exit 0 or 2, no traceback, no hang, bounded memory; the ranks
+# are never reached (their start is replaced by a refusal, so a valid combination ends in exit 2 too).
+
+CONFIG_LINES = ["steps = 2", "steps = \"2\"", "steps = -1", "steps = 1e400", "lr = nan", "lr = inf", "nproc = 0",
+                "checkpoint_every = 2", "unknown-key = 1", "schedule = \"zb-h1\"", "microbatches = 1000000",
+                "a.b.c = 1", "steps = [1, 2]", "[table]", "x = {a = {b = 1}}", "resume = \"sometimes\"",
+                "data = \"text:/dev/zero\"", "data = \"jsonl:/dev/urandom\"", "timeout = 0", "trace = \"\"",
+                "max-restarts = 1000000000", "=", "\"unterminated = 1", "steps = 2 # a comment with ' and \""]
+
+
+def _config_text(data: st.DataObject) -> bytes:
+    lines = data.draw(st.lists(st.sampled_from(CONFIG_LINES), max_size=6))
+    kind = data.draw(st.sampled_from(["lines", "deep", "long-line", "long-key", "binary"]))
+    text = "\n".join(lines) + "\n"
+    if kind == "deep":
+        depth = data.draw(st.sampled_from([31, 33, 1000, 100_000]))
+        text += "x = " + "[" * depth + "]" * depth + "\n"
+    elif kind == "long-line":
+        text += "x = \"" + "a" * data.draw(st.sampled_from([4090, 5000, 2_000_000])) + "\"\n"
+    elif kind == "long-key":
+        text += ".".join(["k"] * data.draw(st.sampled_from([100, 50_000]))) + " = 1\n"
+    elif kind == "binary":
+        return text.encode() + bytes(data.draw(st.lists(st.integers(0, 255), max_size=64)))
+    return text.encode()
+
+
+@pytest.fixture
+def ranks_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.cli import ranks
+    from fxpipe.errors import RankFailedError
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise RankFailedError("the fuzzer starts no ranks")
+
+    monkeypatch.setattr(ranks, "run_ranks", refuse)
+
+
+@settings(FUZZ, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_config_files(places: Places, tmp_path_factory: pytest.TempPathFactory, ranks_refused: None,
+                              data: st.DataObject) -> None:
+    work = tmp_path_factory.mktemp("config-fuzz")
+    config = work / "run.toml"
+    place = data.draw(st.sampled_from(["file", "fifo", "link-to-device", "directory"]))
+    if place == "file":
+        config.write_bytes(_config_text(data))
+    elif place == "fifo":
+        os.mkfifo(config)
+    elif place == "link-to-device":
+        config.symlink_to(data.draw(st.sampled_from(["/dev/zero", "/dev/urandom", "/dev/null"])))
+    else:
+        config.mkdir()
+    result = check(["run", str(places.plan), "--config", str(config), "--json"])
+    assert result.exit_code == 2, (place, result.output)
+    assert peak_mib() < MEMORY_BOUND_MIB
+    shutil.rmtree(work)
+
+
+@settings(FUZZ, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_data_files(places: Places, tmp_path_factory: pytest.TempPathFactory, ranks_refused: None,
+                            data: st.DataObject) -> None:
+    work = tmp_path_factory.mktemp("data-fuzz")
+    target = work / "data"
+    place = data.draw(st.sampled_from(["text", "ids", "fifo", "device", "directory", "missing", "empty"]))
+    if place == "text":
+        target.write_bytes(bytes(data.draw(st.lists(st.integers(0, 255), max_size=200))))
+    elif place == "ids":
+        ids = data.draw(st.lists(st.one_of(st.integers(-5, 300), st.just(10**30), st.just("x"), st.none()),
+                                 max_size=40))
+        target.write_text(json.dumps(ids) + "\n" + data.draw(st.sampled_from(["", "[1, 2", "{}", "[]"])))
+    elif place == "fifo":
+        os.mkfifo(target)
+    elif place == "device":
+        target.symlink_to(data.draw(st.sampled_from(["/dev/zero", "/dev/urandom"])))
+    elif place == "directory":
+        target.mkdir()
+    elif place == "empty":
+        target.write_bytes(b"")
+    kind = data.draw(st.sampled_from(["text", "jsonl", "hf"]))
+    result = check(["run", str(places.plan), "--data", f"{kind}:{target}", "--json"])
+    assert result.exit_code == 2, (place, kind, result.output)
+    assert peak_mib() < MEMORY_BOUND_MIB
+    shutil.rmtree(work)
