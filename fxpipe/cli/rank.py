@@ -298,13 +298,14 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
-    if args.loss is not None:  # its file imported first: a model library it imports (transformers) types the outputs
-        loss_of(None, args.loss)
+    # --loss's file imported first (once): a model library it imports (transformers) types the plan's outputs
+    user_loss = loss_of(None, args.loss) if args.loss is not None else None
     pipe = fxpipe.load(args.plan, trust_ops=trusted_ops(args.trust_ops))  # on the CPU; moved to its device below
     zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed); None: the user's own model
     if zoo is None and pipe.plan.strategy is not None:  # fxpipe run refuses it before starting the ranks
         raise PlanFileError(f"a per-layer strategy plan trains a built-in model (this plan is of "
                             f"{pipe.plan.provenance.model!r}); compile it without --strategy")
+    loss_fn = user_loss if user_loss is not None else loss_of(zoo, None)  # fxpipe run checked that there is one
     if pipe.plan.strategy is not None:  # a per-layer strategy: DTensor on the plan's ranks, not a pipeline
         from fxpipe.cli.rank_strategy import run_strategy
         from fxpipe.errors import OptionError
@@ -312,10 +313,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         if device.type != "cpu":  # fxpipe run refuses it before starting the ranks
             raise OptionError(f"--device {args.device} runs pipeline plans; a per-layer strategy trains on the CPU: "
                               "use --device cpu")
-        return run_strategy(args, rank, world, pipe, zoo, out_progress(args))
+        return run_strategy(args, rank, world, pipe, zoo, loss_fn, out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches,
-                         loss_fn=loss_of(zoo, args.loss),
+                         loss_fn=loss_fn,
                          example_inputs=None if zoo is None else tuple(x.to(device) if isinstance(x, torch.Tensor)
                                                                        else x for x in zoo.example_inputs),
                          optimizer=OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum,

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 
-def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any,
+def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo: Any, loss_fn: Any,
                  progress: Path) -> tuple[dict[str, object], dict[str, Any] | None]:
     """Train the plan's strategy for ``args.steps`` steps, rank 0 appending each step's line to ``progress``; the
     rank's result (the keys ``fxpipe run`` reads). Every rank reads the whole global batch (each layer takes its
@@ -33,7 +33,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
 
     import torch
 
-    from fxpipe.cli.feed import input_specs, loss_of, rank_batches
+    from fxpipe.cli.feed import input_specs, rank_batches
     from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, resumes, synthetic_batch
     from fxpipe.data import DataContext, step_loader, step_seed
     from fxpipe.errors import CheckpointError, OptionError, PlanFileError
@@ -66,7 +66,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     if pp > 1:
         _check_stages(record, g, int(inputs[0].shape[0]), sched.num_microbatches)
     rt = StrategyRuntime(g.module, g.nodes, g.specs, [Degrees.from_name(configs[n]) for n in g.nodes],
-                         stages=record.cuts, schedule=sched, loss_fn=loss_of(zoo, args.loss),
+                         stages=record.cuts, schedule=sched, loss_fn=loss_fn,
                          timeout=timedelta(seconds=args.timeout), host=getattr(args, "host", None))
     # fxpipe run's optimizers (torch's default kernels: the parameters are DTensors, which the fused ones do not take)
     opt = OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,

@@ -303,9 +303,10 @@ def run_cmd(
 
             zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
             trusted = trusted_ops(trust_ops)
-            from fxpipe.plan_dir import check_allocations
+            if zoo is not None:  # a size the graphs compute, before anything runs them (check_feed runs a user
+                from fxpipe.plan_dir import check_allocations  # model's plan on meta under the same check)
 
-            check_allocations(plan_dir, trust_ops=trusted)  # a size the graphs compute, before anything runs them
+                check_allocations(plan_dir, trust_ops=trusted)
             hf = load_hf(data[len("hf:"):], tokenizer=tokenizer, column=data_column) if data.startswith("hf:") \
                 else None  # tokenized once, here; the ranks read its ids
             feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,
