@@ -17,7 +17,7 @@ from fxpipe.graphs.recompute import input_bytes
 from fxpipe.passes.annotate_costs import annotate_costs, verify_costs
 from fxpipe.passes.driver import History, Step
 from fxpipe.passes.group_layers import group_layers, verify_layers
-from fxpipe.passes.partition_stages import partition_stages, verify_stages
+from fxpipe.passes.partition_stages import StageSearch, partition_stages, verify_stages
 from fxpipe.passes.split_stages import split_stages, verify_split
 from fxpipe.passes.trace import trace
 from fxpipe.pipeline import Pipeline, Stage
@@ -59,10 +59,11 @@ def build_steps(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     steps += [
         Step("partition-stages", lambda gm: partition_stages(
             need(gm), num_stages="plan" if options.plan_search else "auto" if options.stage_objective is not None
-            else options.stages, devices=options.devices,
-            bandwidth=options.bandwidth, latency=options.latency, memory_per_stage=options.memory_per_stage,
-            microbatches=options.microbatches, schedule=options.schedule_name, objective=options.stage_objective,
-            max_stages=options.max_stages, dp=options.dp, cores=options.cores, overheads=overheads,
+            else options.stages, link=Link(options.bandwidth, options.latency),
+            memory_per_stage=options.memory_per_stage, microbatches=options.microbatches,
+            schedule=options.schedule_name, search=StageSearch(
+                objective=options.stage_objective, max_stages=options.max_stages, devices=options.devices,
+                dp=options.dp, cores=options.cores, overheads=overheads),
             balance_backward=options.balance_backward, input_grads=options.input_grads), verify_stages),
         Step("split-stages", lambda gm: split_stages(need(gm)), verify_split),
     ]

@@ -16,7 +16,7 @@ from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
 from fxpipe.planning.stage_dp import StagePlan, min_memory_cap, plan_for_bounds, plan_stages
 from fxpipe.report import Report
-from fxpipe.plan import DEFAULTS, RuntimeOverheads
+from fxpipe.plan import DEFAULTS, Link, RuntimeOverheads
 from fxpipe.schedules.auto import FIXED, greedy_limits
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
@@ -33,21 +33,39 @@ class Cut:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class StageSearch:
+    """How ``partition_stages`` searches when it chooses the stage count (``"auto"``) or the whole plan (``"plan"``);
+    a fixed stage count reads only ``dp`` and ``cores``.
+
+    Attributes:
+        objective: The rule ``"auto"`` picks a count by (``fastest``, ``efficiency[:E]``, ``speedup:X``); None:
+            ``fastest``.
+        max_stages: The most stages ``"auto"`` tries; None: ``stage_count.DEFAULT_MAX_STAGES``.
+        devices: The devices ``"plan"`` lays stages x replicas on; None: ``stage_count.DEFAULT_MAX_STAGES``.
+        dp: Replicas of every stage ``"auto"`` plans for (their ranks time-share ``cores`` too).
+        cores: The cores the plan's ranks time-share, so each candidate's compute counts ``max(1, ranks / cores)``
+            times; None: a core per rank.
+        overheads: The runtime's fixed costs the planners simulate with (``Costs.with_runtime``); None: none.
+    """
+
+    objective: str | None = None
+    max_stages: int | None = None
+    devices: int | None = None
+    dp: int = 1
+    cores: int | None = None
+    overheads: RuntimeOverheads | None = None
+
+
 def partition_stages(
     gm: torch.fx.GraphModule,
     *,
     num_stages: int | str,
-    bandwidth: float | None = None,
-    latency: float | None = None,
+    link: Link | None = None,
     memory_per_stage: float | None = None,
     microbatches: int | None = None,
     schedule: str = "1f1b",
-    objective: str | None = None,
-    max_stages: int | None = None,
-    devices: int | None = None,
-    dp: int = 1,
-    cores: int | None = None,
-    overheads: RuntimeOverheads | None = None,
+    search: StageSearch = StageSearch(),
     balance_backward: bool = False,
     input_grads: bool = False,
 ) -> PassResult:
@@ -57,47 +75,46 @@ def partition_stages(
     Writes: NodeMeta.stage_idx on every call node.
     A stage's time is its layers' F+B+W time plus sending every value that crosses its cuts
     (activations over its right cut, their gradients over its left cut; skip connections
-    included) at ``latency + bytes / bandwidth``. ``memory_per_stage`` caps parameters,
-    gradients and optimizer state (4 bytes per parameter byte) plus the activations ``schedule``
-    keeps in flight at its peak on that stage (``fxpipe.planning.cost.in_flight``: for 1F1B
-    ``min(stages - stage_idx, microbatches)`` microbatches; a microbatch between B and W, which
-    the split schedules keep, counts its F->B bytes again, as the plan's costs assume until
-    split-backward measures them). ``auto`` plans for the most any of its candidates holds, so
-    whichever it picks fits. ``microbatches`` None: ``DEFAULTS.microbatches``, 2 x the stage count (for ``auto``,
-    every count it searches).
+    included) at ``latency + bytes / bandwidth``.
 
-    ``num_stages="auto"`` chooses the count too (``fxpipe.planning.stage_count``): for every count up
-    to ``max_stages`` (None: ``stage_count.DEFAULT_MAX_STAGES``, 8) the partition that minimises the pipeline step model,
-    each simulated under ``schedule`` (1F1B for ``auto``), and the count ``objective`` picks
-    (``fastest``, the default; ``efficiency[:E]`` or ``speedup:X``); its report has a row
-    per count, and a second report merges from one partition per layer on the same budget
-    (``fxpipe.planning.merge``: each merge's communication saved and imbalance added).
+    ``num_stages="auto"`` chooses the count too (``fxpipe.planning.stage_count``): for every count up to
+    ``search.max_stages`` the partition that minimises the pipeline step model, each simulated under ``schedule``
+    (1F1B for ``auto``), and the count ``search.objective`` picks; its report has a row per count, and a second
+    report merges from one partition per layer on the same budget (``fxpipe.planning.merge``).
+    ``num_stages="plan"`` searches stages x dp replicas x schedule x microbatches on ``search.devices``
+    (``fxpipe.planning.plan_search``): the model screens every candidate, the best are simulated, and the fastest
+    simulated is the plan; ``out.meta["fxpipe_plan_choice"]`` holds its stages, dp, schedule and microbatches.
 
-    ``num_stages="plan"`` searches stages x dp replicas x schedule x microbatches on ``devices``
-    (``fxpipe.planning.plan_search``, ``memory_per_stage`` the cap per device): the model screens every
-    candidate, the best 16 are simulated, and the fastest simulated (microbatches per second over
-    all replicas) is the plan; ``out.meta["fxpipe_plan_choice"]`` holds its stages, dp, schedule and
-    microbatches for the Plan.
+    Args:
+        gm: The graph after ``group_layers`` and the cost passes; not mutated.
+        num_stages: A stage count, ``"auto"`` or ``"plan"``.
+        link: The link a cut's values cross; None: ``DEFAULTS``' bandwidth and latency.
+        memory_per_stage: A cap on each stage's parameters, gradients and optimizer state (4 bytes per parameter
+            byte) plus the activations ``schedule`` keeps in flight at its peak on that stage
+            (``fxpipe.planning.cost.in_flight``); under ``"plan"``, the cap per device. None: no cap.
+        microbatches: The microbatches the memory in flight is planned for; None: ``DEFAULTS.microbatches`` of the
+            stage count (for ``auto``, every count it searches).
+        schedule: The schedule whose activations in flight are planned for; ``auto`` plans for the most any of
+            its candidates holds, so whichever it picks fits.
+        search: How ``"auto"`` and ``"plan"`` search (:class:`StageSearch`).
+        balance_backward: LayerPipe's inter-layer balance: the DP also chooses, at each cut, whether the derivative
+            of an activation crossing it (:func:`movable_derivatives`) runs in the B of the stage after the cut;
+            ``StagePlan.moves`` lists them and the ``balance-backward`` pass makes them.
+        input_grads: Whether the first stage's inputs take a gradient; without it the first stage's backward is
+            all W and no derivative moves out of it.
 
-    ``cores`` (``num_stages`` ``"plan"`` or ``"auto"`` only): the ranks time-share that many cores, so each
-    candidate's compute counts ``max(1, ranks / cores)`` times in its modelled and its simulated step
-    (``Costs.cores``; ranks = stages x dp, ``dp`` the replicas ``"auto"`` plans for); None: a core per
-    rank. A fixed stage count ignores both. ``overheads``: the runtime's fixed costs the planners (``"auto"``,
-    ``"plan"``) simulate with (``Costs.with_runtime``; the caller reads them from the machine model,
-    ``fxpipe.calibration.compute.compute_overheads``); None: none.
+    Returns:
+        A PassResult whose graph has every node's stage, the ``StagePlan`` in ``gm.meta["fxpipe_stage_plan"]``, and
+        the partition's report (with ``"auto"``, also the count and merge reports; with ``"plan"``, the candidates').
 
-    ``balance_backward`` (LayerPipe's inter-layer balance): the DP also chooses, at each cut it makes, whether the
-    derivative of an activation crossing it (relu, tanh, sigmoid; :func:`movable_derivatives`) runs in the B of
-    the stage after the cut; ``StagePlan.moves`` lists them and the ``balance-backward`` pass makes them on the
-    split graphs. Under ``"auto"`` and ``"plan"`` the moves are chosen for the cuts those planners chose. Without
-    ``input_grads`` the first stage's inputs take no gradient, so its backward is all W and none moves out of it.
-    Raises: PlanError when the stage count is impossible or no plan meets the cap (naming the
-    smallest cap that works); OptionError for an unknown schedule or counts it cannot take.
+    Raises:
+        PlanError: The stage count is impossible, or no plan meets the cap (naming the smallest cap that works).
+        OptionError: An unknown schedule, or counts it cannot take.
 
         layers [emb, b0, b1, b2, b3, head], 2 stages  ──▶  stage 0: emb..b1 | stage 1: b2..head
     """
-    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
-    latency = DEFAULTS.latency if latency is None else latency
+    link = Link(DEFAULTS.bandwidth, DEFAULTS.latency) if link is None else link
+    bandwidth, latency, cores, dp = link.bandwidth, link.latency, search.cores, search.dp
     if cores is not None and cores < 1:
         raise OptionError(f"--cores must be at least 1 (cores: {cores}); leave it out to model no time-sharing")
     if dp < 1:
@@ -113,9 +130,8 @@ def partition_stages(
     choice: dict[str, object] | None = None
     shift = _cache_shift(out) if cores is not None else None  # the ranks share this machine: its cache too
     if num_stages == "plan":
-        choice, counted = _search_plans(stats, cut_bytes, static, devices=devices, bandwidth=bandwidth,
-                                        latency=latency, memory_cap=memory_per_stage, overheads=overheads,
-                                        cores=cores, cache=shift, shared=_shared_params(out, stats))
+        choice, counted = _search_plans(stats, cut_bytes, static, link=link, memory_cap=memory_per_stage,
+                                        search=search, cache=shift, shared=_shared_params(out, stats))
         num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
         schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
         dp = int(choice["dp"])  # type: ignore[call-overload]
@@ -124,10 +140,9 @@ def partition_stages(
         stats = layer_stats(out)
     if num_stages == "auto":
         num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, shared=_shared_params(out, stats),
-                                                    bandwidth=bandwidth, latency=latency,
-                                                    memory_cap=memory_per_stage, microbatches=microbatches,
-                                                    schedule=schedule, objective=objective, max_stages=max_stages,
-                                                    overheads=overheads, dp=dp, cores=cores)
+                                                    link=link, memory_cap=memory_per_stage,
+                                                    microbatches=microbatches, schedule=schedule,
+                                                    search=search)
     elif num_stages != "plan" and (not isinstance(num_stages, int) or num_stages < 1):
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
@@ -265,13 +280,12 @@ def _read_more_from_memory(gm: torch.fx.GraphModule, shift: float) -> None:
 
 
 def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *,
-                  shared: dict[str, float] | None = None, bandwidth: float,
-                  latency: float, memory_cap: float | None, microbatches: int | None, schedule: str,
-                  objective: str | None, max_stages: int | None,
-                  overheads: RuntimeOverheads | None = None, dp: int = 1,
-                  cores: int | None = None) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
+                  shared: dict[str, float] | None = None, link: Link, memory_cap: float | None,
+                  microbatches: int | None, schedule: str,
+                  search: StageSearch) -> tuple[int, tuple[int, ...], tuple[Report, ...]]:
     """``--stages auto``: every count's best partition (the step model), simulated; the count the objective picks.
-    With ``cores``, P stages on ``dp`` replicas compute ``max(1, P x dp / cores)`` times slower in both."""
+    With ``search.cores``, P stages on ``search.dp`` replicas compute ``max(1, P x dp / cores)`` times slower in
+    both."""
     from fxpipe.planning.cost import transfer_time
     from fxpipe.planning.plan_search import time_sharing
     from fxpipe.planning.merge import merge_partitions
@@ -280,7 +294,9 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate
 
-    goal = DEFAULT_OBJECTIVE if objective is None else parse_objective(objective)
+    bandwidth, latency, max_stages = link.bandwidth, link.latency, search.max_stages
+    overheads, dp, cores = search.overheads, search.dp, search.cores
+    goal = DEFAULT_OBJECTIVE if search.objective is None else parse_objective(search.objective)
     num_layers = len(stats)
     if max_stages is not None and max_stages < 1:
         raise OptionError(f"the stage budget must be at least 1 (max stages: {max_stages}); give --devices >= --dp")
@@ -338,21 +354,20 @@ SIMULATED_CANDIDATES = 16
 """How many of the model's best candidates ``--plan auto`` simulates."""
 
 
-def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, devices: int | None,
-                  bandwidth: float, latency: float,
-                  memory_cap: float | None,
-                  overheads: RuntimeOverheads | None = None,
-                  cores: int | None = None,
+def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, link: Link,
+                  memory_cap: float | None, search: StageSearch,
                   cache: Callable[[int], float] | None = None,
                   shared: dict[str, float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
-    """``--plan auto``: every (stages, dp, schedule, microbatches) on the devices, screened by the model, the best
-    simulated; the fastest simulated is the plan. With ``cores`` both the model and the simulator time-share them."""
+    """``--plan auto``: every (stages, dp, schedule, microbatches) on ``search.devices``, screened by the model, the
+    best simulated; the fastest simulated is the plan. With ``search.cores`` both the model and the simulator
+    time-share them."""
     from fxpipe.planning.plan_search import Layers, plan_candidates, time_sharing
     from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate
 
-    budget = DEFAULT_MAX_STAGES if devices is None else devices
+    bandwidth, latency, overheads, cores = link.bandwidth, link.latency, search.overheads, search.cores
+    budget = DEFAULT_MAX_STAGES if search.devices is None else search.devices
     layers = Layers(tuple(s.time for s in stats), tuple(float(s.saved_bytes) for s in stats), tuple(static),
                     tuple(float(s.param_bytes) for s in stats), tuple(cut_bytes), tuple(s.cold for s in stats))
     candidates = plan_candidates(layers, budget, bandwidth=bandwidth, latency=latency, memory_cap=memory_cap,

@@ -420,7 +420,7 @@ def test_replicas_sharing_the_cache_move_each_gemm_along_its_slope_to_their_copi
     copies, which is what annotating one copy against a cache 1/dp the size gives; the plan's stage costs and the
     recorded miss follow. mlp-deep (S = 128 MiB) on 160 MiB: one copy fits, two read 3/8 of each weight from memory."""
     from fxpipe.passes.group_layers import group_layers
-    from fxpipe.passes.partition_stages import partition_stages
+    from fxpipe.passes.partition_stages import StageSearch, partition_stages
 
     hot, cold = ((1.0, 4e10), (128.0, 8e10)), ((1.0, 1e10), (128.0, 2e10))
     rates = dataclasses.replace(RATES, mem_bw=1e30, gemm_curve=hot, gemm_w_curve=hot, gemm_cold_curve=cold,
@@ -433,7 +433,7 @@ def test_replicas_sharing_the_cache_move_each_gemm_along_its_slope_to_their_copi
     miss = half.meta["fxpipe_cache_miss"]
     assert miss == pytest.approx(3 / 8, abs=1e-3)
     grouped = group_layers(one).gm
-    planned = partition_stages(grouped, num_stages="auto", dp=2, cores=2, max_stages=2).gm
+    planned = partition_stages(grouped, num_stages="auto", search=StageSearch(dp=2, cores=2, max_stages=2)).gm
     assert planned.meta["fxpipe_cache_miss"] == pytest.approx(miss)
     fields = ("time_fwd", "time_bwd_input", "time_bwd_weight")
     moved = {n.name: get_meta(n) for n in planned.graph.nodes}
@@ -444,7 +444,7 @@ def test_replicas_sharing_the_cache_move_each_gemm_along_its_slope_to_their_copi
             assert getattr(got, f) == pytest.approx(getattr(want, f), rel=1e-9)
         gemms += want.cold_fwd > 0
     assert gemms == sum(isinstance(m, torch.nn.Linear) for m in zoo.model.modules()) == 16  # mlp-deep's linears
-    alone = partition_stages(grouped, num_stages="auto", dp=2, max_stages=2).gm  # no --cores: a machine each
+    alone = partition_stages(grouped, num_stages="auto", search=StageSearch(dp=2, max_stages=2)).gm  # no --cores
     assert alone.meta["fxpipe_cache_miss"] == 0.0
     total = {k: sum(c[k] for c in planned.meta["fxpipe_stage_costs"]) for k in "fbw"}
     base = {k: sum(c[k] for c in alone.meta["fxpipe_stage_costs"]) for k in "fbw"}

@@ -15,9 +15,9 @@ from fxpipe.graphs.fx import compute_nodes
 from fxpipe.meta import get_meta
 from fxpipe.api import build_steps
 from fxpipe.passes import PassResult, run_steps
-from fxpipe.plan import CompileOptions
+from fxpipe.plan import CompileOptions, Link
 from fxpipe.passes.group_layers import layer_stats
-from fxpipe.passes.partition_stages import _cut_bytes, partition_stages, stage_cuts, verify_stages
+from fxpipe.passes.partition_stages import StageSearch, _cut_bytes, partition_stages, stage_cuts, verify_stages
 from fxpipe.planning.stage_dp import stage_time
 
 
@@ -64,7 +64,7 @@ def test_partition_is_optimal_on_a_real_graph() -> None:
     gm = _grouped(zoo.model, zoo.example_inputs)
     costs = [s.time for s in layer_stats(gm)]
     cuts = _cut_bytes(gm, len(costs))
-    out = partition_stages(gm, num_stages=3, bandwidth=1e8, latency=1e-4)
+    out = partition_stages(gm, num_stages=3, link=Link(1e8, 1e-4))
     plan = out.gm.meta["fxpipe_stage_plan"]
     best = math.inf
     for inner in itertools.combinations(range(1, len(costs)), 2):
@@ -178,9 +178,9 @@ def mlp_deep() -> torch.fx.GraphModule:
 def test_plan_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_deep: torch.fx.GraphModule) -> None:
     from fxpipe.planning.plan_search import time_sharing
 
-    free = _rows(partition_stages(mlp_deep, num_stages="plan", devices=4), "plan auto")
+    free = _rows(partition_stages(mlp_deep, num_stages="plan", search=StageSearch(devices=4)), "plan auto")
     assert next(r for r in free if r[""] == "chosen")["devices"] == 4  # a core per rank: 4 ranks are fastest
-    out = partition_stages(mlp_deep, num_stages="plan", devices=4, cores=2)
+    out = partition_stages(mlp_deep, num_stages="plan", search=StageSearch(devices=4, cores=2))
     rows = _rows(out, "plan auto")
     chosen = [r for r in rows if r[""] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["devices"] <= 2
@@ -207,7 +207,8 @@ def test_the_screen_keeps_the_time_shared_pick_simulating_everything_makes(
     for everything in (False, True):
         if everything:
             monkeypatch.setattr(pass_module, "SIMULATED_CANDIDATES", 10**6)
-        rows = _rows(partition_stages(mlp_deep, num_stages="plan", devices=4, cores=2), "plan auto")
+        out = partition_stages(mlp_deep, num_stages="plan", search=StageSearch(devices=4, cores=2))
+        rows = _rows(out, "plan auto")
         row = next(r for r in rows if r[""] == "chosen")
         picks.append((row["stages"], row["dp"], row["schedule"], row["microbatches"], len(rows)))
     assert picks[0][:4] == picks[1][:4] and picks[1][4] > picks[0][4]
@@ -215,9 +216,9 @@ def test_the_screen_keeps_the_time_shared_pick_simulating_everything_makes(
 
 def test_stages_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_deep: torch.fx.GraphModule) -> None:
     title = "partition-stages: stage count"
-    free = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=4), title)
+    free = _rows(partition_stages(mlp_deep, num_stages="auto", search=StageSearch(max_stages=4)), title)
     assert next(r for r in free if r[""] == "chosen")["stages"] == 4
-    rows = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=4, cores=2), title)
+    rows = _rows(partition_stages(mlp_deep, num_stages="auto", search=StageSearch(max_stages=4, cores=2)), title)
     chosen = [r for r in rows if r[""] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["stages"] <= 2
     assert all(chosen[0]["speedup"] >= r["speedup"] for r in rows)
@@ -227,13 +228,14 @@ def test_stages_auto_on_fewer_cores_than_devices_picks_by_time_shared_speed(mlp_
         assert (r["simulated step ms"] == by[r["stages"]]["simulated step ms"]) if r["stages"] <= 2 else (
             r["simulated step ms"] > by[r["stages"]]["simulated step ms"])
     # dp replicas time-share too: 2 stages x 2 replicas on 2 cores compute twice as slowly.
-    shared = _rows(partition_stages(mlp_deep, num_stages="auto", max_stages=2, dp=2, cores=2), title)
+    shared = _rows(partition_stages(mlp_deep, num_stages="auto", search=StageSearch(max_stages=2, dp=2, cores=2)),
+                   title)
     assert [r["compute x"] for r in shared] == [1.0, 2.0]
 
 
 def test_cores_below_one_are_refused(mlp_deep: torch.fx.GraphModule) -> None:
     with pytest.raises(OptionError, match=r"--cores must be at least 1 \(cores: 0\)"):
-        partition_stages(mlp_deep, num_stages="plan", devices=4, cores=0)
+        partition_stages(mlp_deep, num_stages="plan", search=StageSearch(devices=4, cores=0))
 
 
 def test_the_planners_sum_a_weight_tied_across_stages_after_their_compute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,10 +255,11 @@ def test_the_planners_sum_a_weight_tied_across_stages_after_their_compute(monkey
     assert ps._tied(stats, [(0, last)], shared) == ()  # one stage holds both: nothing to sum
     assert ps._tied(stats, [(0, 2), (2, last)], shared) == (((0, 1), shared["lm_head.weight"]),)
     assert ps._tied(stats, [(0, 1), (1, 2), (2, last)], shared) == (((0, 2), shared["lm_head.weight"]),)
-    slow = dict(bandwidth=1e6, latency=1e-3)  # a slow link: the tied all-reduce shows in every multi-stage count
-    tied = _rows(partition_stages(gm, num_stages="auto", max_stages=3, **slow), "partition-stages: stage count")
+    slow = Link(1e6, 1e-3)  # a slow link: the tied all-reduce shows in every multi-stage count
+    three = StageSearch(max_stages=3)
+    tied = _rows(partition_stages(gm, num_stages="auto", link=slow, search=three), "partition-stages: stage count")
     monkeypatch.setattr(ps, "_shared_params", lambda gm, stats: {})
-    untied = _rows(partition_stages(gm, num_stages="auto", max_stages=3, **slow), "partition-stages: stage count")
+    untied = _rows(partition_stages(gm, num_stages="auto", link=slow, search=three), "partition-stages: stage count")
     column = next(k for k in tied[0] if k.startswith("simulated"))
     for a, b in zip(tied, untied):
         if a["stages"] == 1:
