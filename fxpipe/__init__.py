@@ -1,7 +1,8 @@
 """fxpipe: torch.fx passes that turn a PyTorch model into a pipeline-parallel training program.
 
 Public API: ``compile``, ``load``, ``save``, ``Pipeline``, ``Stage``, ``Plan``, the errors, and ``export_torch`` /
-``torch_schedule`` (a plan on torch.distributed.pipelining's runtime). Attributes load
+``torch_schedule`` (a plan on torch.distributed.pipelining's runtime), ``RuntimeOptions`` (how
+``fxpipe.runtime.PipelineRuntime`` trains). Attributes load
 lazily so that ``fxpipe --help`` answers without importing torch.
 """
 
@@ -17,12 +18,13 @@ if TYPE_CHECKING:
     from fxpipe.graphs.convention import Record
     from fxpipe.pipeline import Pipeline, Stage
     from fxpipe.plan import Plan
+    from fxpipe.runtime.options import RuntimeOptions
     from fxpipe.runtime.torch_export import export_torch, torch_schedule
 
 _LAZY = {"compile": "fxpipe.api", "load": "fxpipe.api", "save": "fxpipe.api", "Pipeline": "fxpipe.pipeline",
          "Stage": "fxpipe.pipeline", "Plan": "fxpipe.plan", "Record": "fxpipe.graphs.convention",
          "DEFAULTS": "fxpipe.plan", "last_report": "fxpipe.backend", "export_torch": "fxpipe.runtime.torch_export",
-         "torch_schedule": "fxpipe.runtime.torch_export"}
+         "torch_schedule": "fxpipe.runtime.torch_export", "RuntimeOptions": "fxpipe.runtime.options"}
 
 
 def __getattr__(name: str) -> Any:
@@ -39,6 +41,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULTS", "FxpipeError", "LoweringError", "OptionError", "Pipeline", "Plan", "PlanError", "PlanFileError",
-    "RankFailedError", "Record", "ScheduleError", "Stage", "TargetError", "TraceError", "VerifyError", "compile", "export_torch",
-    "last_report", "load", "save", "torch_schedule",
+    "RankFailedError", "Record", "RuntimeOptions", "ScheduleError", "Stage", "TargetError", "TraceError",
+    "VerifyError", "compile", "export_torch", "last_report", "load", "save", "torch_schedule",
 ]

@@ -3,7 +3,7 @@ single-process reference executor (the oracle for schedules)."""
 
 from typing import Any
 
-__all__ = ["PipelineRuntime"]
+__all__ = ["PipelineRuntime", "RuntimeOptions"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing the reference executor needs no torch.distributed
@@ -11,4 +11,8 @@ def __getattr__(name: str) -> Any:  # lazy: importing the reference executor nee
         from fxpipe.runtime.executor import PipelineRuntime
 
         return PipelineRuntime
+    if name == "RuntimeOptions":
+        from fxpipe.runtime.options import RuntimeOptions
+
+        return RuntimeOptions
     raise AttributeError(f"module 'fxpipe.runtime' has no attribute {name!r}")

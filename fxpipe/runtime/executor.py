@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe._compat import autocast_forward, pytree
+from fxpipe._overrides import with_overrides
 from fxpipe.errors import CheckpointError, OptionError, RankFailedError
 from fxpipe.graphs.accumulate import accumulating_weight_graph
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
@@ -49,7 +50,8 @@ from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lane import WLane, refusal as lane_refusal
 from fxpipe.runtime.lower import FORWARD, Message, lower
-from fxpipe.runtime.optim import (LossScaler, LRSchedule, SchedulerFactory, autocast_loss, autocast_of,
+from fxpipe.runtime.options import RuntimeOptions
+from fxpipe.runtime.optim import (LossScaler, LRSchedule, OptimizerSpec, autocast_loss, autocast_of,
                                   clip_coefficient, optimizer_factory, scheduler_factory, squared_norm)
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
@@ -62,55 +64,49 @@ if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and impor
 class PipelineRuntime:
     """Trains one mini-batch per :meth:`step` on this rank's stages of a plan under a schedule.
 
-    ``plan`` is a compiled :class:`fxpipe.Pipeline` or a plan directory (``fxpipe compile --out``).
-    ``schedule`` is a :class:`Schedule`, a schedule name (``fxpipe simulate``'s names, ``auto``
-    included) or None: the schedule recorded in the plan, else 1F1B. ``optimizer`` makes one
-    optimizer per stage from that stage's parameters (any ``torch.optim`` class or factory;
-    default SGD, lr 0.01). ``loss_fn(outputs, target)`` is required (the runtime imports no model, so it has
-    no loss of its own). Every rank builds the same plan and schedule and runs only its own part.
-    ``mesh``: a ``DeviceMesh`` with dimensions ``("pp", "dp")`` (pipeline positions x replicas of
-    every stage); None lays out ``world // schedule ranks`` replicas itself (see
-    :mod:`fxpipe.runtime.replicas`; with replicas, :meth:`step` takes the whole batch).
-    ``prefetch``: None posts all of a step's receives at its start into buffers reused every
-    step (fastest; one buffer per message of the step); K posts each action's receives K
-    actions ahead into new buffers, so receive memory follows the schedule's in-flight count.
-    ``track_memory`` (also settable between steps): count, per stage of this rank, the bytes kept
-    between actions for a microbatch's later ones (:class:`fxpipe.runtime.core.HeldBytes`; a few
-    percent of a step of small stages, so off by default); :attr:`peak_held_bytes` is the peak of
-    the last step counted (of :meth:`train`: the whole stream's).
-    ``host``: the process-wide settings this rank asks for (:class:`fxpipe.calibration.host.HostTuning`: CPU
-    pinning, gloo's socket threads' priority, a yield after each send, freed memory kept); None changes none.
-    ``optimizer`` may also be ``"sgd"``/``"adamw"`` or an :class:`fxpipe.runtime.optim.OptimizerSpec`;
-    ``lr_schedule`` an :class:`fxpipe.runtime.optim.LRSchedule` (or a factory of an optimizer's
-    ``LRScheduler``), stepped once per step; ``clip_grad_norm``: clip the gradients to this global norm
-    (``math.inf``: only measure it); ``precision``: ``fp32``, or ``bf16``/``fp16`` autocast in the stage graphs
-    with fp32 weights (fp16 with a loss scale). After each step, :attr:`lr` is the learning rate it used and
-    :attr:`last_grad_norm` the global gradient norm before clipping (None unless clipping or fp16 needs it).
-    See :mod:`fxpipe.runtime.optim`.
-    ``recompute``: ``none``, ``stage`` (every stage whose inputs are smaller than what its F saves keeps only them
-    from F to B, and B runs F again on them first), ``auto`` (the stages the plan's memory cap needs:
-    :func:`fxpipe.schedules.auto.plan_recompute`), or stage indices; :attr:`recompute` holds the stages chosen
-    (every rank's), :attr:`recompute_note` why. Synchronous schedules; the recomputed forward runs the eager F graph.
-    ``tag_blind``: one tag for all of a pair of ranks' messages, matched first in, first out, as NCCL does
-    (None: under NCCL only; True on gloo tests the order NCCL needs); its receives are posted right before the
-    action that reads them (``prefetch`` 0) unless ``prefetch`` says otherwise. See :mod:`fxpipe.runtime.channel`.
+    Every rank builds the same plan and schedule and runs only its own part. After each step, :attr:`lr` is the
+    learning rate it used and :attr:`last_grad_norm` the global gradient norm before clipping (None unless clipping
+    or fp16 needs it); :attr:`recompute` holds the stages that recompute their forward and :attr:`recompute_note`
+    why; :attr:`peak_held_bytes` the bytes kept between actions when ``track_memory`` (settable between steps).
+
+    Args:
+        plan: A compiled :class:`fxpipe.Pipeline`, or a plan directory (``fxpipe compile --out``).
+        schedule: A :class:`Schedule`, a schedule name (``fxpipe simulate``'s, ``auto`` included), or None: the
+            schedule recorded in the plan, else ``DEFAULTS.schedule``.
+        loss_fn: ``loss_fn(outputs, target) -> loss`` on the last stage's rank. Required: the runtime imports no
+            model, so it has no loss of its own.
+        options: How it trains (:class:`RuntimeOptions`); None: ``RuntimeOptions()``.
+        example_inputs: One microbatch's inputs, to shape the stage graphs; None: built from the plan's specs.
+        device: This rank's device; None: where the plan's parameters are.
+        mesh: A ``DeviceMesh`` with dimensions ``("pp", "dp")`` (pipeline positions x replicas of every stage);
+            None lays out ``world // schedule ranks`` replicas itself (with replicas, :meth:`step` takes the whole
+            batch).
+        host: The process-wide settings this rank asks for (:class:`fxpipe.calibration.host.HostTuning`: CPU
+            pinning, gloo's socket threads' priority, a yield after each send); None changes none.
+        **overrides: Fields of ``options`` by name, replacing its values (the keyword arguments of before
+            :class:`RuntimeOptions`).
+
+    Raises:
+        TypeError: An override that is no field of :class:`RuntimeOptions`.
+        OptionError: No ``loss_fn``, an option the schedule cannot run (clipping, fp16, an lr schedule, recompute or
+            compiled stages under an asynchronous schedule), or options that differ between ranks.
+        RankFailedError: A peer that fails or stops answering within ``options.timeout``.
     """
 
     def __init__(self, plan: Any, schedule: Schedule | str | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
-                 optimizer: str | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-                 lr_schedule: str | LRSchedule | SchedulerFactory | None = None,
-                 clip_grad_norm: float | None = None, precision: str = "fp32",
-                 microbatches: int | None = None, example_inputs: Sequence[Any] | None = None,
-                 timeout: timedelta | None = None, device: torch.device | str | None = None,
-                 prefetch: int | None = None, weights: str = "stash", mesh: Any = None,
-                 track_memory: bool = False, codegen: str = "eager", cuda_graphs: bool | None = None,
-                 host: HostTuning | None = None, recompute: str | Iterable[int] = "none",
-                 tag_blind: bool | None = None, w_lane: bool = False) -> None:
+                 options: RuntimeOptions | None = None, example_inputs: Sequence[Any] | None = None,
+                 device: torch.device | str | None = None, mesh: Any = None, host: HostTuning | None = None,
+                 **overrides: Any) -> None:
+        o = self.options = with_overrides(RuntimeOptions() if options is None else options, overrides,
+                                          "PipelineRuntime")
+        microbatches, optimizer, lr_schedule, precision = o.microbatches, o.optimizer, o.lr_schedule, o.precision
+        clip_grad_norm, weights, codegen, recompute, tag_blind = (o.clip_grad_norm, o.weights, o.codegen,
+                                                                  o.recompute, o.tag_blind)
         if microbatches is not None:  # before the process group: a wrong count is one line, not a hang
             LIMITS.whole("microbatches", microbatches, LIMITS.microbatches, "a schedule lists every microbatch's "
                          "actions")
-        _init_process_group(timeout)
+        _init_process_group(o.timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         pipe = _resolve_plan(plan)
         schedule = _resolve_schedule(pipe, schedule, microbatches)
@@ -125,7 +121,7 @@ class PipelineRuntime:
         _check_same_program(pipe, schedule, self.rank, (
             ("weights", weights), ("precision", precision), ("codegen", codegen), ("tag_blind", repr(tag_blind)),
             ("recompute", repr(recompute if isinstance(recompute, str) else sorted(recompute))),
-            ("clip_grad_norm", repr(clip_grad_norm)),
+            ("clip_grad_norm", repr(clip_grad_norm)), ("lr", repr(o.lr)),
             ("optimizer", optimizer if isinstance(optimizer, str) or optimizer is None else "(a callable)"),
             ("lr_schedule", lr_schedule if isinstance(lr_schedule, str) or lr_schedule is None else "(an object)")))
         # Stages on rank groups: this rank's pipeline position and replica on the pp x dp mesh.
@@ -154,7 +150,7 @@ class PipelineRuntime:
         if not schedule.synchronous:
             check_async(pipe, graphs)
         self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, list(graphs)
-        self.timeout = timeout
+        self.timeout = o.timeout
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
         self.program = replicas.on_ranks(lower(pipe, schedule, self.pp_rank, graphs), self.layout)
@@ -176,7 +172,7 @@ class PipelineRuntime:
                 self.readers[n] += 1
         # One optimizer per stage, over the parameters that stage is first on this rank to hold (a
         # parameter two of this rank's stages share is stepped once).
-        make = optimizer_factory(optimizer)
+        make = _optimizer(o)
         owned: set[int] = set()
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         for s in self.mine:
@@ -204,7 +200,7 @@ class PipelineRuntime:
         self.recompute, self.recompute_note = self._recompute_stages(recompute)
         self.core.recomputing(s for s in self.recompute if s in self.mine)  # before the graphs are compiled
         self.held = HeldBytes([st.module for st in self.stages])
-        self.track_memory = track_memory
+        self.track_memory = o.track_memory
         # Tied parameters held on several ranks: one group each (created by every rank, in one order).
         self.shared: list[tuple[torch.nn.Parameter, Any, list[int]]] = []
         # With replicas, one group per replica: the tied weight's holders among that replica's ranks.
@@ -232,6 +228,7 @@ class PipelineRuntime:
             self.sync = replicas.GradSync(self.mesh.get_group("dp"), self.stage_params, ws)
             replicas.attach(self.sync)
         self.codegen = self._compile_stages(codegen)
+        cuda_graphs = o.cuda_graphs
         if cuda_graphs is None:  # the default: on where it can be, a CUDA rank running a synchronous schedule's eager graphs
             cuda_graphs = self.device.type == "cuda" and schedule.synchronous and self.codegen == "eager"
         self.graph_set = self._graph_stages() if cuda_graphs else None
@@ -243,10 +240,11 @@ class PipelineRuntime:
         if self._w_runs:
             self._build_batches(example_inputs)
         self._stepped: set[int] = set()  # stages whose optimizer this step has already stepped
-        self.w_lane = self._lane(w_lane, schedule)
-        self.channel = Channel(self.device, timeout, yield_after_send=host is not None and host.yields_after_send(
+        self.w_lane = self._lane(o.w_lane, schedule)
+        self.channel = Channel(self.device, o.timeout, yield_after_send=host is not None and host.yields_after_send(
             _mean_action(pipe.plan.stages, self.mine)), tag_blind=tag_blind)
         self.tag_blind = self.channel.tag_blind
+        prefetch = o.prefetch
         if prefetch is None and self.tag_blind:
             prefetch = 0  # NCCL runs a pair's messages on one stream: a step's receives all first would block its sends
         if prefetch is not None and prefetch < 0:
@@ -715,10 +713,13 @@ class PipelineRuntime:
             if left.get(name, 0) == 0 and name not in keep:  # read only on other ranks (sent already)
                 values.pop(name, None)
 
-    def save_checkpoint(self, directory: str | os.PathLike[str], step: int, *,
-                        keep: int = checkpoint.DEFAULT_KEEP) -> Path:
+    def save_checkpoint(self, directory: str | os.PathLike[str], step: int, *, keep: int | None = None) -> Path:
         """Every rank: save the state after ``step`` as ``directory/step_NNNNNN`` (a DCP checkpoint, complete
-        once every rank's part is in) and keep the newest ``keep`` steps; see :mod:`fxpipe.runtime.checkpoint`."""
+        once every rank's part is in) and keep the newest ``keep`` steps (None: ``options.keep_checkpoints``, else
+        ``checkpoint.DEFAULT_KEEP``); see :mod:`fxpipe.runtime.checkpoint`."""
+        if keep is None:
+            keep = self.options.keep_checkpoints if self.options.keep_checkpoints is not None else \
+                checkpoint.DEFAULT_KEEP
         return checkpoint.save(self, directory, step, keep=keep)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> int:
@@ -1027,6 +1028,14 @@ def _w_runs(ops: Sequence[Any]) -> dict[int, int]:
             out[j] = end
         j = max(end, j + 1)
     return out
+
+
+def _optimizer(o: RuntimeOptions) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """The factory of a stage's optimizer: a named optimizer (None: ``OptimizerSpec``'s) at ``o.lr``; a spec or any
+    other factory as given, with its own learning rate."""
+    if o.optimizer is None or isinstance(o.optimizer, str):
+        return OptimizerSpec(lr=o.lr) if o.optimizer is None else OptimizerSpec(o.optimizer, lr=o.lr)
+    return optimizer_factory(o.optimizer)
 
 
 def _init_process_group(timeout: timedelta | None) -> None:

@@ -178,10 +178,10 @@ def _compiled(name: str) -> tuple[object, fxpipe.Pipeline]:
 
 
 def _runtime(name: str, **options):  # type: ignore[no-untyped-def]
-    from fxpipe.runtime import PipelineRuntime
+    from fxpipe.runtime import PipelineRuntime, RuntimeOptions
 
     zoo, pipe = _compiled(name)
-    return zoo, PipelineRuntime(copy.deepcopy(pipe), one_rank(3, M), zoo.loss_fn, **options)
+    return zoo, PipelineRuntime(copy.deepcopy(pipe), one_rank(3, M), zoo.loss_fn, options=RuntimeOptions(**options))
 
 
 def _reference(zoo, steps: int, *, schedule: LRSchedule, clip: float, precision: str = "fp32",
