@@ -30,7 +30,7 @@ from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, stage_graph, strategy_rows
 from fxpipe.render import render_text
 from fxpipe.report import Report
-from fxpipe.runtime.strategy import StrategyRuntime
+from fxpipe.runtime.strategy import StrategyOptions, StrategyRuntime
 
 FAMILIES = {"vgg": vgg, "resnet": resnet}
 
@@ -95,8 +95,8 @@ def main() -> None:
     if rank == 0:
         for table in tables:
             print(render_text(Report(*table)))
-    rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, stages=[args.cut] if args.stages == 2 else [],
-                         microbatches=args.microbatches if args.stages == 2 else 1)
+    pipelined = StrategyOptions(stages=(args.cut,), microbatches=args.microbatches)
+    rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, options=pipelined if args.stages == 2 else StrategyOptions())
     opt = torch.optim.SGD(rt.parameters(), lr=args.lr, momentum=0.9)
     for step in range(args.steps):
         loss = rt.train_step(x, target, opt)

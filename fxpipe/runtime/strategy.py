@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from fxpipe._compat import TorchDispatchMode, flatten_mesh, gloo_options, process_group_size
+from fxpipe._overrides import with_overrides
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs
 from fxpipe.planning.cost import BUCKET_BYTES
@@ -51,8 +52,8 @@ from fxpipe.schedules.ir import Action, Kind, Schedule
 if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
     from fxpipe.calibration.host import HostTuning
 
-__all__ = ["CollectiveCounter", "Record", "StrategyRuntime", "check_same_strategy", "check_schedule", "fused_backward",
-           "mesh_roles", "strategy_mesh"]
+__all__ = ["CollectiveCounter", "Record", "StrategyOptions", "StrategyRuntime", "check_same_strategy", "check_schedule",
+           "fused_backward", "mesh_roles", "strategy_mesh"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -474,6 +475,26 @@ def check_same_strategy(nodes: Sequence[str], degrees: Sequence[Degrees], rest: 
                       f"rank {other} as {d.name}; {fix}")
 
 
+@dataclass(frozen=True)
+class StrategyOptions:
+    """How a :class:`StrategyRuntime` pipelines and syncs; the same on every rank (the ranks check that they agree).
+
+    Attributes:
+        stages: The node each pipeline stage but the last ends with; (): one stage.
+        microbatches: Microbatches per step when ``schedule`` is a name.
+        schedule: A synchronous :class:`Schedule`, or a name generated for the stages and ``microbatches``.
+        bucket_layers: Sync every layer of a group in one flat buffer cut into ``BUCKET_BYTES`` buckets (DDP's),
+            not one buffer per layer.
+        timeout: How long every collective waits; None: torch's default.
+    """
+
+    stages: Sequence[str] = ()
+    microbatches: int = 1
+    schedule: Schedule | str = "gpipe"
+    bucket_layers: bool = False
+    timeout: timedelta | None = None
+
+
 class StrategyRuntime:
     """Train ``module`` (an fx GraphModule) with one configuration per node on a (2, ..., 2) mesh, or on a
     pipeline of such groups.
@@ -502,14 +523,32 @@ class StrategyRuntime:
 
     ``bucket_layers``: the gradient sync all-reduces every layer of a sync group in one flat buffer cut into
     ``BUCKET_BYTES`` buckets (DDP's), not one buffer per layer (``build_graph(bucket_layers=True)`` costs it).
+
+    Args:
+        module: The model as one fx GraphModule (``strategy_graph``'s); copied, not changed.
+        nodes: The node names of ``module``'s graph, one per layer.
+        specs: Each node's kind (:class:`LayerSpec`).
+        degrees: Each node's configuration.
+        options: Stages, schedule, bucketing and timeout (:class:`StrategyOptions`).
+        mesh: The (2, ..., 2) mesh, or ``("pp", ...)`` when pipelined; None: made over the world.
+        loss_fn: ``loss_fn(outputs, target)``, a mean over the batch.
+        host: The process-wide settings this rank asks for (``HostTuning``); None changes none.
+        **overrides: Fields of ``options`` by name, replacing its values (the keyword arguments of before
+            :class:`StrategyOptions`).
+
+    Raises:
+        TypeError: An override that is no field of :class:`StrategyOptions`.
+        OptionError: Nodes, specs and configurations that do not match, or the ranks' strategies or options differ.
     """
 
     def __init__(self, module: fx.GraphModule, nodes: Sequence[str], specs: Sequence[LayerSpec],
-                 degrees: Sequence[Degrees], *, mesh: DeviceMesh | None = None, stages: Sequence[str] = (),
-                 microbatches: int = 1, schedule: Schedule | str = "gpipe",
+                 degrees: Sequence[Degrees], *, options: StrategyOptions = StrategyOptions(),
+                 mesh: DeviceMesh | None = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                 bucket_layers: bool = False, timeout: timedelta | None = None,
-                 host: HostTuning | None = None) -> None:
+                 host: HostTuning | None = None, **overrides: Any) -> None:
+        o = self.options = with_overrides(options, overrides, "StrategyRuntime")
+        stages, microbatches, schedule, timeout = o.stages, o.microbatches, o.schedule, o.timeout
+        bucket_layers = o.bucket_layers
         if not (len(nodes) == len(specs) == len(degrees)):
             raise OptionError(f"one spec and one configuration per node (nodes: {len(nodes)}, specs: {len(specs)}, "
                               f"configurations: {len(degrees)})")

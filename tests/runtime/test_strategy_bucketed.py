@@ -1,4 +1,4 @@
-"""Gradient sync in buckets over layers (``StrategyRuntime(bucket_layers=True)``), 4 gloo processes: VGG (tiny,
+"""Gradient sync in buckets over layers (``StrategyOptions(bucket_layers=True)``), 4 gloo processes: VGG (tiny,
 float64) under data parallelism and the SplitBrain preset (two sync groups) trains like one process, and the
 sync issues one all-reduce per group carrying the bytes the cost model counts."""
 
@@ -29,7 +29,7 @@ def example() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def worker(rank: int, init: str, out: str) -> None:
-    from fxpipe.runtime.strategy import StrategyRuntime
+    from fxpipe.runtime.strategy import StrategyOptions, StrategyRuntime
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
@@ -39,7 +39,7 @@ def worker(rank: int, init: str, out: str) -> None:
     results = {}
     for name, strategy in (("dp", data_parallel(graph)), ("splitbrain", splitbrain(graph, g.specs, 2))):
         degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(strategy.choice)]
-        rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, bucket_layers=True)
+        rt = StrategyRuntime(g.module, g.nodes, g.specs, degrees, options=StrategyOptions(bucket_layers=True))
         opt = torch.optim.SGD(rt.parameters(), lr=LR)
         steps = []
         for _ in range(STEPS):
