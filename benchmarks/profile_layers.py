@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.api import run_compile
+from fxpipe.api import PassControl, run_compile
 from fxpipe.errors import OptionError
 from fxpipe.models import build, resnet, vgg
 from fxpipe.models.inception import make_example as inception_example
@@ -95,7 +95,8 @@ def profile(name: str, device: torch.device, runs: int) -> dict[str, Any]:
         model = make()
     inputs = tuple(t.to(device) for t in example(batch, gen))
     model = model.to(device).train()
-    compiled = run_compile(model, inputs, CompileOptions(stages=1), model_name=name, stop_after="group-layers")
+    compiled = run_compile(model, inputs, CompileOptions(stages=1), model_name=name,
+                           control=PassControl(stop_after="group-layers"))
     gm = compiled.root
     assert gm is not None
     stats = layer_stats(gm)

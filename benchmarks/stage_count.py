@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.api import run_compile
+from fxpipe.api import PassControl, run_compile
 from fxpipe.plan import DEFAULTS, CompileOptions
 from fxpipe.targets import resolve
 
@@ -29,7 +29,8 @@ def table(name: str, device: str, objective: str) -> dict[str, object]:
     target = resolve(name, device=device, dtype=torch.float32)
     started = time.perf_counter()
     compiled = run_compile(target.model, target.example_inputs, CompileOptions(stage_objective=objective, max_stages=8),
-                           example_kwargs=target.example_kwargs, model_name=name, stop_after="partition-stages")
+                           example_kwargs=target.example_kwargs, model_name=name,
+                           control=PassControl(stop_after="partition-stages"))
     seconds = time.perf_counter() - started
     report = next(r for r in compiled.reports if r.title.startswith("partition-stages: stage count"))
     rows = [dict(zip(report.columns, row)) for row in report.rows]

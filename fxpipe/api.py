@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fxpipe._overrides import with_overrides
 from fxpipe.errors import OptionError, PlanError
 from fxpipe.graphs.convention import flatten_inputs
 from fxpipe.passes import History, run_steps
@@ -27,8 +28,9 @@ from fxpipe.plan import (DEFAULTS, LIMITS, BuildRecipe, CompileOptions, ComputeR
                          ScheduleRecord, StrategyRecord, check_schedule_size, fxpipe_version)
 from fxpipe.report import Report
 
-__all__ = ["Compiled", "ChosenStrategy", "build_steps", "check_strategy", "choose_pipelined_strategy",
-           "choose_strategy", "compile", "load", "run_compile", "save", "set_schedule", "set_strategy", "strategy_cuts"]
+__all__ = ["ChosenStrategy", "Compiled", "PassControl", "StrategyCosts", "build_steps", "check_strategy",
+           "choose_pipelined_strategy", "choose_strategy", "compile", "load", "run_compile", "save", "set_schedule",
+           "set_strategy", "strategy_cuts"]
 
 
 @dataclass
@@ -49,13 +51,27 @@ class Compiled:
 def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: int | str | None = None,
             example_kwargs: dict[str, Any] | None = None, verify_each: bool = True, print_after: Sequence[str] = (),
             stop_after: str | None = None, **options: Any) -> Pipeline:
-    """Trace ``model``, cost and partition it into ``stages`` stages (default ``DEFAULTS.stages``); the Pipeline.
+    """Trace ``model``, cost it and partition it into pipeline stages.
 
-    ``options`` are the fields of :class:`fxpipe.plan.CompileOptions` (``tracer``, ``granularity``,
-    ``bandwidth``, ``latency``, ``memory_per_stage``, ``schedule``, ``profile``, ...). With
-    ``schedule`` given, the schedule is also generated and recorded in the plan. ``print_after``
-    keeps the printed graph after those passes in ``pipe.history``. ``stages="auto"`` chooses the count
-    (``stage_objective``, default ``fastest``; ``max_stages``, default 8); see ``fxpipe.planning.stage_count``.
+    Args:
+        model: The model to compile; its parameters are shared with the stages, not copied.
+        example_inputs: One microbatch of positional inputs, to trace and cost with.
+        stages: A stage count, or ``"auto"`` to choose it (``stage_objective``, ``max_stages``; see
+            ``fxpipe.planning.stage_count``); None: ``DEFAULTS.stages``.
+        example_kwargs: Keyword inputs of the example, if the model takes any.
+        verify_each: Check each pass's invariants after it runs.
+        print_after: Pass names whose printed graph ``pipe.history`` keeps.
+        stop_after: Only None or the last pass: a Pipeline needs every pass (``run_compile`` stops early).
+        **options: Fields of :class:`fxpipe.plan.CompileOptions` (``tracer``, ``bandwidth``, ``memory_per_stage``,
+            ``schedule``, ...). With ``schedule``, the schedule is also generated and recorded in the plan.
+
+    Returns:
+        The Pipeline; ``pipe.plan`` records what was decided and why.
+
+    Raises:
+        OptionError: An unknown or ill-typed option, or ``stop_after`` before the last pass.
+        PlanError: A stage count outside what a model or the limits allow, or no plan within the memory cap.
+        TraceError: The model cannot be traced.
     """
     if isinstance(stages, str) and stages.strip().lower() == "auto":
         from fxpipe.planning.stage_count import DEFAULT_OBJECTIVE
@@ -76,24 +92,58 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: in
         if not isinstance(value, bool):
             raise OptionError(f"{flag} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
     opts = CompileOptions(**({"stages": stages} if stages is not None else {}), **options)
-    compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs, verify_each=verify_each,
-                           print_after=print_after)
+    compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs,
+                           control=PassControl(verify_each=verify_each, print_after=tuple(print_after)))
     assert compiled.pipeline is not None  # no stop_after: every pass ran
     return compiled.pipeline
 
 
+@dataclass(frozen=True)
+class PassControl:
+    """How :func:`run_compile` drives the passes (``fxpipe.passes.run_steps``).
+
+    Attributes:
+        verify_each: Check each pass's invariants after it runs.
+        stop_after: The kebab-case name of the pass to stop after; None: run them all.
+        print_after: Pass names whose printed graph the history keeps.
+        on_pass: Called as ``on_pass(name, index, total)`` before each pass (a progress line).
+    """
+
+    verify_each: bool = False
+    stop_after: str | None = None
+    print_after: tuple[str, ...] = ()
+    on_pass: Callable[[str, int, int], None] | None = None
+
+
 def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *,
                 example_kwargs: dict[str, Any] | None = None, model_name: str | None = None,
-                build: BuildRecipe | None = None, verify_each: bool = False, stop_after: str | None = None,
-                print_after: Sequence[str] = (), on_pass: Callable[[str, int, int], None] | None = None,
-                profile_threads: int | None = None) -> Compiled:
+                build: BuildRecipe | None = None, control: PassControl = PassControl(),
+                profile_threads: int | None = None, **overrides: Any) -> Compiled:
     """Run the pass pipeline; with every pass run, wrap it as a Pipeline whose Plan records the decisions.
 
-    ``stop_after``/``print_after`` take kebab-case pass names; ``on_pass(name, index, total)`` is
-    called before each pass; ``profile_threads`` sets torch's thread count while the passes run.
     A schedule named in ``options.schedule`` is generated, simulated and recorded.
+
+    Args:
+        model: The model to compile.
+        example_inputs: One microbatch of positional inputs.
+        options: What to compile for (checked first).
+        example_kwargs: Keyword inputs of the example.
+        model_name: The model's name, recorded in the plan's provenance.
+        build: How a built-in model's example was built, recorded so that ``fxpipe run`` rebuilds it.
+        control: Verification, stopping and printing between passes (:class:`PassControl`).
+        profile_threads: Torch's thread count while the passes run; None: unchanged.
+        **overrides: Fields of ``control`` by name (the keyword arguments of before :class:`PassControl`).
+
+    Returns:
+        The Pipeline (None when stopped early), the pass history and the last graph.
+
+    Raises:
+        TypeError: An override that is no field of :class:`PassControl`.
+        OptionError: Options out of range, or an unknown pass name.
     """
     from fxpipe.calibration.compute import compute_overheads, measure_mem_bw
+
+    control = with_overrides(control, overrides, "run_compile")
 
     check_options(options)
     # the runtime's fixed costs cached for the machine options.compute was measured on (None: none)
@@ -102,8 +152,8 @@ def run_compile(model: torch.nn.Module, example_inputs: Sequence[Any], options: 
     if profile_threads is not None:
         torch.set_num_threads(profile_threads)
     try:
-        root, history = run_steps(steps, verify_each=verify_each, stop_after=stop_after,
-                                  print_after=tuple(print_after), on_start=on_pass)
+        root, history = run_steps(steps, verify_each=control.verify_each, stop_after=control.stop_after,
+                                  print_after=tuple(control.print_after), on_start=control.on_pass)
         # a profiled plan's memory bandwidth, at the profile's threads: what its optimizer steps are charged at
         mem_bw = measure_mem_bw() if options.profile and len(history.records) == len(steps) else None
     finally:
@@ -259,29 +309,66 @@ def check_strategy(name: str, stages: int, ranks: int, group: int, *, schedule: 
         raise OptionError(f"--group {group} must divide --dp {ranks}; use a power of two up to {ranks}")
 
 
+@dataclass(frozen=True)
+class StrategyCosts:
+    """How a per-layer strategy is costed and searched. The defaults are what the runtime runs: gloo, so no
+    all-to-all, and no height splits.
+
+    Attributes:
+        bandwidth: The link's bytes per second; None: ``DEFAULTS.bandwidth``.
+        latency: Seconds per ring step; None: ``DEFAULTS.latency``.
+        alltoall: Cost all-to-all collectives (other backends than gloo; the ``fxpipe strategy`` preview).
+        heights: Cost height splits of convolutions (cost model only).
+        memory_cap: Bytes per rank the search must fit in; None: no cap.
+        optimizer: The optimizer whose state bytes each rank holds.
+        compute: This machine's GEMM and memory rates (``fxpipe.calibration.compute``); None: the defaults.
+    """
+
+    bandwidth: float | None = None
+    latency: float | None = None
+    alltoall: bool = False
+    heights: bool = False
+    memory_cap: float | None = None
+    optimizer: str = "sgd"
+    compute: ComputeRates | None = None
+
+    def resolved(self) -> StrategyCosts:
+        """These costs with the link's defaults filled in from DEFAULTS, and the link checked."""
+        bandwidth = DEFAULTS.bandwidth if self.bandwidth is None else self.bandwidth
+        latency = DEFAULTS.latency if self.latency is None else self.latency
+        check_link(bandwidth, latency)
+        return dataclasses.replace(self, bandwidth=bandwidth, latency=latency)
+
+
 def choose_strategy(model: torch.nn.Module, example_inputs: Sequence[Any], name: str, *, ranks: int, group: int = 2,
-                    bandwidth: float | None = None, latency: float | None = None, alltoall: bool = False,
-                    heights: bool = False, memory_cap: float | None = None, optimizer: str = "sgd",
-                    compute: ComputeRates | None = None) -> ChosenStrategy:
-    """A per-layer strategy for ``model`` on ``ranks`` ranks: ``auto`` (the search), ``dp`` or ``splitbrain``
-    (groups of ``group``), on ``fxpipe.passes.strategy_graph``'s one-layer-per-fx-node graph of the whole
-    batch, with the link ``bandwidth``/``latency`` (default: DEFAULTS'). What the runtime runs is the default:
-    no all-to-all (gloo) and no height splits; ``alltoall``/``heights`` cost other backends and splits (the
-    ``fxpipe strategy`` preview), ``memory_cap`` bounds the search per rank, ``optimizer`` its state bytes,
-    ``compute`` (``fxpipe.calibration.compute``) this machine's GEMM and memory rates instead of the defaults.
-    Both ``fxpipe compile --strategy`` and ``fxpipe strategy`` print its two tables.
+                    costs: StrategyCosts = StrategyCosts(), **overrides: Any) -> ChosenStrategy:
+    """A per-layer strategy for ``model``, on ``fxpipe.passes.strategy_graph``'s one-layer-per-fx-node graph of the
+    whole batch. Both ``fxpipe compile --strategy`` and ``fxpipe strategy`` print its two tables.
+
+    Args:
+        model: The model.
+        example_inputs: The whole batch's inputs.
+        name: ``auto`` (the search), ``dp``, or ``splitbrain`` (groups of ``group``).
+        ranks: The ranks the strategy runs on.
+        group: SplitBrain's group size.
+        costs: The link, collectives, memory cap and compute rates (:class:`StrategyCosts`).
+        **overrides: Fields of ``costs`` by name (the keyword arguments of before :class:`StrategyCosts`).
+
+    Returns:
+        The record for the plan and its two tables (per layer, totals).
+
+    Raises:
+        TypeError: An override that is no field of :class:`StrategyCosts`.
+        OptionError: A strategy, rank count, group or link the runtime cannot take.
     """
     from fxpipe.passes.strategy_graph import strategy_graph
 
     check_strategy(name, 1, ranks, group)
-    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
-    latency = DEFAULTS.latency if latency is None else latency
-    check_link(bandwidth, latency)
-    g = strategy_graph(model, example_inputs, compute=compute)
+    costs = with_overrides(costs, overrides, "choose_strategy").resolved()
+    g = strategy_graph(model, example_inputs, compute=costs.compute)
     batch = example_inputs[0].shape[0] if example_inputs and isinstance(example_inputs[0], torch.Tensor) else "?"
-    chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
-                                 latency=latency, alltoall=alltoall, heights=heights, memory_cap=memory_cap,
-                                 optimizer=optimizer, compute=compute, where=f"on {ranks} ranks, batch {batch}")
+    chosen, reports = _choose_on(g.specs, g.edges, name, ranks=ranks, group=group, costs=costs,
+                                 where=f"on {ranks} ranks, batch {batch}")
     record = StrategyRecord(name=name, ranks=ranks, group=group, method=chosen.method, cost=float(chosen.cost),
                             nodes=tuple(zip(g.nodes, chosen.configs)))
     return ChosenStrategy(record, reports)
@@ -295,12 +382,15 @@ class _Choice:
 
 
 def _choose_on(specs: Sequence[Any], edges: Sequence[tuple[int, int]], name: str, *, ranks: int, group: int,
-               bandwidth: float, latency: float, alltoall: bool = False, heights: bool = False,
-               memory_cap: float | None = None, optimizer: str = "sgd", compute: ComputeRates | None = None,
-               where: str) -> tuple[_Choice, tuple[Report, Report]]:
-    """``name``'s strategy on one layer graph (a model's, or a pipeline stage's) and its two tables."""
+               costs: StrategyCosts, where: str) -> tuple[_Choice, tuple[Report, Report]]:
+    """``name``'s strategy on one layer graph (a model's, or a pipeline stage's) and its two tables; ``costs``
+    resolved (:meth:`StrategyCosts.resolved`)."""
     from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
         traffic_per_layer
+
+    assert costs.bandwidth is not None and costs.latency is not None  # resolved by the caller
+    bandwidth, latency, alltoall, optimizer = costs.bandwidth, costs.latency, costs.alltoall, costs.optimizer
+    heights, memory_cap, compute = costs.heights, costs.memory_cap, costs.compute
 
     graph = build_graph(specs, edges, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer,
                         alltoall=alltoall, spatial=heights)
@@ -352,9 +442,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
     if batch is None or batch % (microbatches * ranks):
         raise OptionError(f"a pipelined strategy cuts the batch into {microbatches} microbatches, each split over up "
                           f"to {ranks} ranks (batch: {batch}); use a --batch-size that {microbatches * ranks} divides")
-    bandwidth = DEFAULTS.bandwidth if bandwidth is None else bandwidth
-    latency = DEFAULTS.latency if latency is None else latency
-    check_link(bandwidth, latency)
+    costs = StrategyCosts(bandwidth=bandwidth, latency=latency, compute=compute).resolved()
     g = strategy_graph(model, example_inputs, compute=compute)
     cuts = strategy_cuts(plan, g.module, g.edges)
     bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]
@@ -362,8 +450,7 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
     stages, reports = [], []
     for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         specs, edges, index = stage_graph(g.specs, g.edges, lo, hi)
-        choice, tables = _choose_on(specs, edges, name, ranks=ranks, group=group, bandwidth=bandwidth,
-                                    latency=latency, compute=compute,
+        choice, tables = _choose_on(specs, edges, name, ranks=ranks, group=group, costs=costs,
                                     where=f"for stage {s} of {count} ({g.nodes[lo]}..{g.nodes[hi - 1]}) on {ranks} "
                                           f"ranks, batch {batch}")
         for i, config in zip(index, choice.configs):
@@ -453,9 +540,21 @@ def save(pipe: Pipeline, path: str | Path, *, overwrite: bool = False,
          replaced: list[str] | None = None) -> Path:
     """Write the plan directory: plan.json plus a .json, .pt and .py file per stage (see fxpipe.plan_dir).
 
-    Only files fxpipe wrote (listed with their checksums in the old plan.json) are replaced; a file in
-    the way that it did not write raises PlanFileError and changes nothing, unless ``overwrite``
-    (its names are then added to ``replaced``).
+    Only files fxpipe wrote (listed with their checksums in the old plan.json) are replaced, so that a wrong
+    path never destroys a user's files.
+
+    Args:
+        pipe: The compiled Pipeline.
+        path: The directory; made if missing.
+        overwrite: Also replace files in the way that fxpipe did not write.
+        replaced: If given, the names of such files replaced are added to it.
+
+    Returns:
+        The directory written.
+
+    Raises:
+        PlanFileError: A file in the way that fxpipe did not write (without ``overwrite``; nothing is changed), a
+            directory that cannot be written, or stages that cannot be saved as data.
     """
     from fxpipe.plan_dir import save_pipeline
 
@@ -466,15 +565,15 @@ def load(path: str | Path, *, trust_ops: Collection[str] | None = None) -> Pipel
     """Load a plan directory written by :func:`save` / ``fxpipe compile``: no model source needed.
 
     Args:
-        path: the plan directory.
-        trust_ops: libraries whose ``torch.library`` operators the stages may call (default
+        path: The plan directory.
+        trust_ops: Libraries whose ``torch.library`` operators the stages may call (default
             ``fxpipe.graphs.serialize.TRUSTED_LIBRARIES``: transformers).
 
     Returns:
         The Pipeline, its stages on the CPU.
 
     Raises:
-        PlanFileError: a missing, corrupt or tampered file, or an operator outside the allow-list and ``trust_ops``.
+        PlanFileError: A missing, corrupt or tampered file, or an operator outside the allow-list and ``trust_ops``.
     """
     from fxpipe.plan_dir import load as load_dir
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import fxpipe
 from fxpipe import models
-from fxpipe.api import run_compile
+from fxpipe.api import PassControl, run_compile
 from fxpipe.cli.main import app
 from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta
@@ -609,7 +609,7 @@ def test_an_op_costs_its_cached_time_plus_the_models_cache_miss_of_the_way_to_it
 
     def layer_ops(rates: ComputeRates) -> tuple[dict[str, tuple[float, float, float]], Any]:
         compiled = run_compile(zoo.model, zoo.example_inputs, CompileOptions(compute=rates, granularity="node"),
-                               stop_after="count-backward")
+                               control=PassControl(stop_after="count-backward"))
         gm = compiled.root
         per: dict[str, list[float]] = {}
         for node in gm.graph.nodes:

@@ -154,13 +154,14 @@ def test_a_planned_move_the_split_graphs_cannot_make_is_taken_back_out_of_the_pl
     start with the derivative) the pass keeps it where it was, and the plan's times are those of no move."""
     import dataclasses
 
-    from fxpipe.api import CompileOptions, run_compile
+    from fxpipe.api import CompileOptions, PassControl, run_compile
     from fxpipe.passes.balance_backward import balance_backward
 
     torch.manual_seed(0)
     example = (torch.randn(8, 16),)
     options = CompileOptions(stages=3, balance_backward=True, latency=0.0)
-    root = run_compile(Middle(), example, options, stop_after="split-backward").root
+    split = PassControl(stop_after="split-backward")
+    root = run_compile(Middle(), example, options, control=split).root
     assert root is not None
     planned = root.meta["fxpipe_stage_plan"]
     ((cut, value, seconds),) = planned.moves
@@ -174,7 +175,7 @@ def test_a_planned_move_the_split_graphs_cannot_make_is_taken_back_out_of_the_pl
                            "kept: planned, but the split graphs cannot move it (B does not start with it)"),)
     plan = result.gm.meta["fxpipe_stage_plan"]
     assert plan.moves == () and result.gm.meta["fxpipe_backward_moves"] == []
-    plain = run_compile(Middle(), example, CompileOptions(stages=3, latency=0.0), stop_after="split-backward").root
+    plain = run_compile(Middle(), example, CompileOptions(stages=3, latency=0.0), control=split).root
     assert plain is not None and plan.bounds == plain.meta["fxpipe_stage_plan"].bounds
     for got, want in zip(plan.stage_times, plain.meta["fxpipe_stage_plan"].stage_times, strict=True):
         assert got == pytest.approx(want, rel=1e-12)
