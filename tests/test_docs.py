@@ -246,3 +246,42 @@ def test_the_recipe_trains_a_hugging_face_plan_like_one_process(make, tmp_path: 
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
                                rtol=1e-7, atol=1e-8)
     assert len(set(expected)) == STEPS  # the weights moved between steps
+
+
+# -- the reference pages stay references: RESULTS has no dated headings, neither page grows into a notebook ----------
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAX_LINES = {ARCHITECTURE: 550, RESULTS: 850}  # issue 63: about 500 and about 800, with some room
+_MONTH = (r"(Jan(uary)?|Feb(ruary)?|Mar(ch)?|Apr(il)?|May|June?|July?|Aug(ust)?|Sep(t(ember)?)?|Oct(ober)?|"
+          r"Nov(ember)?|Dec(ember)?)\b\.?")
+DATE = re.compile(rf"\b(19|20)\d\d-(0[1-9]|1[0-2])\b|\b{_MONTH}\s+\d{{1,2}}\b|\b\d{{1,2}}\s+{_MONTH}\b|\b{_MONTH}\s+(19|20)\d\d\b")
+
+
+def dated_headings(text: str) -> list[str]:
+    """The headings (lines starting with '#', outside fenced blocks) that carry a date."""
+    fenced = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
+    return [ln for ln in fenced.splitlines() if ln.startswith("#") and DATE.search(ln)]
+
+
+def test_no_results_heading_carries_a_date() -> None:
+    dated = dated_headings(RESULTS.read_text())
+    assert not dated, ("benchmarks/RESULTS.md is one current table per benchmark; a date belongs under the table "
+                       f"(better: the commit) and the history in git, not in a heading: {dated}")
+
+
+@pytest.mark.parametrize("page", sorted(MAX_LINES), ids=lambda p: p.name)
+def test_the_reference_pages_stay_short(page: Path) -> None:
+    lines = len(page.read_text().splitlines())
+    assert lines <= MAX_LINES[page], (f"{page.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES[page]}): "
+                                      "measured numbers go to benchmarks/RESULTS.md, history to git")
+
+
+def test_the_date_check_can_fail() -> None:
+    for heading in ("## Stage count (2026-12-07)", "### Send yield, 2026-12", "## Runs of Dec 7", "## 7 Dec runs",
+                    "## Test suite time, December 2026"):
+        assert dated_headings(f"# Measured results\n\n{heading}\n") == [heading], heading
+    for heading in ("## Compile time at scale", "### gpt-1.5b at 8 stages", "## Decoder 12 layers",
+                    "## torch 2.13.0 and cuda 12.8", "## Marching 4 stages"):
+        assert not dated_headings(f"{heading}\n"), heading
+    assert not dated_headings("```sh\n# 2026-12-07 a comment in a block\n```\n")
