@@ -52,7 +52,7 @@ from fxpipe.runtime.lane import WLane, refusal as lane_refusal
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.runtime.options import RuntimeOptions
 from fxpipe.runtime.optim import (LossScaler, LRSchedule, OptimizerSpec, autocast_loss, autocast_of,
-                                  clip_coefficient, optimizer_factory, scheduler_factory, squared_norm)
+                                  clip_grads, optimizer_factory, scheduler_factory, squared_norm)
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.versions import POLICIES
@@ -494,10 +494,7 @@ class PipelineRuntime:
             if not finite:
                 return  # fp16 overflowed somewhere: no rank steps, and the scale is halved
         if self.clip_grad_norm is not None and finite:
-            coefficient = clip_coefficient(norm, self.clip_grad_norm)
-            if coefficient < 1.0:
-                for p in params:
-                    p.grad.mul_(coefficient)  # type: ignore[union-attr]
+            clip_grads(params, self.clip_grad_norm, norm)
         for opt in self.optimizers.values():
             opt.step()
 

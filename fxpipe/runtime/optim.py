@@ -6,11 +6,11 @@ stage follows the same learning-rate curve (linear warmup from 0, then constant,
 to 0 at ``total_steps``; the formulas of Hugging Face's ``get_*_schedule_with_warmup``).
 
 Clipping and fp16 need one number of the whole model before any optimizer steps: the gradient norm.
-Each rank sums the squares of the gradients it is the one to count (a parameter once, however many of
-its stages, tied ranks or replicas hold it), the ranks add those sums in one all-reduce, and the
-square root is the norm ``torch.nn.utils.clip_grad_norm_`` gives in one process. A non-finite sum is
-the fp16 overflow check: :class:`LossScaler` (``torch.amp.GradScaler``'s rule) then skips the step on
-every rank and halves its scale.
+Each rank takes ``torch.nn.utils.get_total_norm`` of the gradients it is the one to count (a parameter
+once, however many of its stages, tied ranks or replicas hold it), the ranks add its squares in one
+all-reduce, and the square root is the norm ``torch.nn.utils.clip_grad_norm_`` gives in one process;
+``torch.nn.utils.clip_grads_with_norm_`` then clips to it. A non-finite sum is the fp16 overflow check:
+:class:`LossScaler` (``torch.amp.GradScaler``'s rule) then skips the step on every rank and halves its scale.
 
 Precision ``bf16``/``fp16`` means autocast in the stage graphs: they are traced under ``torch.autocast``
 (:func:`autocast_of`), so each cast is an op of F and the casts' gradients are ops of B and W; the
@@ -171,19 +171,28 @@ def autocast_loss(loss_fn: Callable[[Any, Any], torch.Tensor],
 
 
 def squared_norm(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    """The sum of the squares of ``grads`` (None skipped), in float64 on the CPU: inf or nan when one is not finite.
-    Float64, so that finite fp32 gradients never overflow the sum, and adding the ranks' sums loses nothing."""
-    parts = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads if g is not None]
-    if not parts:
+    """The square of ``torch.nn.utils.get_total_norm`` of ``grads`` (None skipped), in float64 on the CPU: inf or nan
+    when one is not finite; what a rank adds to the all-reduce of the global norm.
+
+    ``get_total_norm`` is given each gradient's norm taken in float64 (the norm of the norms is the norm), so that
+    finite fp32 gradients never overflow it (their fp32 norm can: ``[3e38] * 4``), and adding the ranks' squares
+    loses nothing; it groups them by device, one copy to the CPU per device, not one per tensor."""
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads if g is not None]
+    if not norms:
         return torch.zeros((), dtype=torch.float64)
-    by_device: dict[torch.device, torch.Tensor] = {}
-    for part in parts:  # summed where the gradients are: one copy to the CPU per device, not one per tensor
-        by_device[part.device] = by_device[part.device] + part if part.device in by_device else part
-    return sum((t.cpu() for t in by_device.values()), torch.zeros((), dtype=torch.float64))
+    return torch.nn.utils.get_total_norm(norms).cpu().square()
+
+
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` of ``params``' gradients to ``max_norm``, given the global ``norm``
+    (every rank's, from one all-reduce): each is multiplied by :func:`clip_coefficient`, as one process's
+    ``clip_grad_norm_`` does (a factor of 1 changes nothing)."""
+    torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, torch.tensor(norm, dtype=torch.float64))
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
-    """What ``torch.nn.utils.clip_grad_norm_`` multiplies the gradients by: ``max_norm / (norm + 1e-6)``, at most 1."""
+    """What ``torch.nn.utils.clip_grads_with_norm_`` multiplies the gradients by: ``max_norm / (norm + 1e-6)``, at
+    most 1."""
     return min(1.0, max_norm / (norm + 1e-6))
 
 
