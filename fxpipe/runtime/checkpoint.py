@@ -4,12 +4,18 @@
     CK/.step_000004.partial/   a save under way or never finished: never loaded
     CK/.fxpipe.lock     held by the fxpipe run writing here: a second one is refused
 
-Keys are the model's names (``model.<fqn>``, ``optim.state.<fqn>.<key>``), so a checkpoint resumes
-under another stage count or replica count; each rank loads only its own stages' keys. Nothing is
-unpickled as code: ``.metadata`` through an allow-list unpickler, tensors ``weights_only``, fxpipe's
-own record as bounded JSON. Resume verifies every file's checksum and passes over a step whose
-bytes changed, naming it. A step is removed (pruning, ``clear``) only when it is a real directory
-holding only regular files its record lists. docs/internals/checkpoints.md draws the layout.
+A pipeline runtime's state is its stages' modules and optimizers as torch's
+``torch.distributed.checkpoint.state_dict`` gives and takes them (``get_state_dict`` with
+``flatten_optimizer_state_dict``, ``set_state_dict``): keys are the model's names (``model.<fqn>``,
+``optim.state.<fqn>.<key>``; each parameter's optimizer hyperparameters go to fxpipe's JSON record), so a
+checkpoint resumes under another stage count or replica count; each rank loads only its own stages' keys.
+A runtime without modules (the strategy runtime: DTensor shards gathered whole) gives the same keys by
+its ``state_dict()``. ``save(..., asynchronous=True)`` writes through ``dcp.async_save`` while training
+goes on; :func:`wait` (or the next save) completes it. Nothing is unpickled as code: ``.metadata``
+through an allow-list unpickler, tensors ``weights_only``, fxpipe's own record as bounded JSON. Resume
+verifies every file's checksum and passes over a step whose bytes changed, naming it. A step is removed
+(pruning, ``clear``) only when it is a real directory holding only regular files its record lists.
+docs/internals/checkpoints.md draws the layout.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import pickle
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -50,16 +57,22 @@ _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _OURS = re.compile(r"^(\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)|fxpipe-checkpoint\.json(\.tmp)?"
                    r"|\.fxpipe-partial)$")
 
-# Every global DCP's .metadata pickle refers to (torch 2.13, found with pickletools on a real one).
-# Kept as names, not imported: the unpickler resolves them only after this check, and a torch that
-# renames one makes the check refuse the file with a clear line, not import a private module.
+# Every global DCP's .metadata pickle refers to (torch 2.13, found with pickletools on a real one; the
+# test of the allow-list checks that a file just written names nothing else). Kept as names, not imported:
+# the unpickler resolves them only after this check, and a torch that renames one makes the check refuse
+# the file with a clear line, not import a private module. DCP gives no public reader of .metadata that
+# would not unpickle it whole, so the three private names below are the ones loading any DCP file needs:
 _METADATA_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING")
+        "StorageMeta")
 } | {
+    # TensorProperties pickles its memory format as a member of this enum (its __getstate__): every tensor's entry.
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    # Metadata.storage_data maps each chunk to one of these: which file, at which offset, how long.
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # looks a layout up by its name, in torch's own table
+    # TensorProperties pickles its layout (torch.strided) as this call: it looks the name up in torch's own table.
+    ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
 } | {("torch", name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)})
@@ -90,16 +103,23 @@ def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
 # -- saving ---------------------------------------------------------------------------------
 
 
-def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = DEFAULT_KEEP) -> Path:
+def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = DEFAULT_KEEP,
+         asynchronous: bool = False) -> Path:
     """Every rank: write ``rt``'s state as ``directory/step_NNNNNN`` and keep the newest ``keep`` steps.
 
     Collective (every rank calls it with the same step). The ranks write into
     ``.step_NNNNNN.partial``; after DCP's coordinator has written ``.metadata`` (which it does only
     once every rank's file is in), rank 0 adds ``fxpipe-checkpoint.json`` and renames the directory
     to its final name. Returns that path on every rank, once the step is complete.
+
+    ``asynchronous``: ``dcp.async_save`` copies the state and writes it in a thread while training goes on;
+    the step is completed (checksums, record, rename, pruning) by :func:`wait`, which the next save calls
+    first, so a save never overlaps the one before. Returns the path the step will have. A failed write
+    raises the one line a synchronous save would, from :func:`wait`.
     """
     if keep < 1:
         raise OptionError(f"keep is how many complete checkpoints to keep (keep: {keep}); pass 1 or more")
+    wait(rt)  # the previous step is complete (or its error raised) before this one starts
     try:
         flat, groups = _flat_state(rt, step)
         error = None
@@ -113,8 +133,7 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
                               "every rank: call save_checkpoint with the same step on every rank")
     root = Path(directory)
     partial, final = root / f".step_{step:06d}.partial", step_dir(root, step)
-    rank, world = _rank(), _world()
-    if rank == 0:
+    if _rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             if final.is_symlink() or partial.is_symlink():
@@ -132,21 +151,87 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
     _raise_first(_all_gather(error))
     import torch.distributed.checkpoint as dcp
 
+    pending = _Pending(root, partial, final, step, keep, groups, rt.pipe.num_stages, rt.schedule.name)
+    writer = dcp.FileSystemWriter(partial)
     try:
         with _quiet():
-            dcp.save(flat, storage_writer=dcp.FileSystemWriter(partial), no_dist=not _distributed())
+            if asynchronous:  # the writer stages (copies) the state before async_save returns
+                _PENDING[rt] = (dcp.async_save(flat, storage_writer=writer, process_group=_async_group(rt),
+                                               no_dist=not _distributed()), pending)
+                return final
+            dcp.save(flat, storage_writer=writer, no_dist=not _distributed())
     except (Exception, dcp.CheckpointException) as exc:  # DCP gathers every rank's failure into one
         raise _one_line(exc, "saving") from None
-    try:  # each rank its own file's checksum, while its pages are warm; rank 0 writes them all down
-        mine: str | None = sha256_file(partial / f"__{rank}_0.distcp")
+    return _complete(pending)
+
+
+def wait(rt: Any) -> Path | None:
+    """Every rank: complete ``rt``'s asynchronous save, if one is under way, and return its step's path (None if
+    there was none). Collective. Call it before the run ends (its ``.step_NNNNNN.partial`` is otherwise never
+    completed, and a resume passes over it); :func:`save` and :func:`load` call it first. Raises the
+    CheckpointError a synchronous save of that step would have."""
+    entry = _PENDING.pop(rt, None)
+    if entry is None:
+        return None
+    future, pending = entry
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with _quiet():
+            future.result()
+    except (Exception, dcp.CheckpointException) as exc:
+        raise _one_line(exc, "saving") from None
+    return _complete(pending)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A step whose DCP files are written (or being written): what completing it needs."""
+
+    root: Path
+    partial: Path
+    final: Path
+    step: int
+    keep: int
+    groups: list[dict[str, Any]]
+    stages: int
+    schedule: str
+
+
+# Each runtime's asynchronous save under way: (DCP's future, what completing it needs).
+_PENDING: weakref.WeakKeyDictionary[Any, tuple[Any, _Pending]] = weakref.WeakKeyDictionary()
+_ASYNC_GROUPS: dict[int, Any] = {}
+
+
+def _async_group(rt: Any) -> Any:
+    """The process group asynchronous saves coordinate on: a gloo group of every rank, made once, apart from the
+    default group, whose order of collectives the training steps own (DCP's thread would interleave with them)."""
+    if not _distributed():
+        return None
+    world = dist.group.WORLD
+    if id(world) not in _ASYNC_GROUPS:
+        from datetime import timedelta
+
+        timeout = getattr(rt, "timeout", None)  # the runtime's own (a timedelta), else torch's default
+        _ASYNC_GROUPS[id(world)] = dist.new_group(backend="gloo", timeout=timeout
+                                                  if isinstance(timeout, timedelta) else None)
+    return _ASYNC_GROUPS[id(world)]
+
+
+def _complete(p: _Pending) -> Path:
+    """Every rank, once DCP wrote ``p.partial``: checksums, fxpipe's record, the rename to the step's name, pruning."""
+    rank, world = _rank(), _world()
+    try:  # each rank its own file's checksum; rank 0 writes them all down
+        mine: str | None = sha256_file(p.partial / f"__{rank}_0.distcp")
     except OSError:
         mine = None  # missing: rank 0 names it below
-    all_groups, sums = zip(*_all_gather((groups, mine)))
+    all_groups, sums = zip(*_all_gather((p.groups, mine)))
+    root, partial, final, step, error = p.root, p.partial, p.final, p.step, None
     if rank == 0:
         try:
-            files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if _DATA_FILE.match(p.name)}
-            info = {"schema": SCHEMA, "step": step, "world": world, "stages": rt.pipe.num_stages,
-                    "schedule": rt.schedule.name, "files": files,
+            files = {f.name: f.stat().st_size for f in sorted(partial.iterdir()) if _DATA_FILE.match(f.name)}
+            info = {"schema": SCHEMA, "step": step, "world": world, "stages": p.stages,
+                    "schedule": p.schedule, "files": files,
                     "sha256": {f"__{r}_0.distcp": h for r, h in enumerate(sums) if h is not None}
                     | {".metadata": sha256_file(partial / ".metadata")},
                     "param_groups": [g for gs in all_groups for g in gs]}
@@ -169,11 +254,46 @@ def save(rt: Any, directory: str | os.PathLike[str], step: int, *, keep: int = D
             else:
                 os.replace(partial, final)
             _fsync_dir(root)
-            _prune(root, step, keep)
+            _prune(root, step, p.keep)
         except OSError as exc:
             error = f"cannot complete checkpoint {final} ({exc.strerror or exc}); check the disk and the directory"
     _raise_first(_all_gather(error))
     return final
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def _rank_state(rt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:
+    """This rank's model state (fqn -> tensor), its optimizer state flattened as torch's ``get_state_dict`` gives it
+    with ``flatten_optimizer_state_dict`` (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``), and the runtime's
+    numbers (the lr schedule's step, fp16's scale, the data position)."""
+    parts = getattr(rt, "stage_parts", None)
+    if parts is None:  # a runtime without modules gives its state whole, by name
+        state = rt.state_dict()
+        optim = {f"state.{fqn}.{key}": value for fqn, values in state["optim"].items() for key, value in values.items()}
+        optim |= {f"param_groups.{fqn}.{key}": value for group in state["param_groups"] for fqn in group["params"]
+                  for key, value in group.items() if key != "params"}
+        return {**state["params"], **state["buffers"]}, optim, dict(state.get("runtime", {}))
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model: dict[str, torch.Tensor] = {}
+    optim = {}
+    for module, optimizer in parts():
+        if not module.state_dict():  # a stage of an activation alone: get_state_dict refuses an empty module
+            continue
+        try:
+            m, o = get_state_dict(module, optimizer if optimizer is not None else (),
+                                  options=_options(flatten_optimizer_state_dict=True))
+        except NotImplementedError as exc:  # flattening refuses a state value that is not a tensor or a number
+            raise CheckpointError(f"the optimizer state holds a value fxpipe checkpoints do not ({first_line(exc)}); "
+                                  "they hold tensors and numbers only (nothing that loads as code)") from None
+        model |= {k: v.detach() for k, v in m.items()}
+        optim |= o
+    return model, optim, rt.runtime_state()
 
 
 def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -181,27 +301,48 @@ def _flat_state(rt: Any, step: int) -> tuple[dict[str, torch.Tensor], list[dict[
     flat: dict[str, torch.Tensor] = {f"fxpipe.step.rank{rt.rank}": torch.tensor(step, dtype=torch.int64)}
     if rt.dp_rank != 0:  # a stage's replicas hold the same state: replica 0 saves it, once per stage
         return flat, []
-    state = rt.state_dict()
-    for key, number in state.get("runtime", {}).items():  # the lr schedule's step, fp16's scale: rank 0's is read
+    model, optim, runtime = _rank_state(rt)
+    for key, number in runtime.items():  # the lr schedule's step, fp16's scale: rank 0's is read
         flat[f"fxpipe.runtime.rank{rt.rank}.{key}"] = torch.tensor(number, dtype=torch.float64)
     # A parameter several pipeline ranks hold (tied) is saved by the first of them.
     skip = {name for name, holders in rt.pipe.shared_params.items()
             if rt.pp_rank != min(rt.where[k] for k in holders)}
-    for fqn, tensor in (*state["params"].items(), *state["buffers"].items()):
+    for fqn, tensor in model.items():
         if fqn not in skip:
             flat[f"model.{fqn}"] = tensor
-    for fqn, values in state["optim"].items():
+    hyper: dict[str, dict[str, Any]] = {}
+    for name, value in optim.items():
+        section, _, rest = name.partition(".")
+        fqn, _, key = rest.rpartition(".")
         if fqn in skip:
             continue
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                flat[f"optim.state.{fqn}.{key}"] = value
-            elif isinstance(value, (bool, int, float)):
-                flat[f"optim.number.{fqn}.{key}"] = torch.tensor(value)
-            elif value is not None:
-                raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__}; fxpipe "
-                                      "checkpoints hold tensors and numbers only (nothing that loads as code)")
-    return flat, state["param_groups"]
+        if fqn not in model:  # a nested state (state.<fqn>.<key>.<part>): not a tensor or a number of a parameter
+            raise CheckpointError(f"optimizer state {rest!r} is nested; fxpipe checkpoints hold tensors and numbers "
+                                  "only (nothing that loads as code)")
+        if section == "param_groups":
+            if _plain(value):
+                hyper.setdefault(fqn, {})[key] = list(value) if isinstance(value, tuple) else value
+        elif isinstance(value, torch.Tensor):
+            flat[f"optim.state.{fqn}.{key}"] = value
+        elif isinstance(value, (bool, int, float)):
+            flat[f"optim.number.{fqn}.{key}"] = torch.tensor(value)
+        elif value is not None:
+            raise CheckpointError(f"optimizer state {key!r} of {fqn} is a {type(value).__name__}; fxpipe "
+                                  "checkpoints hold tensors and numbers only (nothing that loads as code)")
+    groups: list[dict[str, Any]] = []  # parameters in a row with the same hyperparameters: one group, as saved
+    for fqn, values in hyper.items():
+        if groups and {k: v for k, v in groups[-1].items() if k != "params"} == values:
+            groups[-1]["params"].append(fqn)
+        else:
+            groups.append({"params": [fqn], **values})
+    return flat, groups
+
+
+def _plain(value: Any) -> bool:
+    """A hyperparameter that is a plain value (kept in the checkpoint's JSON)."""
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, (bool, int, float)) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _prune(root: Path, current: int, keep: int) -> None:
@@ -540,6 +681,7 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
     CheckpointError when no step is complete, a file was tampered with, the files are of different
     steps, or the checkpoint is of another model.
     """
+    wait(rt)  # this runtime's own save under way is complete before anything is read
     root = Path(directory)
     try:
         result: Scan | str = scan(root)
@@ -557,17 +699,15 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
         for line in result.skipped:
             warn(f"{line}; resuming from {found.path.name}")
     md, info = found.metadata.state_dict_metadata, found.info
-    state = rt.state_dict()
+    mine, optimized, whole = _held(rt)
     want: dict[str, torch.Tensor] = {f"fxpipe.step.rank{r}": torch.zeros((), dtype=torch.int64)
                                      for r in range(info["world"])}
-    mine = {**state["params"], **state["buffers"]}
     for fqn, tensor in mine.items():
         want[f"model.{fqn}"] = torch.empty_like(tensor, device="cpu")
     runtime = [k for k in md if k.startswith("fxpipe.runtime.rank0.")]  # none in a checkpoint saved without them
     for key in runtime:
         want[key] = torch.zeros((), dtype=torch.float64)
     optim_keys = _optim_keys(md)
-    optimized = [fqn for group in state["param_groups"] for fqn in group["params"]]
     for fqn in optimized:
         for key, (kind, item) in optim_keys.get(fqn, {}).items():
             want[f"optim.{kind}.{fqn}.{key}"] = torch.empty(item.size, dtype=item.properties.dtype)
@@ -586,21 +726,70 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
     if any(s != found.step for s in steps):
         raise CheckpointError(f"{found.path} mixes steps: its rank files are of steps {_by_rank(steps)}, its index of "
                               f"step {found.step}; it was not loaded; remove it to resume from the step before")
-    nested: dict[str, Any] = {"params": {}, "buffers": {}, "optim": {}, "param_groups": info["param_groups"],
-                              "runtime": {key.rsplit(".", 1)[1]: float(want[key]) for key in runtime}}
-    for fqn in state["params"]:
-        nested["params"][fqn] = want[f"model.{fqn}"]
-    for fqn in state["buffers"]:
-        nested["buffers"][fqn] = want[f"model.{fqn}"]
+    optim: dict[str, dict[str, Any]] = {}  # parameter name -> its optimizer state, as saved
     for fqn in optimized:
-        values: dict[str, Any] = {}
-        for key, (kind, _) in optim_keys.get(fqn, {}).items():
-            value = want[f"optim.{kind}.{fqn}.{key}"]
-            values[key] = value if kind == "state" else value.item()
+        values = {key: want[f"optim.{kind}.{fqn}.{key}"] if kind == "state" else want[f"optim.{kind}.{fqn}.{key}"].item()
+                  for key, (kind, _) in optim_keys.get(fqn, {}).items()}
         if values:
-            nested["optim"][fqn] = values
-    rt.load_state_dict(nested)
+            optim[fqn] = values
+    model = {fqn: want[f"model.{fqn}"] for fqn in mine}
+    numbers = {key.rsplit(".", 1)[1]: float(want[key]) for key in runtime}
+    _set_state(rt, model, optim, info["param_groups"], numbers, whole)
     return found.step
+
+
+def _held(rt: Any) -> tuple[dict[str, torch.Tensor], list[str], dict[str, Any] | None]:
+    """This rank's model tensors by name (what it loads), the names of the parameters its optimizers step, and a
+    runtime without modules' whole state (read once: the strategy runtime gathers it in a collective)."""
+    parts = getattr(rt, "stage_parts", None)
+    if parts is None:
+        state = rt.state_dict()
+        return ({**state["params"], **state["buffers"]}, [f for g in state["param_groups"] for f in g["params"]],
+                state)
+    mine: dict[str, torch.Tensor] = {}
+    optimized: list[str] = []
+    for module, optimizer in parts():
+        mine |= module.state_dict()
+        if optimizer is not None:
+            names = {id(p): n for n, p in module.named_parameters()}
+            optimized += [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    return mine, optimized, None
+
+
+def _set_state(rt: Any, model: dict[str, torch.Tensor], optim: dict[str, dict[str, Any]],
+               saved_groups: list[dict[str, Any]], numbers: dict[str, float], whole: dict[str, Any] | None) -> None:
+    """Load what this rank read: each stage's module and optimizer through torch's ``set_state_dict`` (the
+    optimizer's hyperparameters as saved, its own implementation flags kept), then the runtime's numbers."""
+    if whole is not None:  # a runtime without modules: its own load_state_dict, on the whole tensors
+        rt.load_state_dict({"params": {n: model[n] for n in whole["params"]},
+                            "buffers": {n: model[n] for n in whole["buffers"]}, "optim": optim,
+                            "param_groups": saved_groups, "runtime": numbers})
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from fxpipe.runtime.executor import _hyperparameters
+
+    parts = rt.stage_parts
+    by_fqn = {fqn: g for g in saved_groups for fqn in g["params"]}
+    for module, optimizer in parts():
+        own = module.state_dict()
+        if not own:
+            continue
+        osd: dict[str, Any] = {}
+        if optimizer is not None:  # torch's nested form, by parameter name: each group as this run made it
+            names = {id(p): n for n, p in module.named_parameters()}
+            groups = []
+            for group in optimizer.param_groups:
+                fqns = [names[id(p)] for p in group["params"]]
+                values = {k: v for k, v in group.items() if k != "params"}
+                groups.append({"params": fqns, **values, **_hyperparameters(fqns, by_fqn, values)})
+            osd = {"state": {f: optim[f] for g in groups for f in g["params"] if f in optim}, "param_groups": groups}
+        # strict=False: a parameter without saved optimizer state (never stepped) starts without one, as it was;
+        # the model's keys are this module's own, all of them (_model_problem checked the checkpoint has them).
+        set_state_dict(module, optimizer if optimizer is not None else (),
+                       model_state_dict={k: model[k] for k in own}, optim_state_dict=osd,
+                       options=_options(strict=False))
+    rt.load_runtime_state(numbers)
 
 
 def _optim_keys(md: dict[str, Any]) -> dict[str, dict[str, tuple[str, TensorStorageMetadata]]]:
@@ -729,4 +918,4 @@ def _fsync_dir(path: Path) -> None:
 
 
 __all__ = ["DEFAULT_KEEP", "MARKER", "SCHEMA", "Found", "Scan", "clear", "load", "newest", "read_metadata", "save",
-           "scan", "sha256_file", "lock", "step_dir", "LOCK_FILE"]
+           "scan", "sha256_file", "lock", "step_dir", "wait", "LOCK_FILE"]

@@ -710,14 +710,29 @@ class PipelineRuntime:
             if left.get(name, 0) == 0 and name not in keep:  # read only on other ranks (sent already)
                 values.pop(name, None)
 
-    def save_checkpoint(self, directory: str | os.PathLike[str], step: int, *, keep: int | None = None) -> Path:
+    def save_checkpoint(self, directory: str | os.PathLike[str], step: int, *, keep: int | None = None,
+                        asynchronous: bool | None = None) -> Path:
         """Every rank: save the state after ``step`` as ``directory/step_NNNNNN`` (a DCP checkpoint, complete
         once every rank's part is in) and keep the newest ``keep`` steps (None: ``options.keep_checkpoints``, else
-        ``checkpoint.DEFAULT_KEEP``); see :mod:`fxpipe.runtime.checkpoint`."""
+        ``checkpoint.DEFAULT_KEEP``); see :mod:`fxpipe.runtime.checkpoint`. ``asynchronous`` (None:
+        ``options.async_checkpoint``): written by ``dcp.async_save`` while training goes on, completed by the next
+        save or :meth:`wait_checkpoint`, which the caller runs before the run ends."""
         if keep is None:
             keep = self.options.keep_checkpoints if self.options.keep_checkpoints is not None else \
                 checkpoint.DEFAULT_KEEP
-        return checkpoint.save(self, directory, step, keep=keep)
+        if asynchronous is None:
+            asynchronous = self.options.async_checkpoint
+        return checkpoint.save(self, directory, step, keep=keep, asynchronous=asynchronous)
+
+    def wait_checkpoint(self) -> Path | None:
+        """Every rank: complete the asynchronous save under way, if any (its path; None if none); raises the
+        CheckpointError a synchronous save would have."""
+        return checkpoint.wait(self)
+
+    def stage_parts(self) -> list[tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
+        """This rank's stages as checkpoints read and write them: each stage's module and the optimizer of the
+        parameters it is the first of this rank's stages to hold (None where it holds none of its own)."""
+        return [(self.stages[s].module, self.optimizers.get(s)) for s in self.mine]
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> int:
         """Every rank: load the newest complete step of ``directory`` (saved with this plan or another plan of
@@ -748,9 +763,11 @@ class PipelineRuntime:
         return {"rank": self.rank,
                 "params": {n: p.detach().clone() for n, p in self._named(lambda mod: mod.named_parameters())},
                 "buffers": {n: b.detach().clone() for n, b in self._named(lambda mod: mod.named_buffers())},
-                "optim": optim, "param_groups": groups, "runtime": self._runtime_state()}
+                "optim": optim, "param_groups": groups, "runtime": self.runtime_state()}
 
-    def _runtime_state(self) -> dict[str, float]:
+    def runtime_state(self) -> dict[str, float]:
+        """The numbers a checkpoint keeps besides tensors: the steps the lr schedule has taken (``lr_step``),
+        fp16's loss scale, where the data stands (the same on every rank)."""
         state: dict[str, float] = {}
         first = next(iter(self.schedulers.values()), None)
         if first is not None:
@@ -787,7 +804,10 @@ class PipelineRuntime:
                     index += 1
                 packed.update(_hyperparameters(fqns, saved_groups, packed))
             opt.load_state_dict(sd)
-        run = state.get("runtime", {})
+        self.load_runtime_state(state.get("runtime", {}))
+
+    def load_runtime_state(self, run: dict[str, float]) -> None:
+        """Load :meth:`runtime_state`'s numbers (after the optimizers' state and hyperparameters)."""
         self.resumed_position = {k: v for k, v in run.items() if k.startswith("data_")}
         if "lr_step" in run:  # the schedule goes on from the saved step (the groups' lr were loaded just above)
             for scheduler in self.schedulers.values():

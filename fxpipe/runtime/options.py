@@ -54,6 +54,9 @@ class RuntimeOptions:
             NCCL only.
         w_lane: Run each W on a second lane of the rank, beside its F and B.
         keep_checkpoints: The newest checkpoints ``save_checkpoint`` keeps; None: ``checkpoint.DEFAULT_KEEP``.
+        async_checkpoint: ``save_checkpoint`` writes through ``dcp.async_save`` while training goes on; each save
+            completes before the next starts, and ``wait_checkpoint`` completes the last (call it before the run
+            ends).
     """
 
     optimizer: OptimizerChoice = "sgd"
@@ -72,3 +75,4 @@ class RuntimeOptions:
     tag_blind: bool | None = None
     w_lane: bool = False
     keep_checkpoints: int | None = None
+    async_checkpoint: bool = False

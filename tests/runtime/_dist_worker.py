@@ -193,7 +193,8 @@ def train_case(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
                 starting(step)
                 losses.append(float(rt.step(inputs, target)))
                 if cfg.get("checkpoint") and step + 1 == cfg.get("checkpoint_after"):
-                    rt.save_checkpoint(cfg["checkpoint"], step + 1)
+                    rt.save_checkpoint(cfg["checkpoint"], step + 1, asynchronous=cfg.get("async_checkpoint", False))
+            rt.wait_checkpoint()  # an asynchronous save is completed before the run ends
             tag = f"-{start}" if start == "load_state" else ""
             torch.save({"losses": losses, "state": rt.state_dict(), "batched_w": rt.batched_w},
                        Path(out) / f"{name}{tag}-rank{rank}.pt")

@@ -224,15 +224,16 @@ def test_ranks_agree_on_every_checkpoint_case(tmp_path: Path) -> None:
 
 
 def test_a_two_stage_checkpoint_resumes_under_three_stages(tmp_path: Path) -> None:
-    """gpt-tiny trains 2 steps on 2 stages and saves; 3 ranks of a 3-stage plan resume from it (each
-    loads its own stages' keys, the tied weight on two ranks). Their next 2 steps equal, bit for bit, a
-    3-stage run started from the 2-stage ranks' final states, and a single process's steps 3 and 4. The ranks load
-    the session's compiled plans (test_ranks_agree_on_every_checkpoint_case's compile on the ranks)."""
+    """gpt-tiny trains 2 steps on 2 stages and saves (asynchronously: ``dcp.async_save``, completed before the ranks
+    end); 3 ranks of a 3-stage plan resume from it (each loads its own stages' keys through ``set_state_dict``, the
+    tied weight on two ranks). Their next 2 steps equal, bit for bit, a 3-stage run started from the 2-stage ranks'
+    final states, and a single process's steps 3 and 4. The ranks load the session's compiled plans
+    (test_ranks_agree_on_every_checkpoint_case's compile on the ranks)."""
     two, three, ck = tmp_path / "two", tmp_path / "three", tmp_path / "ck"
     two.mkdir(), three.mkdir()
     base = {"model": "gpt-tiny", "schedules": ["1f1b"], "microbatches": 4}
     assert_ranks_ok(launch_ranks(two, 2, with_plans(2, {**base, "steps": 2, "checkpoint": str(ck),
-                                                        "checkpoint_after": 2})))
+                                                        "checkpoint_after": 2, "async_checkpoint": True})))
     info = json.loads((ck / "step_000002" / checkpoint.MARKER).read_text())
     assert info["world"] == 2 and info["stages"] == 2
     states = [str(two / f"1f1b-rank{r}.pt") for r in range(2)]
