@@ -42,13 +42,7 @@ from fxpipe.schedules.ir import Kind
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
 _LAST_RUNNER: list[Any] = []  # and its _Runner (tests read whether its step ran as CUDA graphs)
-# devices: where stage k runs (devices[k % len]); a stage away from its parameters runs on copies of
-# them there (the model's parameters stay put: see _place). Unset: each stage runs where its
-# parameters are (the whole model's device, unless the user placed layers).
-# precision: "fp32", or "bf16"/"fp16": every stage's F, B and W traced under autocast (fxpipe.runtime.optim), as
-# the module would run inside ``torch.autocast``; its parameters and their gradients stay fp32.
-# inductor: compile every stage's F, B and W with Inductor (default: where every stage runs on CUDA; on the CPU
-# Inductor's C++ builds take seconds per graph, longer than most CPU training steps save).
+# The keys of torch.compile(..., options={...}); fxpipe_backend's docstring says what each does.
 OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose", "precision", "inductor")
 
 
@@ -61,7 +55,36 @@ def last_report() -> list[Report]:
 
 def fxpipe_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                    options: dict[str, Any] | None = None) -> Any:
-    """The Dynamo backend: see the module docstring."""
+    """The Dynamo backend (``torch.compile(model, backend="fxpipe", options={...})``); see the module docstring.
+
+    Args:
+        gm: The graph Dynamo traced; it must be the whole model (a graph break is an error).
+        example_inputs: Dynamo's example inputs (the backend re-traces the module's own call).
+        mode: Unused: ``torch.compile``'s mode.
+        options: Any of these keys:
+
+            - ``stages``: the stage count; default ``DEFAULTS.stages``.
+            - ``devices``: where stage k runs (``devices[k % len]``); a stage away from its parameters runs on
+              copies of them there, the model's parameters staying put. Unset: each stage runs where its
+              parameters are.
+            - ``microbatches``: per step; default 1 on one device unless the step would not fit, else
+              ``DEFAULTS.microbatches(stages)`` or the largest count below it that divides the batch.
+            - ``schedule``: ``zb-gpipe`` (each W deferred into the gaps; the default) or ``gpipe``.
+            - ``cuda_graphs``: replay the step as CUDA graphs where every stage and input is on one CUDA device;
+              default True.
+            - ``verbose``: print the pass tables and the memory model's on stderr.
+            - ``precision``: ``fp32``, or ``bf16``/``fp16``: every stage's F, B and W traced under autocast, as the
+              module would run inside ``torch.autocast``; parameters and their gradients stay fp32.
+            - ``inductor``: compile every stage's F, B and W with Inductor; default: where every stage runs on
+              CUDA (on the CPU its C++ builds take longer than most steps save).
+
+    Returns:
+        The callable Dynamo runs in place of ``gm``: microbatched F forward, B and W in autograd's backward.
+
+    Raises:
+        OptionError: An unknown option, or a value of the wrong type or out of range.
+        TraceError: A graph break, or a model fxpipe cannot trace.
+    """
     opts = dict(options or {})
     unknown = sorted(set(opts) - set(OPTIONS))
     if unknown:

@@ -56,8 +56,22 @@ class Stage(torch.nn.Module):
 class Pipeline(torch.nn.Module):
     """The stages of a compiled model; calling it runs them one after another, equal to the model.
 
+    Made by :func:`fxpipe.compile` and :func:`fxpipe.load`, not by hand; the arguments are what the passes decided.
+
     >>> pipe = fxpipe.compile(model, (x,), stages=2)
     >>> torch.testing.assert_close(pipe(x), model(x))
+
+    Args:
+        stages: The stages in order.
+        input_names: The model's flat inputs, as the stages name them.
+        output_names: Each flat output's value name; None where the output is a constant.
+        output_constants: The constant of each output whose name is None.
+        in_spec: How the call's args and kwargs flatten (pytree); None: a flat tuple.
+        out_spec: How the flat outputs rebuild the model's output structure; None: a tuple.
+        shared_params: Tied parameters: name -> the stages that hold it.
+        plan: What was decided: costs, stages, link, mesh, schedule (:class:`fxpipe.plan.Plan`).
+        reports: The passes' tables of a loaded pipeline (a compiled one reads them from ``history``).
+        history: The passes' History of the compile that made it; None when loaded.
     """
 
     def __init__(
@@ -92,6 +106,18 @@ class Pipeline(torch.nn.Module):
         return len(self.stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the stages in order in this process.
+
+        Args:
+            *args: The model's positional inputs, as at compile time.
+            **kwargs: Its keyword inputs.
+
+        Returns:
+            The model's outputs, in the model's structure.
+
+        Raises:
+            OptionError: A call whose inputs do not flatten to the compiled ones.
+        """
         flat = flatten_inputs(self.in_spec, args, kwargs)
         if len(flat) != len(self.input_names):
             raise OptionError(
@@ -124,12 +150,23 @@ class Pipeline(torch.nn.Module):
         the same pipeline, with another placement, splits only what it lacks). The plan's
         ``--balance-backward`` moves (``Plan.backward_moves``) are made again on the graphs split here:
         a move changes the stages on both sides of its cut, so a rank splits its neighbours across
-        moved cuts too. Returns every stage's graphs, interface-only ones included.
+        moved cuts too.
 
-        ``autocast`` (device type, dtype): mixed precision. Every needed stage is traced afresh under
-        ``torch.autocast``, so F holds the casts autocast makes and B/W their gradients (back to the fp32
-        parameters), and the other stages' interfaces carry the dtypes they send; the graphs are returned,
-        not kept (the stages keep their fp32 ones). ``input_grads`` and ``example_kwargs`` as compile's.
+        Args:
+            example_inputs: One microbatch's inputs, to trace with.
+            only: The stages one rank runs; None: all.
+            autocast: ``(device type, dtype)`` for mixed precision. Every needed stage is traced afresh under
+                ``torch.autocast``, so F holds the casts and B/W their gradients (back to the fp32 parameters);
+                the graphs are returned, not kept (the stages keep their fp32 ones).
+            input_grads: Whether the first stage's inputs take a gradient, as compile's.
+            example_kwargs: Keyword inputs of the example, as compile's.
+
+        Returns:
+            Every stage's graphs, interface-only ones included.
+
+        Raises:
+            OptionError: ``autocast`` on a plan compiled with ``--balance-backward`` (its moves are made on fp32
+                graphs).
         """
         if autocast is not None:
             if self.plan is not None and self.plan.backward_moves:
@@ -139,9 +176,9 @@ class Pipeline(torch.nn.Module):
             wiring = {"inputs": list(self.input_names),
                       "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
             with autocast_forward(*autocast):
-                return build_stage_graphs([s.module for s in stages], wiring,
-                                          flatten_inputs(self.in_spec, tuple(example_inputs), dict(example_kwargs or {})),
-                                          only=only, interfaces=[s.interface for s in stages], input_grads=input_grads)
+                flat = flatten_inputs(self.in_spec, tuple(example_inputs), dict(example_kwargs or {}))
+                return build_stage_graphs([s.module for s in stages], wiring, flat, only=only,
+                                          interfaces=[s.interface for s in stages], input_grads=input_grads)
         stages = self.stage_list()
         wiring = {"inputs": list(self.input_names),
                   "stages": [{"inputs": list(s.inputs), "outputs": list(s.outputs)} for s in stages]}
@@ -179,6 +216,15 @@ class Pipeline(torch.nn.Module):
         modules are recompiled. F, B and W graphs already built are moved the same way; move
         before a runtime is built on the pipeline (its optimizers hold the parameters). Gradients
         are not kept.
+
+        Args:
+            device: Where the pipeline goes.
+
+        Returns:
+            The pipeline itself.
+
+        Raises:
+            OptionError: A pipeline whose tensors are on more than one device.
         """
         from fxpipe.graphs.fx import move_module
 
