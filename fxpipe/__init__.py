@@ -10,8 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.errors import (FxpipeError, LoweringError, OptionError, PlanError, PlanFileError, RankFailedError,
-                           ScheduleError, TargetError, TraceError, VerifyError)
+from fxpipe.errors import (
+    FxpipeError,
+    LoweringError,
+    OptionError,
+    PlanError,
+    PlanFileError,
+    RankFailedError,
+    ScheduleError,
+    TargetError,
+    TraceError,
+    VerifyError,
+)
 
 if TYPE_CHECKING:
     from fxpipe.api import compile, load, save

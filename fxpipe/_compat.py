@@ -8,12 +8,17 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree  # no public pytree module in torch 2.13; every fxpipe module uses this one
-from torch.utils import flop_counter
+from torch.utils import (
+    _pytree as pytree,  # no public pytree module in torch 2.13; every fxpipe module uses this one
+    flop_counter,
+)
 from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode that sees every dispatched op
 
-__all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "custom_op_definer", "default_store", "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
-           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name", "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts", "process_group_size", "pytree", "tracing_state"]
+__all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "custom_op_definer", "default_store",
+           "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
+           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name",
+           "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts",
+           "process_group_size", "pytree", "tracing_state"]
 
 
 def flop_counter_mode() -> flop_counter.FlopCounterMode:
@@ -117,7 +122,8 @@ def _cpu_fused_attention(query: Any, key: Any, value: Any, attn_mask: Any = None
         return None
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():  # the trace's fake and proxy modes would make the stand-ins fake and trace the choice
+    # the trace's fake and proxy modes would make the stand-ins fake and trace the choice
+    with _disable_current_modes():
         choice = torch._fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
                                          dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     if choice != SDPBackend.FLASH_ATTENTION.value:
@@ -145,7 +151,8 @@ def tracing_state() -> str:
     return f"{autocast} {torch.get_default_dtype()} {config.backward_pass_autocast}"
 
 
-def partition_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+def partition_joint(joint: torch.fx.GraphModule,
+                    num_fwd_outputs: int) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Forward and backward graphs of a joint graph, saving (not recomputing) what backward needs."""
     from torch._functorch.partitioners import default_partition
 
@@ -201,7 +208,8 @@ def default_store() -> Any:
 
 
 def outside_dynamo_tracing() -> Any:
-    """A context with no Dynamo tracing context (``torch._guards.tracing(None)``): see fxpipe.backend._outside_dynamo."""
+    """A context with no Dynamo tracing context (``torch._guards.tracing(None)``): see
+    fxpipe.backend._outside_dynamo."""
     import torch._guards
 
     return torch._guards.tracing(None)

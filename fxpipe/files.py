@@ -58,7 +58,7 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
     path = Path(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
+    except OSError:
         if os.path.islink(path):
             raise OutputError(f"{str(path)!r} is a symbolic link, which fxpipe does not write through") from None
         raise

@@ -177,7 +177,7 @@ class RuntimeOverheads:
     optimizer_tensor: float = 0.0
     optimizer_tensor_momentum: float = 0.0
 
-    def scaled(self, factor: float) -> "RuntimeOverheads":
+    def scaled(self, factor: float) -> RuntimeOverheads:
         """These costs with every one in seconds (``OVERHEAD_SECONDS``) times ``factor`` (the machine's sustained
         speed)."""
         return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in OVERHEAD_SECONDS})
@@ -526,8 +526,9 @@ class Mesh:
         return tuple(group[0] // self.dp for group in self.stage_ranks)
 
     @classmethod
-    def from_rank_of_stage(cls, rank_of_stage: tuple[int, ...] | list[int], dp: int = 1) -> "Mesh":
-        """The mesh of a schedule's placement of stages (``rank_of_stage``: pipeline positions), each on ``dp`` replicas."""
+    def from_rank_of_stage(cls, rank_of_stage: tuple[int, ...] | list[int], dp: int = 1) -> Mesh:
+        """The mesh of a schedule's placement of stages (``rank_of_stage``: pipeline positions), each on ``dp``
+        replicas."""
         ranks = tuple(rank_of_stage)
         return cls(("pp", "dp"), (1 + max(ranks, default=0), dp),
                    tuple(tuple(r * dp + d for d in range(dp)) for r in ranks))
@@ -681,11 +682,11 @@ class Plan:
         """Bottleneck over the lower bound ``max(sum/p, max layer)``."""
         return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else 1.0
 
-    def with_schedule(self, record: ScheduleRecord, rank_of_stage: tuple[int, ...]) -> "Plan":
+    def with_schedule(self, record: ScheduleRecord, rank_of_stage: tuple[int, ...]) -> Plan:
         """This plan running ``record`` (the mesh follows the schedule's placement of stages)."""
         return dataclasses.replace(self, schedule=record, mesh=Mesh.from_rank_of_stage(rank_of_stage, self.mesh.dp))
 
-    def with_strategy(self, record: StrategyRecord | None) -> "Plan":
+    def with_strategy(self, record: StrategyRecord | None) -> Plan:
         """This plan running the per-layer strategy ``record``."""
         return dataclasses.replace(self, strategy=record)
 
@@ -731,7 +732,7 @@ class Plan:
                                     f"elements), past {LIMITS.elements:,}{fix}")
 
     @classmethod
-    def from_json(cls, data: Any, where: str = "the plan") -> "Plan":
+    def from_json(cls, data: Any, where: str = "the plan") -> Plan:
         """The plan ``to_json`` wrote; PlanFileError naming the field for anything else."""
         if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__

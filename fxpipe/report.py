@@ -24,7 +24,7 @@ class Report:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Report":
+    def from_json(cls, data: dict[str, Any]) -> Report:
         return cls(
             title=str(data["title"]),
             columns=tuple(data["columns"]),

@@ -57,7 +57,8 @@ def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.floa
     module = _import(where, target)
     builder = getattr(module, attr, None)
     if not callable(builder):
-        raise TargetError(f"{where} has no callable {attr!r}; name a function that builds the model, e.g. {where}:build")
+        raise TargetError(f"{where} has no callable {attr!r}; name a function that builds the model, "
+                          f"e.g. {where}:build")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
@@ -122,7 +123,8 @@ def _import(where: str, target: str, example: str = "my_model.py:build") -> Any:
         with _no_exit(f"importing {where}"):
             return importlib.import_module(where)
     except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name ('.x'); ValueError: an empty one
-        raise TargetError(f"cannot import module {where!r} ({exc}); give a path ending in .py or an importable module") from exc
+        raise TargetError(f"cannot import module {where!r} ({exc}); "
+                          "give a path ending in .py or an importable module") from exc
 
 
 class _Exited(BaseException):

@@ -209,7 +209,8 @@ def _assert_round_trips(pipe: fxpipe.Pipeline, inputs: tuple[Any, ...], loss_fn:
     for stage in loaded.stages:
         for name, param in stage.module.named_parameters():
             assert param.grad is not None, f"loaded plan: {name} got no gradient"
-            torch.testing.assert_close(param.grad, ref_params[name].grad, msg=lambda m: f"loaded plan {name}: {m}", **tol)
+            torch.testing.assert_close(param.grad, ref_params[name].grad, msg=lambda m: f"loaded plan {name}: "
+                                                                                        f"{m}", **tol)
 
 
 def check_fbw_matches_eager(model: nn.Module, example: tuple[Any, ...], loss_fn: Any,
@@ -490,7 +491,8 @@ ASYNC_ON_REPLICAS = {"model": "mlp-tiny", "schedules": ["async-1f1b"], "microbat
                      "refused": True}
 
 
-# batched W on a model whose first stage's W mixes the batch's samples (x - x.mean(0)): that stage must run per microbatch
+# batched W on a model whose first stage's W mixes the batch's samples (x - x.mean(0)): that stage must run per
+# microbatch
 BATCH_MIX = {"model": "batch-mix", "schedules": ["batched-w"], "microbatches": 4, "steps": 3}
 
 
@@ -636,8 +638,9 @@ class Forked:
         self._dir = tempfile.mkdtemp(prefix="fxpipe-test-forked-")
         self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
         self.args = argv
-        self._proc = ctx.Process(target=_forked_main, args=(list(argv), str(cwd), dict(os.environ if env is None else env),
-                                                            self._out, self._err), daemon=False)
+        environ = dict(os.environ if env is None else env)
+        self._proc = ctx.Process(target=_forked_main, args=(list(argv), str(cwd), environ, self._out, self._err),
+                                 daemon=False)
         self._proc.start()
         self.pid = self._proc.pid
         self.returncode: int | None = None

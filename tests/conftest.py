@@ -12,10 +12,11 @@ import pytest
 # this machine's compute (tests/calibration/test_compute.py turns it on where it tests it).
 os.environ["FXPIPE_CALIBRATION"] = "off"
 
-from tests._helpers import assert_composes, no_rank_starts  # noqa: E402, F401 (no_rank_starts: a fixture)
+# no_rank_starts and world1: fixtures, shared with every test module from here
+from tests._helpers import assert_composes, no_rank_starts, world1  # noqa: E402, F401
 
-
-# Test modules that share a session-cached launch (tests/_helpers.py: shared_launch, four_rank_run) run in one pytest-xdist
+# Test modules that share a session-cached launch (tests/_helpers.py: shared_launch, four_rank_run) run in one
+# pytest-xdist
 # worker, so the launch runs once; every other module is a group of its own (its module fixtures are made once).
 _SHARED_LAUNCHES = {"tests/runtime/test_distributed.py": "dist", "tests/runtime/test_replicas.py": "dist",
                     "tests/cli/test_run_dp.py": "dp", "tests/cli/test_multinode.py": "dp"}
@@ -97,6 +98,7 @@ def golden(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
             path.write_text(text)
             return
         assert path.exists(), f"no golden file {path}; run pytest --update-golden to create it"
-        assert text == path.read_text(), f"{name} differs from its golden file; if the change is right, run --update-golden"
+        assert text == path.read_text(), (f"{name} differs from its golden file; if the change is right, "
+                                          "run --update-golden")
 
     return check

@@ -11,8 +11,18 @@ import torch
 from torch import nn
 
 from fxpipe import data, models
-from fxpipe.data import (DIGITS_ZOO, TEXT_ZOO, Digits, Synthetic, Text, check_fit, load_digits, load_stdlib_text,
-                         load_text, parse_data)
+from fxpipe.data import (
+    DIGITS_ZOO,
+    TEXT_ZOO,
+    Digits,
+    Synthetic,
+    Text,
+    check_fit,
+    load_digits,
+    load_stdlib_text,
+    load_text,
+    parse_data,
+)
 from fxpipe.errors import OptionError
 from tests._helpers import skip_without
 
@@ -211,7 +221,8 @@ def test_parse_data_names_each_source(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("spec", "match"), [
-    ("mnist", r"unknown --data 'mnist' \(known: synthetic, digits, text:PATH, text:stdlib, jsonl:PATH, FILE.py:FUNCTION\)"),
+    ("mnist", r"unknown --data 'mnist' \(known: synthetic, digits, text:PATH, text:stdlib, jsonl:PATH, "
+              r"FILE.py:FUNCTION\)"),
     ("digit", r"did you mean 'digits'\?"),
     ("text:", r"needs a file after the colon"),
     ("text:/no/such/file.txt", r"no such file .*; check the path"),
@@ -248,7 +259,8 @@ def test_digits_without_scikit_learn_says_what_to_install(monkeypatch: pytest.Mo
 
 
 def test_bad_batch_options(digits: Digits, stdlib: Text) -> None:
-    with pytest.raises(OptionError, match=r"batch size exceeds digits' training set \(batch_size: 2000, samples: 1438\)"):
+    with pytest.raises(OptionError, match=r"batch size exceeds digits' training set \(batch_size: 2000, samples: "
+                                          r"1438\)"):
         digits.batch(0, 2000)
     with pytest.raises(OptionError, match=r"unknown digits layout 'nchw' \(known: flat, image\)"):
         digits.batches(8, layout="nchw")  # type: ignore[arg-type]

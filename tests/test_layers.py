@@ -1,4 +1,5 @@
-"""The code's layering holds: import-linter's contracts (pyproject.toml), and torch's private modules only in fxpipe/_compat.py."""
+"""The code's layering holds: import-linter's contracts (pyproject.toml), and torch's private modules only in
+fxpipe/_compat.py."""
 
 from __future__ import annotations
 

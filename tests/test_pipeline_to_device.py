@@ -1,4 +1,5 @@
-"""Pipeline.to_device: a loaded plan moved whole to another device (fxpipe run --device cuda moves it to the rank's GPU)."""
+"""Pipeline.to_device: a loaded plan moved whole to another device (fxpipe run --device cuda moves it to the rank's
+GPU)."""
 
 from __future__ import annotations
 

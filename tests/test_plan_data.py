@@ -1,4 +1,5 @@
-"""fxpipe.plan: the Plan round-trips through JSON exactly, refuses what it did not write, and DEFAULTS is the one place defaults live."""
+"""fxpipe.plan: the Plan round-trips through JSON exactly, refuses what it did not write, and DEFAULTS is the one place
+defaults live."""
 
 from __future__ import annotations
 
@@ -7,12 +8,24 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fxpipe.errors import PlanFileError
-from fxpipe.plan import (DEFAULTS, PLAN_VERSION, BackwardMove, BuildRecipe, CompileOptions, LayerCost, Link, Mesh, Plan,
-                         Provenance, ScheduleRecord, StageCost, TensorSpec)
+from fxpipe.plan import (
+    DEFAULTS,
+    PLAN_VERSION,
+    BackwardMove,
+    BuildRecipe,
+    CompileOptions,
+    LayerCost,
+    Link,
+    Mesh,
+    Plan,
+    Provenance,
+    ScheduleRecord,
+    StageCost,
+    TensorSpec,
+)
 
 floats = st.floats(allow_nan=False)  # inf is allowed: an infinite bandwidth is a free link
 sizes = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
@@ -28,7 +41,8 @@ def plans(draw: st.DrawFn) -> Plan:
                    for i in range(draw(st.integers(num_stages, 8))))
     stages = tuple(StageCost(k, k, k + 1, *(draw(sizes) for _ in range(9))) for k in range(num_stages))
     options = CompileOptions(stages=num_stages, tracer=draw(st.sampled_from(["export", "fx"])),
-                             memory_per_stage=draw(st.none() | sizes), microbatches=draw(st.none() | st.integers(1, 64)),
+                             memory_per_stage=draw(st.none() | sizes),
+                             microbatches=draw(st.none() | st.integers(1, 64)),
                              schedule=draw(st.none() | st.sampled_from(["1f1b", "zb-h1", "async-1f1b", "auto"])),
                              bandwidth=draw(floats), latency=draw(sizes), profile=draw(st.booleans()),
                              cores=draw(st.none() | st.integers(1, 256)))
@@ -46,7 +60,8 @@ def plans(draw: st.DrawFn) -> Plan:
         layers=layers, stages=stages, link=Link(draw(floats), draw(sizes)),
         mesh=Mesh.from_rank_of_stage(tuple(range(num_stages))), bottleneck_s=draw(sizes), lower_bound_s=draw(sizes),
         schedule=schedule,
-        backward_moves=tuple(BackwardMove(k, draw(names), draw(sizes)) for k in range(num_stages - 1) if draw(st.booleans())))
+        backward_moves=tuple(BackwardMove(k, draw(names), draw(sizes))
+                             for k in range(num_stages - 1) if draw(st.booleans())))
 
 
 @settings(max_examples=60, deadline=None)

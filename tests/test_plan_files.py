@@ -20,7 +20,6 @@ from fxpipe.plan_dir import MAX_JSON_DEPTH, check_depth, read_json
 from tests._helpers import fxpipe_cli, ok, one_line_error, tree
 
 
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[models.ZooModel, fxpipe.Pipeline, fxpipe.Pipeline]:
     zoo = models.build("mlp-tiny")
@@ -35,7 +34,8 @@ def test_compile_into_a_directory_with_a_foreign_plan_json_exits_2_and_changes_n
     (out / "stage_0.py").write_text("print('mine')\n")
     before = tree(tmp_path)
     line = one_line_error(fxpipe_cli("compile", "mlp-tiny", "--out", out))
-    assert line.startswith(f"error: {out} holds a plan.json whose manifest fxpipe cannot check") and "--overwrite" in line
+    assert line.startswith(f"error: {out} holds a plan.json whose manifest fxpipe cannot check")
+    assert "--overwrite" in line
     assert tree(tmp_path) == before
     # --overwrite replaces them, and names what it replaced
     result = ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--overwrite"))
@@ -152,7 +152,8 @@ def test_deeply_nested_json_is_one_line(
         doc = json.loads((out / "plan.json").read_text())
         doc["sha256"][which] = hashlib.sha256((out / which).read_bytes()).hexdigest()
         (out / "plan.json").write_text(json.dumps(doc))
-    with pytest.raises(PlanFileError, match=rf"{which} nests arrays or objects deeper than the {MAX_JSON_DEPTH} levels"):
+    with pytest.raises(PlanFileError, match=rf"{which} nests arrays or objects deeper than the {MAX_JSON_DEPTH} "
+                                            r"levels"):
         fxpipe.load(out)
     if which == "plan.json":
         assert f"{which} nests arrays" in one_line_error(fxpipe_cli("inspect", out))
@@ -190,7 +191,8 @@ def test_recompiling_keeps_the_directory_s_mode_and_out_dot_names_the_directory(
     monkeypatch.chdir(out)
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", "."))
     assert (tmp_path / "plan" / "NOTES.txt").read_text() == "mine" and (tmp_path / "plan" / "plan.json").is_file()
-    assert (tmp_path / "plan").stat().st_mode & 0o777 == 0o750 and sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
+    assert (tmp_path / "plan").stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
 
 
 def test_a_save_stopped_by_a_file_size_limit_says_so(tmp_path: Path) -> None:
@@ -202,7 +204,8 @@ def test_a_save_stopped_by_a_file_size_limit_says_so(tmp_path: Path) -> None:
     script = (f"import resource, fxpipe\nfrom fxpipe import models\nfrom fxpipe.errors import PlanFileError\n"
               f"zoo = models.build('mlp-small')\npipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)\n"
               f"resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
-              f"try:\n    fxpipe.save(pipe, {str(tmp_path / 'plan')!r})\nexcept PlanFileError as exc:\n    print(exc)\n")
+              f"try:\n    fxpipe.save(pipe, {str(tmp_path / 'plan')!r})\nexcept PlanFileError as exc:\n    "
+              "print(exc)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "could not be written whole: the disk is full, or a file-size limit (ulimit -f) stopped it" in proc.stdout

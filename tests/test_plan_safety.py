@@ -10,8 +10,9 @@ import hashlib
 import json
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -95,7 +96,8 @@ def _chain(doc: dict[str, Any]) -> None:
 
 
 TAMPERED_GRAPHS = {
-    "os.system": (_retarget("call_function", "os.system", {"tuple": ["touch /tmp/x"]}), "'os.system', which is not an allowed"),
+    "os.system": (_retarget("call_function", "os.system", {"tuple": ["touch /tmp/x"]}),
+                  "'os.system', which is not an allowed"),
     "builtins.exec": (_retarget("call_function", "builtins.exec", {"tuple": ["1"]}), "'builtins.exec', which is not"),
     "torch.load": (_retarget("call_function", "torch.load"), "'torch.load', which is not an allowed"),
     "aten.from_file": (_retarget("call_function", "aten.from_file.default"), "reads or writes files"),
@@ -106,7 +108,8 @@ TAMPERED_GRAPHS = {
     "method untyped_storage": (_retarget("call_method", "untyped_storage"), "not an allowed tensor method"),
     "method on a constant": (_retarget("call_method", "split", {"tuple": ["a b"]}), "on a constant, not on a value"),
     "getattr __class__": (lambda doc: _retarget("call_function", "builtins.getattr", {
-        "tuple": [{"node": _first(doc, "placeholder")["name"]}, "__class__"]})(doc), "not one of a tensor's plain attributes"),
+        "tuple": [{"node": _first(doc, "placeholder")["name"]}, "__class__"]})(doc),
+                          "not one of a tensor's plain attributes"),
     "get_attr __dict__": (lambda doc: _first(doc, "get_attr").update(target="__dict__"), "not a module path"),
     "get_attr missing": (lambda doc: _first(doc, "get_attr").update(target="nowhere.weight"), "do not have"),
     "unknown op kind": (lambda doc: _first(doc, "call_function").update(op="exec"), "unknown op 'exec'"),
@@ -184,7 +187,8 @@ def test_tampered_plans_run_no_code_in_the_cli(plan: Path, marker: Path) -> None
     (plan / "stage_1.pt").write_bytes(pickle.dumps(_Payload(marker)))
     _rehash(plan, "stage_1.pt")
     loss = plan.parent / "loss.py"  # a plan compiled through the Python API: fxpipe run needs its loss
-    loss.write_text("import torch\n\ndef loss(out, target):\n    return torch.nn.functional.cross_entropy(out, target)\n")
+    loss.write_text("import torch\n\n"
+                    "def loss(out, target):\n    return torch.nn.functional.cross_entropy(out, target)\n")
     result = runner.invoke(app, ["run", str(plan), "--steps", "1", "--timeout", "20", "--loss", f"{loss}:loss"])
     assert result.exit_code == 2, result.output
     assert "stage_1.pt does not load" in result.output and "Traceback" not in result.output
@@ -220,7 +224,8 @@ def test_a_computed_size_is_refused_before_any_rank_allocates_it(plan: Path) -> 
 
     _edit_graph(plan, 1, _computed_size)
     fxpipe.load(plan)  # loads: the size is a node's value, known only when run
-    with pytest.raises(PlanFileError, match=r"make a tensor of shape \[100000000000\] with aten.arange.default "
+    with pytest.raises(PlanFileError, match=r"stage_1.json makes a tensor of shape \[100000000000\] with "
+                                            r"aten.arange.default "
                                             r"\(800,000,000,000 bytes\), more than this machine's"):
         check_allocations(plan)
     assert "800,000,000,000 bytes" in one_line_error(fxpipe_cli("inspect", plan))

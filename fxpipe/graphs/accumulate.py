@@ -2,7 +2,8 @@
 
 A pipeline runs W once per microbatch and sums the parameter gradients over microbatches. Done
 after the fact, every microbatch pays a separate ``grad += w`` over every parameter: it reads
-both and writes one, as much memory traffic as a thin weight-gradient GEMM itself. BLAS accumulates for free: ``C = A @ B + C`` is the same GEMM with beta = 1. So
+both and writes one, as much memory traffic as a thin weight-gradient GEMM itself. BLAS accumulates for free: ``C = A @
+B + C`` is the same GEMM with beta = 1. So
 ``accumulating_weight_graph`` rewrites W into W_acc, which takes the accumulators as extra inputs
 and returns nothing:
 

@@ -32,7 +32,8 @@ class BatchedW:
     dims: tuple[Any, ...]  # per W input: the dimension to concatenate along; None: one tensor for all (a tuple
     # of these for an input that is a tuple of tensors)
     checked: bool = False  # the first call compared against the per-microbatch W's
-    ratio: float = 1.0  # its time over the k per-microbatch W's (measure_ratio): what the simulator charges a W in a run
+    # its time over the k per-microbatch W's (measure_ratio): what the simulator charges a W in a run
+    ratio: float = 1.0
 
     def combine(self, args: Sequence[Sequence[Any]]) -> list[Any] | None:
         """One argument list for the batched W from ``k`` per-microbatch ones; None where an input that keeps
@@ -186,8 +187,9 @@ def _grown(one: Any, many: Any, k: int) -> Any:
 def _same(a: Any, b: Any) -> bool:
     """The same value in two microbatches: the same tensor data (storage, offset, shape and strides), or equal."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset()
-                and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+        return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+                and a.dtype == b.dtype)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return False
     return a is b or (type(a) is type(b) and isinstance(a, (int, float, bool, str, type(None))) and a == b)

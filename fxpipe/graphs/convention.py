@@ -120,7 +120,7 @@ class StageInterface:
     fused_reason: str | None = None
 
     @classmethod
-    def of(cls, graphs: StageGraphs) -> "StageInterface":
+    def of(cls, graphs: StageGraphs) -> StageInterface:
         return cls(tuple(graphs.grad_inputs), tuple(graphs.grad_outputs), graphs.fused_reason)
 
     def to_json(self) -> dict[str, Any]:
@@ -128,7 +128,7 @@ class StageInterface:
                 "fused_reason": self.fused_reason}
 
     @classmethod
-    def from_json(cls, doc: Any) -> "StageInterface":
+    def from_json(cls, doc: Any) -> StageInterface:
         """The record ``to_json`` wrote; ValueError for anything else."""
         def positions(v: Any) -> tuple[int, ...]:
             if not (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)):

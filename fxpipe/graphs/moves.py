@@ -73,7 +73,8 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
     if isinstance(extra, torch.fx.Node) and not extra.users:
         b_slots.pop(phs.index(extra))
         b.erase_node(extra)
-    new_k = dataclasses.replace(gk, backward_input=torch.fx.GraphModule(gk.backward_input or {}, b, class_name="StageBackwardInput"),
+    new_k = dataclasses.replace(gk, backward_input=torch.fx.GraphModule(gk.backward_input or {}, b,
+                                                                        class_name="StageBackwardInput"),
                                 b_slots=tuple(b_slots))
 
     # Stage k+1: F saves its input v (if it did not already), B applies the derivative to dv.

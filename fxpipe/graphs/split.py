@@ -22,14 +22,16 @@ from fxpipe._compat import descriptor_kind, joint_graph, partition_joint
 from fxpipe.graphs.convention import Slot, StageGraphs
 from fxpipe.graphs.fx import COMPUTE_OPS, copy_graph, storage_bytes
 
-FlopCounter = Callable[[torch.fx.GraphModule], int]  # FLOPs of one run of a graph (fxpipe.passes.split_backward.count_flops)
+# FLOPs of one run of a graph (fxpipe.passes.split_backward.count_flops)
+FlopCounter = Callable[[torch.fx.GraphModule], int]
 
 
 class _Unsplittable(Exception):
     """A stage whose joint graph has a shape the split does not handle; it falls back to fused."""
 
 
-def split_stage(module: torch.fx.GraphModule, args: Sequence[Any], *, count_flops: FlopCounter | None = None) -> StageGraphs:
+def split_stage(module: torch.fx.GraphModule, args: Sequence[Any], *,
+                count_flops: FlopCounter | None = None) -> StageGraphs:
     """F, B and W for one stage called on ``args`` (tensors with ``requires_grad`` set as the pipeline needs).
 
     A stage AOTAutograd cannot trace, or whose joint graph has a shape this split does not
@@ -110,11 +112,13 @@ def _split(module: torch.fx.GraphModule, args: tuple[Any, ...], count_flops: Flo
     return _build_backward(module, bw, flops_fused, forward, saved_names, num_outputs, split_ops, count_flops)
 
 
-def _build_forward(module: torch.fx.GraphModule, fw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], int]:
+def _build_forward(module: torch.fx.GraphModule,
+                   fw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], int]:
     """F from the partitioned forward: parameters as get_attr, buffer mutations applied in place."""
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs = sorted((n for n in fw.graph.nodes if n.op == "placeholder" and descriptor_kind(n.meta.get("desc")) == "PlainAOTInput"),
+    inputs = sorted((n for n in fw.graph.nodes
+                     if n.op == "placeholder" and descriptor_kind(n.meta.get("desc")) == "PlainAOTInput"),
                     key=lambda n: n.meta["desc"].idx)
     for n in inputs:
         env[n] = g.placeholder(f"input_{n.meta['desc'].idx}")
@@ -321,7 +325,8 @@ def _build_backward(module: torch.fx.GraphModule, bw: torch.fx.GraphModule, flop
     # (``t(weight)`` for B's matmul) and several views of one activation, which hold nothing more.
     weights = [n.meta.get("val") for n in forward.graph.nodes if n.op == "get_attr"]
     weights += [n.meta.get("val") for n in bw.graph.nodes if n.op == "placeholder" and n not in slot_of]
-    saved_vals = [n.meta.get("val") for n in bw.graph.nodes if n.op == "placeholder" and slot_of.get(n, ("", 0))[0] == "saved"]
+    saved_vals = [n.meta.get("val") for n in bw.graph.nodes
+                  if n.op == "placeholder" and slot_of.get(n, ("", 0))[0] == "saved"]
     slot_val = {slot_of[n]: n.meta.get("val") for n in slot_of}
     count = count_flops or (lambda gm: 0)
     return StageGraphs(

@@ -1,4 +1,5 @@
-"""Every stage's F, B and W graphs at once: each stage split on its own example inputs, one split per distinct stage graph.
+"""Every stage's F, B and W graphs at once: each stage split on its own example inputs, one split per distinct stage
+graph.
 
 Stages with the same graph signature (ops, wiring, input and parameter shapes; names aside)
 reuse one split, rebound to their own parameters: the 1.5 B plan's six identical middle stages
@@ -67,9 +68,10 @@ def build_stage_graphs(stage_modules: Sequence[torch.fx.GraphModule], wiring: Ma
             result = cached_split(module, example, count_flops=count_flops)
             if recorded is not None and StageInterface.of(result) != recorded:
                 raise PlanFileError(f"stage {k} splits into a backward with gradients for inputs "
-                                    f"{list(result.grad_inputs)} and outputs {list(result.grad_outputs)}, where the plan "
-                                    f"records {list(recorded.grad_inputs)} and {list(recorded.grad_outputs)}: the plan "
-                                    "was written by another fxpipe or torch, or damaged; re-run fxpipe compile")
+                                    f"{list(result.grad_inputs)} and outputs {list(result.grad_outputs)}, where the "
+                                    f"plan records {list(recorded.grad_inputs)} and {list(recorded.grad_outputs)}: "
+                                    "the plan was written by another fxpipe or torch, or damaged; re-run fxpipe "
+                                    "compile")
         graphs.append(result)
         env.update(zip(w["outputs"], outs))
         needs_grad.update(w["outputs"][i] for i in _differentiable_outputs(result, outs))
@@ -99,7 +101,8 @@ def graph_signature(layer: torch.fx.GraphModule, example: Sequence[Any]) -> str:
         extra = ""
         if n.op == "get_attr":
             t = get_path(layer, str(n.target))
-            extra = f"{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}" if isinstance(t, torch.Tensor) else "?"
+            extra = (f"{tuple(t.shape)}:{t.dtype}:{getattr(t, 'requires_grad', False)}"
+                     if isinstance(t, torch.Tensor) else "?")
             parts.append(f"get_attr {extra}")
             continue
         if n.op == "placeholder":
@@ -137,7 +140,7 @@ class _Split:
     targets: tuple[str, ...]
 
     @classmethod
-    def of(cls, graphs: StageGraphs, module: torch.fx.GraphModule) -> "_Split":
+    def of(cls, graphs: StageGraphs, module: torch.fx.GraphModule) -> _Split:
         code = tuple(None if gm is None else copy_graph(gm.graph)
                      for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))
         return cls(dataclasses.replace(graphs, forward=None, backward_input=None, backward_weight=None), code,
@@ -184,7 +187,8 @@ def _attr_targets(module: torch.fx.GraphModule) -> tuple[str, ...]:
             found[str(n.target)] = None
         elif n.op == "call_module":
             leaf = get_path(module, str(n.target))
-            for name, _ in (*leaf.named_parameters(remove_duplicate=False), *leaf.named_buffers(remove_duplicate=False)):
+            tensors = (*leaf.named_parameters(remove_duplicate=False), *leaf.named_buffers(remove_duplicate=False))
+            for name, _ in tensors:
                 found[f"{n.target}.{name}"] = None
     return tuple(found)
 

@@ -195,7 +195,7 @@ def parameter_count(name: str) -> int:
     return _meta_parameter_count(canonical_name(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _meta_parameter_count(canonical: str) -> int:
     family, size = _split_name(canonical)
     model = _make_model(family, size, torch.device("meta"), seed=0)

@@ -49,7 +49,8 @@ def annotate_costs(
     With ``compute`` (this machine, calibrated) its rates replace both (a convolution's FLOPs at
     its conv rate by its FLOPs per call, a linear/mm's at the rate for its smallest dimension, W's at the
     weight gradient's: ``ComputeRates.conv_rate`` and ``gemm_rate``; the part of its weights the cache cannot hold
-    when the model's parameters outgrow it (``ComputeRates.cold``) at the uncached rates), the bytes count the parameters a node reads (F, B and W alike), and every node
+    when the model's parameters outgrow it (``ComputeRates.cold``) at the uncached rates), the bytes count the
+    parameters a node reads (F, B and W alike), and every node
     but ``getitem`` adds its host time: ``op_fwd`` to F, and
     ``op_bwd`` on the gradient path, to B and W in halves (all of it to the one it has alone); a
     convolution adds its per-call time too (``conv_fwd``, ``conv_bwd``).
@@ -73,7 +74,8 @@ def annotate_costs(
     except data_dependent_output_error() as exc:
         raise _data_dependent(interp.current, exc) from None
 
-    # A model whose parameters outgrow the last-level cache reads part of each GEMM's weight (W: its gradient) from memory
+    # A model whose parameters outgrow the last-level cache reads part of each GEMM's weight (W: its gradient) from
+    # memory
     cold = 0.0 if compute is None else compute.cold(sum(value_bytes(p) for p in out.parameters()))
     typical = compute.sustained if compute is not None else 1.0  # the machine as a step finds it, not at its best
     needs_grad: set[torch.fx.Node] = set()
@@ -109,7 +111,8 @@ def annotate_costs(
         flops_w = flops if grad_to_param else 0
         traffic = out_bytes + sum(value_bytes(interp.values.get(n)) for n in act_inputs)
         rate = rate_b = rate_w = device_flops
-        ends: tuple[tuple[float, float, float], ...] = ()  # a GEMM's (F, B, W) rates with none / all of its weight cached
+        # a GEMM's (F, B, W) rates with none / all of its weight cached
+        ends: tuple[tuple[float, float, float], ...] = ()
         host_f = host_b = host_w = 0.0
         per_node = (0.0, 0.0, 0.0)  # the part of host_* that is per node (not a convolution's per-call time)
         share_b = (0.5 if grad_to_param else 1.0) if grad_to_act else 0.0  # of the backward's host time, B's
@@ -133,7 +136,8 @@ def annotate_costs(
             if node.target is not operator.getitem:
                 host_f, host_bw = compute.op_fwd, compute.op_bwd
                 if conv:
-                    rate, host_f, host_bw = compute.conv_rate(flops), host_f + compute.conv_fwd, host_bw + compute.conv_bwd
+                    rate = compute.conv_rate(flops)
+                    host_f, host_bw = host_f + compute.conv_fwd, host_bw + compute.conv_bwd
                     rate_b = rate_w = rate
                     shape = _conv_shape(node, val, out, interp.values)
                     grad = None if shape is None else compute.conv_grad_rates(*shape)
@@ -195,8 +199,10 @@ def annotate_costs(
         rows=rows,
         notes=(
             f"forward {sum(m.flops_fwd for m in metas):,} FLOPs; backward estimate "
-            f"{sum(m.flops_bwd_input for m in metas):,} (input grad) + {sum(m.flops_bwd_weight for m in metas):,} (weight grad)",
-            "B/W FLOPs are estimates (forward FLOPs of ops on the gradient path); split_backward will count the real graphs",
+            f"{sum(m.flops_bwd_input for m in metas):,} (input grad) + {sum(m.flops_bwd_weight for m in metas):,} "
+            "(weight grad)",
+            "B/W FLOPs are estimates (forward FLOPs of ops on the gradient path); "
+            "split_backward will count the real graphs",
         ),
     )
     if compute is not None:  # the planners (partition_stages) look up the runtime's fixed costs for these rates

@@ -1,4 +1,5 @@
-"""balance_backward: LayerPipe's inter-layer balance: make the activation derivatives' moves across cuts that the partitioner planned.
+"""balance_backward: LayerPipe's inter-layer balance: make the activation derivatives' moves across cuts that the
+partitioner planned.
 
 When stage k sends v = relu(u) (or tanh, sigmoid) to stage k+1, stage k's B starts with the
 element-wise derivative ``threshold_backward(dv, v, 0)``. That op needs only dv and v, and
@@ -62,7 +63,8 @@ def balance_backward(root: torch.fx.GraphModule) -> PassResult:
                 continue
             op = str(move.op).replace("aten.", "").replace(".default", "")
             if seconds is None:
-                rows.append((k, name, op, "", "kept: the partitioner did not plan it (it would not lower the bottleneck)"))
+                rows.append((k, name, op, "",
+                             "kept: the partitioner did not plan it (it would not lower the bottleneck)"))
                 continue
             graphs[k], graphs[k + 1] = apply_move(move, graphs[k], graphs[k + 1])
             moves.append(BackwardMove(k, name, seconds))

@@ -112,7 +112,7 @@ class _Counted:
         return self.fused_reason is not None
 
     @classmethod
-    def of(cls, graphs: StageGraphs) -> "_Counted":
+    def of(cls, graphs: StageGraphs) -> _Counted:
         return cls(graphs.flops_backward_input, graphs.flops_backward_weight, tuple(graphs.grad_outputs),
                    graphs.fused_reason, (0, 0, 0) if graphs.fused else graph_ops(graphs))
 

@@ -104,4 +104,5 @@ def verify(gm: torch.fx.GraphModule, step: Step) -> None:
         problems.extend(step.verify(gm))
     if problems:
         shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise VerifyError(f"pass {step.name!r} broke {len(problems)} invariant(s): {shown}; this is an fxpipe bug, please report it")
+        raise VerifyError(f"pass {step.name!r} broke {len(problems)} invariant(s): {shown}; this is an fxpipe bug, "
+                          "please report it")

@@ -85,7 +85,8 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
         else:
             instances = {p for s in stacks for p, t in s if t == block_type}
             keys = [_key_for_block(s, block_type, instances) for s in stacks]
-            how = f"one layer per {block_type.rsplit('.', 1)[-1]} ({len(instances)} instances), other modules on their own"
+            how = (f"one layer per {block_type.rsplit('.', 1)[-1]} ({len(instances)} instances), "
+                   "other modules on their own")
     else:
         try:
             depth = int(granularity)
@@ -94,7 +95,8 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
                 f"unknown --granularity {granularity!r}; use auto, node, or a module depth such as 1 or 2"
             ) from None
         if depth < 1:
-            raise OptionError(f"--granularity depth must be at least 1 (depth: {depth}); use 1 for the model's children")
+            raise OptionError(f"--granularity depth must be at least 1 (depth: {depth}); "
+                              "use 1 for the model's children")
         keys = [_key_at_depth(s, depth) for s in stacks]
         how = f"modules at depth {depth}"
 
@@ -106,7 +108,7 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
     names = _runs(keys)
     seen: Counter[str] = Counter()
     labels: list[str] = []
-    for idx, key in enumerate(names):
+    for key in names:
         seen[key] += 1
         labels.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
     layer_of = _layer_indices(keys)
@@ -115,7 +117,8 @@ def group_layers(gm: torch.fx.GraphModule, *, granularity: str = "auto") -> Pass
     stats = layer_stats(out)
     report = Report(
         title="group-layers: per-layer costs",
-        columns=("layer", "name", "nodes", "fwd MFLOP", "bwd MFLOP (est)", "est ms", "tensors", "param MiB", "saved MiB"),
+        columns=("layer", "name", "nodes", "fwd MFLOP", "bwd MFLOP (est)", "est ms", "tensors", "param MiB",
+                 "saved MiB"),
         rows=tuple(
             (s.idx, s.name, s.num_nodes, round(s.flops_fwd / 1e6, 3),
              round((s.flops_bwd_input + s.flops_bwd_weight) / 1e6, 3), round(s.time * 1e3, 3),
@@ -136,7 +139,8 @@ def verify_layers(gm: torch.fx.GraphModule) -> list[str]:
         if idx < 0:
             problems.append(f"node {node.name} has no layer")
         elif idx < last:
-            problems.append(f"node {node.name} is in layer {idx} after a node of layer {last}: layers must be contiguous")
+            problems.append(f"node {node.name} is in layer {idx} after a node of layer {last}: "
+                            "layers must be contiguous")
         last = max(last, idx)
     return problems
 

@@ -143,7 +143,8 @@ def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:
                 problems.append(f"stage {k} {name}: {exc}")
         owned = {n for n, p in stages[k].named_parameters(remove_duplicate=False) if p.requires_grad}
         if set(g.param_names) != owned:
-            problems.append(f"stage {k} W gives gradients for {sorted(g.param_names)}, the stage trains {sorted(owned)}")
+            problems.append(f"stage {k} W gives gradients for {sorted(g.param_names)}, "
+                            f"the stage trains {sorted(owned)}")
     return problems
 
 

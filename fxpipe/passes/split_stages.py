@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from fxpipe._compat import pytree
 
+from fxpipe._compat import pytree
 from fxpipe.graphs.fx import COMPUTE_OPS, clone, compute_nodes, get_path, output_node, preserved_buffers, set_path
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
@@ -58,7 +58,8 @@ def split_stages(gm: torch.fx.GraphModule) -> PassResult:
     for k in range(num_stages):
         body = members.get(k, [])
         inputs = sorted(
-            {a for n in body for a in n.all_input_nodes if a.op == "placeholder" or (a.op in COMPUTE_OPS and stage_of(a) < k)},
+            {a for n in body for a in n.all_input_nodes
+             if a.op == "placeholder" or (a.op in COMPUTE_OPS and stage_of(a) < k)},
             key=order.__getitem__,
         )
         attrs = sorted({a for n in body for a in n.all_input_nodes if a.op == "get_attr"}, key=order.__getitem__)
@@ -109,7 +110,8 @@ def split_stages(gm: torch.fx.GraphModule) -> PassResult:
     if root.meta.get("fxpipe_out_spec") is None:
         root.meta["fxpipe_out_spec"] = graph_spec
     root.meta["fxpipe_num_compute_nodes"] = sum(1 for _ in compute_nodes(gm.graph))
-    notes = tuple(f"shared parameter {name} is held by stages {ks}: its gradient is the sum over them" for name, ks in shared.items())
+    notes = tuple(f"shared parameter {name} is held by stages {ks}: "
+                  "its gradient is the sum over them" for name, ks in shared.items())
     report = Report(
         title="split-stages: stage modules",
         columns=("stage", "nodes", "inputs", "outputs", "parameters", "param elements", "buffers"),
@@ -138,7 +140,8 @@ def verify_split(root: torch.fx.GraphModule) -> list[str]:
                     problems.append(f"{name} reads {node.target} but does not own it")
     expected = root.meta.get("fxpipe_num_compute_nodes")
     if expected is not None and total != expected:
-        problems.append(f"stages hold {total} call nodes, the model had {expected}: every node must be in exactly one stage")
+        problems.append(f"stages hold {total} call nodes, the model had {expected}: "
+                        "every node must be in exactly one stage")
     return problems
 
 

@@ -7,8 +7,8 @@ import io
 import linecache
 import logging
 import os
-import time
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from types import TracebackType

@@ -6,7 +6,8 @@ partitions k and k+1 removes their cut: it saves ``2 c`` of fill and drain (and 
 the slowest link) and adds imbalance when the merged partition becomes the slowest stage.
 
 Taking the best single merge while it pays is not optimal: under a pace of 2, layers 1, 1, 1, 1 with cuts 2,
-3, 2 lose the middle cut first and then must keep both outer ones (4), where keeping the middle one costs 3. So the merges are chosen jointly: for every pace cap X (a
+3, 2 lose the middle cut first and then must keep both outer ones (4), where keeping the middle one costs 3. So the
+merges are chosen jointly: for every pace cap X (a
 partition's time or a cut's), a DP over the layer boundaries finds the cheapest cuts to keep (a merge is forced
 where a cut is slower than X or the devices are too few, forbidden where the merged partition would exceed X),
 and the cap with the least step wins; this equals brute force over every merge sequence. The chosen merges are

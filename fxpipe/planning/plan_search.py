@@ -135,7 +135,8 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
                                                          feasible=fits if memory_cap is not None else None)
                     found = partitions[key]
                     if found is None:
-                        if memory_cap is not None:  # the least memory this (P, m, schedule) needs: its unconstrained plan
+                        # the least memory this (P, m, schedule) needs: its unconstrained plan
+                        if memory_cap is not None:
                             free = best_partition(layers.times, cut_s, p, m)
                             assert free is not None
                             spans = list(zip(free[0], free[0][1:]))

@@ -50,7 +50,7 @@ class StagePlan:
     # stage starting there; ``stage_times`` count the moves
     moves: tuple[tuple[int, str, float], ...] = ()
 
-    def without(self, cut: int, value: str) -> "StagePlan":
+    def without(self, cut: int, value: str) -> StagePlan:
         """This plan with the move of ``value`` across ``cut`` taken back (the split graphs cannot make it)."""
         (seconds,) = [t for c, v, t in self.moves if (c, v) == (cut, value)]
         k = self.bounds.index(cut) - 1

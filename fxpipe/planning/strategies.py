@@ -572,7 +572,7 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
         for b in range(sizes[v]):
             x_rows[x_col[v] + b].append((e_row[e] + sizes[u] + b, -1.0))
     start, index, value, cost = [0], [], [], []
-    for v, s in enumerate(sizes):
+    for v in range(len(sizes)):
         cost.extend(node_costs[v])
     for entries in x_rows:
         for r, coef in entries:
@@ -715,8 +715,10 @@ class LayerSpec:
         """Whether ``degrees`` divide this layer's dims evenly: batch by sample, channels by column, height by
         spatial, input features by row (a dim of unknown size takes any degree).
 
-        >>> LayerSpec("x", shape=(2, 3)).splits(Degrees(sample=4)), LayerSpec("x", shape=(8, 3)).splits(Degrees(sample=4))
-        (False, True)
+        >>> LayerSpec("x", shape=(2, 3)).splits(Degrees(sample=4))
+        False
+        >>> LayerSpec("x", shape=(8, 3)).splits(Degrees(sample=4))
+        True
         """
         sizes = (*self.shape, 0, 0, 0)
         return all(size == 0 or size % degree == 0 for size, degree in ((sizes[0], degrees.sample),
@@ -736,8 +738,10 @@ class HostCosts:
     ``sync``: each gradient all-reduce after backward, beyond the link's (issued together, waited together);
     ``step``: once per step (the loss, its all-reduce, ``zero_grad``), charged to the ``loss`` layer.
 
-    >>> HostCosts(node=1e-4).layer(LayerSpec("fc", param_bytes=8.0)), HostCosts(node=1e-4).layer(LayerSpec("x", kind="input"))
-    (0.0001, 0.0)
+    >>> HostCosts(node=1e-4).layer(LayerSpec("fc", param_bytes=8.0))
+    0.0001
+    >>> HostCosts(node=1e-4).layer(LayerSpec("x", kind="input"))
+    0.0
     """
 
     node: float = 0.0
@@ -866,7 +870,8 @@ def edge_seconds(src: LayerSpec, src_degrees: Degrees, dst: LayerSpec, dst_degre
     24.0
     """
     forward, backward = edge_transfers(src, src_degrees, dst, dst_degrees, nbytes=nbytes, alltoall=alltoall)
-    return forward.seconds(bandwidth=bandwidth, latency=latency) + backward.seconds(bandwidth=bandwidth, latency=latency)
+    return (forward.seconds(bandwidth=bandwidth, latency=latency)
+            + backward.seconds(bandwidth=bandwidth, latency=latency))
 
 
 def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -1157,7 +1162,8 @@ def splitbrain(graph: LayerGraph, specs: Sequence[LayerSpec], group: int, *, min
 
 @dataclass(frozen=True)
 class LayerMemory:
-    """One rank's bytes for one layer in one configuration: parameters, gradients, optimizer state, saved activations."""
+    """One rank's bytes for one layer in one configuration: parameters, gradients, optimizer state, saved
+    activations."""
 
     params: float
     grads: float

@@ -25,14 +25,12 @@ each send before they receive would wait for each other, so the crossing pair go
 from __future__ import annotations
 
 import os
-
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 
 class Received:

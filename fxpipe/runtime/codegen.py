@@ -52,7 +52,8 @@ def cache_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class Inductor:
-    """The graphs one executor compiles: the first that Inductor cannot compile warns, later ones run eagerly quietly."""
+    """The graphs one executor compiles: the first that Inductor cannot compile warns, later ones run eagerly
+    quietly."""
 
     def __init__(self) -> None:
         self.compiled = 0  # graphs compiled (one per graph and input signature)
@@ -212,5 +213,6 @@ def compile_stage(g: Any, inductor: Inductor | None = None) -> Any:
     if g.fused:
         return g
     inductor = inductor or Inductor()
-    return dataclasses.replace(g, forward=compiled(g.forward, inductor), backward_input=compiled(g.backward_input, inductor),
+    return dataclasses.replace(g, forward=compiled(g.forward, inductor),
+                               backward_input=compiled(g.backward_input, inductor),
                                backward_weight=compiled(g.backward_weight, inductor))

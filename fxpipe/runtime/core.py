@@ -58,7 +58,8 @@ class GraphFacts:
         if given is not None and len(given.graphs) == len(graphs) and all(a is b for a, b in zip(given.graphs, graphs)):
             return given
         return cls(tuple(graphs), [grads_are_fresh(g.backward_weight, len(g.param_names))
-                                   if isinstance(g.backward_weight, torch.fx.GraphModule) else [False] * len(g.param_names)
+                                   if isinstance(g.backward_weight, torch.fx.GraphModule)
+                                   else [False] * len(g.param_names)
                                    for g in graphs])
 
 

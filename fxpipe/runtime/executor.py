@@ -45,14 +45,23 @@ from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, measure_ratio
 from fxpipe.runtime.channel import Channel
 from fxpipe.runtime.core import ActionRunner, HeldBytes, grad_like
-from fxpipe.runtime.reference import check_async
-from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lane import WLane, refusal as lane_refusal
 from fxpipe.runtime.lower import FORWARD, Message, lower
 from fxpipe.runtime.options import RuntimeOptions
-from fxpipe.runtime.optim import (LossScaler, LRSchedule, OptimizerSpec, autocast_loss, autocast_of,
-                                  clip_grads, optimizer_factory, scheduler_factory, squared_norm)
+from fxpipe.runtime.optim import (
+    LossScaler,
+    LRSchedule,
+    OptimizerSpec,
+    autocast_loss,
+    autocast_of,
+    clip_grads,
+    optimizer_factory,
+    scheduler_factory,
+    squared_norm,
+)
+from fxpipe.runtime.reference import check_async
+from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.versions import POLICIES
@@ -137,7 +146,8 @@ class PipelineRuntime:
         # Mixed precision: the stage graphs traced under autocast, the loss computed under it (fxpipe.runtime.optim).
         self.precision, self.autocast = precision, autocast_of(precision, kind)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise OptionError(f"clip_grad_norm is the largest global gradient norm, > 0 (clip_grad_norm: {clip_grad_norm})")
+            raise OptionError("clip_grad_norm is the largest global gradient norm, > 0 (clip_grad_norm: "
+                              f"{clip_grad_norm})")
         if not schedule.synchronous and (clip_grad_norm is not None or precision == "fp16"
                                          or lr_schedule not in (None, "constant", LRSchedule())):
             raise OptionError(f"{schedule.name} steps each stage after every microbatch, with no step of the whole "
@@ -784,7 +794,8 @@ class PipelineRuntime:
         buffers = dict(self._named(lambda mod: mod.named_buffers()))
         missing = sorted((set(params) - set(state["params"])) | (set(buffers) - set(state.get("buffers", {}))))
         if missing:
-            raise CheckpointError(f"this state lacks {len(missing)} of rank {self.rank}'s tensors ({', '.join(missing[:3])}"
+            raise CheckpointError(f"this state lacks {len(missing)} of rank {self.rank}'s tensors "
+                                  f"({', '.join(missing[:3])}"
                                   f"{', ...' if len(missing) > 3 else ''}); load a state of the same model")
         with torch.no_grad():
             for n, p in params.items():

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

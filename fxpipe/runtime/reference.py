@@ -11,9 +11,9 @@ parameters (``param.grad``), so after a step they equal eager autograd on the sa
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-import warnings
 from typing import Any
 
 import torch
@@ -128,7 +128,7 @@ class ReferenceExecutor:
         self.peak_held_bytes = list(run.held.peak) if run.held is not None else []
         return [loss if loss is not None else torch.tensor(float("nan")) for loss in run.losses]
 
-    def _runner(self, loss_scale: float) -> "_Checked":
+    def _runner(self, loss_scale: float) -> _Checked:
         run = _Checked(self.pipe, self.graphs, self.loss_fn, loss_scale=loss_scale, facts=self._facts)
         self._facts = run.facts
         run.w_in_place = self.w_in_place
@@ -137,7 +137,8 @@ class ReferenceExecutor:
             run.held = HeldBytes([st.module for st in run.stages])
         return run
 
-    def run(self, microbatches: Sequence[tuple[Sequence[Any], Any]], order: Sequence[Order] | None = None) -> list[torch.Tensor]:
+    def run(self, microbatches: Sequence[tuple[Sequence[Any], Any]],
+            order: Sequence[Order] | None = None) -> list[torch.Tensor]:
         """Run ``order`` (default: :meth:`default_order`) over ``(inputs, target)`` microbatches; returns the losses.
 
         The loss of each microbatch is scaled by ``loss_scale`` (default ``1 / len(microbatches)``)
@@ -220,7 +221,8 @@ class _Checked(ActionRunner):
             waiting = [k for k in self.readers[name] if (k, "B", m) not in self.done and (k, "BW", m) not in self.done]
             if waiting:
                 raise ScheduleOrderError(f"{_fmt((s, kind, m))} needs the gradient of {name} from stage {waiting[0]}'s "
-                                         "backward, which has not run; B of a stage runs after B of the stages it feeds")
+                                         "backward, which has not run; "
+                                         "B of a stage runs after B of the stages it feeds")
             if name in self.outputs and self.losses[m] is None:
                 raise ScheduleOrderError(f"{_fmt((s, kind, m))} runs before the loss of microbatch {m}")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,6 @@ import torch.distributed as dist
 from fxpipe.errors import OptionError
 from fxpipe.planning.cost import BUCKET_BYTES  # 25 MiB, DDP's cap; the simulator's buckets too
 from fxpipe.schedules.ir import Action, Kind
-
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,8 @@ def layout(mesh: Any, pp: int, rank: int, world: int, device_type: str) -> Layou
         raise OptionError(f"the mesh's dimensions are {names or 'unnamed'}; pass a DeviceMesh with "
                           "mesh_dim_names=('pp', 'dp')")
     if mesh.size(0) != pp:
-        raise OptionError(f"the mesh has {mesh.size(0)} pipeline positions and the schedule {pp} ranks; make them agree")
+        raise OptionError(f"the mesh has {mesh.size(0)} pipeline positions and the schedule {pp} ranks; "
+                          "make them agree")
     coord = mesh.get_coordinate()
     if coord is None:
         raise OptionError(f"rank {rank} is not on the mesh; every rank of the world runs a part of the pipeline")
@@ -82,7 +82,7 @@ class Bucket:
     views: list[torch.Tensor]
     stages: frozenset[int]
     work: Any = None
-    event: "SyncEvent | None" = None
+    event: SyncEvent | None = None
 
 
 @dataclass

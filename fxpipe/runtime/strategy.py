@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -105,7 +105,8 @@ def mesh_roles(degrees: Degrees, ndim: int) -> tuple[str, ...]:
     for letter, n in (("s", degrees.sample), ("c", degrees.column), ("r", degrees.row)):
         k = n.bit_length() - 1
         if 1 << k != n:
-            raise OptionError(f"configuration {degrees.name}: every degree must be a power of two on a (2, ..., 2) mesh")
+            raise OptionError(f"configuration {degrees.name}: every degree must be a power of two "
+                              "on a (2, ..., 2) mesh")
         roles += [letter] * k
     if len(roles) != ndim:
         raise OptionError(f"configuration {degrees.name} uses {2 ** len(roles)} ranks; the mesh has {2 ** ndim}")
@@ -384,8 +385,10 @@ def _reinterpret(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int
 
     >>> _reinterpret((Shard(1), Partial()), (0, 1), (1, 0))
     ((Partial(sum), Shard(dim=1)), True)
-    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0))[1], _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0), True)[1]
-    (False, True)
+    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0))[1]
+    False
+    >>> _reinterpret((Shard(1), Shard(1)), (0, 1), (1, 0), True)[1]
+    True
     """
     base: list[Any] = [None] * len(src)
     for j, p in enumerate(placements):
@@ -627,7 +630,8 @@ class StrategyRuntime:
             return None
         if mesh is not None:
             if mesh.mesh_dim_names is None or mesh.mesh_dim_names[0] != "pp" or mesh.size(0) != self.pp:
-                raise OptionError(f"a pipelined strategy runs on a mesh whose first dimension is 'pp' of size {self.pp}")
+                raise OptionError("a pipelined strategy runs on a mesh whose first dimension is 'pp' of size "
+                                  f"{self.pp}")
             return mesh
         world = dist.get_world_size()
         group = world // self.pp
@@ -911,13 +915,15 @@ class StrategyRuntime:
         if bias is not None and "r" in roles:
             coords = self.view(layer.perm).get_coordinate() or []
             first = all(coords[i] == 0 for i, r in enumerate(roles) if r == "r")
-            bias = bias if first else bias - bias.detach()  # the sum over row ranks adds it once; every rank's grad is whole
+            # the sum over row ranks adds it once; every rank's grad is whole
+            bias = bias if first else bias - bias.detach()
         if isinstance(module, nn.Linear):
             return F.linear(x, weight, bias)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[weight.dim() - 2]
         return conv(x, weight, bias, module.stride, module.padding, module.dilation, 1)
 
-    def _norm(self, name: str, module: nn.Module, layer: _Layer, x: torch.Tensor, local: dict[str, torch.Tensor]) -> Any:
+    def _norm(self, name: str, module: nn.Module, layer: _Layer, x: torch.Tensor,
+              local: dict[str, torch.Tensor]) -> Any:
         mean, var = module.running_mean, module.running_var
         mean_l, var_l = mean.to_local(), var.to_local()
         group = self._group(layer.sample_dims)

@@ -148,8 +148,10 @@ def export_torch(plan: Pipeline | str | Path, *, out: str | Path | None = None) 
     pipe = plan
     p = pipe.plan
     if p.strategy is not None:
-        raise PlanError(f"this plan runs a per-layer strategy ({p.strategy.name}: layers sharded over {p.strategy.ranks} "
-                        "ranks), which torch's pipelining runtime does not express; compile it again without --strategy")
+        raise PlanError(f"this plan runs a per-layer strategy ({p.strategy.name}: layers sharded over "
+                        f"{p.strategy.ranks} "
+                        "ranks), which torch's pipelining runtime does not express; "
+                        "compile it again without --strategy")
     if p.mesh.dp > 1:
         raise PlanError(f"this plan replicates every stage on {p.mesh.dp} ranks (--dp); torch's runtime takes one rank "
                         "per stage position (wrap stages in FSDP/DDP yourself): compile it again without --dp")
@@ -187,7 +189,8 @@ def stage_modules(pipe: Pipeline) -> list[TorchStage]:
             later = [n for t in stages[k + 1:] for n in t.inputs] + [n for n in pipe.output_names if n is not None]
             gives = list(dict.fromkeys(n for n in later if made_by[n] <= k))
         modules.append(TorchStage(k, s.module, takes, s.inputs, s.outputs, gives, last=last,
-                                  constants=pipe.output_constants if last else (), out_spec=pipe.out_spec if last else None))
+                                  constants=pipe.output_constants if last else (),
+                                  out_spec=pipe.out_spec if last else None))
         takes = [n for n in gives if n is not None]
     return modules
 
@@ -302,8 +305,8 @@ def stage_modules_by_name(plan: Any) -> list[list[str]]:
         base = after.split("#")[0]
         if "#" in after or base == before:
             raise PlanError(f"the cut before stage {k} falls inside module {base} (its calls run on both sides: layers "
-                            f"{names[cut - 1]} | {after}); torchtitan splits at module boundaries: compile with another "
-                            "--granularity, or run the plan with fxpipe export --to torch")
+                            f"{names[cut - 1]} | {after}); torchtitan splits at module boundaries: "
+                            "compile with another --granularity, or run the plan with fxpipe export --to torch")
     return [[n.split("#")[0] for n in names[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
@@ -322,7 +325,8 @@ def torchtitan_toml(plan: Any, schedule_csv: str) -> str:
 
     return "\n".join([
         f"# fxpipe plan: {len(parts)} stages on {sched.num_ranks} ranks, schedule {sched.name}, "
-        f"{sched.num_microbatches} microbatches of {rows} rows (training.local_batch_size = {rows * sched.num_microbatches})",
+        f"{sched.num_microbatches} microbatches of {rows} rows (training.local_batch_size = "
+        f"{rows * sched.num_microbatches})",
         "[parallelism]",
         f"pipeline_parallel_degree = {sched.num_ranks}",
         f"module_fqns_per_model_part = [{', '.join(strings(p) for p in parts)}]",

@@ -51,7 +51,7 @@ class Action:
         return str(self)
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         match = _PATTERN.match(text.strip())
         if match is None:
             raise ScheduleError(f"cannot parse action {text!r}; write STAGE KIND MICROBATCH, e.g. 1F3, 0B2, 2W0, "
@@ -82,7 +82,7 @@ class Schedule:
     def split_backward(self) -> bool:
         return any(a.kind in (Kind.B, Kind.W) for r in self.ranks for a in r)
 
-    def compute_only(self) -> "Schedule":
+    def compute_only(self) -> Schedule:
         """The same schedule without its send and receive actions."""
         ranks = tuple(tuple(a for a in r if a.kind in COMPUTE) for r in self.ranks)
         return Schedule(self.name, self.num_stages, self.num_microbatches, self.rank_of_stage, ranks,
@@ -93,7 +93,7 @@ class Schedule:
         return "".join(",".join(str(a) for a in r) + "\n" for r in self.ranks)
 
     @classmethod
-    def from_csv(cls, text: str, name: str = "csv", *, synchronous: bool = True, batch_w: bool = False) -> "Schedule":
+    def from_csv(cls, text: str, name: str = "csv", *, synchronous: bool = True, batch_w: bool = False) -> Schedule:
         """Parse :meth:`to_csv` output; stages, microbatches and placement are read off the actions."""
         ranks = tuple(tuple(Action.parse(cell) for cell in line.split(",") if cell.strip())
                       for line in text.strip("\n").split("\n"))

@@ -22,12 +22,17 @@ from typing import Any
 
 from fxpipe.errors import OptionError, ScheduleError
 from fxpipe.plan import Plan
-from fxpipe.planning.cost import (BUCKET_BYTES, allreduce_bucket_seconds, allreduce_seconds, optimizer_step_seconds,
-                                  recomputed, transfer_time)
+from fxpipe.planning.cost import (
+    BUCKET_BYTES,
+    allreduce_bucket_seconds,
+    allreduce_seconds,
+    optimizer_step_seconds,
+    recomputed,
+    transfer_time,
+)
 from fxpipe.report import Report
 from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
 from fxpipe.schedules.versions import POLICIES, PREDICT, copies
-
 
 PREDICTION_TRAFFIC: dict[str, int] = {"momentum": 3, "adam": 9, "adamw": 9}
 """Bytes one weight prediction reads and writes per parameter byte (``fxpipe.runtime.weights``): momentum SGD
@@ -101,7 +106,7 @@ class Costs:
     # for a W but the step's end. False: one lane.
     w_lane: bool = False
 
-    def recomputing(self, stages: Sequence[int]) -> "Costs":
+    def recomputing(self, stages: Sequence[int]) -> Costs:
         """These costs with ``stages`` recomputing their forward: each B runs F first (B's time plus F's, and F's
         weight reads again) and F keeps only the stage's inputs (``held_in``) until B; B to W is unchanged. Apply it
         before ``with_runtime``, whose loss time is no part of the recomputed F."""
@@ -121,12 +126,12 @@ class Costs:
         return dataclasses.replace(self, b=tuple(b), dram_b=tuple(dram_b), recompute=again,
                                    held_fb=recomputed(self.held_fb or (1.0,) * len(self.f), self.held_in, new))
 
-    def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> "Costs":
+    def with_overheads(self, action_s: float, message_s: float, step_s: float, send_s: float = 0.0) -> Costs:
         """These costs with the runtime's fixed costs per compute action, per message (its latency, and its
         sender's host time) and per rank's step."""
         return dataclasses.replace(self, action_s=action_s, message_s=message_s, step_s=step_s, send_s=send_s)
 
-    def with_optimizer(self, optimizer: str, mem_bw: float, overheads: Any = None) -> "Costs":
+    def with_optimizer(self, optimizer: str, mem_bw: float, overheads: Any = None) -> Costs:
         """These costs with each stage's optimizer step: a memory-bound pass over its parameters at ``mem_bw``; with
         ``overheads`` (``fxpipe.plan.RuntimeOverheads``), plus the step's host time as the runtime runs it: a cost
         per step and one per parameter tensor (``grad_tensors``), for a stage that has parameters."""
@@ -138,7 +143,7 @@ class Costs:
             optimizer_step_seconds(g, optimizer, mem_bw) + (per_step + per_tensor * n if g > 0 else 0.0)
             for g, n in zip(self.grad_bytes, tensors)))
 
-    def with_weights(self, policy: str, optimizer: str, mem_bw: float) -> "Costs":
+    def with_weights(self, policy: str, optimizer: str, mem_bw: float) -> Costs:
         """These costs with an asynchronous schedule's weight copies under ``policy`` (``fxpipe.schedules.versions``):
         a memory-bound pass over the stage's parameters (``grad_bytes``) at ``mem_bw`` per copy, 2 bytes per byte for
         a stash snapshot (read the live weights, write the spare), ``PREDICTION_TRAFFIC`` for a prediction; ``stale``
@@ -152,13 +157,13 @@ class Costs:
         return dataclasses.replace(self, weights=policy, copy_s=tuple(traffic * g / mem_bw for g in self.grad_bytes))
 
     @classmethod
-    def uniform(cls, num_stages: int, f: float, b: float, w: float) -> "Costs":
+    def uniform(cls, num_stages: int, f: float, b: float, w: float) -> Costs:
         """Every stage F, B, W in the given times; free transfers; one unit of memory per microbatch in flight."""
         n = num_stages
         return cls((f,) * n, (b,) * n, (w,) * n, (0.0,) * n, (1.0,) * n, (1.0,) * n)
 
     @classmethod
-    def from_plan(cls, plan: Plan, overheads: Any = None) -> "Costs":
+    def from_plan(cls, plan: Plan, overheads: Any = None) -> Costs:
         """The plan's per-stage costs and link, for one microbatch; with ``overheads`` (anything with ``action``,
         ``message`` and ``step`` seconds, and optionally ``loss``: the runtime's fixed costs, ``fxpipe.calibration.
         compute.plan_overheads(plan)`` for a plan estimated with this machine's calibrated rates), added as
@@ -176,20 +181,23 @@ class Costs:
                    **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan, grads))))
         return costs.with_runtime(overheads)
 
-    def with_runtime(self, overheads: Any) -> "Costs":
+    def with_runtime(self, overheads: Any) -> Costs:
         """These costs with the runtime's fixed costs ``overheads`` (``action``, ``message``, ``step`` and optionally
         ``loss`` seconds; None: none), as :meth:`from_plan` and the planners add them: ``loss`` to the last stage's
         F, the rest as :meth:`with_overheads`."""
         if overheads is None:
             return self
-        costs, loss = self, getattr(overheads, "loss", 0.0)  # the last stage's F also computes the loss and its gradient
+        # the last stage's F also computes the loss and its gradient
+        costs, loss = self, getattr(overheads, "loss", 0.0)
         if loss:
             costs = dataclasses.replace(costs, f=(*costs.f[:-1], costs.f[-1] + loss))
-        return costs.with_overheads(overheads.action, overheads.message, overheads.step, getattr(overheads, "send", 0.0))
+        return costs.with_overheads(overheads.action, overheads.message, overheads.step,
+                                    getattr(overheads, "send", 0.0))
 
     def time(self, action: Action) -> float:
         s = action.stage
-        took = {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s], Kind.BW: self.b[s] + self.w[s]}.get(action.kind)
+        took = {Kind.F: self.f[s], Kind.B: self.b[s], Kind.W: self.w[s],
+                Kind.BW: self.b[s] + self.w[s]}.get(action.kind)
         return 0.0 if took is None else took + self.action_s
 
     def transfer(self, stage: int) -> float:
@@ -394,7 +402,8 @@ def simulate(schedule: Schedule, costs: Costs, *, dp: int | None = None, allredu
         lane = [e for e in lanes if e.rank == r]
         send_bytes = timed.send_bytes
         ranks.append(RankStats(
-            r, start, end, _union(compute) if timed.w_lane else sum(map(operator.sub, map(_END, compute), map(_START, compute))),
+            r, start, end,
+            _union(compute) if timed.w_lane else sum(map(operator.sub, map(_END, compute), map(_START, compute))),
             *_memory(compute, timed),
             sum([send_bytes[e.action.stage] for e in sends]) if send_bytes else 0.0 if sends else 0,
             sum(e.end - e.start for e in lane), max((e.end for e in lane), default=0.0),

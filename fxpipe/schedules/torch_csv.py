@@ -100,7 +100,8 @@ def check_comms(schedule: Schedule) -> None:
                                     f"(stage {a.stage} is on rank {where[a.stage] if a.stage <= last else '-'}); "
                                     "drop it, or write the CSV compute-only")
             if (r, a) in have:
-                raise ScheduleError(f"rank {r}, step {step}: {a} appears twice (first at step {have[(r, a)]}); keep one")
+                raise ScheduleError(f"rank {r}, step {step}: {a} appears twice (first at step {have[(r, a)]}); "
+                                    "keep one")
             have[(r, a)] = step
             made = {Kind.SEND_F: (Kind.F,), Kind.SEND_B: (Kind.B, Kind.BW)}.get(a.kind, ())
             if made and not any(Action(a.stage, k, a.mb) in done for k in made):

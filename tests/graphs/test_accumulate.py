@@ -13,7 +13,8 @@ from fxpipe.graphs.accumulate import accumulating_weight_graph, grads_are_fresh
 def _w_args(g: object, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     vals = [n.meta["val"] for n in g.forward.graph.nodes if n.op == "placeholder"]  # type: ignore[attr-defined]
-    args = [torch.randn(v.shape, dtype=v.dtype, generator=gen) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
+    args = [torch.randn(v.shape, dtype=v.dtype, generator=gen) if v.is_floating_point()
+            else torch.zeros(v.shape, dtype=v.dtype)
             for v in vals]
     res = g.forward(*args)  # type: ignore[attr-defined]
     saved = list(res[g.num_outputs:])  # type: ignore[attr-defined]

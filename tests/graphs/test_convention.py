@@ -17,7 +17,8 @@ def test_flatten_inputs_follows_the_compiled_structure() -> None:
     _, spec = pytree.tree_flatten(((x,), {"mask": y}))
     assert flatten_inputs(spec, (x,), {"mask": y}) == [x, y]
     assert flatten_inputs(None, (x, y), {}) == [x, y]
-    with pytest.raises(OptionError, match=r"keyword inputs differ from compile time \(missing: \['mask'\], unexpected: \[\]\)"):
+    with pytest.raises(OptionError, match=r"keyword inputs differ from compile time \(missing: \['mask'\], unexpected: "
+                                          r"\[\]\)"):
         flatten_inputs(spec, (x,), {})
     with pytest.raises(OptionError, match="positional inputs only"):
         flatten_inputs(None, (x,), {"mask": y})

@@ -1,4 +1,5 @@
-"""graphs.split: one stage's F, B and W from AOTAutograd's joint graph: the split by output_mask, aliasing outputs, the fused fallback."""
+"""graphs.split: one stage's F, B and W from AOTAutograd's joint graph: the split by output_mask, aliasing outputs, the
+fused fallback."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_flops_are_counted_only_with_a_counter() -> None:
     args = [torch.randn(2, 3, requires_grad=True), torch.randn(5, 4, requires_grad=True)]
     plain = split_stage(module, args)
     assert not plain.fused
-    assert (plain.flops_forward, plain.flops_backward_input, plain.flops_backward_weight, plain.flops_fused_backward) == (0, 0, 0, 0)
+    assert (plain.flops_forward, plain.flops_backward_input, plain.flops_backward_weight,
+            plain.flops_fused_backward) == (0, 0, 0, 0)
     seen: list[str] = []
     counted = split_stage(module, args, count_flops=lambda gm: seen.append(type(gm).__name__) or 7)
     assert (counted.flops_forward, counted.flops_backward_input, counted.flops_backward_weight) == (7, 7, 7)
@@ -90,7 +92,8 @@ class _Attention(nn.Module):
 
 def _attention_ops(graphs: object) -> set[str]:
     return {str(n.target) for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight)  # type: ignore[attr-defined]
-            for n in gm.graph.nodes if n.op == "call_function" and ("attention" in str(n.target) or "softmax" in str(n.target))}
+            for n in gm.graph.nodes
+            if n.op == "call_function" and ("attention" in str(n.target) or "softmax" in str(n.target))}
 
 
 def test_attention_on_meta_holds_what_the_cpu_holds() -> None:

@@ -1,4 +1,5 @@
-"""graphs.stages: every stage's graphs at once; identical stages share one split, and a pipeline without graphs gets the pass's."""
+"""graphs.stages: every stage's graphs at once; identical stages share one split, and a pipeline without graphs gets the
+pass's."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def _convention(g: StageGraphs) -> tuple[object, ...]:
 
 
 def test_build_backward_gives_a_pipeline_without_graphs_the_passes_graphs() -> None:
-    """Pipeline.build_backward (plans loaded from disk, the runtime) and the split-backward pass build the same F, B and W."""
+    """Pipeline.build_backward (plans loaded from disk, the runtime) and the split-backward pass build the same F, B and
+    W."""
     zoo = models.build("gpt-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=3)
     compiled = pipe.stage_graphs

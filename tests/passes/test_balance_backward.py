@@ -1,4 +1,5 @@
-"""balance_backward: activation derivatives move across a cut only when that lowers the bottleneck; gradients stay exact."""
+"""balance_backward: activation derivatives move across a cut only when that lowers the bottleneck; gradients stay
+exact."""
 
 from __future__ import annotations
 

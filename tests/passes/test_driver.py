@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fxpipe import models
+from fxpipe.api import build_steps
 from fxpipe.errors import OptionError, VerifyError
 from fxpipe.graphs.fx import clone, compute_nodes
 from fxpipe.meta import update_meta
-from fxpipe.api import build_steps
 from fxpipe.passes import DEFAULT_PASSES, PassResult, Step, run_steps
 from fxpipe.plan import CompileOptions
 
@@ -56,7 +56,8 @@ def test_verify_each_catches_a_pass_that_breaks_an_invariant() -> None:
 
     partition = next(s for s in steps if s.name == "partition-stages")
     broken = Step("partition-stages", lambda gm: unstage(partition.run(gm).gm), partition.verify)
-    bad = [broken if s.name == "partition-stages" else s for s in steps if s.name not in ("split-stages", "split-backward")]
+    bad = [broken if s.name == "partition-stages" else s
+           for s in steps if s.name not in ("split-stages", "split-backward")]
     with pytest.raises(VerifyError, match="pass 'partition-stages' broke 1 invariant.*has no stage"):
         run_steps(bad, verify_each=True)
     run_steps(bad, verify_each=False)  # without verification the broken graph goes through

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from fxpipe import models
-from fxpipe.errors import OptionError
 from fxpipe.api import build_steps
+from fxpipe.errors import OptionError
 from fxpipe.passes import run_steps
-from fxpipe.plan import CompileOptions
 from fxpipe.passes.group_layers import layer_stats
+from fxpipe.plan import CompileOptions
 
 
 def test_profile_measures_every_layer_and_restores_buffers() -> None:

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxpipe
 from fxpipe import models

@@ -168,8 +168,8 @@ def test_optcnn_sets_the_search_model_against_each_measured_run(tmp_path: Path) 
     assert [(r[2], r[5], r[6], r[7]) for r in rows] == [("dp", "0.90 / 0.90", "yes", "-"),
                                                         ("auto", "0.90 / 0.50", "no", "-")]
     assert rows[0][8] == "50.0 / 60.0"
-    assert optcnn._pick_against_dp(rows) == (", where the pick's step was +0% to +0% against data parallelism's (run 1; "
-                                             "positive: slower)")
+    assert optcnn._pick_against_dp(rows) == (", where the pick's step was +0% to +0% against data parallelism's "
+                                             "(run 1; positive: slower)")
     assert optcnn._pick_against_dp(rows[:1]) == ""
     verdict = optcnn.measured_verdict(rows, paths)
     assert "within 20% in 1 of 2" in verdict and "m 2 ranks auto" in verdict and "load average" not in verdict.lower()

@@ -11,8 +11,14 @@ import pytest
 from torch.testing import assert_close
 
 from fxpipe.errors import OptionError, PlanError
-from fxpipe.planning.stage_count import (Objective, StageCount, best_partition, choose_count, parse_objective,
-                                         pipeline_step)
+from fxpipe.planning.stage_count import (
+    Objective,
+    StageCount,
+    best_partition,
+    choose_count,
+    parse_objective,
+    pipeline_step,
+)
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.simulate import Costs, simulate
 

@@ -10,8 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fxpipe.errors import PlanError
 from fxpipe.planning import stage_dp
@@ -254,8 +253,12 @@ def test_public_helpers_match_reference(inst: Instance, data: st.DataObject) -> 
 # --- LayerPipe's inter-layer balance: moves across cuts chosen inside the DP ------------------------
 
 
+# An instance, the movable (name, seconds) at each cut, and whether the first stage may move one out.
+MovesCase = tuple[Instance, list[list[tuple[str, float]]], bool]
+
+
 @st.composite
-def with_moves(draw: st.DrawFn, *, with_cap: bool | None = None) -> tuple[Instance, list[list[tuple[str, float]]], bool]:
+def with_moves(draw: st.DrawFn, *, with_cap: bool | None = None) -> MovesCase:
     """An instance of at least 2 stages, at some cuts a derivative's seconds that may move across it, and whether
     the first stage may move one out."""
     inst = draw(instances(min_layers=2, min_stages=2, with_cap=with_cap))
@@ -263,7 +266,8 @@ def with_moves(draw: st.DrawFn, *, with_cap: bool | None = None) -> tuple[Instan
     return inst, movable, draw(st.booleans())
 
 
-def _moved_times(bounds: tuple[int, ...], times: list[float], moving: list[float], moved: tuple[int, ...]) -> list[float]:
+def _moved_times(bounds: tuple[int, ...], times: list[float], moving: list[float],
+                 moved: tuple[int, ...]) -> list[float]:
     out = list(times)
     for c in moved:
         k = bounds.index(c)
@@ -273,7 +277,8 @@ def _moved_times(bounds: tuple[int, ...], times: list[float], moving: list[float
 
 
 def _brute_force_moves(inst: Instance, movable: list[list[tuple[str, float]]], first: bool,
-                       bounds_only: tuple[int, ...] | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...], list[float]]]:
+                       bounds_only: tuple[int, ...] | None = None,
+                       ) -> list[tuple[tuple[int, ...], tuple[int, ...], list[float]]]:
     """Every plan meeting the cap, with every subset of its movable cuts moved: (bounds, moved cuts, stage times)."""
     moving = [math.fsum(t for _, t in values) for values in movable]
     feasible, _ = _brute_force(inst)
@@ -309,7 +314,7 @@ def _check_moves(inst: Instance, movable: list[list[tuple[str, float]]], first: 
 
 @settings(max_examples=200, deadline=None)
 @given(with_moves())
-def test_moves_chosen_inside_the_dp_match_brute_force(case: tuple[Instance, list[list[tuple[str, float]]], bool]) -> None:
+def test_moves_chosen_inside_the_dp_match_brute_force(case: MovesCase) -> None:
     """The least bottleneck over every partition and every choice of moves across its cuts (brute force), the least
     total time among those, and the fewest moves among those."""
     inst, movable, first = case

@@ -1,4 +1,5 @@
-"""Tests of the per-layer strategy search: elimination and unwinding against brute force and the ILP; cost rules by hand."""
+"""Tests of the per-layer strategy search: elimination and unwinding against brute force and the ILP; cost rules by
+hand."""
 
 from __future__ import annotations
 

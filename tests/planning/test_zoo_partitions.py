@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from fxpipe import models
-from fxpipe.errors import PlanError
 from fxpipe.api import build_steps
+from fxpipe.errors import PlanError
 from fxpipe.passes import Step, run_steps
-from fxpipe.plan import CompileOptions
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import verify_stages
+from fxpipe.plan import CompileOptions
 
 STAGES = (2, 4)
 ZOO = [f"{entry.family}-{size}" for entry in models.entries() for size in entry.sizes]

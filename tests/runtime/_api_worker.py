@@ -30,8 +30,8 @@ def main(rank: int, world: int, init: str, plan: str, out: str, cfg: dict) -> No
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30))
     try:
         from fxpipe import models
-        from fxpipe.runtime import PipelineRuntime
         from fxpipe.cli.rank_common import synthetic_batch
+        from fxpipe.runtime import PipelineRuntime
 
         if cfg.get("device"):  # two ranks on one GPU: gloo, staged through pinned memory on a comm stream
             import fxpipe

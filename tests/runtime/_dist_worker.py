@@ -35,7 +35,8 @@ def build(model: str, m: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]
         torch.manual_seed(0)
         net = SkipTied().double()
         gen = torch.Generator().manual_seed(1)
-        return net, (torch.randint(0, 32, (2 * m, 5), generator=gen),), torch.randint(0, 32, (2 * m, 5), generator=gen), token_ce
+        inputs = (torch.randint(0, 32, (2 * m, 5), generator=gen),)
+        return net, inputs, torch.randint(0, 32, (2 * m, 5), generator=gen), token_ce
     from fxpipe import models
 
     zoo = models.build(model, dtype=torch.float64, batch_size=m * 2)

@@ -27,8 +27,8 @@ from fxpipe.passes.strategy_graph import strategy_graph
 from fxpipe.planning.strategies import (
     Degrees,
     build_graph,
-    edge_transfers,
     data_parallel,
+    edge_transfers,
     solve,
     splitbrain,
     stage_graph,

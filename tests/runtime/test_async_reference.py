@@ -130,7 +130,8 @@ def test_predicted_weights_follow_the_optimizers_smoothed_step() -> None:
                 step = 0.1 * state["momentum_buffer"]
             else:
                 k = float(state["step"])
-                step = 0.01 * (state["exp_avg"] / (1 - 0.9 ** k)) / ((state["exp_avg_sq"] / (1 - 0.999 ** k)).sqrt() + 1e-8)
+                step = (0.01 * (state["exp_avg"] / (1 - 0.9 ** k))
+                        / ((state["exp_avg_sq"] / (1 - 0.999 ** k)).sqrt() + 1e-8))
             torch.testing.assert_close(got[n], p.detach() - 3 * step)
 
 

@@ -13,7 +13,6 @@ from click.testing import Result
 from fxpipe.runtime import codegen
 from tests._helpers import MLP_PLAN, fxpipe_cli, ok, one_line_error, plan_fixture
 
-
 plan = plan_fixture(*MLP_PLAN)  # zb-h1 on 2 stages, 4 microbatches
 
 

@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from fxpipe.schedules.generators import GENERATORS
-from tests._helpers import (BATCH_MIX, MODELS, assert_ranks_ok, check_saved, interleaved_case, launch_ranks,
-                            schedule_case, shared_case, tag_blind_cases, train_reference, with_plans)
+from tests._helpers import (
+    BATCH_MIX,
+    MODELS,
+    assert_ranks_ok,
+    check_saved,
+    interleaved_case,
+    launch_ranks,
+    schedule_case,
+    shared_case,
+    tag_blind_cases,
+    train_reference,
+    with_plans,
+)
 
 # The training cases of each world size share one launch, made once per session (tests/_helpers.py: shared_launch,
 # which test_replicas.py's cases share too); each test checks its own case's files.

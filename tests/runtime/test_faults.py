@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests._helpers import HANG_S, Forked, with_plans, world1  # noqa: F401 (world1: a fixture)
+from tests._helpers import HANG_S, Forked, with_plans
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 TIMEOUT_S = 10  # the runtime's and the process group's timeout in these runs

@@ -7,11 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-import fxpipe
 from fxpipe.errors import LoweringError
 from fxpipe.runtime.lower import BACKWARD, FORWARD, check_programs, lower
-from fxpipe.schedules.simulate import Costs
 from fxpipe.schedules.generators import generate
+from fxpipe.schedules.simulate import Costs
 from tests._helpers import zoo_pipe as _pipe
 
 

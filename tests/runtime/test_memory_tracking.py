@@ -1,4 +1,5 @@
-"""The bytes each stage keeps between actions: measured in the executor core, and as every schedule's simulation holds them.
+"""The bytes each stage keeps between actions: measured in the executor core, and as every schedule's simulation holds
+them.
 
 The simulated peak per stage comes from the plan's F->B and B->W bytes (split-backward) run through
 the schedule's order (``fxpipe.planning.cost.held_peaks``: the simulator's accounting, per stage);
@@ -26,7 +27,6 @@ from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Schedule
 from fxpipe.schedules.simulate import Costs, simulate
 from fxpipe.schedules.versions import held_peaks_with_versions, versions_kept
-from tests._helpers import world1  # noqa: F401 (a fixture)
 
 SYNCHRONOUS = ("gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "layerpipe")
 TOLERANCE = 0.15
@@ -101,7 +101,8 @@ def test_async_1f1b_activations_and_weight_copies(weights: str) -> None:
     elif weights == "stash":  # stage 0 has two microbatches in flight, with two versions; the last stage one
         assert kept == {0: 2, 1: 1}
         for s in (0, 1):
-            assert activations[s] + costs.grad_bytes[s] <= simulated[s] <= activations[s] + kept[s] * costs.grad_bytes[s]
+            assert (activations[s] + costs.grad_bytes[s] <= simulated[s]
+                    <= activations[s] + kept[s] * costs.grad_bytes[s])
         assert simulated[0] > activations[0] + costs.grad_bytes[0]
     else:  # one prediction on stage 0 (its F looks ahead); the last stage's F meets the version its BW updates
         assert kept == {0: 1, 1: 0}

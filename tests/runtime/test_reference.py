@@ -92,6 +92,7 @@ def test_runs_box_each_graph_once_and_new_graphs_are_read_again(monkeypatch: pyt
 
     first = ex._facts
     # other StageGraphs objects: the same fx graphs, but stage 1's B a copy
-    ex.graphs = [ex.graphs[0], dataclasses.replace(ex.graphs[1], backward_input=copy.deepcopy(ex.graphs[1].backward_input))]
+    ex.graphs = [ex.graphs[0],
+                 dataclasses.replace(ex.graphs[1], backward_input=copy.deepcopy(ex.graphs[1].backward_input))]
     ex.run(mbs)
     assert ex._facts is not first and len(made) == 8  # read again, and every graph boxed again

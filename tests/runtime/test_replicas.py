@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests._helpers import (ASYNC_ON_REPLICAS, EVERY_ORDER, SCHEDULES, TWO_SCHEDULES, assert_ranks_ok, check_saved,
-                            launch_ranks, replica_case, shared_case, with_plans)
+from tests._helpers import (
+    ASYNC_ON_REPLICAS,
+    EVERY_ORDER,
+    SCHEDULES,
+    TWO_SCHEDULES,
+    assert_ranks_ok,
+    check_saved,
+    launch_ranks,
+    replica_case,
+    shared_case,
+    with_plans,
+)
 from tests.runtime._dist_worker import build
 
 SYNCHRONOUS = SCHEDULES  # all of them: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, layerpipe, auto

@@ -67,7 +67,8 @@ def _compare(ranks: list[dict], losses: list[float], expected: dict[str, torch.T
                          "host": {"pin_cpus": True, "gloo_loop_nice": 19, "send_yield": "auto",
                                   "keep_freed_memory": True}}, "zb-h2", 1),
     # Receives posted just in time (one action ahead), into new buffers; only the yield after a send asked for.
-    (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1, "host": {"send_yield": "on"}}, "1f1b", 1),
+    (["--stages", "2"], {"schedule": "1f1b", "microbatches": 4, "prefetch": 1, "host": {"send_yield": "on"}},
+     "1f1b", 1),
 ])
 def test_a_plan_directory_trains_like_one_process(tmp_path: Path, compile_args: list[str], cfg: dict,
                                                   schedule: str, per_rank: int) -> None:

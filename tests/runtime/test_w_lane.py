@@ -8,8 +8,8 @@ three steps are bit for bit those of one lane (which tests/runtime/test_distribu
 from __future__ import annotations
 
 import copy
-import json
 import functools
+import json
 import threading
 
 import pytest
@@ -20,7 +20,6 @@ from fxpipe import models
 from fxpipe.cli.rank_common import synthetic_batch
 from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import one_rank
-from tests._helpers import world1  # noqa: F401 (a fixture)
 
 M = 4
 
@@ -96,4 +95,5 @@ def test_fxpipe_run_refuses_what_a_second_lane_cannot_run_before_any_rank_starts
     from tests._helpers import MLP_PLAN, cli_plan, fxpipe_cli, one_line_error
 
     line = one_line_error(fxpipe_cli("run", cli_plan(*MLP_PLAN), "--steps", "2", "--w-lane", *args))
-    assert line == f"error: --w-lane runs each W on a second thread of a CPU rank, and here {words}: run it without --w-lane"
+    assert line == (f"error: --w-lane runs each W on a second thread of a CPU rank, and here {words}: "
+                    "run it without --w-lane")

@@ -1,4 +1,5 @@
-"""The reference executor against eager PyTorch over every schedule generator: shared by the schedule and runtime tests."""
+"""The reference executor against eager PyTorch over every schedule generator: shared by the schedule and runtime
+tests."""
 
 from __future__ import annotations
 

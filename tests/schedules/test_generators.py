@@ -88,7 +88,8 @@ def test_every_generator_validates(name: str, p: int) -> None:
         validate(generate(name, p, m))
 
 
-# 2 and 4 stages: tests/runtime/test_schedules_eager.py::test_every_generator_and_microbatch_count_gives_eagers_gradients
+# 2 and 4 stages:
+# tests/runtime/test_schedules_eager.py::test_every_generator_and_microbatch_count_gives_eagers_gradients
 # makes this same check on the pipelines it compiles for those stage counts anyway (one compile instead of two).
 @pytest.mark.parametrize("stages", [3])
 @pytest.mark.parametrize("model", ["mlp-tiny", "gpt-tiny"])

@@ -13,7 +13,8 @@ from fxpipe.schedules.ir import Action, Kind, Schedule, with_communication
 
 @pytest.mark.parametrize("text, action", [
     ("1F3", Action(1, Kind.F, 3)), ("0B2", Action(0, Kind.B, 2)), ("2W0", Action(2, Kind.W, 0)),
-    ("1BW5", Action(1, Kind.BW, 5)), ("12SEND_F30", Action(12, Kind.SEND_F, 30)), ("3RECV_B1", Action(3, Kind.RECV_B, 1)),
+    ("1BW5", Action(1, Kind.BW, 5)), ("12SEND_F30", Action(12, Kind.SEND_F, 30)),
+    ("3RECV_B1", Action(3, Kind.RECV_B, 1)),
 ])
 def test_actions_print_compactly_and_parse_back(text: str, action: Action) -> None:
     assert str(action) == text

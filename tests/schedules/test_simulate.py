@@ -75,9 +75,9 @@ def test_transfers_delay_receivers_and_count_bytes() -> None:
 
 def test_memory_tracks_what_f_keeps_for_b_and_b_for_w() -> None:
     costs = Costs((1.0,), (1.0,), (1.0,), (0.0,), (10.0,), (4.0,))
-    split = simulate(Schedule("x", 1, 2, (0,), ((Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0),
-                                                    Action(0, Kind.B, 1), Action(0, Kind.W, 0), Action(0, Kind.W, 1)),)),
-                     costs)
+    actions = (Action(0, Kind.F, 0), Action(0, Kind.F, 1), Action(0, Kind.B, 0),
+               Action(0, Kind.B, 1), Action(0, Kind.W, 0), Action(0, Kind.W, 1))
+    split = simulate(Schedule("x", 1, 2, (0,), (actions,)), costs)
     assert split.ranks[0].peak_memory == 20.0  # both F's held
     fused = simulate(generate("1f1b", 1, 2), costs)
     assert fused.ranks[0].peak_memory == 10.0

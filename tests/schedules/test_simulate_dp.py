@@ -277,7 +277,8 @@ def test_an_asynchronous_schedule_steps_after_every_w_and_pays_for_its_weight_co
     plain = simulate(sched, base).makespan
     stepped = simulate(sched, base.with_optimizer("sgd", 1e10))  # 0.3 s per step
     # every one of the 8 BWs is 0.3 s longer, and five of them lie on the step's longest path
-    assert sum(r.busy for r in stepped.ranks) == pytest.approx(sum(r.busy for r in simulate(sched, base).ranks) + 8 * 0.3)
+    unstepped = sum(r.busy for r in simulate(sched, base).ranks)
+    assert sum(r.busy for r in stepped.ranks) == pytest.approx(unstepped + 8 * 0.3)
     assert stepped.makespan == pytest.approx(plain + 5 * 0.3)
     assert all(r.optimizer_s == 0 for r in stepped.ranks)
     # stash: stage 0 snapshots in 3 of its 4 Fs (F0 and F1 meet version 0), stage 1 in all 4; a clone is 2 bytes per

@@ -15,14 +15,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fxpipe.errors import ScheduleError
 from fxpipe.schedules.generators import GENERATORS, generate, one_rank, zero_bubble
 from fxpipe.schedules.ir import COMM, COMPUTE, Action, Kind, Schedule, with_communication
-from fxpipe.schedules.simulate import (Costs, Event, RankStats, SimResult, _allreduce_lanes, _asynchronous, _walk,
-                                       _with, report, simulate, validate)
+from fxpipe.schedules.simulate import (
+    Costs,
+    Event,
+    RankStats,
+    SimResult,
+    _allreduce_lanes,
+    _asynchronous,
+    _walk,
+    _with,
+    report,
+    simulate,
+    validate,
+)
 from fxpipe.schedules.timeline import ascii_timeline
 
 # -- the reference: the old walk, verbatim but for names ---------------------------------------------------------

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.errors import OutputError
-
-from fxpipe.errors import OptionError
+from fxpipe.errors import OptionError, OutputError
 from fxpipe.schedules.generators import generate
 from fxpipe.schedules.ir import COMM, COMPUTE, Kind
 from fxpipe.schedules.simulate import Costs, Event, SimResult, simulate

@@ -10,8 +10,16 @@ from fxpipe.errors import OptionError
 from fxpipe.schedules.generators import GENERATORS, async_1f1b, layerpipe_async
 from fxpipe.schedules.ir import Kind
 from fxpipe.schedules.simulate import Costs, simulate
-from fxpipe.schedules.versions import (POLICIES, Read, Timing, held_peaks_with_versions, memory_report, reads, timings,
-                                       versions_kept)
+from fxpipe.schedules.versions import (
+    POLICIES,
+    Read,
+    Timing,
+    held_peaks_with_versions,
+    memory_report,
+    reads,
+    timings,
+    versions_kept,
+)
 
 
 def test_async_1f1b_two_stages_by_hand() -> None:
