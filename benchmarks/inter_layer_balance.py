@@ -19,7 +19,7 @@ from fxpipe import models
 from fxpipe.api import CompileOptions, build_steps, run_steps
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import movable_derivatives
-from fxpipe.planning.stage_dp import plan_for_bounds
+from fxpipe.planning.stage_dp import Moves, plan_for_bounds
 
 _DEFAULT_NAMES = ("mlp-tiny", "mlp-small", "vgg-tiny", "vgg-small", "resnet-tiny", "resnet-small")
 
@@ -37,7 +37,7 @@ def row(zoo: models.ZooModel, stages: int) -> dict[str, object]:
     movable = movable_derivatives(plain, layer_stats(plain))
     # each stage one "layer" of its own time (transfers included): the best moves across the plain plan's cuts
     after = plan_for_bounds(list(plan.stage_times), tuple(range(stages + 1)),
-                            movable=[movable[c - 1] for c in plan.bounds[1:-1]], first_moves=False)
+                            moves=Moves([movable[c - 1] for c in plan.bounds[1:-1]], first=False))
     return {"model": zoo.name, "stages": stages, "plain_ms": plan.bottleneck * 1e3, "after_ms": after.bottleneck * 1e3,
             "inside_ms": inside.bottleneck * 1e3, "cuts_moved": inside.bounds != plan.bounds,
             "moves": len(inside.moves), "movable_cuts": sum(1 for m in movable if m)}

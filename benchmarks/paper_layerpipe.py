@@ -5,7 +5,7 @@ stashing). LayerPipe: ``layerpipe-async`` (the same order with B and W split, ea
 slot after its B: the delayed weight gradient; the input gradient leaves for the stage before as
 soon as B ends), on the partitioner DP's best contiguous partition for the stage count and link, and,
 where fxpipe compiled the model (the roofline rows), also with the inter-layer moves the partitioner
-plans (``plan_stages(movable=...)``, what ``fxpipe compile --balance-backward`` runs: an activation's
+plans (``plan_stages(moves=...)``, what ``fxpipe compile --balance-backward`` runs: an activation's
 derivative at a cut runs in the next stage's B). A stream of 16 x stages microbatches. Per-layer costs:
 the committed profiles (benchmarks/profiles/, through paper_profiles, so papers.py's --profiles and
 --compute-scale apply) and fxpipe's FLOP/byte roofline at ``GPU_FLOPS``, ``GPU_MEM_BW`` for full-size
@@ -110,11 +110,11 @@ def stage_costs(layers: list[dict[str, Any]], stages: int, bandwidth: float, lat
     """The Costs of the contiguous partition of ``layers`` into ``stages`` that fxpipe's partitioner DP
     (``planning.stage_count.best_partition``) finds fastest on this link: PipeDream's best partition. ``planner``
     "bottleneck": ``plan_stages``' least-bottleneck partition (what ``fxpipe compile --stages P`` plans), "moves": the
-    partition and inter-layer moves ``plan_stages(movable=...)`` plans together (``--balance-backward``; the first
+    partition and inter-layer moves ``plan_stages(moves=...)`` plans together (``--balance-backward``; the first
     stage moves nothing out: its inputs take no gradient); for both, (Costs, derivatives moved)."""
     from fxpipe.planning.cost import transfer_time
     from fxpipe.planning.stage_count import best_partition
-    from fxpipe.planning.stage_dp import plan_stages
+    from fxpipe.planning.stage_dp import Moves, plan_stages
     from fxpipe.schedules.simulate import Costs
 
     times = [x["f"] + x["b"] + x["w"] for x in layers]
@@ -122,7 +122,7 @@ def stage_costs(layers: list[dict[str, Any]], stages: int, bandwidth: float, lat
     if planner != "step":
         movable = [[(str(v), float(t)) for v, t in x.get("movable", [])] for x in layers[:-1]]
         plan = plan_stages(times, stages, cut_bytes=[x["send_bytes"] for x in layers[:-1]], bandwidth=bandwidth,
-                           latency=latency, movable=movable if planner == "moves" else None, first_moves=False)
+                           latency=latency, moves=Moves(movable, first=False) if planner == "moves" else None)
         bounds, moved = plan.bounds, plan.moves
     else:
         cuts = [transfer_time(x["send_bytes"], bandwidth=bandwidth, latency=latency) for x in layers[:-1]]

@@ -691,7 +691,7 @@ class Plan:
         return dataclasses.replace(self, strategy=record)
 
     def to_json(self) -> dict[str, Any]:
-        doc = _encode(self)
+        doc: dict[str, Any] = _encode(self)
         if self.strategy is None:  # plans without a strategy are written exactly as before it existed
             del doc["strategy"]
         elif not self.strategy.stages:  # and one-stage strategies as before pipelined ones existed
@@ -738,7 +738,7 @@ class Plan:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise PlanFileError(f"{where} has plan version {found!r}, this fxpipe reads {PLAN_VERSION}; "
                                 "re-run fxpipe compile")
-        plan = _decode(cls, data, where)
+        plan: Plan = _decode(cls, data, where)
         plan.check_sizes(where)
         mem_bw = plan.provenance.profile_mem_bw
         if mem_bw is not None and not (math.isfinite(mem_bw) and mem_bw > 0):
@@ -792,7 +792,7 @@ def _decode(tp: Any, value: Any, where: str) -> Any:
         if len(args) != len(value):
             raise _bad(where, tp, value)
         return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _bad(where, tp.__name__, value)
         hints = typing.get_type_hints(tp)

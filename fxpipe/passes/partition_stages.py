@@ -14,7 +14,7 @@ from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
-from fxpipe.planning.stage_dp import StagePlan, min_memory_cap, plan_for_bounds, plan_stages
+from fxpipe.planning.stage_dp import Moves, StagePlan, min_memory_cap, plan_for_bounds, plan_stages
 from fxpipe.report import Report
 from fxpipe.plan import DEFAULTS, Link, RuntimeOverheads
 from fxpipe.schedules.auto import FIXED, greedy_limits
@@ -146,12 +146,12 @@ def partition_stages(
     elif num_stages != "plan" and (not isinstance(num_stages, int) or num_stages < 1):
         raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
     flights, why = _in_flight(schedule, num_stages, microbatches)
-    movable = movable_derivatives(out, stats) if balance_backward else None
+    moves = Moves(movable_derivatives(out, stats), first=input_grads) if balance_backward else None
     if counted:
         plan = plan_for_bounds([s.time for s in stats], bounds, cut_bytes=cut_bytes, bandwidth=bandwidth,
                                latency=latency, static_bytes=static,
                                activation_bytes=_held_per_microbatch(stats, schedule), in_flight=flights,
-                               movable=movable, first_moves=input_grads)
+                               moves=moves)
     else:
         plan = plan_stages(
             [s.time for s in stats],
@@ -163,8 +163,7 @@ def partition_stages(
             activation_bytes=_held_per_microbatch(stats, schedule),
             in_flight=flights,
             memory_cap=memory_per_stage,
-            movable=movable,
-            first_moves=input_grads,
+            moves=moves,
         )
     stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
     for node in compute_nodes(out.graph):

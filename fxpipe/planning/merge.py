@@ -89,7 +89,10 @@ def _best_cuts(units: Sequence[int], pre: Sequence[float], cuts: Sequence[float]
     """The subset of the unit boundaries to keep (cuts at layer boundaries) with the least step, exactly."""
     u = len(units) - 1
     inner = list(units[1:-1])
-    span = lambda a, b: pre[units[b]] - pre[units[a]]  # noqa: E731 - units a..b-1
+
+    def span(a: int, b: int) -> float:  # units a..b-1
+        return pre[units[b]] - pre[units[a]]
+
     cut_at = [cuts[units[a] - 1] if 0 < a < u else 0.0 for a in range(u + 1)]
     total = pre[units[-1]]
     candidates = sorted({span(a, b) for a in range(u) for b in range(a + 1, u + 1)} | {cuts[b - 1] for b in inner})
@@ -219,9 +222,10 @@ def merge_rows(plan: MergePlan, names: Sequence[str] | None = None) -> tuple[tup
     def label(s: MergeStep) -> str:
         return f"{s.cut} ({names[s.cut - 1]} | {names[s.cut]})" if names is not None else str(s.cut)
 
-    rows = [(i + 1, f"[{s.left[0]}, {s.left[1]}) + [{s.right[0]}, {s.right[1]})", label(s),
-             round(s.cut_bytes / 2**20, 4), round(s.comm_saved_s * 1e3, 4), round(s.imbalance_added_s * 1e3, 4),
-             round(s.step_s * 1e3, 4), s.partitions, s.reason) for i, s in enumerate(plan.steps)]
+    rows: list[tuple[object, ...]] = [
+        (i + 1, f"[{s.left[0]}, {s.left[1]}) + [{s.right[0]}, {s.right[1]})", label(s),
+         round(s.cut_bytes / 2**20, 4), round(s.comm_saved_s * 1e3, 4), round(s.imbalance_added_s * 1e3, 4),
+         round(s.step_s * 1e3, 4), s.partitions, s.reason) for i, s in enumerate(plan.steps)]
     if plan.stop is not None:
         s = plan.stop
         rows.append(("stop", f"[{s.left[0]}, {s.left[1]}) + [{s.right[0]}, {s.right[1]})", label(s),

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 from fxpipe.errors import PlanError
 from fxpipe.planning.cost import transfer_time
 
 __all__ = [
+    "Moves",
     "StagePlan",
     "format_bytes",
     "min_memory_cap",
@@ -27,6 +29,22 @@ _REL_TOL = 1e-9
 _TIE_TOL = 1e-12
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+@dataclass(frozen=True)
+class Moves:
+    """LayerPipe's inter-layer balance (``--balance-backward``): what B may move across each cut.
+
+    ``movable[c - 1]``: the (value, seconds) of B, derivatives of the activations layer ``c - 1`` makes, that may
+    run in either stage of the cut between layers ``c - 1`` and ``c``. ``first`` False: none moves out of the first
+    stage (its inputs take no gradient, so it has no B).
+
+    >>> plan_stages([3.0, 1.0], 2, moves=Moves([[("relu", 1.0)]])).moves
+    ((1, 'relu', 1.0),)
+    """
+
+    movable: Sequence[Sequence[tuple[str, float]]]
+    first: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,7 @@ def _check_stage_count(num_layers: int, num_stages: int) -> None:
         )
 
 
-def _check_length(name: str, values: Sequence[float], expected: int, per: str) -> None:
+def _check_length(name: str, values: Sequence[object], expected: int, per: str) -> None:
     if len(values) != expected:
         raise PlanError(
             f"{name} needs one value per {per} "
@@ -241,8 +259,7 @@ def plan_stages(
     activation_bytes: Sequence[float] | None = None,
     in_flight: Sequence[int] | None = None,
     memory_cap: float | None = None,
-    movable: Sequence[Sequence[tuple[str, float]]] | None = None,
-    first_moves: bool = True,
+    moves: Moves | None = None,
 ) -> StagePlan:
     """Cut ``costs`` into ``num_stages`` contiguous stages with the smallest possible bottleneck.
 
@@ -252,10 +269,9 @@ def plan_stages(
     least total stage time (the least communication), then the one with the earliest cuts.
     Two O(L^2 P) DPs: the bottleneck, then the least sum subject to every stage <= the bottleneck.
 
-    ``movable`` (LayerPipe's inter-layer balance): per cut between adjacent layers, the (value, seconds) of B
-    that may run in either stage of that cut; the DPs then also choose, for every cut they make, whether its
-    seconds move to the stage after it (ties: the fewest moves), and ``StagePlan.moves`` lists the moves.
-    ``first_moves`` False: none moves out of the first stage (its inputs take no gradient, so it has no B).
+    ``moves`` (LayerPipe's inter-layer balance, :class:`Moves`): the DPs then also choose, for every cut they make,
+    whether its movable seconds move to the stage after it (ties: the fewest moves), and ``StagePlan.moves`` lists
+    the moves.
 
     Raises PlanError: fewer than 1 stage, more stages than layers, a sequence of the wrong
     length, a negative or non-finite value, or a memory cap no plan meets (the message gives
@@ -315,13 +331,13 @@ def plan_stages(
     def fits(k: int, i: int, j: int) -> bool:
         return memory(k, i, j) <= cap
 
-    moving = _moving(movable, num_layers)
-    if any(moving):
-        found = _plan_with_moves(times, moving, fits, num_stages, first=first_moves)
+    moving = _moving(moves, num_layers)
+    if moves is not None and any(moving):
+        found = _plan_with_moves(times, moving, fits, num_stages, first=moves.first)
         if found is None:
             _no_plan_fits(static_sum, act_sum, flights, num_layers, num_stages, cap)
         spans = list(zip(found[0], found[0][1:]))
-        return _plan_of(costs, times, found[0], found[1], movable, moving,  # type: ignore[arg-type]
+        return _plan_of(costs, times, found[0], found[1], moves.movable, moving,
                         tuple(memory(k, i, j) for k, (i, j) in enumerate(spans)))
     inf = math.inf
     # DP 1: best[j] = least bottleneck of layers 0..j-1 cut into k+1 stages.
@@ -395,7 +411,7 @@ def plan_stages(
 
 
 def _no_plan_fits(static_sum: list[list[float]], act_sum: list[list[float]], flights: Sequence[int],
-                  num_layers: int, num_stages: int, cap: float) -> None:
+                  num_layers: int, num_stages: int, cap: float) -> NoReturn:
     # P <= L, so only the memory cap can leave no plan.
     need = _memory_dp(static_sum, act_sum, flights, num_layers, num_stages)
     fix = (
@@ -410,17 +426,18 @@ def _no_plan_fits(static_sum: list[list[float]], act_sum: list[list[float]], fli
     )
 
 
-def _moving(movable: Sequence[Sequence[tuple[str, float]]] | None, num_layers: int) -> list[float]:
+def _moving(moves: Moves | None, num_layers: int) -> list[float]:
     """Seconds movable at each layer boundary ``c`` (index ``c``; 0 at both ends of the chain)."""
-    if movable is None:
+    if moves is None:
         return [0.0] * (num_layers + 1)
-    _check_length("movable", movable, max(num_layers - 1, 0), "cut between adjacent layers")
-    seconds = [math.fsum(t for _, t in values) for values in movable]
+    _check_length("movable", moves.movable, max(num_layers - 1, 0), "cut between adjacent layers")
+    seconds = [math.fsum(t for _, t in values) for values in moves.movable]
     _check_values("movable", seconds)
     return [0.0, *seconds, 0.0]
 
 
-def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits, num_stages: int,  # type: ignore[no-untyped-def]
+def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits: Callable[[int, int, int], bool],
+                     num_stages: int,
                      bounds: Sequence[int] | None = None, first: bool = True) -> tuple[list[int], list[int]] | None:
     """The bounds and moved cuts of the least bottleneck, then least total time, then fewest moves (then the earliest
     cuts), when every cut ``c`` may move ``moving[c]`` seconds from the stage before it to the stage after it; only
@@ -470,7 +487,7 @@ def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits, nu
     rest[0][num_layers] = (0.0, 0)
     choice: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in range(num_stages)]
     for k in range(num_stages - 1, -1, -1):
-        cur = [[(inf, 0)] * (num_layers + 1) for _ in range(2)]
+        cur_rest: list[list[tuple[float, int]]] = [[(inf, 0)] * (num_layers + 1) for _ in range(2)]
         for i in range(k, num_layers):
             for y in options(i):
                 b, bm, pick = inf, 0, None
@@ -484,10 +501,10 @@ def _plan_with_moves(times: list[list[float]], moving: Sequence[float], fits, nu
                         close = math.isclose(v, b, rel_tol=_TIE_TOL)
                         if (v < b and not close) or (close and vm < bm):
                             b, bm, pick = v, vm, (j, x)
-                cur[y][i] = (b, bm)
+                cur_rest[y][i] = (b, bm)
                 if pick is not None:
                     choice[k][(y, i)] = pick
-        rest = cur
+        rest = cur_rest
     cuts, moved, y = [0], [], 0
     for k in range(num_stages):
         j, x = choice[k][(y, cuts[-1])]
@@ -522,11 +539,10 @@ def plan_for_bounds(
     static_bytes: Sequence[float] | None = None,
     activation_bytes: Sequence[float] | None = None,
     in_flight: Sequence[int] | None = None,
-    movable: Sequence[Sequence[tuple[str, float]]] | None = None,
-    first_moves: bool = True,
+    moves: Moves | None = None,
 ) -> StagePlan:
     """The StagePlan of given ``bounds`` (chosen elsewhere, e.g. by ``stage_count``), costed as :func:`plan_stages`
-    costs its own: stage time with both cuts' transfers, memory with ``in_flight`` microbatches; with ``movable``,
+    costs its own: stage time with both cuts' transfers, memory with ``in_flight`` microbatches; with ``moves``,
     the moves across those cuts that make the least bottleneck (:func:`plan_stages`).
 
     >>> plan_for_bounds([1.0, 2.0, 3.0], (0, 2, 3)).stage_times
@@ -543,13 +559,13 @@ def plan_for_bounds(
     spans = list(zip(bounds, bounds[1:]))
     times = tuple(stage_time(costs, cuts, i, j, bandwidth=bandwidth, latency=latency) for i, j in spans)
     memory = tuple(stage_memory(statics, acts, flights, k, i, j) for k, (i, j) in enumerate(spans))
-    moving = _moving(movable, num_layers)
-    if movable is not None and any(moving):
+    moving = _moving(moves, num_layers)
+    if moves is not None and any(moving):
         table = [[0.0] * (num_layers + 1) for _ in range(num_layers)]
         for (i, j), t in zip(spans, times):
             table[i][j] = t
-        found = _plan_with_moves(table, moving, lambda k, i, j: True, num_stages, bounds, first_moves)
+        found = _plan_with_moves(table, moving, lambda k, i, j: True, num_stages, bounds, moves.first)
         assert found is not None  # every stage fits: no cap
-        return _plan_of(costs, table, bounds, found[1], movable, moving, memory)
+        return _plan_of(costs, table, bounds, found[1], moves.movable, moving, memory)
     return StagePlan(bounds=tuple(bounds), stage_times=times, stage_memory=memory, bottleneck=max(times),
                      lower_bound=float(max(math.fsum(costs) / num_stages, max(costs))))

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from fxpipe.errors import PlanError
 from fxpipe.planning import stage_dp
 from fxpipe.planning.stage_dp import (
+    Moves,
     StagePlan,
     format_bytes,
     min_memory_cap,
@@ -321,9 +322,9 @@ def test_moves_chosen_inside_the_dp_match_brute_force(case: MovesCase) -> None:
     rows = _brute_force_moves(inst, movable, first)
     if not rows:
         with pytest.raises(PlanError, match="no .*-stage plan fits --memory-per-stage"):
-            plan_stages(inst.costs, inst.num_stages, movable=movable, first_moves=first, **inst.kwargs())  # type: ignore[arg-type]
+            plan_stages(inst.costs, inst.num_stages, moves=Moves(movable, first), **inst.kwargs())  # type: ignore[arg-type]
         return
-    plan = plan_stages(inst.costs, inst.num_stages, movable=movable, first_moves=first, **inst.kwargs())  # type: ignore[arg-type]
+    plan = plan_stages(inst.costs, inst.num_stages, moves=Moves(movable, first), **inst.kwargs())  # type: ignore[arg-type]
     _check_moves(inst, movable, first, plan, rows)
     without = plan_stages(inst.costs, inst.num_stages, **inst.kwargs())  # type: ignore[arg-type]
     assert plan.bottleneck <= without.bottleneck * (1 + 1e-9) + 1e-12 and without.moves == ()
@@ -335,9 +336,9 @@ def test_moves_across_given_bounds_match_brute_force(case: tuple[Instance, list[
                                                     data: st.DataObject) -> None:
     inst, movable, first = case
     bounds = data.draw(st.sampled_from(_all_bounds(len(inst.costs), inst.num_stages)))
-    plan = plan_for_bounds(inst.costs, bounds, movable=movable, cut_bytes=inst.cut_bytes, bandwidth=inst.bandwidth,
-                           latency=inst.latency, static_bytes=inst.static_bytes,
-                           activation_bytes=inst.activation_bytes, in_flight=inst.in_flight, first_moves=first)
+    plan = plan_for_bounds(inst.costs, bounds, moves=Moves(movable, first), cut_bytes=inst.cut_bytes,
+                           bandwidth=inst.bandwidth, latency=inst.latency, static_bytes=inst.static_bytes,
+                           activation_bytes=inst.activation_bytes, in_flight=inst.in_flight)
     assert plan.bounds == bounds
     _check_moves(inst, movable, first, plan, _brute_force_moves(inst, movable, first, bounds))
 
@@ -346,13 +347,13 @@ def test_a_move_lowers_the_bottleneck_and_can_move_the_cut() -> None:
     # Without moves 3 | 1 + 1 (bottleneck 3) or 3 + 1 | 1 (4). Moving 1 s across cut 1 gives 2 | 3; moving 1.5 s
     # across cut 2 makes 3 + 1 - 1.5 | 1 + 1.5 = 2.5 | 2.5: the cut moves to where the derivative can follow it.
     assert plan_stages([3.0, 1.0, 1.0], 2).bounds == (0, 1, 3)
-    plan = plan_stages([3.0, 1.0, 1.0], 2, movable=[[("relu", 1.0)], [("relu_1", 1.5)]])
+    plan = plan_stages([3.0, 1.0, 1.0], 2, moves=Moves([[("relu", 1.0)], [("relu_1", 1.5)]]))
     assert (plan.bounds, plan.stage_times, plan.moves) == ((0, 2, 3), (2.5, 2.5), ((2, "relu_1", 1.5),))
     assert plan.without(2, "relu_1").stage_times == (4.0, 1.0)
     # a move that would not lower the bottleneck is not made, nor one out of a first stage that has no B
-    assert plan_stages([1.0, 1.0], 2, movable=[[("relu", 0.5)]]).moves == ()
-    assert plan_stages([3.0, 1.0], 2, movable=[[("relu", 1.0)]]).moves == ((1, "relu", 1.0),)
-    assert plan_stages([3.0, 1.0], 2, movable=[[("relu", 1.0)]], first_moves=False).moves == ()
+    assert plan_stages([1.0, 1.0], 2, moves=Moves([[("relu", 0.5)]])).moves == ()
+    assert plan_stages([3.0, 1.0], 2, moves=Moves([[("relu", 1.0)]])).moves == ((1, "relu", 1.0),)
+    assert plan_stages([3.0, 1.0], 2, moves=Moves([[("relu", 1.0)]], first=False)).moves == ()
 
 
 # --- hand-computed plans ------------------------------------------------------------------------
