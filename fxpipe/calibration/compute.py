@@ -1,5 +1,7 @@
 """This machine's compute: GEMM, convolution and attention throughput, memory bandwidth, slow kernels and the host
-time per node and per ATen op, measured once (a few seconds) and cached per machine and thread count.
+time per node and per ATen op, measured once and cached per machine and thread count: quickly by default (a few
+seconds: fewer sizes, runs and rounds), in full with ``full=True`` (``--calibration full``,
+``FXPIPE_CALIBRATION=full``).
 
 Estimated costs (``annotate_costs`` without ``--profile``) know a node's FLOPs and bytes, not how fast this machine
 turns them into time. :func:`measure_compute` gives them a clock (:class:`~fxpipe.plan.ComputeRates`): square and
@@ -14,8 +16,9 @@ The result is cached as JSON in ``$XDG_CACHE_HOME/fxpipe/compute.json`` (else ``
 :func:`machine_key`; a file that cannot be read as such is ignored and rewritten (only ever parsed as JSON). The
 runtime's fixed costs (``fxpipe.calibration.runtime_costs``) are cached beside it (``runtime.json``).
 ``FXPIPE_CALIBRATION=off`` (or ``fxpipe compile --calibration off``) keeps the fixed ``DEFAULTS.device_flops`` /
-``device_mem_bw`` model: the test suite sets it, so no plan there depends on the machine. What it measured, and
-how the estimate compares with measured steps: benchmarks/RESULTS.md.
+``device_mem_bw`` model: the test suite sets it, so no plan there depends on the machine. A quick entry serves a
+quick calibration only; a full one serves both. Measuring is announced on the module's logger (INFO). What it
+measured, and how the estimate compares with measured steps: benchmarks/RESULTS.md.
 
     >>> rates, cached = calibrate_compute()             # doctest: +SKIP
     >>> describe(rates, cached=cached)                  # doctest: +SKIP
@@ -27,6 +30,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -48,7 +52,10 @@ from fxpipe.errors import OptionError
 from fxpipe.plan import OVERHEAD_SECONDS, CompileOptions, ComputeRates, RuntimeOverheads
 from fxpipe.timing import fastest, least_disturbed, windows
 
+logger = logging.getLogger(__name__)
+
 ENV = "FXPIPE_CALIBRATION"
+LEVELS = ("on", "full", "off")  # on: the quick calibration; full: every size, run and round; off: the fixed model
 CALIBRATION_VERSION = 30  # raised when what is measured changes: older cache entries are then measured again
 GEMM_SIZES = (128, 256, 512)
 # The skinny GEMMs' smallest dimension (rows of an (m x 1024) x (1024 x 1024)), up to 256: a transformer's linears
@@ -74,22 +81,43 @@ KERNELS = (("batch_norm", (2, 128, 56, 56)), ("max_pool2d 2x2", (2, 64, 56, 56))
            ("dropout", (2, 128, 3072)))
 STREAM_BYTES = 32 << 20
 SUSTAINED_SECONDS = 1.0  # how long the sustained-speed loop runs
+# The quick calibration (the default): one round of the noisy measurements and of the host times instead of three,
+# each the fastest of QUICK_RUNS, and the skinny GEMM curves at these rows (log-interpolated between them, as the
+# full curves are). A fraction of the full measurement's time; the zoo's plans come out the same.
+QUICK_RUNS = 5
+QUICK_SKINNY_ROWS = (1, 8, 64, 256)
+QUICK_MARK = " quick"  # ends a quick measurement's ``machine`` (after its seconds); a full one's ends in " s"
 
-__all__ = ["ENV", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads", "calibrated_options",
-           "calibration_enabled", "compute_overheads", "describe", "effective_cache_bytes", "last_level_cache_bytes",
+__all__ = ["ENV", "LEVELS", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads",
+           "calibrated_options", "calibration_enabled", "calibration_level", "compute_overheads", "is_full", "describe", "effective_cache_bytes", "last_level_cache_bytes",
            "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
 
 
-def calibration_enabled(setting: str | None = None) -> bool:
-    """Whether compiles calibrate: ``setting`` (``--calibration on|off``), else ``$FXPIPE_CALIBRATION``, else on."""
+def calibration_level(setting: str | None = None) -> str:
+    """How compiles calibrate, one of ``LEVELS``: ``setting`` (``--calibration on|full|off``), else
+    ``$FXPIPE_CALIBRATION``, else on (the quick calibration)."""
     value = setting if setting is not None else os.environ.get(ENV, "on")
     choice = value.strip().lower()
-    if choice in ("on", "1", "true", "yes"):
-        return True
+    if choice in ("on", "1", "true", "yes", "quick"):
+        return "on"
+    if choice == "full":
+        return "full"
     if choice in ("off", "0", "false", "no"):
-        return False
+        return "off"
     where = "--calibration" if setting is not None else f"${ENV}"
-    raise OptionError(f"{where} takes on or off (got {value!r}); e.g. {where.lstrip('$')}=off for the fixed model")
+    raise OptionError(f"{where} takes on, full or off (got {value!r}); e.g. {where.lstrip('$')}=off for the fixed "
+                      "model, full for the full measurement")
+
+
+def calibration_enabled(setting: str | None = None) -> bool:
+    """Whether compiles calibrate at all (:func:`calibration_level` is on or full)."""
+    return calibration_level(setting) != "off"
+
+
+def is_full(machine: str) -> bool:
+    """Whether the measurement whose ``machine`` (``ComputeRates.machine``, ``RuntimeOverheads.machine``) this is
+    was the full one; entries from before the quick calibration were all full."""
+    return not machine.endswith(QUICK_MARK)
 
 
 def machine_key(threads: int) -> str:
@@ -104,23 +132,30 @@ def cache_path() -> Path:
 
 
 def calibrate_compute(*, threads: int = 1, cache: bool = True, measure: Callable[[int], ComputeRates] | None = None,
-                      host: HostTuning | None = None) -> tuple[ComputeRates, bool]:
+                      host: HostTuning | None = None, full: bool = False) -> tuple[ComputeRates, bool]:
     """This machine's rates at ``threads`` threads and whether they came from the cache.
 
-    Read from :func:`cache_path` when an entry for :func:`machine_key` is there and sound, else
-    measured now (:func:`measure_compute`, a few seconds) and written back. A cache that cannot be
-    read or written is no error: the rates are measured (and used) all the same. ``host``: measure as ranks
-    with these settings run (its ``keep_freed_memory`` is applied to this process first); None changes nothing.
+    Read from :func:`cache_path` when an entry for :func:`machine_key` is there and sound (with ``full``: and was
+    the full measurement), else measured now (:func:`measure_compute`: quickly, a few seconds, or with ``full`` at
+    every size and round, several times longer) and written back. A cache that cannot be read or written is no
+    error: the rates are measured (and used) all the same. ``measure``: called with the thread count instead of
+    :func:`measure_compute` (tests inject rates with it). ``host``: measure as ranks with these settings run (its
+    ``keep_freed_memory`` is applied to this process first); None changes nothing.
     """
     if threads < 1:
         raise OptionError(f"a calibration needs at least 1 thread (threads: {threads})")
+    path = cache_path()
 
     def make() -> ComputeRates:
+        logger.info("calibrating this host's compute rates at %d thread%s (%s; cached in %s)", threads,
+                    "" if threads == 1 else "s", "the full measurement" if full else
+                    f"first run, a few seconds; {ENV}=full measures in full", path)
         if host is not None and host.keep_freed_memory:  # as the ranks that then run what this measures
             keep_freed_memory()
-        return (measure or measure_compute)(threads)
+        return measure(threads) if measure is not None else measure_compute(threads, full=full)
 
-    return _cached(cache_path(), machine_key(threads), _rates_from, make, cache)
+    return _cached(path, machine_key(threads), _rates_from, make, cache,
+                   enough=lambda rates: not full or is_full(rates.machine))
 
 
 def cached_rates(threads: int = 1) -> ComputeRates | None:
@@ -132,13 +167,14 @@ def cached_rates(threads: int = 1) -> ComputeRates | None:
     return _rates_from(_read_cache(cache_path()).get(key), key)
 
 
-def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callable[[], Any],
-            cache: bool) -> tuple[Any, bool]:
-    """The entry ``key`` of the JSON cache at ``path`` when ``sound`` makes a record of it, else ``make()``
-    written back (when ``cache``); and whether it came from the cache."""
+def _cached(path: Path, key: str, sound: Callable[[Any, str], Any], make: Callable[[], Any], cache: bool, *,
+            enough: Callable[[Any], bool] = lambda found: True) -> tuple[Any, bool]:
+    """The entry ``key`` of the JSON cache at ``path`` when ``sound`` makes a record of it that is ``enough`` (a
+    quick one is not, for a full calibration), else ``make()`` written back (when ``cache``); and whether it came
+    from the cache."""
     entries = _read_cache(path) if cache else {}
     found = sound(entries.get(key), key)
-    if found is not None:
+    if found is not None and enough(found):
         return found, True
     made = make()
     if cache:
@@ -151,13 +187,15 @@ def calibrated_options(options: CompileOptions, setting: str | None = None, *, e
                        host: HostTuning | None = None) -> tuple[CompileOptions, ComputeRates | None, bool]:
     """``options`` with this machine's calibrated compute, the rates, and whether they were cached.
 
-    Unchanged (and None) when calibration is off (:func:`calibration_enabled`), with ``--profile``
-    (measured layer times replace the estimates) or when the device model was given
-    (``explicit``: ``--device-flops`` / ``--device-mem-bw``).
+    ``setting``: on (the quick calibration), full or off (:func:`calibration_level`). Unchanged (and None) when
+    calibration is off, with ``--profile`` (measured layer times replace the estimates) or when the device model was
+    given (``explicit``: ``--device-flops`` / ``--device-mem-bw``).
     """
-    if not calibration_enabled(setting) or options.profile or explicit:
+    level = calibration_level(setting)
+    if level == "off" or options.profile or explicit:
         return options, None, False
-    rates, cached = calibrate_compute(threads=1, host=host)  # fxpipe run's ranks compute on one thread each
+    # fxpipe run's ranks compute on one thread each
+    rates, cached = calibrate_compute(threads=1, host=host, full=level == "full")
     return (dataclasses.replace(options, compute=rates, device_flops=rates.gemm_flops, device_mem_bw=rates.mem_bw),
             rates, cached)
 
@@ -176,15 +214,22 @@ def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, in
     ``fxpipe.calibration.runtime_costs.measure_overheads``: two local ranks run a small pipeline, a few seconds; the passes
     do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
     compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
-    they estimate.
+    they estimate, as thoroughly as they were measured (:func:`is_full`; ``measure_overheads`` reads it from them),
+    and full rates take no quick entry from the cache.
     """
+    path = overheads_cache_path()
+    full = is_full(rates.machine)
+
     def make() -> RuntimeOverheads:
+        logger.info("measuring the runtime's fixed costs on two local ranks (%s; cached in %s)",
+                    "the full measurement" if full else "first run, a few seconds", path)
         made = measure(rates, threads)
         if not isinstance(made, RuntimeOverheads):
             raise TypeError(f"measure returned {type(made).__name__}, not RuntimeOverheads")
         return made
 
-    return _cached(overheads_cache_path(), machine_key(threads), _overheads_from, make, cache)
+    return _cached(path, machine_key(threads), _overheads_from, make, cache,
+                   enough=lambda found: not full or is_full(found.machine))
 
 
 def plan_overheads(plan: Any) -> Any:
@@ -242,39 +287,45 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
             f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
             f"{rates.op_bwd * 1e6:.1f} us per node F / B+W ({rates.graph_op_fwd * 1e6:.1f} + {rates.graph_op_bwd * 1e6:.1f} per "
             f"graph op, {rates.graph_op_fwd_cached * 1e6:.1f} + {rates.graph_op_bwd_cached * 1e6:.1f} cached), typically {rates.sustained:.2f}x its fastest{runtime}; "
-            f"{'cached' if cached else 'measured now'} "
-            f"({cache_path()}; {ENV}=off for the fixed model)")
+            f"{'cached' if cached else 'measured now'} ({'' if is_full(rates.machine) else 'quick; '}{cache_path()}; "
+            f"{ENV}=full measures in full, off keeps the fixed model)")
 
 
-def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZES, stream_bytes: int = STREAM_BYTES,
-                    runs: int = 10) -> ComputeRates:
+def measure_compute(threads: int = 1, *, full: bool = True, gemm_sizes: tuple[int, ...] = GEMM_SIZES,
+                    stream_bytes: int = STREAM_BYTES, runs: int | None = None) -> ComputeRates:
     """Measure GEMM and convolution FLOP/s, memory bandwidth and per-node host time now, at ``threads`` threads.
 
-    Each time is the fastest of ``runs`` after one warm-up. It runs once per machine and thread count (cached), on
-    the first ``fxpipe compile`` that estimates: most of that command's time there (benchmarks/RESULTS.md).
+    Each time is the fastest of ``runs`` (default 10; ``QUICK_RUNS`` when not ``full``) after one warm-up. ``full``:
+    the noisiest measurements and the host times in three rounds, the skinny GEMMs at every ``SKINNY_ROWS``; else
+    one round and ``QUICK_SKINNY_ROWS`` (the default calibration: a few seconds). It runs once per machine and
+    thread count (cached), on the first ``fxpipe compile`` that estimates (benchmarks/RESULTS.md).
     """
     start = time.perf_counter()
+    runs = runs if runs is not None else 10 if full else QUICK_RUNS
+    rows = SKINNY_ROWS if full else QUICK_SKINNY_ROWS
     with _threads(threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        rounds = [_noisy_round(runs, stream_bytes)]  # then one between the GEMM curves and one after them
+        rounds = [_noisy_round(runs, stream_bytes)]  # full: then one between the GEMM curves and one after them
         gemm = statistics.median(_gemm_rate(n, runs) for n in gemm_sizes)
         probe = [torch.randn(SKINNY_WIDTH, SKINNY_WIDTH) for _ in range(COLD_POOL_MAX)]
-        caches = [effective_cache_bytes(probe, max(3, runs // 2))]  # one per round: the median of three is kept
+        caches = [effective_cache_bytes(probe, max(3, runs // 2))]  # full: one per round, the median of three kept
         # The whole probe, whatever the (noisy) cache measurement said: a pool sized from that measurement can come
         # out small enough for the cache to still largely hold it.
         pool = probe
-        gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in SKINNY_ROWS)
-        gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in SKINNY_ROWS)
-        few = max(2, runs // 4)  # each of these runs is `pool` GEMMs already
-        gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in SKINNY_ROWS)
-        gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in SKINNY_ROWS)
-        rounds.append(_noisy_round(runs, stream_bytes))
-        caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
-        gemm_t_curve = tuple((float(m), _skinny_rate(m, runs, weight=False, transposed=True)) for m in SKINNY_ROWS)
+        gemm_curve = tuple((float(m), _skinny_rate(m, runs, weight=False)) for m in rows)
+        gemm_w_curve = tuple((float(m), _skinny_rate(m, runs, weight=True)) for m in rows)
+        few = max(2, runs // 4) if full else 1  # each of these runs is `pool` GEMMs already (after a warm-up)
+        gemm_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool)) for m in rows)
+        gemm_w_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=True, pool=pool)) for m in rows)
+        if full:
+            rounds.append(_noisy_round(runs, stream_bytes))
+            caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
+        gemm_t_curve = tuple((float(m), _skinny_rate(m, runs, weight=False, transposed=True)) for m in rows)
         gemm_t_cold_curve = tuple((float(m), _skinny_rate(m, few, weight=False, pool=pool, transposed=True))
-                                  for m in SKINNY_ROWS)
-        rounds.append(_noisy_round(runs, stream_bytes))
-        caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
+                                  for m in rows)
+        if full:
+            rounds.append(_noisy_round(runs, stream_bytes))
+            caches.append(effective_cache_bytes(probe, max(3, runs // 2)))
         cache_bytes = statistics.median(caches)
         conv_curve = tuple((flops, max(r[0][k][1] for r in rounds)) for k, (flops, _) in enumerate(rounds[0][0]))
         mem_bw = max(r[1] for r in rounds)
@@ -288,7 +339,7 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
             sweep.fill_(1.0)
 
         # The host times (the small convolution's cold seconds, the per-node and per-op times) are read three times
-        # between the other measurements, and each one's median kept: a single reading can be far off.
+        # (full) between the other measurements, and each one's median kept: a single reading can be far off.
         def host_times() -> tuple[float, ...]:
             return (*_cold_conv_seconds(*COLD_CONV, evict, 2 * runs), *_node_times(runs, evict=evict,
                                                                                    sustained=sustained))
@@ -296,17 +347,20 @@ def measure_compute(threads: int = 1, *, gemm_sizes: tuple[int, ...] = GEMM_SIZE
         readings = [host_times()]
         sdpa = [p for p in (_sdpa_point(shape, runs) for shape in SDPA_SHAPES) if p is not None]
         kernels = tuple(_kernel_point(name, shape, runs) for name, shape in KERNELS)
-        readings.append(host_times())
+        if full:
+            readings.append(host_times())
         conv_grad = tuple(_conv_grad_point(*shape, runs) for shape in CONV_GRAD_SHAPES)
-        readings.append(host_times())
+        if full:
+            readings.append(host_times())
         cold_f, cold_b, op_fwd, op_bwd, graph_op_fwd, graph_op_bwd, graph_op_fwd_cached, graph_op_bwd_cached = (
             _median_reading(readings))
         conv, conv_fwd, conv_bwd = _conv_rate(runs, cold=(cold_f, cold_b), sustained=sustained)
+    took = f"{time.perf_counter() - start:.1f} s{'' if full else QUICK_MARK}"
     return ComputeRates(gemm_flops=gemm, conv_flops=conv, mem_bw=mem_bw, op_fwd=op_fwd, op_bwd=op_bwd,
                         graph_op_fwd=graph_op_fwd, graph_op_bwd=graph_op_bwd, graph_op_fwd_cached=graph_op_fwd_cached,
                         graph_op_bwd_cached=graph_op_bwd_cached,
                         conv_fwd=max(0.0, conv_fwd - op_fwd), conv_bwd=max(0.0, conv_bwd - op_bwd), threads=threads,
-                        machine=f"{machine_key(threads)}|{time.perf_counter() - start:.1f} s", gemm_curve=gemm_curve,
+                        machine=f"{machine_key(threads)}|{took}", gemm_curve=gemm_curve,
                         gemm_w_curve=gemm_w_curve, conv_curve=conv_curve, gemm_cold_curve=gemm_cold_curve,
                         gemm_w_cold_curve=gemm_w_cold_curve, cache_bytes=float(cache_bytes), sustained=sustained,
                         gemm_t_curve=gemm_t_curve, gemm_t_cold_curve=gemm_t_cold_curve,

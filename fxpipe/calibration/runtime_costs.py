@@ -403,8 +403,12 @@ def probe_pipeline(model: torch.nn.Module, x: torch.Tensor, rates: Any) -> Any:
     return pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
 
 
+QUICK_OVERHEADS = {"steps": 20, "rounds": 3}  # the quick calibration's steps and rounds (the full: 40 and 5)
+QUICK_LINK = {"trips": 10, "rounds": 3}  # and its link's (calibrate's defaults: 20 and 5)
+
+
 def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int = 40, rounds: int = 5,
-                       warmup: int = 1) -> tuple[float, ...]:
+                       warmup: int = 1, link_options: dict[str, int] | None = None) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
 
@@ -423,13 +427,14 @@ def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int
     The pipeline runs ``warmup`` rounds of ``steps`` steps unmeasured, then ``rounds`` rounds of ``steps`` measured
     ones, and the action's cost and the step's are each the median over the rounds: one round's reading is as noisy
     as a whole calibration's. ``host``: what this rank's runtime changes about the process (None: nothing).
+    ``link_options``: :func:`calibrate`'s keyword arguments for the bare link (None: its defaults).
     """
     from fxpipe.runtime.executor import PipelineRuntime
     from fxpipe.runtime.optim import OptimizerSpec
 
     host = HostTuning() if host is None else host  # None: this process as it is
     rank = dist.get_rank()
-    link = calibrate()
+    link = calibrate(**(link_options or {}))
     one_way = channel_one_way(rank, yield_after_send=host.yields_after_send(None))
     torch.manual_seed(0)
     model = Mix()
@@ -548,7 +553,8 @@ def _thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str, host: HostTuning) -> None:
+def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str, host: HostTuning,
+                      full: bool = True) -> None:
     import os
     import sys
 
@@ -557,7 +563,8 @@ def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str, 
     host.pin(rank, 2)  # as fxpipe run's ranks run: before the process group, so gloo's threads start there too
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        measured = overheads_on_ranks(rates, host=host)
+        measured = (overheads_on_ranks(rates, host=host) if full
+                    else overheads_on_ranks(rates, host=host, link_options=QUICK_LINK, **QUICK_OVERHEADS))
         if rank == 0:  # whole or not at all: the parent reads it even where a rank then aborts in gloo's teardown
             with open(out + ".part", "w") as f:
                 f.write(" ".join(repr(v) for v in measured))
@@ -573,13 +580,18 @@ def _overheads_worker(rank: int, init: str, rates: Any, threads: int, out: str, 
     os._exit(0)
 
 
-def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "",
-                      host: HostTuning | None = None) -> RuntimeOverheads:
+def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "", host: HostTuning | None = None,
+                      full: bool | None = None) -> RuntimeOverheads:
     """The runtime's fixed costs on this machine: two local ranks (processes, gloo), ``threads`` threads each,
     run :func:`overheads_on_ranks` with the compute ``rates`` (``ComputeRates``); a few seconds, most of it
-    starting the two processes. ``host``: what those ranks change about their own processes (default: what
-    ``fxpipe run``'s ranks do, :meth:`HostTuning.for_runs`); the calling process is left as it is."""
+    starting the two processes and compiling the probe pipeline there. ``host``: what those ranks change about
+    their own processes (default: what ``fxpipe run``'s ranks do, :meth:`HostTuning.for_runs`); the calling process
+    is left as it is. ``full``: every step and round, else ``QUICK_OVERHEADS`` and ``QUICK_LINK`` (default: as the
+    ``rates`` were measured, ``fxpipe.calibration.compute.is_full``)."""
+    from fxpipe.calibration.compute import QUICK_MARK, is_full
+
     host = HostTuning.for_runs() if host is None else host
+    full = is_full(getattr(rates, "machine", "")) if full is None else full
     import os
     import tempfile
 
@@ -589,8 +601,8 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "",
     with tempfile.TemporaryDirectory(prefix="fxpipe-overheads-") as tmp:
         out = os.path.join(tmp, "result")
         try:
-            mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out, host), nprocs=2,
-                               start_method="spawn")
+            mp.start_processes(_overheads_worker, args=(f"file://{tmp}/pg", rates, threads, out, host, full),
+                               nprocs=2, start_method="spawn")
         except mp.ProcessExitedException as e:  # a rank died: after rank 0 wrote every result, only in teardown
             if not os.path.exists(out):
                 raise RankFailedError(f"the runtime's calibration (two local ranks running a small pipeline) failed: "
@@ -598,5 +610,6 @@ def measure_overheads(rates: Any, *, threads: int = 1, machine: str = "",
         with open(out) as f:
             action, message, step, loss, send, optimizer, per_tensor, per_tensor_momentum = (
                 float(v) for v in f.read().split())
-    return RuntimeOverheads(action, message, step, threads, f"{machine}|{time.perf_counter() - start:.1f} s", loss,
-                            send, optimizer, per_tensor, per_tensor_momentum)
+    took = f"{time.perf_counter() - start:.1f} s{'' if full else QUICK_MARK}"
+    return RuntimeOverheads(action, message, step, threads, f"{machine}|{took}", loss, send, optimizer, per_tensor,
+                            per_tensor_momentum)

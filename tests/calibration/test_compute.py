@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,10 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _fake_measure(calls: list[int]):  # type: ignore[no-untyped-def]
-    def measure(threads: int) -> ComputeRates:
+    def measure(threads: int, *, full: bool = True) -> ComputeRates:
         calls.append(threads)
-        return dataclasses.replace(RATES, threads=threads, machine=cc.machine_key(threads) + "|0.0 s")
+        return dataclasses.replace(RATES, threads=threads,
+                                   machine=cc.machine_key(threads) + "|0.0 s" + ("" if full else cc.QUICK_MARK))
     return measure
 
 
@@ -249,6 +251,97 @@ def test_the_noisiest_rates_are_the_best_of_three_rounds_and_the_sustained_speed
     assert rates.conv_curve == ((1e7, 9e10), (1e9, 1.6e11)) and rates.mem_bw == 2.8e10 and rates.sustained == 1.2
     assert rates.cache_bytes == 50e6
     assert next(rounds, None) is None and next(caches, None) is None  # three rounds, no more
+
+
+def _fixed_readings(monkeypatch: pytest.MonkeyPatch, counts: dict[str, list[int]]) -> None:
+    """Every reading of ``measure_compute`` fixed, and the runs each was asked for listed by name in ``counts``."""
+    def counted(name: str, value: Any) -> None:
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            runs = kwargs.get("runs", args[-1] if args and isinstance(args[-1], int) else 0)
+            counts.setdefault(name, []).append(runs)
+            return value(*args, **kwargs)
+        monkeypatch.setattr(cc, name, reading)
+
+    counted("_noisy_round", lambda runs, stream_bytes: (((1e7, 1e11),), 1e10, 1.0))
+    counted("effective_cache_bytes", lambda probe, runs: 1e6)
+    counted("_gemm_rate", lambda n, runs: 1e10)
+    counted("_skinny_rate", lambda m, runs, **kw: 1e10)
+    counted("_cold_conv_seconds", lambda *a: (1e-3, 2e-3))
+    counted("_node_times", lambda runs, **kw: (1e-5, 2e-5, 1e-5, 2e-5, 5e-6, 1e-5))
+    counted("_sdpa_point", lambda shape, runs: None)
+    counted("_kernel_point", lambda name, shape, runs: (name, 1e9, 1e9))
+    counted("_conv_grad_point", lambda *a: (1.0, 1.0, 1e10, 1e10))
+    counted("_conv_rate", lambda runs, **kw: (1e10, 1e-4, 2e-4))
+    monkeypatch.setattr(cc, "COLD_POOL_MAX", 1)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_default_calibration_reads_one_round_at_fewer_rows_and_runs_and_the_full_one_three(
+        monkeypatch: pytest.MonkeyPatch, full: bool) -> None:
+    """The quick measurement (the default, a few seconds on the first compile) reads the noisy measurements and the
+    host times once, the skinny GEMMs at ``QUICK_SKINNY_ROWS``, each the fastest of ``QUICK_RUNS``; the full one
+    (``fxpipe compile --calibration full``) three times, at every ``SKINNY_ROWS``, of 10. Each says which it was."""
+    counts: dict[str, list[int]] = {}
+    _fixed_readings(monkeypatch, counts)
+    rates = cc.measure_compute(full=full, gemm_sizes=(64,), stream_bytes=1 << 16)
+    rounds, rows, runs = (3, cc.SKINNY_ROWS, 10) if full else (1, cc.QUICK_SKINNY_ROWS, cc.QUICK_RUNS)
+    assert {name: len(counts[name]) for name in ("_noisy_round", "effective_cache_bytes", "_node_times",
+                                                 "_cold_conv_seconds")} == dict.fromkeys(
+        ("_noisy_round", "effective_cache_bytes", "_node_times", "_cold_conv_seconds"), rounds)
+    assert counts["_gemm_rate"] == [runs] and counts["_node_times"] == [runs] * rounds
+    assert len(counts["_skinny_rate"]) == 6 * len(rows)  # six curves
+    for curve in (rates.gemm_curve, rates.gemm_w_curve, rates.gemm_cold_curve, rates.gemm_w_cold_curve,
+                  rates.gemm_t_curve, rates.gemm_t_cold_curve):
+        assert [m for m, _ in curve] == [float(m) for m in rows]
+    assert cc.is_full(rates.machine) is full and rates.machine.startswith(cc.machine_key(1))
+
+
+def test_a_quick_entry_serves_quick_calibrations_and_a_full_one_both(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Measuring says so on fxpipe's logger (what, that it is cached, where); reading the cache says nothing."""
+    calls: list[int] = []
+    monkeypatch.setattr(cc, "measure_compute", _fake_measure(calls))
+    caplog.set_level(logging.INFO, logger="fxpipe")
+
+    def notes() -> list[str]:
+        said = [r.getMessage() for r in caplog.records if r.name == "fxpipe.calibration.compute"]
+        caplog.clear()
+        return said
+
+    quick, cached = cc.calibrate_compute()
+    assert not cached and not cc.is_full(quick.machine) and calls == [1]
+    assert notes() == [f"calibrating this host's compute rates at 1 thread (first run, a few seconds; "
+                       f"{cc.ENV}=full measures in full; cached in {cc.cache_path()})"]
+    assert cc.calibrate_compute() == (quick, True) and notes() == []
+    full, cached = cc.calibrate_compute(full=True)  # the quick entry is not enough: measured again, in full
+    assert not cached and cc.is_full(full.machine) and calls == [1, 1]
+    assert notes() == [f"calibrating this host's compute rates at 1 thread (the full measurement; cached in "
+                       f"{cc.cache_path()})"]
+    assert cc.calibrate_compute() == (full, True) and calls == [1, 1]  # the full entry serves a quick calibration
+    assert cc.calibrated_options(CompileOptions(), "full")[1:] == (full, True) and notes() == []
+
+
+def test_the_runtime_overheads_are_measured_as_thoroughly_as_the_compute_rates(cache_dir: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    from fxpipe.calibration.runtime_costs import RuntimeOverheads
+
+    caplog.set_level(logging.INFO, logger="fxpipe")
+    measured: list[bool] = []
+
+    def measure(rates: ComputeRates, threads: int) -> RuntimeOverheads:
+        measured.append(cc.is_full(rates.machine))
+        return RuntimeOverheads(1e-4, 2e-5, 3e-4, threads,
+                                rates.machine.split("|0.0 s")[0] + "|0.0 s" + ("" if measured[-1] else cc.QUICK_MARK))
+
+    quick = dataclasses.replace(RATES, machine=cc.machine_key(1) + "|0.0 s" + cc.QUICK_MARK)
+    full = dataclasses.replace(RATES, machine=cc.machine_key(1) + "|0.0 s")
+    assert not cc.calibrate_overheads(quick, measure)[1] and measured == [False]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"measuring the runtime's fixed costs on two local ranks (first run, a few seconds; cached in "
+        f"{cc.overheads_cache_path()})"]
+    assert cc.calibrate_overheads(quick, measure)[1] and measured == [False]
+    assert not cc.calibrate_overheads(full, measure)[1] and measured == [False, True]  # full rates: measured again
+    assert cc.calibrate_overheads(quick, measure)[1] and cc.calibrate_overheads(full, measure)[1]
 
 
 def test_node_times_are_the_least_disturbed_cold_median_over_sustained_never_below_the_warm_fastest(
@@ -529,10 +622,12 @@ def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cc.calibration_enabled() and not cc.calibration_enabled("off")
     monkeypatch.delenv(cc.ENV)
     assert cc.calibration_enabled()  # on by default
-    with pytest.raises(OptionError, match=r"--calibration takes on or off \(got 'maybe'\)"):
+    assert [cc.calibration_level(s) for s in ("on", "quick", "full", "off")] == ["on", "on", "full", "off"]
+    assert cc.calibration_enabled("full")
+    with pytest.raises(OptionError, match=r"--calibration takes on, full or off \(got 'maybe'\)"):
         cc.calibration_enabled("maybe")
     monkeypatch.setenv(cc.ENV, "sometimes")
-    with pytest.raises(OptionError, match=r"\$FXPIPE_CALIBRATION takes on or off"):
+    with pytest.raises(OptionError, match=r"\$FXPIPE_CALIBRATION takes on, full or off"):
         cc.calibration_enabled()
 
 
@@ -723,7 +818,7 @@ def test_fxpipe_compile_reports_the_calibration(cache_dir: Path, tmp_path: Path,
     result = runner.invoke(app, [*args, str(tmp_path / "d"), "--calibration", "on", "--device-flops", "1e12"])
     assert "calibrated" not in result.output  # an explicit device model wins
     result = runner.invoke(app, [*args, str(tmp_path / "e"), "--calibration", "sometimes"])
-    assert result.exit_code == 2 and "--calibration takes on or off" in result.output
+    assert result.exit_code == 2 and "--calibration takes on, full or off" in result.output
 
 
 def test_the_runtime_overheads_are_cached_and_simulate_calibrated_plans_only(cache_dir: Path,

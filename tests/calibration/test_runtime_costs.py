@@ -6,6 +6,7 @@ Run as a script, this file is one rank of the two-process tests:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -106,6 +107,29 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
     with pytest.raises(RankFailedError, match=r"SIGABRT; re-run, or set FXPIPE_CALIBRATION=off") as e:
         measure_overheads(None, machine="m")
     assert "\n" not in str(e.value)
+
+
+def test_measure_overheads_is_as_thorough_as_the_rates_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quick compute rates (the default calibration) get the quick runtime measurement (fewer steps, rounds and round
+    trips on the ranks), full ones the full; each result says which it was."""
+    import torch.multiprocessing as mp
+
+    from fxpipe.calibration.compute import QUICK_MARK, is_full
+    from fxpipe.calibration.runtime_costs import measure_overheads
+    from fxpipe.plan import ComputeRates
+
+    asked: list[bool] = []
+
+    def start(fn: Any, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
+        asked.append(args[-1])
+        Path(args[3]).write_text(" ".join(repr(v * 1e-6) for v in range(1, 9)))
+
+    monkeypatch.setattr(mp, "start_processes", start)
+    rates = ComputeRates(gemm_flops=1e11, conv_flops=1e11, mem_bw=1e10, op_fwd=1e-6, op_bwd=1e-6, threads=1,
+                         machine="m|0.1 s" + QUICK_MARK)
+    got = [measure_overheads(rates, machine="m"), measure_overheads(dataclasses.replace(rates, machine="m|0.1 s"),
+                                                                   machine="m")]
+    assert asked == [False, True] and [is_full(o.machine) for o in got] == [False, True]
 
 
 def test_calibration_scales_compute_and_sets_the_link() -> None:
