@@ -571,7 +571,7 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
             x_rows[x_col[u] + a].append((e_row[e] + a, -1.0))
         for b in range(sizes[v]):
             x_rows[x_col[v] + b].append((e_row[e] + sizes[u] + b, -1.0))
-    start, index, value, cost = [0], [], [], []
+    start, index, value, cost = [0], list[int](), list[float](), list[float]()
     for v in range(len(sizes)):
         cost.extend(node_costs[v])
     for entries in x_rows:
@@ -602,7 +602,7 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
     lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * num_x + [highspy.HighsVarType.kContinuous] * (num_col - num_x)
 
-    h: Any = highspy.Highs()
+    h = highspy.Highs()  # type: ignore[no-untyped-call]  # highspy's stub leaves Highs.__init__ unannotated
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 0.0)  # the defaults (1e-4 relative, 1e-6 absolute) would stop short of exact
     h.setOptionValue("mip_abs_gap", 0.0)
@@ -615,7 +615,7 @@ def _ilp(sizes: Sequence[int], node_costs: Sequence[Sequence[float]],
         raise OptionError(f"HiGHS did not prove an optimal strategy (status: {h.modelStatusToString(status)}); "
                           "raise time_limit or shrink the graph")
     x = h.getSolution().col_value
-    return [max(range(s), key=lambda c, v=v: x[x_col[v] + c]) for v, s in enumerate(sizes)]
+    return [max(range(s), key=lambda c: x[x_col[v] + c]) for v, s in enumerate(sizes)]
 
 
 def solve_ilp(graph: LayerGraph, *, memory_cap: float | None = None, time_limit: float | None = None) -> Strategy:
@@ -1042,8 +1042,8 @@ def sync_seconds(spec: LayerSpec, degrees: Degrees, *, bandwidth: float, latency
 
 
 def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ranks: int, *, bandwidth: float,
-                latency: float, optimizer: str = "sgd", divisors: bool = False, alltoall: bool = True,
-                spatial: bool = True, host: HostCosts = NO_HOST, bucket_layers: bool = False) -> LayerGraph:
+                latency: float, optimizer: str = "sgd", alltoall: bool = True, spatial: bool = True,
+                host: HostCosts = NO_HOST, bucket_layers: bool = False) -> LayerGraph:
     """The layer graph of ``specs`` joined by ``(src, dst)`` edges on ``ranks`` ranks: every layer's
     configurations and every edge's table of ``edge_seconds`` (``alltoall=False`` for a backend without
     all-to-all, gloo; ``spatial=False``: no height splits, which the DTensor runtime does not run);
@@ -1056,8 +1056,8 @@ def build_graph(specs: Sequence[LayerSpec], edges: Sequence[tuple[int, int]], ra
     >>> [c.name for c in g.layers[1].configs], g.edges[0].cost
     (['s2', 'c2', 'r2'], ((0.0, 32.0, 16.0),))
     """
-    configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, divisors=divisors,
-                             spatial=spatial, host=host, bucket_layers=bucket_layers) for s in specs]
+    configs = [layer_configs(s, ranks, bandwidth=bandwidth, latency=latency, optimizer=optimizer, spatial=spatial,
+                             host=host, bucket_layers=bucket_layers) for s in specs]
     for spec, options in zip(specs, configs):
         if not options:
             dims = "x".join(map(str, spec.shape)) or "?"
@@ -1217,11 +1217,11 @@ def strategy_rows(graph: LayerGraph, specs: Sequence[LayerSpec] | None, strategy
     transfer_in = [0.0] * len(graph.layers)
     for e in graph.edges:
         transfer_in[e.dst] += e.cost[strategy.choice[e.src]][strategy.choice[e.dst]]
-    rows = []
+    rows: list[tuple[str, str, float, float, float, float]] = []
     for v, (layer, c) in enumerate(zip(graph.layers, strategy.choice)):
         cfg = layer.configs[c]
         name = specs[v].name if specs is not None else layer.name
         rows.append((name, cfg.name, cfg.compute, cfg.sync, transfer_in[v], cfg.memory))
-    totals = tuple(math.fsum(r[i] for r in rows) for i in range(2, 6))
-    rows.append(("total", "", *totals))
+    rows.append(("total", "", math.fsum(r[2] for r in rows), math.fsum(r[3] for r in rows),
+                 math.fsum(r[4] for r in rows), math.fsum(r[5] for r in rows)))
     return StrategyTable(f"strategy ({strategy.method}): {strategy.cost:.6g} s", STRATEGY_COLUMNS, tuple(rows))

@@ -172,13 +172,14 @@ class Costs:
         st = plan.stages
         grads = tuple(float(sum(layer.param_bytes for layer in plan.layers[c.first_layer:c.end_layer])) for c in st)
         tensors = tuple(len({p for layer in plan.layers[c.first_layer:c.end_layer] for p in layer.params}) for c in st)
+        dram_f, dram_b, dram_w = _weight_reads(plan, grads)
         costs = cls(tuple(c.f for c in st), tuple(c.b for c in st), tuple(c.w for c in st),
                    tuple(c.send_bytes for c in st), tuple(c.held_fb for c in st), tuple(c.held_bw for c in st),
                    plan.link.latency, plan.link.bandwidth, dp=plan.mesh.dp, grad_bytes=grads, grad_tensors=tensors,
                    allreduce_latency=plan.link.latency, allreduce_bandwidth=plan.link.bandwidth,
                    w_batched=tuple(c.w_batched for c in st) if any(c.w_batched != 1.0 for c in st) else (),
                    held_in=tuple(float(c.held_in or 0.0) for c in st) if all(c.held_in is not None for c in st) else (),
-                   **dict(zip(("dram_f", "dram_b", "dram_w"), _weight_reads(plan, grads))))
+                   dram_f=dram_f, dram_b=dram_b, dram_w=dram_w)
         return costs.with_runtime(overheads)
 
     def with_runtime(self, overheads: Any) -> Costs:
@@ -823,7 +824,7 @@ class _Lane:
     def share(self, start: float, seconds: float) -> float:
         """The main lane computes ``seconds`` from ``start`` beside it: both run at half speed until the lane is empty
         (or the main lane done). Returns how much longer the main lane's work takes: the lane's work it shared."""
-        shared = min(sum(item[1] for item in self.queue), seconds)
+        shared: float = min(sum(item[1] for item in self.queue), seconds)
         if shared > 0:
             self.run(start, start + 2 * shared, 0.5)
         return shared
@@ -960,8 +961,8 @@ def dp_report(result: SimResult, schedule: Schedule, costs: Costs, *, param_byte
             static = sum(param_bytes[s] for s in stages)
             row += (round(rank_memory(static, r.peak_memory, optimizer) / 2**20, 3),)
         rows.append(row)
-    columns = ("rank", "dp ranks", "stages", "buckets", f"all-reduce {tu}", f"exposed {tu}", f"exposed in step {tu}",
-               "hidden %")
+    columns: tuple[str, ...] = ("rank", "dp ranks", "stages", "buckets", f"all-reduce {tu}", f"exposed {tu}",
+                                f"exposed in step {tu}", "hidden %")
     if param_bytes is not None:
         columns += (f"memory per rank MiB ({optimizer})",)
     notes = [f"dp {dp}: {schedule.num_ranks} x {dp} = {schedule.num_ranks * dp} ranks; a step takes "
@@ -979,7 +980,8 @@ def dp_report(result: SimResult, schedule: Schedule, costs: Costs, *, param_byte
     return Report(title="simulate: data parallel", columns=columns, rows=tuple(rows), notes=tuple(notes))
 
 
-def _weight_reads(plan: Plan, per_stage: Sequence[float]) -> tuple[tuple[float, ...], ...]:
+def _weight_reads(plan: Plan,
+                  per_stage: Sequence[float]) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per stage, the seconds its F, B and W spend reading weights (W: reading and writing their gradients) from
     memory, as its plan's calibrated rates (``plan.options.compute``) assume: each stage's parameter bytes
     (``per_stage``, ``Costs.grad_bytes``) times the

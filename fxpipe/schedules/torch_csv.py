@@ -55,8 +55,8 @@ def read_torch_csv(text: str, name: str = "torch-csv") -> Schedule:
     if not actions:
         raise ScheduleError("the torch schedule CSV has no actions; give one row of actions per rank, e.g. 0F0,0B0")
     rank_of: dict[int, int] = {}
-    for r, row in enumerate(ranks):
-        for a in row:
+    for r, rank_actions in enumerate(ranks):
+        for a in rank_actions:
             if a.kind in COMPUTE and rank_of.setdefault(a.stage, r) != r:
                 raise ScheduleError(f"stage {a.stage} computes on ranks {rank_of[a.stage]} and {r} (row {r}: {a}); a "
                                     "stage lives on one rank: fix the CSV")
