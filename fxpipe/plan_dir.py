@@ -12,8 +12,8 @@ import re
 import shutil
 import sys
 import tempfile
+import logging
 import types
-import warnings
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from fxpipe.graphs.fx import set_path
 from fxpipe.pipeline import Pipeline, Stage
 from fxpipe.plan import Plan, fxpipe_version
 from fxpipe.report import Report
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = "fxpipe.plan/v3"
 PLAN_FILE = "plan.json"
@@ -605,10 +607,11 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
     if missing and _import_output_modules(missing):
         missing = set()
     doc = _plain_types(doc, missing)
-    if missing:
-        warnings.warn(f"the plan's outputs were {', '.join(sorted(missing))}; loaded as fxpipe.Record (a dict whose "
-                      f"keys are also attributes). Import {', '.join(sorted({m.split('.')[0] for m in missing}))} "
-                      "before loading to get those classes back", stacklevel=3)
+    if missing:  # a note, not a warning: a Record serves what a loss reads of such an output (keys, attributes,
+        # positions); what it cannot serve raises, naming the way back (Record.__getattr__)
+        logger.info("the plan's outputs were %s; loaded as fxpipe.Record (a dict whose keys are also attributes). "
+                    "Import %s before loading to get those classes back", ", ".join(sorted(missing)),
+                    ", ".join(sorted({m.split(".")[0] for m in missing})))
     try:
         return pytree.treespec_loads(json.dumps(doc))
     except (NotImplementedError, ValueError, TypeError, KeyError, IndexError) as exc:

@@ -55,8 +55,13 @@ def test_a_hf_plan_loads_without_transformers_as_a_record(tmp_path) -> None:  # 
     plan = fxpipe.save(fxpipe.compile(model, (idx,), stages=2), tmp_path / "plan")
     torch.save({"idx": idx, "logits": model(idx).logits.detach()}, tmp_path / "io.pt")
     script = f"""
-import sys, warnings
+import logging, sys, warnings
 import torch, fxpipe
+notes = []
+handler = logging.Handler()
+handler.emit = lambda record: notes.append(record.getMessage())
+logging.getLogger("fxpipe").addHandler(handler)
+logging.getLogger("fxpipe").setLevel(logging.INFO)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     pipe = fxpipe.load({str(plan)!r})
@@ -65,10 +70,23 @@ out = pipe(io["idx"])
 assert type(out).__name__ == "Record" and list(out) == ["logits"], out
 torch.testing.assert_close(out.logits, io["logits"])
 torch.testing.assert_close(out["logits"], io["logits"])
+torch.testing.assert_close(out[0], io["logits"])  # by position, as a ModelOutput reads
+assert out.to_tuple() == (out.logits,)
+try:
+    out.loss
+except AttributeError as e:
+    print("missing:", e)
 assert "transformers" not in sys.modules
-print([str(w.message) for w in caught])
+print("warnings:", [str(w.message) for w in caught])
+print("notes:", notes)
 """
     proc = run_forked(["-c", script])  # a process of its own, forked from one that never imported transformers
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # a loss that reads the output's keys, attributes or positions works: the load is a note on fxpipe's logger,
+    # not a UserWarning on every rank
+    assert "warnings: []" in proc.stdout
     assert "CausalLMOutputWithCrossAttentions; loaded as fxpipe.Record" in proc.stdout
     assert "Import transformers before loading" in proc.stdout
+    # what a Record cannot give names the way back
+    assert "missing: this output has no 'loss'; it has logits. It is an fxpipe.Record" in proc.stdout
+    assert "import its library (e.g. transformers) before fxpipe.load" in proc.stdout

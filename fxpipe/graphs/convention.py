@@ -216,13 +216,30 @@ def loss_and_output_grads(pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
 
 class Record(dict):  # type: ignore[type-arg]
     """A saved plan's keyed output whose class no imported library provides (e.g. a Hugging Face
-    ``ModelOutput`` loaded without transformers): a dict whose keys are also attributes."""
+    ``ModelOutput`` loaded without transformers): a dict whose keys are also attributes, and whose values a
+    position reads as a ``ModelOutput``'s do (``out[0]``, ``out.to_tuple()``).
+
+        >>> out = Record(logits=1, past_key_values=2)
+        >>> out.logits, out["logits"], out[0], out[1:]
+        (1, 1, 1, (2,))
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, (int, slice)):  # the keys are strings: a position, as ModelOutput reads one
+            return self.to_tuple()[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        """The values in key order, as ``ModelOutput.to_tuple``."""
+        return tuple(self.values())
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return self[name]
+            return dict.__getitem__(self, name)
         except KeyError:
-            raise AttributeError(f"this output has no {name!r}; it has {', '.join(self)}") from None
+            raise AttributeError(f"this output has no {name!r}; it has {', '.join(self)}. It is an fxpipe.Record: the "
+                                 "plan's output class was not imported when the plan was loaded; import its library "
+                                 "(e.g. transformers) before fxpipe.load to get the class back") from None
 
 
 RECORD_TYPE = "fxpipe.Record"
