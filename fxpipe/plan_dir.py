@@ -619,14 +619,37 @@ def _load_spec(text: str | None, path: Path) -> pytree.TreeSpec | None:
                             "re-run fxpipe compile") from exc
 
 
-def meta_sizes(where: str, limit_bytes: int | None = None) -> Any:
+def run_on_meta(pipe: Any, flat: list[Any], where: str | Path, limit_bytes: int | None = None) -> Any:
+    """The pipeline ``pipe`` (on the meta device) called on its flat inputs ``flat``, stage by stage under
+    :func:`meta_sizes`, each through ``torch.fx.Interpreter`` (a graph that fails raises without fx printing its
+    generated code to stderr); returns its output. PlanFileError names ``where``/stage_K.json when a stage makes a
+    tensor past the limit."""
+    from fxpipe._compat import pytree
+
+    env: dict[str, Any] = dict(zip(pipe.input_names, flat))
+    running = [str(where)]
+    with torch.no_grad(), meta_sizes(running, limit_bytes):
+        for k, stage in enumerate(pipe.stage_list()):
+            running[0] = str(Path(where) / f"stage_{k}.json")
+            try:
+                results = torch.fx.Interpreter(stage.module).run(*(env[name] for name in stage.inputs))
+            except PlanFileError as exc:  # the Interpreter appends the node to the message: one line again
+                raise PlanFileError(str(exc).splitlines()[0]) from exc
+            env.update(zip(stage.outputs, results))
+    leaves = [env[n] if n is not None else c for n, c in zip(pipe.output_names, pipe.output_constants)]
+    return tuple(leaves) if pipe.out_spec is None else pytree.tree_unflatten(leaves, pipe.out_spec)
+
+
+def meta_sizes(where: str | list[str], limit_bytes: int | None = None) -> Any:
     """A dispatch mode for running a plan's graphs on the meta device: a factory operator given no device makes its
     tensor on meta too (never on the CPU), and a tensor larger than ``limit_bytes`` (default: this machine's memory)
-    is refused, PlanFileError naming ``where``, the operator and the shape. Nothing is allocated."""
+    is refused, PlanFileError naming ``where`` (a file; or a one-item list, read when refusing), the operator and the
+    shape. Nothing is allocated."""
     from fxpipe._compat import TorchDispatchMode, pytree
     from fxpipe.plan import machine_memory
 
     limit = limit_bytes if limit_bytes is not None else machine_memory()
+    running = where if isinstance(where, list) else [where]
 
     class _Sizes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -636,7 +659,7 @@ def meta_sizes(where: str, limit_bytes: int | None = None) -> Any:
             out = func(*args, **kwargs)
             for t in pytree.tree_leaves(out):
                 if limit is not None and isinstance(t, torch.Tensor) and t.numel() * t.element_size() > limit:
-                    raise PlanFileError(f"{where}'s stages make a tensor of shape {list(t.shape)} with {func} "
+                    raise PlanFileError(f"{running[0]} makes a tensor of shape {list(t.shape)} with {func} "
                                         f"({t.numel() * t.element_size():,} bytes), more than this machine's "
                                         f"{limit:,}; re-run fxpipe compile")
             return out
@@ -649,17 +672,10 @@ def check_allocations(path: str | Path, *, trust_ops: Collection[str] = serializ
     """Run every stage of the plan at ``path`` on the meta device, on inputs of the plan's shapes, under
     :func:`meta_sizes`: a size the graph computes (``aten.ones(mul(10**5, 10**5))``, ``arange(1e11)``) passes the
     loader's literal checks and would reach every rank's allocator. Raises PlanFileError, one line."""
-    from fxpipe._compat import pytree
-
     pipe = load(path, trust_ops=trust_ops).to_device("meta")
     flat = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device="meta") for s in pipe.plan.inputs]
     try:
-        with torch.no_grad(), meta_sizes(str(path), limit_bytes):
-            if pipe.in_spec is None:
-                pipe(*flat)
-            else:
-                args, kwargs = pytree.tree_unflatten(flat, pipe.in_spec)
-                pipe(*args, **kwargs)
+        run_on_meta(pipe, flat, path, limit_bytes)
     except PlanFileError:
         raise
     except Exception:  # noqa: BLE001  (a graph meta cannot run, e.g. a data-dependent op: the ranks will say so)

@@ -83,9 +83,9 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
         elif loss_fn is not None:
             target = source.batch(0, rows, fit.seq_len, seed=seed)[1]
     if loss_fn is not None:
-        _check_loss(loss_fn, f"--loss {loss_spec}", output, target, rows)
+        _check_loss(loss_fn, f"--loss {loss_spec}", output, target, rows, timeout=timeout)
     elif fn is not None:  # the built-in model's own loss, on the data function's target
-        _check_loss(zoo.loss_fn, f"{name}'s own loss (no --loss)", output, target, rows,
+        _check_loss(zoo.loss_fn, f"{name}'s own loss (no --loss)", output, target, rows, timeout=timeout,
                     fix=f"give the targets {name}'s loss takes (fxpipe inspect PLAN shows them), or pass --loss")
     return Feed(source, fit, rank_args)
 
@@ -185,17 +185,23 @@ def scored(spec: str) -> bool:
 
 def _call_data(fn: Callable[..., Any], ctx: Any, spec: str, timeout: float | None = None) -> Any:
     """``fn(ctx)``, the user's data function: an exception is one line, and with ``timeout`` a call that has not
-    returned after that many seconds is one line too (it runs in a thread of its own, left behind: a blocked read
-    of a FIFO or a lock would otherwise hang the launcher, or every rank at once, where no collective times out)."""
+    returned after that many seconds is one line too (see :func:`_within`)."""
+    from fxpipe.targets import call_user
+
+    return _within(lambda: call_user(lambda: fn(ctx), f"--data {spec}", "fix the data function (it is called with a "
+                                     "fxpipe.data.DataContext)"), timeout,
+                   f"--data {spec} did not return within --timeout {timeout or 0:g} s (on rank {ctx.rank}; -1: the "
+                   "launcher's check); make the function return its batches, or raise --timeout")
+
+
+def _within(call: Callable[[], Any], timeout: float | None, late: str) -> Any:
+    """``call()``, a user's function; with ``timeout``, one that has not returned after that many seconds raises
+    OptionError(``late``) instead. It runs in a thread of its own, left behind: a blocked read of a FIFO, a lock or a
+    loop that never ends would otherwise hang the launcher, or every rank at once, where no collective times out."""
     import os
     import threading
 
     from fxpipe.errors import OptionError
-    from fxpipe.targets import call_user
-
-    def call() -> Any:
-        return call_user(lambda: fn(ctx), f"--data {spec}", "fix the data function (it is called with a "
-                         "fxpipe.data.DataContext)")
 
     if timeout is None:
         return call()
@@ -209,16 +215,16 @@ def _call_data(fn: Callable[..., Any], ctx: Any, spec: str, timeout: float | Non
             failed.append(exc)
 
     real_exit = os._exit  # call_user guards it while the function runs; a call left behind must not keep it
-    worker = threading.Thread(target=run, name="fxpipe-data-function", daemon=True)
+    worker = threading.Thread(target=run, name="fxpipe-user-function", daemon=True)
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
         os._exit = real_exit  # the process goes on (or exits) without the guard of a call that never returned
-        raise OptionError(f"--data {spec} did not return within --timeout {timeout:g} s (on rank {ctx.rank}; -1: the "
-                          "launcher's check); make the function return its batches, or raise --timeout")
+        raise OptionError(late)
     if failed:
         raise failed[0]
     return result[0]
+
 
 def _replica(x: Any, ctx: Any) -> Any:
     """Replica ``ctx.replica``'s rows of a global batch's tensor."""
@@ -259,7 +265,6 @@ def _meta_output(plan_dir: Path, plan: Any, zoo: Any,
     built-in model's, else the plan's stages moved there), and for each integer input an embedding indexes, its
     rows (``fxpipe.data.index_bounds``)."""
     import fxpipe
-    from fxpipe._compat import pytree
     from fxpipe.data import index_bounds
     from fxpipe.errors import OptionError, PlanFileError, first_line
 
@@ -268,17 +273,10 @@ def _meta_output(plan_dir: Path, plan: Any, zoo: Any,
     pipe = fxpipe.load(plan_dir, trust_ops=trust_ops).to_device("meta")
     example = tuple(x.to("meta") for x in _example_zeros(plan))
 
-    def run(*flat: Any) -> Any:  # the plan's flat inputs, as the model was called
-        if pipe.in_spec is None:
-            return pipe(*flat)
-        args, kwargs = pytree.tree_unflatten(list(flat), pipe.in_spec)
-        return pipe(*args, **kwargs)
-
-    from fxpipe.plan_dir import meta_sizes
+    from fxpipe.plan_dir import run_on_meta
 
     try:
-        with meta_sizes(str(plan_dir)):
-            output, bounds = index_bounds(run, example)
+        output, bounds = index_bounds(lambda *flat: run_on_meta(pipe, list(flat), plan_dir), example)
     except PlanFileError:
         raise
     except Exception as exc:  # noqa: BLE001  (a graph that cannot run on meta: say so, in one line)
@@ -368,9 +366,10 @@ def _check_batch(batch: tuple[Any, Any], plan: Any, ctx: Any, spec: str) -> None
 
 
 def _check_loss(fn: Callable[..., Any], what: str, output: Any, target: Any, rows: int, *,
-                fix: str = "fix the loss: it is called as loss(outputs, target) on one microbatch") -> None:
+                fix: str = "fix the loss: it is called as loss(outputs, target) on one microbatch",
+                timeout: float | None = None) -> None:
     """The loss (``what`` names it) on an output of the plan's shape (random, on the CPU) and one microbatch's
-    target: a scalar that depends on the output."""
+    target: a scalar that depends on the output, returned within ``timeout`` seconds."""
     import torch
 
     from fxpipe._compat import pytree
@@ -386,7 +385,9 @@ def _check_loss(fn: Callable[..., Any], what: str, output: Any, target: Any, row
     if isinstance(target, torch.Tensor) and target.dim() > 0:
         target = target[:rows]
     with torch.enable_grad():
-        loss = call_user(lambda: fn(out, target), what, fix)
+        loss = _within(lambda: call_user(lambda: fn(out, target), what, fix), timeout,
+                       f"{what} did not return within --timeout {timeout or 0:g} s (the launcher's check, on one "
+                       "microbatch of random outputs); make it return, or raise --timeout")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0:
         got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
         raise OptionError(f"{what} returned {got}, not a scalar tensor; reduce it to one value (e.g. .mean())")

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     watch_launcher()
-    from fxpipe.cli.ranks import record_warnings
+    from fxpipe.cli.ranks import Heartbeat, record_warnings
+
+    args.heartbeat = Heartbeat(out, rank)  # the launcher stops the run when no rank moves on for --timeout
 
     record_warnings(out, rank)
     import torch.distributed as dist
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        args.heartbeat.phase("joining the process group")
         try:
             dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
                                     timeout=timedelta(seconds=args.timeout))
@@ -299,7 +302,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     device = rank_device(args.device)
     # --loss's file imported first (once): a model library it imports (transformers) types the plan's outputs
+    args.heartbeat.phase("importing --loss's file")
     user_loss = loss_of(None, args.loss) if args.loss is not None else None
+    args.heartbeat.phase("loading the plan")
     pipe = fxpipe.load(args.plan, trust_ops=trusted_ops(args.trust_ops))  # on the CPU; moved to its device below
     zoo = zoo_of(pipe.plan)  # built as fxpipe compile built it (dtype, batch, seed); None: the user's own model
     if zoo is None and pipe.plan.strategy is not None:  # fxpipe run refuses it before starting the ranks
@@ -315,6 +320,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
                               "use --device cpu")
         return run_strategy(args, rank, world, pipe, zoo, loss_fn, out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
+    args.heartbeat.phase("building the stages' forward and backward graphs")
     rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches,
                          loss_fn=loss_fn,
                          example_inputs=None if zoo is None else tuple(x.to(device) if isinstance(x, torch.Tensor)
@@ -341,6 +347,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.runtime import checkpoint
 
     # the launcher has said which newer steps are passed over (fxpipe.cli.run_cmd): no warning here again
+    args.heartbeat.phase("loading the checkpoint")
     first = checkpoint.load(rt, args.checkpoint_dir) if resumes(args, world) else 0
     saved_seed = rt.resumed_position.get("data_seed")
     if first and saved_seed is not None and saved_seed != float(args.seed):
@@ -376,6 +383,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     rows = int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1
     from fxpipe.data import DataContext, step_loader, step_seed
 
+    args.heartbeat.phase("opening the data")
     ctx = DataContext(rank, rt.needs_inputs, rt.needs_targets, rt.dp_rank, rt.dp, m, rows, args.seed, first,
                       args.steps, input_specs(pipe.plan, m))
     batch_of = rank_batches(args.data, pipe.plan, ctx, None if zoo is None else lambda n: synthetic_batch(zoo, n),
@@ -391,8 +399,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     held_out = eval_batches(args.eval_data or args.data, pipe.plan, ctx, args.eval_batches) if args.eval_every else None
     eval_losses: list[tuple[int, float]] = []
+    args.heartbeat.watch(lambda: (id(rt.events), len(rt.events)))  # each finished action moves it on
     for start in range(first, args.steps, every):
         chunk = range(start, min(start + every, args.steps))
+        args.heartbeat.phase(f"step {start + 1}" if len(chunk) == 1 else f"steps {start + 1} to {chunk[-1] + 1}")
         if rank == args.fail_rank and start == fault_at and attempt == 0:
             raise RuntimeError(f"injected failure on rank {rank} at step {start}")
         if rank == args.kill_rank and start == fault_at and attempt == 0:
@@ -435,6 +445,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             check_finite_weights(rt.optimizers.values(), chunk[-1] + 1, rank, world)
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True, log=log)
+    args.heartbeat.phase("measuring the run for its report")
     log.close()
     from fxpipe.calibration.compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks

@@ -106,6 +106,7 @@ class RanksExit:
     stderr: str
     stopped: frozenset[int] = frozenset()
     local: frozenset[int] = frozenset()  # the ranks seen running on this node
+    stalled: tuple[tuple[int, str], ...] | None = None  # (rank, what it did) when no rank moved on for --timeout
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,62 @@ def parse_step(line: str) -> StepDone | None:
 
 
 LAUNCHER_PID = "FXPIPE_LAUNCHER_PID"  # the ranks watch this process, and leave when it is gone
+class Heartbeat:
+    """A rank's sign of progress, for the launcher (:func:`stalled`): ``rank{R}.beat`` in the run's directory,
+    its text what the rank is doing, its mtime when the rank last moved on. :meth:`phase` marks a step of set-up
+    (or of training); a daemon thread touches the file each ``every`` seconds in which :meth:`watch`'s reading
+    changed (the runtime's finished actions). A rank busy inside one operator, or in a loop of a user's function,
+    never moves it."""
+
+    def __init__(self, out_dir: Path, rank: int, every: float = 1.0) -> None:
+        self.path = out_dir / f"rank{rank}.beat"
+        self.doing = "starting"
+        self._reading: Callable[[], object] | None = None
+        self.phase("starting")
+        threading.Thread(target=self._follow, args=(every,), daemon=True, name="fxpipe-heartbeat").start()
+
+    def phase(self, doing: str) -> None:
+        self.doing = doing
+        try:
+            self.path.write_text(doing)
+        except OSError:  # the run's directory is gone: the launcher has ended the run
+            pass
+
+    def watch(self, reading: Callable[[], object]) -> None:
+        self._reading = reading
+
+    def _follow(self, every: float) -> None:
+        last: object = None
+        while True:
+            time.sleep(every)
+            reading = self._reading
+            now = reading() if reading is not None else None
+            if reading is not None and now != last:
+                last = now
+                try:
+                    os.utime(self.path)
+                except OSError:
+                    pass
+
+
+def stalled(out_dir: Path, started: float, timeout: float, now: float,
+            first: float | None = None) -> tuple[tuple[int, str], ...] | None:
+    """Each rank's last word, (rank, what it was doing), when none has moved on (:class:`Heartbeat`) for ``timeout``
+    seconds since ``started`` (``first`` seconds while no rank has started: nodes meeting; all times on
+    ``time.time()``'s clock; ``()``: no rank has started); else None. Every rank busy at once (a loop in every rank's graph or function) is what
+    this catches: a rank that waits for a busy one gives up by itself, at ``--timeout``."""
+    beats: list[tuple[int, str, float]] = []
+    for path in out_dir.glob("rank*.beat"):
+        try:
+            beats.append((int(path.name[4:-5]), path.read_text()[:200], path.stat().st_mtime))
+        except (OSError, ValueError):
+            continue
+    latest = max([started, *(t for _, _, t in beats)])
+    if now - latest < (timeout if beats or first is None else first):
+        return None
+    return tuple(sorted((rank, doing) for rank, doing, _ in beats))
+
+
 STOPPED_S = 2.0  # a rank stopped (SIGSTOP) this long ends the run: it cannot answer its peers
 
 
@@ -236,7 +293,8 @@ def signals_held() -> Iterator[None]:
 
 def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
               grace: float = 3.0, stopped_s: float = STOPPED_S, env: Mapping[str, str] | None = None,
-              start: Callable[[list[str], Mapping[str, str], IO[Any], IO[Any]], Any] | None = None) -> RanksExit:
+              start: Callable[[list[str], Mapping[str, str], IO[Any], IO[Any]], Any] | None = None,
+              stall_s: float | None = None, first_s: float | None = None) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
@@ -248,7 +306,9 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
     let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
     wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
     (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment. ``start``
-    (``fxpipe.cli.agent.warm_start``) may start torchrun instead of a new process (None: it did not).
+    (``fxpipe.cli.agent.warm_start``) may start torchrun instead of a new process (None: it did not). When no rank
+    has moved on (:func:`stalled`) for ``stall_s`` seconds (``first_s`` before any has started), the run is stopped,
+    and the result says where each was.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
         seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
@@ -256,6 +316,8 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         stopped: set[int] = set()
         since: dict[int, float] = {}  # rank -> when it was first seen stopped
         shown = 0
+        hung: tuple[tuple[int, str], ...] | None = None
+        launched = time.time()
         with signals_held():  # a Ctrl-C now arrives inside the try below, which stops torchrun
             # TMPDIR: torchrun's own log directory (and any rank's temporary file) go inside the run's report
             # directory, which the caller removes, instead of staying behind in /tmp.
@@ -283,6 +345,10 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                 if stopped and (any(progress.parent.glob("rank*.error"))
                                 or now - min(since.values()) >= stopped_s):
                     break
+                if stall_s is not None:
+                    hung = stalled(progress.parent, launched, stall_s, time.time(), first_s)
+                    if hung is not None:
+                        break
                 time.sleep(0.2)
                 lines = progress.read_text().splitlines() if progress.exists() else []
                 for line in lines[shown:]:
@@ -300,7 +366,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
         out.seek(0)
         errf.seek(0)
         return RanksExit(proc.returncode, out.read(), errf.read(), frozenset(stopped),
-                         frozenset(r for r in local.values() if r is not None))
+                         frozenset(r for r in local.values() if r is not None), hung)
 
 
 def stop_tree(proc: Any, seen: Mapping[int, int], grace: float) -> None:
@@ -532,6 +598,16 @@ def rendezvous_failure(torchrun_stderr: str, rendezvous: Rendezvous) -> RankFail
     return RankFailure(None, f"this node waited up to {rendezvous.timeout:g} s at {rendezvous.where()} and the "
                              f"{nodes} nodes never all met ({what}); start fxpipe run on all {nodes} nodes with the "
                              f"same {same}, check that {host} is reachable from every node, or raise --rdzv-timeout")
+
+
+def stall_failure(hung: Collection[tuple[int, str]], timeout: float, grace: float) -> RankFailure:
+    """The line for a run stopped because no rank moved on for ``timeout`` + ``grace`` seconds (:func:`stalled`)."""
+    where = ", ".join(f"rank {rank}: {doing}" for rank, doing in hung) or "no rank had started"
+    return RankFailure(min((r for r, _ in hung), default=None),
+                       f"no rank made progress for {timeout + grace:g} s (--timeout {timeout:g} s, and {grace:g} more) "
+                       f"({where}), so the ranks were stopped: a loop in the "
+                       "plan's graphs or in --loss/--data code that does not end, or one action slower than --timeout; "
+                       "check them, or raise --timeout")
 
 
 def diagnose(returncode: int, torchrun_stderr: str, errors: Mapping[int, str],

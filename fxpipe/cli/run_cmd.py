@@ -23,6 +23,9 @@ from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line
 from fxpipe.errors import OptionError, RankFailedError
 
 
+STALL_GRACE_S = 5.0  # past --timeout, when no rank moves on: a rank waiting for a peer says so first
+
+
 def run_cmd(
     ctx: typer.Context,
     plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model, "
@@ -359,10 +362,14 @@ def run_cmd(
                 rank_env = {**ranks.restart_env(max_restarts), **(cache_env(environ) if codegen == "inductor" else {})}
                 proc = ranks.run_ranks(cmd, out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps), env=rank_env, start=agent.warm_start)
-            failure = ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
-                                     ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
-                                     local=proc.local)
+                                                      s.step, steps), env=rank_env, start=agent.warm_start,
+                                       # every rank busy: stopped a few seconds after a waiting rank would give up
+                                       stall_s=timeout + STALL_GRACE_S,
+                                       first_s=timeout + STALL_GRACE_S + (rdzv_timeout if nnodes > 1 else 0))
+            failure = (ranks.stall_failure(proc.stalled, timeout, STALL_GRACE_S) if proc.stalled is not None else
+                       ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
+                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
+                                      local=proc.local))
             results = ranks.rank_results(out_dir)
             restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
             if restarted is not None:

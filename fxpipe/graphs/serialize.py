@@ -163,6 +163,8 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
                 constants[name] = value
         elif op == "call_function" and op_overload_name(target) is not None:
             _check_sizes(target, args, kwargs, here)
+        elif op == "call_function" and higher_order_op(target) is not None:
+            _check_subgraphs(higher_order_op(target), args, root, here)
         if target == "builtins.getattr" or target is getattr:
             if len(args) != 2 or args[1] not in _TENSOR_ATTRS:
                 raise PlanFileError(f"{here} reads attribute {args[1:]!r}, not one of a tensor's plain attributes")
@@ -175,6 +177,28 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
     except Exception as exc:  # torch raises RuntimeError for a malformed graph
         raise PlanFileError(f"{where} is not a well-formed graph ({exc})") from exc
     return torch.fx.GraphModule(root, graph, class_name=class_name)
+
+
+# Where each stored higher-order operator takes its graphs, and how many arguments it takes at the least (at most):
+# a call that names no graph of the plan there would fail only when it runs, deep inside torch.
+_GRAPH_OPERANDS: dict[str, tuple[tuple[int, ...], int, int | None]] = {
+    "wrap_with_set_grad_enabled": ((1,), 2, None), "wrap_with_autocast": ((4,), 5, None), "cond": ((1, 2), 4, 4),
+    "map_impl": ((0,), 3, 3), "invoke_subgraph": ((0,), 2, None), "tag_activation_checkpoint": ((0,), 1, None)}
+
+
+def _check_subgraphs(hop: str, args: tuple[Any, ...], root: torch.nn.Module, where: str) -> None:
+    """A higher-order call's graph operands are get_attr nodes of this graph's subgraphs, in the places the operator
+    takes them, with as many arguments as it takes."""
+    at, least, most = _GRAPH_OPERANDS.get(hop, ((), 0, None))
+    if len(args) < least or (most is not None and len(args) > most):
+        raise PlanFileError(f"{where} calls higher-order operator {hop!r} with {len(args)} arguments, not "
+                            f"{least if most == least else f'{least} or more'}; re-run fxpipe compile")
+    for i in at:
+        graph = args[i]
+        if not (isinstance(graph, torch.fx.Node) and graph.op == "get_attr"
+                and isinstance(_attr(root, str(graph.target), where), torch.fx.GraphModule)):
+            raise PlanFileError(f"{where} calls higher-order operator {hop!r} with argument {i} not one of the plan's "
+                                "subgraphs; re-run fxpipe compile")
 
 
 def _digits(value: int) -> str:

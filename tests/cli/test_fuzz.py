@@ -503,3 +503,68 @@ def test_mutated_data_files(places: Places, tmp_path_factory: pytest.TempPathFac
     assert result.exit_code == 2, (place, kind, result.output)
     assert peak_mib() < MEMORY_BOUND_MIB
     shutil.rmtree(work)
+
+
+# -- stage graphs: control flow and computed sizes --------------------------------------------------------------
+#
+# A plan whose stage graph was edited, its checksum updated as an attacker would: a node turned into a control-flow
+# operator (a loop that may never end, a branch, a map or scan over subgraphs it does not have), or a tensor whose
+# size is computed from an input's at run time (what only a run on the meta device sees), or a random real operator
+# with the node's own arguments. inspect loads the plan and runs it on the meta device, as fxpipe run's launcher
+# does: exit 0 or 2, one line naming the stage file where refused, no traceback, bounded memory and no hang.
+
+CONTROL_FLOW = ["higher_order.while_loop", "higher_order.cond", "higher_order.map_impl", "higher_order.scan",
+                "higher_order.associative_scan", "higher_order.invoke_subgraph", "higher_order.flex_attention",
+                "torch.cond", "torch._higher_order_ops.while_loop.while_loop"]
+ANY_OPS = ["aten.ones.default", "aten.arange.default", "aten.empty.memory_format", "aten.full.default",
+           "aten.repeat.default", "aten.expand.default", "aten.randn.default", "aten.mm.default"]
+
+
+def _graph_edit(data: st.DataObject, doc: dict[str, Any]) -> str:
+    nodes = doc["nodes"]
+    calls = [n for n in nodes if n["op"] == "call_function"]
+    node = data.draw(st.sampled_from(calls))
+    tensor = next(n["name"] for n in nodes if n["op"] == "placeholder")
+    kind = data.draw(st.sampled_from(["control-flow", "computed-size", "literal-size", "any-op"]))
+    if kind == "control-flow":
+        node["target"] = data.draw(st.sampled_from(CONTROL_FLOW))
+        return f"{kind} {node['target']}"
+    if kind == "computed-size":  # batch rows x 10^10 elements: known only when the graph runs
+        factor = data.draw(st.sampled_from([10**10, 10**11, 2**40]))
+        rows = {"name": "fz_rows", "op": "call_function", "target": "aten.sym_size.int",
+                "args": {"tuple": [{"node": tensor}, 0]}, "kwargs": {"dict": {}}}
+        size = {"name": "fz_size", "op": "call_function", "target": "_operator.mul",
+                "args": {"tuple": [{"node": "fz_rows"}, factor]}, "kwargs": {"dict": {}}}
+        nodes[nodes.index(node):nodes.index(node)] = [rows, size]
+        node.update(target=data.draw(st.sampled_from(["aten.ones.default", "aten.empty.memory_format"])),
+                    args={"tuple": [[{"node": "fz_size"}]]}, kwargs={"dict": {}})
+        return f"{kind} x{factor}"
+    if kind == "literal-size":
+        node.update(target="aten.arange.default", args={"tuple": [data.draw(st.sampled_from([1e11, 10**11]))]},
+                    kwargs={"dict": {}})
+        return kind
+    node["target"] = data.draw(st.sampled_from(ANY_OPS))
+    return f"{kind} {node['target']}"
+
+
+@settings(FUZZ, max_examples=30)
+@given(data=st.data())
+def test_mutated_stage_graphs(places: Places, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    work = tmp_path_factory.mktemp("graph-fuzz")
+    plan = work / "plan"
+    shutil.copytree(places.plan, plan)
+    stages = sorted(p.name for p in plan.glob("stage_*.json"))
+    name = data.draw(st.sampled_from(stages))
+    doc = json.loads((plan / name).read_text())
+    done = _graph_edit(data, doc)
+    (plan / name).write_text(json.dumps(doc))
+    index = json.loads((plan / "plan.json").read_text())
+    index["sha256"][name] = hashlib.sha256((plan / name).read_bytes()).hexdigest()
+    (plan / "plan.json").write_text(json.dumps(index))
+    result = check(["inspect", str(plan), "--json"])
+    if not done.startswith("any-op"):  # every loop, branch and oversized tensor is refused at load
+        assert result.exit_code == 2, (done, result.output)
+        message = result.output.strip()
+        assert name in message and len(message.splitlines()) == 1, (done, message)
+    assert peak_mib() < MEMORY_BOUND_MIB
+    shutil.rmtree(work)

@@ -270,3 +270,24 @@ def test_an_asynchronous_chunks_actions_are_timed_per_step_after_the_first() -> 
     # step 0 (microbatches 0, 1) carries the set-up and is left out; step 1 (microbatches 2, 3): F 0.2 and 0.1 s
     got = stream_action_seconds(events, 2)
     assert [{k: round(v, 6) for k, v in step.items()} for step in got] == [{(0, "F"): 0.15, (0, "BW"): 0.3}]
+
+
+def test_the_run_is_stalled_when_no_rank_moves_on_for_the_timeout(tmp_path: Path) -> None:
+    """:func:`stalled` reads the ranks' heartbeat files (text: what each does; mtime: when it last moved on) against
+    an injected clock: any rank moving on keeps the run going; before the first beat, ``first`` applies."""
+    from fxpipe.cli.ranks import stall_failure, stalled
+
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1009.0) is None
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1011.0, first=30) is None  # nodes still meeting
+    (tmp_path / "rank9.beatx").write_text("not a heartbeat")
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1011.0) == ()  # stalled before any rank started
+    assert stall_failure((), 10, 5).rank is None
+    for rank, doing, at in ((0, "step 3", 1050.0), (1, "loading the plan", 1020.0)):
+        (tmp_path / f"rank{rank}.beat").write_text(doing)
+        os.utime(tmp_path / f"rank{rank}.beat", (at, at))
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1059.0, first=1000) is None  # rank 0 moved on at 1050
+    hung = stalled(tmp_path, started=1000.0, timeout=10, now=1061.0, first=1000)
+    assert hung == ((0, "step 3"), (1, "loading the plan"))
+    line = stall_failure(hung, 10, 5).message
+    assert line.startswith("no rank made progress for 15 s (--timeout 10 s, and 5 more) (rank 0: step 3, rank 1: "
+                           "loading the plan)") and "raise --timeout" in line

@@ -243,3 +243,31 @@ def kill_run(proc: subprocess.Popen[str], tmp: Path) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def one_stage() -> Path:
+    from tests._helpers import cli_plan
+
+    return cli_plan("mlp-tiny", "--stages", "1")
+
+
+def test_a_run_whose_every_rank_is_busy_is_stopped_after_the_timeout(one_stage: Path, tmp_path: Path) -> None:
+    """The loss never returns on the ranks (the launcher's own check of it passes): no rank waits on a peer, so
+    none gives up by itself; the launcher sees no heartbeat move and stops the run, naming where each rank was."""
+    from tests._helpers import fxpipe_cli, one_line_error
+
+    (tmp_path / "spin.py").write_text("import os\n\n\ndef loss(out, target):\n    while 'RANK' in os.environ:\n"
+                                      "        pass\n    return out.float().mean()\n")
+    line = one_line_error(fxpipe_cli("run", one_stage, "--nproc", 1, "--steps", 2, "--timeout", 2,
+                                     "--loss", f"{tmp_path / 'spin.py'}:loss"))
+    assert line.startswith("error: no rank made progress for 7 s (--timeout 2 s, and 5 more) (rank 0: step 1)"), line
+
+
+def test_a_loss_that_never_returns_in_the_launcher_s_check_is_one_line(one_stage: Path, tmp_path: Path) -> None:
+    from tests._helpers import fxpipe_cli, one_line_error
+
+    (tmp_path / "spin.py").write_text("def loss(out, target):\n    while True:\n        pass\n")
+    line = one_line_error(fxpipe_cli("run", one_stage, "--steps", 1, "--timeout", 1,
+                                     "--loss", f"{tmp_path / 'spin.py'}:loss"))
+    assert "did not return within --timeout 1 s (the launcher's check" in line, line
