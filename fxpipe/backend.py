@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,7 @@ from fxpipe.schedules.generators import one_rank
 from fxpipe.schedules.ir import Kind
 
 _LAST: list[Any] = []  # the most recent compilation's Pipeline
+logger = logging.getLogger(__name__)
 _LAST_RUNNER: list[Any] = []  # and its _Runner (tests read whether its step ran as CUDA graphs)
 # The keys of torch.compile(..., options={...}); fxpipe_backend's docstring says what each does.
 OPTIONS = ("stages", "devices", "microbatches", "schedule", "cuda_graphs", "verbose", "precision", "inductor")
@@ -582,11 +584,9 @@ class _Runner:
 
     def _op_by_op(self, exc: _CaptureFailed) -> None:
         """A step that cannot be captured (a host sync, a copy from pageable CPU memory) runs op by op from now on."""
-        import warnings
-
         self.step_graphs = None
-        warnings.warn(f"backend='fxpipe': the step could not be captured as a CUDA graph ({exc}); it runs op by op "
-                      "from now on (options cuda_graphs=False skips the attempt)", stacklevel=2)
+        logger.warning("backend='fxpipe': the step could not be captured as a CUDA graph (%s); it runs op by op from "
+                       "now on (options cuda_graphs=False skips the attempt)", exc)
 
     def run_forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], _BackendCore]:
         """F of every stage for every microbatch: the outputs, and the core holding what B and W read."""

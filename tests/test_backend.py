@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import subprocess
 import sys
 import textwrap
@@ -257,23 +258,25 @@ class _HostConstant(torch.nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_op_no_capture_allows_runs_op_by_op() -> None:
+def test_an_op_no_capture_allows_runs_op_by_op(caplog: pytest.LogCaptureFixture) -> None:
     # Ran as a script on an H200: step 2's capture failed ("Cannot copy between CPU and CUDA tensors during CUDA
     # graph capture unless the CPU tensor is pinned"), and every step's gradients equalled eager's.
     torch.manual_seed(0)
     model = _HostConstant().double().cuda()
     x = torch.randn(4, 8, dtype=torch.float64, device="cuda")
-    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+    with caplog.at_level(logging.WARNING, logger="fxpipe"):
         # inductor off: the graphs as traced, whose CPU constant and copy to the GPU Inductor might fold away
         _train_side_by_side(model, (x,), torch.zeros(4, 8, dtype=torch.float64, device="cuda"),
                             torch.nn.functional.mse_loss, {"stages": 2, "microbatches": 2, "inductor": False}, steps=4)
+    assert [r.getMessage() for r in caplog.records if "could not be captured as a CUDA graph" in r.getMessage()]
     assert _graphs() is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_step_that_cannot_be_captured_runs_op_by_op(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_that_cannot_be_captured_runs_op_by_op(where: str, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     # A capture that fails part-way (as an op that syncs with the host fails it) leaves the step to run op by op,
     # with one warning: in the backward, after B has already taken its output gradient from the core, so the
     # core's state must be put back as it was before the capture.
@@ -292,9 +295,11 @@ def test_a_step_that_cannot_be_captured_runs_op_by_op(where: str, monkeypatch: p
 
     monkeypatch.setattr(_BackendCore, "run", failing)
     zoo = models.build("gpt-tiny", batch_size=4, device="cuda", dtype=torch.float64)
-    with pytest.warns(UserWarning, match=r"could not be captured as a CUDA graph \(RuntimeError: operation not "):
+    with caplog.at_level(logging.WARNING, logger="fxpipe"):
         _train_side_by_side(zoo.model, zoo.example_inputs, zoo.example_target, zoo.loss_fn,
                             {"stages": 2, "microbatches": 2}, steps=4)
+    said = [r.getMessage() for r in caplog.records if "could not be captured as a CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "(RuntimeError: operation not " in said[0], said
     assert len(seen) == 2 and _graphs() is None
 
 

@@ -8,6 +8,7 @@ fixture, and the tests read what it recorded. Compiled cases are skipped without
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from typing import Any
 
@@ -25,13 +26,18 @@ needs_cxx = pytest.mark.skipif("codegen.cpp_compiler() is None", reason="needs a
 
 def _train(zoo: Any, options: dict[str, Any], steps: int = 3, autocast: torch.dtype | None = None) -> dict[str, Any]:
     """Train the zoo model compiled with ``options`` and an eager copy (under ``autocast`` if given) side by side with
-    SGD-momentum; per step, both losses and both models' parameter gradients; the runner and warnings at the end."""
+    SGD-momentum; per step, both losses and both models' parameter gradients; the runner and the warnings (and
+    fxpipe's logged warnings) at the end."""
     torch._dynamo.reset()
     model, ref = zoo.model, copy.deepcopy(zoo.model)
     compiled = torch.compile(model, backend="fxpipe", fullgraph=True, options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     steps_seen = []
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fxpipe").addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(steps):
@@ -47,8 +53,9 @@ def _train(zoo: Any, options: dict[str, Any], steps: int = 3, autocast: torch.dt
                                          for n, p in model.named_parameters()}})
             opt.step(), opt_ref.step()
             opt.zero_grad(), opt_ref.zero_grad()
+    logging.getLogger("fxpipe").removeHandler(handler)
     return {"steps": steps_seen, "runner": backend._LAST_RUNNER[0], "reports": fxpipe.last_report(),
-            "warnings": [str(w.message) for w in caught], "model": model}
+            "warnings": [str(w.message) for w in caught] + logged, "model": model}
 
 
 @pytest.fixture(scope="module")

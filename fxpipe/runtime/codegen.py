@@ -16,6 +16,7 @@ and fxpipe never executes code from one. Asynchronous schedules read weight vers
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +24,8 @@ from typing import Any
 
 from fxpipe._compat import cpp_compiler
 from fxpipe.errors import OptionError
+
+logger = logging.getLogger(__name__)
 
 CODEGENS = ("eager", "inductor")
 
@@ -63,14 +66,12 @@ class Inductor:
         return InductorGraph(gm, self)
 
     def give_up(self, gm: Any, exc: Exception) -> None:
-        import warnings
-
         from fxpipe.errors import first_line
 
         self.failed.append(f"{type(exc).__name__}: {first_line(exc)}")
         if len(self.failed) == 1:
-            warnings.warn(f"Inductor could not compile a stage graph ({self.failed[0][:300]}); it runs eagerly "
-                          "(op by op), as do any others that fail", stacklevel=4)
+            logger.warning("Inductor could not compile a stage graph (%s); it runs eagerly (op by op), as do any "
+                           "others that fail", self.failed[0][:300])
 
 
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -26,12 +26,15 @@ and what outlives it (its outputs) stays referenced here, so the pool never hand
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from fxpipe.errors import first_line
+
+logger = logging.getLogger(__name__)
 
 
 class GraphSet:
@@ -59,13 +62,11 @@ class GraphSet:
 
     def give_up(self, exc: Exception) -> None:
         """A slot that could not be captured: counted, and said once per rank."""
-        import warnings
-
         self.fallbacks += 1
         self.failed.append(first_line(exc))
         if len(self.failed) == 1:
-            warnings.warn(f"cuda_graphs: a call could not be captured as a CUDA graph ({self.failed[0]}); it runs op "
-                          "by op (cuda_graphs=False skips the attempt)", stacklevel=3)
+            logger.warning("cuda_graphs: a call could not be captured as a CUDA graph (%s); it runs op by op "
+                           "(cuda_graphs=False skips the attempt)", self.failed[0])
 
     def in_place(self) -> set[int]:
         return self.outputs | {t.data_ptr() for t in self.persistent() if isinstance(t, torch.Tensor)}

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import sys
+import logging
 import time
 import warnings
 from collections import defaultdict
@@ -65,6 +66,8 @@ from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.schedules.auto import plan_schedule
 from fxpipe.schedules.ir import Action, Kind, Schedule
 from fxpipe.schedules.versions import POLICIES
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the caller's value; the runtime calls its methods and imports nothing of the calibration
     from fxpipe.calibration.host import HostTuning
@@ -307,8 +310,8 @@ class PipelineRuntime:
         if not self.schedule.synchronous:
             raise OptionError(f"--codegen {codegen} compiles synchronous schedules' stages; {self.schedule.name} reads "
                               "weight versions through functional_call: use --codegen eager")
-        if fallback is not None:
-            warnings.warn(fallback, stacklevel=3)
+        if fallback is not None:  # the machine's, not the caller's doing: a note on the logger, not a warning
+            logger.warning(fallback)
             return "eager"
         for s in self.mine:
             self.graphs[s] = self.core.graphs[s] = compile_stage(self.graphs[s])
@@ -945,8 +948,7 @@ class PipelineRuntime:
             del self._batches[key]
         if not self.batched_w.get(s, "").startswith("per microbatch"):
             self.batched_w[s] = f"per microbatch: {why}"
-            warnings.warn(f"{self.schedule.name}: stage {s} runs its W per microbatch: {why}", RuntimeWarning,
-                          stacklevel=3)
+            logger.warning("%s: stage %d runs its W per microbatch: %s", self.schedule.name, s, why)
 
     def _run_boxed(self, s: int, which: str, graph: Any, args: list[Any]) -> Any:
         box = self.core.boxed(s, which, graph)

@@ -11,7 +11,7 @@ parameters (``param.grad``), so after a step they equal eager autograd on the sa
 
 from __future__ import annotations
 
-import warnings
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -22,6 +22,8 @@ from fxpipe.errors import FxpipeError, OptionError, ScheduleOrderError
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs
 from fxpipe.runtime.core import ActionRunner, GraphFacts, HeldBytes, InPlaceW, recompute_graphs
 from fxpipe.schedules.ir import Action, Kind
+
+logger = logging.getLogger(__name__)
 
 Order = tuple[int, str, int]  # (stage_idx, "F" | "B" | "W" | "BW", mb_idx)
 
@@ -64,8 +66,8 @@ class ReferenceExecutor:
         fallback = check_codegen(codegen)
         if codegen == "eager":
             return codegen
-        if fallback is not None:
-            warnings.warn(fallback, stacklevel=3)
+        if fallback is not None:  # the machine's, not the caller's doing: a note on the logger, not a warning
+            logger.warning(fallback)
             return "eager"
         self.graphs = [compile_stage(g) for g in self.graphs]
         for w in self.w_in_place.values():

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
+import re
 from typing import Any
 
 import pytest
@@ -144,11 +146,15 @@ def test_every_generator_and_microbatch_count_gives_eagers_gradients(name: str, 
     every_generator_gives_eagers_gradients(mine, pipe, models.build(name, dtype=torch.float64), stages)
 
 
-def test_without_a_cpp_compiler_the_reference_runs_eagerly_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_cpp_compiler_the_reference_runs_eagerly_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(codegen, "cpp_compiler", lambda: None)
     zoo = models.build("mlp-tiny")
     pipe = fxpipe.compile(zoo.model, zoo.example_inputs, stages=2)
-    with pytest.warns(UserWarning, match=r"^--codegen inductor needs a C\+\+ compiler .* so the stages run eagerly$"):
+    with caplog.at_level(logging.WARNING, logger="fxpipe"):
         executor = ReferenceExecutor(pipe, zoo.loss_fn, codegen="inductor")
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("fxpipe")]
+    assert len(said) == 1 and said[0][:2] == ("fxpipe.runtime.reference", logging.WARNING)
+    assert re.fullmatch(r"--codegen inductor needs a C\+\+ compiler .* so the stages run eagerly", said[0][2])
     assert executor.codegen == "eager"
     assert all(isinstance(g.forward, torch.fx.GraphModule) for g in executor.graphs)
