@@ -788,7 +788,7 @@ def index_bounds(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, di
     keep: list[torch.Tensor] = []
 
     class _Embeddings(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.embedding.default and len(args) >= 2 and id(args[1]) in positions:
                 i = positions[id(args[1])]
                 bounds[i] = min(bounds.get(i, args[0].shape[0]), int(args[0].shape[0]))

@@ -87,7 +87,7 @@ def resolve_function(spec: str, option: str, example: str) -> Callable[..., Any]
         found = "absent" if fn is None else f"a {type(fn).__name__}"
         raise TargetError(f"{option} {spec}: {where} has no callable {attr!r} ({found}); name a function defined "
                           f"there, e.g. {where}:{example.rpartition(':')[2]}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def call_user(fn: Callable[[], Any], spec: str, fix: str) -> Any:

@@ -214,7 +214,7 @@ def loss_and_output_grads(pipe: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
     return loss.detach(), [(name, g) for (name, _), g in zip(diff, grads) if g is not None]
 
 
-class Record(dict):  # type: ignore[type-arg]
+class Record(dict):
     """A saved plan's keyed output whose class no imported library provides (e.g. a Hugging Face
     ``ModelOutput`` loaded without transformers): a dict whose keys are also attributes, and whose values a
     position reads as a ``ModelOutput``'s do (``out[0]``, ``out.to_tuple()``).

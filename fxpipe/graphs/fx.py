@@ -165,7 +165,7 @@ def rename_device(graph: torch.fx.Graph, home: torch.device, device: torch.devic
     """Every ``torch.device`` literal equal to ``home`` in the nodes' arguments becomes ``device``: the
     ``device=`` of factory ops (arange, ones, full, zeros) that tracing recorded where the model was."""
     for node in graph.nodes:
-        node.args, node.kwargs = torch.fx.node.map_aggregate(  # type: ignore[assignment]
+        node.args, node.kwargs = torch.fx.node.map_aggregate(
             (node.args, node.kwargs), lambda a: device if isinstance(a, torch.device) and a == home else a)
 
 

@@ -97,7 +97,7 @@ def graph_signature(layer: torch.fx.GraphModule, example: Sequence[Any]) -> str:
     index = {n: i for i, n in enumerate(layer.graph.nodes)}
     parts = []
     for n in layer.graph.nodes:
-        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type,return-value]
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
         extra = ""
         if n.op == "get_attr":
             t = get_path(layer, str(n.target))

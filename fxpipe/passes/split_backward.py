@@ -138,7 +138,7 @@ def verify_split_backward(root: torch.fx.GraphModule) -> list[str]:
             continue
         for name, gm in (("F", g.forward), ("B", g.backward_input), ("W", g.backward_weight)):
             try:
-                gm.graph.lint()  # type: ignore[union-attr]
+                gm.graph.lint()
             except Exception as exc:
                 problems.append(f"stage {k} {name}: {exc}")
         owned = {n for n, p in stages[k].named_parameters(remove_duplicate=False) if p.requires_grad}
@@ -185,11 +185,11 @@ def _recorded_flops(gm: torch.fx.GraphModule) -> int | None:
             continue
         if node.op != "call_function" or op_overload_name(node.target) is None:
             return None
-        formula = registry.get(node.target.overloadpacket)  # type: ignore[union-attr]
+        formula = registry.get(node.target.overloadpacket)
         if formula is None:
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
-                                             lambda a: a.meta.get("val", missing))  # type: ignore[arg-type,return-value]
+                                             lambda a: a.meta.get("val", missing))
         out = node.meta.get("val", missing)
         if out is missing or any(v is missing for v in pytree.tree_leaves((args, kwargs))):
             return None

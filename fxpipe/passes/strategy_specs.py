@@ -51,7 +51,7 @@ def strategy_specs(plan: Plan, model: nn.Module, example_inputs: Sequence[Any]) 
                               "granularity (e.g. granularity='2') for strategy_specs") from err
     out: dict[str, tuple[int, int]] = {}  # name -> (bytes, dims)
 
-    def hook(name: str):  # type: ignore[no-untyped-def]
+    def hook(name: str):
         def record(_module: nn.Module, _args: Any, output: Any) -> None:
             if isinstance(output, torch.Tensor):
                 out[name] = (output.numel() * output.element_size(), output.dim())

@@ -262,7 +262,7 @@ class ActionRunner:
         for name, grad, new in zip(g.param_names, grads, self.fresh_grads(s)):
             p = module.get_parameter(name)
             if id(p) in written:
-                p.grad.add_(grad)  # type: ignore[union-attr]
+                p.grad.add_(grad)
             else:
                 p.grad = grad_like(p, grad, fresh=new)
                 written.add(id(p))

@@ -243,13 +243,13 @@ class _Move(torch.autograd.Function):
     gradient for a ``Partial`` placement stays whole), both under the layer's label for the counter."""
 
     @staticmethod
-    def forward(ctx: Any, x: DTensor, needed: tuple[Any, ...], label: str, rt: StrategyRuntime) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, x: DTensor, needed: tuple[Any, ...], label: str, rt: StrategyRuntime) -> DTensor:
         ctx.held, ctx.label, ctx.rt = x.placements, label, rt
         with _at(rt.counter, label):
             return x.redistribute(x.device_mesh, needed)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> Any:
         back = tuple(_R if h.is_partial() else h for h in ctx.held)
         with _at(ctx.rt.counter, ctx.label):
             moved = grad.redistribute(grad.device_mesh, back) if grad.placements != back else grad
@@ -288,7 +288,7 @@ class _View(torch.autograd.Function):
     ``_block_order``; only a layer that reads its input's channels in that order takes it)."""
 
     @staticmethod
-    def forward(ctx: Any, x: DTensor, src: tuple[int, ...], dst: tuple[int, ...], label: str,  # type: ignore[override]
+    def forward(ctx: Any, x: DTensor, src: tuple[int, ...], dst: tuple[int, ...], label: str,
                 rt: StrategyRuntime, reorder: bool = False) -> DTensor:
         placements, ok = _reinterpret(x.placements, src, dst, reorder=reorder)
         assert ok, (x.placements, src, dst)
@@ -297,7 +297,7 @@ class _View(torch.autograd.Function):
         return DTensor.from_local(x.to_local(), rt.view(dst), placements, run_check=False)
 
     @staticmethod
-    def backward(ctx: Any, grad: DTensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor) -> Any:
         if ctx.reorder:  # reordered blocks go back only as the forward split them
             ok = grad.placements == ctx.want
         else:
@@ -318,7 +318,7 @@ class _BatchNormSync(torch.autograd.Function):
     about what eager BatchNorm does beside the two all-reduces (tensor expressions took several times that)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running: Any,  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running: Any,
                 group: Any, label: str, rt: StrategyRuntime) -> torch.Tensor:
         module, mean_buf, var_buf = running
         dims = [0, *range(2, x.dim())]
@@ -340,7 +340,7 @@ class _BatchNormSync(torch.autograd.Function):
         return torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, module.eps)[0]
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
         x, mean, invstd, weight = ctx.saved_tensors
         dy = dy.contiguous()
         _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
@@ -963,7 +963,7 @@ class StrategyRuntime:
                 env[node] = whole.redistribute(view, self._held(layer))  # a local slice: no collective
                 continue
             if node.op == "output":
-                return env[node.args[0]]  # type: ignore[index]
+                return env[node.args[0]]
             needed, grads = self._needed(layer)
             moved: dict[fx.Node, Any] = {}
 
@@ -980,7 +980,7 @@ class StrategyRuntime:
             if node.op == "call_module":
                 out = self._module(node, self.module.get_submodule(str(node.target)), list(args), dict(kwargs))
             elif node.op == "call_function":
-                out = node.target(*args, **kwargs)  # type: ignore[operator]
+                out = node.target(*args, **kwargs)
             elif node.op == "call_method":
                 out = getattr(args[0], str(node.target))(*args[1:], **kwargs)
             else:
@@ -998,7 +998,7 @@ class StrategyRuntime:
         stage's is on its output's own view, and ``_lane_loss`` slices the target the same way."""
         held = self._sliced()
         if self.pp_rank > 0:
-            value = DTensor.from_local(value, self.mesh, held, run_check=False)  # type: ignore[assignment]
+            value = DTensor.from_local(value, self.mesh, held, run_check=False)
         out = self.forward(value)
         last = self.pp_rank == self.pp - 1
         label = next(n for n in self.module.graph.nodes if n.op == "output").name if last else "(send)"
@@ -1155,7 +1155,7 @@ class _Lanes:
         nodes = list(rt.module.graph.nodes)
         placeholder = next(n for n in nodes if n.op == "placeholder")
         output = next(n for n in nodes if n.op == "output")
-        ends = [*rt.cuts, output.args[0].name]  # type: ignore[union-attr]
+        ends = [*rt.cuts, output.args[0].name]
         values = [placeholder.name, *rt.cuts, output.name]
 
         def meta(node: str) -> torch.Tensor:
