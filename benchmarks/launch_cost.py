@@ -65,7 +65,7 @@ def main() -> None:
                     for how in ("torchrun", "agent"):
                         out = Path(tmp) / f"out-{model}-{n}-{how}-{rep}"
                         out.mkdir()
-                        cmd = torchrun_command(plan, out, n, steps=args.steps, lr=0.01, timeout=120.0)
+                        cmd = torchrun_command([plan, "--out", out, "--steps", args.steps, "--timeout", 120.0], n)
                         if how == "torchrun":
                             cmd[cmd.index("fxpipe.cli.agent")] = "torch.distributed.run"
                         times[how].append(_cpu_of(cmd, {**env, "TMPDIR": str(out)}))

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,29 +118,15 @@ class RankFailure:
     after_results: bool = False  # every failing rank had written its result: the run's results are complete
 
 
-def torchrun_command(plan_dir: Path, out_dir: Path, nproc: int, *, steps: int, lr: float, timeout: float,
-                     schedule: str | None = None, microbatches: int | None = None,
-                     checkpoint_dir: Path | None = None, resume: str = "never", fail_rank: int = -1,
-                     kill_rank: int = -1, rendezvous: Rendezvous | None = None, max_restarts: int = 0,
-                     log_dir: Path | None = None, fault_step: int = 1) -> list[str]:
-    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` on this machine, reporting to
-    ``out_dir``; with a multi-node ``rendezvous`` they join the other nodes' ranks in one world. With
-    ``max_restarts``, torchrun's elastic agent restarts every rank when one fails, that many times at most."""
+def torchrun_command(rank_argv: Sequence[str], nproc: int, *, rendezvous: Rendezvous | None = None,
+                     max_restarts: int = 0) -> list[str]:
+    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine;
+    with a multi-node ``rendezvous`` they join the other nodes' ranks in one world. With ``max_restarts``, torchrun's
+    elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
     restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    cmd = [sys.executable, "-m", "fxpipe.cli.agent", *meet, *restart, f"--nproc-per-node={nproc}",
-           "-m", RANK_MODULE, str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
-           "--lr", str(lr), "--timeout", str(timeout), "--fail-rank", str(fail_rank),
-           "--kill-rank", str(kill_rank)]
-    for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
-                        ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    if fault_step != 1:
-        cmd += ["--fault-step", str(fault_step)]
-    if resume != "never":
-        cmd += ["--resume", resume]
-    return cmd
+    return [sys.executable, "-m", "fxpipe.cli.agent", *meet, *restart, f"--nproc-per-node={nproc}",
+            "-m", RANK_MODULE, *map(str, rank_argv)]
 
 
 def restart_env(max_restarts: int) -> dict[str, str]:

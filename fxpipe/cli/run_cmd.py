@@ -325,10 +325,14 @@ def run_cmd(
         out_dir: Path | None = None
         try:  # from the report directory's creation on, a signal at any moment removes it (and frees the lock)
             out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
-            cmd = ranks.torchrun_command(plan_dir, out_dir, nproc, steps=steps, lr=lr if lr is not None else DEFAULTS.lr, timeout=timeout, schedule=schedule,
-                                         microbatches=microbatches, checkpoint_dir=checkpoint_dir, resume=resume,
-                                         fail_rank=fail_rank, kill_rank=kill_rank, rendezvous=meeting,
-                                         max_restarts=max_restarts, log_dir=log_dir, fault_step=fault_step)
+            cmd = [str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
+                   "--lr", str(lr if lr is not None else DEFAULTS.lr), "--timeout", str(timeout),
+                   "--fail-rank", str(fail_rank), "--kill-rank", str(kill_rank), "--fault-step", str(fault_step),
+                   "--resume", resume]
+            for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
+                                ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)):
+                if value is not None:
+                    cmd += [flag, str(value)]
             if log_dir is not None:  # every option's final value, before the ranks start (a killed run keeps it)
                 resolved = {"nproc": nproc, "dp": replicas, "lr": lr if lr is not None else DEFAULTS.lr,
                             "microbatches": sched.num_microbatches,
@@ -360,7 +364,8 @@ def run_cmd(
                 step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
                                                    f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
                 rank_env = {**ranks.restart_env(max_restarts), **(cache_env(environ) if codegen == "inductor" else {})}
-                proc = ranks.run_ranks(cmd, out_dir / "progress",
+                proc = ranks.run_ranks(ranks.torchrun_command(cmd, nproc, rendezvous=meeting,
+                                                              max_restarts=max_restarts), out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
                                                       s.step, steps), env=rank_env, start=agent.warm_start,
                                        # every rank busy: stopped a few seconds after a waiting rank would give up

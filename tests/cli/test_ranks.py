@@ -30,12 +30,10 @@ def _summary(*failures: tuple[int, int]) -> str:
 
 
 def test_the_command_runs_the_rank_program_under_torchrun_s_agent(tmp_path: Path) -> None:
-    cmd = torchrun_command(tmp_path / "plan", tmp_path / "out", 2, steps=3, lr=0.01, timeout=60.0, microbatches=4,
-                           resume="always", checkpoint_dir=tmp_path / "ckpt")
+    cmd = torchrun_command([tmp_path / "run.json", "--out", tmp_path / "out"], 2)
     assert cmd[:6] == [sys.executable, "-m", "fxpipe.cli.agent", "--standalone", "--nproc-per-node=2", "-m"]
-    assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7] == str(tmp_path / "plan")
-    assert cmd[cmd.index("--microbatches") + 1] == "4" and cmd[-2:] == ["--resume", "always"]
-    assert "--schedule" not in cmd  # not given: the rank takes the plan's
+    assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7:] == [str(tmp_path / "run.json"), "--out",
+                                                                      str(tmp_path / "out")]
 
 
 def test_the_agent_takes_torchrun_s_arguments_and_starts_the_rank_program_only() -> None:
@@ -132,7 +130,7 @@ def test_the_nodes_meet_where_the_options_say() -> None:
     c10d = Rendezvous(2, endpoint="node0:29400", run_id="job7", timeout=2.5)
     assert c10d.torchrun_args() == ["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400",
                                     "--rdzv-id=job7", "--rdzv-conf=join_timeout=3,read_timeout=3"]
-    cmd = torchrun_command(Path("plan"), Path("out"), 2, steps=1, lr=0.1, timeout=5.0, rendezvous=static)
+    cmd = torchrun_command(["run.json"], 2, rendezvous=static)
     assert cmd[3:9] == [*static.torchrun_args(), "--nproc-per-node=2"]
 
 
