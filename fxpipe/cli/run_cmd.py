@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fxpipe.cli import agent, ranks, run_log
+from fxpipe.cli import ranks, run_log
 from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress,
                                quiet_torch_logs, say, write_output)
 from fxpipe.errors import OptionError, RankFailedError
@@ -367,7 +367,7 @@ def run_cmd(
                 proc = ranks.run_ranks(ranks.torchrun_command(cmd, nproc, rendezvous=meeting,
                                                               max_restarts=max_restarts), out_dir / "progress",
                                        lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps), env=rank_env, start=agent.warm_start,
+                                                      s.step, steps), env=rank_env,
                                        # every rank busy: stopped a few seconds after a waiting rank would give up
                                        stall_s=timeout + STALL_GRACE_S,
                                        first_s=timeout + STALL_GRACE_S + (rdzv_timeout if nnodes > 1 else 0))
