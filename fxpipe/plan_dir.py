@@ -7,12 +7,12 @@ import errno
 import hashlib
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
-import logging
 import types
 from collections.abc import Collection
 from pathlib import Path

@@ -18,10 +18,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import sys
-import logging
 import time
 import warnings
 from collections import defaultdict
@@ -49,7 +49,6 @@ from fxpipe.runtime.core import ActionRunner, HeldBytes, grad_like
 from fxpipe.runtime.faults import peer_down
 from fxpipe.runtime.lane import WLane, refusal as lane_refusal
 from fxpipe.runtime.lower import FORWARD, Message, lower
-from fxpipe.runtime.options import RuntimeOptions
 from fxpipe.runtime.optim import (
     LossScaler,
     LRSchedule,
@@ -61,6 +60,7 @@ from fxpipe.runtime.optim import (
     scheduler_factory,
     squared_norm,
 )
+from fxpipe.runtime.options import RuntimeOptions
 from fxpipe.runtime.reference import check_async
 from fxpipe.runtime.same import differing_rank, hash64
 from fxpipe.schedules.auto import plan_schedule
