@@ -26,12 +26,12 @@ SYNTHETIC_SEED = 1234  # the seed of fxpipe.cli.rank_common.synthetic_batch
 
 @dataclass(frozen=True)
 class Feed:
-    """The launcher's findings: the data source, its fit (built-in real data: the held-out score), and the rank
-    program's extra arguments."""
+    """The launcher's findings: the data source, its fit (built-in real data: the held-out score), and the user
+    model's synthetic batch the ranks make."""
 
     source: Any
     fit: Any
-    rank_args: list[str]
+    synthetic: str | None  # a user model's synthetic batch (JSON), for the ranks; None: theirs to make
 
 
 def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: str | None, microbatches: int,
@@ -56,10 +56,9 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
     loss_fn = resolve_function(loss_spec, "--loss", "my_model.py:loss") if loss_spec is not None else None
     fn = resolve_function(source.spec, "--data", "my_data.py:batches") if isinstance(source, data.UserData) else None
     if zoo is not None and loss_fn is None and fn is None and isinstance(source, data.Synthetic):
-        return Feed(source, None, [])  # the built-in model's own batch and loss
+        return Feed(source, None, None)  # the built-in model's own batch and loss
     example, output, bounds = _meta_output(plan_dir, plan, zoo, trusted_ops(trust_ops))
     rows = int(plan.inputs[0].shape[0]) if plan.inputs and plan.inputs[0].shape else 1
-    rank_args: list[str] = []
     fit = None
     target: Any = None
     if fn is not None:
@@ -75,7 +74,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
             assert loss_fn is not None
             found = _synthetic_target(loss_fn, f"--loss {loss_spec}", output, rows)
             spec = {"bounds": {str(i): n for i, n in bounds.items()}, "target": found}
-            return Feed(source, None, ["--synthetic", json.dumps(spec)])
+            return Feed(source, None, json.dumps(spec))
     else:
         fit = data.check_fit(source, example, tuple(_logits(output).shape))
         if loss_fn is not None and isinstance(source, data.Digits):
@@ -87,7 +86,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
     elif fn is not None:  # the built-in model's own loss, on the data function's target
         _check_loss(zoo.loss_fn, f"{name}'s own loss (no --loss)", output, target, rows, timeout=timeout,
                     fix=f"give the targets {name}'s loss takes (fxpipe inspect PLAN shows them), or pass --loss")
-    return Feed(source, fit, rank_args)
+    return Feed(source, fit, None)
 
 
 def loss_of(zoo: Any, spec: str | None) -> Callable[[Any, Any], Any]:

@@ -45,51 +45,10 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("plan")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--schedule", default=None)
-    parser.add_argument("--microbatches", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--resume", choices=("never", "auto", "always"), default="never")
-    parser.add_argument("--keep-checkpoints", type=int, default=3)
-    parser.add_argument("--checkpoint-every", type=int, default=1)  # asynchronous schedules: steps per chunk
-    parser.add_argument("--data", default="synthetic")
-    parser.add_argument("--data-workers", type=int, default=0)
-    parser.add_argument("--eval-data", default=None)  # default: --data's held-out split
-    parser.add_argument("--eval-every", type=int, default=0)
-    parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--trust-ops", default="")  # LIB,LIB: the launcher's trusted libraries
-    parser.add_argument("--loss", default=None)  # FILE.py:FUNCTION; default: the built-in model's
-    parser.add_argument("--synthetic", default=None)  # a user model's synthetic data, as the launcher found it
-    parser.add_argument("--seed", type=int, default=0)  # the data's order (batch k is a function of seed and k)
-    parser.add_argument("--momentum", type=float, default=0.0)
-    # optimizer, lr schedule, clipping, precision (fxpipe.runtime.optim; fxpipe run checked them)
-    parser.add_argument("--optimizer", default="sgd")
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--betas", default="0.9,0.999")
-    parser.add_argument("--lr-schedule", default="constant")
-    parser.add_argument("--warmup-steps", type=int, default=0)
-    parser.add_argument("--clip-grad-norm", type=float, default=None)
-    parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--weights", default="stash")  # asynchronous schedules: stale, stash or predict
-    parser.add_argument("--codegen", default="eager")  # eager, or inductor: compiled stages
-    parser.add_argument("--device", default="cpu")  # cpu, or cuda: this rank's GPU (rank_device)
-    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")  # PipelineRuntime(cuda_graphs=)
-    parser.add_argument("--recompute", choices=("none", "stage", "auto"), default="none")  # PipelineRuntime(recompute=)
-    parser.add_argument("--w-lane", action="store_true")  # PipelineRuntime(w_lane=)
-    parser.add_argument("--fail-rank", type=int, default=-1)  # fault injection, for tests: this rank raises
-    parser.add_argument("--kill-rank", type=int, default=-1)  # fault injection, for tests: SIGKILLed mid-step
-    parser.add_argument("--fault-step", type=int, default=1)  # the step (from the run's first) the faults fire in
-    parser.add_argument("--log-dir", default=None)  # metrics.jsonl (rank 0), fxpipe.cli.run_log
-    # The process-wide settings fxpipe run asks for (ranks.host_args; the defaults touch nothing)
-    parser.add_argument("--pin-cpus", type=int, choices=(0, 1), default=0)
-    parser.add_argument("--gloo-loop-nice", type=int, default=0)
-    parser.add_argument("--send-yield", choices=("auto", "on", "off"), default="off")
-    parser.add_argument("--keep-freed-memory", type=int, choices=(0, 1), default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("run", help="the run's configuration, written by fxpipe run (fxpipe.cli.config.write_json)")
+    parser.add_argument("--out", required=True, help="the run's report directory")
+    given = parser.parse_args(argv)
+    args = rank_args(Path(given.run), given.out)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(args.out)
     try:  # which process runs this rank, for fxpipe run (fxpipe.cli.ranks.rank_pids)
@@ -108,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         from fxpipe.cli.ranks import keep_earlier_error
 
         keep_earlier_error(out, rank)  # a restarted attempt: the last one's report is not this one's
-        from fxpipe.cli.ranks import host_tuning
-
-        args.host = host_tuning(args)
+        args.host = args.config.host_tuning()
         # before the process group, so that gloo's threads start on this rank's CPUs too
         cpus = args.host.pin(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -148,6 +105,17 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001  (the results are written; a peer closing first must not fail this rank)
                 traceback.print_exc()
+
+
+def rank_args(run_file: Path, out: str) -> argparse.Namespace:
+    """This rank's view of the run: every option of the launcher's :class:`~fxpipe.cli.run_config.RunConfig` (read
+    back and checked again) by name, what the launcher resolved in their place (the trusted libraries as a list, a
+    user model's synthetic batch) and the report directory; ``config`` is the config itself."""
+    from fxpipe.cli.config import read_json
+    from fxpipe.cli.run_config import RunConfig
+
+    config, extra = read_json(RunConfig, run_file)
+    return argparse.Namespace(**{**config.flat(), **extra}, config=config, out=out, plan=str(config.plan_dir))
 
 
 def watch_launcher(every: float = 0.5) -> None:
@@ -297,7 +265,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     from fxpipe.cli.feed import eval_batches, input_specs, loss_of, rank_batches, scored, trusted_ops
     from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, resumes, synthetic_batch
     from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, parse_betas
     from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
@@ -321,18 +288,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         return run_strategy(args, rank, world, pipe, zoo, loss_fn, out_progress(args))
     pipe.to_device(device)  # parameters, constants and the graphs' device=cpu literals, before F/B/W are built
     args.heartbeat.phase("building the stages' forward and backward graphs")
-    rt = PipelineRuntime(pipe, schedule=args.schedule, microbatches=args.microbatches,
-                         loss_fn=loss_fn,
+    rt = PipelineRuntime(pipe, args.schedule, loss_fn, options=args.config.runtime_options(),
                          example_inputs=None if zoo is None else tuple(x.to(device) if isinstance(x, torch.Tensor)
                                                                        else x for x in zoo.example_inputs),
-                         optimizer=OptimizerSpec(args.optimizer, lr=args.lr, momentum=args.momentum,
-                                                 weight_decay=args.weight_decay, betas=parse_betas(args.betas)),
-                         lr_schedule=LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)
-                         if args.lr_schedule != "constant" or args.warmup_steps else None,
-                         clip_grad_norm=args.clip_grad_norm, precision=args.precision,
-                         timeout=timedelta(seconds=args.timeout), weights=args.weights, codegen=args.codegen,
-                         device=device, cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
-                         host=args.host, recompute=args.recompute, w_lane=args.w_lane)
+                         device=device, host=args.host)
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
@@ -445,6 +404,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
             check_finite_weights(rt.optimizers.values(), chunk[-1] + 1, rank, world)
             rt.save_checkpoint(args.checkpoint_dir, chunk[-1] + 1, keep=args.keep_checkpoints)
     losses += _arrived(in_flight, args, reports, last=True, log=log)
+    if args.checkpoint_dir:  # --async-checkpoint: the last save completes before the run ends
+        args.heartbeat.phase("completing the last checkpoint")
+        rt.wait_checkpoint()
     args.heartbeat.phase("measuring the run for its report")
     log.close()
     from fxpipe.calibration.compute import calibration_enabled

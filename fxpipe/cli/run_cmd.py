@@ -4,506 +4,431 @@ with the simulated one.
 On one machine or several: each machine's ``fxpipe run`` starts its ``--nproc`` ranks under torchrun
 (``--standalone``, or the nodes meet at ``--master-addr`` / ``--rdzv-endpoint``), the one holding rank 0
 prints the results and the others one line about their ranks. Everything that can be checked is
-checked before any rank starts. Starting the ranks and naming a failed one is ``fxpipe.cli.ranks``;
-each rank runs ``fxpipe.cli.rank``.
+checked before any rank starts. The options are :class:`fxpipe.cli.run_config.RunConfig`; starting the ranks
+and naming a failed one is ``fxpipe.cli.ranks``; each rank runs ``fxpipe.cli.rank`` on the same config.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
-
-import typer
+from typing import Any
 
 from fxpipe.cli import ranks, run_log
-from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress,
-                               quiet_torch_logs, say, write_output)
+from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress, quiet_torch_logs,
+                               say, write_output)
+from fxpipe.cli.config import command, write_json
+from fxpipe.cli.run_config import RunConfig
 from fxpipe.errors import OptionError, RankFailedError
 
-
 STALL_GRACE_S = 5.0  # past --timeout, when no rank moves on: a rank waiting for a peer says so first
+RUN_FILE = "run.json"  # the ranks' configuration, in the run's report directory
 
 
-def run_cmd(
-    ctx: typer.Context,
-    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile (of a built-in model, "
-                                                  "or of your own with --loss); may come from --config's plan-dir "
-                                                  "key.")],
-    nproc: Annotated[Optional[int], typer.Option(min=1, help="Ranks to start on this machine (torchrun's "
-                                                 "--nproc-per-node; default: the schedule's ranks x --dp / --nnodes).")
-                     ] = None,
-    dp: Annotated[Optional[int], typer.Option("--dp", min=1, help="Replicas of the pipeline (data parallel): the run "
-                                              "has the schedule's ranks x dp ranks, each replica training on its "
-                                              "share of a dp times bigger batch (default: the plan's mesh).")] = None,
-    nnodes: Annotated[int, typer.Option(min=1, help="Machines in the run: start fxpipe run on each, with the same "
-                                        "options and its own --node-rank.", rich_help_panel="Across machines")] = 1,
-    node_rank: Annotated[int, typer.Option(min=0, help="This machine's place, 0 .. nnodes-1 (with --master-addr; "
-                                           "node 0 is the machine at --master-addr).",
-                                           rich_help_panel="Across machines")] = 0,
-    master_addr: Annotated[Optional[str], typer.Option(help="Node 0's address, where the nodes meet (torchrun's "
-                                                       "static rendezvous).", rich_help_panel="Across machines")] = None,
-    master_port: Annotated[Optional[int], typer.Option(min=1, max=65535, help="Node 0's free port (default: 29500, torchrun's).",
-                                                       rich_help_panel="Across machines")] = None,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="HOST:PORT where the nodes meet instead (torchrun's "
-                                                         "c10d rendezvous; --node-rank is not needed, ranks go by "
-                                                         "arrival).", rich_help_panel="Across machines")] = None,
-    rdzv_id: Annotated[str, typer.Option(help="The run's name at --rdzv-endpoint (the same on every node).",
-                                         rich_help_panel="Across machines")] = "fxpipe",
-    rdzv_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds a node waits for the others to join.",
-                                                rich_help_panel="Across machines")] = 300.0,
-    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps.")] = 3,
-    schedule: Annotated[Optional[str], typer.Option(help="Schedule (default: the one recorded in the plan, else 1f1b).")] = None,
-    microbatches: Annotated[Optional[int], typer.Option(min=1, help="Microbatches per step \\[default: the plan's: "
-                                                         "its recorded schedule's, or compile --microbatches; else "
-                                                         "2 x stages].")] = None,
-    data: Annotated[str, typer.Option(help="Training data: synthetic (one random batch shaped like the example), "
-                                           "digits (scikit-learn's handwritten digits; mlp-small), text:PATH or "
-                                           "text:stdlib (bytes of a file or of Python's own sources; gpt-small), "
-                                           "jsonl:PATH (token ids, one JSON list or {\"input_ids\": [...]} a line), "
-                                           "hf:PATH (a Hugging Face dataset's text with --tokenizer; pip install "
-                                           "'fxpipe\\[hf]'), "
-                                           "or FILE.py:FUNCTION / package.module:FUNCTION: called once per rank "
-                                           "with a fxpipe.data.DataContext, it returns that rank's (inputs, target) "
-                                           "batches. Built-in real data reports held-out accuracy or loss.")
-                     ] = "synthetic",
-    data_workers: Annotated[int, typer.Option(min=0, help="Processes that read each rank's batches ahead "
-                                              "(torch.utils.data.DataLoader's num_workers; 0: the rank itself).")
-                            ] = 0,
-    eval_data: Annotated[Optional[str], typer.Option(help="Held-out data to evaluate on (digits, text:, jsonl:, "
-                                                     "hf:; default: --data's held-out split).")] = None,
-    eval_every: Annotated[int, typer.Option(min=0, help="Every N steps, the mean held-out loss without gradients "
-                                            "(reduced over the replicas), as eval_loss in metrics.jsonl (0: "
-                                            "never). Synchronous schedules.")] = 0,
-    eval_batches: Annotated[int, typer.Option(min=1, help="Held-out batches each evaluation scores at most.")] = 16,
-    tokenizer: Annotated[Optional[Path], typer.Option(help="With --data hf:PATH: a tokenizer.json or a "
-                                                      "save_pretrained directory; documents are tokenized and "
-                                                      "packed with its end-of-text token between them.")] = None,
-    data_column: Annotated[str, typer.Option(help="With --data hf:PATH: the dataset's text column.")] = "text",
-    loss: Annotated[Optional[str], typer.Option(help="FILE.py:FUNCTION or package.module:FUNCTION: the loss, "
-                                                "(outputs, target) -> scalar tensor, on each microbatch (default: "
-                                                "the built-in model's; required for your own model).")] = None,
-    trust_ops: Annotated[Optional[str], typer.Option(help="LIB[,LIB...]: libraries whose torch.library operators "
-                                                     "the plan's stages may call, beyond transformers; only for "
-                                                     "plans you trust.")] = None,
-    seed: Annotated[int, typer.Option(help="The real data's order and the stages' random ops (dropout): step k's "
-                                      "batch and masks are functions of seed and k.")] = 0,
-    lr: Annotated[Optional[float], typer.Option(help="Learning rate (default: 0.01); the peak of --lr-schedule.")] = None,
-    momentum: Annotated[float, typer.Option(min=0.0, max=0.999, help="SGD momentum.")] = 0.0,
-    optimizer: Annotated[str, typer.Option(help="sgd (with --momentum) or adamw (with --betas); one per stage, "
-                                                "fp32 state.")] = "sgd",
-    weight_decay: Annotated[float, typer.Option(min=0.0, help="Weight decay (AdamW's decoupled).")] = 0.0,
-    betas: Annotated[str, typer.Option(help="AdamW's B1,B2.")] = "0.9,0.999",
-    lr_schedule: Annotated[str, typer.Option(help="constant, cosine or linear: after --warmup-steps rising "
-                                                  "linearly from 0, constant or decaying to 0 at --steps; stepped "
-                                                  "once per step.")] = "constant",
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warmup from 0.")] = 0,
-    clip_grad_norm: Annotated[Optional[float], typer.Option(help="Clip the gradients to this global norm (over "
-                                                            "every stage and replica; one all-reduce per step, and "
-                                                            "the norm is reported per step).",
-                                                            show_default=False)] = None,
-    precision: Annotated[str, typer.Option(help="fp32, or bf16 / fp16: autocast in the stage graphs, fp32 weights "
-                                                "and optimizer state (fp16 with a dynamic loss scale).")] = "fp32",
-    codegen: Annotated[str, typer.Option(help="eager, or inductor: each stage's F, B and W graphs compiled "
-                                         "(torch.compile, Inductor; a C++ compiler for CPU, else eager with one "
-                                         "line; compiled code cached in ~/.cache/fxpipe/inductor, never in the "
-                                         "plan). Synchronous schedules.")] = "eager",
-    device: Annotated[str, typer.Option(help="Where each rank trains: cpu, or cuda (rank r on GPU r mod the GPUs "
-                                        "torch sees; ranks may share one; messages go through gloo, staged in "
-                                        "pinned host memory). Pipeline plans.")] = "cpu",
-    cuda_graphs: Annotated[Optional[bool], typer.Option(help="With --device cuda: replay each stage's F, B and W "
-                                                        "as CUDA graphs, captured in the second step (default: on "
-                                                        "for synchronous schedules with --codegen eager; a call "
-                                                        "that cannot be captured runs op by op).",
-                                                        show_default=False)] = None,
-    weights: Annotated[str, typer.Option(help="Asynchronous schedules (async-1f1b, layerpipe-async): the weights each phase reads: "
-                                              "stale (the current ones), stash (PipeDream: its F's), predict "
-                                              "(SpecTrain as the paper has it, so the default prediction: F and B each extrapolated to the "
-                                              "version current when the microbatch completes; needs --momentum) "
-                                              "or predict-consistent (its variant: F extrapolated to the version "
-                                              "its update applies to, B the same version).")] = "stash",
-    recompute: Annotated[str, typer.Option(help="none, stage or auto: with stage, every stage keeps only its "
-                                           "inputs from F to B and B runs its forward again first (less activation "
-                                           "memory, F's time again in B); auto, the stages the plan's "
-                                           "--memory-per-stage cap needs (none without a cap). Synchronous "
-                                           "schedules.")] = "none",
-    w_lane: Annotated[bool, typer.Option("--w-lane", help="Run each W on a second thread of its rank, beside the "
-                                         "next F and B (LayerPipe's W apart from B): it computes while the rank "
-                                         "waits for a message. CPU ranks, one replica, synchronous schedules.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds a rank waits for a peer before giving up.")] = 60.0,
-    checkpoint_dir: Annotated[Optional[Path], typer.Option(help="Save a checkpoint here every --checkpoint-every "
-                                                                "steps and after the last (one directory per step).")
-                              ] = None,
-    resume: Annotated[str, typer.Option(help="never: start from step 0 (a non-empty --checkpoint-dir is refused); "
-                                             "always: from the newest complete checkpoint in --checkpoint-dir (none "
-                                             "is an error; the old flag --resume); auto: from it if there is one, "
-                                             "else from step 0, so one command line restarts a job.")] = "never",
-    overwrite: Annotated[bool, typer.Option(help="Replace the checkpoints in --checkpoint-dir (other files stay).")] = False,
-    keep_checkpoints: Annotated[int, typer.Option(min=1, help="Complete checkpoints (steps) to keep.")] = 3,
-    checkpoint_every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints (every schedule; an "
-                                                              "asynchronous one's pipeline drains at each, and a "
-                                                              "resumed run restarts it there, so larger is faster).")
-                                ] = 1,
-    max_restarts: Annotated[int, typer.Option(min=0, max=100, help="Times torchrun's elastic agent restarts every rank when one "
-                                                          "fails (torchrun's --max-restarts); with --resume auto they "
-                                                          "go on from the newest checkpoint.")] = 0,
-    log_dir: Annotated[Optional[Path], typer.Option(help="Write DIR/metrics.jsonl (one JSON line per step: loss, lr, "
-                                                         "gradient norm, step ms, samples/s, tokens/s, each rank's "
-                                                         "peak memory), DIR/config.toml (every option's value, for "
-                                                         "--config) and TensorBoard events if tensorboard is "
-                                                         "installed.")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="A TOML file of options: keys are the flags without their "
-                                                        "dashes (checkpoint-every = 2, plan-dir = \"plan\"); flags "
-                                                        "on the command line override it.", is_eager=True,
-                                                   callback=run_log.load_config)] = None,
-    pin_ranks: Annotated[bool, typer.Option(help="Run each local rank on CPUs of its own (its equal share of this "
-                                            "process's CPUs; none where there are fewer CPUs than ranks).",
-                                            rich_help_panel="Host tuning")] = True,
-    gloo_loop_nice: Annotated[int, typer.Option(min=0, max=19, help="Niceness of gloo's socket threads in each rank, "
-                                                "so they cannot preempt the rank while it holds their lock (0 leaves "
-                                                "them).", rich_help_panel="Host tuning")] = 19,
-    send_yield: Annotated[str, typer.Option(help="auto, on or off: each rank yields its core once after each send, "
-                                            "so gloo's socket thread sends it now (auto: where the rank's actions "
-                                            "are short).", rich_help_panel="Host tuning")] = "auto",
-    keep_freed_memory: Annotated[bool, typer.Option(help="Keep freed memory in each rank (glibc's mmap and trim "
-                                                    "thresholds raised), so a step's large temporaries are reused "
-                                                    "instead of faulted in again.",
-                                                    rich_help_panel="Host tuning")] = True,
-    trace: Annotated[Optional[Path], typer.Option(help="Write the last step's measured timeline (Chrome trace; ranks on one machine share its clock).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout, nothing else.")] = False,
-    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
-    fail_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank raises.")] = -1,
-    kill_rank: Annotated[int, typer.Option(hidden=True, help="Fault injection for tests: this rank is SIGKILLed "
-                                                             "mid-step.")] = -1,
-    fault_step: Annotated[int, typer.Option(hidden=True, min=0, help="Fault injection for tests: the step, counted "
-                                            "from the run's first, in which --fail-rank or --kill-rank fires (the "
-                                            "first attempt's only).")] = 1,
-) -> None:
+@dataclass(frozen=True)
+class Checked:
+    """What the launcher found before starting any rank: the schedule and what follows from it."""
+
+    plan: Any
+    sched: Any
+    codegen: str  # --codegen, or eager where Inductor cannot compile here
+    recompute_note: str
+    replicas: int
+    nproc: int
+    meeting: Any  # ranks.Rendezvous
+
+
+def _run(ctx: Any, config: RunConfig) -> None:
     """Train the plan on its schedule's ranks x --dp (torchrun's elastic agent, gloo), on this machine or across
     --nnodes machines: per-step table, measured vs simulated."""
+    del ctx
     with one_line_errors():
-        import shutil
-        import statistics
-        import tempfile
-
         environ = dict(os.environ)  # the user's, before Inductor's first use sets its cache folder in it
         with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
             import torch  # noqa: F401
         quiet_torch_logs()
-
-        from fxpipe.plan_dir import read_plan
-        from fxpipe.report import Report
-
-        text = Path(data[len("text:"):]) if data.startswith("text:") and data != "text:stdlib" else None
-        rerun = run_log.is_own_config(config, log_dir)  # the log directory's own config.toml, run again as written
-        check_outputs([("the plan directory", plan_dir), ("the --data file", text),
-                       ("the --config file", None if rerun else config)],
-                      [("--trace", trace), ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)])
-        plan = read_plan(plan_dir)
-        from fxpipe.plan import DEFAULTS
-        from fxpipe.schedules.auto import plan_schedule
-
-        # Before starting any rank: the schedule must exist and fit the plan on --nproc x --nnodes ranks
-        # (its pipeline ranks x --dp replicas).
-        if microbatches is not None:
-            from fxpipe.cli.common import check_schedule_size
-
-            check_schedule_size(plan.num_stages, microbatches)
-        if plan.strategy is not None:  # a synchronous schedule, one stage per rank group (else one line)
-            from fxpipe.cli.rank_strategy import strategy_schedule
-
-            sched = strategy_schedule(plan, schedule, microbatches)
-        else:
-            sched = plan_schedule(plan, schedule, microbatches)
-        if weights not in ("stale", "stash", "predict", "predict-consistent"):
-            raise OptionError(f"--weights {weights!r} is not a policy; use stale, stash, predict or predict-consistent")
-        from fxpipe.schedules.auto import plan_recompute
-
-        # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
-        recomputed, recompute_note = plan_recompute(plan, sched, recompute)
-        if recomputed and plan.strategy is not None:
-            raise OptionError(f"--recompute {recompute} recomputes pipeline stages; this plan is a per-layer strategy "
-                              "(DTensor layers): use --recompute none")
-        if recomputed and not sched.synchronous:
-            raise OptionError(f"--recompute {recompute}: {sched.name} is asynchronous, and its phases read weight "
-                              "versions a recomputed forward would not see; use --recompute none, or a synchronous "
-                              "schedule")
-        from fxpipe.runtime.codegen import cache_env, check_codegen
-
-        fallback = check_codegen(codegen)
-        _check_device(device, cuda_graphs, plan, sched, codegen)  # before the fallback's warning: a refusal is one line
-        if fallback is not None:
-            say(f"warning: {fallback}")
-            codegen = "eager"
-        if codegen != "eager" and not sched.synchronous:
-            raise OptionError(f"--codegen {codegen} compiles synchronous schedules' stages; {sched.name} reads weight "
-                              "versions through functional_call: use --codegen eager")
-        if not sched.synchronous:
-            from fxpipe.plan_dir import read_plan_json
-
-            shared = read_plan_json(plan_dir)["shared_params"]
-            if shared:
-                name = sorted(shared)[0]
-                raise OptionError(f"{name} is shared by stages {shared[name]}; an asynchronous schedule steps each "
-                                  "stage on its own, which would update a tied weight from part of its gradient: "
-                                  "train this plan with a synchronous schedule (e.g. --schedule 1f1b)")
-            if weights.startswith("predict") and momentum == 0:
-                raise OptionError(f"--weights {weights} extrapolates with SGD's momentum, and --momentum is 0; "
-                                  "pass --momentum 0.9 (or --weights stash)")
-        from fxpipe.runtime.optim import LRSchedule, OptimizerSpec, autocast_of, parse_betas
-
-        OptimizerSpec(optimizer, lr=lr if lr is not None else DEFAULTS.lr, momentum=momentum,
-                      weight_decay=weight_decay, betas=parse_betas(betas))  # each refusal is one line, here
-        LRSchedule(lr_schedule, warmup_steps, steps)
-        autocast_of(precision, device)
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise OptionError(f"--clip-grad-norm is the largest global gradient norm, > 0 (got {clip_grad_norm})")
-        if plan.strategy is not None and precision != "fp32":
-            raise OptionError(f"--precision {precision} autocasts pipeline stages' graphs; a per-layer strategy plan "
-                              "trains its DTensor layers in fp32: use --precision fp32")
-        if not sched.synchronous and (clip_grad_norm is not None or precision == "fp16"
-                                      or lr_schedule != "constant" or warmup_steps):
-            raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "
-                              "to clip, unscale or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
-                              "for --clip-grad-norm, --precision fp16 or --lr-schedule")
-        from fxpipe.calibration.host import HostTuning
-
-        host = HostTuning(pin_cpus=pin_ranks, gloo_loop_nice=gloo_loop_nice, send_yield=send_yield,
-                          keep_freed_memory=keep_freed_memory)  # a wrong value is refused here, before any rank starts
-        replicas = dp if dp is not None else plan.mesh.dp
-        _check_sizes(replicas, nproc, nnodes, seed, timeout, sched.num_ranks)
-        if w_lane:  # what the ranks would refuse, refused before any starts
-            from fxpipe.plan_dir import read_plan_json
-            from fxpipe.runtime.lane import refusal
-
-            tied = any(len({sched.rank_of_stage[k] for k in holders}) > 1
-                       for holders in read_plan_json(plan_dir)["shared_params"].values())
-            why = "--w-lane runs pipeline plans' W's; a per-layer strategy has none" if plan.strategy is not None \
-                else refusal(synchronous=sched.synchronous, dp=replicas, tied=tied,
-                             global_norm=clip_grad_norm is not None or precision == "fp16", device=device,
-                             batched=sched.batch_w)
-            if why is not None:
-                raise OptionError(why)
-        meeting = _rendezvous(nnodes, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id, rdzv_timeout)
-        nproc = _ranks_per_node(sched, replicas, nproc, nnodes)
-        if trace is not None:
-            from fxpipe.schedules.timeline import is_fxpipe_trace
-
-            check_writable_file(trace, "--trace", is_fxpipe_trace)  # before training: a failed write would lose it
-        if resume not in ("never", "auto", "always"):
-            raise OptionError(f"--resume takes never, auto or always (got {resume!r}); the old flag --resume is "
-                              "--resume always")
-        if log_dir is not None:
-            run_log.check_log_dir(log_dir, continuing=resume != "never", rerun=rerun)
-        ckpt_lock = _check_checkpoint_dir(checkpoint_dir, resume=resume, overwrite=overwrite, steps=steps,
-                                          lock=nnodes == 1)  # first: another run's directory is refused unread
-        try:
-            # --data and --loss: resolved, and a first batch and the loss checked against the plan (fxpipe.cli.feed)
-            from fxpipe.cli.feed import check_feed, trusted_ops
-            from fxpipe.data import load_hf
-            from fxpipe.cli.rank import zoo_of
-
-            zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
-            trusted = trusted_ops(trust_ops)
-            if zoo is not None:  # a size the graphs compute, before anything runs them (check_feed runs a user
-                from fxpipe.plan_dir import check_allocations  # model's plan on meta under the same check)
-
-                check_allocations(plan_dir, trust_ops=trusted)
-            hf = load_hf(data[len("hf:"):], tokenizer=tokenizer, column=data_column) if data.startswith("hf:") \
-                else None  # tokenized once, here; the ranks read its ids
-            feed = check_feed(plan_dir, plan, zoo, data if hf is None else hf, loss, sched.num_microbatches, replicas,
-                              seed, steps, trust_ops=trusted, timeout=timeout)
-            source, fit = feed.source, feed.fit
-            eval_hf = _check_eval(plan, sched, eval_data, eval_every, eval_batches, replicas, data, hf, tokenizer,
-                                  data_column)
-            _check_model(plan_dir, plan, zoo)  # before any rank builds the model the plan names
-        except BaseException:
-            if ckpt_lock is not None:
-                ckpt_lock.close()
-            raise
-        out_dir: Path | None = None
-        try:  # from the report directory's creation on, a signal at any moment removes it (and frees the lock)
-            out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
-            cmd = [str(plan_dir), "--out", str(out_dir), "--steps", str(steps),
-                   "--lr", str(lr if lr is not None else DEFAULTS.lr), "--timeout", str(timeout),
-                   "--fail-rank", str(fail_rank), "--kill-rank", str(kill_rank), "--fault-step", str(fault_step),
-                   "--resume", resume]
-            for flag, value in (("--schedule", schedule), ("--microbatches", microbatches),
-                                ("--checkpoint-dir", checkpoint_dir), ("--log-dir", log_dir)):
-                if value is not None:
-                    cmd += [flag, str(value)]
-            if log_dir is not None:  # every option's final value, before the ranks start (a killed run keeps it)
-                resolved = {"nproc": nproc, "dp": replicas, "lr": lr if lr is not None else DEFAULTS.lr,
-                            "microbatches": sched.num_microbatches,
-                            "schedule": schedule if schedule is not None or plan.strategy is not None else sched.name}
-                write_output(log_dir, "--log-dir", lambda d: run_log.write_config(d, run_log.config_values(
-                    ctx, {**ctx.params, **{k: v for k, v in resolved.items() if k in ctx.params}},
-                    plan_dir=plan_dir)))
-                if run_log.tensorboard_missing():
-                    say("note: tensorboard is not installed, so --log-dir gets no TensorBoard events (pip install "
-                        "'fxpipe[tensorboard]'); metrics.jsonl and config.toml are written")
-            if checkpoint_dir is not None:  # the rank program's own option (after the module, so it reaches the ranks)
-                cmd += ["--keep-checkpoints", str(keep_checkpoints), "--checkpoint-every", str(checkpoint_every)]
-            cmd += ["--optimizer", optimizer, "--weight-decay", str(weight_decay), "--betas", betas,
-                    "--lr-schedule", lr_schedule, "--warmup-steps", str(warmup_steps), "--precision", precision]
-            if clip_grad_norm is not None:
-                cmd += ["--clip-grad-norm", str(clip_grad_norm)]
-            rank_data = data if hf is None else f"jsonl:{write_ids(hf, out_dir / 'tokens.jsonl')}"
-            cmd += ["--data", rank_data, "--seed", str(seed), "--momentum", str(momentum), "--weights", weights,
-                    "--codegen", codegen, "--device", device, "--recompute", recompute, *(["--w-lane"] if w_lane else []),
-                    "--cuda-graphs", {None: "auto", True: "on", False: "off"}[cuda_graphs], *ranks.host_args(host)]
-            cmd += (["--loss", loss] if loss is not None else []) + feed.rank_args
-            cmd += ["--trust-ops", ",".join(trusted), "--data-workers", str(data_workers)]
-            if eval_every:
-                cmd += ["--eval-every", str(eval_every), "--eval-batches", str(eval_batches)]
-                if eval_data is not None:
-                    cmd += ["--eval-data", eval_data if eval_hf is None else
-                            f"jsonl:{write_ids(eval_hf, out_dir / 'eval_tokens.jsonl')}"]
-            with progress(disable=as_json) as step:
-                step(f"starting {nproc} ranks" + (f" (node {node_rank} of {nnodes}: waiting for the others at "
-                                                   f"{meeting.where()})" if nnodes > 1 else ""), 0, steps)
-                rank_env = {**ranks.restart_env(max_restarts), **(cache_env(environ) if codegen == "inductor" else {})}
-                proc = ranks.run_ranks(ranks.torchrun_command(cmd, nproc, rendezvous=meeting,
-                                                              max_restarts=max_restarts), out_dir / "progress",
-                                       lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
-                                                      s.step, steps), env=rank_env,
-                                       # every rank busy: stopped a few seconds after a waiting rank would give up
-                                       stall_s=timeout + STALL_GRACE_S,
-                                       first_s=timeout + STALL_GRACE_S + (rdzv_timeout if nnodes > 1 else 0))
-            failure = (ranks.stall_failure(proc.stalled, timeout, STALL_GRACE_S) if proc.stalled is not None else
-                       ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir),
-                                      ranks.finished_ranks(out_dir), proc.stopped, rendezvous=meeting,
-                                      local=proc.local))
-            results = ranks.rank_results(out_dir)
-            restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
-            if restarted is not None:
-                say(f"note: {restarted}")
-            for line in ranks.rank_warnings(out_dir):  # what the ranks warned of reaches the terminal, once each
-                say(f"warning: {line}")
-            if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
-                say(f"warning: {failure.message}")
-            elif failure is not None:
-                raise RankFailedError(failure.message)
-            if results is None and meeting.standalone:
-                raise RankFailedError("the ranks finished, but rank 0 wrote no results (its gather of every rank's "
-                                      "result did not complete); re-run")
-            if results is None:  # another node holds rank 0 and prints the run's results
-                mine = sorted(ranks.finished_ranks(out_dir))
-                _node_done(mine, nproc * nnodes, node_rank if rdzv_endpoint is None else None, steps, as_json)
-                return
-            heldout = _held_out(plan_dir, out_dir, source, fit, trusted) if fit is not None else None
+        checked = _check_run(config)
+        ckpt = config.checkpoint
+        ckpt_lock = _check_checkpoint_dir(ckpt.checkpoint_dir, resume=ckpt.resume, overwrite=ckpt.overwrite,
+                                          steps=config.training.steps, lock=config.launch.nnodes == 1)
+        try:  # the lock is freed however this ends
+            launched = _launch(config, checked, environ)
         finally:
-            if out_dir is not None:
-                shutil.rmtree(out_dir, ignore_errors=True)
             if ckpt_lock is not None:
                 ckpt_lock.close()  # the checkpoint directory's lock
-        world = len(results)
-        mesh = {"dims": ["pp", "dp"], "shape": [results[0].get("pp", world), results[0].get("dp", 1)],
-                "ranks": [[r["rank"] for r in results if r.get("pp_rank", r["rank"]) == p]
-                          for p in range(results[0].get("pp", world))]}
-        step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(results[0]["step_ms"]))]
-        batch = results[0]["batch"]
-        measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
-        graph_calls = _graph_calls(results)
-        doc = {
-            "schema": "fxpipe.run/v1", "schedule": results[0]["schedule"], "microbatches": results[0]["microbatches"],
-            "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": nnodes, "batch": batch,
-            "losses": results[0]["losses"], "step_ms": step_ms, "first_step": results[0].get("first_step", 0),
-            "restarts": results[0].get("restarts", 0),
-            # per step: the learning rate it used, and the global gradient norm before clipping (None without
-            # --clip-grad-norm or fp16)
-            "lrs": results[0].get("lrs", []), "grad_norms": results[0].get("grad_norms", []),
-            "eval_losses": results[0].get("eval_losses", []),
-            "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
-            "simulated_step_ms": results[0]["simulated_step_ms"], "simulated_from_profile": bool(results[0].get("profiled")),
-            # the same simulation on the actions' measured times: the schedule model's part of the gap
-            "replayed_step_ms": results[0].get("replayed_step_ms"),
-            "simulated_without_runtime_costs": bool(results[0].get("runtime_costs_missing")),
-            "calibration": results[0].get("calibration"),  # the link and contention the simulation charged
-            "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
-            # each rank's CPUs (--pin-ranks; empty: placed by the system)
-            "cpus_per_rank": [r.get("cpus", []) for r in results],
-            "device": device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
-            # what carried the messages: nccl where each rank had a GPU of its own, else gloo (fxpipe.cli.rank)
-            "backend": ", ".join(sorted({str(r.get("backend", "gloo")) for r in results})),
-            "synchronous": results[0].get("synchronous", True), "weights": None if results[0].get(
-                "synchronous", True) else results[0].get("weights"), "data": data, "held_out": heldout,
-            "recompute": results[0].get("recompute", []), "recompute_note": recompute_note,
-            **_held_per_stage(results),
-            # batched-w: how each stage's W ran (one call over the microbatches, or per microbatch and why)
-            "batched_w": {s: how for r in results for s, how in r.get("batched_w", {}).items()} or None,
-            # per stage and kind of action, ms per microbatch: measured (median over the steps after the first,
-            # the slowest replica's) and as the simulation charged it
-            "actions": _actions(results),
-        }
+        if launched is not None:
+            _report(config, checked, *launched)
 
-        def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
-            if trace is not None:
-                from fxpipe.schedules.timeline import measured_result, write_chrome_trace
 
-                write_output(trace, "--trace", lambda path: write_chrome_trace(
-                    measured_result(_on_one_clock(results), f"measured {results[0]['schedule']}"), path))
+run_cmd = command(RunConfig, _run, "run")
 
-        if as_json:
-            print(json.dumps(doc))
-            write_trace()
-            return
-        from fxpipe.render import print_reports
 
-        per_step = Report("run: per step", *step_rows(doc, step_ms, batch, results[0].get("first_step", 0)),
-                          ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update "
-                            "of each stage and the steps stream through one schedule, so each step's time is the "
-                            "run's mean; " if not doc["synchronous"] else "")
-                           + (f"per-layer {doc['schedule']} on {world} ranks (each layer takes its share of the "
-                              f"{batch}-row batch)" if doc["schedule"].startswith("strategy ") else
-                              f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
-                              + (f" on CUDA ({_gpus(results)})" if device == "cuda" else "")
-                              + (", stages replayed as CUDA graphs" if doc["cuda_graphs"] else "")
-                              + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
-                                 f"{doc['microbatches']} microbatches of the {batch}-row batch)"
-                                 if mesh["shape"][1] > 1 else ""))
-                           + (f" on {nnodes} nodes" if nnodes > 1 else "") + ": median step "
-                           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
-                           + ("" if results[0].get("profiled") else
-                              " from estimated costs (compile with --profile to simulate with measured ones)")
-                           + (f" (profiled with {results[0]['profile_threads']} threads, the ranks ran with 1: "
-                              "compile with --profile-threads 1 to match)"
-                              if (results[0].get("profile_threads") or 1) != 1 else ""),)
-                          + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
-                             if doc["calibration"] else ())
-                          + ((f"replayed: {doc['replayed_step_ms']:.2f} ms, the schedule simulated on the actions' "
-                              "measured times (the table below): the gap to the measured step that the schedule "
-                              "model leaves; the rest of the simulation's is the per-action costs'",)
-                             if doc["replayed_step_ms"] is not None and doc["actions"] else ())
-                          + ((RUNTIME_COSTS_MISSING,) if doc["simulated_without_runtime_costs"] else ())
-                          + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
-                                                                               key=lambda kv: int(kv[0]))))
-        per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "CPUs", "peak RSS MiB",
-                                            "median step ms"),
-                          tuple((r["rank"], r.get("pp_rank", r["rank"]), r.get("dp_rank", 0),
-                                 ",".join(map(str, r.get("stages", []))), r.get("host", ""),
-                                 ",".join(map(str, r.get("cpus", []))) or "any",
-                                 round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
-                                for r in results),
-                          (f"mesh (pp, dp) = ({mesh['shape'][0]}, {mesh['shape'][1]}): rank = pp x {mesh['shape'][1]} "
-                           + ("+ dp, so a stage's ranks are neighbours; each layer's parameters and gradients are "
-                              "split or replicated over them as the plan's per-layer strategy says"
-                              if doc["schedule"].startswith("strategy ") else
-                              "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
-                              "stage's replicas"),) if mesh["shape"][1] > 1 else ())
-        reports = [per_step, per_rank]
-        if doc["actions"]:
-            reports.append(_actions_report(doc))
-        if doc.get("peak_held_bytes_per_stage"):
-            reports.append(_held_report(doc, results, recompute_note))
-        if heldout is not None:
-            reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
-                                  (f"{data} held-out split, after the last step, with every rank's weights",)))
-        print_reports(reports, plain=plain, console=out)
-        write_trace()
+def _check_run(config: RunConfig) -> Checked:
+    """Everything that can be checked before any rank starts: the plan and the schedule against the options."""
+    from fxpipe.plan_dir import read_plan, read_plan_json
+    from fxpipe.schedules.auto import plan_recompute, plan_schedule
+
+    t, c, d, lg, la = config.training, config.compute, config.data, config.logging, config.launch
+    text = Path(d.data[len("text:"):]) if d.data.startswith("text:") and d.data != "text:stdlib" else None
+    check_outputs([("the plan directory", config.plan_dir), ("the --data file", text)],
+                  [("--trace", lg.trace), ("--checkpoint-dir", config.checkpoint.checkpoint_dir),
+                   ("--log-dir", lg.log_dir)])
+    plan = read_plan(config.plan_dir)
+    if t.microbatches is not None:
+        from fxpipe.cli.common import check_schedule_size
+
+        check_schedule_size(plan.num_stages, t.microbatches)
+    if plan.strategy is not None:  # a synchronous schedule, one stage per rank group (else one line)
+        from fxpipe.cli.rank_strategy import strategy_schedule
+
+        sched = strategy_schedule(plan, t.schedule, t.microbatches)
+    else:
+        sched = plan_schedule(plan, t.schedule, t.microbatches)
+    # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
+    recomputed, recompute_note = plan_recompute(plan, sched, t.recompute)
+    _check_pipeline_options(config, plan, sched, bool(recomputed),
+                            read_plan_json(config.plan_dir)["shared_params"])
+    from fxpipe.runtime.codegen import check_codegen
+
+    fallback = check_codegen(c.codegen)
+    _check_device(c.device, c.cuda_graphs, plan, sched, c.codegen)  # before the fallback's warning: one line
+    codegen = c.codegen
+    if fallback is not None:
+        say(f"warning: {fallback}")
+        codegen = "eager"
+    from fxpipe.runtime.optim import autocast_of
+
+    autocast_of(c.precision, c.device)
+    config.host_tuning()  # a wrong value is refused here, before any rank starts
+    replicas = la.dp if la.dp is not None else plan.mesh.dp
+    _check_sizes(replicas, la.nproc, la.nnodes, t.seed, sched.num_ranks)
+    if t.w_lane:
+        _check_w_lane(config, plan, sched, replicas)
+    meeting = _rendezvous(la.nnodes, la.node_rank, la.master_addr, la.master_port, la.rdzv_endpoint, la.rdzv_id,
+                          la.rdzv_timeout)
+    nproc = _ranks_per_node(sched, replicas, la.nproc, la.nnodes)
+    if lg.trace is not None:
+        from fxpipe.schedules.timeline import is_fxpipe_trace
+
+        check_writable_file(lg.trace, "--trace", is_fxpipe_trace)  # before training: a failed write would lose it
+    if lg.log_dir is not None:
+        run_log.check_log_dir(lg.log_dir, continuing=config.checkpoint.resume != "never",
+                              rerun=run_log.is_own_config(_config_file(), lg.log_dir))
+    return Checked(plan, sched, codegen, recompute_note, replicas, nproc, meeting)
+
+
+def _config_file() -> Path | None:
+    """The --config file this command line names, if any (click's context holds it)."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    value = ctx.params.get("config") if ctx is not None else None
+    return Path(value) if value is not None else None
+
+
+def _check_pipeline_options(config: RunConfig, plan: Any, sched: Any, recomputed: bool,
+                            shared: dict[str, Any]) -> None:
+    """The schedule's kind (synchronous or not) and the plan's (pipeline or per-layer strategy) against the
+    options: each refusal is one line."""
+    t, o, c = config.training, config.optimizer, config.compute
+    if recomputed and plan.strategy is not None:
+        raise OptionError(f"--recompute {t.recompute} recomputes pipeline stages; this plan is a per-layer strategy "
+                          "(DTensor layers): use --recompute none")
+    if plan.strategy is not None and c.precision != "fp32":
+        raise OptionError(f"--precision {c.precision} autocasts pipeline stages' graphs; a per-layer strategy plan "
+                          "trains its DTensor layers in fp32: use --precision fp32")
+    if sched.synchronous:
+        return
+    if recomputed:
+        raise OptionError(f"--recompute {t.recompute}: {sched.name} is asynchronous, and its phases read weight "
+                          "versions a recomputed forward would not see; use --recompute none, or a synchronous "
+                          "schedule")
+    if c.codegen != "eager":
+        raise OptionError(f"--codegen {c.codegen} compiles synchronous schedules' stages; {sched.name} reads weight "
+                          "versions through functional_call: use --codegen eager")
+    if shared:
+        name = sorted(shared)[0]
+        raise OptionError(f"{name} is shared by stages {shared[name]}; an asynchronous schedule steps each "
+                          "stage on its own, which would update a tied weight from part of its gradient: "
+                          "train this plan with a synchronous schedule (e.g. --schedule 1f1b)")
+    if t.weights.startswith("predict") and o.momentum == 0:
+        raise OptionError(f"--weights {t.weights} extrapolates with SGD's momentum, and --momentum is 0; "
+                          "pass --momentum 0.9 (or --weights stash)")
+    if o.clip_grad_norm is not None or c.precision == "fp16" or o.lr_schedule != "constant" or o.warmup_steps:
+        raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "
+                          "to clip, unscale or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
+                          "for --clip-grad-norm, --precision fp16 or --lr-schedule")
+
+
+def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int) -> None:
+    """What the ranks would refuse of --w-lane, refused before any starts."""
+    from fxpipe.plan_dir import read_plan_json
+    from fxpipe.runtime.lane import refusal
+
+    tied = any(len({sched.rank_of_stage[k] for k in holders}) > 1
+               for holders in read_plan_json(config.plan_dir)["shared_params"].values())
+    why = "--w-lane runs pipeline plans' W's; a per-layer strategy has none" if plan.strategy is not None \
+        else refusal(synchronous=sched.synchronous, dp=replicas, tied=tied,
+                     global_norm=config.optimizer.clip_grad_norm is not None or config.compute.precision == "fp16",
+                     device=config.compute.device, batched=sched.batch_w)
+    if why is not None:
+        raise OptionError(why)
+
+
+def _check_data(config: RunConfig, checked: Checked) -> tuple[Any, dict[str, Any]]:
+    """--data, --loss and --eval-data resolved, a first batch and the loss checked against the plan
+    (``fxpipe.cli.feed``): the held-out score's source and fit, and what the ranks get besides the config."""
+    from fxpipe.cli.feed import check_feed, trusted_ops
+    from fxpipe.cli.rank import zoo_of
+    from fxpipe.data import load_hf
+
+    d, t, plan = config.data, config.training, checked.plan
+    zoo = zoo_of(plan, device="meta")  # the built-in model the plan names, if any: no memory
+    trusted = trusted_ops(t.trust_ops)
+    if zoo is not None:  # a size the graphs compute, before anything runs them (check_feed runs a user
+        from fxpipe.plan_dir import check_allocations  # model's plan on meta under the same check)
+
+        check_allocations(config.plan_dir, trust_ops=trusted)
+    hf = load_hf(d.data[len("hf:"):], tokenizer=d.tokenizer, column=d.data_column) if d.data.startswith("hf:") \
+        else None  # tokenized once, here; the ranks read its ids
+    feed = check_feed(config.plan_dir, plan, zoo, d.data if hf is None else hf, t.loss,
+                      checked.sched.num_microbatches, checked.replicas, t.seed, t.steps, trust_ops=trusted,
+                      timeout=config.launch.timeout)
+    eval_hf = _check_eval(plan, checked.sched, d.eval_data, d.eval_every, d.eval_batches, checked.replicas, d.data,
+                          hf, d.tokenizer, d.data_column)
+    _check_model(config.plan_dir, plan, zoo)  # before any rank builds the model the plan names
+    extra = {"trust_ops": list(trusted), "synthetic": feed.synthetic, "hf": hf, "eval_hf": eval_hf}
+    return feed, extra
+
+
+def _launch(config: RunConfig, checked: Checked, environ: dict[str, str]) -> tuple[Any, Any] | None:
+    """Start the ranks and follow them to the end: their results and the held-out score (None: this node's ranks
+    are done and another node prints the results)."""
+    import shutil
+    import tempfile
+
+    feed, extra = _check_data(config, checked)
+    la, sched = config.launch, checked.sched
+    out_dir: Path | None = None
+    try:  # from the report directory's creation on, a signal at any moment removes it
+        out_dir = Path(tempfile.mkdtemp(prefix="fxpipe-run-"))
+        resolved = config.replace(
+            nproc=checked.nproc, dp=checked.replicas, codegen=checked.codegen,
+            microbatches=sched.num_microbatches,
+            schedule=config.training.schedule if config.training.schedule is not None or checked.plan.strategy
+            is not None else sched.name)
+        _write_log_config(config, resolved)
+        hf, eval_hf = extra.pop("hf"), extra.pop("eval_hf")
+        rank_data = {"data": config.data.data if hf is None else f"jsonl:{write_ids(hf, out_dir / 'tokens.jsonl')}",
+                     "eval_data": config.data.eval_data if eval_hf is None else
+                     f"jsonl:{write_ids(eval_hf, out_dir / 'eval_tokens.jsonl')}"}
+        run_file = write_json(config.replace(codegen=checked.codegen, **rank_data), out_dir / RUN_FILE, **extra)
+        from fxpipe.runtime.codegen import cache_env
+
+        with progress(disable=config.logging.as_json) as step:
+            steps = config.training.steps
+            step(f"starting {checked.nproc} ranks" + (f" (node {la.node_rank} of {la.nnodes}: waiting for the others "
+                                                      f"at {checked.meeting.where()})" if la.nnodes > 1 else ""),
+                 0, steps)
+            rank_env = {**ranks.restart_env(la.max_restarts),
+                        **(cache_env(environ) if checked.codegen == "inductor" else {})}
+            proc = ranks.run_ranks(ranks.torchrun_command([run_file, "--out", out_dir], checked.nproc,
+                                                          rendezvous=checked.meeting, max_restarts=la.max_restarts),
+                                   out_dir / "progress",
+                                   lambda s: step(f"step {s.step}/{steps}: loss {s.loss:.6f}, {s.ms:.1f} ms",
+                                                  s.step, steps), env=rank_env,
+                                   # every rank busy: stopped a few seconds after a waiting rank would give up
+                                   stall_s=la.timeout + STALL_GRACE_S,
+                                   first_s=la.timeout + STALL_GRACE_S + (la.rdzv_timeout if la.nnodes > 1 else 0))
+        results = _results(config, checked, proc, out_dir)
+        if results is None:
+            return None
+        heldout = _held_out(config.plan_dir, out_dir, feed.source, feed.fit, tuple(extra["trust_ops"])) \
+            if feed.fit is not None else None
+        return results, heldout
+    finally:
+        if out_dir is not None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _write_log_config(config: RunConfig, resolved: RunConfig) -> None:
+    """--log-dir's config.toml: every option's final value, before the ranks start (a killed run keeps it), paths
+    made absolute so that it runs from any directory."""
+    log_dir = config.logging.log_dir
+    if log_dir is None:
+        return
+    absolute = {k: Path(os.path.abspath(v)) if isinstance(v, Path) else v for k, v in resolved.flat().items()}
+    absolute.update(data=run_log.absolute_spec(resolved.data.data), loss=run_log.absolute_spec(resolved.training.loss))
+    text = RunConfig.from_flat(absolute).to_toml("fxpipe run --config FILE runs it again")
+    write_output(log_dir, "--log-dir", lambda d: run_log.write_config(d, text))
+    if run_log.tensorboard_missing():
+        say("note: tensorboard is not installed, so --log-dir gets no TensorBoard events (pip install "
+            "'fxpipe[tensorboard]'); metrics.jsonl and config.toml are written")
+
+
+def _results(config: RunConfig, checked: Checked, proc: Any, out_dir: Path) -> list[dict[str, Any]] | None:
+    """The ranks' results, or the one line that names the rank to look at (RankFailedError)."""
+    la = config.launch
+    failure = (ranks.stall_failure(proc.stalled, la.timeout, STALL_GRACE_S) if proc.stalled is not None else
+               ranks.diagnose(proc.returncode, proc.stderr, ranks.rank_errors(out_dir), ranks.finished_ranks(out_dir),
+                              proc.stopped, rendezvous=checked.meeting, local=proc.local))
+    results = ranks.rank_results(out_dir)
+    restarted = ranks.restarts(out_dir, results)  # --max-restarts: said even when the last attempt failed
+    if restarted is not None:
+        say(f"note: {restarted}")
+    for line in ranks.rank_warnings(out_dir):  # what the ranks warned of reaches the terminal, once each
+        say(f"warning: {line}")
+    if failure is not None and failure.after_results:  # gloo's teardown, not the training: keep the results
+        say(f"warning: {failure.message}")
+    elif failure is not None:
+        raise RankFailedError(failure.message)
+    if results is None and checked.meeting.standalone:
+        raise RankFailedError("the ranks finished, but rank 0 wrote no results (its gather of every rank's "
+                              "result did not complete); re-run")
+    if results is None:  # another node holds rank 0 and prints the run's results
+        mine = sorted(ranks.finished_ranks(out_dir))
+        _node_done(mine, checked.nproc * la.nnodes, la.node_rank if la.rdzv_endpoint is None else None,
+                   config.training.steps, config.logging.as_json)
+    return results
+
+
+def _report(config: RunConfig, checked: Checked, results: list[dict[str, Any]], heldout: Any) -> None:
+    """The run's tables (or its JSON object), then --trace."""
+    doc = run_doc(config, checked, results, heldout)
+    trace = config.logging.trace
+
+    def write_trace() -> None:  # after the results are printed: a failed write cannot lose them
         if trace is not None:
-            say(f"wrote {trace}")
+            from fxpipe.schedules.timeline import measured_result, write_chrome_trace
+
+            write_output(trace, "--trace", lambda path: write_chrome_trace(
+                measured_result(_on_one_clock(results), f"measured {results[0]['schedule']}"), path))
+
+    if config.logging.as_json:
+        print(json.dumps(doc))
+        write_trace()
+        return
+    from fxpipe.render import print_reports
+
+    print_reports(_reports(config, doc, results, heldout, checked.recompute_note), plain=config.logging.plain,
+                  console=out)
+    write_trace()
+    if trace is not None:
+        say(f"wrote {trace}")
+
+
+def run_doc(config: RunConfig, checked: Checked, results: list[dict[str, Any]], heldout: Any) -> dict[str, Any]:
+    """The run's JSON object (``fxpipe.run/v1``) from every rank's result."""
+    import statistics
+
+    world = len(results)
+    first = results[0]
+    mesh = {"dims": ["pp", "dp"], "shape": [first.get("pp", world), first.get("dp", 1)],
+            "ranks": [[r["rank"] for r in results if r.get("pp_rank", r["rank"]) == p]
+                      for p in range(first.get("pp", world))]}
+    step_ms = [max(r["step_ms"][i] for r in results) for i in range(len(first["step_ms"]))]
+    batch = first["batch"]
+    measured = statistics.median(step_ms[1:] if len(step_ms) > 1 else step_ms)
+    graph_calls = _graph_calls(results)
+    return {
+        "schema": "fxpipe.run/v1", "schedule": first["schedule"], "microbatches": first["microbatches"],
+        "ranks": world, "dp": mesh["shape"][1], "mesh": mesh, "nodes": config.launch.nnodes, "batch": batch,
+        "losses": first["losses"], "step_ms": step_ms, "first_step": first.get("first_step", 0),
+        "restarts": first.get("restarts", 0),
+        # per step: the learning rate it used, and the global gradient norm before clipping (None without
+        # --clip-grad-norm or fp16)
+        "lrs": first.get("lrs", []), "grad_norms": first.get("grad_norms", []),
+        "eval_losses": first.get("eval_losses", []),
+        "step_ms_median": measured, "samples_per_s": batch / (measured / 1e3),
+        "simulated_step_ms": first["simulated_step_ms"], "simulated_from_profile": bool(first.get("profiled")),
+        # the same simulation on the actions' measured times: the schedule model's part of the gap
+        "replayed_step_ms": first.get("replayed_step_ms"),
+        "simulated_without_runtime_costs": bool(first.get("runtime_costs_missing")),
+        "calibration": first.get("calibration"),  # the link and contention the simulation charged
+        "peak_rss_mib_per_rank": [r["peak_rss_mib"] for r in results],
+        # each rank's CPUs (--pin-ranks; empty: placed by the system)
+        "cpus_per_rank": [r.get("cpus", []) for r in results],
+        "device": config.compute.device, "cuda_graphs": graph_calls is not None, "cuda_graph_calls": graph_calls,
+        # what carried the messages: nccl where each rank had a GPU of its own, else gloo (fxpipe.cli.rank)
+        "backend": ", ".join(sorted({str(r.get("backend", "gloo")) for r in results})),
+        "synchronous": first.get("synchronous", True), "weights": None if first.get(
+            "synchronous", True) else first.get("weights"), "data": config.data.data, "held_out": heldout,
+        "recompute": first.get("recompute", []), "recompute_note": checked.recompute_note,
+        **_held_per_stage(results),
+        # batched-w: how each stage's W ran (one call over the microbatches, or per microbatch and why)
+        "batched_w": {s: how for r in results for s, how in r.get("batched_w", {}).items()} or None,
+        # per stage and kind of action, ms per microbatch: measured (median over the steps after the first,
+        # the slowest replica's) and as the simulation charged it
+        "actions": _actions(results),
+    }
+
+
+def _step_note(doc: dict[str, Any], results: list[dict[str, Any]], nnodes: int) -> tuple[str, ...]:
+    """The notes under the per-step table: what ran, and what the simulation charged."""
+    world, first, mesh, batch = len(results), results[0], doc["mesh"], doc["batch"]
+    measured = doc["step_ms_median"]
+    ran = ((f"{doc['schedule']} asynchronous (--weights {doc['weights']}): every microbatch is an update of each "
+            "stage and the steps stream through one schedule, so each step's time is the run's mean; "
+            if not doc["synchronous"] else "")
+           + (f"per-layer {doc['schedule']} on {world} ranks (each layer takes its share of the {batch}-row batch)"
+              if doc["schedule"].startswith("strategy ") else
+              f"{doc['schedule']}, {doc['microbatches']} microbatches, {world} ranks"
+              + (f" on CUDA ({_gpus(results)})" if doc["device"] == "cuda" else "")
+              + (", stages replayed as CUDA graphs" if doc["cuda_graphs"] else "")
+              + (f" ({mesh['shape'][0]} pipeline ranks x {mesh['shape'][1]} replicas, each replica "
+                 f"{doc['microbatches']} microbatches of the {batch}-row batch)" if mesh["shape"][1] > 1 else ""))
+           + (f" on {nnodes} nodes" if nnodes > 1 else "") + ": median step "
+           f"{measured:.2f} ms measured (after the first), {doc['simulated_step_ms']:.2f} ms simulated"
+           + ("" if first.get("profiled") else
+              " from estimated costs (compile with --profile to simulate with measured ones)")
+           + (f" (profiled with {first['profile_threads']} threads, the ranks ran with 1: compile with "
+              "--profile-threads 1 to match)" if (first.get("profile_threads") or 1) != 1 else ""))
+    return ((ran,)
+            + ((f"simulated on the ranks' calibration after the steps: {doc['calibration']['summary']}",)
+               if doc["calibration"] else ())
+            + ((f"replayed: {doc['replayed_step_ms']:.2f} ms, the schedule simulated on the actions' measured times "
+                "(the table below): the gap to the measured step that the schedule model leaves; the rest of the "
+                "simulation's is the per-action costs'",)
+               if doc["replayed_step_ms"] is not None and doc["actions"] else ())
+            + ((RUNTIME_COSTS_MISSING,) if doc["simulated_without_runtime_costs"] else ())
+            + tuple(f"stage {s}'s W: {how}" for s, how in sorted((doc["batched_w"] or {}).items(),
+                                                                 key=lambda kv: int(kv[0]))))
+
+
+def _reports(config: RunConfig, doc: dict[str, Any], results: list[dict[str, Any]], heldout: Any,
+             recompute_note: str) -> list[Any]:
+    """The run's tables: per step, per rank, per action, memory per stage, the held-out score."""
+    import statistics
+
+    from fxpipe.report import Report
+
+    mesh = doc["mesh"]
+    per_step = Report("run: per step", *step_rows(doc, doc["step_ms"], doc["batch"], doc["first_step"]),
+                      _step_note(doc, results, config.launch.nnodes))
+    per_rank = Report("run: per rank", ("rank", "pp", "dp", "stages", "host", "CPUs", "peak RSS MiB",
+                                        "median step ms"),
+                      tuple((r["rank"], r.get("pp_rank", r["rank"]), r.get("dp_rank", 0),
+                             ",".join(map(str, r.get("stages", []))), r.get("host", ""),
+                             ",".join(map(str, r.get("cpus", []))) or "any",
+                             round(r["peak_rss_mib"], 1), round(statistics.median(r["step_ms"]), 2))
+                            for r in results),
+                      (f"mesh (pp, dp) = ({mesh['shape'][0]}, {mesh['shape'][1]}): rank = pp x {mesh['shape'][1]} "
+                       + ("+ dp, so a stage's ranks are neighbours; each layer's parameters and gradients are "
+                          "split or replicated over them as the plan's per-layer strategy says"
+                          if doc["schedule"].startswith("strategy ") else
+                          "+ dp, so a stage's replicas are neighbouring ranks; gradients are averaged over each "
+                          "stage's replicas"),) if mesh["shape"][1] > 1 else ())
+    reports = [per_step, per_rank]
+    if doc["actions"]:
+        reports.append(_actions_report(doc))
+    if doc.get("peak_held_bytes_per_stage"):
+        reports.append(_held_report(doc, results, recompute_note))
+    if heldout is not None:
+        reports.append(Report("run: held out", tuple(heldout), (tuple(heldout.values()),),
+                              (f"{config.data.data} held-out split, after the last step, with every rank's weights",)))
+    return reports
 
 
 RUNTIME_COSTS_MISSING = ("simulated without the runtime's fixed costs per action, message and step: this machine has "
@@ -616,7 +541,7 @@ def _held_report(doc: dict[str, Any], results: list[dict[str, Any]], recompute_n
                    "plan's F->B and B->W bytes", recompute_note))
 
 
-def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: float, pp: int) -> None:
+def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, pp: int) -> None:
     """The run's counts within ``LIMITS`` before torchrun starts (each rank is a process: --dp 1000000 would spend
     minutes and gigabytes setting up before any failed)."""
     from fxpipe.plan import LIMITS
@@ -629,9 +554,6 @@ def _check_sizes(dp: int, nproc: int | None, nnodes: int, seed: int, timeout: fl
     if nproc is not None:
         LIMITS.whole("--nproc", nproc, LIMITS.ranks, why)
     LIMITS.whole("--seed", seed, SEED_MOST, "the data's order is drawn from a 64-bit seed", least=SEED_LEAST)
-    if not 0 < timeout <= 7 * 86400:
-        raise OptionError(f"--timeout must be more than 0 and at most a week of seconds (604800), got {timeout:g}; "
-                          "e.g. --timeout 60")
 
 
 def _check_model(plan_dir: Path, plan: Any, zoo: Any) -> None:

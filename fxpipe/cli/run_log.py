@@ -1,10 +1,7 @@
 """``fxpipe run --config FILE`` and ``--log-dir DIR``: the run's options as TOML, and its per-step metrics.
 
-A config file's keys are ``fxpipe run``'s flag names without the leading dashes (``checkpoint-every = 2``,
-``pin-ranks = false``, ``plan-dir = "plan/"``); a flag given on the command line wins over the file
-(click's ``default_map``, filled by the eager ``--config`` option before any other is read). ``DIR/config.toml``
-is written in that form, so ``--config DIR/config.toml`` runs the same training again. Python reads TOML
-(``tomllib``) but has no writer: :func:`toml_text` writes the four value types options have.
+``DIR/config.toml`` is the run's :class:`~fxpipe.cli.run_config.RunConfig` as TOML (``fxpipe.cli.config``
+reads and writes it), so ``--config DIR/config.toml`` runs the same training again.
 
 ``DIR/metrics.jsonl`` gets one JSON line per finished step from rank 0 (:class:`StepLog`): every rank's
 peak memory and step time reach it in one all-reduce per step, issued right after the step and read when
@@ -22,171 +19,10 @@ from typing import Any
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
-MARK = "# written by fxpipe run"  # the first line of every config.toml fxpipe writes (one it may replace)
-SKIP = ("config",)  # options that are not keys of a config file
+MARK = "# written by fxpipe"  # the first line of every config.toml fxpipe writes (one it may replace)
 
 
-def option_key(param: Any) -> str:
-    """The config key of a click parameter: its first long flag without dashes, or an argument's name with dashes."""
-    longs = [o for o in getattr(param, "opts", ()) if o.startswith("--")]
-    return longs[0][2:] if longs and param.param_type_name == "option" else param.name.replace("_", "-")
-
-
-def keyed_params(command: Any) -> dict[str, Any]:
-    """key -> click parameter, for every parameter a config file may set (not --help, hidden ones or --config)."""
-    return {option_key(p): p for p in command.params
-            if p.name not in SKIP and not getattr(p, "hidden", False) and p.expose_value}
-
-
-def _kind(param: Any) -> str:
-    """bool, int, float or str: what TOML value a parameter takes (typer records its annotation)."""
-    if getattr(param, "is_flag", False):
-        return "bool"
-    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
-    if annotation is None:  # a click-built parameter
-        annotation = {"boolean": bool, "integer": int, "float": float}.get(getattr(param.type, "name", ""), str)
-        annotation = int if "range" in getattr(param.type, "name", "") and "integer" in str(param.type) else annotation
-    return {bool: "bool", int: "int", float: "float"}.get(annotation, "str")
-
-
-def _convert(param: Any, value: Any, ctx: Any) -> Any:
-    """``value`` as the flag's own parsing would make it (its range checked): typer's coercion, else click's."""
-    if hasattr(param, "get_runtime_param"):
-        return param.get_runtime_param().coerce(value, param=param, ctx=ctx)
-    return param.type.convert(value, param, ctx)
-
-
-_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
-
-
-def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
-    """``path``'s values by parameter name, each checked and converted as its flag would be; OptionError (one line)
-    for an unreadable file, an unknown key or a wrong type or value."""
-    import typer
-
-    from fxpipe.errors import OptionError
-
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise OptionError("--config reads TOML with Python 3.11's tomllib; run fxpipe with Python 3.11 or later, or "
-                          "pass the options as flags") from None
-    try:
-        doc = tomllib.loads(_bounded_toml(Path(path)))
-    except OSError as exc:
-        raise OptionError(f"--config {str(path)!r} cannot be read ({exc.strerror or exc}); give a TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise OptionError(f"--config {str(path)!r} is not TOML ({exc}); write one key = value per line") from None
-    params = keyed_params(command)
-    values: dict[str, Any] = {}
-    for key, value in doc.items():
-        param = params.get(key) or params.get(key.replace("_", "-"))
-        if param is None or key not in params:
-            hint = (f"write it {key.replace('_', '-')}" if param is not None else
-                    "the keys are fxpipe run's flags without the dashes, e.g. steps, checkpoint-every")
-            raise OptionError(f"--config {str(path)!r}: unknown key {key!r}; {hint}")
-        kind = _kind(param)
-        ok = (isinstance(value, bool) if kind == "bool" else
-              isinstance(value, int) and not isinstance(value, bool) if kind == "int" else
-              isinstance(value, (int, float)) and not isinstance(value, bool) if kind == "float" else
-              isinstance(value, str))
-        if not ok:
-            shown = toml_value(value) if _plain(value) else repr(value)
-            what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-                type(value), f"a TOML {type(value).__name__}")
-            raise OptionError(f"--config {str(path)!r}: {key} = {shown} is {what}; {key} takes {_NAMES[kind]}")
-        try:
-            values[param.name] = _convert(param, value, ctx) if kind != "bool" else value
-        except typer.BadParameter as exc:
-            raise OptionError(f"--config {str(path)!r}: {key} = {toml_value(value)}: {exc.message}") from None
-    return values
-
-
-MAX_CONFIG_BYTES = 1 << 20
 MAX_METRICS_BYTES = 256 << 20  # a resumed run reads its metrics.jsonl back
-MAX_CONFIG_LINE = 4096  # tomllib is quadratic in a dotted key's length: 100 KB of one took 4 GB
-MAX_CONFIG_DEPTH = 32  # nested arrays and inline tables: tomllib recurses once per level
-
-
-def _bounded_toml(path: Path) -> str:
-    """A config file's text, checked before TOML parses it: a regular file of at most ``MAX_CONFIG_BYTES``, lines
-    of at most ``MAX_CONFIG_LINE`` characters and brackets nested at most ``MAX_CONFIG_DEPTH`` deep (counted
-    outside quotes); OptionError (one line) otherwise."""
-    from fxpipe.data import regular_file
-    from fxpipe.errors import OptionError
-
-    regular_file(path, f"--config {str(path)!r}", MAX_CONFIG_BYTES)
-    text = path.read_text()
-    for number, line in enumerate(text.splitlines(), 1):
-        if len(line) > MAX_CONFIG_LINE:
-            raise OptionError(f"--config {str(path)!r} line {number} is {len(line):,} characters, more than "
-                              f"{MAX_CONFIG_LINE:,}; write one key = value per line")
-    depth, deepest, quote = 0, 0, ""
-    for char in text:
-        if char == "\n":
-            quote = ""  # a quote left open in a comment (don't) ends with its line
-        elif quote:
-            quote = "" if char == quote else quote
-        elif char in "\"'":
-            quote = char
-        elif char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth = max(0, depth - 1)
-    if deepest > MAX_CONFIG_DEPTH:
-        raise OptionError(f"--config {str(path)!r} nests brackets {deepest} deep, more than {MAX_CONFIG_DEPTH}; "
-                          "fxpipe run's options are plain values")
-    return text
-
-
-def _plain(value: Any) -> bool:
-    return isinstance(value, (bool, int, float, str)) and not isinstance(value, os.PathLike)
-
-
-def load_config(ctx: Any, param: Any, value: Path | None) -> Path | None:
-    """The eager ``--config`` option's callback: the file's values become the defaults of every other option, so
-    the command line's flags override them. An error is one line and exit code 2."""
-    if value is None or ctx.resilient_parsing:
-        return value
-    from fxpipe.cli.common import one_line_errors
-
-    with one_line_errors():
-        values = read_config(value, ctx.command, ctx)
-    ctx.default_map = {**(ctx.default_map or {}), **values}
-    return value
-
-
-def toml_value(value: Any) -> str:
-    """One TOML value: a bool, an int, a float (inf and nan included) or a string (escaped as TOML needs)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if isinstance(value, str):
-        escaped = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-        return '"' + "".join(escaped.get(c, f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-                             for c in value) + '"'
-    raise TypeError(f"no TOML form for {type(value).__name__} (options are bools, numbers, strings and paths)")
-
-
-def toml_text(values: dict[str, Any], comment: str = "") -> str:
-    """``key = value`` lines (keys sorted); a None value is left out as a comment (TOML has no null)."""
-    lines = [MARK + (f": {comment}" if comment else "")]
-    for key in sorted(values):
-        value = values[key]
-        lines.append(f"# {key}: not set (its default)" if value is None else f"{key} = {toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
 def is_own_config(config: Path | None, log_dir: Path | None) -> bool:
     """``config`` is ``log_dir``'s own config.toml, written by fxpipe run: running it again as written reuses the
     directory (the file is rewritten with the values it was read for)."""
@@ -267,27 +103,13 @@ def _ours(path: Path) -> bool:
         return False
 
 
-def config_values(ctx: Any, params: dict[str, Any], *, plan_dir: Path) -> dict[str, Any]:
-    """key -> final value of every option a config file may set (paths made absolute, so the file runs from any
-    directory); ``params`` by parameter name, with the values the command resolved (its defaults made concrete)."""
-    out: dict[str, Any] = {}
-    for key, param in keyed_params(ctx.command).items():
-        value = plan_dir if param.name == "plan_dir" else params.get(param.name)
-        if param.name in ("data", "loss"):
-            value = absolute_spec(value)
-        if isinstance(value, os.PathLike):
-            value = os.path.abspath(os.fspath(value))
-        out[key] = value
-    return out
-
-
-def write_config(log_dir: Path, values: dict[str, Any]) -> Path:
-    """``log_dir/config.toml`` (made with its directory), replaced whole: a reader never sees half of it."""
+def write_config(log_dir: Path, text: str) -> Path:
+    """``log_dir/config.toml`` (made with its directory, ``text`` from ``RunConfig.to_toml``), replaced whole: a
+    reader never sees half of it."""
     from fxpipe.files import write_file
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    return write_file(log_dir / CONFIG, toml_text(values, "fxpipe run --config FILE runs it again"),
-                      what="--log-dir's config", ours=_ours)
+    return write_file(log_dir / CONFIG, text, what="--log-dir's config", ours=_ours)
 
 
 def tensorboard_missing() -> bool:

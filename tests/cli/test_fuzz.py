@@ -369,7 +369,7 @@ def write_outputs(root: Path) -> None:
 
     result = simulate(generate("1f1b", 2, 2), Costs.uniform(2, 1.0, 1.0, 1.0))
     writers = [lambda: run_log.check_log_dir(root, continuing=True),
-               lambda: run_log.write_config(root, {"steps": 3}),
+               lambda: run_log.write_config(root, f"{run_log.MARK}\nsteps = 3\n"),
                lambda: run_log.StepLog(root, rank=0, world=1, device=None, samples=1, tokens=None, first=1)
                .write(2, 1.0, 0.01, None, (None, __import__("torch").zeros(2))),
                lambda: write_chrome_trace(result, root / "t.json"),

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.cli import ranks, run_log
+from fxpipe.cli.config import keyed_params, toml_value
 from fxpipe.errors import RankFailedError
 from tests._helpers import MLP_PLAN, fxpipe_cli, one_line_error, plan_fixture
 
@@ -28,7 +29,7 @@ _values = st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(all
 @settings(max_examples=50, deadline=None)
 @given(st.dictionaries(st.from_regex(r"[a-z][a-z0-9-]{0,12}", fullmatch=True), _values, max_size=6))
 def test_the_toml_writer_reads_back_as_written(values: dict[str, Any]) -> None:
-    back = tomllib.loads(run_log.toml_text(values))
+    back = tomllib.loads("".join(f"{k} = {toml_value(v)}\n" for k, v in values.items()))
     assert set(back) == set(values)
     for key, value in values.items():
         if isinstance(value, float) and math.isnan(value):
@@ -38,16 +39,20 @@ def test_the_toml_writer_reads_back_as_written(values: dict[str, Any]) -> None:
 
 
 def test_a_none_is_a_comment_and_other_types_are_refused() -> None:
-    text = run_log.toml_text({"trace": None, "steps": 3, "plan-dir": Path("a b/\"c\"")})
-    assert tomllib.loads(text) == {"steps": 3, "plan-dir": 'a b/"c"'}
+    from fxpipe.cli.run_config import RunConfig
+
+    text = RunConfig(plan_dir=Path('a b/"c"')).replace(trace=None, steps=3).to_toml("test")
+    doc = tomllib.loads(text)
+    assert doc["training"]["steps"] == 3 and doc["plan-dir"] == 'a b/"c"'
     assert "# trace: not set" in text and text.startswith(run_log.MARK)
     with pytest.raises(TypeError, match="no TOML form for list"):
-        run_log.toml_value([1])
+        toml_value([1])
 
 
 @pytest.mark.parametrize(("text", "expected"), [
-    ("stepz = 3", "unknown key 'stepz'; the keys are fxpipe run's flags without the dashes, e.g. steps, "
-                  "checkpoint-every"),
+    ("stepz = 3", "unknown key 'stepz'; the keys are fxpipe run's flags without the dashes (--print-config "
+                  "shows them)"),
+    ("[training]\nlr = 0.1", "unknown key [training] 'lr'; lr is in [optimizer]"),  # in another section's table
     ("checkpoint_every = 2", "unknown key 'checkpoint_every'; write it checkpoint-every"),
     ("kill-rank = 1", "unknown key 'kill-rank'"),  # hidden fault injection is no key
     ('steps = "3"', 'steps = "3" is a string; steps takes an integer'),
@@ -67,33 +72,36 @@ def test_a_bad_config_file_is_one_line(plan: Path, tmp_path: Path, text: str, ex
 
 def test_flags_override_the_config_file_and_config_toml_holds_the_final_values(
         plan: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--steps on the command line wins over the file's; the file's other keys reach the ranks; the plan directory
-    may come from the file; DIR/config.toml, written before the ranks start, holds every option's final value."""
-    started: list[list[str]] = []
+    """--steps on the command line wins over the file's; the file's other keys (flat, or in their section's table)
+    reach the ranks' configuration; the plan directory may come from the file; DIR/config.toml, written before the
+    ranks start, holds every option's final value, in sections."""
+    started: list[dict[str, Any]] = []
 
     def stop(cmd: list[str], *args: Any, **kwargs: Any) -> Any:
-        started.append(cmd)
+        started.append(json.loads(Path(cmd[cmd.index("--out") - 1]).read_text()))
         raise RankFailedError("stopped before any rank started")
 
     monkeypatch.setattr(ranks, "run_ranks", stop)
     config = tmp_path / "run.toml"
-    config.write_text(f'plan-dir = "{plan}"\nsteps = 9\ncheckpoint-every = 2\nseed = 5\nresume = "auto"\n'
-                      f'checkpoint-dir = "{tmp_path / "ck"}"\n')
+    config.write_text(f'plan-dir = "{plan}"\nsteps = 9\nseed = 5\n[checkpoint]\ncheckpoint-every = 2\n'
+                      f'resume = "auto"\ncheckpoint-dir = "{tmp_path / "ck"}"\n')
     logs = tmp_path / "logs"
     result = fxpipe_cli("run", "--config", config, "--steps", "4", "--log-dir", logs)
     assert result.exit_code == 2 and result.stderr.splitlines()[-1] == "error: stopped before any rank started"
-    cmd = started[0]
-    assert cmd[cmd.index("--steps") + 1] == "4" and cmd[cmd.index("--seed") + 1] == "5"
-    assert cmd[cmd.index("--checkpoint-every") + 1] == "2" and cmd[cmd.index("--resume") + 1] == "auto"
+    ranks_config = started[0]["config"]
+    assert (ranks_config["steps"], ranks_config["seed"], ranks_config["checkpoint_every"],
+            ranks_config["resume"]) == (4, 5, 2, "auto")
     written = tomllib.loads((logs / "config.toml").read_text())
-    assert written["steps"] == 4 and written["seed"] == 5 and written["checkpoint-every"] == 2
-    assert written["plan-dir"] == os.path.abspath(plan) and written["log-dir"] == os.path.abspath(logs)
+    assert written["training"]["steps"] == 4 and written["training"]["seed"] == 5
+    assert written["checkpoint"]["checkpoint-every"] == 2
+    assert written["plan-dir"] == os.path.abspath(plan) and written["logging"]["log-dir"] == os.path.abspath(logs)
     # resolved, not left to a default: the ranks, replicas, microbatches, schedule and learning rate
-    assert (written["nproc"], written["dp"], written["microbatches"], written["schedule"], written["lr"]) == (
-        2, 1, 4, "zb-h1", 0.01)
-    assert "config" not in written and "fail-rank" not in written
-    params = run_log.keyed_params(_run_command())
-    assert set(written) <= set(params)  # every key reads back as a key (test_run_restart.py runs it again)
+    assert (written["launch"]["nproc"], written["launch"]["dp"], written["training"]["microbatches"],
+            written["training"]["schedule"], written["optimizer"]["lr"]) == (2, 1, 4, "zb-h1", 0.01)
+    flat = {k: v for key, value in written.items() for k, v in (value.items() if isinstance(value, dict)
+                                                                else [(key, value)])}
+    assert "config" not in flat and "fail-rank" not in flat
+    assert set(flat) <= set(keyed_params(_run_command()))  # every key reads back (test_run_restart.py runs it again)
 
 
 def _run_command() -> Any:
@@ -116,8 +124,9 @@ def test_the_log_and_resume_options_are_checked_before_any_rank_starts(plan: Pat
     (logs / "config.toml").write_text("steps = 3\n")  # the user's own
     assert "holds a config.toml that fxpipe run did not write" in one_line_error(fxpipe_cli("run", plan, "--log-dir",
                                                                                            logs))
-    assert one_line_error(fxpipe_cli("run", plan, "--resume", "sometimes")) == (
-        "error: --resume takes never, auto or always (got 'sometimes'); the old flag --resume is --resume always")
+    refused = fxpipe_cli("run", plan, "--resume", "sometimes")
+    assert refused.exit_code == 2 and "'sometimes'isnotoneof'never','auto','always'" in "".join(
+        c for c in refused.stderr if c not in " \n│")
     assert one_line_error(fxpipe_cli("run", plan, "--resume", "auto")) == "error: --resume auto needs --checkpoint-dir"
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
@@ -243,7 +252,7 @@ def test_the_log_directory_is_never_written_through_a_link(plan: Path, tmp_path:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / ".config.toml.tmp").symlink_to(outside)  # the old temporary name: no longer opened
-    run_log.write_config(logs, {"steps": 3})
+    run_log.write_config(logs, f"{run_log.MARK}\nsteps = 3\n")
     assert outside.read_text() == "the user's\n" and (logs / "config.toml").read_text().startswith(run_log.MARK)
     (logs / "metrics.jsonl").symlink_to(outside)
     with pytest.raises(Exception, match="not a regular file|symbolic link"):
