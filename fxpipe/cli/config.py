@@ -77,7 +77,7 @@ def _plain_type(tp: Any) -> Any:
 
 
 def _hints(cls: type[Any]) -> dict[str, Any]:
-    return typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]), include_extras=True)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def leaves(cls: type[Any]) -> list[Leaf]:
