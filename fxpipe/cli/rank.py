@@ -261,11 +261,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
 
     import fxpipe
     from fxpipe.errors import PlanFileError
-    from fxpipe.calibration.compute import plan_overheads
-    from fxpipe.cli.feed import eval_batches, input_specs, loss_of, rank_batches, scored, trusted_ops
-    from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, resumes, synthetic_batch
+    from fxpipe.cli.feed import loss_of, trusted_ops
     from fxpipe.runtime.executor import PipelineRuntime
-    from fxpipe.schedules.simulate import Costs
 
     device = rank_device(args.device)
     # --loss's file imported first (once): a model library it imports (transformers) types the plan's outputs
@@ -295,6 +292,59 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     # The bytes each stage keeps between actions, counted in the first step (left out of the median step
     # time: counting costs a few percent of a small stage's step); every step holds the same.
     rt.track_memory = True
+    trained = _train(args, rt, pipe, zoo, rank, world)
+    return _measure(args, rt, pipe, trained, rank, world)
+
+
+@dataclasses.dataclass
+class _Trained:
+    """What the training loop leaves for the report: per step its loss, time, learning rate and gradient norm."""
+
+    costs: Any
+    overheads: Any
+    first: int
+    losses: list[float]
+    step_ms: list[float]
+    lrs: list[float | None]
+    grad_norms: list[float | None]
+    timed_steps: list[tuple[Any, Any]]
+    eval_losses: list[tuple[int, float]]
+    attempt: int
+
+
+def _resume(args: argparse.Namespace, rt: Any, world: int) -> int:
+    """The step this run starts from: the newest checkpoint's under --resume (its data seed must be this run's),
+    else 0."""
+    from fxpipe.cli.rank_common import resumes
+    from fxpipe.errors import CheckpointError
+    from fxpipe.runtime import checkpoint
+
+    rt.data_position = {"data_seed": float(args.seed)}  # batch k and its random ops are functions of (seed, k)
+    # the launcher has said which newer steps are passed over (fxpipe.cli.run_cmd): no warning here again
+    args.heartbeat.phase("loading the checkpoint")
+    first = checkpoint.load(rt, args.checkpoint_dir) if resumes(args, world) else 0
+    saved_seed = rt.resumed_position.get("data_seed")
+    if first and saved_seed is not None and saved_seed != float(args.seed):
+        raise CheckpointError(f"the checkpoint of step {first} was trained with --seed {int(saved_seed)}, and this "
+                              f"run has --seed {args.seed}: its batches from step {first + 1} on would not be the "
+                              f"ones that run goes on with; pass --seed {int(saved_seed)}, or start a new run")
+    if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
+        raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
+                              f"asks for no more; pass --steps {first + 1} or more to train further")
+    return first
+
+
+def _train(args: argparse.Namespace, rt: Any, pipe: Any, zoo: Any, rank: int, world: int) -> _Trained:
+    """Resume (--resume), then train from the first step to --steps: each step's batch, its loss reported as it
+    arrives, a checkpoint every --checkpoint-every steps."""
+    import torch
+
+    from fxpipe.calibration.compute import plan_overheads
+    from fxpipe.cli.feed import eval_batches, input_specs, rank_batches
+    from fxpipe.cli.rank_common import check_finite_loss, check_finite_weights, synthetic_batch
+    from fxpipe.schedules.simulate import Costs
+
+    device = rt.device
     sched, m = rt.schedule, rt.schedule.num_microbatches
     overheads = plan_overheads(pipe.plan)
     costs = Costs.from_plan(pipe.plan)
@@ -302,24 +352,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         costs = dataclasses.replace(costs, held_in=costs.held_in or rt.held_in).recomputing(rt.recompute)
     costs = dataclasses.replace(costs.with_runtime(overheads), dp=rt.dp, w_lane=rt.w_lane is not None)
     reports = int(os.environ.get("LOCAL_RANK", rank)) == 0  # each node's first rank feeds its progress bar
-    rt.data_position = {"data_seed": float(args.seed)}  # batch k and its random ops are functions of (seed, k)
-    from fxpipe.runtime import checkpoint
-
-    # the launcher has said which newer steps are passed over (fxpipe.cli.run_cmd): no warning here again
-    args.heartbeat.phase("loading the checkpoint")
-    first = checkpoint.load(rt, args.checkpoint_dir) if resumes(args, world) else 0
-    saved_seed = rt.resumed_position.get("data_seed")
-    if first and saved_seed is not None and saved_seed != float(args.seed):
-        from fxpipe.errors import CheckpointError
-
-        raise CheckpointError(f"the checkpoint of step {first} was trained with --seed {int(saved_seed)}, and this "
-                              f"run has --seed {args.seed}: its batches from step {first + 1} on would not be the "
-                              f"ones that run goes on with; pass --seed {int(saved_seed)}, or start a new run")
-    if first >= args.steps:  # fxpipe run says so before starting the ranks; a checkpoint written since is caught here
-        from fxpipe.errors import CheckpointError
-
-        raise CheckpointError(f"the checkpoint in {args.checkpoint_dir} is of step {first}, and --steps {args.steps} "
-                              f"asks for no more; pass --steps {first + 1} or more to train further")
+    first = _resume(args, rt, world)
     from fxpipe.cli.run_log import StepLog, token_ids
 
     spec = pipe.plan.inputs[0] if pipe.plan.inputs else None
@@ -409,6 +442,20 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         rt.wait_checkpoint()
     args.heartbeat.phase("measuring the run for its report")
     log.close()
+    return _Trained(costs, overheads, first, losses, step_ms, lrs, grad_norms, timed_steps, eval_losses, attempt)
+
+
+def _measure(args: argparse.Namespace, rt: Any, pipe: Any, trained: _Trained, rank: int,
+             world: int) -> tuple[dict[str, object], dict[str, Any] | None]:
+    """This rank's result: the steps' measurements, and the schedule simulated on this machine's calibration
+    (collectives: every rank calls it)."""
+    from fxpipe.cli.feed import scored
+
+    sched, m = rt.schedule, rt.schedule.num_microbatches
+    costs, overheads, first, losses, step_ms = (trained.costs, trained.overheads, trained.first, trained.losses,
+                                                trained.step_ms)
+    lrs, grad_norms, timed_steps, eval_losses, attempt = (trained.lrs, trained.grad_norms, trained.timed_steps,
+                                                          trained.eval_losses, trained.attempt)
     from fxpipe.calibration.compute import calibration_enabled
     from fxpipe.planning.cost import held_peaks
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
@@ -460,7 +507,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
         # CUDA graphs: the call slots captured, and the calls that ran eagerly after all (fxpipe.runtime.cuda_graphs)
         "graph_calls": None if rt.graph_set is None else {"captured": rt.graph_set.captured,
                                                           "fallbacks": rt.graph_set.fallbacks},
-        "batch": rows * m * rt.dp,  # the global batch's rows
+        "batch": (int(pipe.plan.inputs[0].shape[0]) if pipe.plan.inputs and pipe.plan.inputs[0].shape else 1)
+        * m * rt.dp,  # the global batch's rows
         "losses": losses, "step_ms": step_ms, "first_step": first, "restarts": attempt, "lrs": lrs,
         "grad_norms": grad_norms, "eval_losses": eval_losses,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
