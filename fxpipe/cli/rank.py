@@ -415,7 +415,7 @@ def _train(args: argparse.Namespace, rt: Any, pipe: Any, zoo: Any, rank: int, wo
                 evaluated = rt.evaluate(held_out, shard=True)
                 eval_losses.append((start + 1, evaluated))
             in_flight.append((start, pending, step_ms[-1], (rt.lr, rt.last_grad_norm, log.share(step_ms[-1]),
-                                                            evaluated)))
+                                                            evaluated, rt.last_step_skipped)))
             losses += _arrived(in_flight, args, reports, last=False, log=log)
         else:
             done = [float(x) for x in rt.train([next_batch(k) for k in chunk])]
@@ -683,7 +683,8 @@ def _arrived(in_flight: list[tuple[int, Any, float, tuple[Any, ...]]], args: arg
     while in_flight and (last or in_flight[0][1].done()):
         step, pending, ms, extra = in_flight.pop(0)
         out.append(float(pending.wait()))
-        check_finite_loss(out[-1], extra[1], step + 1)
+        if not extra[-1]:  # --skip-nonfinite skipped this step's update: it goes on, said in metrics.jsonl
+            check_finite_loss(out[-1], extra[1], step + 1)
         if log is not None:
             log.write(step + 1, out[-1], *extra)
         if reports:  # the CLI's progress bar follows this file (the loss is the same on every rank)

@@ -156,10 +156,11 @@ def _check_pipeline_options(config: RunConfig, plan: Any, sched: Any, recomputed
     if t.weights.startswith("predict") and o.momentum == 0:
         raise OptionError(f"--weights {t.weights} extrapolates with SGD's momentum, and --momentum is 0; "
                           "pass --momentum 0.9 (or --weights stash)")
-    if o.clip_grad_norm is not None or c.precision == "fp16" or o.lr_schedule != "constant" or o.warmup_steps:
+    if (o.clip_grad_norm is not None or c.precision == "fp16" or o.lr_schedule != "constant" or o.warmup_steps
+            or o.skip_nonfinite):
         raise OptionError(f"{sched.name} steps each stage after every microbatch, with no step of the whole model "
-                          "to clip, unscale or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
-                          "for --clip-grad-norm, --precision fp16 or --lr-schedule")
+                          "to clip, unscale, skip or schedule at: use a synchronous schedule (e.g. --schedule 1f1b) "
+                          "for --clip-grad-norm, --precision fp16, --skip-nonfinite or --lr-schedule")
 
 
 def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int) -> None:
@@ -171,7 +172,8 @@ def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int) -> No
                for holders in read_plan_json(config.plan_dir)["shared_params"].values())
     why = "--w-lane runs pipeline plans' W's; a per-layer strategy has none" if plan.strategy is not None \
         else refusal(synchronous=sched.synchronous, dp=replicas, tied=tied,
-                     global_norm=config.optimizer.clip_grad_norm is not None or config.compute.precision == "fp16",
+                     global_norm=config.optimizer.clip_grad_norm is not None or config.compute.precision == "fp16"
+                     or config.optimizer.skip_nonfinite,
                      device=config.compute.device, batched=sched.batch_w)
     if why is not None:
         raise OptionError(why)

@@ -122,6 +122,10 @@ class Optimizer:
         "constant", "After --warmup-steps rising linearly from 0, constant or decaying to 0 at --steps; stepped once "
         "per step.")
     warmup_steps: int = option(0, "Steps of linear learning-rate warmup from 0.", min=0)
+    skip_nonfinite: bool = option(False, "A step whose loss or global gradient norm is NaN or infinite updates no "
+                                  "weight and the run goes on (said in metrics.jsonl as skipped); without it such a "
+                                  "step stops the run. One all-reduce per step. Synchronous schedules.",
+                                  flags=("--skip-nonfinite",))
     clip_grad_norm: float | None = option(None, "Clip the gradients to this global norm (over every stage and "
                                              "replica; one all-reduce per step, and the norm is reported per step).",
                                              show_default=False)
@@ -251,4 +255,5 @@ class RunConfig(Config):
             clip_grad_norm=o.clip_grad_norm, precision=c.precision, microbatches=t.microbatches,
             timeout=timedelta(seconds=self.launch.timeout), weights=t.weights, codegen=c.codegen,
             cuda_graphs=c.cuda_graphs, recompute=t.recompute, w_lane=t.w_lane,
-            keep_checkpoints=self.checkpoint.keep_checkpoints, async_checkpoint=self.checkpoint.async_checkpoint)
+            keep_checkpoints=self.checkpoint.keep_checkpoints, async_checkpoint=self.checkpoint.async_checkpoint,
+            skip_nonfinite=o.skip_nonfinite)

@@ -173,10 +173,11 @@ class StepLog:
         work = dist.all_reduce(shared, async_op=True) if dist.is_initialized() and self.world > 1 else None
         return work, shared
 
-    def write(self, step: int, loss: float, lr: Any, grad_norm: Any, shared: Any, eval_loss: float | None = None
-              ) -> None:
+    def write(self, step: int, loss: float, lr: Any, grad_norm: Any, shared: Any, eval_loss: float | None = None,
+              skipped: bool = False) -> None:
         """Rank 0 appends step ``step``'s line (and its TensorBoard scalars); the others only wait for ``shared``.
-        ``eval_loss``: the held-out loss after the step, where it was evaluated (``--eval-every``)."""
+        ``eval_loss``: the held-out loss after the step, where it was evaluated (``--eval-every``); ``skipped``: its
+        update was skipped (``--skip-nonfinite``), said as ``"skipped": true``."""
         if shared is None:
             return
         work, values = shared
@@ -194,6 +195,8 @@ class StepLog:
                   "memory": "cuda_max_allocated" if getattr(self.device, "type", "cpu") == "cuda" else "rss"}
         if eval_loss is not None:
             record["eval_loss"] = _number(eval_loss)
+        if skipped:
+            record["skipped"] = True
         from fxpipe.files import append_line
 
         # one write per line: a killed run keeps every finished step; never through a link

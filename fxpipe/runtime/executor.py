@@ -198,6 +198,7 @@ class PipelineRuntime:
         self.clip_grad_norm = clip_grad_norm
         self.scaler = LossScaler() if precision == "fp16" else None
         self.last_grad_norm: float | None = None
+        self.last_step_skipped = False  # skip_nonfinite: the last step's update was skipped (a non-finite norm)
         self._counted: set[int] | None = None  # the parameters whose gradients this rank adds to the global norm
         self.lr: float | None = self._current_lr()
         # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place.
@@ -354,12 +355,18 @@ class PipelineRuntime:
             self.w_acc[s], self.w_set[s] = graphs.wrap(self.w_acc[s]), graphs.wrap(self.w_set[s])
         return graphs
 
+    @property
+    def _global_norm(self) -> bool:
+        """Whether each step's update waits for the global gradient norm (clipping, fp16, skip_nonfinite)."""
+        return self.clip_grad_norm is not None or self.scaler is not None or self.options.skip_nonfinite
+
     def _early_steps(self) -> dict[int, list[int]]:
         """Program index -> the stages whose optimizer steps right after it: after the last W (or BW) of every
         stage whose W writes that optimizer's parameters. None without replicas or tied weights across
         ranks: their gradients are summed after the last W (``step`` steps those optimizers then). None either
-        with clipping or fp16: every optimizer waits for the global gradient norm (``_global_update``)."""
-        if self.dp > 1 or self.shared or self.clip_grad_norm is not None or self.scaler is not None:
+        with clipping, fp16 or skip_nonfinite: every optimizer waits for the global gradient norm
+        (``_global_update``)."""
+        if self.dp > 1 or self.shared or self._global_norm:
             return {}
         ids = {s: {id(p) for p in self.stage_params[s]} for s in self.mine}
         last: dict[int, int] = {}
@@ -426,7 +433,8 @@ class PipelineRuntime:
                                  f"the tied weight's gradient (ranks {ranks})")
         t0 = time.perf_counter() - self.started
         self.lr = self._current_lr()
-        if self.clip_grad_norm is None and self.scaler is None:
+        self.last_step_skipped = False
+        if not self._global_norm:
             for s, opt in self.optimizers.items():
                 if s not in self._stepped:
                     opt.step()  # no zero_grad: the next step's first W writes over the gradients (W_set)
@@ -480,8 +488,9 @@ class PipelineRuntime:
         return float(total) / max(count, 1)
 
     def _global_update(self) -> None:
-        """The optimizer steps of a step that needs the global gradient norm (clipping, fp16): unscale, one
-        all-reduce of the squared norm over every rank, then clip and step, or (fp16, not finite) skip the step.
+        """The optimizer steps of a step that needs the global gradient norm (clipping, fp16, skip_nonfinite):
+        unscale, one all-reduce of the squared norm over every rank, then clip and step, or (fp16 or skip_nonfinite,
+        not finite) skip the step.
 
         Each parameter counts once: on this rank once however many of its stages hold it (its optimizers own
         each once), on the first of the pipeline ranks a tied weight is on, and on replica 0 only (after the dp
@@ -506,6 +515,9 @@ class PipelineRuntime:
             self.scaler.update(found_inf=not finite)
             if not finite:
                 return  # fp16 overflowed somewhere: no rank steps, and the scale is halved
+        if not finite and self.options.skip_nonfinite:
+            self.last_step_skipped = True  # every rank read the same norm: none steps
+            return
         if self.clip_grad_norm is not None and finite:
             clip_grads(params, self.clip_grad_norm, norm)
         for opt in self.optimizers.values():
@@ -672,7 +684,7 @@ class PipelineRuntime:
         if not on:
             return None
         why = lane_refusal(synchronous=schedule.synchronous, dp=self.dp, tied=bool(self.shared),
-                           global_norm=self.clip_grad_norm is not None or self.scaler is not None,
+                           global_norm=self._global_norm,
                            device=self.device.type, batched=bool(self._w_runs))
         if why is not None:
             raise OptionError(why)

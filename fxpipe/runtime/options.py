@@ -57,6 +57,9 @@ class RuntimeOptions:
         async_checkpoint: ``save_checkpoint`` writes through ``dcp.async_save`` while training goes on; each save
             completes before the next starts, and ``wait_checkpoint`` completes the last (call it before the run
             ends).
+        skip_nonfinite: A step whose global gradient norm is NaN or infinite updates no weight (every rank alike;
+            ``last_step_skipped`` says so) instead of training on; costs the norm's all-reduce each step.
+            Synchronous schedules.
     """
 
     optimizer: OptimizerChoice = "sgd"
@@ -76,3 +79,4 @@ class RuntimeOptions:
     w_lane: bool = False
     keep_checkpoints: int | None = None
     async_checkpoint: bool = False
+    skip_nonfinite: bool = False

@@ -143,3 +143,22 @@ def test_a_nan_loss_stops_the_run_and_the_last_finite_checkpoint_stays(tmp_path:
     args[5] = f"{tmp_path / 'fine.py'}:batches"
     resumed = json.loads(ok(fxpipe_cli(*args, "--steps", 4, "--resume", "always", "--json")).stdout)
     assert resumed["first_step"] == 2 and all(math.isfinite(x) for x in resumed["losses"])
+
+
+def test_skip_nonfinite_skips_the_step_s_update_and_says_so(tmp_path: Path) -> None:
+    """The same NaN inputs at step 3 with --skip-nonfinite: the run goes on to step 4 with finite weights (its loss
+    finite), metrics.jsonl marks step 3 skipped (and only it), and step 3's checkpoint is written from the weights
+    of step 2, which the skipped update left as they were."""
+    (tmp_path / "drop.py").write_text(DROPOUT_FILE)
+    (tmp_path / "nan.py").write_text(NAN_DATA)
+    ok(fxpipe_cli("compile", f"{tmp_path / 'drop.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
+    doc = json.loads(ok(fxpipe_cli("run", tmp_path / "plan", "--loss", f"{tmp_path / 'drop.py'}:loss", "--data",
+                                   f"{tmp_path / 'nan.py'}:batches", "--steps", 4, "--skip-nonfinite",
+                                   "--checkpoint-dir", tmp_path / "ckpt", "--log-dir", tmp_path / "logs",
+                                   "--json")).stdout)
+    losses = doc["losses"]
+    assert math.isnan(losses[2]) and all(math.isfinite(x) for i, x in enumerate(losses) if i != 2), losses
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("skipped", False) for line in lines] == [False, False, True, False]
+    assert lines[2]["grad_norm"] is None and lines[3]["grad_norm"] is not None
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[-1] == "step_000004"
