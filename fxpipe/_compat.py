@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode
 __all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "custom_op_definer", "default_store",
            "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
            "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name",
-           "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint", "process_contexts",
+           "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint",
            "process_group_size", "pytree", "tracing_state"]
 
 
@@ -157,39 +157,6 @@ def partition_joint(joint: torch.fx.GraphModule,
     from torch._functorch.partitioners import default_partition
 
     return default_partition(joint, None, num_fwd_outputs=num_fwd_outputs)
-
-
-@contextlib.contextmanager
-def process_contexts(seen: Any) -> Iterator[None]:
-    """Call ``seen(context)`` with each ``torch.multiprocessing`` process context started meanwhile in this process
-    (torchrun's agent starts function entrypoints through ``torch.multiprocessing.start_processes``): its
-    ``processes`` keep every exit code, where the agent's failure reports the first. Only fxpipe's agent uses it."""
-    import torch.multiprocessing as tmp
-
-    real = tmp.start_processes
-
-    def start_processes(*args: Any, **kwargs: Any) -> Any:
-        context = real(*args, **kwargs)
-        seen(context)
-        return context
-
-    tmp.start_processes = start_processes
-    try:
-        yield
-    finally:
-        tmp.start_processes = real
-
-
-def reuse_forkserver() -> None:
-    """In a process that multiprocessing's fork server forked: start further ``forkserver`` processes from that same
-    server. multiprocessing would start a new server (a fresh Python importing nothing), since only the process
-    that started a server checks on it (``ensure_running`` waits on its pid); the address and the "alive" pipe it
-    needs are inherited. Only fxpipe's agent uses it."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_address", None) is not None and getattr(server, "_forkserver_alive_fd", None):
-        server.ensure_running = lambda: None  # type: ignore[method-assign]
 
 
 def descriptor_kind(desc: Any) -> str:

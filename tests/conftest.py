@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,17 +62,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return _group(nodeid)
 
     return Groups(config, log)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def warm_launches() -> Iterator[None]:
-    """Every ``fxpipe run`` a test makes in this process forks its launch root from a warm one
-    (fxpipe.cli.agent.warm_launches), not a new Python importing torch again; a run started as a command (the
-    signal tests') takes the cold path a user's command does."""
-    from fxpipe.cli.agent import warm_launches
-
-    with warm_launches():
-        yield
 
 
 @pytest.fixture

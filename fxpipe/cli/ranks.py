@@ -25,7 +25,9 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+import psutil
 
 RANK_MODULE = "fxpipe.cli.rank"  # the program every rank runs
 RESULTS = "results.json"  # every rank's result, written by rank 0 (on the node that holds it)
@@ -120,12 +122,13 @@ class RankFailure:
 
 def torchrun_command(rank_argv: Sequence[str], nproc: int, *, rendezvous: Rendezvous | None = None,
                      max_restarts: int = 0) -> list[str]:
-    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine;
-    with a multi-node ``rendezvous`` they join the other nodes' ranks in one world. With ``max_restarts``, torchrun's
+    """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine:
+    torchrun (``python -m torch.distributed.run``, torch's public launcher), each rank a Python of its own. With a
+    multi-node ``rendezvous`` they join the other nodes' ranks in one world. With ``max_restarts``, torchrun's
     elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
     restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", "fxpipe.cli.agent", *meet, *restart, f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "torch.distributed.run", *meet, *restart, f"--nproc-per-node={nproc}",
             "-m", RANK_MODULE, *map(str, rank_argv)]
 
 
@@ -279,26 +282,24 @@ def signals_held() -> Iterator[None]:
 
 def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None], *,
               grace: float = 3.0, stopped_s: float = STOPPED_S, env: Mapping[str, str] | None = None,
-              start: Callable[[list[str], Mapping[str, str], IO[Any], IO[Any]], Any] | None = None,
               stall_s: float | None = None, first_s: float | None = None) -> RanksExit:
     """Run torchrun to the end, calling ``on_step`` for each step rank 0 finishes (a line in ``progress``).
 
     The ranks run with one thread each (``OMP_NUM_THREADS=1``) and keep their temporary files in
     ``progress``'s directory; torchrun's stdout and stderr come back
     in the result (its failure summary is in stderr). However this returns or raises (SIGTERM, Ctrl-C,
-    an error), no rank outlives it: torchrun (fxpipe's agent) runs in a session of its own with the ranks it forks,
-    so a signal to this process reaches none of them; :func:`stop_tree` stops torchrun and every rank seen.
+    an error), no rank outlives it: torchrun runs in a session of its own, and each rank it starts in another, so
+    a signal to this process reaches none of them; :func:`stop_tree` stops torchrun and every rank seen.
     A rank stopped (SIGSTOP) for ``stopped_s`` seconds, or while another has reported an error, cannot
     let the run finish: it is stopped then, not at the ranks' --timeout nor after torchrun's own 30 s
     wait. fxpipe run killed outright (SIGKILL) takes torchrun (``PR_SET_PDEATHSIG``) and the ranks
-    (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment. ``start``
-    (``fxpipe.cli.agent.warm_start``) may start torchrun instead of a new process (None: it did not). When no rank
+    (which watch it, see ``fxpipe.cli.rank``) down with it. ``env`` adds to torchrun's environment. When no rank
     has moved on (:func:`stalled`) for ``stall_s`` seconds (``first_s`` before any has started), the run is stopped,
     and the result says where each was.
     """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errf:
-        seen: dict[int, int] = {}  # every rank process seen: pid -> start time (a pid can be reused)
-        local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: the agent, its fork server)
+        seen: dict[int, float] = {}  # every rank process seen: pid -> start time (a pid can be reused)
+        local: dict[int, int | None] = {}  # pid -> the RANK it runs (None: torchrun's own processes)
         stopped: set[int] = set()
         since: dict[int, float] = {}  # rank -> when it was first seen stopped
         shown = 0
@@ -309,21 +310,17 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
             # directory, which the caller removes, instead of staying behind in /tmp.
             launch_env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(progress.parent),
                           LAUNCHER_PID: str(os.getpid()),
-                          "PYTHONUNBUFFERED": "1",  # torchrun's "python -u", for the forked ranks
                           # `python -m` puts the working directory first on sys.path, where a folder named fxpipe
                           # would shadow an editable install (3.11+ honours it)
                           "PYTHONSAFEPATH": "1", **(env or {})}
-            proc = start(cmd, launch_env, out, errf) if start is not None else None
-            if proc is None:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
-                                        preexec_fn=die_with_parent if sys.platform == "linux" else None,
-                                        env=launch_env)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=errf, text=True, start_new_session=True,
+                                    preexec_fn=die_with_parent if sys.platform == "linux" else None, env=launch_env)
         try:
             while proc.poll() is None:
                 seen.update(descendants(proc.pid))
                 pids = rank_pids(progress.parent)
                 for pid in seen:
-                    if local.get(pid) is None:  # not known yet: a forked rank writes its pid file as it starts
+                    if local.get(pid) is None:  # not known yet: a rank writes its pid file as it starts
                         local[pid] = pids.get(pid)
                 stopped = {r for r in map(pids.get, _stopped(seen)) if r is not None}
                 now = time.monotonic()
@@ -355,7 +352,7 @@ def run_ranks(cmd: list[str], progress: Path, on_step: Callable[[StepDone], None
                          frozenset(r for r in local.values() if r is not None), hung)
 
 
-def stop_tree(proc: Any, seen: Mapping[int, int], grace: float) -> None:
+def stop_tree(proc: Any, seen: Mapping[int, float], grace: float) -> None:
     """Stop ``proc`` (torchrun, a session leader) and its ranks: SIGTERM (and SIGCONT, so a stopped rank
     gets it) to torchrun's group and to each rank's, then SIGKILL whatever still runs after ``grace``
     seconds, in torchrun's group too once torchrun has gone (see :func:`group_members`). Signals that
@@ -386,13 +383,18 @@ def stop_tree(proc: Any, seen: Mapping[int, int], grace: float) -> None:
 
 
 def group_members(pgid: int) -> set[int]:
-    """The live processes of the process group ``pgid`` besides its leader (empty where ``/proc`` is missing).
+    """The live processes of the process group ``pgid`` besides its leader.
 
-    The agent's group outlives the agent: its fork server and multiprocessing's resource tracker (which ignores
-    SIGTERM and leaves when its last client closes a pipe) are in it, and a SIGTERM that reached the agent as it
-    started them can leave one behind, orphaned, where no descendant scan finds it."""
-    return {pid for pid in _pids() if pid != pgid and (stat := _stat(pid)) is not None
-            and stat[0] not in ("Z", "X") and stat[3] == pgid}
+    torchrun's group can outlive torchrun: a process it started that ignores SIGTERM (as multiprocessing's resource
+    tracker does) stays in it, orphaned, where no descendant scan finds it."""
+    found = set()
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != pgid and os.getpgid(proc.pid) == pgid and proc.status() not in _GONE:
+                found.add(proc.pid)
+        except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -406,33 +408,26 @@ def _signal_group(pid: int, sig: int) -> None:
             pass
 
 
-def _pids() -> list[int]:
-    """Every process's pid, from ``/proc`` (none where it is missing)."""
-    try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)  # SIGSTOP; a debugger
 
 
-def _stat(pid: int) -> tuple[str, int, int, int] | None:
-    """``(state, parent pid, start time, process group)`` of a process from ``/proc``, or None when it is gone."""
+def _status(pid: int, start: float) -> str | None:
+    """The state of process ``pid`` if it is the one that started at ``start`` (a pid can be reused), else None."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        proc = psutil.Process(pid)
+        return proc.status() if proc.create_time() == start else None
+    except psutil.Error:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ", which may hold spaces
-    return fields[0], int(fields[1]), int(fields[19]), int(fields[2])
 
 
-def _stopped(procs: Mapping[int, int]) -> list[int]:
-    """The processes of ``procs`` (pid -> start time) that are stopped (state T: SIGSTOP; t: a debugger)."""
-    return [pid for pid, start in procs.items()
-            if (stat := _stat(pid)) is not None and stat[2] == start and stat[0] in ("T", "t")]
+def _stopped(procs: Mapping[int, float]) -> list[int]:
+    """The processes of ``procs`` (pid -> start time) that are stopped (SIGSTOP, or a debugger)."""
+    return [pid for pid, start in procs.items() if _status(pid, start) in _STOPPED]
 
 
 def rank_pids(out_dir: Path) -> dict[int, int]:
-    """pid -> RANK, from the files ``rank{R}.pid`` each rank writes as it starts (fxpipe.cli.rank): a rank forked by
-    fxpipe's agent has its fork server's environment in ``/proc``, not the RANK it was given."""
+    """pid -> RANK, from the files ``rank{R}.pid`` each rank writes as it starts (fxpipe.cli.rank)."""
     found: dict[int, int] = {}
     for path in out_dir.glob("rank*.pid"):
         try:
@@ -442,28 +437,25 @@ def rank_pids(out_dir: Path) -> dict[int, int]:
     return found
 
 
-def _running(pid: int, start: int) -> bool:
+def _running(pid: int, start: float) -> bool:
     """Whether the process ``pid`` that started at ``start`` still runs (a zombie has finished)."""
-    stat = _stat(pid)
-    return stat is not None and stat[2] == start and stat[0] not in ("Z", "X")
+    status = _status(pid, start)
+    return status is not None and status not in _GONE
 
 
-def descendants(root: int) -> dict[int, int]:
-    """Every live descendant of ``root``, as pid -> start time (empty where ``/proc`` is missing)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for pid in _pids():
-        stat = _stat(pid)
-        if stat is not None and stat[0] not in ("Z", "X"):
-            children.setdefault(stat[1], []).append(pid)
-            starts[pid] = stat[2]
-    found: dict[int, int] = {}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found[pid] = starts[pid]
-            todo.extend(children.get(pid, []))
+def descendants(root: int) -> dict[int, float]:
+    """Every live descendant of ``root``, as pid -> start time."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return {}
+    found: dict[int, float] = {}
+    for child in children:
+        try:
+            if child.status() not in _GONE:
+                found[child.pid] = child.create_time()
+        except psutil.Error:  # gone meanwhile
+            continue
     return found
 
 

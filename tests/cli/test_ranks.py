@@ -29,20 +29,19 @@ def _summary(*failures: tuple[int, int]) -> str:
             + blocks[0] + "============================================================\n")
 
 
-def test_the_command_runs_the_rank_program_under_torchrun_s_agent(tmp_path: Path) -> None:
+def test_the_command_runs_the_rank_program_under_torchrun(tmp_path: Path) -> None:
     cmd = torchrun_command([tmp_path / "run.json", "--out", tmp_path / "out"], 2)
-    assert cmd[:6] == [sys.executable, "-m", "fxpipe.cli.agent", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
     assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7:] == [str(tmp_path / "run.json"), "--out",
                                                                       str(tmp_path / "out")]
 
 
-def test_the_agent_takes_torchrun_s_arguments_and_starts_the_rank_program_only() -> None:
-    from fxpipe.cli import agent
-
-    with pytest.raises(SystemExit, match="starts -m fxpipe.cli.rank only"):
-        agent.main(["--standalone", "--nproc-per-node=2", "-m", "some.other.module"])
-    with pytest.raises(SystemExit, match="starts -m fxpipe.cli.rank only"):
-        agent.main(["--standalone", "--nproc-per-node=2", "train.py"])
+def test_the_command_passes_restarts_and_a_multi_node_rendezvous_to_torchrun(tmp_path: Path) -> None:
+    cmd = torchrun_command(["run.json"], 2, rendezvous=Rendezvous(2, 1, "10.0.0.1", 29611, timeout=30),
+                           max_restarts=3)
+    assert cmd[3:cmd.index("-m", 3)] == ["--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
+                                         "--master-port=29611", "--rdzv-conf=timeout=30", "--max-restarts=3",
+                                         "--nproc-per-node=2"]
 
 
 def test_progress_lines_parse_and_anything_else_is_skipped() -> None:
@@ -195,7 +194,7 @@ def test_a_rank_torchrun_stopped_is_not_blamed_over_the_rank_a_wait_names() -> N
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
 def test_stopping_the_launch_leaves_nothing_of_its_group(tmp_path: Path) -> None:
-    """The agent gone, a process it started that ignores SIGTERM (as multiprocessing's resource tracker does) stays
+    """torchrun gone, a process it started that ignores SIGTERM (as multiprocessing's resource tracker does) stays
     in its group, orphaned, nobody's descendant: stop_tree still ends it."""
     from fxpipe.cli.ranks import group_members, stop_tree
 

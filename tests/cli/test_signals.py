@@ -43,7 +43,7 @@ def first_step(proc: subprocess.Popen[str], tmp: Path, timeout: float = 120.0) -
 
 
 def processes_of(out_dir: Path) -> dict[int, str]:
-    """The run's live processes (fxpipe's agent, its fork server and the ranks): those whose ``TMPDIR``, which
+    """The run's live processes (torchrun and the ranks): those whose ``TMPDIR``, which
     fxpipe run sets for them, is the run's report directory ``out_dir``: pid -> command line."""
     found = {}
     for entry in Path("/proc").iterdir():
@@ -74,10 +74,9 @@ def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, t
     try:
         out_dir = first_step(proc, tmp_path)
         ranks = processes_of(out_dir)
-        # torch is imported once per launch: the fork server, the agent and 2 ranks are forks of the process fxpipe
-        # run starts (fxpipe.cli.agent), which imported it; multiprocessing would start its server as a new Python.
-        forks = [cmd for cmd in ranks.values() if " -m fxpipe.cli.agent " in cmd]
-        assert len(forks) >= 5 and not any("multiprocessing.forkserver" in cmd for cmd in ranks.values()), ranks
+        # torch's own launcher: torchrun and its 2 ranks, each a Python of its own.
+        torchrun = [cmd for cmd in ranks.values() if " -m torch.distributed.run " in cmd]
+        assert len(torchrun) == 1 and len([c for c in ranks.values() if " -m fxpipe.cli.rank " in c]) == 3, ranks
         sent = time.monotonic()
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=50)
@@ -87,7 +86,7 @@ def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, t
         # Stopped by the signal, not by the ranks giving up: the run's --timeout (60 s) never ran out. No tighter bound
         # holds on a loaded machine (a rank's exit there took 9 s).
         print(f"{sig.name}: every rank stopped and fxpipe exited {took:.2f} s after the signal")
-        assert processes_of(out_dir) == {}  # not a rank, not the agent
+        assert processes_of(out_dir) == {}  # not a rank, not torchrun
         assert not any(_alive(pid) for pid in ranks)
         assert list(tmp_path.iterdir()) == []  # the report directory, torchrun's logs and all
     finally:
