@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Any
 
 try:  # a Ctrl-C before a command takes over (common.one_line_errors) has nothing to clean up: no traceback
     import typer
+    import typer.core
 
     from fxpipe.cli.common import run_epilog
     from fxpipe.cli.compile_cmd import compile_cmd
@@ -25,8 +27,38 @@ except KeyboardInterrupt:
     sys.stderr.write("interrupted\n")
     raise SystemExit(128 + signal.SIGINT) from None
 
+class OneLineGroup(typer.core.TyperGroup):
+    """fxpipe's command group: a usage error (an unknown option, a value out of range or not one of the choices) is
+    one line on stderr and exit code 2, as every other refusal is, not a usage box."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        # typer's public names: BadParameter's base (UsageError) and Abort; the help for a bare `fxpipe` is a
+        # UsageError too, and keeps typer's rendering
+        usage_error = typer.BadParameter.__mro__[1]
+
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except usage_error as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `fxpipe` alone: the help
+                from typer import rich_utils
+
+                rich_utils.rich_format_error(exc)
+                sys.exit(exc.exit_code)
+            message = " ".join(exc.format_message().replace("Value error, ", "").split()).rstrip(".")
+            hint = f"; see {exc.ctx.command_path} --help" if exc.ctx is not None else ""
+            sys.stderr.write(f"error: {message}{hint}\n")
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            sys.stderr.write("error: aborted\n")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
     name="fxpipe",
+    cls=OneLineGroup,
     help="Turn a PyTorch model into pipeline stages, and show every decision as a table.",
     no_args_is_help=True,
     add_completion=False,
