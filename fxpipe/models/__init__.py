@@ -204,7 +204,7 @@ def _meta_parameter_count(canonical: str) -> int:
 
 def _make_model(family: _Family, size: str, device: torch.device, seed: int) -> torch.nn.Module:
     if device.type == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInit():
             return family.make_model(size)
     # Built on the CPU whatever the target device, so a seed means the same weights everywhere.
     # Only the CPU generator is seeded: torch.manual_seed would also reseed every CUDA device,
@@ -212,6 +212,23 @@ def _make_model(family: _Family, size: str, device: torch.device, seed: int) -> 
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(seed)
         return family.make_model(size)
+
+
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Parameter initialisers (``torch.nn.init``'s, a tensor's ``normal_`` and ``uniform_``) return their tensor
+    untouched: on meta there are no values to draw, and meta's random fills run through ``torch._refs``, whose first
+    call imports Dynamo (seconds of fxpipe run's start-up, before any rank starts)."""
+
+    SKIPPED = frozenset({*(getattr(torch.nn.init, name) for name in dir(torch.nn.init)
+                           if name.endswith("_") and not name.startswith("_")),
+                         torch.Tensor.normal_, torch.Tensor.uniform_})
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        return func(*args, **kwargs)
 
 
 def _to(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
