@@ -34,11 +34,22 @@ class Feed:
     synthetic: str | None  # a user model's synthetic batch (JSON), for the ranks; None: theirs to make
 
 
-def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: str | None, microbatches: int,
-               dp: int, seed: int, steps: int, *, trust_ops: tuple[str, ...] = (), timeout: float | None = None) -> Feed:
+@dataclass(frozen=True)
+class RunShape:
+    """What a data function is called for: microbatches per step, replicas, the data's seed and the steps."""
+
+    microbatches: int
+    dp: int
+    seed: int
+    steps: int
+
+
+def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: str | None, shape: RunShape, *,
+               trust_ops: tuple[str, ...] = (), timeout: float | None = None) -> Feed:
     """``--data`` and ``--loss`` against the plan, before any rank starts (see the module's docstring); one line
     (an FxpipeError) for the first thing wrong. ``zoo``: the plan's built-in model built on the meta device
     (``fxpipe.cli.rank.zoo_of``), or None for the user's own."""
+    microbatches, dp, seed, steps = shape.microbatches, shape.dp, shape.seed, shape.steps
     import torch
 
     from fxpipe import data

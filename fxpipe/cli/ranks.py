@@ -236,7 +236,8 @@ class Heartbeat:
 def stalled(out_dir: Path, started: float, timeout: float, now: float,
             first: float | None = None) -> tuple[tuple[int, str], ...] | None:
     """Each rank's last word, (rank, what it was doing), when none has moved on (:class:`Heartbeat`) for ``timeout``
-    seconds since ``started`` (``first`` seconds while no rank has started: nodes meeting; all times on
+    seconds since ``started`` (``first`` seconds while a rank is starting or setting up: importing torch, tracing,
+    nodes meeting, each of which may take minutes on a loaded machine; all times on
     ``time.time()``'s clock; ``()``: no rank has started); else None. Every rank busy at once (a loop in every rank's graph or function) is what
     this catches: a rank that waits for a busy one gives up by itself, at ``--timeout``."""
     beats: list[tuple[int, str, float]] = []
@@ -246,7 +247,8 @@ def stalled(out_dir: Path, started: float, timeout: float, now: float,
         except (OSError, ValueError):
             continue
     latest = max([started, *(t for _, _, t in beats)])
-    if now - latest < (timeout if beats or first is None else first):
+    setting_up = not beats or any(not doing.startswith("step") for _, doing, _ in beats)
+    if now - latest < (first if setting_up and first is not None else timeout):
         return None
     return tuple(sorted((rank, doing) for rank, doing, _ in beats))
 

@@ -24,6 +24,7 @@ from fxpipe.cli.run_config import RunConfig
 from fxpipe.errors import OptionError, RankFailedError
 
 STALL_GRACE_S = 5.0  # past --timeout, when no rank moves on: a rank waiting for a peer says so first
+SETUP_S = 300.0  # at least this long for one step of a rank's set-up (a Python importing torch on a loaded machine)
 RUN_FILE = "run.json"  # the ranks' configuration, in the run's report directory
 
 
@@ -182,7 +183,7 @@ def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int) -> No
 def _check_data(config: RunConfig, checked: Checked) -> tuple[Any, dict[str, Any]]:
     """--data, --loss and --eval-data resolved, a first batch and the loss checked against the plan
     (``fxpipe.cli.feed``): the held-out score's source and fit, and what the ranks get besides the config."""
-    from fxpipe.cli.feed import check_feed, trusted_ops
+    from fxpipe.cli.feed import RunShape, check_feed, trusted_ops
     from fxpipe.cli.rank import zoo_of
     from fxpipe.data import load_hf
 
@@ -196,7 +197,7 @@ def _check_data(config: RunConfig, checked: Checked) -> tuple[Any, dict[str, Any
     hf = load_hf(d.data[len("hf:"):], tokenizer=d.tokenizer, column=d.data_column) if d.data.startswith("hf:") \
         else None  # tokenized once, here; the ranks read its ids
     feed = check_feed(config.plan_dir, plan, zoo, d.data if hf is None else hf, t.loss,
-                      checked.sched.num_microbatches, checked.replicas, t.seed, t.steps, trust_ops=trusted,
+                      RunShape(checked.sched.num_microbatches, checked.replicas, t.seed, t.steps), trust_ops=trusted,
                       timeout=config.launch.timeout)
     eval_hf = _check_eval(plan, checked.sched, d.eval_data, d.eval_every, d.eval_batches, checked.replicas, d.data,
                           hf, d.tokenizer, d.data_column)
@@ -243,7 +244,8 @@ def _launch(config: RunConfig, checked: Checked, environ: dict[str, str]) -> tup
                                                   s.step, steps), env=rank_env,
                                    # every rank busy: stopped a few seconds after a waiting rank would give up
                                    stall_s=la.timeout + STALL_GRACE_S,
-                                   first_s=la.timeout + STALL_GRACE_S + (la.rdzv_timeout if la.nnodes > 1 else 0))
+                                   first_s=max(la.timeout, SETUP_S) + STALL_GRACE_S
+                                   + (la.rdzv_timeout if la.nnodes > 1 else 0))
         results = _results(config, checked, proc, out_dir)
         if results is None:
             return None

@@ -283,8 +283,12 @@ def test_the_run_is_stalled_when_no_rank_moves_on_for_the_timeout(tmp_path: Path
         (tmp_path / f"rank{rank}.beat").write_text(doing)
         os.utime(tmp_path / f"rank{rank}.beat", (at, at))
     assert stalled(tmp_path, started=1000.0, timeout=10, now=1059.0, first=1000) is None  # rank 0 moved on at 1050
-    hung = stalled(tmp_path, started=1000.0, timeout=10, now=1061.0, first=1000)
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1061.0, first=1000) is None  # rank 1 is setting up
+    hung = stalled(tmp_path, started=1000.0, timeout=10, now=1061.0, first=11)
     assert hung == ((0, "step 3"), (1, "loading the plan"))
+    (tmp_path / "rank1.beat").write_text("step 3")
+    os.utime(tmp_path / "rank1.beat", (1020.0, 1020.0))
+    assert stalled(tmp_path, started=1000.0, timeout=10, now=1061.0, first=1000) == ((0, "step 3"), (1, "step 3"))
     line = stall_failure(hung, 10, 5).message
     assert line.startswith("no rank made progress for 15 s (--timeout 10 s, and 5 more) (rank 0: step 3, rank 1: "
                            "loading the plan)") and "raise --timeout" in line

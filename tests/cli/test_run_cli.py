@@ -182,19 +182,16 @@ def test_a_schedule_that_does_not_fit_is_refused_before_any_rank_starts(plan: Pa
 
 
 def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path, no_rank_starts: list[list[str]]) -> None:
-    assert one_line_error(fxpipe_cli("run", plan, "--send-yield", "2", "--steps", "1")).startswith(
-        "error: send_yield must be one of auto, on, off (got '2')")
-    out_of_range = fxpipe_cli("run", plan, "--gloo-loop-nice", "20", "--steps", "1")  # typer's own range check
-    assert out_of_range.exit_code == 2 and "--gloo-loop-nice" in out_of_range.output
+    assert one_line_error(fxpipe_cli("run", plan, "--send-yield", "2", "--steps", "1")) == (
+        "error: Invalid value for '--send-yield': '2' is not one of 'auto', 'on', 'off'; see fxpipe run --help")
+    assert one_line_error(fxpipe_cli("run", plan, "--gloo-loop-nice", "20", "--steps", "1")).startswith(
+        "error: Invalid value for '--gloo-loop-nice': 20 is not in the range 0<=x<=19")
 
 
 def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() -> None:
-    """fxpipe run's host settings are its flags (today's defaults), handed to the ranks as options, not through the
-    environment; the rank program's own defaults touch nothing."""
-    import argparse
-
+    """fxpipe run's host settings are its flags (today's defaults), handed to the ranks in their configuration, not
+    through the environment."""
     from fxpipe.calibration.host import HostTuning
-    from fxpipe.cli import ranks
 
     from typer.testing import CliRunner
 
@@ -204,12 +201,11 @@ def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() 
     for flag in ("--pin-ranks", "--no-pin-ranks", "--gloo-loop-nice", "--send-yield", "--keep-freed-memory",
                  "--no-keep-freed-memory"):
         assert flag in shown, flag
-    for host in (HostTuning(), HostTuning.for_runs(), HostTuning(gloo_loop_nice=7, send_yield="on")):
-        parser = argparse.ArgumentParser()
-        for flag in ("--pin-cpus", "--gloo-loop-nice", "--keep-freed-memory"):
-            parser.add_argument(flag, type=int)
-        parser.add_argument("--send-yield")
-        assert ranks.host_tuning(parser.parse_args(ranks.host_args(host))) == host
+    from fxpipe.cli.run_config import RunConfig
+
+    assert RunConfig().host_tuning() == HostTuning.for_runs()  # the flags' defaults: the tuning runs want
+    tuned = RunConfig().replace(pin_ranks=False, gloo_loop_nice=7, send_yield="on", keep_freed_memory=False)
+    assert tuned.host_tuning() == HostTuning(gloo_loop_nice=7, send_yield="on")  # the ranks apply what they read
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
@@ -225,7 +221,8 @@ def test_a_folder_named_fxpipe_in_the_working_directory_does_not_shadow_the_pack
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--device", "tpu"], "error: --device 'tpu' is not a device fxpipe run trains on; use cpu or cuda"),
+    (["--device", "tpu"], "error: Invalid value for '--device': 'tpu' is not one of 'cpu', 'cuda'; see fxpipe run "
+                          "--help"),
     (["--cuda-graphs"], "error: --cuda-graphs replays the stages as CUDA graphs, and the ranks train on the CPU; pass "
                         "--device cuda with it, or leave --cuda-graphs off"),
     (["--device", "cpu", "--cuda-graphs"], "error: --cuda-graphs replays the stages as CUDA graphs, and the ranks "
@@ -330,7 +327,7 @@ def test_recompute_stage_trains_the_same_and_holds_less(plan: Path) -> None:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--recompute", "some"], "--recompute takes none, stage or auto (got 'some')"),
+    (["--recompute", "some"], "Invalid value for '--recompute': 'some' is not one of 'none', 'stage', 'auto'"),
     (["--schedule", "async-1f1b", "--recompute", "stage"], "async-1f1b is asynchronous, and its phases read weight"),
 ])
 def test_recompute_is_checked_before_any_rank_starts(plan: Path, args: list[str], expected: str,

@@ -35,7 +35,7 @@ def test_async_predict_trains_digits_and_scores_the_held_out_split(digits_plan: 
 @pytest.mark.parametrize(("args", "message"), [
     (["--data", "digitz"], "did you mean"),
     (["--data", "text:stdlib"], "gives one int64 input of byte ids"),
-    (["--weights", "newest"], "--weights 'newest' is not a policy"),
+    (["--weights", "newest"], "Invalid value for '--weights': 'newest' is not one of 'stale', 'stash', 'predict'"),
 ])
 def test_data_options_are_checked_before_any_rank_starts(digits_plan: Path, args: list[str], message: str,
                                                         no_rank_starts: list[list[str]]) -> None:

@@ -134,11 +134,11 @@ def test_a_hugging_face_gpt2_from_a_user_file_trains_as_one_process(hf: dict[str
 def test_a_user_models_synthetic_data_is_shaped_from_the_plan(hf: dict[str, Path]) -> None:
     """Without --data, a user model's batch is drawn from what the launcher found on the meta device: token ids
     below the embedding's 256 rows, and the first target its loss takes (class ids below the logits' 256)."""
-    from fxpipe.cli.feed import check_feed, synthetic_batches
+    from fxpipe.cli.feed import RunShape, check_feed, synthetic_batches
     from fxpipe.plan_dir import read_plan
 
     plan = read_plan(hf["plan"])
-    feed = check_feed(hf["plan"], plan, None, "synthetic", f"{hf['file']}:loss", MICROBATCHES, 1, 0, STEPS)
+    feed = check_feed(hf["plan"], plan, None, "synthetic", f"{hf['file']}:loss", RunShape(MICROBATCHES, 1, 0, STEPS))
     assert feed.rank_args[0] == "--synthetic"
     assert json.loads(feed.rank_args[1]) == {"bounds": {"0": 256}, "target": [[ROWS, SEQ], "int64", 256]}
     (idx,), target = synthetic_batches(plan, MICROBATCHES, feed.rank_args[1])

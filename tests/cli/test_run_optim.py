@@ -60,10 +60,10 @@ def test_adamw_cosine_and_global_clipping_on_2x2_ranks_train_like_one_process() 
 
 
 @pytest.mark.parametrize("flags, match", [
-    (("--optimizer", "lamb"), "unknown optimizer 'lamb'; use one of sgd, adamw"),
+    (("--optimizer", "lamb"), "Invalid value for '--optimizer': 'lamb' is not one of 'sgd', 'adamw'"),
     (("--betas", "0.9"), "--betas takes two numbers"),
-    (("--lr-schedule", "step"), "unknown learning-rate schedule 'step'"),
-    (("--precision", "fp8"), "unknown precision 'fp8'; use one of fp32, bf16, fp16"),
+    (("--lr-schedule", "step"), "Invalid value for '--lr-schedule': 'step' is not one of 'constant', 'cosine'"),
+    (("--precision", "fp8"), "Invalid value for '--precision': 'fp8' is not one of 'fp32', 'bf16', 'fp16'"),
     (("--clip-grad-norm", "0"), "--clip-grad-norm is the largest global gradient norm, > 0"),
     (("--schedule", "async-1f1b", "--clip-grad-norm", "1"), "async-1f1b steps each stage after every microbatch"),
 ])

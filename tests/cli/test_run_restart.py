@@ -55,7 +55,8 @@ def test_a_killed_rank_restarts_resumes_and_ends_like_an_unbroken_run(plan: Path
     assert again["losses"] == losses
     assert [m["loss"] for m in _metrics(again_logs)] == losses
     first, second = (tomllib.loads(p.read_text()) for p in (config, again_logs / "config.toml"))
-    assert first.pop("log-dir") != second.pop("log-dir") and first.pop("checkpoint-dir") != second.pop("checkpoint-dir")
+    assert first["logging"].pop("log-dir") != second["logging"].pop("log-dir")
+    assert first["checkpoint"].pop("checkpoint-dir") != second["checkpoint"].pop("checkpoint-dir")
     assert first == second
 
 
@@ -73,7 +74,7 @@ def test_config_toml_runs_again_as_written_from_another_directory(plan: Path, tm
     first = json.loads(ok(fxpipe_cli("run", plan, "--nproc", "2", "--steps", 2, "--loss", "mine.py:loss",
                                      "--log-dir", "logs", "--json")).stdout)
     config = tomllib.loads((work / "logs" / "config.toml").read_text())
-    assert config["loss"] == f"{work / 'mine.py'}:loss"
+    assert config["training"]["loss"] == f"{work / 'mine.py'}:loss"
     monkeypatch.chdir(elsewhere)
     again = json.loads(ok(fxpipe_cli("run", "--config", work / "logs" / "config.toml")).stdout)
     assert again["losses"] == first["losses"]
