@@ -205,6 +205,7 @@ def _typer_param(leaf: Leaf) -> inspect.Parameter:
                              annotation=Annotated[leaf.type, info])
 
 
+CONFIG_FILE = "fxpipe.config_file"  # ctx.meta's key for the --config file's path (None: none given)
 CONFIG_HELP = ("A TOML file of options: keys are the flags without their dashes (steps = 3), at the top or in their "
                "section's table; flags on the command line override it. --print-config writes one.")
 
@@ -218,7 +219,7 @@ def command(cls: type[C], body: Callable[[Any, C], None], name: str) -> Callable
     from fxpipe.cli.common import one_line_errors
 
     def run(ctx: typer.Context, **values: Any) -> None:
-        values.pop("config")
+        ctx.meta[CONFIG_FILE] = values.pop("config")  # the --config file, for a command that asks (fxpipe run)
         show = values.pop("print_config")
         with one_line_errors():
             config = cls.from_flat(values)
@@ -253,8 +254,11 @@ def toml_value(value: Any) -> str:
         value = os.fspath(value)
     if isinstance(value, float) and math.isnan(value):
         return "nan"
-    if not isinstance(value, (bool, int, float, str)):
-        raise TypeError(f"no TOML form for {type(value).__name__} (options are bools, numbers, strings and paths)")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = list(value)  # a repeatable option (compile --print-after)
+    elif not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"no TOML form for {type(value).__name__} (options are bools, numbers, strings, paths and "
+                        "lists of strings)")
     return tomli_w.dumps({"v": value})[len("v = "):].rstrip("\n")
 
 
@@ -280,9 +284,12 @@ def option_key(param: Any) -> str:
 
 
 def _kind(param: Any) -> str:
-    """bool, int, float or str: what TOML value a parameter takes (typer records its annotation)."""
+    """bool, int, float, str or list (of strings): what TOML value a parameter takes (typer records its
+    annotation)."""
     if getattr(param, "is_flag", False):
         return "bool"
+    if getattr(param, "multiple", False):
+        return "list"
     annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
     if annotation is None:  # a click-built parameter
         annotation = {"boolean": bool, "integer": int, "float": float}.get(getattr(param.type, "name", ""), str)
@@ -297,7 +304,8 @@ def _convert(param: Any, value: Any, ctx: Any) -> Any:
     return param.type.convert(value, param, ctx)
 
 
-_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+          "list": "a list of strings"}
 
 
 def _items(doc: dict[str, Any], sections: dict[str, str | None], path: Path) -> Iterator[tuple[str, Any]]:
@@ -337,7 +345,10 @@ def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
                     f"the keys are fxpipe {ctx.info_name}'s flags without the dashes (--print-config shows them)")
             raise OptionError(f"--config {str(path)!r}: unknown key {key!r}; {hint}")
         kind = _kind(param)
+        if kind == "str" and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # stages = 3 for a flag that takes a count or a word (--stages auto)
         ok = (isinstance(value, bool) if kind == "bool" else
+              isinstance(value, list) and all(isinstance(v, str) for v in value) if kind == "list" else
               isinstance(value, int) and not isinstance(value, bool) if kind == "int" else
               isinstance(value, (int, float)) and not isinstance(value, bool) if kind == "float" else
               isinstance(value, str))
@@ -347,7 +358,7 @@ def read_config(path: Path, command: Any, ctx: Any) -> dict[str, Any]:
                 type(value), f"a TOML {type(value).__name__}")
             raise OptionError(f"--config {str(path)!r}: {key} = {shown} is {what}; {key} takes {_NAMES[kind]}")
         try:
-            values[param.name] = _convert(param, value, ctx) if kind != "bool" else value
+            values[param.name] = value if kind in ("bool", "list") else _convert(param, value, ctx)
         except typer.BadParameter as exc:
             raise OptionError(f"--config {str(path)!r}: {key} = {toml_value(value)}: {exc.message}") from None
     return values

@@ -19,7 +19,7 @@ from typing import Any
 from fxpipe.cli import ranks, run_log
 from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress, quiet_torch_logs,
                                say, write_output)
-from fxpipe.cli.config import command, write_json
+from fxpipe.cli.config import CONFIG_FILE, command, write_json
 from fxpipe.cli.run_config import RunConfig
 from fxpipe.errors import OptionError, RankFailedError
 
@@ -44,13 +44,12 @@ class Checked:
 def _run(ctx: Any, config: RunConfig) -> None:
     """Train the plan on its schedule's ranks x --dp (torchrun's elastic agent, gloo), on this machine or across
     --nnodes machines: per-step table, measured vs simulated."""
-    del ctx
     with one_line_errors():
         environ = dict(os.environ)  # the user's, before Inductor's first use sets its cache folder in it
         with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
             import torch  # noqa: F401
         quiet_torch_logs()
-        checked = _check_run(config)
+        checked = _check_run(config, ctx.meta.get(CONFIG_FILE))
         ckpt = config.checkpoint
         ckpt_lock = _check_checkpoint_dir(ckpt.checkpoint_dir, resume=ckpt.resume, overwrite=ckpt.overwrite,
                                           steps=config.training.steps, lock=config.launch.nnodes == 1)
@@ -66,8 +65,9 @@ def _run(ctx: Any, config: RunConfig) -> None:
 run_cmd = command(RunConfig, _run, "run")
 
 
-def _check_run(config: RunConfig) -> Checked:
-    """Everything that can be checked before any rank starts: the plan and the schedule against the options."""
+def _check_run(config: RunConfig, config_file: Path | None) -> Checked:
+    """Everything that can be checked before any rank starts: the plan and the schedule against the options
+    (``config_file``: the --config file, which may be the log directory's own config.toml, run again)."""
     from fxpipe.plan_dir import read_plan, read_plan_json
     from fxpipe.schedules.auto import plan_recompute, plan_schedule
 
@@ -87,14 +87,14 @@ def _check_run(config: RunConfig) -> Checked:
         sched = strategy_schedule(plan, t.schedule, t.microbatches)
     else:
         sched = plan_schedule(plan, t.schedule, t.microbatches)
-    # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
-    recomputed, recompute_note = plan_recompute(plan, sched, t.recompute)
-    _check_pipeline_options(config, plan, sched, bool(recomputed),
-                            read_plan_json(config.plan_dir)["shared_params"])
     from fxpipe.runtime.codegen import check_codegen
 
     fallback = check_codegen(c.codegen)
     _check_device(c.device, c.cuda_graphs, plan, sched, c.codegen)  # before the fallback's warning: one line
+    # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
+    recomputed, recompute_note = plan_recompute(plan, sched, t.recompute)
+    _check_pipeline_options(config, plan, sched, bool(recomputed),
+                            read_plan_json(config.plan_dir)["shared_params"])
     codegen = c.codegen
     if fallback is not None:
         say(f"warning: {fallback}")
@@ -116,17 +116,8 @@ def _check_run(config: RunConfig) -> Checked:
         check_writable_file(lg.trace, "--trace", is_fxpipe_trace)  # before training: a failed write would lose it
     if lg.log_dir is not None:
         run_log.check_log_dir(lg.log_dir, continuing=config.checkpoint.resume != "never",
-                              rerun=run_log.is_own_config(_config_file(), lg.log_dir))
+                              rerun=run_log.is_own_config(config_file, lg.log_dir))
     return Checked(plan, sched, codegen, recompute_note, replicas, nproc, meeting)
-
-
-def _config_file() -> Path | None:
-    """The --config file this command line names, if any (click's context holds it)."""
-    import click
-
-    ctx = click.get_current_context(silent=True)
-    value = ctx.params.get("config") if ctx is not None else None
-    return Path(value) if value is not None else None
 
 
 def _check_pipeline_options(config: RunConfig, plan: Any, sched: Any, recomputed: bool,

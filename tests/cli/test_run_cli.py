@@ -185,7 +185,7 @@ def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path, no_r
     assert one_line_error(fxpipe_cli("run", plan, "--send-yield", "2", "--steps", "1")) == (
         "error: Invalid value for '--send-yield': '2' is not one of 'auto', 'on', 'off'; see fxpipe run --help")
     assert one_line_error(fxpipe_cli("run", plan, "--gloo-loop-nice", "20", "--steps", "1")).startswith(
-        "error: Invalid value for '--gloo-loop-nice': 20 is not in the range 0<=x<=19")
+        "error: Invalid value for '--gloo-loop-nice': Input should be less than or equal to 19")
 
 
 def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() -> None:
