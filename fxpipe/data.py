@@ -467,7 +467,7 @@ def load_digits(*, split_seed: int = 0) -> Digits:
         from sklearn import datasets
     except ImportError:
         raise OptionError("--data digits reads the digits bundled with scikit-learn, which is not installed; "
-                          "pip install 'fxpipe[data]'") from None
+                          "pip install -c constraints.txt -e '.[data]' (README.md)") from None
     bunch = datasets.load_digits()
     x = torch.from_numpy(bunch.data).to(torch.float32) / 16.0  # pixel counts 0..16
     y = torch.from_numpy(bunch.target).to(torch.int64)
@@ -576,7 +576,8 @@ def load_hf(path: str, *, tokenizer: str | Path | None, column: str = "text") ->
         import datasets
         import tokenizers
     except ImportError as exc:
-        raise OptionError(f"--data {spec} needs the {exc.name} package; pip install 'fxpipe[hf]'") from None
+        raise OptionError(f"--data {spec} needs the {exc.name} package; pip install -c constraints.txt -e '.[hf]' "
+                          "(README.md)") from None
     if tokenizer is None:
         raise OptionError(f"--data {spec} is text; pass --tokenizer PATH (a tokenizer.json or a save_pretrained "
                           "directory) to turn it into token ids")

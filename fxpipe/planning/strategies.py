@@ -73,7 +73,7 @@ KINDS = ("matmul", "elementwise", "input", "loss")
 """Layer kinds ``layer_configs`` knows: contracts input features | keeps its input's layout | a model input |
 the loss (reads the model's output split over the batch on every rank, as the input is)."""
 
-_INSTALL = "pip install 'fxpipe[strategies]'"
+_INSTALL = "pip install -c constraints.txt -e '.[strategies]' (README.md)"
 
 
 # --- the layer graph: plain data --------------------------------------------------------------
@@ -645,7 +645,7 @@ def solve(graph: LayerGraph, *, memory_cap: float | None = None, strict: bool = 
 
     Each connected piece of the residue is enumerated when it has at most ``enumerate_limit``
     strategies, else solved by ``solve_ilp``'s ILP (HiGHS; without highspy, an ``OptionError``
-    naming ``pip install 'fxpipe[strategies]'``). ``Strategy.choice`` indexes the original
+    naming ``pip install -c constraints.txt -e '.[strategies]'``). ``Strategy.choice`` indexes the original
     configurations, also under a cap; ``Strategy.remaining`` counts the layers elimination left.
 
     >>> block = cost_graph([[1.0, 0.0], [0.0, 3.0], [2.0, 2.0], [0.0, 1.0]],

@@ -234,9 +234,9 @@ def test_k4_does_not_reduce_and_a_large_residue_goes_to_the_ilp() -> None:
 def test_without_highspy_a_graph_that_does_not_reduce_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "highspy", None)  # import highspy now raises ImportError
     graph = k4(random.Random(5), 2)
-    with pytest.raises(OptionError, match=r"does not reduce.*pip install 'fxpipe\[strategies\]'"):
+    with pytest.raises(OptionError, match=r"does not reduce.*pip install -c constraints.txt -e '\.\[strategies\]'"):
         solve(graph, enumerate_limit=0)
-    with pytest.raises(OptionError, match=r"pip install 'fxpipe\[strategies\]'"):
+    with pytest.raises(OptionError, match=r"pip install -c constraints.txt -e '\.\[strategies\]'"):
         solve_ilp(graph)
     assert close(solve(graph).cost, solve_brute_force(graph).cost)  # small residues need no highspy
 
