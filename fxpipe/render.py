@@ -18,14 +18,15 @@ def render_text(report: Report) -> str:
     return "\n".join(lines)
 
 
-def render_rich(report: Report) -> Any:
-    """A rich Table with the notes as its caption; every string is text (a ``[b]`` in a name stays), and a
-    cell too wide for the terminal folds onto the next line instead of being cut to "…"."""
+def render_rich(report: Report, *, notes: bool = True) -> Any:
+    """A rich Table with the notes as its caption (``notes=False``: without them, for a caller that prints them at
+    its own width); every string is text (a ``[b]`` in a name stays), and a cell too wide for the terminal folds
+    onto the next line instead of being cut to "…"."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title=Text(report.title), title_justify="left",
-                  caption=Text("\n".join(report.notes)) if report.notes else None, caption_justify="left")
+                  caption=Text("\n".join(report.notes)) if report.notes and notes else None, caption_justify="left")
     for i, col in enumerate(report.columns):
         numeric = bool(report.rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool)
                                             for r in report.rows)
@@ -39,7 +40,9 @@ def print_reports(reports: Iterable[Report], *, plain: bool = False, console: An
     """Print reports to the terminal (rich) or as plain text.
 
     Off a terminal (a pipe, a file, ``| tee log``) rich would assume 80 columns and cut or fold wide
-    tables, so each table is printed at its natural width instead.
+    tables, so each table is printed at its natural width instead. The notes under a table wrap to the
+    console's width (the terminal's, or ``$COLUMNS``), not to the table's: a narrow table's caption would fold
+    them into a column of a few words (off a terminal each note is one line).
     """
     if plain:
         for report in reports:
@@ -48,10 +51,14 @@ def print_reports(reports: Iterable[Report], *, plain: bool = False, console: An
     from rich.console import Console
 
     console = console or Console()
+    from rich.text import Text
+
     for report in reports:
-        table = render_rich(report)
+        table = render_rich(report, notes=False)
         target = console if console.is_terminal else _wide_as(console, table)
         target.print(table)
+        for note in report.notes:  # a terminal's width; off one, whole lines, as the tables are whole
+            console.print(Text(note), highlight=False, soft_wrap=not console.is_terminal)
         target.print()
 
 
