@@ -51,7 +51,7 @@ def resolve(target: str, *, device: str = "cpu", dtype: torch.dtype = torch.floa
             if not isinstance(exc, MemoryError) and "alloc" not in str(exc):
                 raise
             raise TargetError(f"building {target} ran out of memory ({first_line(exc)}); lower --batch-size or "
-                              "build it with --device meta") from None
+                              "build it with --build-device meta") from None
         return Target(zoo.name, zoo.model, tuple(zoo.example_inputs), {})
     where, _, attr = target.rpartition(":")
     module = _import(where, target)

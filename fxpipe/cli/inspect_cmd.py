@@ -5,26 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Any
 
-import typer
-
+from fxpipe.cli.command_configs import InspectConfig, ModelsConfig
 from fxpipe.cli.common import one_line_errors, out
+from fxpipe.cli.config import command
 
 if TYPE_CHECKING:
     from fxpipe.report import Report
 
 
-def inspect_cmd(
-    plan_dir: Annotated[Path, typer.Argument(help="A plan directory written by fxpipe compile.")],
-    as_json: Annotated[bool, typer.Option("--json", help="plan.json's summary as JSON.")] = False,
-    plain: Annotated[bool, typer.Option(help="Plain-text tables.")] = False,
-    torchtitan: Annotated[bool, typer.Option("--torchtitan", help="torchtitan's \\[parallelism] TOML fragment for the "
-                                             "plan: its stages by module, its schedule as a CSV, its microbatch size; "
-                                             "refused where a cut falls inside a module.")] = False,
-) -> None:
+def _inspect(ctx: Any, config: InspectConfig) -> None:
     """Print a plan directory's tables again, without recompiling, and its inputs (name, shape per microbatch,
     dtype, values) and what its loss expects: what a batch for PipelineRuntime.step must hold."""
+    plan_dir, as_json, plain, torchtitan = config.plan_dir, config.as_json, config.plain, config.torchtitan
     with one_line_errors():
         if torchtitan:
             _torchtitan(plan_dir)
@@ -53,6 +47,9 @@ def inspect_cmd(
         print_reports([*reports, summary, _batch_report(batch)], plain=plain, console=out)
 
 
+inspect_cmd = command(InspectConfig, _inspect, "inspect")
+
+
 def _torchtitan(plan_dir: Path) -> None:
     """The fragment on stdout; where no export holds the plan's CSV yet, the command that writes it on stderr."""
     from fxpipe.cli.common import say
@@ -67,11 +64,9 @@ def _torchtitan(plan_dir: Path) -> None:
         say(f"the schedule CSV is not written yet: fxpipe export {plan_dir} --to torch --out {csv.parent}")
 
 
-def models_cmd(
-    as_json: Annotated[bool, typer.Option("--json", help="The zoo as JSON.")] = False,
-    plain: Annotated[bool, typer.Option(help="Plain-text table.")] = False,
-) -> None:
+def _models(ctx: Any, config: ModelsConfig) -> None:
     """List the built-in models and their sizes with parameter counts."""
+    as_json, plain = config.as_json, config.plain
     with one_line_errors():
         from fxpipe import models
         from fxpipe.report import Report
@@ -91,6 +86,9 @@ def models_cmd(
         print_reports([Report("fxpipe models (the bare family name is the default size)",
                               ("model", "parameters", "default", "description"), tuple(rows))],
                       plain=plain, console=out)
+
+
+models_cmd = command(ModelsConfig, _models, "models")
 
 
 def _numel(shape: list[int]) -> int:

@@ -43,7 +43,7 @@ def profile_layers(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, r
     tensors = [*gm.parameters(), *gm.buffers(), *(t for t in example_inputs if isinstance(t, torch.Tensor))]
     if any(t.is_meta for t in tensors):
         raise OptionError("--profile runs the layers on real tensors, but the model is on the meta device; "
-                          "drop --profile or build the model on cpu")
+                          "drop --profile or build the model on cpu (--build-device cpu)")
     out = clone(gm)
     with preserved_buffers(gm):
         layers = [(layer, args) for _, layer, _, args, _ in run_stages(split_by_layer(gm), example_inputs)]

@@ -155,8 +155,8 @@ def plan_candidates(layers: Layers, devices: int, *, bandwidth: float, latency: 
                         sync = max(allreduce_seconds(grads[j] - grads[i], dp, bandwidth, latency) for i, j in spans)
                         out.append(PlanCandidate(p, dp, schedule, m, tuple(bounds), step + sync, memory))
     if not out:
-        raise PlanError(f"no plan on {devices} devices fits --memory-per-device {memory_cap:.0f} bytes; the least any "
-                        f"needs is {least:.0f} bytes; raise --memory-per-device or --devices")
+        raise PlanError(f"no plan on {devices} devices fits --memory-per-stage {memory_cap:.0f} bytes; the least any "
+                        f"needs is {least:.0f} bytes; raise --memory-per-stage or --devices")
     out.sort(key=lambda c: (-c.throughput(c.model_s), c.devices, c.stages, PLAN_SCHEDULES.index(c.schedule)
                             if c.schedule in PLAN_SCHEDULES else 99, c.microbatches))
     return out

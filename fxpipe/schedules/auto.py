@@ -56,7 +56,7 @@ def auto(num_stages: int, costs: Costs, *, microbatches: Sequence[int], memory_c
     fitting = [t for t in tried if t[3]]
     if not fitting:
         least = min(t[2] for t in tried)
-        raise PlanError(f"no schedule fits --memory-per-stage {memory_cap:.4g} bytes of activations; the least any "
+        raise PlanError(f"no schedule fits --activation-memory-per-stage {memory_cap:.4g} bytes; the least any "
                         f"candidate needs is {least:.4g} bytes; raise the cap or use fewer microbatches")
     best = min(fitting, key=lambda t: (t[1].makespan / t[0].num_microbatches, t[2], t[0].name))
     rows = tuple(

@@ -47,7 +47,7 @@ _COMM_TINY = 1e-3  # a zero-length send/receive is drawn this fraction of the ma
 _SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 
 
-def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
+def ascii_timeline(result: SimResult, *, width: int = 100, unit: str | None = None) -> str:
     """One row per rank, time scaled to ``width`` columns; a compute action is its kind letter over its duration.
 
     The microbatch number follows the letter when the action spans enough columns (``F3FF``);
@@ -55,6 +55,8 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
     Column edges are rounded from the action's start and end, so adjacent actions never overlap.
     When a rank has more actions than columns, each column shows instead the kind that runs longest
     in it (``*`` if none runs more than half, ``.`` if the rank idles for half of it), without digits.
+    ``unit``: the costs' time unit, named in the header: ``"s"`` (shown as ms) or ``"unit"`` (units); None names
+    none.
     """
     if width < 1:
         raise OptionError(f"a timeline needs at least one column (width: {width}); use width >= 1")
@@ -95,8 +97,10 @@ def ascii_timeline(result: SimResult, *, width: int = 100) -> str:
         lanes.setdefault(ar.rank, ["."] * width)[lo:hi] = cells
     names = {r: f"rank {r}" for r in ranks}
     label = max((len(n) + (3 if lanes else 0) for n in names.values()), default=0)
+    scale_to, shown = (1e3, " ms") if unit == "s" else (1.0, " units") if unit == "unit" else (1.0, "")
+    column = f"{span / width * scale_to:{'.4g' if shown else 'g'}}"
     header = (f"{result.schedule}: {len(ranks)} ranks{f' x dp {result.dp}' if result.dp > 1 else ''}, "
-              f"makespan {result.makespan:g}, 1 column = {span / width:g}")
+              f"makespan {result.makespan * scale_to:.6g}{shown}, 1 column = {column}{shown}")
     legend = (_LEGEND if not summarized else _LEGEND.replace("digits: microbatch", f"{MIXED_LETTER} mixed")) + (
         f"  {ALLREDUCE_LETTER} all-reduce (digit: stage)" if lanes else "")
     lines = [header, legend]

@@ -236,16 +236,16 @@ def test_out_over_an_earlier_plan_replaces_it(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan"]
 
 
-def test_device_meta_writes_a_meta_plan(tmp_path: Path) -> None:
+def test_build_device_meta_writes_a_meta_plan(tmp_path: Path) -> None:
     out = tmp_path / "plan"
-    ok(fxpipe_cli("compile", "gpt-tiny", "--device", "meta", "--out", out))
+    ok(fxpipe_cli("compile", "gpt-tiny", "--build-device", "meta", "--out", out))
     doc = json.loads((out / "plan.json").read_text())
     assert {p["device"] for s in doc["stages"] for p in s["parameters"]} == {"meta"}
     assert all(p.is_meta for p in fxpipe.load(out).parameters())
 
 
-def test_device_meta_with_profile_is_refused() -> None:
-    line = one_line_error(fxpipe_cli("compile", "mlp-tiny", "--device", "meta", "--profile"))
+def test_build_device_meta_with_profile_is_refused() -> None:
+    line = one_line_error(fxpipe_cli("compile", "mlp-tiny", "--build-device", "meta", "--profile"))
     assert "--profile" in line and "meta" in line
 
 

@@ -127,7 +127,8 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     node = tmp_path / "node"
     ok(fxpipe_cli("compile", "mlp-tiny", "--stages", 2, "--granularity", "node", "--out", node))
     assert "torchtitan splits at modules" in one_line_error(fxpipe_cli("inspect", node, "--torchtitan"))
-    assert "--to takes torch" in one_line_error(fxpipe_cli("export", node, "--to", "jax", "--out", tmp_path / "y"))
+    assert "'jax' is not one of 'torch'" in one_line_error(fxpipe_cli("export", node, "--to", "jax", "--out",
+                                                                      tmp_path / "y"))
     pipe = fxpipe.load(node)
     from fxpipe.plan import StrategyRecord
 

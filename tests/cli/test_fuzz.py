@@ -75,7 +75,8 @@ def test_simulate(places: Places, data: st.DataObject) -> None:
     target = data.draw(st.sampled_from([[], [str(places.plan)], ["[/bold]"], [places.outputs[1]]]))
     args = ["simulate", *target, *options(data.draw, {
         "--schedule": strings, "--microbatches": numbers, "--stages": numbers, "--uniform-costs": costs,
-        "--memory-per-stage": sizes, "--trace": outputs, "--svg": outputs})]
+        "--activation-memory-per-stage": sizes, "--trace": outputs, "--svg": outputs, "--optimizer": strings,
+        "--momentum": numbers})]
     args += data.draw(st.sampled_from([[], ["--json"], ["--plain"]]))
     check(args)
 

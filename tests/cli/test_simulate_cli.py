@@ -73,7 +73,8 @@ def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:
     (["simulate", "--uniform-costs", "1,1", "--stages", "2"], "--uniform-costs takes 3 non-negative numbers"),
     (["simulate", "--uniform-costs", "1,1,1"], "--uniform-costs needs --stages"),
     (["simulate"], "give a plan directory or a model"),
-    (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "nope"], "unknown schedule 'nope'"),
+    (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--schedule", "nope"],
+     "'nope' is not one of 'gpipe', '1f1b'"),  # the choices listed (--schedule is a Literal of the registry's)
     (["simulate", "--uniform-costs", "1,1,1", "--stages", "3", "--schedule", "interleaved-1f1b"],
      "stage count must be a multiple of 2"),
     (["simulate", "--uniform-costs", "1,1,1", "--stages", "2", "--recompute", "stage"],

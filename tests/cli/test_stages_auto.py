@@ -131,8 +131,7 @@ def test_the_screen_keeps_the_candidate_simulating_everything_picks(monkeypatch:
     (("--plan", "auto"), "--plan auto needs --devices N"),
     (("--plan", "auto", "--devices", "4", "--stages", "2"), "--plan auto chooses --stages itself"),
     (("--plan", "auto", "--devices", "4", "--schedule", "1f1b", "--dp", "2"), "chooses --schedule, --dp itself"),
-    (("--plan", "best", "--devices", "4"), "--plan takes auto"),
-    (("--plan", "auto", "--devices", "4", "--memory-per-device", "1KiB"), "no plan on 4 devices fits"),
+    (("--plan", "auto", "--devices", "4", "--memory-per-stage", "1KiB"), "no plan on 4 devices fits --memory-per-stage"),
     (("--plan", "auto", "--devices", "4", "--cores", "0"), "--cores must be at least 1 (got 0)"),
 ])
 def test_plan_auto_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:

@@ -46,9 +46,9 @@ def test_the_table_prints_every_layer_and_the_totals() -> None:
 @pytest.mark.parametrize(("args", "words"), [
     (("vgg-tiny", "--ranks", "3"), "power of two"),
     (("vgg-tiny", "--ranks", "4"), "the batch of 2 rows (vgg-tiny's example batch) does not split evenly over "
-                                   "--ranks 4; give --batch 4"),
-    (("vgg-tiny", "--ranks", "4", "--batch", "6"), "the batch of 6 rows (--batch 6) does not split evenly over "
-                                                   "--ranks 4; give --batch 8"),
+                                   "--ranks 4; give --batch-size 4"),
+    (("vgg-tiny", "--ranks", "4", "--batch-size", "6"), "the batch of 6 rows (--batch-size 6) does not split evenly "
+                                                        "over --ranks 4; give --batch-size 8"),
     (("vgg-tiny", "--ranks", "4", "--group", "8"), "--group 8 must divide --ranks 4"),
     (("gpt-tiny",), "symbolic_trace"),
     (("no-such-model",), "no-such-model"),
@@ -67,7 +67,7 @@ def test_the_batch_hint_names_a_flag_and_a_value_that_work(flag: str) -> None:
     splits; given as said (under either spelling, --batch-size being fxpipe compile's), the command runs."""
     result = fxpipe_cli("strategy", "vgg-tiny", "--ranks", "4", "--strategy", "splitbrain")
     assert result.exit_code == 2, result.output
-    fix = re.search(r"give (--batch) (\d+)", result.stderr)
+    fix = re.search(r"give (--batch-size) (\d+)", result.stderr)
     assert fix, result.stderr
     got = _json("vgg-tiny", "--ranks", "4", "--strategy", "splitbrain", flag, fix.group(2))
     assert got["strategy"] == "splitbrain" and got["layers"]

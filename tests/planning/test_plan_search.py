@@ -63,7 +63,7 @@ def test_the_best_candidate_equals_brute_force_over_every_partition(seed: int, c
                         sync = max(allreduce_seconds(sum(layers.param_bytes[i:j]), dp, bw, lat) for i, j in spans)
                         best = max(best, dp * m / (step + sync))
     if not fits_any:
-        with pytest.raises(PlanError, match="no plan on .* fits --memory-per-device"):
+        with pytest.raises(PlanError, match="no plan on .* fits --memory-per-stage"):
             plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap, cores=cores, cache=cache)
         return
     got = plan_candidates(layers, devices, bandwidth=bw, latency=lat, memory_cap=cap, cores=cores, cache=cache)
