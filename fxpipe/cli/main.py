@@ -100,7 +100,30 @@ def _old_resume_flag(argv: list[str]) -> bool:
     return i + 1 == len(argv) or argv[i + 1].startswith("-")
 
 
+def show_notes() -> None:
+    """fxpipe's module loggers (``logging.getLogger("fxpipe")``: the calibration measuring, a compiler missing, a W
+    run per microbatch) on stderr, one line each, at INFO; the library itself configures no handler."""
+    import logging
+
+    logger = logging.getLogger("fxpipe")
+    if logger.handlers:
+        return
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False,
+                                               markup=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("note: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main() -> None:
+    show_notes()
     if _old_resume_flag(sys.argv[1:]):
         sys.stderr.write("error: --resume takes never, auto or always; the old flag --resume is --resume always\n")
         raise SystemExit(2)

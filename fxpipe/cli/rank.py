@@ -6,8 +6,9 @@ through pinned host memory). The plan, loaded on the CPU, is moved there first (
 parameters, constants and the graphs' device literals). ``--cuda-graphs auto|on|off`` is
 ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: on a CUDA rank running a synchronous schedule's eager graphs).
 
-Run as :func:`entry`, forked by ``fxpipe.cli.agent`` (torchrun's agent; ``fxpipe run`` starts it, see
-``fxpipe.cli.ranks``), or as ``python -m fxpipe.cli.rank`` under torchrun itself; reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
+Run as ``python -m fxpipe.cli.rank RUN_JSON --out DIR`` under torchrun (``fxpipe run`` starts it, see
+``fxpipe.cli.ranks``; RUN_JSON is the run's :class:`~fxpipe.cli.run_config.RunConfig`); reads
+RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
 ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
 and the runtime does not import the zoo; ``--loss`` / ``--data FILE.py:FUNCTION`` replace them
 (``fxpipe.cli.feed``: this rank reads only what its stages consume, its replica's rows).
@@ -84,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             from fxpipe.errors import RankFailedError
 
             raise RankFailedError(f"rank {rank} could not join the process group within {args.timeout:g} s "
-                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank must "
-                                  "reach MASTER_ADDR:MASTER_PORT and every other node's ranks (gloo connects each pair; "
-                                  "GLOO_SOCKET_IFNAME picks the network interface)") from exc
+                                  f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); every rank "
+                                  "must reach MASTER_ADDR:MASTER_PORT and every other node's ranks (gloo connects "
+                                  "each pair; GLOO_SOCKET_IFNAME picks the network interface)") from exc
         check_same_run(args, rank)
         result, params = _run(args, rank, dist.get_world_size())
         result["cpus"] = list(cpus)  # the CPUs this rank ran on (none: wherever the system put it)
@@ -203,8 +204,9 @@ def _gather(out: Path, rank: int, world: int, result: dict[str, object], params:
     try:
         dist.gather_object((result, params), gathered, dst=0)
     except Exception as exc:
+        why = str(exc).splitlines()[0] if str(exc) else exc
         raise RankFailedError(f"a rank stopped responding while rank {rank} waited for the results to be gathered on "
-                              f"rank 0 (timeout {timeout:g} s): {str(exc).splitlines()[0] if str(exc) else exc}") from exc
+                              f"rank 0 (timeout {timeout:g} s): {why}") from exc
     if gathered is None:
         return
     merged: dict[str, Any] = {}
@@ -260,8 +262,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> tuple[dict[str, obj
     import torch
 
     import fxpipe
-    from fxpipe.errors import PlanFileError
     from fxpipe.cli.feed import loss_of, trusted_ops
+    from fxpipe.errors import PlanFileError
     from fxpipe.runtime.executor import PipelineRuntime
 
     device = rank_device(args.device)
@@ -457,8 +459,8 @@ def _measure(args: argparse.Namespace, rt: Any, pipe: Any, trained: _Trained, ra
     lrs, grad_norms, timed_steps, eval_losses, attempt = (trained.lrs, trained.grad_norms, trained.timed_steps,
                                                           trained.eval_losses, trained.attempt)
     from fxpipe.calibration.compute import calibration_enabled
-    from fxpipe.planning.cost import held_peaks
     from fxpipe.calibration.runtime_costs import calibrate, calibrate_allreduce
+    from fxpipe.planning.cost import held_peaks
     from fxpipe.schedules.simulate import simulate
     from fxpipe.schedules.versions import held_peaks_with_versions
 

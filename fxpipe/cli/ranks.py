@@ -12,6 +12,7 @@ that into the one line that names the rank to look at, or says that the nodes ne
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -237,9 +238,9 @@ def stalled(out_dir: Path, started: float, timeout: float, now: float,
             first: float | None = None) -> tuple[tuple[int, str], ...] | None:
     """Each rank's last word, (rank, what it was doing), when none has moved on (:class:`Heartbeat`) for ``timeout``
     seconds since ``started`` (``first`` seconds while a rank is starting or setting up: importing torch, tracing,
-    nodes meeting, each of which may take minutes on a loaded machine; all times on
-    ``time.time()``'s clock; ``()``: no rank has started); else None. Every rank busy at once (a loop in every rank's graph or function) is what
-    this catches: a rank that waits for a busy one gives up by itself, at ``--timeout``."""
+    nodes meeting, each of which may take minutes on a loaded machine; all times on ``time.time()``'s clock; ``()``:
+    no rank has started); else None. Every rank busy at once (a loop in every rank's graph or function) is what this
+    catches: a rank that waits for a busy one gives up by itself, at ``--timeout``."""
     beats: list[tuple[int, str, float]] = []
     for path in out_dir.glob("rank*.beat"):
         try:
@@ -494,6 +495,19 @@ def record_warnings(out_dir: Path, rank: int) -> None:
             pass
 
     warnings.showwarning = show
+
+    class _Relay(logging.Handler):  # fxpipe's own notes at WARNING and above (its module loggers), the same way
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage().strip().splitlines()
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(f"{record.levelname.title()}: {text[0][:300] if text else ''}\n")
+            except OSError:
+                pass
+
+    logger = logging.getLogger("fxpipe")
+    logger.addHandler(_Relay(logging.WARNING))
+    logger.propagate = False  # a rank's stderr is torchrun's: the relay is where the note goes
 
 
 def rank_warnings(out_dir: Path) -> list[str]:

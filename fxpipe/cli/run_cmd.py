@@ -17,8 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.cli import ranks, run_log
-from fxpipe.cli.common import (check_outputs, check_writable_file, err, one_line_errors, out, progress, quiet_torch_logs,
-                               say, write_output)
+from fxpipe.cli.common import (
+    check_outputs,
+    check_writable_file,
+    err,
+    one_line_errors,
+    out,
+    progress,
+    quiet_torch_logs,
+    say,
+    write_output,
+)
 from fxpipe.cli.config import CONFIG_FILE, command, write_json
 from fxpipe.cli.run_config import RunConfig
 from fxpipe.errors import OptionError, RankFailedError
@@ -259,8 +268,8 @@ def _write_log_config(config: RunConfig, resolved: RunConfig) -> None:
     text = RunConfig.from_flat(absolute).to_toml("fxpipe run --config FILE runs it again")
     write_output(log_dir, "--log-dir", lambda d: run_log.write_config(d, text))
     if run_log.tensorboard_missing():
-        say("note: tensorboard is not installed, so --log-dir gets no TensorBoard events (pip install "
-            "'fxpipe[tensorboard]'); metrics.jsonl and config.toml are written")
+        say("note: tensorboard is not installed, so --log-dir gets no TensorBoard events (pip install -c "
+            "constraints.txt -e '.[tensorboard]'); metrics.jsonl and config.toml are written")
 
 
 def _results(config: RunConfig, checked: Checked, proc: Any, out_dir: Path) -> list[dict[str, Any]] | None:
@@ -477,8 +486,8 @@ def _on_one_clock(results: list[dict[str, Any]]) -> dict[int, list[Any]]:
     if len({r["host"] for r in results}) != 1 or any("step_started" not in r for r in results):
         return {r["rank"]: r["events"] for r in results}
     first = min(r["step_started"] for r in results)
-    return {r["rank"]: [(a, t0 + r["step_started"] - first, t1 + r["step_started"] - first) for a, t0, t1 in r["events"]]
-            for r in results}
+    return {r["rank"]: [(a, t0 + r["step_started"] - first, t1 + r["step_started"] - first)
+                        for a, t0, t1 in r["events"]] for r in results}
 
 
 def _actions(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -487,7 +496,8 @@ def _actions(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from fxpipe.cli.rank import slowest_actions
 
     best = slowest_actions(r.get("action_ms", []) for r in results)
-    return [{"stage": s, "action": k, "measured_ms": m, "simulated_ms": sim} for (s, k), (m, sim) in sorted(best.items())]
+    return [{"stage": s, "action": k, "measured_ms": m, "simulated_ms": sim}
+            for (s, k), (m, sim) in sorted(best.items())]
 
 
 def _actions_report(doc: dict[str, Any]) -> Any:
@@ -499,9 +509,9 @@ def _actions_report(doc: dict[str, Any]) -> Any:
     return Report("run: each stage's actions, measured and simulated", ("stage", "action", "measured ms",
                                                                        "simulated ms", "measured / simulated"), rows,
                   ("ms per microbatch: measured, the median over the steps after the first of each step's mean (a "
-                   "batched run of Ws shared over its microbatches; a stage's optimizer step left out); simulated, what "
-                   "the run's simulation charged it (the plan's costs with this run's calibrated contention and fixed "
-                   "costs); where they differ is where the plan's estimate is off",))
+                   "batched run of Ws shared over its microbatches; a stage's optimizer step left out); simulated, "
+                   "what the run's simulation charged it (the plan's costs with this run's calibrated contention and "
+                   "fixed costs); where they differ is where the plan's estimate is off",))
 
 
 def _held_per_stage(results: list[dict[str, Any]]) -> dict[str, list[int]]:

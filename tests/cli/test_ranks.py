@@ -292,3 +292,26 @@ def test_the_run_is_stalled_when_no_rank_moves_on_for_the_timeout(tmp_path: Path
     line = stall_failure(hung, 10, 5).message
     assert line.startswith("no rank made progress for 15 s (--timeout 10 s, and 5 more) (rank 0: step 3, rank 1: "
                            "loading the plan)") and "raise --timeout" in line
+
+
+def test_a_rank_s_warnings_and_fxpipe_s_logged_notes_reach_the_launcher(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a rank, a warning of fxpipe's or the user's code and a note at WARNING on fxpipe's module loggers become
+    lines of its warnings file; the launcher shows each once, with the ranks that raised it."""
+    import logging
+    import warnings
+
+    from fxpipe.cli.ranks import rank_warnings, record_warnings
+
+    logger = logging.getLogger("fxpipe")
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    for rank in (0, 1):
+        record_warnings(tmp_path, rank)
+        warnings.warn_explicit("the user's data is short", UserWarning, __file__, 1)
+        logging.getLogger("fxpipe.runtime.executor").warning("W runs per microbatch\nsecond line")
+        logging.getLogger("fxpipe.runtime.executor").info("not relayed")
+        logger.handlers = []
+    assert rank_warnings(tmp_path) == ["UserWarning: the user's data is short (ranks 0, 1)",
+                                       "Warning: W runs per microbatch (ranks 0, 1)"]
