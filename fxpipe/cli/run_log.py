@@ -5,7 +5,8 @@ reads and writes it), so ``--config DIR/config.toml`` runs the same training aga
 
 ``DIR/metrics.jsonl`` gets one JSON line per finished step from rank 0 (:class:`StepLog`): every rank's
 peak memory and step time reach it in one all-reduce per step, issued right after the step and read when
-its loss is. TensorBoard scalars go beside it when ``tensorboard`` is installed (``pip install -c constraints.txt -e '.[tensorboard]'``).
+its loss is. TensorBoard scalars go beside it when ``tensorboard`` is installed
+(``pip install -c constraints.txt -e '.[tensorboard]'``).
 """
 
 from __future__ import annotations
