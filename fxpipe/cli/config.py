@@ -86,7 +86,7 @@ def leaves(cls: type[Any]) -> list[Leaf]:
     found: list[Leaf] = []
     for f in fields(cls):
         tp = hints[f.name]
-        if is_dataclass(tp):
+        if isinstance(tp, type) and is_dataclass(tp):
             sub = _hints(tp)
             found += [Leaf(f.name, g.name, sub[g.name], g.default, dict(g.metadata)) for g in fields(tp)]
         else:
@@ -121,13 +121,14 @@ class Config:
         """The config of option name -> value (missing ones at their defaults); TypeError for an unknown name."""
         hints = _hints(cls)
         known = {leaf.name for leaf in leaves(cls)}
+        top_fields: tuple[Any, ...] = fields(cls)  # type: ignore[arg-type]  # a Config subclass is a dataclass
         unknown = sorted(set(values) - known)
         if unknown:
             raise TypeError(f"{cls.__name__} has no option {unknown[0]!r}")
         top: dict[str, Any] = {}
-        for f in fields(cls):
+        for f in top_fields:
             tp = hints[f.name]
-            if is_dataclass(tp):
+            if isinstance(tp, type) and is_dataclass(tp):
                 top[f.name] = tp(**{g.name: values[g.name] for g in fields(tp) if g.name in values})
             elif f.name in values:
                 top[f.name] = values[f.name]

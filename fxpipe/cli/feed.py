@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SYNTHETIC_SEED = 1234  # the seed of fxpipe.cli.rank_common.synthetic_batch
 
@@ -56,7 +56,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
     from fxpipe.errors import OptionError
     from fxpipe.targets import resolve_function
 
-    source = data.parse_data(data_spec) if isinstance(data_spec, str) else data_spec  # hf: loaded by the launcher
+    source: Any = data.parse_data(data_spec) if isinstance(data_spec, str) else data_spec  # hf: the launcher's
     name = plan.provenance.model or "a model compiled through the Python API"
     if plan.strategy is not None and zoo is None:
         raise OptionError(f"a per-layer strategy plan trains a built-in model, which its ranks trace again (this plan "
@@ -89,7 +89,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
     else:
         fit = data.check_fit(source, example, tuple(_logits(output).shape))
         if loss_fn is not None and isinstance(source, data.Digits):
-            target = source.batch(0, rows, seed=seed, layout=fit.layout, dtype=fit.dtype)[1]
+            target = source.batch(0, rows, seed=seed, layout=cast(Any, fit.layout), dtype=fit.dtype)[1]
         elif loss_fn is not None:
             target = source.batch(0, rows, fit.seq_len, seed=seed)[1]
     if loss_fn is not None:
@@ -138,11 +138,12 @@ def rank_batches(spec: str, plan: Any, ctx: Any, zoo_batch: Callable[[int], tupl
     size, shard = ctx.batch_size * ctx.replicas, (ctx.replica, ctx.replicas)
     if isinstance(source, data.Digits):
         def digits(k: int) -> tuple[Any, Any]:
-            x, y = source.batch(k, size, seed=ctx.seed, layout=fit.layout, dtype=fit.dtype, shard=shard)
+            x, y = source.batch(k, size, seed=ctx.seed, layout=cast(Any, fit.layout), dtype=fit.dtype, shard=shard)
             return mine(((x,), y))
         return digits
 
     def tokens(k: int) -> tuple[Any, Any]:
+        assert fit.seq_len is not None  # a token source's fit has its sequence length
         idx, target = source.batch(k, size, fit.seq_len, seed=ctx.seed, shard=shard)
         return mine(((idx,), target))
     return tokens
@@ -160,7 +161,7 @@ def eval_batches(spec: str, plan: Any, ctx: Any, max_batches: int) -> list[tuple
         raise OptionError(f"--eval-data {spec} has no held-out split; use digits, text:, jsonl: or hf: data")
     fit = data.check_fit(source, _example_zeros(plan), None)
     batches = data.held_out_batches(source, ctx.batch_size * ctx.replicas, seq_len=fit.seq_len,
-                                    max_batches=max_batches, layout=fit.layout, dtype=fit.dtype,
+                                    max_batches=max_batches, layout=cast(Any, fit.layout), dtype=fit.dtype,
                                     shard=(ctx.replica, ctx.replicas))
     return [((x,) if ctx.needs_inputs else None, y if ctx.needs_targets else None) for x, y in batches]
 

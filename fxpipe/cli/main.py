@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 try:  # a Ctrl-C before a command takes over (common.one_line_errors) has nothing to clean up: no traceback
@@ -31,15 +32,16 @@ class OneLineGroup(typer.core.TyperGroup):
     """fxpipe's command group: a usage error (an unknown option, a value out of range or not one of the choices) is
     one line on stderr and exit code 2, as every other refusal is, not a usage box."""
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         # typer's public names: BadParameter's base (UsageError) and Abort; the help for a bare `fxpipe` is a
         # UsageError too, and keeps typer's rendering
-        usage_error = typer.BadParameter.__mro__[1]
+        usage_error: type[typer.BadParameter] = typer.BadParameter.__mro__[1]
 
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
         except usage_error as exc:
             if type(exc).__name__ == "NoArgsIsHelpError":  # `fxpipe` alone: the help
                 from typer import rich_utils

@@ -587,7 +587,7 @@ def replayed_step_ms(schedule: Any, costs: Any, actions: list[list[Any]], world:
     if world > 1:
         import torch.distributed as dist
 
-        every = [None] * world
+        every = [[] for _ in range(world)]
         dist.all_gather_object(every, actions)
     measured = {key: ms / 1e3 for key, (ms, _) in slowest_actions(every).items()}
     return simulate(schedule, replayed(schedule, costs, measured)).makespan * 1e3

@@ -74,7 +74,7 @@ def run_strategy(args: argparse.Namespace, rank: int, world: int, pipe: Any, zoo
     lr_sched = LRSchedule(args.lr_schedule, args.warmup_steps, args.steps)(opt) \
         if args.lr_schedule != "constant" or args.warmup_steps else None
     state = StrategyState(rt, opt, lr_sched, stages=pp, schedule=f"strategy {record.name}")
-    state.data_position = {"data_seed": float(args.seed)}
+    state.data_position = {"data_seed": float(args.seed)}  # type: ignore[attr-defined]  # saved with the checkpoint
     first = checkpoint.load(state, args.checkpoint_dir) if resumes(args, world) else 0
     saved_seed = getattr(state, "resumed_position", {}).get("data_seed")
     if first and saved_seed is not None and saved_seed != float(args.seed):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
+import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
 RANK_MODULE = "fxpipe.cli.rank"  # the program every rank runs
 RESULTS = "results.json"  # every rank's result, written by rank 0 (on the node that holds it)
@@ -121,7 +121,7 @@ class RankFailure:
     after_results: bool = False  # every failing rank had written its result: the run's results are complete
 
 
-def torchrun_command(rank_argv: Sequence[str], nproc: int, *, rendezvous: Rendezvous | None = None,
+def torchrun_command(rank_argv: Sequence[str | os.PathLike[str]], nproc: int, *, rendezvous: Rendezvous | None = None,
                      max_restarts: int = 0) -> list[str]:
     """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine:
     torchrun (``python -m torch.distributed.run``, torch's public launcher), each rank a Python of its own. With a

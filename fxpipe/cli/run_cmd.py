@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fxpipe.cli import ranks, run_log
 from fxpipe.cli.common import (
@@ -732,7 +732,7 @@ def _check_eval(plan: Any, sched: Any, eval_data: str | None, eval_every: int, e
     fit = data_mod.check_fit(source, _example_zeros(plan), None)
     rows = int(plan.inputs[0].shape[0]) if plan.inputs and plan.inputs[0].shape else 1
     data_mod.held_out_batches(source, rows * sched.num_microbatches * replicas, seq_len=fit.seq_len, max_batches=1,
-                              layout=fit.layout, dtype=fit.dtype)  # at least one whole batch, or one line
+                              layout=cast(Any, fit.layout), dtype=fit.dtype)  # at least one whole batch, or one line
     return loaded if eval_data is not None else None
 
 
@@ -773,7 +773,7 @@ def _held_out(plan_dir: Path, out_dir: Path, source: object, fit: object,
     from fxpipe import data
 
     pipe = fxpipe.load(plan_dir, trust_ops=trust_ops)
-    params = {n: p for st in pipe.stages for n, p in st.module.named_parameters(remove_duplicate=False)}
+    params = {n: p for st in pipe.stage_list() for n, p in st.module.named_parameters(remove_duplicate=False)}
     for name, value in torch.load(out_dir / ranks.PARAMS, weights_only=True).items():
         with torch.no_grad():
             params[name].copy_(value)
