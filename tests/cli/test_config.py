@@ -8,13 +8,11 @@ import copy
 import dataclasses
 import re
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import typer
 import typer.main
 from typer.testing import CliRunner
@@ -106,16 +104,6 @@ def _with_default(name: str, value: Any) -> type[RunConfig]:
         else:
             top.append((f.name, tp, dataclasses.field(default=f.default, metadata=f.metadata)))
     return dataclasses.make_dataclass("RunConfig", top, bases=(RunConfig,), frozen=True)
-
-
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_default_changed_in_the_config_changes_the_help_the_toml_and_the_runtime(world1: None) -> None:
