@@ -724,17 +724,6 @@ def zoo_of(plan: Any, device: str = "cpu") -> Any:
         return None
 
 
-def entry(*argv: str) -> int:
-    """The rank as the function ``fxpipe.cli.agent`` forks: :func:`main` of ``argv``; a failure exits with its code
-    (torchrun's agent reads a function's failure from its exit code)."""
-    code = main(list(argv))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        raise SystemExit(code)
-    return 0
-
-
 if __name__ == "__main__":
     code = main()
     # Every result is written and every file closed: leave without the interpreter's teardown of torch and Dynamo

@@ -169,21 +169,6 @@ def keep_earlier_error(out_dir: Path, rank: int) -> None:
         os.replace(stale, out_dir / f"rank{rank}.error{EARLIER}{attempt - 1}")
 
 
-def host_args(host: Any) -> list[str]:
-    """The rank program's options for a :class:`fxpipe.calibration.host.HostTuning` (``fxpipe.cli.rank`` reads
-    them back with :func:`host_tuning`): the ranks get their host settings as options, not from the environment."""
-    return ["--pin-cpus", str(int(host.pin_cpus)), "--gloo-loop-nice", str(host.gloo_loop_nice),
-            "--send-yield", host.send_yield, "--keep-freed-memory", str(int(host.keep_freed_memory))]
-
-
-def host_tuning(args: Any) -> Any:
-    """The :class:`~fxpipe.calibration.host.HostTuning` of the rank program's parsed :func:`host_args`."""
-    from fxpipe.calibration.host import HostTuning
-
-    return HostTuning(pin_cpus=bool(args.pin_cpus), gloo_loop_nice=args.gloo_loop_nice, send_yield=args.send_yield,
-                      keep_freed_memory=bool(args.keep_freed_memory))
-
-
 def parse_step(line: str) -> StepDone | None:
     """A progress line ``step K loss L ms T`` (as ``fxpipe.cli.rank`` writes it), or None for any other line."""
     match = _STEP_LINE.match(line.strip())
