@@ -1,4 +1,4 @@
-"""Measure `fxpipe compile gpt-1.5b --stages 8 --device meta` end to end through the CLI: wall time and peak RSS.
+"""Measure `fxpipe compile gpt-1.5b --stages 8 --build-device meta` end to end through the CLI: wall time and peak RSS.
 
 Goal (issue: fxpipe compile): under 20 s and under 1.5 GB peak RSS on a 2-core machine.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def run_once(out: Path, extra: list[str]) -> tuple[float, float, dict]:
-    cmd = [sys.executable, "-m", "fxpipe.cli.main", "compile", "gpt-1.5b", "--stages", "8", "--device", "meta",
+    cmd = [sys.executable, "-m", "fxpipe.cli.main", "compile", "gpt-1.5b", "--stages", "8", "--build-device", "meta",
            "--out", str(out), "--json", *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
@@ -59,7 +59,7 @@ def main() -> None:
     passes = next(r for r in doc["reports"] if r["title"] == "passes")
     trace = next(r for r in doc["reports"] if r["title"] == "trace")
     result = {
-        "benchmark": "compile gpt-1.5b --stages 8 --device meta (CLI, fresh process per run)",
+        "benchmark": "compile gpt-1.5b --stages 8 --build-device meta (CLI, fresh process per run)",
         "runs": args.runs,
         "wall_s": [round(t, 2) for t in times],
         "wall_s_median": round(statistics.median(times), 2),
