@@ -89,8 +89,9 @@ QUICK_SKINNY_ROWS = (1, 8, 64, 256)
 QUICK_MARK = " quick"  # ends a quick measurement's ``machine`` (after its seconds); a full one's ends in " s"
 
 __all__ = ["ENV", "LEVELS", "ComputeRates", "cache_path", "calibrate_compute", "calibrate_overheads",
-           "calibrated_options", "calibration_enabled", "calibration_level", "compute_overheads", "is_full", "describe", "effective_cache_bytes", "last_level_cache_bytes",
-           "machine_key", "measure_compute", "overheads_cache_path", "plan_overheads"]
+           "calibrated_options", "calibration_enabled", "calibration_level", "compute_overheads", "is_full", "describe",
+           "effective_cache_bytes", "last_level_cache_bytes", "machine_key", "measure_compute", "overheads_cache_path",
+           "plan_overheads"]
 
 
 def calibration_level(setting: str | None = None) -> str:
@@ -211,8 +212,8 @@ def calibrate_overheads(rates: ComputeRates, measure: Callable[[ComputeRates, in
     message, per rank's step) at ``threads`` threads, and whether they came from the cache.
 
     Measured once by ``measure(rates, threads)`` (``fxpipe compile`` passes the runtime's
-    ``fxpipe.calibration.runtime_costs.measure_overheads``: two local ranks run a small pipeline, a few seconds; the passes
-    do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
+    ``fxpipe.calibration.runtime_costs.measure_overheads``: two local ranks run a small pipeline, a few seconds; the
+    passes do not import the runtime) and cached in :func:`overheads_cache_path` under :func:`machine_key`, like the
     compute rates. ``rates`` are this machine's compute rates: the action overhead is measured against the times
     they estimate, as thoroughly as they were measured (:func:`is_full`; ``measure_overheads`` reads it from them),
     and full rates take no quick entry from the cache.
@@ -266,7 +267,9 @@ def _overheads_from(entry: Any, key: str) -> Any:
         return None
     if not all(_finite(entry[k]) and entry[k] >= 0 for k in OVERHEAD_SECONDS):
         return None
-    if type(entry["threads"]) is not int or not isinstance(entry["machine"], str) or not entry["machine"].startswith(key):
+    if type(entry["threads"]) is not int or not isinstance(entry["machine"], str):
+        return None
+    if not entry["machine"].startswith(key):
         return None
     return RuntimeOverheads(**{**entry, **{k: float(entry[k]) for k in OVERHEAD_SECONDS}})
 
@@ -281,12 +284,15 @@ def describe(rates: ComputeRates, *, cached: bool) -> str:
     if rates.gemm_curve:  # the curve's point at 8 rows (its first at or above 8)
         rows, rate = next((p for p in rates.gemm_curve if p[0] >= 8), rates.gemm_curve[0])
         uncached = dict(rates.gemm_cold_curve).get(rows)
-        skinny = f" ({rate / 1e9:.0f} at {rows:.0f} rows" + (f", {uncached / 1e9:.0f} uncached" if uncached else "") + ")"
+        uncached_text = f", {uncached / 1e9:.0f} uncached" if uncached else ""
+        skinny = f" ({rate / 1e9:.0f} at {rows:.0f} rows{uncached_text})"
     big_conv = f" ({rates.conv_curve[-1][1] / 1e9:.0f} large)" if rates.conv_curve else ""
     return (f"compute calibrated ({threads}): GEMM {rates.gemm_flops / 1e9:.0f} GFLOP/s{skinny}, conv "
-            f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, {rates.op_fwd * 1e6:.1f} us + "
-            f"{rates.op_bwd * 1e6:.1f} us per node F / B+W ({rates.graph_op_fwd * 1e6:.1f} + {rates.graph_op_bwd * 1e6:.1f} per "
-            f"graph op, {rates.graph_op_fwd_cached * 1e6:.1f} + {rates.graph_op_bwd_cached * 1e6:.1f} cached), typically {rates.sustained:.2f}x its fastest{runtime}; "
+            f"{rates.conv_flops / 1e9:.0f} GFLOP/s{big_conv}, {rates.mem_bw / 1e9:.1f} GB/s, "
+            f"{rates.op_fwd * 1e6:.1f} us + {rates.op_bwd * 1e6:.1f} us per node F / B+W "
+            f"({rates.graph_op_fwd * 1e6:.1f} + {rates.graph_op_bwd * 1e6:.1f} per graph op, "
+            f"{rates.graph_op_fwd_cached * 1e6:.1f} + {rates.graph_op_bwd_cached * 1e6:.1f} cached), "
+            f"typically {rates.sustained:.2f}x its fastest{runtime}; "
             f"{'cached' if cached else 'measured now'} ({'' if is_full(rates.machine) else 'quick; '}{cache_path()}; "
             f"{ENV}=full measures in full, off keeps the fixed model)")
 
@@ -417,7 +423,9 @@ def _kernel_point(name: str, shape: tuple[int, ...], runs: int) -> tuple[str, fl
         def fn() -> torch.Tensor:
             return F.max_pool2d(x, k, 2, k // 2 if k % 2 else 0)
     else:
-        op = {"gelu": F.gelu, "relu": F.relu, "dropout": lambda t: F.dropout(t, 0.1, training=True)}[name]
+        ops: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            "gelu": F.gelu, "relu": F.relu, "dropout": lambda t: F.dropout(t, 0.1, training=True)}
+        op = ops[name]
 
         def fn() -> torch.Tensor:
             return op(x)
@@ -667,8 +675,8 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     """
     from fxpipe.graphs.fx import COMPUTE_OPS
     from fxpipe.graphs.split import split_stage
-    from fxpipe.passes.time_graphs import time_graphs
     from fxpipe.passes.count_backward import graph_ops
+    from fxpipe.passes.time_graphs import time_graphs
     from fxpipe.passes.trace import trace
 
     model = Mix()
@@ -677,8 +685,10 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.target is not _getitem()]
     arg = x.clone().requires_grad_(True)
     graphs = split_stage(gm, [arg])
-    if graphs.fused:  # cannot happen on this model unless torch changes; then time it under autograd (per node only)
-        return (*_autograd_node_times(gm, x, len(nodes), runs), 0.0, 0.0)
+    if graphs.fused:  # cannot happen on this model unless torch changes; then time it under autograd (per node only:
+        # no per-op times, 0.0, which the cost model reads as none measured and charges the per-node times instead)
+        node_f, node_bw = _autograd_node_times(gm, x, len(nodes), runs)
+        return node_f, node_bw, 0.0, 0.0, 0.0, 0.0
     times = [time_graphs(graphs, [x], 1) for _ in range(runs)]
     f = min(t[0] for t in times)
     bw = min(t[1] + t[2] for t in times)
@@ -690,8 +700,11 @@ def _node_times(runs: int, *, evict: Callable[[], object] | None = None, sustain
         """(F, B + W) of 2 x runs runs each after ``before``: the least disturbed window's median over ``sustained``,
         never below ``floors``."""
         samples = _cold_times(graphs, x, before, 2 * runs)
-        return tuple(max(floor, least_disturbed(windows([t[j] for t in samples], COLD_WINDOW)) / sustained)
-                     for j, floor in enumerate(floors))  # type: ignore[return-value]
+
+        def window_median(j: int) -> float:
+            return max(floors[j], least_disturbed(windows([t[j] for t in samples], COLD_WINDOW)) / sustained)
+
+        return window_median(0), window_median(1)
 
     f_hot, bw_hot = after(_idle, (f, bw))
     f, bw = after(evict, (f_hot, bw_hot))

@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -403,12 +403,19 @@ def probe_pipeline(model: torch.nn.Module, x: torch.Tensor, rates: Any) -> Any:
     return pipeline_from_root(root, history, plan_from_root(root, options, provenance, flat))
 
 
+class LinkOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`calibrate` that :func:`overheads_on_ranks` passes on for the bare link."""
+
+    trips: int
+    rounds: int
+
+
 QUICK_OVERHEADS = {"steps": 20, "rounds": 3}  # the quick calibration's steps and rounds (the full: 40 and 5)
-QUICK_LINK = {"trips": 10, "rounds": 3}  # and its link's (calibrate's defaults: 20 and 5)
+QUICK_LINK: LinkOptions = {"trips": 10, "rounds": 3}  # and its link's (calibrate's defaults: 20 and 5)
 
 
 def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int = 40, rounds: int = 5,
-                       warmup: int = 1, link_options: dict[str, int] | None = None) -> tuple[float, ...]:
+                       warmup: int = 1, link_options: LinkOptions | None = None) -> tuple[float, ...]:
     """(action, message, step, loss, send, optimizer, optimizer_tensor, optimizer_tensor_momentum) seconds measured on
     ranks 0 and 1 of a world of two; collective.
 
@@ -434,7 +441,7 @@ def overheads_on_ranks(rates: Any, *, host: HostTuning | None = None, steps: int
 
     host = HostTuning() if host is None else host  # None: this process as it is
     rank = dist.get_rank()
-    link = calibrate(**(link_options or {}))
+    link = calibrate(**(link_options or LinkOptions()))
     one_way = channel_one_way(rank, yield_after_send=host.yields_after_send(None))
     torch.manual_seed(0)
     model = Mix()
@@ -547,7 +554,7 @@ def _thread_lock_for_progress_bars() -> None:
     up at shutdown" on ``fxpipe compile``'s stderr after the runtime's calibration. A thread lock serves a rank of
     one process."""
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type information (no py.typed)
     except ImportError:
         return
     tqdm.set_lock(threading.RLock())

@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 import fxpipe
 from fxpipe import models
 from fxpipe.api import PassControl, run_compile
+from fxpipe.calibration import compute as cc
+from fxpipe.calibration.probes import Mix
 from fxpipe.cli.main import app
 from fxpipe.errors import OptionError
 from fxpipe.meta import get_meta
-from fxpipe.calibration.probes import Mix
-from fxpipe.calibration import compute as cc
 from fxpipe.passes.annotate_costs import annotate_costs
 from fxpipe.passes.count_backward import graph_ops
 from fxpipe.passes.trace import trace
@@ -187,8 +187,8 @@ def test_slow_kernels_are_costed_at_their_own_rates() -> None:
 
     plain = dataclasses.replace(rates, kernels=())
     # resnet-tiny's batch norms: both gradients, each half of the backward call
-    for (f, b, w), (f0, b0, w0) in zip(memory_parts("resnet-tiny", rates, "batch_norm"),
-                                       memory_parts("resnet-tiny", plain, "batch_norm")):
+    for (f, b, w), (f0, b0, _) in zip(memory_parts("resnet-tiny", rates, "batch_norm"),
+                                      memory_parts("resnet-tiny", plain, "batch_norm")):
         assert f0 > 0 and f == pytest.approx(f0 * RATES.mem_bw / 4e9)
         assert b == pytest.approx(0.5 * b0 * RATES.mem_bw / 6e9) and w == pytest.approx(b)
     # vgg-tiny's 2x2 max pools: no parameter, the whole backward is B's
@@ -564,7 +564,8 @@ def test_a_linear_s_forward_runs_at_the_transposed_curve_and_its_backward_at_the
                 meta.time_bwd_weight - meta.host_bwd_weight)
 
     f, b, w_time = second_linear(rates)
-    assert f == pytest.approx(flops / 2e10) and b == pytest.approx(flops / 8e10) and w_time == pytest.approx(flops / 4e10)
+    assert f == pytest.approx(flops / 2e10) and b == pytest.approx(flops / 8e10)
+    assert w_time == pytest.approx(flops / 4e10)
     f_old, b_old, _ = second_linear(dataclasses.replace(rates, gemm_t_curve=()))
     assert f_old == pytest.approx(flops / 8e10) and b_old == b
     # In an aten graph, mm(x, t(W)) reads the weight transposed as linear does; mm(x, W) does not
@@ -897,7 +898,8 @@ def test_skinny_gemms_and_large_convolutions_run_at_their_calibrated_rates(cache
         assert m.time_fwd == pytest.approx(RATES.op_fwd + m.flops_fwd / rates.gemm_rate(smallest))
         if m.flops_bwd_weight:
             host = RATES.op_bwd / (2 if m.flops_bwd_input else 1)
-            assert m.time_bwd_weight == pytest.approx(host + m.flops_bwd_weight / rates.gemm_rate(smallest, weight=True))
+            weight_s = m.flops_bwd_weight / rates.gemm_rate(smallest, weight=True)
+            assert m.time_bwd_weight == pytest.approx(host + weight_s)
     zoo = models.build("vgg-tiny")
     out = annotate_costs(trace(zoo.model, zoo.example_inputs).gm, zoo.example_inputs, compute=rates).gm
     for node in (n for n in out.graph.nodes if "conv" in str(n.target)):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,7 @@ print(json.dumps({"kept": kept, "faults": faults}))
 """
 
 
-def _probe(setting: str) -> dict[str, object]:
+def _probe(setting: str) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", PROBE, setting], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -47,10 +48,10 @@ def test_freed_memory_is_reused_without_faulting_its_pages_again() -> None:
     pages = 9437184 // 4096  # the gradient's
     # glibc's defaults: its pages (and the scratch space's) are returned to the kernel at each free and faulted in
     # again at the next call (4,600 faults per call here)
-    assert all(f >= pages for f in default["faults"][2:]), default  # type: ignore[index,union-attr]
+    assert all(f >= pages for f in default["faults"][2:]), default
     # kept: from the third call on (the second may still grow the heap: an aligned allocation does not fit the
     # exactly-sized block the first one freed), the same memory comes back with its pages in place
-    assert all(f < pages // 20 for f in kept["faults"][2:]), kept  # type: ignore[index,union-attr]
+    assert all(f < pages // 20 for f in kept["faults"][2:]), kept
 
 
 def test_mallopt_is_called_once_and_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,11 +12,14 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests._helpers import HANG_S, Forked
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).parents[2]
 
@@ -87,8 +90,8 @@ def test_measure_overheads_keeps_results_written_before_a_rank_aborts_in_teardow
     before is one line naming the failure and the way out, not a traceback."""
     import torch.multiprocessing as mp
 
-    from fxpipe.errors import RankFailedError
     from fxpipe.calibration.runtime_costs import measure_overheads
+    from fxpipe.errors import RankFailedError
 
     def aborts(write: bool) -> Any:
         def start(fn: Any, args: tuple[Any, ...], nprocs: int, start_method: str) -> None:
@@ -166,8 +169,8 @@ def test_reads_from_memory_pay_the_memory_contention() -> None:
 
 
 def test_fit_link_recovers_a_line_and_clamps_a_negative_intercept() -> None:
-    from fxpipe.errors import OptionError
     from fxpipe.calibration.runtime_costs import fit_link
+    from fxpipe.errors import OptionError
 
     sizes = [4, 4096, 65536, 1 << 20, 4 << 20]
     latency, bandwidth = fit_link(sizes, [3e-5 + x / 2e9 for x in sizes])
@@ -238,8 +241,8 @@ def test_calibrate_allreduce_keeps_each_sizes_typical_time_not_its_fastest(monke
 
 
 def test_allreduce_calibration_sets_the_ring_and_fits_a_line() -> None:
-    from fxpipe.errors import OptionError
     from fxpipe.calibration.runtime_costs import AllReduceCalibration, fit_allreduce
+    from fxpipe.errors import OptionError
     from fxpipe.schedules.simulate import Costs
 
     # 4 ranks: t = 6 x 10 us + 1.5 x bytes / 2 GB/s.
@@ -302,8 +305,8 @@ def test_step_residual_makes_the_calibration_pipeline_simulate_at_its_measured_s
 
     import fxpipe
     from fxpipe.calibration.probes import Mix
-    from fxpipe.plan import ComputeRates, RuntimeOverheads
     from fxpipe.calibration.runtime_costs import Calibration, step_residual
+    from fxpipe.plan import ComputeRates, RuntimeOverheads
     from fxpipe.schedules.auto import plan_schedule
     from fxpipe.schedules.simulate import Costs, simulate
 
