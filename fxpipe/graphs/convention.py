@@ -72,6 +72,14 @@ class StageGraphs:
         """Only the stage's interface was built (another rank runs it)."""
         return self.interface is not None
 
+    def split_graphs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.fx.GraphModule]:
+        """F, B and W, for a caller that runs them: a fused stage has none, nor does another rank's."""
+        if self.forward is None or self.backward_input is None or self.backward_weight is None:
+            why = self.fused_reason if self.fused else "another rank runs it"
+            raise ValueError(f"the stage has no F, B and W graphs ({why}); check .fused and .remote before running "
+                             "them")
+        return self.forward, self.backward_input, self.backward_weight
+
     # Plain calls: no autograd mode is set here (executors run them under ``torch.no_grad()``),
     # and nothing is kept. The loss on the pipeline's outputs is ``loss_and_output_grads``.
 

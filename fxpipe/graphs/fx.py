@@ -62,6 +62,12 @@ def output_node(graph: torch.fx.Graph) -> torch.fx.Node:
     raise ValueError("graph has no output node")
 
 
+def returned(out: torch.fx.Node) -> list[Any]:
+    """The values an output node returns, in order: a split stage graph returns a tuple (torch types an output's
+    argument as any argument)."""
+    return list(cast("Sequence[Any]", out.args[0]))
+
+
 def get_path(root: torch.nn.Module, target: str) -> Any:
     """The attribute at a dotted path (``blocks.0.ln1.weight``)."""
     obj: Any = root

@@ -19,7 +19,7 @@ import torch.fx
 
 from fxpipe.errors import PlanFileError
 from fxpipe.graphs.convention import StageGraphs
-from fxpipe.graphs.fx import copy_graph, output_node, value_bytes
+from fxpipe.graphs.fx import copy_graph, output_node, returned, value_bytes
 
 # Derivatives of element-wise activations that read the activation's *output* (which the next
 # stage holds as its input), with the position of that output among the op's arguments.
@@ -62,7 +62,7 @@ def find_move(gk: StageGraphs, gk1: StageGraphs, out_pos: int, in_pos: int) -> M
 
 def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGraphs, StageGraphs]:
     # Stage k: its B takes du where it took dv.
-    b = copy_graph(gk.backward_input.graph)  # type: ignore[union-attr]
+    b = copy_graph(gk.split_graphs()[1].graph)
     phs = [n for n in b.nodes if n.op == "placeholder"]
     ph = phs[gk.b_slots.index(("grad", move.grad_slot))]
     deriv = next(iter(ph.users))
@@ -78,10 +78,10 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
                                 b_slots=tuple(b_slots))
 
     # Stage k+1: F saves its input v (if it did not already), B applies the derivative to dv.
-    f = copy_graph(gk1.forward.graph)  # type: ignore[union-attr]
+    f = copy_graph(gk1.split_graphs()[0].graph)
     f_out = output_node(f)
     f_inputs = [n for n in f.nodes if n.op == "placeholder"]
-    results = list(f_out.args[0])
+    results = returned(f_out)
     saved = results[gk1.num_outputs:]
     if f_inputs[move.in_pos] in saved:
         s = saved.index(f_inputs[move.in_pos])
@@ -90,7 +90,7 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
         results.append(f_inputs[move.in_pos])
         f_out.args = (tuple(results),)
         s, num_saved = gk1.num_saved, gk1.num_saved + 1
-    b1 = copy_graph(gk1.backward_input.graph)  # type: ignore[union-attr]
+    b1 = copy_graph(gk1.split_graphs()[1].graph)
     b1_slots = list(gk1.b_slots)
     phs1 = [n for n in b1.nodes if n.op == "placeholder"]
     if ("saved", s) in b1_slots:
@@ -101,7 +101,7 @@ def apply_move(move: Move, gk: StageGraphs, gk1: StageGraphs) -> tuple[StageGrap
         v.meta = dict(f_inputs[move.in_pos].meta)
         b1_slots.append(("saved", s))
     b1_out = output_node(b1)
-    results1 = list(b1_out.args[0])
+    results1 = returned(b1_out)
     pos = gk1.grad_inputs.index(move.in_pos)
     args = [results1[pos], v] if MOVABLE[move.op] == 1 else [v, results1[pos]]
     with b1.inserting_before(b1_out):
@@ -124,8 +124,7 @@ def _placeholders(gm: torch.fx.GraphModule | None) -> list[torch.fx.Node]:
 
 
 def _saved_is_output(g: StageGraphs, saved_idx: int, out_pos: int) -> bool:
-    out = output_node(g.forward.graph)  # type: ignore[union-attr]
-    results = out.args[0]
+    results = returned(output_node(g.split_graphs()[0].graph))
 
     def base(node: Any) -> Any:
         while isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.detach.default:

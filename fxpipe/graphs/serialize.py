@@ -143,7 +143,7 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
         if op == "call_function":
             target = _resolve(target, here, libraries, trust_ops)
         elif op == "call_method":
-            _check_method(target, here)
+            target = _check_method(target, here)
             if not args or not isinstance(args[0], torch.fx.Node):
                 raise PlanFileError(f"{here} calls method {target!r} on a constant, not on a value")
         elif op == "get_attr":
@@ -163,8 +163,8 @@ def load(doc: Any, root: torch.nn.Module, where: str, class_name: str = "GraphMo
                 constants[name] = value
         elif op == "call_function" and op_overload_name(target) is not None:
             _check_sizes(target, args, kwargs, here)
-        elif op == "call_function" and higher_order_op(target) is not None:
-            _check_subgraphs(higher_order_op(target), args, root, here)
+        elif op == "call_function" and (hop := higher_order_op(target)) is not None:
+            _check_subgraphs(hop, args, root, here)
         if target == "builtins.getattr" or target is getattr:
             if len(args) != 2 or args[1] not in _TENSOR_ATTRS:
                 raise PlanFileError(f"{here} reads attribute {args[1:]!r}, not one of a tensor's plain attributes")
@@ -218,18 +218,19 @@ def _constant_result(fn: Callable[..., Any], args: tuple[Any, ...], constants: d
         if seq is not None and times is not None and len(seq) * times > _SEQUENCE_BOUND:
             raise PlanFileError(f"{where} repeats a constant of {len(seq)} items {_digits(times)} times, past "
                                 f"{_SEQUENCE_BOUND:,} items; re-run fxpipe compile")
-    if not known or not all(isinstance(v, int) and not isinstance(v, bool) for v in known):
+    numbers = [v for v in known if isinstance(v, int) and not isinstance(v, bool)]
+    if not known or len(numbers) != len(known):
         return None
-    too_big = PlanFileError(f"{where} computes {getattr(fn, '__name__', fn)}{tuple(_digits(v) for v in known)}, "
+    too_big = PlanFileError(f"{where} computes {getattr(fn, '__name__', fn)}{tuple(_digits(v) for v in numbers)}, "
                             "beyond 64 bits (what torch's operators take); re-run fxpipe compile")
-    if fn is operator.pow and len(known) == 2:
-        base, exp = known
+    if fn is operator.pow and len(numbers) == 2:
+        base, exp = numbers
         if exp > 0 and abs(base) > 1 and exp * (abs(base).bit_length() - 1) >= 64:
             raise too_big
-    if fn is operator.lshift and len(known) == 2 and known[0] != 0 and known[1] >= 64:
+    if fn is operator.lshift and len(numbers) == 2 and numbers[0] != 0 and numbers[1] >= 64:
         raise too_big
     try:
-        value = fn(*known)
+        value = fn(*numbers)
     except (ArithmeticError, ValueError):  # 1 // 0, a negative shift: the graph fails when run, as it would have
         return None
     if not isinstance(value, int) or not -_INT_BOUND <= value < _INT_BOUND:
@@ -360,10 +361,12 @@ def _torch_functions() -> tuple[dict[str, Callable[..., Any]], dict[int, str]]:
     return by_name, by_id
 
 
-def _check_method(name: Any, where: str) -> None:
+def _check_method(name: Any, where: str) -> str:
+    """``name``, a tensor method a graph may call."""
     if not isinstance(name, str) or name.startswith("_") or name in _UNSAFE_METHODS or \
             not callable(getattr(torch.Tensor, name, None)):
         raise PlanFileError(f"{where} calls method {name!r}, which is not an allowed tensor method")
+    return name
 
 
 def _attr(root: torch.nn.Module, target: str, where: str = "") -> Any:
