@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -291,7 +291,8 @@ def _rank_state(rt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[
         except NotImplementedError as exc:  # flattening refuses a state value that is not a tensor or a number
             raise CheckpointError(f"the optimizer state holds a value fxpipe checkpoints do not ({first_line(exc)}); "
                                   "they hold tensors and numbers only (nothing that loads as code)") from None
-        model |= {k: v.detach() for k, v in m.items()}
+        # a module state dict holds tensors; torch types it as any state dict value (numbers, nested containers)
+        model |= {k: cast(torch.Tensor, v).detach() for k, v in m.items()}
         optim |= o
     return model, optim, rt.runtime_state()
 
@@ -530,7 +531,8 @@ def _check(path: Path, step: int) -> Found | str:
         if where.relative_path not in files or where.offset + where.length > files[where.relative_path]:
             return f"corrupt (.metadata puts {index.fqn} outside the data files)"
     total = sum(files.values())
-    for key, item in metadata.state_dict_metadata.items():  # before anything is allocated to load it into
+    for key, entry in metadata.state_dict_metadata.items():  # before anything is allocated to load it into
+        item = cast("TensorStorageMetadata", entry)  # read_metadata refused any other kind of entry
         size = tuple(item.size)
         if not all(isinstance(d, int) and 0 <= d for d in size):
             return f"corrupt (.metadata gives {key} the shape {list(size)!r:.80})"
@@ -600,7 +602,7 @@ def read_metadata(file: Path) -> Metadata:
     problem = _metadata_problem(metadata)
     if problem is not None:
         raise CheckpointError(f".metadata {problem}")
-    return metadata  # type: ignore[no-any-return]
+    return metadata
 
 
 def _metadata_problem(md: Any) -> str | None:
@@ -661,7 +663,8 @@ def _dcp_classes() -> tuple[Any, Any]:
             return fut
 
     class _TensorsOnlyPlanner(DefaultLoadPlanner):
-        """DCP's planner, but a non-tensor value (which it would ``torch.load`` with ``weights_only=False``) is refused."""
+        """DCP's planner, but a non-tensor value (which it would ``torch.load`` with ``weights_only=False``) is
+        refused."""
 
         def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             raise _NotData(f"the checkpoint holds {read_item.dest_index.fqn} as pickled bytes, which fxpipe never "
@@ -693,8 +696,9 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
     if found is None:
         raise CheckpointError(_none_complete(root, result.skipped if isinstance(result, Scan) else ()))
     if len({s for s, _ in seen}) != 1:
-        raise CheckpointError(f"the ranks see different newest checkpoints in {root} ({_by_rank([s for s, _ in seen])}); "
-                              "every rank must read the same directory (a shared file system)")
+        newest = _by_rank([s for s, _ in seen])
+        raise CheckpointError(f"the ranks see different newest checkpoints in {root} ({newest}); every rank"
+                              " must read the same directory (a shared file system)")
     if warn is not None and _rank() == 0 and isinstance(result, Scan):
         for line in result.skipped:
             warn(f"{line}; resuming from {found.path.name}")
@@ -728,8 +732,10 @@ def load(rt: Any, directory: str | os.PathLike[str], *, warn: Callable[[str], No
                               f"step {found.step}; it was not loaded; remove it to resume from the step before")
     optim: dict[str, dict[str, Any]] = {}  # parameter name -> its optimizer state, as saved
     for fqn in optimized:
-        values = {key: want[f"optim.{kind}.{fqn}.{key}"] if kind == "state" else want[f"optim.{kind}.{fqn}.{key}"].item()
-                  for key, (kind, _) in optim_keys.get(fqn, {}).items()}
+        values: dict[str, Any] = {}
+        for key, (kind, _) in optim_keys.get(fqn, {}).items():
+            value = want[f"optim.{kind}.{fqn}.{key}"]
+            values[key] = value if kind == "state" else value.item()  # a number is saved as a 0-d tensor
         if values:
             optim[fqn] = values
     model = {fqn: want[f"model.{fqn}"] for fqn in mine}
@@ -756,6 +762,35 @@ def _held(rt: Any) -> tuple[dict[str, torch.Tensor], list[str], dict[str, Any] |
     return mine, optimized, None
 
 
+# How torch runs a step, not what it computes: the optimizer keeps its own (a state saved by torch's default
+# implementation loads into a fused one, and the other way).
+_IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
+def saved_hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: dict[str, Any]) -> dict[str, Any]:
+    """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree); a group
+    saved by another kind of optimizer (SGD's momentum against AdamW's betas) is one CheckpointError."""
+    found = [saved[f] for f in fqns if f in saved]
+    if not found:
+        return {}
+    kinds = [("adamw" if "betas" in keys else "sgd" if "momentum" in keys else None) for keys in (found[0], group)]
+    if None not in kinds and kinds[0] != kinds[1]:
+        raise CheckpointError(f"the checkpoint's optimizer is {kinds[0]} and this run's is {kinds[1]}: its state "
+                              f"(e.g. {fqns[0]}'s) fits only its own kind; resume with --optimizer {kinds[0]}, or "
+                              "start a new run")
+    values = {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in found[0].items()
+              if k not in _IMPLEMENTATION and k in group}
+    for other in found[1:]:
+        for k, v in values.items():
+            got = other.get(k)
+            theirs = tuple(got) if isinstance(v, tuple) and isinstance(got, list) else got
+            if theirs != v:
+                raise CheckpointError(f"parameters {fqns[0]} and {other['params'][0]} share an optimizer here but had "
+                                      f"different {k} when saved ({v} and {theirs}); use one value, or one "
+                                      "optimizer group per stage as saved")
+    return values
+
+
 def _set_state(rt: Any, model: dict[str, torch.Tensor], optim: dict[str, dict[str, Any]],
                saved_groups: list[dict[str, Any]], numbers: dict[str, float], whole: dict[str, Any] | None) -> None:
     """Load what this rank read: each stage's module and optimizer through torch's ``set_state_dict`` (the
@@ -766,8 +801,6 @@ def _set_state(rt: Any, model: dict[str, torch.Tensor], optim: dict[str, dict[st
                             "param_groups": saved_groups, "runtime": numbers})
         return
     from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from fxpipe.runtime.executor import _hyperparameters
 
     parts = rt.stage_parts
     by_fqn = {fqn: g for g in saved_groups for fqn in g["params"]}
@@ -782,7 +815,7 @@ def _set_state(rt: Any, model: dict[str, torch.Tensor], optim: dict[str, dict[st
             for group in optimizer.param_groups:
                 fqns = [names[id(p)] for p in group["params"]]
                 values = {k: v for k, v in group.items() if k != "params"}
-                groups.append({"params": fqns, **values, **_hyperparameters(fqns, by_fqn, values)})
+                groups.append({"params": fqns, **values, **saved_hyperparameters(fqns, by_fqn, values)})
             osd = {"state": {f: optim[f] for g in groups for f in g["params"] if f in optim}, "param_groups": groups}
         # strict=False: a parameter without saved optimizer state (never stepped) starts without one, as it was;
         # the model's keys are this module's own, all of them (_model_problem checked the checkpoint has them).

@@ -360,7 +360,7 @@ class ActionRunner:
         """W on ``args`` (``StageGraphs.weight_args``, a list W owns and empties), into the parameters' ``.grad``."""
         g, module = self.graphs[s], self.stages[s].module
         box = self.boxed(s, "backward_weight")
-        grads = box(args) if box is not None else g.backward_weight(*args)  # type: ignore[misc]
+        grads = box(args) if box is not None else g.split_graphs()[2](*args)
         for name, grad in zip(g.param_names, grads):
             accumulate(module.get_parameter(name), grad)
 
@@ -522,9 +522,10 @@ class InPlaceW:
         from fxpipe.graphs.accumulate import accumulating_weight_graph
 
         n = len(g.param_names)
+        w = g.split_graphs()[2]
         self.params = list(params)
-        self.w_acc: Any = accumulating_weight_graph(g.backward_weight, n)[0]
-        self.w_set: Any = accumulating_weight_graph(g.backward_weight, n, overwrite=True)[0]
+        self.w_acc: Any = accumulating_weight_graph(w, n)[0]
+        self.w_set: Any = accumulating_weight_graph(w, n, overwrite=True)[0]
         self.unique = len({id(p) for p in self.params}) == len(self.params)
 
     def run(self, args: Sequence[Any]) -> bool:

@@ -41,7 +41,7 @@ from fxpipe.graphs.accumulate import accumulating_weight_graph
 from fxpipe.graphs.convention import StageGraphs, flatten_inputs, split_batch
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import LIMITS
-from fxpipe.plan_dir import load
+from fxpipe.plan_dir import load, stored_stage_graphs
 from fxpipe.runtime import checkpoint, replicas
 from fxpipe.runtime.batched_w import BatchedW, agree, batched_weight_graphs, measure_ratio
 from fxpipe.runtime.channel import Channel
@@ -143,9 +143,9 @@ class PipelineRuntime:
         self.mesh, self.dp = self.layout.mesh, self.layout.dp
         self.pp_rank, self.dp_rank = self.layout.pp_rank, self.layout.dp_rank
         if self.dp > 1 and not schedule.synchronous:
-            ranks = f"{schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}"
+            needed = f"{schedule.num_ranks} rank{'s' if schedule.num_ranks > 1 else ''}"
             raise OptionError(f"{schedule.name} is asynchronous, and asynchronous training runs one replica per "
-                              f"stage (here {self.dp}); start {ranks}, or pick a synchronous schedule")
+                              f"stage (here {self.dp}); start {needed}, or pick a synchronous schedule")
         # Mixed precision: the stage graphs traced under autocast, the loss computed under it (fxpipe.runtime.optim).
         self.precision, self.autocast = precision, autocast_of(precision, kind)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -157,7 +157,11 @@ class PipelineRuntime:
                               "model to clip, unscale or schedule at: use a synchronous schedule for clip_grad_norm, "
                               "fp16 or an lr schedule")
         loss_fn = autocast_loss(loss_fn, self.autocast)
-        graphs = _stage_graphs(pipe, example_inputs, schedule.rank_of_stage, self.pp_rank, self.autocast)
+        # The plan's own F/B/W where this run needs exactly them (fp32, no recompute, eager graphs, no batched W);
+        # any other run traces them.
+        as_compiled = (recompute == "none" or not recompute) and codegen == "eager" and not schedule.batch_w
+        graphs = _stage_graphs(pipe, example_inputs, schedule.rank_of_stage, self.pp_rank, self.autocast,
+                               kind=kind, from_plan=as_compiled)
         if any(g.fused for g in graphs):
             raise OptionError("every stage needs its F, B and W graphs; compile with split_backward (the default)")
         if not schedule.synchronous:
@@ -201,13 +205,15 @@ class PipelineRuntime:
         self.last_step_skipped = False  # skip_nonfinite: the last step's update was skipped (a non-finite norm)
         self._counted: set[int] | None = None  # the parameters whose gradients this rank adds to the global norm
         self.lr: float | None = self._current_lr()
-        # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place.
+        # W's gradients in its order (a parameter may come twice), and W_acc, which adds them in place; W_acc and W_set
+        # are fx graphs, or what runs them once compiled (Inductor) or captured (CUDA graphs).
         self.stage_params = {s: [self.stages[s].module.get_parameter(n) for n in graphs[s].param_names]
                              for s in self.mine}
-        self.w_acc = {s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names))[0]
-                      for s in self.mine}
-        self.w_set = {s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names),
-                                                   overwrite=True)[0] for s in self.mine}
+        self.w_acc: dict[int, Callable[..., Any]] = {
+            s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names))[0] for s in self.mine}
+        self.w_set: dict[int, Callable[..., Any]] = {
+            s: accumulating_weight_graph(graphs[s].backward_weight, len(graphs[s].param_names), overwrite=True)[0]
+            for s in self.mine}
         self._written: set[int] = set()  # parameters whose .grad this step has written
         self._buffers: dict[int, torch.Tensor] = {}  # receive buffers by tag, reused every step
         self.core = _RankRunner(self, loss_fn)
@@ -235,7 +241,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.sync: replicas.GradSync | None = None
         if self.dp > 1:
-            ws = defaultdict(int)
+            ws: defaultdict[int, int] = defaultdict(int)
             for op in self.program.ops:
                 if op.action.kind in (Kind.W, Kind.BW):
                     ws[op.action.stage] += 1
@@ -243,7 +249,8 @@ class PipelineRuntime:
             replicas.attach(self.sync)
         self.codegen = self._compile_stages(codegen)
         cuda_graphs = o.cuda_graphs
-        if cuda_graphs is None:  # the default: on where it can be, a CUDA rank running a synchronous schedule's eager graphs
+        # The default: on where it can be, a CUDA rank running a synchronous schedule's eager graphs.
+        if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and schedule.synchronous and self.codegen == "eager"
         self.graph_set = self._graph_stages() if cuda_graphs else None
         self._early = self._early_steps()
@@ -425,8 +432,9 @@ class PipelineRuntime:
         self.core.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         self._stepped = set()
         losses = self._execute(self.program, micro, targets, ahead=self.prefetch)
-        if self.sync is not None:
-            self.sync.wait(lambda work: self._wait(work, self.sync.group, "the replicas' gradients (dp group)"))
+        sync = self.sync
+        if sync is not None:
+            sync.wait(lambda work: self._wait(work, sync.group, "the replicas' gradients (dp group)"))
         for p, group, ranks in self.shared:
             if p.grad is not None:
                 self._collective(partial(dist.all_reduce, p.grad, group=group),
@@ -468,8 +476,9 @@ class PipelineRuntime:
         m = self.schedule.num_microbatches
         if self._forward_program is None:
             order = self.schedule.rank_of_stage
+            # (microbatch, stage) order: no rank waits in a cycle
             ranks = tuple(tuple(Action(s, Kind.F, i) for i in range(m) for s in range(len(order)) if order[s] == r)
-                          for r in range(self.schedule.num_ranks))  # (microbatch, stage) order: no rank waits in a cycle
+                          for r in range(self.schedule.num_ranks))
             forward = Schedule("forward", self.schedule.num_stages, m, order, ranks)
             self._forward_program = replicas.on_ranks(lower(self.pipe, forward, self.pp_rank, self.graphs), self.layout)
         total = torch.zeros((), dtype=torch.float64)
@@ -501,7 +510,7 @@ class PipelineRuntime:
         if self.scaler is not None:
             inverse = 1.0 / self.scaler.scale  # a power of two: exact
             for p in params:
-                p.grad.mul_(inverse)  # type: ignore[union-attr]
+                p.grad.mul_(inverse)
         if self._counted is None:
             elsewhere = {id(p) for p, _, ranks in self.shared if self.rank != min(ranks)}
             self._counted = {id(p) for opt in self.optimizers.values() for g in opt.param_groups
@@ -570,7 +579,9 @@ class PipelineRuntime:
                 raise OptionError(f"rank {self.rank} runs stages {sorted(self.mine)}, which need {what}, and got "
                                   "None; pass them on the ranks where rt.needs_inputs / rt.needs_targets says so")
         n, d = (m, 0) if shard else (m * self.dp, self.dp_rank)  # replicas: this one's m of dp x m microbatches
-        fix = f"pick a batch that is a multiple of {n}" + (f" ({self.dp} replicas x {m} microbatches)" if n != m else "")
+        fix = f"pick a batch that is a multiple of {n}"
+        if n != m:
+            fix += f" ({self.dp} replicas x {m} microbatches)"
         targets = [None] * m if target is None else split_batch(self._here(target), n, fix=fix)[d * m:(d + 1) * m]
         if inputs is None:
             return [{} for _ in range(m)], list(targets)
@@ -627,7 +638,7 @@ class PipelineRuntime:
 
         self._written = set()
         self.events = []  # this step's compute actions (start, end), seconds from its start
-        self.optimizer_steps: list[tuple[float, float]] = []  # its optimizer steps (start, end), seconds from its start
+        self.optimizer_steps = []  # its optimizer steps (start, end), seconds from its start
         runs = self._w_runs if program is self.program else {}
         lane = self.w_lane
         ran_until = 0  # ops before this index already ran (the rest of a batched run of W's)
@@ -828,7 +839,7 @@ class PipelineRuntime:
                     if fqn in state.get("optim", {}):
                         sd["state"][index] = dict(state["optim"][fqn])
                     index += 1
-                packed.update(_hyperparameters(fqns, saved_groups, packed))
+                packed.update(checkpoint.saved_hyperparameters(fqns, saved_groups, packed))
             opt.load_state_dict(sd)
         self.load_runtime_state(state.get("runtime", {}))
 
@@ -845,7 +856,8 @@ class PipelineRuntime:
                 if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
                     # The saved lr is the saved schedule's; this run's may be longer (a larger --steps, the way to
                     # train on): its own curve at the saved step, as an unbroken run of this length has there.
-                    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+                    lrs = [base * fn(scheduler.last_epoch)
+                           for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
                     for group, lr in zip(groups, lrs):
                         group["lr"] = lr
                     scheduler._last_lr = lrs  # what get_last_lr() reports
@@ -891,7 +903,7 @@ class PipelineRuntime:
                 p.grad = grad_like(p, grad, fresh=fresh)
                 self._written.add(id(p))
             else:
-                p.grad.add_(grad)  # type: ignore[union-attr]
+                p.grad.add_(grad)
 
     def backward_weights(self, s: int, args: list[list[Any]]) -> None:
         """W of stage s for a batched run of microbatches (their argument lists, in order): one call over all of
@@ -907,7 +919,7 @@ class PipelineRuntime:
             return
         if not batch.checked:  # the first call: the per-microbatch W's too, and the sums compared
             batch.checked = True
-            plain = self.graphs[s].backward_weight
+            plain = self.graphs[s].split_graphs()[2]
             each = [plain(*a) for a in args]
             summed = [None if g[0] is None else sum(g[1:], g[0].clone()) for g in zip(*each)]
             if not agree(batch.plain(*combined), summed):
@@ -1049,7 +1061,7 @@ class _RankRunner(ActionRunner):
     def stage_device(self, s: int) -> torch.device:
         return self.rt.device
 
-    def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
+    def weight(self, s: int, m: int, args: list[Any]) -> None:
         self.rt.backward_weight(s, args)
 
     def weights(self, s: int, mbs: Sequence[int], args: list[list[Any]]) -> None:
@@ -1088,7 +1100,7 @@ def _init_process_group(timeout: timedelta | None) -> None:
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         raise RankFailedError("PipelineRuntime needs torch.distributed: launch the script with torchrun (the runtime "
                               "then starts the process group), or call dist.init_process_group first")
-    dist.init_process_group(**({"timeout": timeout} if timeout is not None else {}))
+    dist.init_process_group(timeout=timeout)  # None: the backend's default
     atexit.register(_destroy_at_exit)
 
 
@@ -1137,19 +1149,28 @@ def _resolve_plan(plan: Any) -> Pipeline:
 
 
 def _stage_graphs(pipe: Pipeline, example_inputs: Sequence[Any] | None, rank_of_stage: Sequence[int],
-                  rank: int, autocast: tuple[str, torch.dtype] | None = None) -> list[StageGraphs]:
-    """Every stage's F/B/W graphs as this rank needs them: the pipeline's own, or built now.
+                  rank: int, autocast: tuple[str, torch.dtype] | None = None, *, kind: str = "cpu",
+                  from_plan: bool = True) -> list[StageGraphs]:
+    """Every stage's F/B/W graphs as this rank needs them: the pipeline's own, the plan's, or built now.
 
-    A plan directory holds no F/B/W graphs yet: they are rebuilt from ``example_inputs``, or from
-    zeros shaped like the inputs the plan was compiled with (``Plan.inputs``: the graphs depend on
-    shapes and dtypes only). Where plan.json records each stage's interface, this rank splits only
-    the stages it runs; of the others it builds the interface (``StageGraphs.remote``). ``autocast``: graphs
-    traced afresh under it (``Pipeline.build_backward``), whatever the pipeline holds.
+    A plan directory compiled with them carries each stage's F/B/W (``stage_K.fbw.json``): a rank running it
+    as compiled (``from_plan``: a run that needs no other graphs; on ``kind``, the device type they were traced
+    for; at the plan's shapes; fp32) reads its own stages' and imports no AOTAutograd
+    (``plan_dir.stored_stage_graphs``).
+    Otherwise they are rebuilt from ``example_inputs``, or from zeros shaped like the inputs the plan was
+    compiled with (``Plan.inputs``: the graphs depend on shapes and dtypes only). Where plan.json records
+    each stage's interface, this rank splits only the stages it runs; of the others it builds the interface
+    (``StageGraphs.remote``). ``autocast``: graphs traced afresh under it (``Pipeline.build_backward``),
+    whatever the pipeline holds.
     """
     graphs = pipe.stage_graphs
     if graphs is not None and autocast is None:
         return list(graphs)
     mine = {s for s, r in enumerate(rank_of_stage) if r == rank}
+    if autocast is None and from_plan:
+        loaded = stored_stage_graphs(pipe, mine, kind, example_inputs)
+        if loaded is not None:
+            return loaded
     return pipe.build_backward(example_inputs if example_inputs is not None else _example_inputs(pipe), only=mine,
                                autocast=autocast)
 
@@ -1182,34 +1203,6 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(isinstance(v, (bool, int, float)) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))
-
-
-# How torch runs a step, not what it computes: the optimizer keeps its own (a state saved by torch's default
-# implementation loads into a fused one, and the other way).
-_IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
-
-
-def _hyperparameters(fqns: list[str], saved: dict[str, dict[str, Any]], group: dict[str, Any]) -> dict[str, Any]:
-    """The saved hyperparameters of a group's parameters, for the keys the group has (all must agree); a group
-    saved by another kind of optimizer (SGD's momentum against AdamW's betas) is one CheckpointError."""
-    found = [saved[f] for f in fqns if f in saved]
-    if not found:
-        return {}
-    kinds = [("adamw" if "betas" in keys else "sgd" if "momentum" in keys else None) for keys in (found[0], group)]
-    if None not in kinds and kinds[0] != kinds[1]:
-        raise CheckpointError(f"the checkpoint's optimizer is {kinds[0]} and this run's is {kinds[1]}: its state "
-                              f"(e.g. {fqns[0]}'s) fits only its own kind; resume with --optimizer {kinds[0]}, or "
-                              "start a new run")
-    values = {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in found[0].items()
-              if k not in _IMPLEMENTATION and k in group}
-    for other in found[1:]:
-        for k, v in values.items():
-            theirs = tuple(other.get(k)) if isinstance(v, tuple) and isinstance(other.get(k), list) else other.get(k)
-            if theirs != v:
-                raise CheckpointError(f"parameters {fqns[0]} and {other['params'][0]} share an optimizer here but had "
-                                      f"different {k} when saved ({v} and {theirs}); use one value, or one "
-                                      "optimizer group per stage as saved")
-    return values
 
 
 def _mean_action(costs: Sequence[Any], stages: Iterable[int]) -> float | None:

@@ -73,8 +73,8 @@ def fusable(params: Iterable[torch.Tensor]) -> bool | None:
     charges, where torch's default steps make several (benchmarks/RESULTS.md, "Optimizer step"); None (torch's
     default) otherwise, e.g. for DTensors."""
     params = list(params)
-    ok = bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point()
-                              and p.layout is torch.strided for p in params)
+    ok = bool(params) and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda")
+                              and p.is_floating_point() and p.layout is torch.strided for p in params)
     return True if ok else None
 
 
@@ -122,7 +122,8 @@ class LRSchedule:
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         factor = self.factor
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: factor(k))  # a function: LambdaLR saves no state of it
+        # a function, not this object: LambdaLR saves no state of it
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: factor(k))
 
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]

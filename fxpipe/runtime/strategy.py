@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -432,6 +432,11 @@ def _block_order(placements: Sequence[Any], src: tuple[int, ...], dst: tuple[int
     return tuple(order)
 
 
+def _grad(p: DTensor) -> DTensor | None:
+    """A DTensor parameter's gradient, a DTensor too (torch types ``.grad`` as a plain tensor)."""
+    return cast("DTensor | None", p.grad)
+
+
 def _reordered(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
     """``t`` with its dim-1 blocks in ``order`` (block i of the result is block ``order[i]`` of ``t``)."""
     if order is None:
@@ -572,7 +577,8 @@ class StrategyRuntime:
             self.mesh = mesh if mesh is not None else strategy_mesh(dist.get_world_size(), timeout=timeout)
             self.pp_rank = 0
         else:
-            self.mesh = self.pipeline[tuple(n for n in self.pipeline.mesh_dim_names if n != "pp")]
+            names = self.pipeline.mesh_dim_names or ()  # named: _pipeline_mesh checked or made them
+            self.mesh = self.pipeline[tuple(n for n in names if n != "pp")]
             self.pp_rank = self.pipeline.get_local_rank("pp")
         ndim = self.mesh.ndim
         self._identity = tuple(range(ndim))
@@ -592,7 +598,8 @@ class StrategyRuntime:
         self._groups: dict[tuple[int, ...], Any] = {}
         for layer in self.layers.values():  # every rank, every stage, the same order: groups are made collectively
             self._group(layer.sample_dims)
-        self._params: dict[str, list[tuple[str, nn.Parameter, str]]] = {}
+        # layer -> (name, parameter, its role): each parameter a DTensor (an nn.Parameter made of one)
+        self._params: dict[str, list[tuple[str, DTensor, str]]] = {}
         for node in self._mine:
             if node.op == "call_module":
                 self._distribute(node, self.module.get_submodule(str(node.target)))
@@ -702,7 +709,8 @@ class StrategyRuntime:
             return
         reorder = self._reads_any_order(node)
         perms = [self._identity] if node.name in self._cuts else sorted(itertools.permutations(self._identity))
-        best, best_score = layer.perm, (-1, -1, -1)
+        best = layer.perm
+        best_score: tuple[int, ...] = (-1, -1, -1)
         order: tuple[int, ...] | None = None  # a producer's block order (only a one-input matmul reorders)
         best_order = order
         for perm in perms:
@@ -794,12 +802,12 @@ class StrategyRuntime:
 
     # --- parameters ---------------------------------------------------------------------------
 
-    def parameters(self) -> Iterator[nn.Parameter]:
+    def parameters(self) -> Iterator[DTensor]:
         for entries in self._params.values():
             for _, p, _ in entries:
                 yield p
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self) -> Iterator[tuple[str, DTensor]]:
         """This stage's parameters by the model's qualified names (``features.0.weight``)."""
         for node in self._mine:
             for name, p, _ in self._params.get(node.name, ()):
@@ -811,7 +819,8 @@ class StrategyRuntime:
         return {n: self._unordered(n, p.full_tensor()) for n, p in self.named_parameters()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return {n: self._unordered(n, p.grad.full_tensor()) for n, p in self.named_parameters() if p.grad is not None}
+        grads = ((n, _grad(p)) for n, p in self.named_parameters())
+        return {n: self._unordered(n, g.full_tensor()) for n, g in grads if g is not None}
 
     def _unordered(self, qualified: str, t: torch.Tensor) -> torch.Tensor:
         """A whole parameter (or its gradient) named ``qualified`` in the model's order."""
@@ -913,27 +922,29 @@ class StrategyRuntime:
             return self._norm(node.name, module, layer, x, local)
         weight, bias = local["weight"], local.get("bias")
         if bias is not None and "r" in roles:
-            coords = self.view(layer.perm).get_coordinate() or []
+            coords: Sequence[int] = self.view(layer.perm).get_coordinate() or ()
             first = all(coords[i] == 0 for i, r in enumerate(roles) if r == "r")
             # the sum over row ranks adds it once; every rank's grad is whole
             bias = bias if first else bias - bias.detach()
         if isinstance(module, nn.Linear):
             return F.linear(x, weight, bias)
+        assert isinstance(module, _CONV)  # the layers with parameters set up (_distribute refused others)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[weight.dim() - 2]
         return conv(x, weight, bias, module.stride, module.padding, module.dilation, 1)
 
-    def _norm(self, name: str, module: nn.Module, layer: _Layer, x: torch.Tensor,
-              local: dict[str, torch.Tensor]) -> Any:
-        mean, var = module.running_mean, module.running_var
+    def _norm(self, name: str, module: nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d, layer: _Layer,
+              x: torch.Tensor, local: dict[str, torch.Tensor]) -> Any:
+        # The running statistics are DTensors since _distribute, which refused a BatchNorm without a momentum.
+        mean, var = cast(DTensor, module.running_mean), cast(DTensor, module.running_var)
+        momentum = cast(float, module.momentum)
         mean_l, var_l = mean.to_local(), var.to_local()
         group = self._group(layer.sample_dims)
-        if module.training and group is not None:
-            module.num_batches_tracked.add_(1)
-            return _BatchNormSync.apply(x, local["weight"], local["bias"], (module, mean_l, var_l), group, name, self)
         if module.training:
-            module.num_batches_tracked.add_(1)
-        return F.batch_norm(x, mean_l, var_l, local["weight"], local["bias"], module.training, module.momentum,
-                            module.eps)
+            cast(torch.Tensor, module.num_batches_tracked).add_(1)
+            if group is not None:
+                return _BatchNormSync.apply(x, local["weight"], local["bias"], (module, mean_l, var_l), group, name,
+                                            self)
+        return F.batch_norm(x, mean_l, var_l, local["weight"], local["bias"], module.training, momentum, module.eps)
 
     def _held(self, layer: _Layer) -> tuple[Any, ...]:
         if layer.spec.kind == "matmul":
@@ -1089,7 +1100,7 @@ class StrategyRuntime:
         for name, entries in self._params.items():
             layer = self.layers[name]
             group = self._group(layer.sample_dims)
-            grads = [(p, p.grad) for _, p, _ in entries if p.grad is not None]
+            grads = [(p, g) for _, p, _ in entries if (g := _grad(p)) is not None]
             if not grads:
                 continue
             if group is None:
@@ -1131,7 +1142,7 @@ class _LaneStage:
     def __call__(self, value: torch.Tensor) -> tuple[torch.Tensor]:
         return (self.rt._lane_forward(value),)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
+    def parameters(self) -> Iterator[DTensor]:
         return self.rt.parameters() if self.p == self.rt.pp_rank else iter(())
 
 

@@ -39,6 +39,8 @@ class TorchStage(torch.nn.Module):
     """One plan stage as torch runs it: takes the previous stage's outputs, gives what later stages read; its
     parameters and buffers are the stage graph's own, under the model's names (``blocks.0.attn.c_attn.weight``)."""
 
+    graph: torch.fx.GraphModule  # set past nn.Module's __setattr__: not a child module
+
     def __init__(self, index: int, graph: torch.fx.GraphModule, takes: Sequence[str], inputs: Sequence[str],
                  outputs: Sequence[str], gives: Sequence[str | None], *, last: bool = False,
                  constants: Sequence[Any] = (), out_spec: pytree.TreeSpec | None = None) -> None:

@@ -132,7 +132,7 @@ class WeightVersions:
         if s in self._aliases or self.policy not in PREDICT:
             return
         by_id = {id(t): n for n, t in (passed or self.params[s]).items()}
-        found = []
+        found: list[tuple[int, str, Any]] = []  # (slot, weight, None or the view's size, stride and offset)
         for i, t in enumerate(saved):
             if not isinstance(t, torch.Tensor):
                 continue

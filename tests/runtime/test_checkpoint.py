@@ -20,10 +20,15 @@ import torch
 
 from fxpipe.errors import CheckpointError, FxpipeError
 from fxpipe.runtime import checkpoint
-from tests._helpers import OneRank as _OneRank
-from tests._helpers import assert_ranks_ok, launch_ranks, train_reference, with_plans
-from tests._helpers import load_checkpoints as _load
-from tests._helpers import saved_checkpoints as _saved
+from tests._helpers import (
+    OneRank as _OneRank,
+    assert_ranks_ok,
+    launch_ranks,
+    load_checkpoints as _load,
+    saved_checkpoints as _saved,
+    train_reference,
+    with_plans,
+)
 from tests.runtime._dist_worker import payload
 
 
@@ -102,8 +107,9 @@ def test_metadata_is_read_by_an_unpickler_that_knows_only_dcp_classes(tmp_path: 
     assert named and named <= checkpoint._METADATA_GLOBALS
     assert not {m for m, _ in checkpoint._METADATA_GLOBALS} & {"builtins", "os", "posix", "subprocess", "sys"}
     md = checkpoint.read_metadata(root / "step_000001" / ".metadata")
-    assert set(md.state_dict_metadata) == {"model.a.weight", "model.bn.running_mean", "optim.state.a.weight.momentum_buffer",
-                                           "optim.number.a.weight.step", "fxpipe.step.rank0"}
+    assert set(md.state_dict_metadata) == {"model.a.weight", "model.bn.running_mean",
+                                           "optim.state.a.weight.momentum_buffer", "optim.number.a.weight.step",
+                                           "fxpipe.step.rank0"}
 
 
 @pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "fxpipe-checkpoint.json"])
@@ -160,8 +166,8 @@ def test_files_of_different_steps_are_refused(tmp_path: Path) -> None:
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", range(1, 2))
-    with pytest.raises(CheckpointError, match=r"is of another model: it lacks b\.weight and holds a\.weight, which this "
-                                              r"plan does not; resume with a plan of the model it was saved from"):
+    with pytest.raises(CheckpointError, match=r"is of another model: it lacks b\.weight and holds a\.weight, which "
+                                              r"this plan does not; resume with a plan of the model it was saved from"):
         checkpoint.load(_OneRank(0.0, name="b.weight"), root)
 
 

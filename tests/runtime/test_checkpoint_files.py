@@ -16,11 +16,7 @@ import torch
 
 from fxpipe.errors import CheckpointError
 from fxpipe.runtime import checkpoint
-from tests._helpers import OneRank as _OneRank
-from tests._helpers import load_checkpoints as _load
-from tests._helpers import saved_checkpoints as _saved
-from tests._helpers import tree
-
+from tests._helpers import OneRank as _OneRank, load_checkpoints as _load, saved_checkpoints as _saved, tree
 
 
 def xor_same_size(file: Path, start: int = 0, length: int = 10_000) -> None:

@@ -137,8 +137,8 @@ def test_a_failed_asynchronous_save_says_what_a_synchronous_one_says(world1: Non
     rt.save_checkpoint(tmp_path / "async", 1, asynchronous=True)  # the failure comes when the save is waited for
     with pytest.raises(CheckpointError) as asyn:
         rt.wait_checkpoint()
-    assert str(asyn.value) == str(sync.value) == ("saving the checkpoint failed on rank 0: OSError: [Errno 28] No space "
-                                                   "left on device")
+    assert str(asyn.value) == str(sync.value) == ("saving the checkpoint failed on rank 0: OSError: [Errno 28] No "
+                                                   "space left on device")
     rt.save_checkpoint(tmp_path / "async", 1, asynchronous=True)
     with pytest.raises(CheckpointError, match="^saving the checkpoint failed on rank 0: "):
         rt.save_checkpoint(tmp_path / "async", 2)  # or when the next save starts: the steps never overlap

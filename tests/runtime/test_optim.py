@@ -51,9 +51,11 @@ def _lrs(schedule: LRSchedule, steps: int, lr: float = 0.1) -> list[float]:
 @pytest.mark.parametrize("kind, expected", [
     ("constant", [0.0, 0.05, 0.1, 0.1, 0.1, 0.1]),
     ("linear", [0.0, 0.05, 0.1, 0.075, 0.05, 0.025]),
-    ("cosine", [0.0, 0.05, 0.1, 0.1 * (1 + math.cos(math.pi / 4)) / 2, 0.05, 0.1 * (1 + math.cos(3 * math.pi / 4)) / 2]),
+    ("cosine", [0.0, 0.05, 0.1, 0.1 * (1 + math.cos(math.pi / 4)) / 2, 0.05,
+                0.1 * (1 + math.cos(3 * math.pi / 4)) / 2]),
 ])
-def test_each_schedule_warms_up_from_zero_then_decays_to_zero_at_the_last_step(kind: str, expected: list[float]) -> None:
+def test_each_schedule_warms_up_from_zero_then_decays_to_zero_at_the_last_step(kind: str,
+                                                                               expected: list[float]) -> None:
     assert _lrs(LRSchedule(kind, warmup_steps=2, total_steps=6), 6) == pytest.approx(expected, abs=1e-12)
     assert LRSchedule(kind, warmup_steps=2, total_steps=6).factor(6) == (1.0 if kind == "constant" else 0.0)
 
