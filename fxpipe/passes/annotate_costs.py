@@ -356,6 +356,8 @@ def _kernel_name(node: torch.fx.Node) -> str:
     if kind != "max_pool2d":
         return kind
     size = node.args[1] if len(node.args) > 1 else node.kwargs.get("kernel_size", 0)
+    if not isinstance(size, (int, list, tuple)):
+        return kind
     hw = [size, size] if isinstance(size, int) else list(size) * (2 if len(size) == 1 else 1)
     return f"max_pool2d {hw[0]}x{hw[1]}" if len(hw) == 2 and all(isinstance(v, int) for v in hw) else kind
 

@@ -138,9 +138,11 @@ def _stage_costs(root: torch.fx.GraphModule) -> list[dict[str, float]]:
             held_fb, held_bw = float(g.bytes_f_to_b), float(g.bytes_b_to_w)
         if timed is not None:  # profiled: the stage's own F, B and W graphs, timed whole (split-backward)
             f, b, w = (float(t) for t in timed)
-        costs.append({"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]),
-                      "saved_bytes": float(c["saved_bytes"]), "held_fb": held_fb, "held_bw": held_bw,
-                      "w_batched": float(w_batched), "held_in": held_in})
+        cost = {"f": f, "b": b, "w": w, "send_bytes": float(c["send_bytes"]), "saved_bytes": float(c["saved_bytes"]),
+                "held_fb": held_fb, "held_bw": held_bw, "w_batched": float(w_batched)}
+        if held_in is not None:  # else StageCost's default: not known without the split graphs
+            cost["held_in"] = held_in
+        costs.append(cost)
     return costs
 
 

@@ -119,8 +119,9 @@ class _Counted:
 
 def graph_ops(graphs: StageGraphs) -> tuple[int, int, int]:
     """The ATen ops (every call but ``getitem``) of split graphs' F, B and W: what each costs the host to run."""
-    return tuple(sum(1 for n in compute_nodes(gm.graph) if n.target is not operator.getitem)  # type: ignore[return-value]
-                 for gm in (graphs.forward, graphs.backward_input, graphs.backward_weight))
+    f, b, w = (sum(1 for n in compute_nodes(gm.graph) if n.target is not operator.getitem)
+               for gm in graphs.split_graphs())
+    return f, b, w
 
 
 # Counts by layer signature (ops, wiring, shapes, dtypes, which inputs need a gradient: everything the counts

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -13,11 +14,16 @@ from fxpipe.graphs.fx import COMPUTE_OPS, clone, compute_nodes, get_path, value_
 from fxpipe.meta import get_meta, update_meta
 from fxpipe.passes.driver import PassResult
 from fxpipe.passes.group_layers import LayerStats, layer_stats
+from fxpipe.plan import DEFAULTS, Link, RuntimeOverheads
 from fxpipe.planning.cost import SCHEDULES, in_flight, limited_in_flight
 from fxpipe.planning.stage_dp import Moves, StagePlan, min_memory_cap, plan_for_bounds, plan_stages
 from fxpipe.report import Report
-from fxpipe.plan import DEFAULTS, Link, RuntimeOverheads
 from fxpipe.schedules.auto import FIXED, greedy_limits
+
+if TYPE_CHECKING:  # imported where they are used: only --stages auto and --plan auto search
+    from fxpipe.planning.merge import MergePlan
+    from fxpipe.planning.plan_search import PlanCandidate
+    from fxpipe.planning.stage_count import Objective, StageCount
 
 # Bytes held per byte of trainable parameter: the parameter, its gradient and Adam's two moments.
 TRAINING_BYTES_PER_PARAM_BYTE = 4
@@ -127,25 +133,26 @@ def partition_stages(
     cut_bytes = _cut_bytes(out, num_layers)
     static = [_static_bytes(out, s) for s in stats]
     counted: tuple[Report, ...] = ()
-    choice: dict[str, object] | None = None
+    choice: PlanCandidate | None = None
+    bounds: tuple[int, ...] = ()  # the searched partition (--stages auto, --plan auto)
     shift = _cache_shift(out) if cores is not None else None  # the ranks share this machine: its cache too
     if num_stages == "plan":
         choice, counted = _search_plans(stats, cut_bytes, static, link=link, memory_cap=memory_per_stage,
                                         search=search, cache=shift, shared=_shared_params(out, stats))
-        num_stages, bounds = int(choice["stages"]), tuple(choice["bounds"])  # type: ignore[call-overload, arg-type]
-        schedule, microbatches = str(choice["schedule"]), int(choice["microbatches"])  # type: ignore[call-overload]
-        dp = int(choice["dp"])  # type: ignore[call-overload]
+        count, bounds = choice.stages, choice.bounds
+        schedule, microbatches, dp = choice.schedule, choice.microbatches, choice.dp
     if shift is not None and shift(dp) > 0:  # the plan's times as its dp replicas on one cache run them
         _read_more_from_memory(out, shift(dp))
         stats = layer_stats(out)
     if num_stages == "auto":
-        num_stages, bounds, counted = _choose_count(stats, cut_bytes, static, shared=_shared_params(out, stats),
-                                                    link=link, memory_cap=memory_per_stage,
-                                                    microbatches=microbatches, schedule=schedule,
-                                                    search=search)
-    elif num_stages != "plan" and (not isinstance(num_stages, int) or num_stages < 1):
-        raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
-    flights, why = _in_flight(schedule, num_stages, microbatches)
+        count, bounds, counted = _choose_count(stats, cut_bytes, static, shared=_shared_params(out, stats),
+                                               link=link, memory_cap=memory_per_stage, microbatches=microbatches,
+                                               schedule=schedule, search=search)
+    elif num_stages != "plan":
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise PlanError(f"--stages must be at least 1 or auto (stages: {num_stages})")
+        count = num_stages
+    flights, why = _in_flight(schedule, count, microbatches)
     moves = Moves(movable_derivatives(out, stats), first=input_grads) if balance_backward else None
     if counted:
         plan = plan_for_bounds([s.time for s in stats], bounds, cut_bytes=cut_bytes, bandwidth=bandwidth,
@@ -155,7 +162,7 @@ def partition_stages(
     else:
         plan = plan_stages(
             [s.time for s in stats],
-            num_stages,
+            count,
             cut_bytes=cut_bytes,
             bandwidth=bandwidth,
             latency=latency,
@@ -165,7 +172,7 @@ def partition_stages(
             memory_cap=memory_per_stage,
             moves=moves,
         )
-    stage_of_layer = [k for k in range(num_stages) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
+    stage_of_layer = [k for k in range(count) for _ in range(plan.bounds[k], plan.bounds[k + 1])]
     for node in compute_nodes(out.graph):
         update_meta(node, stage_idx=stage_of_layer[get_meta(node).layer_idx])
     cuts = stage_cuts(out)
@@ -181,11 +188,12 @@ def partition_stages(
             "send_bytes": cuts[k].nbytes if k < len(cuts) else 0,
             "saved_bytes": sum(s.saved_bytes for s in stats[plan.bounds[k]:plan.bounds[k + 1]]),
         }
-        for k in range(num_stages)
+        for k in range(count)
     ]
     out.meta["fxpipe_link"] = {"bandwidth": bandwidth, "latency": latency}
     if choice is not None:
-        out.meta["fxpipe_plan_choice"] = {k: v for k, v in choice.items() if k != "bounds"}
+        out.meta["fxpipe_plan_choice"] = {"stages": choice.stages, "dp": choice.dp, "schedule": choice.schedule,
+                                          "microbatches": choice.microbatches}
     return PassResult(out, True, (*counted, _report(out, plan, stats, cuts, flights, why, bandwidth, latency,
                                                           _held_per_microbatch(stats, schedule))))
 
@@ -223,10 +231,12 @@ def movable_derivatives(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -
     return out
 
 
-def _fbw(stats: Sequence[LayerStats], spans: Sequence[tuple[int, int]]) -> tuple[tuple[float, ...], ...]:
+def _fbw(stats: Sequence[LayerStats], spans: Sequence[tuple[int, int]],
+         ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """Per stage (``spans`` of layers), its layers' F, B and W seconds: ``Costs``' first three fields."""
-    return tuple(tuple(sum(getattr(s, field) for s in stats[i:j]) for i, j in spans)
-                 for field in ("time_fwd", "time_bwd_input", "time_bwd_weight"))
+    f, b, w = (tuple(sum(getattr(s, field) for s in stats[i:j]) for i, j in spans)
+               for field in ("time_fwd", "time_bwd_input", "time_bwd_weight"))
+    return f, b, w
 
 
 def _shared_params(gm: torch.fx.GraphModule, stats: Sequence[LayerStats]) -> dict[str, float]:
@@ -286,10 +296,16 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
     With ``search.cores``, P stages on ``search.dp`` replicas compute ``max(1, P x dp / cores)`` times slower in
     both."""
     from fxpipe.planning.cost import transfer_time
-    from fxpipe.planning.plan_search import time_sharing
     from fxpipe.planning.merge import merge_partitions
-    from fxpipe.planning.stage_count import DEFAULT_MAX_STAGES, DEFAULT_OBJECTIVE, StageCount, best_partition, \
-        choose_count, parse_objective
+    from fxpipe.planning.plan_search import time_sharing
+    from fxpipe.planning.stage_count import (
+        DEFAULT_MAX_STAGES,
+        DEFAULT_OBJECTIVE,
+        StageCount,
+        best_partition,
+        choose_count,
+        parse_objective,
+    )
     from fxpipe.schedules.generators import generate
     from fxpipe.schedules.simulate import Costs, simulate
 
@@ -330,7 +346,8 @@ def _choose_count(stats: list[LayerStats], cut_bytes: list[float], static: list[
                       sends, tuple(sum(acts[i:j]) for i, j in spans), tuple(sum(acts[i:j]) for i, j in spans),
                       latency, bandwidth,
                       # every replica time-shares too; --stages auto models no all-reduce (a zero one per stage)
-                      **({"cores": cores, "dp": dp, "allreduce_s": (0.0,) * p} if cores is not None else {}),
+                      cores=cores, dp=dp if cores is not None else 1,
+                      allreduce_s=(0.0,) * p if cores is not None else (),
                       tied=_tied(stats, spans, shared or {}), allreduce_latency=latency, allreduce_bandwidth=bandwidth)
         costs = costs.with_runtime(overheads)
         simulated = simulate(generate(sim_schedule, p, m, costs), costs).makespan
@@ -356,7 +373,7 @@ SIMULATED_CANDIDATES = 16
 def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[float], *, link: Link,
                   memory_cap: float | None, search: StageSearch,
                   cache: Callable[[int], float] | None = None,
-                  shared: dict[str, float] | None = None) -> tuple[dict[str, object], tuple[Report, ...]]:
+                  shared: dict[str, float] | None = None) -> tuple[PlanCandidate, tuple[Report, ...]]:
     """``--plan auto``: every (stages, dp, schedule, microbatches) on ``search.devices``, screened by the model, the
     best simulated; the fastest simulated is the plan. With ``search.cores`` both the model and the simulator
     time-share them."""
@@ -391,13 +408,16 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
     ordered = [(best, best_step), *sorted(((c, s) for c, s in simulated if c is not best),
                                           key=lambda t: (-t[0].throughput(t[1]), t[0].memory_bytes))]
     # With --cores, a column says how much slower each candidate's ranks compute (only then: older tables unchanged).
-    shared = (lambda c: (round(time_sharing(c.devices, cores), 3),)) if cores is not None else (lambda c: ())
-    rows = tuple((rank + 1, c.stages, c.dp, c.devices, c.schedule, c.microbatches, *shared(c),
+    def sharing(c: PlanCandidate) -> tuple[float, ...]:
+        return (round(time_sharing(c.devices, cores), 3),) if cores is not None else ()
+
+    rows = tuple((rank + 1, c.stages, c.dp, c.devices, c.schedule, c.microbatches, *sharing(c),
                   round(c.model_s * 1e3, 3), round(step * 1e3, 3), round(c.throughput(step) * compute, 3),
                   round(c.memory_bytes / 2**20, 2), "chosen" if c is best else "")
                  for rank, (c, step) in enumerate(ordered))
+    capped = f"; memory per device <= {memory_cap:.0f} bytes" if memory_cap else ""
     notes = (f"{len(candidates)} candidates on {budget} devices (stages x dp <= devices; gpipe, 1f1b, zb-h1, zb-h2; "
-             f"P, 2P, 4P microbatches{'; memory per device <= ' + format(memory_cap, '.0f') + ' bytes' if memory_cap else ''}"
+             f"P, 2P, 4P microbatches{capped}"
              f"): the step model screened them, the best {len(simulated)} simulated",
              f"chosen: {best.stages} stages x {best.dp} replicas, {best.schedule}, {best.microbatches} microbatches: "
              f"{best.throughput(best_step) * compute:.2f}x one device's throughput on {best.devices} devices",
@@ -410,8 +430,7 @@ def _search_plans(stats: list[LayerStats], cut_bytes: list[float], static: list[
                              *(("compute x",) if cores is not None else ()), "model step ms",
                              "simulated step ms", "speedup", "memory MiB", ""),
                     rows=rows, notes=notes)
-    return ({"stages": best.stages, "dp": best.dp, "schedule": best.schedule, "microbatches": best.microbatches,
-             "bounds": best.bounds}, (report,))
+    return best, (report,)
 
 
 def _cache_note(cache: Callable[[int], float] | None, replicas: Sequence[int]) -> tuple[str, ...]:
@@ -429,7 +448,7 @@ def _time_sharing_note(cores: int, ranks: str) -> str:
             "as always computing, and the speedup is against one device with a core of its own")
 
 
-def _merge_report(merged, chosen, stats, top: int) -> Report:  # type: ignore[no-untyped-def]
+def _merge_report(merged: MergePlan, chosen: StageCount, stats: Sequence[LayerStats], top: int) -> Report:
     from fxpipe.planning.merge import merge_rows
 
     same = "the same partition as the chosen row" if merged.bounds == chosen.bounds else (
@@ -447,12 +466,14 @@ def _merge_report(merged, chosen, stats, top: int) -> Report:  # type: ignore[no
                   rows=merge_rows(merged, [s.name for s in stats]), notes=notes)
 
 
-def _count_report(rows, chosen, goal, schedule: str, *, dp: int = 1,  # type: ignore[no-untyped-def]
+def _count_report(rows: Sequence[StageCount], chosen: StageCount, goal: Objective, schedule: str, *, dp: int = 1,
                   cores: int | None = None) -> Report:
     from fxpipe.planning.plan_search import time_sharing
 
-    shared = (lambda r: (round(time_sharing(r.stages * dp, cores), 3),)) if cores is not None else (lambda r: ())
-    table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches, *shared(r),
+    def sharing(r: StageCount) -> tuple[float, ...]:
+        return (round(time_sharing(r.stages * dp, cores), 3),) if cores is not None else ()
+
+    table = tuple((r.stages, " ".join(str(b) for b in r.bounds[1:-1]) or "-", r.microbatches, *sharing(r),
                    round(max(r.stage_times) * 1e3, 3), round(r.model_s * 1e3, 3), round(r.step_s * 1e3, 3),
                    round(r.speedup, 3), round(r.efficiency, 3), round(sum(r.cut_bytes) / 2**20, 4),
                    "chosen" if r is chosen else "") for r in rows)
@@ -525,7 +546,8 @@ def verify_stages(gm: torch.fx.GraphModule) -> list[str]:
             continue
         for arg in node.all_input_nodes:
             if arg.op in COMPUTE_OPS and get_meta(arg).stage_idx > stage:
-                problems.append(f"node {node.name} (stage {stage}) reads {arg.name} from later stage {get_meta(arg).stage_idx}")
+                problems.append(f"node {node.name} (stage {stage}) reads {arg.name} from later stage "
+                                f"{get_meta(arg).stage_idx}")
     return problems
 
 
@@ -541,7 +563,8 @@ def stage_cuts(gm: torch.fx.GraphModule) -> list[Cut]:
     return [Cut(k, tuple(crossing[k]), nbytes[k]) for k in range(num_stages - 1)]
 
 
-def _live_ranges(gm: torch.fx.GraphModule, *, key, end: int):  # type: ignore[no-untyped-def]
+def _live_ranges(gm: torch.fx.GraphModule, *, key: Callable[[torch.fx.Node], int],
+                 end: int) -> Iterator[tuple[torch.fx.Node, int, int]]:
     """(value, index where it is made, last index that reads it) for every placeholder and call.
 
     Placeholders are made at index -1 (inputs arrive at the first stage); the graph output is

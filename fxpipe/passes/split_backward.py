@@ -86,11 +86,12 @@ def batched_ratios(stages: Sequence[torch.fx.GraphModule], wiring: Any, example_
         if built is None or isinstance(built, str):
             out.append(1.0)
         elif estimate is not None:
-            one, many = estimate(g.backward_weight), estimate(built.plain)  # type: ignore[arg-type]
+            one, many = estimate(g.split_graphs()[2]), estimate(built.plain)
             out.append(1.0 if one is None or many is None or one <= 0 else min(1.0, many / (BATCH_K * one)))
         else:
-            w_acc = accumulating_weight_graph(g.backward_weight, len(g.param_names))[0]
-            out.append(min(1.0, measure_ratio(g.backward_weight, w_acc, built, max(3, runs))))
+            w = g.split_graphs()[2]
+            w_acc = accumulating_weight_graph(w, len(g.param_names))[0]
+            out.append(min(1.0, measure_ratio(w, w_acc, built, max(3, runs))))
     return out
 
 

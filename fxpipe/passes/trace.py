@@ -85,7 +85,7 @@ def _cache_off(model: torch.nn.Module) -> Iterator[bool]:
     which neither tracer can carry, and training never reads): its ``config.use_cache`` is off while it is traced,
     and put back after. Yields whether it was on."""
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is not True:
+    if config is None or getattr(config, "use_cache", None) is not True:
         yield False
         return
     config.use_cache = False

@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 
 from fxpipe import models
+from fxpipe.api import build_steps
 from fxpipe.errors import OptionError, PlanError
 from fxpipe.graphs.fx import compute_nodes
 from fxpipe.meta import get_meta
-from fxpipe.api import build_steps
 from fxpipe.passes import PassResult, run_steps
-from fxpipe.plan import CompileOptions, Link
 from fxpipe.passes.group_layers import layer_stats
 from fxpipe.passes.partition_stages import StageSearch, _cut_bytes, partition_stages, stage_cuts, verify_stages
+from fxpipe.plan import CompileOptions, Link
 from fxpipe.planning.stage_dp import stage_time
 
 
