@@ -32,6 +32,9 @@ class Stage(torch.nn.Module):
         # A loaded plan's record of the stage's gradients in and out (plan.json), so that a rank can
         # build the F, B and W of its own stages only; None when the plan has none.
         self.interface = interface
+        # A loaded plan's record of the stage's F, B and W graphs (``plan_dir.StoredGraphs``): a rank running the
+        # plan as compiled reads them instead of tracing (``plan_dir.stored_stage_graphs``); None when it has none.
+        self.stored_graphs: Any = None
         if graphs is not None and graphs.forward is not None:
             # ``stage.forward`` is the F graph itself (stage inputs -> outputs + saved tensors), as
             # split_backward documents; it is kept out of _modules so its shared parameters are

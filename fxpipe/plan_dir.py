@@ -1,5 +1,5 @@
-"""The plan directory: plan.json (versioned), and per stage its graph as JSON data, its tensors (.pt) and a
-readable .py rendering that is never executed."""
+"""The plan directory: plan.json (versioned), and per stage its graph as JSON data, its tensors (.pt), its F, B and W
+graphs as JSON data (.fbw.json, when compiled with them) and a readable .py rendering that is never executed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import shutil
 import sys
 import tempfile
 import types
-from collections.abc import Collection
+from collections.abc import Collection, Container, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ import torch.fx
 from fxpipe._compat import pytree, serialized_type_names
 from fxpipe.errors import PlanFileError
 from fxpipe.graphs import serialize
-from fxpipe.graphs.convention import RECORD_TYPE, StageInterface
+from fxpipe.graphs import stored as fbw
+from fxpipe.graphs.convention import RECORD_TYPE, StageGraphs, StageInterface, flatten_inputs
 from fxpipe.graphs.fx import set_path
 from fxpipe.pipeline import Pipeline, Stage
 from fxpipe.plan import Plan, fxpipe_version
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = "fxpipe.plan/v3"
 PLAN_FILE = "plan.json"
-_FXPIPE_FILE = re.compile(r"^stage_[0-9]+\.(json|pt|py)$")
+_FXPIPE_FILE = re.compile(r"^stage_[0-9]+\.(json|pt|py|fbw\.json)$")
 
 
 # Bounds of the JSON fxpipe reads (plans, stage graphs, checkpoint records): a file past them is refused in
@@ -54,8 +56,14 @@ def read_json(file: Path, *, max_bytes: int, max_depth: int = MAX_JSON_DEPTH) ->
     size = os.stat(file).st_size
     if size > max_bytes:
         raise ValueError(f"is {size:,} bytes, more than the {max_bytes:,} fxpipe reads")
+    return parse_json(Path(file).read_bytes(), max_depth)
+
+
+def parse_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``data`` parsed as JSON at most ``max_depth`` deep; ValueError as :func:`read_json` (bytes read once, so that
+    what was checksummed is what is parsed)."""
     try:
-        value = json.loads(Path(file).read_bytes().decode())
+        value = json.loads(data.decode())
     except RecursionError:
         raise ValueError(f"nests arrays or objects deeper than the {max_depth} levels fxpipe reads") from None
     except UnicodeDecodeError as exc:
@@ -102,6 +110,7 @@ def save_pipeline(pipe: Any, out: Path, *, overwrite: bool = False,
         raise _unwritable(out, exc) from exc
     try:
         stages, files, sums = [], [], {}
+        splits = _storable_splits(pipe)
         for stage in pipe.stages:
             k = stage.index
             graph_file, weights_file, source_file = f"stage_{k}.json", f"stage_{k}.pt", f"stage_{k}.py"
@@ -130,6 +139,13 @@ def save_pipeline(pipe: Any, out: Path, *, overwrite: bool = False,
             interface = _interface(pipe, stage)
             if interface is not None:
                 stages[-1]["interface"] = interface.to_json()
+            if splits is not None:  # F, B and W as data: a rank that runs the plan as compiled loads, not traces, them
+                fbw_file, device = f"stage_{k}.fbw.json", fbw.split_device(splits[k])
+                fbw_doc = fbw.dump_split(splits[k], f"stage {k}")
+                (tmp / fbw_file).write_text(json.dumps(fbw_doc, separators=(",", ":")) + "\n")
+                files.append(fbw_file)
+                sums[fbw_file] = sha256_file(tmp / fbw_file)
+                stages[-1]["fbw"] = {"file": fbw_file, "device": device, **fbw.interface_values(splits[k])}
         doc = {
             "schema": SCHEMA,
             "fxpipe_version": fxpipe_version(),
@@ -306,6 +322,8 @@ def load(path: str | Path, *, trust_ops: Collection[str] = serialize.TRUSTED_LIB
     try:
         stages = [Stage(s["index"], _load_stage(path, s, doc["sha256"], trust_ops), s["inputs"], s["outputs"],
                         interface=_read_interface(s, path)) for s in doc["stages"]]
+        for stage, s in zip(stages, doc["stages"]):
+            stage.stored_graphs = _read_stored(path, s, doc["sha256"], trust_ops)
         # Tied parameters: each stage file holds a copy; make them one Parameter again.
         for name, ks in doc.get("shared_params", {}).items():
             first = stages[ks[0]].module.get_parameter(name)
@@ -347,6 +365,127 @@ def _read_interface(spec: dict[str, Any], path: Path) -> StageInterface | None:
     except ValueError as exc:
         raise PlanFileError(f"{Path(path) / PLAN_FILE} stage {spec['index']} has a malformed interface ({exc}); "
                             "re-run fxpipe compile") from exc
+
+
+def _storable_splits(pipe: Any) -> list[StageGraphs] | None:
+    """Every stage's F, B and W, when the plan can carry them: each stage split (none fused), traced on one device
+    type, as a rank splits it (``Pipeline.build_backward``: without ``input_grads``); else None, and ranks trace."""
+    graphs = [stage.graphs for stage in pipe.stages]
+    if pipe.plan.options.input_grads or any(g is None for g in graphs):
+        return None
+    devices = {fbw.split_device(g) for g in graphs}
+    return graphs if len(devices) == 1 and None not in devices else None
+
+
+@dataclass(frozen=True)
+class StoredGraphs:
+    """A loaded plan's record of one stage's F, B and W graphs (``stage_K.fbw.json``): read when a rank runs the
+    stage (:func:`stored_stage_graphs`), not when the plan is loaded."""
+
+    file: Path
+    sha256: str
+    device: str  # the device type they were traced for
+    values: dict[str, Any]  # the stage's inputs and outputs as traced (``fbw.interface_values``)
+    trust_ops: tuple[str, ...]
+
+    def load(self, stage: Stage) -> StageGraphs:
+        """The stage's F, B and W over its own parameters; PlanFileError, one line, for a file that changed since
+        the plan was loaded or that the graph loader refuses."""
+        size = self.file.stat().st_size
+        if size > MAX_STAGE_JSON_BYTES:
+            raise PlanFileError(f"{self.file} is {size:,} bytes, more than the {MAX_STAGE_JSON_BYTES:,} fxpipe reads; "
+                                "re-run fxpipe compile")
+        data = self.file.read_bytes()
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise PlanFileError(f"{self.file} does not match the checksum in {PLAN_FILE} (edited, or a write was cut "
+                                "short); re-run fxpipe compile")
+        try:
+            doc = parse_json(data)
+        except ValueError as exc:
+            raise PlanFileError(f"{self.file} {exc}; re-run fxpipe compile") from None
+        try:
+            return fbw.load_split(doc, stage.module, str(self.file), recorded=stage.interface,
+                                  trust_ops=self.trust_ops)
+        except PlanFileError as exc:
+            fix = "" if str(exc).endswith("re-run fxpipe compile") else "; re-run fxpipe compile"
+            raise PlanFileError(f"{exc}{fix}") from exc
+
+
+def _read_stored(path: Path, spec: dict[str, Any], sums: dict[str, Any],
+                 trust_ops: Collection[str]) -> StoredGraphs | None:
+    """The stage's ``fbw`` record in plan.json, its file checked against its checksum now (as the stage files
+    are); None for plans written without one."""
+    entry = spec.get("fbw")
+    if entry is None:
+        return None
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not _FXPIPE_FILE.match(name) or not name.endswith(".fbw.json") \
+            or not isinstance(entry.get("device"), str):
+        raise PlanFileError(f"{path / PLAN_FILE} stage {spec['index']} has a malformed fbw record; re-run fxpipe "
+                            "compile")
+    file = path / name
+    if file.is_symlink() or not file.is_file():
+        raise PlanFileError(f"{path} is missing the stage file {name!r}; re-run fxpipe compile")
+    want = sums.get(name)
+    if not isinstance(want, str) or want != sha256_file(file):
+        raise PlanFileError(f"{file} does not match the checksum in {PLAN_FILE} (edited, or a write was cut short); "
+                            "re-run fxpipe compile")
+    values = {"inputs": entry.get("inputs"), "outputs": entry.get("outputs")}
+    return StoredGraphs(file, want, entry["device"], values, tuple(trust_ops))
+
+
+def stored_stage_graphs(pipe: Pipeline, only: Container[int], device_type: str,
+                        example_inputs: Sequence[Any] | None = None) -> list[StageGraphs] | None:
+    """Every stage's graphs as a rank that runs ``only`` needs them, read from the plan instead of traced: its own
+    stages' F, B and W (kept on the stages, as ``Pipeline.build_backward`` keeps them), the others' interface.
+
+    Returns None, and the caller traces as before, unless the plan carries every stage's graphs traced for
+    ``device_type`` at the shapes and dtypes of ``example_inputs`` (None: the plan's inputs), with each stage's
+    interface recorded. The graphs are the plan's as compiled, ``--balance-backward``'s moves already made.
+    Raises PlanFileError, one line, for a file the loader refuses.
+    """
+    stages = pipe.stage_list()
+    records = [getattr(stage, "stored_graphs", None) for stage in stages]
+    if any(r is None or r.device != device_type for r in records) or any(st.interface is None for st in stages):
+        return None
+    if not _traced_for(pipe, [r for r in records if r is not None], example_inputs):
+        return None
+    graphs = []
+    for k, (stage, record) in enumerate(zip(stages, records)):
+        assert record is not None and stage.interface is not None  # checked above
+        if k not in only:
+            graphs.append(fbw.remote_split(record.values, stage.interface, f"{record.file} (plan.json's record)"))
+            continue
+        g = stage.graphs if stage.graphs is not None and not stage.graphs.remote else record.load(stage)
+        stage.graphs = g
+        object.__setattr__(stage, "forward", g.forward)
+        graphs.append(g)
+    return graphs
+
+
+def _traced_for(pipe: Pipeline, records: Sequence[StoredGraphs], example_inputs: Sequence[Any] | None) -> bool:
+    """Whether the stored graphs were traced at ``example_inputs``' shapes and dtypes (None: the plan's inputs): each
+    model input a stage reads against that stage's recorded input."""
+    if example_inputs is None:
+        given = {s.name: (list(s.shape), s.dtype) for s in pipe.plan.inputs}
+    else:
+        try:
+            flat = flatten_inputs(pipe.in_spec, tuple(example_inputs), {})
+        except ValueError:  # OptionError: the tracing path says what is wrong
+            return False
+        if not all(isinstance(x, torch.Tensor) for x in flat):
+            return False
+        given = {n: (list(x.shape), str(x.dtype).removeprefix("torch.")) for n, x in zip(pipe.input_names, flat)}
+    if set(given) != set(pipe.input_names):
+        return False
+    for stage, record in zip(pipe.stage_list(), records):
+        traced = record.values.get("inputs")
+        if not isinstance(traced, list) or len(traced) != len(stage.inputs):
+            return False
+        for name, val in zip(stage.inputs, traced):
+            if name in given and not (isinstance(val, list) and len(val) == 4 and [val[0], val[2]] == list(given[name])):
+                return False
+    return True
 
 
 def read_plan_json(path: Path) -> dict[str, Any]:

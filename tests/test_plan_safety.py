@@ -154,6 +154,68 @@ def test_a_graph_edited_without_its_checksum_is_refused(plan: Path) -> None:
         fxpipe.load(plan)
 
 
+def _edit_fbw(plan: Path, k: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit stage k's F/B/W JSON (stage_K.fbw.json) and, as an attacker would, plan.json's checksum of it."""
+    path = plan / f"stage_{k}.fbw.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    _rehash(plan, path.name)
+
+
+def _rank_loads(plan: Path) -> None:
+    """What a rank running every stage does with the plan: its F, B and W read from the files."""
+    from fxpipe.plan_dir import stored_stage_graphs
+
+    assert stored_stage_graphs(fxpipe.load(plan), {0, 1}, "cpu") is not None
+
+
+def _fbw_values(doc: dict[str, Any]) -> None:
+    doc["vals"]["forward"][0] = [[10**7, 10**7], [10**7, 1], "float32", False]
+
+
+def _fbw_parameter(doc: dict[str, Any]) -> None:
+    doc["convention"]["param_names"][0] = "nowhere.weight"
+
+
+def _fbw_slot(doc: dict[str, Any]) -> None:
+    doc["convention"]["w_slots"][0] = ["saved", 10**6]
+
+
+TAMPERED_FBW = {
+    **{f"forward: {case}": (lambda doc, e=edit: e(doc["graphs"]["forward"]), message)
+       for case, (edit, message) in TAMPERED_GRAPHS.items()},
+    # F's first call takes one argument (the stage graph's takes three)
+    "forward: a cond without its graphs": (lambda doc: TAMPERED_GRAPHS["a cond without its graphs"][0](
+        doc["graphs"]["forward"]), "'cond' with 1 arguments, not 4"),
+    "a value of 10^14 elements": (_fbw_values, "has a value of shape [10000000, 10000000]"),
+    "a parameter the stage lacks": (_fbw_parameter, "names parameter 'nowhere.weight', which the stage does not"),
+    "a slot past F's saved tensors": (_fbw_slot, "reads slot (saved, 1000000), which the stage does not have"),
+    "another format": (lambda doc: doc.update(format="pickle"), "is not an fxpipe.stage-fbw/v1 document"),
+}
+
+
+def test_a_loaded_plan_rank_loads_its_fbw_graphs(plan: Path) -> None:
+    _rank_loads(plan)
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED_FBW))
+def test_a_tampered_fbw_graph_is_refused_with_one_line(plan: Path, case: str) -> None:
+    """The F/B/W a rank loads instead of tracing go through the stage graphs' allow-list and bounds."""
+    edit, message = TAMPERED_FBW[case]
+    _edit_fbw(plan, 1, edit)
+    with pytest.raises(PlanFileError, match="stage_1.fbw.json") as info:
+        _rank_loads(plan)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_fbw_graph_edited_without_its_checksum_is_refused(plan: Path) -> None:
+    path = plan / "stage_0.fbw.json"
+    path.write_text(path.read_text().replace('"aten.', '"os.'))
+    with pytest.raises(PlanFileError, match="stage_0.fbw.json does not match the checksum in plan.json"):
+        fxpipe.load(plan)
+
+
 def test_a_pickle_payload_in_the_tensors_file_does_not_run(plan: Path, marker: Path) -> None:
     (plan / "stage_0.pt").write_bytes(pickle.dumps({"fc.weight": _Payload(marker)}))
     _rehash(plan, "stage_0.pt")

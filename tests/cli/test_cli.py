@@ -73,8 +73,9 @@ def mlp_json(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
 
 def test_compile_writes_the_plan_dir(gpt_plan: tuple[Result, Path]) -> None:
     result, out = gpt_plan
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.json", "stage_0.pt", "stage_0.py",
-                                                     "stage_1.json", "stage_1.pt", "stage_1.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.fbw.json", "stage_0.json", "stage_0.pt",
+                                                     "stage_0.py", "stage_1.fbw.json", "stage_1.json", "stage_1.pt",
+                                                     "stage_1.py"]
     doc = json.loads((out / "plan.json").read_text())
     assert doc["schema"] == "fxpipe.plan/v3"
     assert isinstance(doc["stages"], list) and len(doc["stages"]) == 2 == doc["num_stages"]
