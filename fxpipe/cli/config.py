@@ -222,6 +222,10 @@ def command(cls: type[C], body: Callable[[Any, C], None], name: str) -> Callable
     def run(ctx: typer.Context, **values: Any) -> None:
         ctx.meta[CONFIG_FILE] = values.pop("config")  # the --config file, for a command that asks (fxpipe run)
         show = values.pop("print_config")
+        from fxpipe.cli.ranks import signals_held
+
+        with signals_held():  # a config's checks may import torch: a Ctrl-C in its C++ initialisation comes after
+            import torch  # noqa: F401
         with one_line_errors():
             config = cls.from_flat(values)
         if show:

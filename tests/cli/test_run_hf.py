@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -139,9 +139,9 @@ def test_a_user_models_synthetic_data_is_shaped_from_the_plan(hf: dict[str, Path
 
     plan = read_plan(hf["plan"])
     feed = check_feed(hf["plan"], plan, None, "synthetic", f"{hf['file']}:loss", RunShape(MICROBATCHES, 1, 0, STEPS))
-    assert feed.rank_args[0] == "--synthetic"
-    assert json.loads(feed.rank_args[1]) == {"bounds": {"0": 256}, "target": [[ROWS, SEQ], "int64", 256]}
-    (idx,), target = synthetic_batches(plan, MICROBATCHES, feed.rank_args[1])
+    assert feed.synthetic is not None
+    assert json.loads(feed.synthetic) == {"bounds": {"0": 256}, "target": [[ROWS, SEQ], "int64", 256]}
+    (idx,), target = synthetic_batches(plan, MICROBATCHES, feed.synthetic)
     for ids in (idx, target):  # token ids over the whole vocabulary (the embedding's rows, the logits' width)
         assert ids.shape == (ROWS * MICROBATCHES, SEQ) and ids.dtype == torch.int64
         assert 0 <= int(ids.min()) and 200 < int(ids.max()) < 256
