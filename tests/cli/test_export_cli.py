@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import tomllib
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 import torch
 
 import fxpipe
@@ -91,9 +91,11 @@ def test_simulate_csv_on_a_plan_and_its_refusals(tmp_path: Path) -> None:
     assert "row 0, column 1: '0X0' is not a torch action" in one_line_error(
         fxpipe_cli("simulate", "--schedule-csv", path, "--uniform-costs", "1,1,1"))
     path.write_text(torch_generated_csv("ZBVZeroBubble", 2, 4))
-    assert "drop --schedule" in one_line_error(fxpipe_cli("simulate", gpt4(), "--schedule-csv", path, "--schedule", "1f1b"))
+    assert "drop --schedule" in one_line_error(fxpipe_cli("simulate", gpt4(), "--schedule-csv", path, "--schedule",
+                                                                           "1f1b"))
     path.write_text(torch_generated_csv("ZBVZeroBubble", 4, 8))
-    assert "schedules 8 stages, the plan has 4" in one_line_error(fxpipe_cli("simulate", gpt4(), "--schedule-csv", path))
+    assert "schedules 8 stages, the plan has 4" in one_line_error(fxpipe_cli("simulate", gpt4(), "--schedule-csv",
+                                                                                              path))
     path.write_text("0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0\n")  # no SEND_B/RECV_B for stage 1's backward
     assert "never runs" in one_line_error(fxpipe_cli("simulate", "--schedule-csv", path, "--uniform-costs", "1,1,1"))
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 from click.testing import Result
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
 from fxpipe.cli.main import app

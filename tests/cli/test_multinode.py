@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -108,6 +108,6 @@ def test_a_node_whose_peer_never_comes_gives_up_in_one_line() -> None:
                              f"(--node-rank 0 on the machine at --master-addr), check that 127.0.0.1:{static_port} is "
                              "reachable from every node, or raise --rdzv-timeout"), lines[0]
     assert lines[1] == (f"error: this node waited up to 3 s at --rdzv-endpoint 127.0.0.1:{c10d_port} and the 2 nodes "
-                        "never all met (RendezvousTimeoutError); start fxpipe run on all 2 nodes with the same --nnodes, "
-                        f"--rdzv-endpoint and --rdzv-id, check that 127.0.0.1:{c10d_port} is reachable from every node, "
-                        "or raise --rdzv-timeout")
+                        "never all met (RendezvousTimeoutError); start fxpipe run on all 2 nodes with the same "
+                        f"--nnodes, --rdzv-endpoint and --rdzv-id, check that 127.0.0.1:{c10d_port} is reachable from "
+                        "every node, or raise --rdzv-timeout")

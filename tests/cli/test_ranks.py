@@ -11,9 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe.cli.ranks import (RANK_MODULE, RESULTS, DiedRank, RankFailure, Rendezvous, StepDone, diagnose, died_ranks,
-                              finished_ranks, parse_step, rank_errors, rank_results, rendezvous_failure,
-                              torchrun_command)
+from fxpipe.cli.ranks import (
+    RANK_MODULE,
+    RESULTS,
+    DiedRank,
+    RankFailure,
+    Rendezvous,
+    StepDone,
+    diagnose,
+    died_ranks,
+    finished_ranks,
+    parse_step,
+    rank_errors,
+    rank_results,
+    rendezvous_failure,
+    torchrun_command,
+)
 
 
 def _summary(*failures: tuple[int, int]) -> str:
@@ -93,7 +106,8 @@ def test_no_report_at_all_quotes_torchrun() -> None:
     framed = ("torch.distributed.DistNetworkError: The server socket has failed to listen (port 29400)\n"
               "=====\nroot cause (first observed failure):\n  exitcode: 1\n=====\n")
     failure = diagnose(1, framed, {}, set())
-    assert failure is not None and "(torch.distributed.DistNetworkError: The server socket has failed" in failure.message
+    assert failure is not None
+    assert "(torch.distributed.DistNetworkError: The server socket has failed" in failure.message
 
 
 def test_reports_are_read_from_the_out_dir(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from fxpipe.calibration.threads import rank_cpus
 from tests._helpers import fxpipe_cli, ok, one_line_error, plan_fixture, reference_losses, saved_checkpoints
 from tests.runtime._dist_worker import payload
 
-
 plan = plan_fixture("gpt-tiny", "--stages", "2", "--schedule", "zb-h1", "--microbatches", "4")
 
 
@@ -147,7 +146,8 @@ def test_resuming_with_another_kind_of_optimizer_is_one_line(plan: Path, tmp_pat
 def test_checkpoint_options_are_checked_before_any_rank_starts(plan: Path, tmp_path: Path,
                                                               no_rank_starts: list[list[str]]) -> None:
     ckpt = saved_checkpoints(tmp_path / "ckpt", range(1, 4))
-    assert "the newest checkpoint in" in one_line_error(fxpipe_cli("run", plan, "--steps", "3", "--checkpoint-dir", ckpt,
+    assert "the newest checkpoint in" in one_line_error(fxpipe_cli("run", plan, "--steps", "3", "--checkpoint-dir",
+                                                                   ckpt,
                                                                    "--resume", "always"))
     line = one_line_error(fxpipe_cli("run", plan, "--steps", "2", "--checkpoint-dir", ckpt, "--resume", "always"))
     assert line == (f"error: the newest checkpoint in {ckpt} is of step 3, and --steps 2 (counted from the start of "
@@ -191,10 +191,9 @@ def test_a_wrong_host_setting_is_refused_before_any_rank_starts(plan: Path, no_r
 def test_the_host_settings_are_flags_of_the_launcher_and_options_of_the_ranks() -> None:
     """fxpipe run's host settings are its flags (today's defaults), handed to the ranks in their configuration, not
     through the environment."""
-    from fxpipe.calibration.host import HostTuning
-
     from typer.testing import CliRunner
 
+    from fxpipe.calibration.host import HostTuning
     from fxpipe.cli.main import app
 
     shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).stdout
@@ -251,7 +250,8 @@ def batched_w_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]
     tmp = tmp_path_factory.mktemp("batched-w")
     out = tmp / "plan"
     # the schedule as the plan records it (compile --schedule), which run takes when given none
-    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches", "8"))
+    ok(fxpipe_cli("compile", "mlp-tiny", "--stages", "2", "--out", out, "--schedule", "batched-w", "--microbatches",
+                  "8"))
     cwd = tmp / "cwd"
     cwd.mkdir()
     if sys.version_info >= (3, 11):  # PYTHONSAFEPATH is Python 3.11's

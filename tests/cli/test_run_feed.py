@@ -190,10 +190,12 @@ def test_a_zoo_plan_checks_its_own_loss_on_a_data_functions_target(user: dict[st
 
     """mlp-tiny's loss takes class ids; a data function giving float targets (3 per row) is refused."""
     (tmp_path / "zoo_data.py").write_text("import torch\n\n\ndef floats(ctx):\n"
-                                          "    return [(torch.randn(ctx.batch_size, 32), torch.randn(ctx.batch_size, 3))]\n")
+                                          "    return [(torch.randn(ctx.batch_size, 32), "
+                                          "torch.randn(ctx.batch_size, 3))]\n")
     line = one_line_error(fxpipe_cli("run", cli_plan(*MLP_PLAN), "--data", f"{tmp_path / 'zoo_data.py'}:floats"))
     assert "mlp-tiny's own loss (no --loss) raised RuntimeError" in line, line
-    assert line.endswith("give the targets mlp-tiny's loss takes (fxpipe inspect PLAN shows them), or pass --loss"), line
+    assert line.endswith("give the targets mlp-tiny's loss takes (fxpipe inspect PLAN shows them), or pass "
+                         "--loss"), line
 
 
 def test_resolve_function() -> None:
@@ -242,7 +244,8 @@ def test_jsonl_vocabulary_is_checked_against_the_model(tmp_path: Path) -> None:
     file.write_text(json.dumps(list(range(500))) + "\n")
     source = data.parse_data(f"jsonl:{file}")
     example = (torch.zeros(2, 8, dtype=torch.int64),)
-    with pytest.raises(OptionError, match="has token ids up to 499 .vocabulary 500., but the model's vocabulary is 256"):
+    with pytest.raises(OptionError,
+                       match="has token ids up to 499 .vocabulary 500., but the model's vocabulary is 256"):
         data.check_fit(source, example, (2, 8, 256))
     assert data.check_fit(source, example, (2, 8, 512)).seq_len == 8
 

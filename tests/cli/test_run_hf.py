@@ -115,8 +115,8 @@ def test_a_hugging_face_gpt2_from_a_user_file_trains_as_one_process(hf: dict[str
     torch.testing.assert_close(doc["lrs"], lrs, rtol=1e-5, atol=0)
     torch.testing.assert_close(doc["grad_norms"], norms, rtol=rtol, atol=0)
     assert max(norms) > 1.0  # the clip did something: some step's norm was over 1
-    if precision == "bf16":  # and it ran in bf16: well nearer the bf16 reference than the fp32 one (which the 2^-8 bound,
-        fp32 = reference_hf(hf, dp)[2]  # a worst case, would also admit: they differ by ~3e-4 here)
+    if precision == "bf16":  # and it ran in bf16: well nearer the bf16 reference than the fp32 one (which the 2^-8
+        fp32 = reference_hf(hf, dp)[2]  # bound, a worst case, would also admit: they differ by ~3e-4 here)
 
         def off(got: list[float], want: list[float]) -> float:
             return max(abs(g / w - 1) for g, w in zip(got, want))

@@ -108,8 +108,8 @@ def reference(corpus: dict[str, Path]) -> tuple[list[float], list[float]]:
 
 
 def test_a_dataset_and_tokenizer_train_a_causal_lm_as_one_process(corpus: dict[str, Path], tmp_path: Path) -> None:
-    """Trains as one process (each rank's batches read ahead by a DataLoader worker), and --eval-every 2 scores the held-out split as one process does (metrics.jsonl's
-    eval_loss on step 2 only)."""
+    """Trains as one process (each rank's batches read ahead by a DataLoader worker), and --eval-every 2 scores the
+    held-out split as one process does (metrics.jsonl's eval_loss on step 2 only)."""
     doc = json.loads(ok(fxpipe_cli("run", corpus["plan"], "--dp", DP, "--steps", STEPS, "--data",
                                    f"hf:{corpus['corpus']}", "--data-column", "body", "--tokenizer", corpus["tok"],
                                    "--loss", f"{corpus['file']}:loss", "--eval-every", 2, "--log-dir", tmp_path / "log",

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fxpipe.cli import ranks, run_log
 from fxpipe.cli.config import keyed_params, toml_value

@@ -103,7 +103,8 @@ def test_seed_makes_dropout_repeatable_and_resumable(tmp_path: Path) -> None:
     ok(fxpipe_cli("compile", f"{tmp_path / 'drop.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
 
     def run(*extra: object) -> list[float]:
-        return json.loads(ok(fxpipe_cli("run", tmp_path / "plan", "--steps", 4, "--loss", f"{tmp_path / 'drop.py'}:loss",
+        return json.loads(ok(fxpipe_cli("run", tmp_path / "plan", "--steps", 4, "--loss",
+                                        f"{tmp_path / 'drop.py'}:loss",
                                         "--json", *extra)).stdout)["losses"]
 
     first = run("--checkpoint-dir", tmp_path / "ckpt", "--keep-checkpoints", 4)
@@ -135,7 +136,8 @@ def test_a_nan_loss_stops_the_run_and_the_last_finite_checkpoint_stays(tmp_path:
     (tmp_path / "drop.py").write_text(DROPOUT_FILE)
     (tmp_path / "nan.py").write_text(NAN_DATA)
     ok(fxpipe_cli("compile", f"{tmp_path / 'drop.py'}:build", "--stages", "2", "--out", tmp_path / "plan"))
-    args = ["run", tmp_path / "plan", "--loss", f"{tmp_path / 'drop.py'}:loss", "--data", f"{tmp_path / 'nan.py'}:batches",
+    args = ["run", tmp_path / "plan", "--loss", f"{tmp_path / 'drop.py'}:loss", "--data",
+            f"{tmp_path / 'nan.py'}:batches",
             "--checkpoint-dir", tmp_path / "ckpt", "--keep-checkpoints", 1]
     line = one_line_error(fxpipe_cli(*args, "--steps", 4))
     assert "NonFiniteError: step 3's loss is nan: training stopped there, and no checkpoint holds that step" in line

@@ -56,7 +56,8 @@ def test_simulate_a_plan_directory_writes_trace_and_svg(tmp_path: Path) -> None:
     assert less["makespan"] > more["makespan"]
     assert all(r["peak_memory"] < r0["peak_memory"] for r, r0 in zip(less["per_rank"], more["per_rank"]))
     table = next(r for r in less["reports"] if r["title"] == "simulate: recompute")
-    assert [row[1] for row in table["rows"]] == [True, True] and "stages 0, 1 keep only their inputs" in table["notes"][0]
+    assert [row[1] for row in table["rows"]] == [True, True]
+    assert "stages 0, 1 keep only their inputs" in table["notes"][0]
 
 
 def test_compile_with_auto_records_its_choice(tmp_path: Path) -> None:

@@ -13,8 +13,7 @@ import fxpipe
 from fxpipe import models
 from fxpipe.plan_dir import read_plan
 from fxpipe.planning.stage_count import Objective, StageCount, choose_count
-from tests._helpers import fxpipe_cli, ok, one_line_error
-from tests._helpers import assert_composes
+from tests._helpers import assert_composes, fxpipe_cli, ok, one_line_error
 
 
 def _table(doc: dict) -> tuple[dict, list[dict]]:
@@ -131,7 +130,8 @@ def test_the_screen_keeps_the_candidate_simulating_everything_picks(monkeypatch:
     (("--plan", "auto"), "--plan auto needs --devices N"),
     (("--plan", "auto", "--devices", "4", "--stages", "2"), "--plan auto chooses --stages itself"),
     (("--plan", "auto", "--devices", "4", "--schedule", "1f1b", "--dp", "2"), "chooses --schedule, --dp itself"),
-    (("--plan", "auto", "--devices", "4", "--memory-per-stage", "1KiB"), "no plan on 4 devices fits --memory-per-stage"),
+    (("--plan", "auto", "--devices", "4", "--memory-per-stage", "1KiB"),
+      "no plan on 4 devices fits --memory-per-stage"),
     (("--plan", "auto", "--devices", "4", "--cores", "0"), "--cores must be at least 1 (got 0)"),
 ])
 def test_plan_auto_refusals_are_one_line(args: tuple[str, ...], words: str) -> None:
@@ -192,7 +192,8 @@ def test_plan_auto_takes_batched_w_where_its_simulation_is_faster(tmp_path: Path
     rows = {row[0]: row for row in table.rows}
     assert rows["batched-w"][2] == round(batched * 1e3, 3) and rows[before.name][2] == round(before.makespan_s * 1e3, 3)
     assert [row[0] for row in table.rows if row[3] == "chosen"] == [after.name]
-    assert chosen or fraction > 0.5  # Ws at 5% of their time win when compute sets the step; at 99.9%, the simulation says
+    # Ws at 5% of their time win when compute sets the step; at 99.9%, the simulation says which
+    assert chosen or fraction > 0.5
     from fxpipe.plan_dir import save_pipeline
 
     save_pipeline(pipe, tmp_path / "plan")

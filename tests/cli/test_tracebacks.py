@@ -71,9 +71,11 @@ def test_simulate_refuses_an_unwritable_output_before_the_work(option: str, unwr
 
 
 def test_simulate_refuses_a_missing_directory_and_a_directory(tmp_path: Path) -> None:
-    line = one_line_error(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "-s", "2", "--trace", tmp_path / "no" / "t.json"))
+    line = one_line_error(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "-s", "2", "--trace",
+                                     tmp_path / "no" / "t.json"))
     assert "does not exist" in line
-    assert "is a directory" in one_line_error(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "-s", "2", "--svg", tmp_path))
+    assert "is a directory" in one_line_error(fxpipe_cli("simulate", "--uniform-costs", "1,1,1", "-s", "2", "--svg",
+                                                         tmp_path))
 
 
 def test_run_refuses_an_unwritable_trace_before_any_rank_starts(plan: Path, unwritable: Path,
