@@ -279,7 +279,7 @@ def gloo_options(timeout: Any) -> Any:
         return None
     import torch.distributed as dist
 
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # bound in C++, absent from the stubs
     options._timeout = timeout
     return options
 
@@ -288,9 +288,9 @@ def process_group_size(group: Any) -> int:
     """The size of a process group given as a group name (functional collectives' argument), a ProcessGroup, or
     the boxed one a c10d op is dispatched with."""
     if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-        group = _resolve_process_group(group)
+        group = _resolve_process_group(GroupName(group))
     elif isinstance(group, torch.ScriptObject):  # the boxed ProcessGroup a c10d op receives
         import torch.distributed as dist
 

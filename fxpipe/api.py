@@ -24,8 +24,19 @@ from fxpipe.graphs.convention import flatten_inputs
 from fxpipe.passes import History, run_steps
 from fxpipe.passes.assemble import build_steps, pipeline_from_root, plan_from_root
 from fxpipe.pipeline import Pipeline
-from fxpipe.plan import (DEFAULTS, LIMITS, BuildRecipe, CompileOptions, ComputeRates, Plan, Provenance,
-                         ScheduleRecord, StrategyRecord, check_schedule_size, fxpipe_version)
+from fxpipe.plan import (
+    DEFAULTS,
+    LIMITS,
+    BuildRecipe,
+    CompileOptions,
+    ComputeRates,
+    Plan,
+    Provenance,
+    ScheduleRecord,
+    StrategyRecord,
+    check_schedule_size,
+    fxpipe_version,
+)
 from fxpipe.report import Report
 
 __all__ = ["ChosenStrategy", "Compiled", "PassControl", "StrategyCosts", "build_steps", "check_strategy",
@@ -91,7 +102,9 @@ def compile(model: torch.nn.Module, example_inputs: Sequence[Any], *, stages: in
         value = verify_each if flag == "verify_each" else options.get(flag, False)
         if not isinstance(value, bool):
             raise OptionError(f"{flag} must be True or False (got {type(value).__name__} {str(value)[:40]!r})")
-    opts = CompileOptions(**({"stages": stages} if stages is not None else {}), **options)
+    if stages is not None:
+        options["stages"] = stages
+    opts = CompileOptions(**options)
     compiled = run_compile(model, example_inputs, opts, example_kwargs=example_kwargs,
                            control=PassControl(verify_each=verify_each, print_after=tuple(print_after)))
     assert compiled.pipeline is not None  # no stop_after: every pass ran
@@ -385,8 +398,15 @@ def _choose_on(specs: Sequence[Any], edges: Sequence[tuple[int, int]], name: str
                costs: StrategyCosts, where: str) -> tuple[_Choice, tuple[Report, Report]]:
     """``name``'s strategy on one layer graph (a model's, or a pipeline stage's) and its two tables; ``costs``
     resolved (:meth:`StrategyCosts.resolved`)."""
-    from fxpipe.planning.strategies import build_graph, data_parallel, solve, splitbrain, strategy_rows, \
-        traffic_per_layer
+    from fxpipe.planning.strategies import (
+        Degrees,
+        build_graph,
+        data_parallel,
+        solve,
+        splitbrain,
+        strategy_rows,
+        traffic_per_layer,
+    )
 
     assert costs.bandwidth is not None and costs.latency is not None  # resolved by the caller
     bandwidth, latency, alltoall, optimizer = costs.bandwidth, costs.latency, costs.alltoall, costs.optimizer
@@ -410,7 +430,7 @@ def _choose_on(specs: Sequence[Any], edges: Sequence[tuple[int, int]], name: str
                               "saved activations",))
     totals = []
     for key, s in presets.items():
-        degrees = [graph.layers[v].configs[c].degrees for v, c in enumerate(s.choice)]
+        degrees = [graph.layers[v].configs[c].degrees or Degrees() for v, c in enumerate(s.choice)]
         total = strategy_rows(graph, specs, s).rows[-1]
         label = {"dp": "dp", "splitbrain": f"splitbrain-{group}", "auto": "auto (search)"}[key]
         totals.append((label + (" (chosen)" if key == name else ""), s.method, _ms(s.cost), _ms(total[2]),
@@ -447,7 +467,8 @@ def choose_pipelined_strategy(model: torch.nn.Module, example_inputs: Sequence[A
     cuts = strategy_cuts(plan, g.module, g.edges)
     bounds = [0, *(g.nodes.index(c) + 1 for c in cuts), len(g.nodes)]
     configs: list[str] = [""] * len(g.nodes)
-    stages, reports = [], []
+    stages: list[StrategyStage] = []
+    reports: list[Report] = []
     for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         specs, edges, index = stage_graph(g.specs, g.edges, lo, hi)
         choice, tables = _choose_on(specs, edges, name, ranks=ranks, group=group, costs=costs,

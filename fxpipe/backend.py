@@ -396,7 +396,8 @@ def _autocast(precision: Any, module: torch.nn.Module, devices: list[torch.devic
     from fxpipe.runtime.optim import PRECISIONS, autocast_of
 
     if precision not in PRECISIONS:
-        raise OptionError(f"options 'precision' must be one of {', '.join(PRECISIONS)} (precision: {str(precision)[:40]!r})")
+        raise OptionError(f"options 'precision' must be one of {', '.join(PRECISIONS)} "
+                          f"(precision: {str(precision)[:40]!r})")
     kinds = {d.type for d in devices} if devices else \
         {next((p.device.type for p in module.parameters()), "cpu")}
     if precision != "fp32" and len(kinds) > 1:
@@ -519,8 +520,8 @@ def _memory_report(pipe: Any, m: int, devices: list[torch.device], graphs: bool,
                   tuple(rows), (f"{m} microbatches ({choice}); peak = parameters + gradients + activations held "
                                 "by the all-forward-first step",
                                 "F, B and W compiled by Inductor (fused kernels)" if inductor else
-                                "F, B and W run as traced, op by op (options inductor=True compiles them with Inductor; "
-                                "the default where every stage runs on CUDA)",
+                                "F, B and W run as traced, op by op (options inductor=True compiles them with "
+                                "Inductor; the default where every stage runs on CUDA)",
                                 "the step runs as two CUDA graphs (F; B and W) from its second call, their memory pool "
                                 "held between steps, or op by op where a capture fails (options cuda_graphs=False: "
                                 "always op by op)" if graphs else
@@ -571,6 +572,7 @@ class _Runner:
     def forward(self, flat: list[Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         self.placement.refresh()
         graphs = self.step_graphs
+        state: _StepToken | _BackendCore  # what backward reads: a replayed step's token, or the core that ran it
         if graphs is not None and graphs.can_replay(flat):
             try:
                 outs, state = graphs.forward(flat, self.run_forward)
@@ -593,7 +595,8 @@ class _Runner:
         inputs = []
         for part in _microbatches(flat, self.m):
             args, kwargs = pytree.tree_unflatten(part, self.spec)
-            inputs.append(dict(zip(self.pipe.input_names, flatten_inputs(self.pipe.in_spec, tuple(args), dict(kwargs)))))
+            values = flatten_inputs(self.pipe.in_spec, tuple(args), dict(kwargs))
+            inputs.append(dict(zip(self.pipe.input_names, values)))
         core = _BackendCore(self, [])
         core.begin(inputs, [None] * self.m)
         for action in self.forward_actions:
@@ -660,8 +663,8 @@ class _BackendCore(ActionRunner):
         have = self.grads[m].get(name)
         self.grads[m][name] = grad if have is None else have + self.runner.transfers.move(grad, have.device)
 
-    def weight(self, s: int, m: int, args: tuple[Any, ...]) -> None:
-        for idx, grad in zip(self.runner.w_targets[s], self.graphs[s].backward_weight(*args)):  # type: ignore[misc]
+    def weight(self, s: int, m: int, args: list[Any]) -> None:
+        for idx, grad in zip(self.runner.w_targets[s], self.graphs[s].split_graphs()[2](*args)):
             if idx is None:
                 continue
             grad = self.runner.transfers.move(grad, self.runner.params[idx].device)
@@ -671,7 +674,7 @@ class _BackendCore(ActionRunner):
 
 class _Pipelined(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, runner: _Runner, n_flat: int, *tensors: Any) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, runner: _Runner, n_flat: int, *tensors: Any) -> Any:
         flat = list(tensors[:n_flat])
         with torch.no_grad():
             outs, state = runner.forward(flat)
@@ -679,7 +682,7 @@ class _Pipelined(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         if ctx.state is None:
             raise FxpipeError("backward ran twice through one backend='fxpipe' forward, whose saved tensors the first "
                               "backward freed; run the forward again (retain_graph=True is not supported)")

@@ -761,7 +761,7 @@ def check_fit(source: DataSource, example_inputs: Sequence[Any], output_shape: S
         raise OptionError(f"{source.spec} gives one int64 input of {'byte' if byte else 'token'} ids (B, T), but the "
                           f"model {takes}{_dtypes(example_inputs)}; {instead}")
     seq_len = int(x.shape[1])
-    if output_shape is None:  # a rank: the launcher checked the output
+    if out is None:  # a rank: the launcher checked the output
         source.check_seq_len(seq_len)
         return Fit(source.spec, "tokens", torch.int64, seq_len)
     if len(out) != 3 or out[1] != seq_len:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.fx
-from fxpipe._compat import autocast_forward, pytree
 
+from fxpipe._compat import autocast_forward, pytree
 from fxpipe.errors import OptionError
 from fxpipe.graphs.convention import StageGraphs, StageInterface, flatten_inputs
 from fxpipe.graphs.moves import apply_recorded

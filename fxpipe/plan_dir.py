@@ -791,7 +791,7 @@ def meta_sizes(where: str | list[str], limit_bytes: int | None = None) -> Any:
     running = where if isinstance(where, list) else [where]
 
     class _Sizes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if any(a.name == "device" and a.kwarg_only for a in func._schema.arguments):
                 kwargs["device"] = torch.device("meta")  # a factory op with no device literal: never the CPU's

@@ -14,7 +14,6 @@ from fxpipe.passes import DEFAULT_PASSES
 from fxpipe.report import Report
 
 
-
 @pytest.fixture(scope="module")
 def gpt() -> tuple[models.ZooModel, fxpipe.Pipeline]:
     zoo = models.build("gpt-tiny")

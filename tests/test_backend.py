@@ -1,4 +1,5 @@
-"""torch.compile(model, backend="fxpipe"): outputs and gradients equal eager over optimizer steps; breaks are clear errors."""
+"""torch.compile(model, backend="fxpipe"): outputs and gradients equal eager over optimizer steps; breaks are clear
+errors."""
 
 from __future__ import annotations
 
@@ -119,8 +120,8 @@ class Branchy(torch.nn.Module):
 def test_a_graph_break_is_one_clear_error() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(Branchy(), backend="fxpipe")
-    with pytest.raises(Exception, match=r"needs the whole model in one graph, but Dynamo broke it at .*test_backend\.py:"
-                                        r"\d+ `if h\.sum\(\) > 0:") as info:
+    with pytest.raises(Exception, match=r"needs the whole model in one graph, but Dynamo broke it at "
+                                        r".*test_backend\.py:\d+ `if h\.sum\(\) > 0:") as info:
         compiled(torch.randn(2, 4))
     assert "fullgraph=True" in str(info.value)
     torch._dynamo.reset()
@@ -358,7 +359,8 @@ def test_every_compiled_path_trains_like_eager_in_float64_on_cuda(options: dict[
     else:
         assert runner.inductor is None
     graphs = runner.step_graphs
-    assert (graphs is not None and graphs.fwd is not None and graphs.bwd is not None) == options.get("cuda_graphs", True)
+    captured = graphs is not None and graphs.fwd is not None and graphs.bwd is not None
+    assert captured == options.get("cuda_graphs", True)
 
 
 @pytest.mark.gpu

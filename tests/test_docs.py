@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from typer.testing import CliRunner
 
 import fxpipe
@@ -234,7 +233,8 @@ def test_the_recipe_trains_a_hugging_face_plan_like_one_process(make, tmp_path: 
         expected.append(loss.item())
 
     script = tmp_path / "train.py"
-    script.write_text(_recipe() + '\nassert "transformers" not in sys.modules, "the recipe imported the model library"\n')
+    script.write_text(_recipe() + '\nassert "transformers" not in sys.modules, '
+                      '"the recipe imported the model library"\n')
     # 2 ranks as torchrun starts them, forked from the preloaded forkserver (the page's own torchrun command runs
     # under torchrun in the test above); the forkserver never imports transformers, so the check above still holds
     ranks = forked_ranks(2, [str(script), str(plan), str(tmp_path / "batches.pt")], cwd=tmp_path, timeout=TIMEOUT)
@@ -255,7 +255,8 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_LINES = {ARCHITECTURE: 550, RESULTS: 850}  # issue 63: about 500 and about 800, with some room
 _MONTH = (r"(Jan(uary)?|Feb(ruary)?|Mar(ch)?|Apr(il)?|May|June?|July?|Aug(ust)?|Sep(t(ember)?)?|Oct(ober)?|"
           r"Nov(ember)?|Dec(ember)?)\b\.?")
-DATE = re.compile(rf"\b(19|20)\d\d-(0[1-9]|1[0-2])\b|\b{_MONTH}\s+\d{{1,2}}\b|\b\d{{1,2}}\s+{_MONTH}\b|\b{_MONTH}\s+(19|20)\d\d\b")
+DATE = re.compile(rf"\b(19|20)\d\d-(0[1-9]|1[0-2])\b|\b{_MONTH}\s+\d{{1,2}}\b|\b\d{{1,2}}\s+{_MONTH}\b"
+                  rf"|\b{_MONTH}\s+(19|20)\d\d\b")
 
 
 def dated_headings(text: str) -> list[str]:
