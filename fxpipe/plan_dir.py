@@ -24,8 +24,7 @@ import torch.fx
 
 from fxpipe._compat import pytree, serialized_type_names
 from fxpipe.errors import PlanFileError
-from fxpipe.graphs import serialize
-from fxpipe.graphs import stored as fbw
+from fxpipe.graphs import serialize, stored as fbw
 from fxpipe.graphs.convention import RECORD_TYPE, StageGraphs, StageInterface, flatten_inputs
 from fxpipe.graphs.fx import set_path
 from fxpipe.pipeline import Pipeline, Stage
@@ -483,7 +482,9 @@ def _traced_for(pipe: Pipeline, records: Sequence[StoredGraphs], example_inputs:
         if not isinstance(traced, list) or len(traced) != len(stage.inputs):
             return False
         for name, val in zip(stage.inputs, traced):
-            if name in given and not (isinstance(val, list) and len(val) == 4 and [val[0], val[2]] == list(given[name])):
+            if name not in given:
+                continue
+            if not (isinstance(val, list) and len(val) == 4 and [val[0], val[2]] == list(given[name])):
                 return False
     return True
 

@@ -254,7 +254,8 @@ def test_digits_without_scikit_learn_says_what_to_install(monkeypatch: pytest.Mo
     import sys
 
     monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now raises ImportError
-    with pytest.raises(OptionError, match=r"scikit-learn, which is not installed; pip install -c constraints.txt -e '\.\[data\]'"):
+    with pytest.raises(OptionError, match=r"scikit-learn, which is not installed; "
+                                          r"pip install -c constraints.txt -e '\.\[data\]'"):
         parse_data("digits")
 
 
