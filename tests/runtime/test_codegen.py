@@ -51,7 +51,7 @@ def test_without_a_cpp_compiler_the_stages_run_eagerly_with_one_line(eager_fallb
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (("--codegen", "tvm"), "unknown codegen 'tvm'; use eager or inductor"),
+    (("--codegen", "tvm"), "Invalid value for '--codegen': 'tvm' is not one of 'eager', 'inductor'"),
     (("--codegen", "inductor", "--schedule", "async-1f1b"), "--codegen inductor compiles synchronous schedules"),
 ])
 def test_refusals_are_one_line(plan: Path, args: tuple[str, ...], words: str) -> None:
