@@ -86,8 +86,8 @@ def _options(config: CompileConfig) -> Any:
         count = 1 if count is None else count
     searching = config.searching
     size = sizes(bandwidth=p.bandwidth, memory_per_stage=p.memory_per_stage, device_mem_bw=c.device_mem_bw)
-    given = {"stages": count, "latency": p.latency, "device_flops": c.device_flops, "bandwidth": size["bandwidth"],
-             "device_mem_bw": size["device_mem_bw"]}
+    given: dict[str, Any] = {"stages": count, "latency": p.latency, "device_flops": c.device_flops,
+                             "bandwidth": size["bandwidth"], "device_mem_bw": size["device_mem_bw"]}
     options = CompileOptions(
         **{k: v for k, v in given.items() if v is not None},
         tracer=config.model.tracer, granularity=p.granularity, memory_per_stage=size["memory_per_stage"],
@@ -168,7 +168,8 @@ def _run_compile(config: CompileConfig, step: Any) -> Compiled:
                            on_pass=lambda name, i, n: step(f"pass {name}", i, n),
                            profile_threads=config.costs.profile_threads)
     pipeline = compiled.pipeline
-    if s.strategy is not None and count != 1 and pipeline is not None:  # cut where the plan cuts
+    # --strategy set count (1 above); `count is not None` says so to mypy
+    if s.strategy is not None and count is not None and count != 1 and pipeline is not None:  # cut where the plan cuts
         from fxpipe.api import choose_pipelined_strategy
 
         step(f"choosing a per-layer strategy ({s.strategy}) for each of {count} stages on {p.dp} ranks", 0, 0)

@@ -103,9 +103,10 @@ def _strategy_note(doc: dict) -> tuple[str, ...]:
     record = (doc.get("plan") or {}).get("strategy")
     if not isinstance(record, dict):
         return ()
-    nodes = record.get("nodes") if isinstance(record.get("nodes"), list) else []
+    nodes, stages = record.get("nodes"), record.get("stages")
+    nodes = nodes if isinstance(nodes, list) else []
+    stages = stages if isinstance(stages, list) else []
     split = sum(1 for n in nodes if isinstance(n, list) and len(n) == 2 and any(ch in str(n[1]) for ch in "crh"))
-    stages = record.get("stages") if isinstance(record.get("stages"), list) else []
     if stages:  # pipelined: each stage's group of ranks, where it ends, its own search
         parts = "; ".join(f"stage {i} {s.get('first')}..{s.get('last')} ({s.get('method')})" for i, s in
                           enumerate(stages) if isinstance(s, dict))
@@ -129,8 +130,9 @@ def _batch_spec(doc: dict) -> dict:
     if isinstance(model, str) and ":" not in model and inputs and inputs[0]["shape"]:
         loss = _zoo_loss(model, inputs, (plan.get("provenance") or {}).get("build") or {})
     for spec in inputs:
-        if spec["values"] is None:
-            spec["values"] = "any" if spec["dtype"].startswith(("float", "bfloat")) else "integers"
+        dtype = spec["dtype"]
+        if spec["values"] is None and isinstance(dtype, str):
+            spec["values"] = "any" if dtype.startswith(("float", "bfloat")) else "integers"
     return {"model": model, "inputs": inputs, "loss": loss}
 
 

@@ -90,7 +90,9 @@ def _costs(config: SimulateConfig) -> Setup:
         csv_sched = _read_schedule_csv(config.schedule_csv)
         microbatches = csv_sched.num_microbatches
         stages = stages if stages is not None or target is not None else csv_sched.num_stages
-    plan, unit, values = None, "s", ()
+    plan: Any = None
+    unit = "s"
+    values: tuple[float, ...] = ()
     if config.uniform_costs is not None:
         values = _floats(config.uniform_costs, "--uniform-costs", 3)
         num_stages = (csv_sched.num_stages if csv_sched is not None else stages if stages is not None
@@ -109,11 +111,15 @@ def _costs(config: SimulateConfig) -> Setup:
         plan = _plan(target, stages)
         costs = Costs.from_plan(plan, plan_overheads(plan))
         num_stages = len(costs.f)
-    costs = dataclasses.replace(costs, **({"dp": config.dp} if config.dp is not None else {}),
-                                **({"allreduce_s": (config.allreduce,) * num_stages}
-                                   if config.allreduce is not None else {}),
-                                **({"cores": config.core_count()} if config.cores is not None else {}),
-                                w_lane=config.w_lane)
+    # Only the options given replace the costs' own: a plan's dp and cores stay unless overridden.
+    changes: dict[str, Any] = {"w_lane": config.w_lane}
+    if config.dp is not None:
+        changes["dp"] = config.dp
+    if config.allreduce is not None:
+        changes["allreduce_s"] = (config.allreduce,) * num_stages
+    if config.cores is not None:
+        changes["cores"] = config.core_count()
+    costs = dataclasses.replace(costs, **changes)
     auto = config.schedule == "auto"
     # One schedule simulates in time linear in its actions; auto simulates a dozen candidates per count.
     check_schedule_size(num_stages, microbatches or (max(DEFAULTS.auto_microbatches(num_stages)) if auto
@@ -312,7 +318,7 @@ def _plan(target: str, stages: int | None) -> Any:
     from fxpipe.targets import resolve
 
     resolved = resolve(target)
-    options = CompileOptions(**({"stages": stages} if stages is not None else {}))
+    options = CompileOptions() if stages is None else CompileOptions(stages=stages)
     compiled = run_compile(resolved.model, resolved.example_inputs, options, example_kwargs=resolved.example_kwargs,
                            model_name=resolved.name)
     assert compiled.pipeline is not None  # no stop_after: every pass ran

@@ -20,7 +20,7 @@ parameters, their gradients and the optimizer state stay fp32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,8 @@ class OptimizerSpec:
             raise OptionError(f"momentum is SGD's; AdamW's are its betas (momentum: {self.momentum}): "
                               "pass --betas B1,B2 instead")
 
-    def __call__(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    # Tensors, not only Parameters: torch's optimizers take any leaf tensors, and a strategy rank's are DTensors.
+    def __call__(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         fused = fusable(params)
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay, fused=fused)
