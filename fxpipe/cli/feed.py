@@ -103,7 +103,7 @@ def check_feed(plan_dir: Path, plan: Any, zoo: Any, data_spec: Any, loss_spec: s
 def loss_of(zoo: Any, spec: str | None) -> Callable[[Any, Any], Any]:
     """A rank's loss: ``--loss``'s function, else the built-in model's."""
     if spec is None:
-        return zoo.loss_fn  # type: ignore[no-any-return]
+        return zoo.loss_fn
     from fxpipe.targets import resolve_function
 
     return resolve_function(spec, "--loss", "my_model.py:loss")
