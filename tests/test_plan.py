@@ -459,8 +459,9 @@ def test_save_over_an_earlier_plan_replaces_it(tmp_path: Path) -> None:
     pipe = fxpipe.compile(small.model, small.example_inputs, stages=2)
     assert fxpipe.save(pipe, out) == out
 
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.json", "stage_0.pt", "stage_0.py",
-                                                     "stage_1.json", "stage_1.pt", "stage_1.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "stage_0.fbw.json", "stage_0.json", "stage_0.pt",
+                                                     "stage_0.py", "stage_1.fbw.json", "stage_1.json", "stage_1.pt",
+                                                     "stage_1.py"]
     assert json.loads((out / "plan.json").read_text())["num_stages"] == 2
     assert _leftovers(tmp_path, "plan") == []
     loaded = fxpipe.load(out)
@@ -480,8 +481,8 @@ def test_save_over_an_earlier_plan_keeps_the_users_files(tmp_path: Path) -> None
     pipe = fxpipe.compile(big.model, big.example_inputs, stages=2)
     fxpipe.save(pipe, out)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
-        "NOTES.txt", "plan.json", "runs", "runs/log.txt", "stage_0.json", "stage_0.pt", "stage_0.py",
-        "stage_1.json", "stage_1.pt", "stage_1.py", "stage_7.py"]
+        "NOTES.txt", "plan.json", "runs", "runs/log.txt", "stage_0.fbw.json", "stage_0.json", "stage_0.pt",
+        "stage_0.py", "stage_1.fbw.json", "stage_1.json", "stage_1.pt", "stage_1.py", "stage_7.py"]
     assert (out / "NOTES.txt").read_text() == "written by hand into the old plan"
     assert _leftovers(tmp_path, "plan") == []
     torch.testing.assert_close(fxpipe.load(out)(*big.example_inputs), pipe(*big.example_inputs))

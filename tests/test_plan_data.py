@@ -27,7 +27,7 @@ from fxpipe.plan import (
     TensorSpec,
 )
 
-floats = st.floats(allow_nan=False)  # inf is allowed: an infinite bandwidth is a free link
+floats = st.floats(allow_nan=False, allow_infinity=False)  # plan.json holds finite numbers (the loader refuses others)
 sizes = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
 names = st.text(max_size=12)
 counts = st.integers(min_value=0, max_value=2**40)

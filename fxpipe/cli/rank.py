@@ -6,10 +6,9 @@ through pinned host memory). The plan, loaded on the CPU, is moved there first (
 parameters, constants and the graphs' device literals). ``--cuda-graphs auto|on|off`` is
 ``PipelineRuntime(cuda_graphs=None|True|False)`` (auto: on a CUDA rank running a synchronous schedule's eager graphs).
 
-Run as ``python -m fxpipe.cli.rank RUN_JSON --out DIR`` under torchrun (``fxpipe run`` starts it, see
-``fxpipe.cli.ranks``; RUN_JSON is the run's :class:`~fxpipe.cli.run_config.RunConfig`); reads
-RANK/WORLD_SIZE/MASTER_* from the environment. It lives in ``cli/``, not
-``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
+Run as ``python -m fxpipe.cli.rank RUN_JSON --out DIR`` under torchrun (``fxpipe.cli.ranks``; RUN_JSON is the run's
+:class:`~fxpipe.cli.run_config.RunConfig`); reads RANK/WORLD_SIZE/MASTER_* from the environment. It lives in
+``cli/``, not ``runtime/``, because it rebuilds the built-in model the plan was compiled from (its loss and data),
 and the runtime does not import the zoo; ``--loss`` / ``--data FILE.py:FUNCTION`` replace them
 (``fxpipe.cli.feed``: this rank reads only what its stages consume, its replica's rows).
 

@@ -197,8 +197,10 @@ class Heartbeat:
 
     def phase(self, doing: str) -> None:
         self.doing = doing
-        try:
-            self.path.write_text(doing)
+        try:  # the file is made once (__init__); later phases never make it again in a directory the launcher removed
+            with open(self.path, "w" if doing == "starting" else "r+", encoding="utf-8") as f:
+                f.write(doing)
+                f.truncate()
         except OSError:  # the run's directory is gone: the launcher has ended the run
             pass
 

@@ -209,7 +209,6 @@ def _check_data(config: RunConfig, checked: Checked) -> tuple[Any, dict[str, Any
 def _launch(config: RunConfig, checked: Checked, environ: dict[str, str]) -> tuple[Any, Any] | None:
     """Start the ranks and follow them to the end: their results and the held-out score (None: this node's ranks
     are done and another node prints the results)."""
-    import shutil
     import tempfile
 
     feed, extra = _check_data(config, checked)
@@ -254,7 +253,20 @@ def _launch(config: RunConfig, checked: Checked, environ: dict[str, str]) -> tup
         return results, heldout
     finally:
         if out_dir is not None:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            _remove(out_dir)
+
+
+def _remove(out_dir: Path, tries: int = 20) -> None:
+    """The run's report directory, removed: again for a moment if a rank that was only starting when the run was
+    stopped (torchrun had not shown it yet) wrote its first file there meanwhile."""
+    import shutil
+    import time
+
+    for _ in range(tries):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not out_dir.exists():
+            return
+        time.sleep(0.1)
 
 
 def _write_log_config(config: RunConfig, resolved: RunConfig) -> None:

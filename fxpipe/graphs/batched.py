@@ -104,19 +104,21 @@ def batched_from(base: StageGraphs, graphs: StageGraphs, stage: int, k: int) -> 
                     grads_are_fresh(w, n), tuple(dims))
 
 
-def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs: int = 3) -> float:
+def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs: int = 3,
+                  device: torch.device | None = None) -> float:
     """The batched W's time over its k per-microbatch W's, each the fastest of ``runs`` on random inputs of W's shapes
     (the inputs that keep their shape shared, as at run time), both adding into the same gradient buffers as the
     runtime's W_acc does (a fresh multi-megabyte gradient per call would time the allocator): how much of W a batched
-    run costs, for the simulator. ``plain``: the stage's W at one microbatch, ``w_acc`` its accumulating form."""
+    run costs, for the simulator. ``plain``: the stage's W at one microbatch, ``w_acc`` its accumulating form;
+    ``device``: where the stage runs (default: where its values were traced; a plan's stored values are on meta)."""
     def make(val: Any) -> Any:
         if isinstance(val, (tuple, list)):
             return type(val)(make(v) for v in val)
         if not isinstance(val, torch.Tensor):
             return val
         if val.is_floating_point():
-            return torch.randn(val.shape, dtype=val.dtype, device=val.device)
-        return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+            return torch.randn(val.shape, dtype=val.dtype, device=device or val.device)
+        return torch.zeros(val.shape, dtype=val.dtype, device=device or val.device)
 
     vals = [n.meta.get("val") for n in plain.graph.nodes if n.op == "placeholder"]
     shared = [make(v) for v in vals]
@@ -126,7 +128,7 @@ def measure_ratio(plain: torch.fx.GraphModule, w_acc: Any, batch: BatchedW, runs
         return 1.0
 
     out = next(n for n in reversed(plain.graph.nodes) if n.op == "output")
-    accs = [torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype, device=a.meta["val"].device)
+    accs = [torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype, device=device or a.meta["val"].device)
             for a in out.args[0]]
     with torch.no_grad():
         each = fastest(lambda: [w_acc(*a, *accs) for a in args], runs)

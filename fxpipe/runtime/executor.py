@@ -947,7 +947,7 @@ class PipelineRuntime:
             if isinstance(built, str):
                 self._refuse(s, built)
             else:
-                built.ratio = measure_ratio(self.graphs[s].backward_weight, self.w_acc[s], built)
+                built.ratio = measure_ratio(self.graphs[s].backward_weight, self.w_acc[s], built, device=self.device)
                 self._batches[(s, k)] = built
                 self.batched_w.setdefault(s, f"batched over {k} microbatches ({built.ratio:.2f}x their time one by "
                                              "one)")

@@ -553,7 +553,7 @@ def test_mutated_stage_graphs(places: Places, tmp_path_factory: pytest.TempPathF
     work = tmp_path_factory.mktemp("graph-fuzz")
     plan = work / "plan"
     shutil.copytree(places.plan, plan)
-    stages = sorted(p.name for p in plan.glob("stage_*.json"))
+    stages = sorted(p.name for p in plan.glob("stage_*.json") if not p.name.endswith(".fbw.json"))
     name = data.draw(st.sampled_from(stages))
     doc = json.loads((plan / name).read_text())
     done = _graph_edit(data, doc)

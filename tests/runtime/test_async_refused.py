@@ -24,7 +24,7 @@ def test_async_schedule_survives_reload_and_is_refused(tmp_path: Path) -> None:
     assert plan_schedule(loaded.plan, None, None).synchronous is False
     # fxpipe run: what it cannot do asynchronously is refused before any rank starts, one line, exit 2.
     for extra, message in ((["--weights", "predict"], "--weights predict extrapolates with SGD's momentum"),
-                           (["--weights", "newest"], "--weights 'newest' is not a policy")):
+                           (["--weights", "newest"], "'newest' is not one of 'stale', 'stash', 'predict'")):
         result = CliRunner().invoke(app, ["run", str(plan), "--nproc", "2", "--steps", "1", *extra])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     # PipelineRuntime in a user's script: rt.step has no step boundary to stop at and points to rt.train.
