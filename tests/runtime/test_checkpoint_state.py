@@ -14,13 +14,11 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models
@@ -35,16 +33,6 @@ STEPS = 4
 ROOT = Path(__file__).resolve().parents[2]
 # The last commit whose checkpoint.py flattened the runtime's state by hand (fxpipe.checkpoint/v1's first writer).
 PREVIOUS = "132476a"
-
-
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @functools.cache

@@ -16,12 +16,10 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fxpipe
 from fxpipe import models
@@ -160,17 +158,6 @@ def test_the_squared_norm_is_float64_and_not_finite_on_overflow() -> None:
 
 
 # -- a pipeline of 3 stages on one rank, in this process -------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo process group of one rank in this process, for the module's runtimes."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 @functools.cache
 def _compiled(name: str) -> tuple[object, fxpipe.Pipeline]:
