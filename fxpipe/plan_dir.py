@@ -767,29 +767,25 @@ def run_on_meta(pipe: Any, flat: list[Any], where: str | Path, limit_bytes: int 
     from fxpipe._compat import pytree
 
     env: dict[str, Any] = dict(zip(pipe.input_names, flat))
-    running = [str(where)]
-    with torch.no_grad(), meta_sizes(running, limit_bytes):
-        for k, stage in enumerate(pipe.stage_list()):
-            running[0] = str(Path(where) / f"stage_{k}.json")
-            try:
+    for k, stage in enumerate(pipe.stage_list()):
+        try:
+            with torch.no_grad(), meta_sizes(str(Path(where) / f"stage_{k}.json"), limit_bytes):
                 results = torch.fx.Interpreter(stage.module).run(*(env[name] for name in stage.inputs))
-            except PlanFileError as exc:  # the Interpreter appends the node to the message: one line again
-                raise PlanFileError(str(exc).splitlines()[0]) from exc
-            env.update(zip(stage.outputs, results))
+        except PlanFileError as exc:  # the Interpreter appends the node to the message: one line again
+            raise PlanFileError(str(exc).splitlines()[0]) from exc
+        env.update(zip(stage.outputs, results))
     leaves = [env[n] if n is not None else c for n, c in zip(pipe.output_names, pipe.output_constants)]
     return tuple(leaves) if pipe.out_spec is None else pytree.tree_unflatten(leaves, pipe.out_spec)
 
 
-def meta_sizes(where: str | list[str], limit_bytes: int | None = None) -> Any:
+def meta_sizes(where: str, limit_bytes: int | None = None) -> Any:
     """A dispatch mode for running a plan's graphs on the meta device: a factory operator given no device makes its
     tensor on meta too (never on the CPU), and a tensor larger than ``limit_bytes`` (default: this machine's memory)
-    is refused, PlanFileError naming ``where`` (a file; or a one-item list, read when refusing), the operator and the
-    shape. Nothing is allocated."""
+    is refused, PlanFileError naming ``where`` (the stage file), the operator and the shape. Nothing is allocated."""
     from fxpipe._compat import TorchDispatchMode, pytree
     from fxpipe.plan import machine_memory
 
     limit = limit_bytes if limit_bytes is not None else machine_memory()
-    running = where if isinstance(where, list) else [where]
 
     class _Sizes(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -799,7 +795,7 @@ def meta_sizes(where: str | list[str], limit_bytes: int | None = None) -> Any:
             out = func(*args, **kwargs)
             for t in pytree.tree_leaves(out):
                 if limit is not None and isinstance(t, torch.Tensor) and t.numel() * t.element_size() > limit:
-                    raise PlanFileError(f"{running[0]} makes a tensor of shape {list(t.shape)} with {func} "
+                    raise PlanFileError(f"{where} makes a tensor of shape {list(t.shape)} with {func} "
                                         f"({t.numel() * t.element_size():,} bytes), more than this machine's "
                                         f"{limit:,}; re-run fxpipe compile")
             return out

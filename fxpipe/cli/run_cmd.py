@@ -55,9 +55,7 @@ def _run(ctx: Any, config: RunConfig) -> None:
     --nnodes machines: per-step table, measured vs simulated."""
     with one_line_errors():
         environ = dict(os.environ)  # the user's, before Inductor's first use sets its cache folder in it
-        with ranks.signals_held():  # a Ctrl-C during torch's C++ initialisation arrives after it, as one line
-            import torch  # noqa: F401
-        quiet_torch_logs()
+        quiet_torch_logs()  # torch is imported (config.command did, with the signals held)
         checked = _check_run(config, ctx.meta.get(CONFIG_FILE))
         ckpt = config.checkpoint
         ckpt_lock = _check_checkpoint_dir(ckpt.checkpoint_dir, resume=ckpt.resume, overwrite=ckpt.overwrite,
@@ -102,8 +100,8 @@ def _check_run(config: RunConfig, config_file: Path | None) -> Checked:
     _check_device(c.device, c.cuda_graphs, plan, sched, c.codegen)  # before the fallback's warning: one line
     # the stages that recompute (auto: under the plan's cap), checked here; the ranks decide the same
     recomputed, recompute_note = plan_recompute(plan, sched, t.recompute)
-    _check_pipeline_options(config, plan, sched, bool(recomputed),
-                            read_plan_json(config.plan_dir)["shared_params"])
+    shared = read_plan_json(config.plan_dir)["shared_params"]
+    _check_pipeline_options(config, plan, sched, bool(recomputed), shared)
     codegen = c.codegen
     if fallback is not None:
         say(f"warning: {fallback}")
@@ -115,7 +113,7 @@ def _check_run(config: RunConfig, config_file: Path | None) -> Checked:
     replicas = la.dp if la.dp is not None else plan.mesh.dp
     _check_sizes(replicas, la.nproc, la.nnodes, t.seed, sched.num_ranks)
     if t.w_lane:
-        _check_w_lane(config, plan, sched, replicas)
+        _check_w_lane(config, plan, sched, replicas, shared)
     meeting = _rendezvous(la.nnodes, la.node_rank, la.master_addr, la.master_port, la.rdzv_endpoint, la.rdzv_id,
                           la.rdzv_timeout)
     nproc = _ranks_per_node(sched, replicas, la.nproc, la.nnodes)
@@ -164,13 +162,11 @@ def _check_pipeline_options(config: RunConfig, plan: Any, sched: Any, recomputed
                           "for --clip-grad-norm, --precision fp16, --skip-nonfinite or --lr-schedule")
 
 
-def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int) -> None:
-    """What the ranks would refuse of --w-lane, refused before any starts."""
-    from fxpipe.plan_dir import read_plan_json
+def _check_w_lane(config: RunConfig, plan: Any, sched: Any, replicas: int, shared: dict[str, Any]) -> None:
+    """What the ranks would refuse of --w-lane, refused before any starts (``shared``: the plan's tied weights)."""
     from fxpipe.runtime.lane import refusal
 
-    tied = any(len({sched.rank_of_stage[k] for k in holders}) > 1
-               for holders in read_plan_json(config.plan_dir)["shared_params"].values())
+    tied = any(len({sched.rank_of_stage[k] for k in holders}) > 1 for holders in shared.values())
     why = "--w-lane runs pipeline plans' W's; a per-layer strategy has none" if plan.strategy is not None \
         else refusal(synchronous=sched.synchronous, dp=replicas, tied=tied,
                      global_norm=config.optimizer.clip_grad_norm is not None or config.compute.precision == "fp16"

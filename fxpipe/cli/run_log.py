@@ -18,9 +18,10 @@ import resource
 from pathlib import Path
 from typing import Any
 
+from fxpipe.cli.config import MARK  # the first line of every config.toml fxpipe writes (one it may replace)
+
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
-MARK = "# written by fxpipe"  # the first line of every config.toml fxpipe writes (one it may replace)
 
 
 MAX_METRICS_BYTES = 256 << 20  # a resumed run reads its metrics.jsonl back
