@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -168,6 +168,8 @@ class PipelineRuntime:
             check_async(pipe, graphs)
         self.pipe, self.schedule, self.loss_fn, self.graphs = pipe, schedule, loss_fn, list(graphs)
         self.timeout = o.timeout
+        # The last collectives this runtime waited for (``_keep``).
+        self.settled: deque[Any] = deque(maxlen=64)
         self.stages = pipe.stage_list()
         self.where = schedule.rank_of_stage
         self.program = replicas.on_ranks(lower(pipe, schedule, self.pp_rank, graphs), self.layout)
@@ -996,19 +998,17 @@ class PipelineRuntime:
         return self._peer_down(exc, [dst], f"its sends to rank {dst} to complete")
 
     def _collective(self, fn: Callable[..., Any], what: str) -> None:
-        """Run a collective (``fn``, a ``partial`` of one), bounded by the runtime's timeout."""
+        """Run a collective (``fn``, a ``partial`` of one) and wait for it, bounded by the runtime's timeout."""
         group = fn.keywords.get("group") if isinstance(fn, partial) else None
         try:
-            if self.timeout is None:
-                fn()
-            else:
-                fn(async_op=True).wait(self.timeout)
+            work = fn(async_op=True)
         except Exception as exc:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(self.world)
             raise self._peer_down(exc, [r for r in ranks if r != self.rank], f"the sum of {what}") from exc
+        self._wait(work, group if group is not None else dist.group.WORLD, what)
 
     def _wait(self, work: Any, group: Any, what: str) -> None:
-        """Wait for an asynchronous collective on ``group``, bounded by the runtime's timeout."""
+        """Wait for an asynchronous collective on ``group``, bounded by the runtime's timeout, and keep its work."""
         try:
             if self.timeout is None:
                 work.wait()
@@ -1017,6 +1017,15 @@ class PipelineRuntime:
         except Exception as exc:
             peers = [r for r in dist.get_process_group_ranks(group) if r != self.rank]
             raise self._peer_down(exc, peers, f"the sum of {what}") from exc
+        self._keep(work)
+
+    def _keep(self, work: Any) -> None:
+        """Hold a finished collective's work (and so its tensors) while 63 more finish. Gloo's worker thread lets go
+        of a work just after ``wait`` returns; were that the last reference, the thread would free the tensors and
+        take the GIL to do it, and at the end of a script it can find the interpreter finalizing: the process
+        aborts ("terminate called without an active exception"; once in CI, at the end of
+        examples/train_pipeline_dp.py). Held here, they are freed by this thread, with the runtime."""
+        self.settled.append(work)
 
     def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RankFailedError:
         return peer_down(exc, peers, waited, rank=self.rank, timeout=self.timeout)

@@ -63,3 +63,42 @@ def test_an_unknown_keyword_argument_is_a_type_error(world1: None) -> None:
     zoo, pipe = _compiled()
     with pytest.raises(TypeError, match="PipelineRuntime\\(\\) got an unexpected keyword argument 'learning_rate'"):
         PipelineRuntime(copy.deepcopy(pipe), one_rank(2, 2), zoo.loss_fn, learning_rate=0.1)  # type: ignore[attr-defined]
+
+
+def test_the_runtime_holds_the_collectives_it_waited_for(monkeypatch: pytest.MonkeyPatch, world1: None) -> None:
+    """Gloo's worker thread lets go of a work after ``wait`` returns: the runtime keeps each one, so that thread never
+    frees the last reference to a tensor (which takes the GIL, and aborts the process at a script's end)."""
+    import gc
+    import types
+
+    import torch.distributed as dist
+
+    works: list[object] = []
+    real = dist.all_reduce
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        work = real(*args, **kwargs)  # type: ignore[arg-type]
+        works.append(work)
+        return work
+
+    monkeypatch.setattr(dist, "all_reduce", recorded)
+    zoo, pipe = _compiled()
+    rt = PipelineRuntime(copy.deepcopy(pipe), one_rank(2, 2), zoo.loss_fn)  # type: ignore[attr-defined]
+    import torch
+
+    batch = ([torch.cat([x, x]) for x in zoo.example_inputs], torch.cat([zoo.example_target] * 2))  # type: ignore[attr-defined]
+    rt.step(*batch)
+    rt.evaluate([batch])
+    assert len(works) == 2  # the step's loss and the evaluation's
+
+    def held() -> list[bool]:
+        """Whether anything but this list (and this frame) holds each work: a plain loop, no generator's frame."""
+        out = []
+        for w in works:
+            out.append(any(r is not works and not isinstance(r, types.FrameType) for r in gc.get_referrers(w)))
+        return out
+
+    assert held() == [True, True], "a waited work's only reference is this test's list"
+    del rt
+    gc.collect()  # the runtime holds cycles (its runner refers back to it)
+    assert held() == [False, False]  # they go with the runtime
