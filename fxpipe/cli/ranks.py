@@ -31,6 +31,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]  # psutil ships no type information
 
 RANK_MODULE = "fxpipe.cli.rank"  # the program every rank runs
+LAUNCH_MODULE = "fxpipe.cli.launch"  # torchrun, its ranks forked from one process that imported torch once
 RESULTS = "results.json"  # every rank's result, written by rank 0 (on the node that holds it)
 PARAMS = "params.pt"  # every stage's final weights (replica 0's), written by rank 0 for a held-out score
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -129,7 +130,7 @@ def torchrun_command(rank_argv: Sequence[str | os.PathLike[str]], nproc: int, *,
     elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
     restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", "torch.distributed.run", *meet, *restart, f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", LAUNCH_MODULE, *meet, *restart, f"--nproc-per-node={nproc}",
             "-m", RANK_MODULE, *map(str, rank_argv)]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe.cli.ranks import (
+    LAUNCH_MODULE,
     RANK_MODULE,
     RESULTS,
     DiedRank,
@@ -44,7 +45,11 @@ def _summary(*failures: tuple[int, int]) -> str:
 
 def test_the_command_runs_the_rank_program_under_torchrun(tmp_path: Path) -> None:
     cmd = torchrun_command([tmp_path / "run.json", "--out", tmp_path / "out"], 2)
-    assert cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert cmd[:6] == [sys.executable, "-m", LAUNCH_MODULE, "--standalone", "--nproc-per-node=2", "-m"]
+    from torch.distributed.run import parse_args
+
+    args = parse_args(cmd[3:])  # torchrun's own options, read by torchrun's own parser
+    assert (args.standalone, args.nproc_per_node, args.module, args.training_script) == (True, "2", True, RANK_MODULE)
     assert cmd[6] == RANK_MODULE == "fxpipe.cli.rank" and cmd[7:] == [str(tmp_path / "run.json"), "--out",
                                                                       str(tmp_path / "out")]
 

@@ -74,9 +74,9 @@ def test_a_signal_stops_every_rank_and_removes_the_temporary_files(plan: Path, t
     try:
         out_dir = first_step(proc, tmp_path)
         ranks = processes_of(out_dir)
-        # torch's own launcher: torchrun and its 2 ranks, each a Python of its own.
-        torchrun = [cmd for cmd in ranks.values() if " -m torch.distributed.run " in cmd]
-        assert len(torchrun) == 1 and len([c for c in ranks.values() if " -m fxpipe.cli.rank " in c]) == 3, ranks
+        # torch's elastic agent (fxpipe.cli.launch) and its 2 ranks, forked from it: 3 processes of one command line
+        assert len(ranks) == 3 and all(" -m fxpipe.cli.launch " in c for c in ranks.values()), ranks
+        assert {rank_pid(out_dir, r) for r in (0, 1)} < set(ranks)
         sent = time.monotonic()
         proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=50)
