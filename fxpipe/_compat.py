@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # the base of a mode
 
 __all__ = ["TorchDispatchMode", "autocast_forward", "cpu_attention_ops", "custom_op_definer", "default_store",
            "descriptor_kind", "dynamo_frame", "fake_tensor_mode", "flatten_mesh", "flop_counter_mode",
-           "higher_order_op", "inductor_compile", "is_op_namespace", "op_overload", "op_overload_name",
+           "higher_order_op", "inductor_compile", "is_op_namespace", "load_dynamo", "op_overload", "op_overload_name",
            "serialized_type_names", "joint_graph", "outside_dynamo_tracing", "partition_joint",
            "process_group_size", "pytree", "tracing_state"]
 
@@ -37,6 +37,12 @@ def flop_counter_mode() -> flop_counter.FlopCounterMode:
     if bwd is not None:
         mapping[bwd] = _raw(flop_counter.flop_registry[aten._scaled_dot_product_flash_attention_backward])
     return flop_counter.FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def load_dynamo() -> None:
+    """Import Dynamo now: ``torch.optim`` imports it on an optimizer's first ``add_param_group``
+    (``torch._disable_dynamo``), and a process that forks workers imports it once for them all."""
+    import torch._dynamo  # noqa: F401
 
 
 def cpu_attention_ops() -> tuple[Any, Any] | None:

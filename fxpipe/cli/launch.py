@@ -45,7 +45,6 @@ def warm(rank_argv: list[str]) -> None:
     import importlib
 
     import torch
-    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.optim  # noqa: F401
 
@@ -53,7 +52,9 @@ def warm(rank_argv: list[str]) -> None:
     import fxpipe.cli.rank  # noqa: F401
     import fxpipe.cli.run_config  # noqa: F401
     import fxpipe.runtime  # noqa: F401
+    from fxpipe._compat import load_dynamo
 
+    load_dynamo()
     del torch
     for module in _libraries(rank_argv):
         try:

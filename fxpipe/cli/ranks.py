@@ -125,7 +125,8 @@ class RankFailure:
 def torchrun_command(rank_argv: Sequence[str | os.PathLike[str]], nproc: int, *, rendezvous: Rendezvous | None = None,
                      max_restarts: int = 0) -> list[str]:
     """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine:
-    torchrun (``python -m torch.distributed.run``, torch's public launcher), each rank a Python of its own. With a
+    torchrun's options and elastic agent, each rank forked from one process that imported torch once
+    (:mod:`fxpipe.cli.launch`). With a
     multi-node ``rendezvous`` they join the other nodes' ranks in one world. With ``max_restarts``, torchrun's
     elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()

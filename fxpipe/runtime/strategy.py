@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -571,6 +572,8 @@ class StrategyRuntime:
         self.timeout = timeout
         self.bucket_layers = bucket_layers  # sync: one gradient buffer per group over all layers (DDP's buckets)
         self.counter: CollectiveCounter | None = None
+        # The last collectives waited for: gloo's worker thread must never free their tensors (PipelineRuntime._keep).
+        self.settled: deque[Any] = deque(maxlen=64)
         self.pp = len(stages) + 1
         self.pipeline = self._pipeline_mesh(mesh)
         if self.pipeline is None:
@@ -894,8 +897,14 @@ class StrategyRuntime:
         for p in self.parameters():
             if p.grad is not None:
                 square += float(torch.linalg.vector_norm(p.grad).full_tensor()) ** 2
-        dist.all_reduce(square)
+        self._all_reduce(square)
         return math.sqrt(float(square) / group_size)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the world and keep the work (:attr:`settled`)."""
+        work = dist.all_reduce(tensor, async_op=True)
+        work.wait()
+        self.settled.append(work)
 
     @contextlib.contextmanager
     def count(self) -> Iterator[CollectiveCounter]:
@@ -1088,7 +1097,7 @@ class StrategyRuntime:
             before_step()
         optimizer.step()
         with _at(self.counter, "(loss value)"):
-            dist.all_reduce(total)  # every rank of the last stage holds its own slice: the shares sum to the mean
+            self._all_reduce(total)  # every rank of the last stage holds its own slice: the shares sum to the mean
         return float(total)
 
     def sync(self) -> None:
@@ -1121,6 +1130,7 @@ class StrategyRuntime:
         for grads, locals_, flat, works in pending:
             for w in works:
                 w.wait()
+            self.settled.extend(works)
             offset = 0
             for (p, _), t in zip(grads, locals_):
                 piece = flat[offset:offset + t.numel()].view_as(t)

@@ -1,4 +1,4 @@
-"""``fxpipe run``: ranks started by torch.distributed.run train the plan like one process; failures name the rank."""
+"""``fxpipe run``: ranks started by torch's elastic agent train the plan like one process; failures name the rank."""
 
 from __future__ import annotations
 
