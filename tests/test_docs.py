@@ -252,7 +252,7 @@ def test_the_recipe_trains_a_hugging_face_plan_like_one_process(make, tmp_path: 
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-MAX_LINES = {ARCHITECTURE: 550, RESULTS: 850}  # issue 63: about 500 and about 800, with some room
+MAX_LINES = {ARCHITECTURE: 550, RESULTS: 820}  # issue 63: about 500 and about 800, with some room
 _MONTH = (r"(Jan(uary)?|Feb(ruary)?|Mar(ch)?|Apr(il)?|May|June?|July?|Aug(ust)?|Sep(t(ember)?)?|Oct(ober)?|"
           r"Nov(ember)?|Dec(ember)?)\b\.?")
 DATE = re.compile(rf"\b(19|20)\d\d-(0[1-9]|1[0-2])\b|\b{_MONTH}\s+\d{{1,2}}\b|\b\d{{1,2}}\s+{_MONTH}\b"
