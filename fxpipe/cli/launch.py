@@ -66,8 +66,6 @@ def warm(rank_argv: list[str]) -> None:
 def _libraries(rank_argv: list[str]) -> list[str]:
     """The installed libraries the ranks of this run will import: transformers (and its output types) when the
     plan's manifest names them. Any file that cannot be read: none (each rank reports its own error)."""
-    from pathlib import Path
-
     from fxpipe.cli.rank import rank_args
 
     try:
@@ -78,6 +76,21 @@ def _libraries(rank_argv: list[str]) -> list[str]:
     return ["transformers", "transformers.modeling_outputs"] if named else []
 
 
+def _children() -> set[int]:
+    """This process's children: the main thread's (which forks the ranks), from ``/proc`` (one small file), else
+    from ``psutil`` (a scan of every process)."""
+    me = os.getpid()
+    try:
+        return {int(pid) for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split()}
+    except OSError:
+        import psutil  # type: ignore[import-untyped]  # psutil ships no type information
+
+        try:
+            return {child.pid for child in psutil.Process(me).children()}
+        except psutil.Error:
+            return set()
+
+
 class Exits:
     """Each rank process's exit as this process (their parent) sees it: a thread per child blocks in ``waitid``
     with ``WNOWAIT``, which reports the exit and leaves the child for torch's agent to reap."""
@@ -86,21 +99,19 @@ class Exits:
         self.out_dir = out_dir
         self.codes: dict[int, int] = {}  # pid -> exit code (-N: signal N)
         self._seen: set[int] = set()
+        self._done = threading.Event()
         threading.Thread(target=self._follow, args=(every,), name="fxpipe-rank-exits", daemon=True).start()
 
-    def _follow(self, every: float) -> None:
-        import psutil  # type: ignore[import-untyped]  # psutil ships no type information
+    def close(self) -> None:
+        """Stop looking for new children (those seen are still waited for)."""
+        self._done.set()
 
-        me = psutil.Process()
-        while True:
-            try:
-                children = {c.pid for c in me.children()}
-            except psutil.Error:
-                children = set()
-            for pid in children - self._seen:
+    def _follow(self, every: float) -> None:
+        while not self._done.is_set():
+            for pid in _children() - self._seen:
                 self._seen.add(pid)
                 threading.Thread(target=self._wait, args=(pid,), name=f"fxpipe-exit-{pid}", daemon=True).start()
-            time.sleep(every)
+            self._done.wait(every)
 
     def _wait(self, pid: int) -> None:
         try:

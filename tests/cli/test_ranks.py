@@ -334,3 +334,29 @@ def test_a_rank_s_warnings_and_fxpipe_s_logged_notes_reach_the_launcher(tmp_path
         logger.handlers = []
     assert rank_warnings(tmp_path) == ["UserWarning: the user's data is short (ranks 0, 1)",
                                        "Warning: W runs per microbatch (ranks 0, 1)"]
+
+
+def test_the_launcher_reads_a_killed_ranks_exit_and_leaves_it_to_be_reaped(tmp_path: Path) -> None:
+    """torch's failure summary names only the first failed rank: ``fxpipe.cli.launch`` reads each child's exit itself
+    (``waitid`` with ``WNOWAIT``) and prints it in that summary's format, so a SIGKILLed rank is still named as
+    killed; the child stays for its real parent's ``wait`` (torch's agent)."""
+    from fxpipe.cli.launch import Exits
+
+    exits = Exits(tmp_path, every=0.01)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (tmp_path / "rank1.pid").write_text(str(child.pid))
+        deadline = time.monotonic() + 60
+        while child.pid not in exits._seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        child.kill()
+        while child.pid not in exits.codes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert exits.codes.get(child.pid) == -signal.SIGKILL
+    finally:
+        exits.close()
+        child.kill()
+        assert child.wait(timeout=60) == -signal.SIGKILL  # not reaped by the watcher
+    assert died_ranks(exits.summary(), reported=()) == [
+        DiedRank(1, "killed by signal 9, SIGKILL: often the out-of-memory killer", False)]
+    assert died_ranks(exits.summary(), reported={1}) == []
