@@ -31,11 +31,13 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
-# The longest groups first (from --durations; longest-first keeps one worker from finishing alone on a long module).
-_LONGEST = ("dist", "tests/test_docs.py", "tests/cli/test_run_cli.py", "tests/cli/test_run_strategy.py", "dp",
-            "tests/cli/test_signals.py", "tests/calibration/test_compute.py", "tests/cli/test_run_restart.py",
-            "tests/runtime/test_strategy_runtime.py", "tests/cli/test_run_data.py", "tests/runtime/test_faults.py",
-            "tests/runtime/test_pair_order.py", "tests/test_backend_inductor.py")
+# The longest groups first (their summed test times in a clean-clone run: test_run_hf_archs.py 144 s down to
+# test_strategy_runtime.py 27 s); longest-first keeps one worker from finishing alone on a long module.
+_LONGEST = ("tests/cli/test_run_hf_archs.py", "tests/test_docs.py", "tests/cli/test_run_restart.py",
+            "tests/cli/test_run_cli.py", "tests/cli/test_signals.py", "dp", "tests/cli/test_run_strategy.py",
+            "tests/runtime/test_codegen.py", "dist", "tests/runtime/test_schedules_eager.py",
+            "tests/cli/test_run_hf_data.py", "tests/cli/test_run_data.py", "tests/test_backend_inductor.py",
+            "tests/cli/test_run_hf.py", "tests/runtime/test_strategy_runtime.py")
 
 
 def _group(nodeid: str) -> str:

@@ -46,9 +46,10 @@ def test_freed_memory_is_reused_without_faulting_its_pages_again() -> None:
     kept, default = _probe("1"), _probe("0")
     assert kept["kept"] is True and default["kept"] is False
     pages = 9437184 // 4096  # the gradient's
-    # glibc's defaults: its pages (and the scratch space's) are returned to the kernel at each free and faulted in
-    # again at the next call (4,600 faults per call here)
-    assert all(f >= pages for f in default["faults"][2:]), default
+    # glibc's defaults: its pages (and the scratch space's) are returned to the kernel at a free and faulted in again
+    # at the next call (4,600 faults per call here); not at every free: its dynamic thresholds, and whatever else sits
+    # at the heap's top, can keep them for a call (once in the suite, the sixth call faulted none)
+    assert sum(f >= pages for f in default["faults"][2:]) >= 2, default
     # kept: from the third call on (the second may still grow the heap: an aligned allocation does not fit the
     # exactly-sized block the first one freed), the same memory comes back with its pages in place
     assert all(f < pages // 20 for f in kept["faults"][2:]), kept
