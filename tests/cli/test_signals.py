@@ -122,8 +122,11 @@ def test_a_signal_at_any_moment_stops_the_run_cleanly(plan: Path, tmp_path: Path
     cleanup), with no traceback nor C++ terminate, no process of the run left and no temporary file."""
     proc = start_run(plan, tmp_path)
     try:
-        if when == "importing torch":
-            time.sleep(0.5)
+        if when == "importing torch":  # torch's libraries mapped: past Python's own start-up, whatever the load
+            deadline = time.monotonic() + 120
+            while not _maps_torch(proc.pid) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.005)
         elif when == "torchrun starting":  # the instant a child appears: torchrun, before its ranks
             deadline = time.monotonic() + 120
             while not run_processes(proc.pid, tmp_path) - {proc.pid} and time.monotonic() < deadline:
@@ -140,6 +143,15 @@ def test_a_signal_at_any_moment_stops_the_run_cleanly(plan: Path, tmp_path: Path
         assert list(tmp_path.iterdir()) == []
     finally:
         kill_run(proc, tmp_path)
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's C++ library (it is inside ``import torch``, or past it). A signal
+    sent earlier, while CPython itself starts, is CPython's to handle (a fatal error in ``init_sys_streams``)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
 
 
 def test_killing_the_launcher_takes_its_ranks_down(plan: Path, tmp_path: Path) -> None:
