@@ -22,8 +22,6 @@ import time
 import uuid
 from pathlib import Path
 
-RANK_MODULE = "fxpipe.cli.rank"
-
 
 def _rank(*argv: str) -> None:
     """One rank, in the forked process: the signals as a new Python has them (the agent's handlers, which turn
@@ -134,9 +132,12 @@ class Exits:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """torchrun's options in, the ranks of ``-m fxpipe.cli.rank`` forked out; torch's exit and summary."""
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
+
+    from fxpipe.cli.ranks import RANK_MODULE
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not args.module or args.training_script != RANK_MODULE:

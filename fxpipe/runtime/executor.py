@@ -1023,8 +1023,8 @@ class PipelineRuntime:
         """Hold a finished collective's work (and so its tensors) while 63 more finish. Gloo's worker thread lets go
         of a work just after ``wait`` returns; were that the last reference, the thread would free the tensors and
         take the GIL to do it, and at the end of a script it can find the interpreter finalizing: the process
-        aborts ("terminate called without an active exception"; once in CI, at the end of
-        examples/train_pipeline_dp.py). Held here, they are freed by this thread, with the runtime."""
+        aborts ("terminate called without an active exception"). Held here, they are freed by this thread, with
+        the runtime."""
         self.settled.append(work)
 
     def _peer_down(self, exc: Exception, peers: Sequence[int], waited: str) -> RankFailedError:
