@@ -42,7 +42,6 @@ def warm(rank_argv: list[str]) -> None:
     outputs are its types (a Hugging Face model's). Nothing a user's file names: a rank imports that itself."""
     import importlib
 
-    import torch
     import torch.distributed  # noqa: F401
     import torch.optim  # noqa: F401
 
@@ -53,7 +52,6 @@ def warm(rank_argv: list[str]) -> None:
     from fxpipe._compat import load_dynamo
 
     load_dynamo()
-    del torch
     for module in _libraries(rank_argv):
         try:
             importlib.import_module(module)

@@ -126,9 +126,8 @@ def torchrun_command(rank_argv: Sequence[str | os.PathLike[str]], nproc: int, *,
                      max_restarts: int = 0) -> list[str]:
     """The command line that starts ``nproc`` ranks of :data:`RANK_MODULE` (given ``rank_argv``) on this machine:
     torchrun's options and elastic agent, each rank forked from one process that imported torch once
-    (:mod:`fxpipe.cli.launch`). With a
-    multi-node ``rendezvous`` they join the other nodes' ranks in one world. With ``max_restarts``, torchrun's
-    elastic agent restarts every rank when one fails, that many times at most."""
+    (:mod:`fxpipe.cli.launch`). With a multi-node ``rendezvous`` they join the other nodes' ranks in one world.
+    With ``max_restarts``, torchrun's elastic agent restarts every rank when one fails, that many times at most."""
     meet = (rendezvous or Rendezvous()).torchrun_args()
     restart = [f"--max-restarts={max_restarts}"] if max_restarts else []
     return [sys.executable, "-m", LAUNCH_MODULE, *meet, *restart, f"--nproc-per-node={nproc}",
